@@ -1,0 +1,112 @@
+"""Overhead of mixprec's Policy over a plain torch.amp training loop.
+
+A plain autocast (+ GradScaler for fp16) loop and the same loop through mixprec train
+4 x Linear(1024) at batch 64 on the CPU. Rounds are interleaved (plain, mixprec, plain, ...)
+so machine drift hits both alike; the figure is the median of the per-round time ratios.
+Target: mixprec / plain <= 1.02.
+
+    python benchmarks/overhead.py [--rounds 15] [--steps 20] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+
+import torch
+from torch import nn
+from torch.utils import benchmark
+
+import mixprec
+import mixprec.environment
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(4)])
+
+
+def plain_step_fn(model: nn.Module, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=dtype):
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def mixprec_step_fn(model: nn.Module, policy_name: str, x: torch.Tensor, y: torch.Tensor):
+    policy = mixprec.get_policy(policy_name, device="cpu")
+    model = policy.prepare(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def step() -> None:
+        with policy.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        policy.backward(loss)
+        policy.step(opt)
+        opt.zero_grad(set_to_none=True)
+
+    return step, policy
+
+
+def measure(policy_name: str, rounds: int, steps: int) -> dict[str, object]:
+    dtype = torch.float16 if policy_name.startswith("fp16") else torch.bfloat16
+    x, y = torch.randn(64, 1024), torch.randn(64, 1024)
+    base = make_model()
+    plain = plain_step_fn(copy.deepcopy(base), dtype, x, y)
+    ours, policy = mixprec_step_fn(copy.deepcopy(base), policy_name, x, y)
+    with policy.precision_scope():  # both loops run under the same (strict) fp32 math state
+        for fn in (plain, ours):  # warm-up
+            for _ in range(3):
+                fn()
+        plain_t, ours_t = [], []
+        for _ in range(rounds):
+            plain_t.append(benchmark.Timer("f()", globals={"f": plain}).timeit(steps).median)
+            ours_t.append(benchmark.Timer("f()", globals={"f": ours}).timeit(steps).median)
+    ratios = [o / p for o, p in zip(ours_t, plain_t, strict=True)]
+    return {
+        "policy": policy_name,
+        "plain_step_ms": statistics.median(plain_t) * 1e3,
+        "mixprec_step_ms": statistics.median(ours_t) * 1e3,
+        "median_ratio": statistics.median(ratios),
+        "rounds": rounds,
+        "steps_per_round": steps,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--policies", default="bf16-mixed,fp16-mixed")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    results = [measure(name, args.rounds, args.steps) for name in args.policies.split(",")]
+    for r in results:
+        print(
+            f"{r['policy']:>11}: plain {r['plain_step_ms']:.2f} ms/step, mixprec {r['mixprec_step_ms']:.2f} "
+            f"ms/step, median ratio mixprec/plain = {r['median_ratio']:.4f}"
+        )
+    if args.json:
+        env = mixprec.environment.collect("cpu")
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"benchmark": "overhead", "env": env, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Command-line interface: the only layer that prints or exits.
+
+Errors become one line on stderr and an exit code (2 usage, 3 unsupported, 4 numerics
+failed); ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from mixprec.cli import bench, demo, env
+from mixprec.errors import MixprecError
+
+SUBCOMMANDS = (env, demo, bench)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's usage errors: one line, exit 2
+        self.exit(2, f"mixprec: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mixprec import __version__
+
+    parser = _Parser(
+        prog="mixprec", description="Mixed precision for PyTorch training: apply, measure, verify."
+    )
+    parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for module in SUBCOMMANDS:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Piped output (CI logs, files) gets a wide fixed width instead of rich's 80 columns.
+    stdout = Console()
+    if not stdout.is_terminal:
+        stdout = Console(width=140)
+    stderr = Console(stderr=True)
+    try:
+        return int(args.run(args, stdout, stderr) or 0)
+    except MixprecError as exc:
+        if args.debug:
+            raise
+        print(f"mixprec: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("mixprec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""`mixprec env`: a copy-pasteable report of versions, capabilities and precision state."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from mixprec import environment
+from mixprec.report.console import env_report
+from mixprec.report.jsonio import write_json
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("env", help="versions, device capabilities, precision state, supported policies")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    env = environment.collect(args.device, full=True)
+    policies = environment.policy_support_table(args.device)
+    out.print(env_report(env, policies))
+    if args.json:
+        path = write_json(args.json, "env", env, {"policies": policies})
+        err.print(f"wrote {path}")
+    return 0

@@ -1,0 +1,46 @@
+"""Exception hierarchy. Every message repeats the bad value, lists the valid ones and names the fix."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class MixprecError(Exception):
+    """Base class of every error mixprec raises on purpose."""
+
+    exit_code = 1
+
+
+class PolicyError(MixprecError, ValueError):
+    """A policy name or option is invalid, or a policy is used the wrong way."""
+
+    exit_code = 2
+
+
+class UsageError(MixprecError, ValueError):
+    """Bad command-line or API input that is not about a policy (paths, sizes, flags)."""
+
+    exit_code = 2
+
+
+class UnsupportedError(MixprecError):
+    """The requested policy cannot run on this device."""
+
+    exit_code = 3
+
+
+class ScaleCollapseError(MixprecError, FloatingPointError):
+    """fp16 gradients keep overflowing although the loss scale already sits at its floor."""
+
+    exit_code = 4
+
+    def __init__(self, message: str, parameters: list[str]) -> None:
+        super().__init__(message)
+        self.parameters = parameters
+
+
+def did_you_mean(value: str, valid: Iterable[str]) -> str:
+    """' Did you mean 'x'?' when a close match exists, else ''."""
+    matches = difflib.get_close_matches(value, list(valid), n=1, cutoff=0.5)
+    return f" Did you mean '{matches[0]}'?" if matches else ""

@@ -1,0 +1,449 @@
+"""The Policy object: applies one precision policy to a training loop."""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec import state
+from mixprec.errors import PolicyError, UnsupportedError, did_you_mean
+from mixprec.hardware.device import DeviceInfo, detect, resolve_device
+from mixprec.policy.registry import POLICIES, PolicySpec, Support, canonical_name, check_support
+from mixprec.policy.scaler import (
+    ScalerOptions,
+    StepStats,
+    _GradScaler,
+    check_scale_collapse,
+    nonfinite_parameter_names,
+)
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Everything that defines a policy instance; serialisable, comparable, hashable."""
+
+    name: str
+    device: str
+    channels_last: bool = False
+    keep_fp32: tuple[str, ...] = ()
+    finite_check: bool = False
+    scaler: ScalerOptions | None = None
+
+    @property
+    def spec(self) -> PolicySpec:
+        return POLICIES[self.name]
+
+    @property
+    def label(self) -> str:
+        """Human label used in tables: 'bf16-mixed+cl' for channels_last."""
+        return self.name + ("+cl" if self.channels_last else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "device": self.device,
+            "channels_last": self.channels_last,
+            "keep_fp32": list(self.keep_fp32),
+            "finite_check": self.finite_check,
+            "scaler": None if self.scaler is None else vars(self.scaler).copy(),
+        }
+
+
+def _as_optimizers(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> list:
+    opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+    if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
+        raise PolicyError(f"step() takes a torch.optim.Optimizer or a list of them, got {optimizers!r}.")
+    return opts
+
+
+def _grads_by_device_and_dtype(params: Iterable[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    return groups
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _to_channels_last(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 4 and value.is_floating_point():
+            return value.contiguous(memory_format=torch.channels_last)
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_channels_last(v) for v in value)
+    return value
+
+
+class Policy:
+    """A precision policy bound to one device. Build it with :func:`mixprec.get_policy`.
+
+    One Policy serves one training loop (one model, one or several optimizers stepped
+    together). A policy that needs nothing for a hook does nothing there.
+    """
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+        self.spec = config.spec
+        self.device = torch.device(config.device)
+        self._scaler: _GradScaler | None = None
+        if self.spec.loss_scaling:
+            self._scaler = _GradScaler(
+                self.device.type,
+                config.scaler or ScalerOptions(),
+                allow_fp16_grads=self.spec.param_dtype is not None,
+            )
+        self.stats = StepStats()
+        self._param_names: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ description
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls and convolutions run in (fp32 for fp32/tf32/bf32)."""
+        return self.spec.low_precision_dtype or torch.float32
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return self._scaler
+
+    def check_support(self, info: DeviceInfo | None = None) -> Support:
+        """Supported / reason / suggestion for this policy on its device; never raises."""
+        return check_support(self.name, info or detect(self.device))
+
+    def __repr__(self) -> str:
+        return f"Policy({self.config.label!r}, device={self.config.device!r})"
+
+    # ------------------------------------------------------------------ model
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Move ``model`` to the device and apply casts, channels_last and fp32 islands, in place."""
+        if not isinstance(model, nn.Module):
+            raise PolicyError(
+                f"prepare() takes a torch.nn.Module, got {type(model).__name__}; "
+                "pass the model itself (not its parameters or state_dict)."
+            )
+        if self.spec.param_dtype is None:
+            half = [n for n, p in model.named_parameters() if p.dtype in _HALF_DTYPES]
+            if half:
+                raise PolicyError(
+                    f"Policy {self.name!r} keeps fp32 master weights but parameter {half[0]!r} is "
+                    f"{dict(model.named_parameters())[half[0]].dtype} ({len(half)} half-precision "
+                    "parameters in all); call model.float() first, or use a *-true policy."
+                )
+        islands = self._keep_fp32_modules(model)
+        model.to(self.device)
+        if self.spec.param_dtype is not None:
+            model.to(self.spec.param_dtype)
+            for module in islands.values():
+                module.float()
+        if self.config.channels_last:
+            model.to(memory_format=torch.channels_last)
+        for module in islands.values():
+            self._wrap_fp32_island(module)
+        if self.spec.param_dtype is not None or self.config.channels_last:
+            model.register_forward_pre_hook(self._convert_inputs, with_kwargs=True)
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
+        return model
+
+    def _keep_fp32_modules(self, model: nn.Module) -> dict[str, nn.Module]:
+        named = dict(model.named_modules())
+        found: dict[str, nn.Module] = {}
+        for pattern in self.config.keep_fp32:
+            hits = {n: m for n, m in named.items() if n and fnmatch.fnmatchcase(n, pattern)}
+            if not hits:
+                some = ", ".join(n for n in list(named)[1:9])
+                raise PolicyError(
+                    f"keep_fp32 pattern {pattern!r} matches no module of {type(model).__name__}; "
+                    f"module names look like: {some}, ...{did_you_mean(pattern, [n for n in named if n])}"
+                )
+            found.update(hits)
+        # Nested matches: wrapping the outer module is enough, and wrapping twice is harmless.
+        return found
+
+    def _convert_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.spec.param_dtype is not None:
+            args, kwargs = (
+                _cast_floating(args, self.spec.param_dtype),
+                _cast_floating(kwargs, self.spec.param_dtype),
+            )
+        if self.config.channels_last:
+            args = _to_channels_last(args)
+        return args, kwargs
+
+    def _wrap_fp32_island(self, module: nn.Module) -> None:
+        """Run ``module`` outside autocast with fp32 inputs (and cast back for *-true models)."""
+        if getattr(module, "_mixprec_fp32_island", False):
+            return
+        forward = module.forward
+        device_type = self.device.type
+        back_to = self.spec.param_dtype
+
+        @functools.wraps(forward)
+        def fp32_forward(*args: Any, **kwargs: Any) -> Any:
+            with torch.autocast(device_type, enabled=False):
+                out = forward(*_cast_floating(args, torch.float32), **_cast_floating(kwargs, torch.float32))
+            return _cast_floating(out, back_to) if back_to is not None else out
+
+        module.forward = fp32_forward  # type: ignore[method-assign]
+        module._mixprec_fp32_island = True  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ contexts
+    def precision_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Set the fp32 math mode (TF32 / bf32 / strict) for the body; restored on exit and on errors."""
+        return state.precision_settings(self.spec.precision)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast for *-mixed, the half default dtype for *-true, nothing for fp32-storage policies."""
+        if self.spec.autocast_dtype is not None:
+            return torch.autocast(self.device.type, dtype=self.spec.autocast_dtype)
+        if self.spec.param_dtype is not None:
+            return _default_dtype(self.spec.param_dtype)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ training step
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, scaled when this policy uses loss scaling."""
+        if self._scaler is not None:
+            self._scaler.scale(loss).backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        *,
+        clip_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
+    ) -> bool:
+        """Unscale -> (skip if non-finite) -> clip -> step -> update the scale.
+
+        Returns True when every optimizer stepped, False when the step was skipped because
+        gradients were non-finite; skip the LR scheduler step too when it returns False.
+        Several optimizers are stepped together and share one scale update, like GradScaler.
+
+        Returning a bool needs the host to know whether gradients were finite: for
+        non-fused optimizers GradScaler reads exactly that on the host anyway, so no
+        synchronisation is added; for fused optimizers on CUDA this costs one.
+        """
+        opts = _as_optimizers(optimizer)
+        for name, value in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+            ):
+                raise PolicyError(f"{name} must be a number > 0 or None, got {value!r}.")
+        params = [p for o in opts for g in o.param_groups for p in g["params"]]
+
+        found_per_opt = self._find_nonfinite(opts, params)
+        found_host = [bool(f) for f in found_per_opt]  # the one host read per step
+        skipped = any(found_host)
+        if skipped:
+            self.stats.last_nonfinite_params = nonfinite_parameter_names(params, self._param_names)
+        # Clip only what will be stepped: a non-finite gradient would turn the shared norm into
+        # NaN and wipe out the update of the optimizers whose gradients are fine.
+        stepping = [
+            p
+            for o, found in zip(opts, found_host, strict=True)
+            if not found
+            for g in o.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        ]
+        if stepping and clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(stepping, clip_grad_norm)
+        if stepping and clip_grad_value is not None:
+            torch.nn.utils.clip_grad_value_(stepping, clip_grad_value)
+
+        scale_before = None
+        if self._scaler is not None:
+            if skipped and self.config.scaler and self.config.scaler.min_scale is not None:
+                scale_before = self._scaler.get_scale()
+            for o in opts:
+                self._scaler.step(o)
+            self._scaler.update()
+            if self.config.scaler is not None and self.config.scaler.min_scale is not None:
+                self._scaler._scale.clamp_(min=self.config.scaler.min_scale)  # type: ignore[union-attr]
+            self.stats.record_scale(self.stats.steps, self._scaler._scale)  # type: ignore[arg-type]
+        else:
+            for o, found in zip(opts, found_host, strict=True):
+                if not found:
+                    o.step()
+
+        self.stats.steps += 1
+        if skipped:
+            self.stats.skipped_steps += 1
+            self.stats.last_skipped_step = self.stats.steps - 1
+            if scale_before is not None:
+                check_scale_collapse(self.stats, self.config.scaler, scale_before)  # type: ignore[arg-type]
+        else:
+            self.stats.skips_at_min_scale = 0
+        return not skipped
+
+    def _find_nonfinite(self, opts: list, params: list) -> list[torch.Tensor | bool]:
+        """Per optimizer: a device tensor (or False) telling whether its gradients are non-finite."""
+        if self._scaler is not None:
+            found = []
+            for o in opts:
+                self._scaler.unscale_(o)
+                found.append(self._scaler.found_inf(o))
+            return found
+        if not self.config.finite_check:
+            return [False] * len(opts)
+        found = []
+        for o in opts:
+            flag = torch.zeros((), dtype=torch.float32, device=self.device)
+            opt_params = [p for g in o.param_groups for p in g["params"]]
+            for (device, _), grads in _grads_by_device_and_dtype(opt_params).items():
+                flag += _nonfinite_flag(grads, device).to(self.device)
+            found.append(flag)
+        return found
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.config.to_dict(),
+            "scaler": self._scaler.state_dict() if self._scaler is not None else None,
+            "stats": self.stats.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("policy", {}).get("name")
+        if saved != self.name:
+            raise PolicyError(
+                f"Checkpoint was written by policy {saved!r}, this policy is {self.name!r}; "
+                f"build the policy with get_policy({saved!r}) to resume it."
+            )
+        if self._scaler is not None and state_dict.get("scaler"):
+            self._scaler.load_state_dict(state_dict["scaler"])
+        self.stats.load_state_dict(state_dict["stats"])
+
+
+def _nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """0-d float tensor on ``device``: > 0 when any gradient holds inf/NaN. No host sync."""
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    if grads[0].dtype in (torch.float32, torch.float16):
+        # The fused check GradScaler uses, with an inverse scale of exactly 1 (x * 1.0 == x).
+        one = torch.ones((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, one)
+        return flag
+    # bf16 gradients (bf16-true): the fused kernel only takes fp32/fp16.
+    return torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any().float()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+_SCALER_OPTION_NAMES = (
+    "init_scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "min_scale",
+    "max_skips_at_min_scale",
+)
+_OPTION_NAMES = ("channels_last", "keep_fp32", "finite_check", *_SCALER_OPTION_NAMES)
+
+
+def get_policy(
+    name: str,
+    *,
+    device: str | torch.device | None = None,
+    check: bool = True,
+    **options: Any,
+) -> Policy:
+    """Build a :class:`Policy` by name (or alias) for ``device`` (default: CUDA if available, else CPU).
+
+    Options: ``channels_last``, ``keep_fp32`` (module-name glob patterns run outside autocast
+    in fp32), ``finite_check`` (skip steps with non-finite gradients on policies without a
+    scaler) and, for fp16 policies, ``init_scale, growth_factor, backoff_factor,
+    growth_interval, min_scale, max_skips_at_min_scale``. Raises :class:`UnsupportedError`
+    when the policy cannot run on the device (``check=False`` builds it anyway).
+    """
+    canonical = canonical_name(name)
+    spec = POLICIES[canonical]
+    dev = resolve_device(device)
+    unknown = sorted(set(options) - set(_OPTION_NAMES))
+    if unknown:
+        raise PolicyError(
+            f"Unknown policy option {unknown[0]!r}; valid: {', '.join(_OPTION_NAMES)}."
+            f"{did_you_mean(unknown[0], _OPTION_NAMES)}"
+        )
+    scaler_given = {k: options[k] for k in _SCALER_OPTION_NAMES if k in options}
+    if scaler_given and not spec.loss_scaling:
+        raise PolicyError(
+            f"Loss-scaler option(s) {', '.join(scaler_given)} given for {canonical!r}, which does "
+            "not scale the loss; they apply to fp16-mixed and fp16-true only."
+        )
+    scaler = None
+    if spec.loss_scaling:
+        scaler = replace(ScalerOptions(), **scaler_given)
+        scaler.validate()
+    keep = options.get("keep_fp32", ())
+    if isinstance(keep, str):
+        keep = (keep,)
+    if not all(isinstance(p, str) and p for p in keep):
+        raise PolicyError(f"keep_fp32 must be a list of module-name patterns (strings), got {keep!r}.")
+    if keep and canonical in ("fp32", "tf32", "bf32"):
+        raise PolicyError(
+            f"keep_fp32 has no effect under {canonical!r}, which already stores and computes in "
+            "fp32; it applies to the *-mixed and *-true policies."
+        )
+    for flag in ("channels_last", "finite_check"):
+        if not isinstance(options.get(flag, False), bool):
+            raise PolicyError(f"{flag} must be True or False, got {options[flag]!r}.")
+    config = PolicyConfig(
+        name=canonical,
+        device=str(dev),
+        channels_last=options.get("channels_last", False),
+        keep_fp32=tuple(keep),
+        finite_check=options.get("finite_check", False),
+        scaler=scaler,
+    )
+    policy = Policy(config)
+    if check:
+        support = policy.check_support()
+        if not support:
+            hint = f"; try {support.suggestion}" if support.suggestion else ""
+            raise UnsupportedError(f"Policy {canonical!r} is not supported on {dev}: {support.reason}{hint}.")
+    return policy
+
+
+def policy_from_config(config: PolicyConfig | dict[str, Any]) -> Policy:
+    """Rebuild a policy from :meth:`PolicyConfig.to_dict` output (e.g. read back from JSON)."""
+    if isinstance(config, PolicyConfig):
+        config = config.to_dict()
+    options: dict[str, Any] = {
+        "channels_last": config.get("channels_last", False),
+        "keep_fp32": list(config.get("keep_fp32", [])),
+        "finite_check": config.get("finite_check", False),
+    }
+    if config.get("scaler"):
+        options.update(config["scaler"])
+    return get_policy(config["name"], device=config["device"], **options)

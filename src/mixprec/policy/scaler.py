@@ -1,0 +1,174 @@
+"""Dynamic loss scaling: torch.amp.GradScaler's arithmetic, plus the accounting it lacks.
+
+The scale arithmetic is GradScaler's own (we subclass it), so a loop through mixprec leaves
+bitwise the same weights and scale as a loop written with GradScaler directly. On top:
+skip statistics, a bounded scale history, the names of the parameters that overflowed, and a
+``min_scale`` floor that raises :class:`ScaleCollapseError` instead of skipping forever.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from mixprec.errors import PolicyError, ScaleCollapseError
+
+
+@dataclass(frozen=True)
+class ScalerOptions:
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    # GradScaler lets the scale fall towards 0; below 1 fp16 gradients only lose range.
+    min_scale: float | None = 1.0
+    # Consecutive overflowing steps at the floor before we call the scale collapsed.
+    max_skips_at_min_scale: int = 3
+
+    def validate(self) -> None:
+        def bad(option: str, value: object, rule: str) -> PolicyError:
+            return PolicyError(f"Invalid loss-scaler option {option}={value!r}: {rule}.")
+
+        if not (
+            isinstance(self.init_scale, (int, float))
+            and math.isfinite(self.init_scale)
+            and self.init_scale > 0
+        ):
+            raise bad("init_scale", self.init_scale, "must be a finite number > 0, e.g. 65536.0")
+        if not (isinstance(self.growth_factor, (int, float)) and self.growth_factor > 1.0):
+            raise bad("growth_factor", self.growth_factor, "must be > 1.0, e.g. 2.0")
+        if not (isinstance(self.backoff_factor, (int, float)) and 0.0 < self.backoff_factor < 1.0):
+            raise bad("backoff_factor", self.backoff_factor, "must be in (0, 1), e.g. 0.5")
+        if not (
+            isinstance(self.growth_interval, int)
+            and not isinstance(self.growth_interval, bool)
+            and self.growth_interval >= 1
+        ):
+            raise bad("growth_interval", self.growth_interval, "must be an integer >= 1, e.g. 2000")
+        if self.min_scale is not None and not (
+            isinstance(self.min_scale, (int, float)) and 0 < self.min_scale <= self.init_scale
+        ):
+            raise bad(
+                "min_scale", self.min_scale, f"must be None or a number in (0, init_scale={self.init_scale}]"
+            )
+        if not (isinstance(self.max_skips_at_min_scale, int) and self.max_skips_at_min_scale >= 1):
+            raise bad("max_skips_at_min_scale", self.max_skips_at_min_scale, "must be an integer >= 1")
+
+
+class _GradScaler(torch.amp.GradScaler):
+    """GradScaler that may unscale fp16 gradients (fp16-true keeps fp16 parameters)."""
+
+    def __init__(self, device: str, options: ScalerOptions, allow_fp16_grads: bool) -> None:
+        super().__init__(
+            device,
+            init_scale=options.init_scale,
+            growth_factor=options.growth_factor,
+            backoff_factor=options.backoff_factor,
+            growth_interval=options.growth_interval,
+        )
+        self._allow_fp16_grads = allow_fp16_grads
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[override]
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self._allow_fp16_grads)
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """Device tensor > 0 when ``optimizer``'s gradients had inf/NaN (after ``unscale_``)."""
+        per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        return sum(v.to(self._scale.device, non_blocking=True) for v in per_device.values())  # type: ignore[union-attr,return-value]
+
+
+@dataclass
+class StepStats:
+    """Counters of a Policy. Host integers only change on ``step()``; the scale is read lazily."""
+
+    history_len: int = 1000
+    steps: int = 0
+    skipped_steps: int = 0
+    last_skipped_step: int | None = None
+    last_nonfinite_params: list[str] = field(default_factory=list)
+    skips_at_min_scale: int = 0  # consecutive
+    _scale_history: deque = field(default_factory=deque, repr=False)
+    _scale_source: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._scale_history = deque(self._scale_history, maxlen=self.history_len)
+
+    def record_scale(self, step: int, scale: torch.Tensor) -> None:
+        # A device-side copy: no host-device synchronisation until someone reads the history.
+        self._scale_history.append((step, scale.detach().clone()))
+
+    @property
+    def scale(self) -> float | None:
+        return None if not self._scale_history else float(self._scale_history[-1][1])
+
+    @property
+    def scale_history(self) -> list[tuple[int, float]]:
+        """(step, scale after that step's update), oldest first, at most ``history_len`` entries."""
+        return [(s, float(t)) for s, t in self._scale_history]
+
+    @property
+    def skip_rate(self) -> float:
+        return self.skipped_steps / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "skip_rate": self.skip_rate,
+            "scale": self.scale,
+            "last_skipped_step": self.last_skipped_step,
+            "last_nonfinite_params": list(self.last_nonfinite_params),
+            "skips_at_min_scale": self.skips_at_min_scale,
+            "scale_history": self.scale_history,
+        }
+
+    def state_dict(self) -> dict[str, object]:
+        return {
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "last_skipped_step": self.last_skipped_step,
+            "last_nonfinite_params": list(self.last_nonfinite_params),
+            "skips_at_min_scale": self.skips_at_min_scale,
+            "scale_history": self.scale_history,
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.steps = int(state["steps"])  # type: ignore[arg-type]
+        self.skipped_steps = int(state["skipped_steps"])  # type: ignore[arg-type]
+        self.last_skipped_step = state["last_skipped_step"]  # type: ignore[assignment]
+        self.last_nonfinite_params = list(state["last_nonfinite_params"])  # type: ignore[call-overload]
+        self.skips_at_min_scale = int(state["skips_at_min_scale"])  # type: ignore[arg-type]
+        self._scale_history.clear()
+        for step, scale in state["scale_history"]:  # type: ignore[attr-defined]
+            self._scale_history.append((int(step), torch.tensor(float(scale))))
+
+
+def nonfinite_parameter_names(params: Sequence[torch.nn.Parameter], names: dict[int, str]) -> list[str]:
+    """Names of the parameters whose gradient holds inf or NaN (synchronises; call on skips only)."""
+    bad = []
+    for i, p in enumerate(params):
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            bad.append(names.get(id(p), f"param[{i}]"))
+    return bad
+
+
+def check_scale_collapse(stats: StepStats, options: ScalerOptions, scale_before: float) -> None:
+    """Raise when overflow keeps happening with the scale already at its floor."""
+    if options.min_scale is None or scale_before > options.min_scale:
+        stats.skips_at_min_scale = 0
+        return
+    stats.skips_at_min_scale += 1
+    if stats.skips_at_min_scale >= options.max_skips_at_min_scale:
+        shown = ", ".join(stats.last_nonfinite_params[:8]) or "(none recorded)"
+        more = len(stats.last_nonfinite_params) - 8
+        raise ScaleCollapseError(
+            f"Loss scale collapsed: {stats.skips_at_min_scale} consecutive steps overflowed with the "
+            f"scale at its floor min_scale={options.min_scale}; non-finite gradients in: {shown}"
+            f"{f' (+{more} more)' if more > 0 else ''}. fp16 cannot represent this model's values: "
+            "keep those modules in fp32 (keep_fp32=[...]), lower the learning rate, or use bf16-mixed.",
+            parameters=list(stats.last_nonfinite_params),
+        )

@@ -1,0 +1,1 @@
+"""Presentation: rich tables, JSON/CSV/Markdown files and plots. Compute modules never print."""

@@ -1,0 +1,36 @@
+"""Suite-wide guards: no test may leak global torch precision state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixprec import state
+
+
+@pytest.fixture(autouse=True)
+def _torch_state_unchanged():
+    """Every test leaves TF32/bf32 flags, matmul precision, cudnn.benchmark and default dtype as found."""
+    before = state.snapshot()
+    grad_enabled = torch.is_grad_enabled()
+    autocast_cpu = torch.is_autocast_enabled("cpu")
+    yield
+    after = state.snapshot()
+    state.restore(before)  # so one leaking test does not fail every later one
+    assert after == before, f"global torch state leaked: {before} -> {after}"
+    assert torch.is_grad_enabled() == grad_enabled
+    assert torch.is_autocast_enabled("cpu") == autocast_cpu
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+    """Measured CPU peaks are cached per user; tests keep theirs out of the real home directory."""
+    import os
+
+    old = os.environ.get("MIXPREC_CACHE_DIR")
+    os.environ["MIXPREC_CACHE_DIR"] = str(tmp_path_factory.mktemp("mixprec-cache"))
+    yield
+    if old is None:
+        os.environ.pop("MIXPREC_CACHE_DIR", None)
+    else:
+        os.environ["MIXPREC_CACHE_DIR"] = old

@@ -1,0 +1,375 @@
+"""What each policy does to a model and a training loop on CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+
+CPU = mixprec.detect("cpu")
+CPU_POLICIES = [n for n in mixprec.POLICY_NAMES if mixprec.check_support(n, CPU)]
+
+OUTPUT_DTYPE = {
+    "fp32": torch.float32,
+    "tf32": torch.float32,
+    "bf32": torch.float32,
+    "bf16-mixed": torch.bfloat16,
+    "fp16-mixed": torch.float16,
+    "bf16-true": torch.bfloat16,
+    "fp16-true": torch.float16,
+}
+PARAM_DTYPE = {"bf16-true": torch.bfloat16, "fp16-true": torch.float16}
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def make_batches(n: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
+
+
+def record_output_dtypes(model: nn.Module, names: list[str]) -> dict[str, torch.dtype]:
+    seen: dict[str, torch.dtype] = {}
+    modules = dict(model.named_modules())
+    for name in names:
+        modules[name].register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, out.dtype))
+    return seen
+
+
+# ---------------------------------------------------------------------------------------- every policy
+def test_cpu_policies_cover_the_expected_set():
+    assert {"fp32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true"} <= set(CPU_POLICIES)
+    assert "tf32" not in CPU_POLICIES
+
+
+@pytest.mark.parametrize("name", CPU_POLICIES)
+def test_every_cpu_policy_trains(name):
+    # fp16 gradients (fp16-true) overflow at the default 65536 scale on the first step: start lower.
+    options = {"init_scale": 2.0**10} if name == "fp16-true" else {}
+    policy = mixprec.get_policy(name, device="cpu", **options)
+    assert policy.name == name
+    base = make_mlp()
+    model = policy.prepare(copy.deepcopy(base))
+    expected_param = PARAM_DTYPE.get(name, torch.float32)
+    assert all(p.dtype == expected_param for p in model.parameters())
+    assert (policy.scaler is not None) == name.startswith("fp16")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    with policy.precision_scope():
+        for x, y in make_batches(3):
+            with policy.autocast():
+                out = model(x)
+                assert out.dtype == OUTPUT_DTYPE[name]
+                loss = F.cross_entropy(out, y)
+            policy.backward(loss)
+            assert policy.step(opt) is True
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    assert policy.stats.steps == 3 and policy.stats.skipped_steps == 0
+    assert all(p.dtype == expected_param for p in model.parameters())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    changed = [
+        not torch.equal(p.float(), q) for p, q in zip(model.parameters(), base.parameters(), strict=True)
+    ]
+    assert all(changed)
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_fp16_true_backs_off_from_natural_overflow_then_trains():
+    policy = mixprec.get_policy("fp16-true", device="cpu")
+    model = policy.prepare(make_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    returned = []
+    for x, y in make_batches(4):
+        with policy.autocast():
+            loss = F.cross_entropy(model(x), y)
+        policy.backward(loss)
+        returned.append(policy.step(opt))
+        opt.zero_grad(set_to_none=True)
+    assert returned == [False, True, True, True]
+    assert policy.scaler.get_scale() == 2.0**15
+    assert all(p.dtype == torch.float16 and torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", [n for n in CPU_POLICIES if n.endswith("-true")])
+def test_true_policies_cast_float_inputs_and_keep_integer_inputs(name):
+    policy = mixprec.get_policy(name, device="cpu")
+    emb = nn.Embedding(10, 8)
+    model = policy.prepare(nn.Sequential(emb, nn.Linear(8, 2)))
+    seen = {}
+    emb.register_forward_pre_hook(lambda m, args: seen.__setitem__("idx", args[0].dtype))
+    with policy.autocast():
+        out = model(torch.tensor([1, 2, 3]))
+    assert seen["idx"] == torch.int64
+    assert out.dtype == PARAM_DTYPE[name]
+
+
+def test_autocast_of_true_policy_restores_default_dtype():
+    policy = mixprec.get_policy("bf16-true", device="cpu")
+    with policy.autocast():
+        assert torch.get_default_dtype() == torch.bfloat16
+        assert torch.zeros(1).dtype == torch.bfloat16
+    assert torch.get_default_dtype() == torch.float32
+
+
+# ---------------------------------------------------------------------------------------- keep_fp32
+def test_keep_fp32_runs_module_in_fp32():
+    policy = mixprec.get_policy("fp16-mixed", device="cpu", keep_fp32=["2"])
+    model = policy.prepare(make_mlp())
+    seen = record_output_dtypes(model, ["0", "2", "4"])
+    x, y = make_batches(1)[0]
+    with policy.autocast():
+        out = model(x)
+    assert seen == {"0": torch.float16, "2": torch.float32, "4": torch.float16}
+    assert out.dtype == torch.float16
+    # And it still trains through the island.
+    policy.backward(F.cross_entropy(out, y))
+    assert model[2].weight.grad is not None and model[2].weight.grad.dtype == torch.float32
+
+
+def test_keep_fp32_island_on_true_policy_keeps_fp32_weights():
+    policy = mixprec.get_policy("bf16-true", device="cpu", keep_fp32="2")
+    model = policy.prepare(make_mlp())
+    seen = record_output_dtypes(model, ["0", "2", "4"])
+    with policy.autocast():
+        out = model(make_batches(1)[0][0])
+    assert model[2].weight.dtype == torch.float32
+    assert model[0].weight.dtype == torch.bfloat16
+    # The island computes in fp32 and hands bf16 back to its bf16 neighbours.
+    assert seen == {"0": torch.bfloat16, "2": torch.bfloat16, "4": torch.bfloat16}
+    assert out.dtype == torch.bfloat16
+    xb = torch.randn(4, 32).bfloat16()
+    with policy.autocast():
+        got = model[2](xb)
+    want = F.linear(xb.float(), model[2].weight, model[2].bias).bfloat16()
+    assert torch.equal(got, want)
+
+
+def test_keep_fp32_unmatched_pattern_raises_at_prepare():
+    policy = mixprec.get_policy("fp16-mixed", device="cpu", keep_fp32=["head.*"])
+    with pytest.raises(mixprec.PolicyError, match=r"'head\.\*'"):
+        policy.prepare(make_mlp())
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.proj(x)))
+
+
+def test_keep_fp32_glob_on_nested_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block(), nn.Linear(8, 2))
+    policy = mixprec.get_policy("bf16-mixed", device="cpu", keep_fp32=["*.fc"])
+    policy.prepare(model)
+    names = ["0.proj", "0.fc", "1.proj", "1.fc", "2"]
+    seen = record_output_dtypes(model, names)
+    with policy.autocast():
+        model(torch.randn(4, 8))
+    assert seen == {
+        "0.proj": torch.bfloat16,
+        "0.fc": torch.float32,
+        "1.proj": torch.bfloat16,
+        "1.fc": torch.float32,
+        "2": torch.bfloat16,
+    }
+
+
+# ---------------------------------------------------------------------------------------- channels_last
+def make_cnn() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16-mixed"])
+def test_channels_last(name):
+    policy = mixprec.get_policy(name, device="cpu", channels_last=True)
+    model = policy.prepare(make_cnn())
+    for conv in (model[0], model[2]):
+        assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+        assert not conv.weight.is_contiguous()
+    seen = {}
+
+    def pre_hook(module, args):
+        x = args[0]
+        seen["channels_last"] = x.is_contiguous(memory_format=torch.channels_last)
+        seen["contiguous"] = x.is_contiguous()
+
+    model[0].register_forward_pre_hook(pre_hook)
+    x = torch.randn(2, 3, 8, 8)
+    assert x.is_contiguous()
+    with policy.precision_scope(), policy.autocast():
+        out = model(x)
+    assert seen == {"channels_last": True, "contiguous": False}
+    assert out.shape == (2, 4)
+    assert x.is_contiguous()  # the caller's tensor is not modified
+
+
+def test_no_channels_last_leaves_input_alone():
+    policy = mixprec.get_policy("fp32", device="cpu")
+    model = policy.prepare(make_cnn())
+    seen = {}
+    model[0].register_forward_pre_hook(lambda m, args: seen.__setitem__("cl", args[0].is_contiguous()))
+    model(torch.randn(2, 3, 8, 8))
+    assert seen == {"cl": True}
+    assert model[0].weight.is_contiguous()
+
+
+# ---------------------------------------------------------------------------------------- aliases
+@pytest.mark.parametrize(
+    ("alias", "canonical"),
+    [
+        ("fp16", "fp16-mixed"),
+        ("bf16", "bf16-mixed"),
+        ("32-true", "fp32"),
+        ("32", "fp32"),
+        ("16-mixed", "fp16-mixed"),
+        ("bf16-mixed", "bf16-mixed"),
+        ("16-true", "fp16-true"),
+        ("bf16-true", "bf16-true"),
+        (" BF16-Mixed ", "bf16-mixed"),
+    ],
+)
+def test_aliases(alias, canonical):
+    policy = mixprec.get_policy(alias, device="cpu")
+    assert policy.name == canonical
+    assert policy.config.name == canonical
+    assert policy.state_dict()["policy"]["name"] == canonical
+
+
+# ---------------------------------------------------------------------------------------- precision_scope
+def _knobs() -> dict[str, str]:
+    b = torch.backends
+    return {
+        "mkldnn.matmul": b.mkldnn.matmul.fp32_precision,
+        "mkldnn.conv": b.mkldnn.conv.fp32_precision,
+        "cudnn.conv": b.cudnn.conv.fp32_precision,
+        "cuda.matmul": b.cuda.matmul.fp32_precision,
+    }
+
+
+def test_precision_scope_bf32():
+    before = _knobs()
+    with mixprec.get_policy("bf32", device="cpu").precision_scope():
+        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+        assert torch.backends.mkldnn.conv.fp32_precision == "bf16"
+    assert _knobs() == before
+
+
+def test_precision_scope_fp32_is_strict():
+    before = _knobs()
+    # Start from a non-strict value so the scope has something to change.
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+    try:
+        with mixprec.get_policy("fp32", device="cpu").precision_scope():
+            assert torch.backends.cudnn.conv.fp32_precision == "ieee"
+            assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+            assert torch.backends.mkldnn.matmul.fp32_precision == "ieee"
+        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+    finally:
+        torch.backends.cudnn.conv.fp32_precision = before["cudnn.conv"]
+    assert _knobs() == before
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf32", "bf16-mixed"])
+def test_precision_scope_restores_on_error(name):
+    before = _knobs()
+    policy = mixprec.get_policy(name, device="cpu")
+    with pytest.raises(ValueError, match="boom"), policy.precision_scope():
+        assert _knobs() != before
+        raise ValueError("boom")
+    assert _knobs() == before
+
+
+# ---------------------------------------------------------------------------------------- loop patterns
+def test_bf16_accumulation_and_clip_value_match_manual_loop():
+    """bf16-mixed, 2 micro-batches per step and clip_grad_value, against the same loop by hand."""
+    clip, lr = 1e-3, 0.5
+    base = make_mlp()
+    batches = make_batches(6)
+
+    manual = copy.deepcopy(base)
+    opt_a = torch.optim.SGD(manual.parameters(), lr=lr)
+    for i in range(0, 6, 2):
+        for x, y in batches[i : i + 2]:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(manual(x), y) / 2
+            loss.backward()
+        torch.nn.utils.clip_grad_value_(manual.parameters(), clip)
+        opt_a.step()
+        opt_a.zero_grad(set_to_none=True)
+
+    policy = mixprec.get_policy("bf16-mixed", device="cpu")
+    model = policy.prepare(copy.deepcopy(base))
+    opt_b = torch.optim.SGD(model.parameters(), lr=lr)
+    with policy.precision_scope():
+        for i in range(0, 6, 2):
+            before = [p.detach().clone() for p in model.parameters()]
+            for x, y in batches[i : i + 2]:
+                with policy.autocast():
+                    loss = F.cross_entropy(model(x), y) / 2
+                policy.backward(loss)
+            unclipped = max(p.grad.abs().max().item() for p in model.parameters())
+            assert unclipped > clip  # so the clip has work to do
+            assert policy.step(opt_b, clip_grad_value=clip) is True
+            opt_b.zero_grad(set_to_none=True)
+            # Plain SGD: each update is -lr * clipped grad, so no entry moves more than lr * clip.
+            for p, q in zip(model.parameters(), before, strict=True):
+                assert (p - q).abs().max().item() <= lr * clip + 1e-6  # + fp32 rounding of p - q
+    assert policy.stats.steps == 3
+    for p, q in zip(model.parameters(), manual.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("name", ["fp16-mixed", "bf16-mixed"])
+def test_scheduler_not_stepped_on_skipped_step(name):
+    options = {"finite_check": True} if name == "bf16-mixed" else {}
+    policy = mixprec.get_policy(name, device="cpu", **options)
+    model = policy.prepare(make_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    fault_step = 2
+    with policy.precision_scope():
+        for step, (x, y) in enumerate(make_batches(5)):
+            with policy.autocast():
+                loss = F.cross_entropy(model(x), y)
+            if step == fault_step:
+                loss = loss * float("nan")
+            policy.backward(loss)
+            if policy.step(opt):
+                sched.step()
+            opt.zero_grad(set_to_none=True)
+            expected = step + 1 if step < fault_step else step
+            assert sched.last_epoch == expected
+    assert sched.last_epoch == 4
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4)
+    assert policy.stats.skipped_steps == 1
+    assert policy.stats.last_skipped_step == fault_step
