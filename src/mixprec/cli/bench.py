@@ -1,0 +1,158 @@
+"""`mixprec bench`: the seed's benchmark table for any model, measured honestly."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from mixprec.errors import UsageError
+from mixprec.measure.results import write_csv
+from mixprec.measure.sweep import CHANNELS_LAST_CHOICES, bench
+from mixprec.report.bench import bench_table, plot, write_markdown
+from mixprec.report.jsonio import write_json
+from mixprec.workload_loader import load_workload
+from mixprec.zoo import ZOO_NAMES
+
+# Sized so the default sweep (resnet50, every CPU policy, both layouts) ends in about two
+# minutes on a 2-core CPU; on CUDA the seed's setup: 224 px and a batch that fills the GPU.
+CPU_DEFAULTS = {"image_size": 64, "batch_size": 8, "steps": 4, "warmup": 1, "min_time": 1.0}
+CUDA_DEFAULTS = {"image_size": 224, "batch_size": 256, "steps": 20, "warmup": 5, "min_time": 2.0}
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """--model / --workload and the size options, shared by the commands that train a workload."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--model", help=f"built-in model: {', '.join(ZOO_NAMES)} (default: resnet50)")
+    group.add_argument("--workload", help="your factory: path/to/file.py:function or package.module:function")
+    p.add_argument("--image-size", type=positive_int, help="image side for CNN models")
+    p.add_argument("--seq-len", type=positive_int, help="sequence length for the language model")
+    p.add_argument("--batch-size", type=positive_int)
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
+
+
+def workload_from_args(args: argparse.Namespace, defaults: dict[str, int]) -> Any:
+    sizes = {}
+    target = args.workload or args.model or "resnet50"
+    if args.image_size:
+        sizes["image_size"] = args.image_size
+    elif target == "resnet50" and not args.workload and "image_size" in defaults:
+        sizes["image_size"] = defaults["image_size"]
+    if args.seq_len:
+        sizes["seq_len"] = args.seq_len
+    return load_workload(target, **sizes)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure every policy on the real training step")
+    add_workload_arguments(p)
+    p.add_argument("--policies", default="all", help="comma-separated policy names, or all (default)")
+    p.add_argument("--channels-last", choices=CHANNELS_LAST_CHOICES, default="both")
+    p.add_argument("--steps", type=positive_int, help="timed steps per candidate (at least)")
+    p.add_argument("--warmup", type=positive_int, help="untimed warm-up steps per candidate")
+    p.add_argument(
+        "--min-time", type=float, help="keep timing a candidate until this many seconds (at most 200 steps)"
+    )
+    p.add_argument(
+        "--prune-factor", type=float, default=5.0, help="stop candidates this many times slower than the best"
+    )
+    p.add_argument("--json", metavar="FILE", help="write results as JSON (rows also stream to FILE's .jsonl)")
+    p.add_argument("--csv", metavar="FILE")
+    p.add_argument("--markdown", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png")
+    p.add_argument("--resume", action="store_true", help="keep the rows already in the .jsonl next to --json")
+    p.add_argument(
+        "--in-process", action="store_true", help="no child process per candidate (CPU memory: n/a)"
+    )
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    if args.resume and not args.json:
+        raise UsageError("--resume continues the rows in the .jsonl next to --json FILE; pass --json too.")
+    on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    defaults = CUDA_DEFAULTS if on_cuda else CPU_DEFAULTS
+    workload = workload_from_args(args, defaults)
+    is_default_model = not args.workload and (args.model in (None, "resnet50"))
+    batch_size = args.batch_size or (defaults["batch_size"] if is_default_model else None)
+    jsonl = Path(args.json).with_suffix(".jsonl") if args.json else None
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def progress(event: dict[str, Any]) -> None:
+            kind = event["event"]
+            if kind == "candidate":
+                bar.update(
+                    task,
+                    total=event["count"],
+                    completed=event["index"],
+                    description=f"{event['label']}: starting",
+                )
+            elif kind == "step":
+                phase = "timed" if event["timed"] else "warm-up"
+                bar.update(
+                    task, description=f"{event['label']}: {phase} step {event['index'] + 1}/{event['total']}"
+                )
+            elif kind == "row":
+                row = event["row"]
+                bar.update(task, completed=event["index"] + 1)
+                figure = f"{row.throughput:.1f} samples/s" if row.throughput else row.reason
+                resumed = " (resumed)" if event.get("resumed") else ""
+                bar.console.print(f"{row.label}: {row.status}{resumed} {figure}", highlight=False)
+
+        try:
+            result = bench(
+                workload,
+                policies=args.policies,
+                channels_last=args.channels_last,
+                batch_size=batch_size,
+                steps=args.steps or defaults["steps"],
+                warmup=args.warmup or defaults["warmup"],
+                min_time_s=defaults["min_time"] if args.min_time is None else args.min_time,
+                device=args.device,
+                jsonl=jsonl,
+                resume=args.resume,
+                isolate=False if args.in_process else None,
+                prune_factor=args.prune_factor,
+                progress=progress,
+            )
+        except KeyboardInterrupt:
+            if jsonl:
+                err.print(f"interrupted: finished rows are in {jsonl}; rerun with --resume to continue")
+            raise
+
+    out.print(bench_table(result))
+    written = []
+    if args.json:
+        written.append(write_json(args.json, "bench", result.env, result.to_dict()))
+    if args.csv:
+        written.append(write_csv(args.csv, result.rows))
+    if args.markdown:
+        written.append(write_markdown(args.markdown, result))
+    if args.plot:
+        written.append(plot(args.plot, result))
+    for path in written:
+        err.print(f"wrote {path}")
+    return 0

@@ -1,0 +1,1 @@
+"""Measuring candidates on the real training step: runner, isolation, sweep, FLOPs."""

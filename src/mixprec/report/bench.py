@@ -1,0 +1,183 @@
+"""Presentation of bench results: the seed's table (rich and Markdown) and a PNG chart."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from mixprec.measure.results import BenchRow
+from mixprec.measure.sweep import BenchResult
+
+_STATUS_STYLE = {"ok": "green", "pruned": "yellow", "unsupported": "dim", "error": "red", "oom": "red"}
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _cells(row: BenchRow) -> dict[str, str]:
+    st = row.step_time_ms
+    return {
+        "candidate": row.label,
+        "status": row.status,
+        "throughput": f"{row.throughput:.1f}" if row.throughput else "",
+        "speedup": f"{row.speedup_vs_fp32:.2f}x" if row.speedup_vs_fp32 else "",
+        "step": f"{st.median_ms:.1f} ± {st.iqr_ms:.1f}" if st else "",
+        "n": str(st.n) if st else "",
+        "first_loss": f"{row.first_loss:.4f}" if row.first_loss is not None else "",
+        "memory": fmt_bytes(row.peak_memory_bytes) if row.step_time_ms else "",
+        "tflops": f"{row.achieved_tflops:.3f}" if row.achieved_tflops else "",
+        "mfu": f"{row.mfu:.1%}" if row.mfu else "",
+        "dtype": row.observed_dtype or "",
+        "reason": row.reason,
+    }
+
+
+_COLUMNS = (
+    ("candidate", "precision", "left"),
+    ("status", "status", "left"),
+    ("throughput", "samples/s", "right"),
+    ("speedup", "speedup vs fp32", "right"),
+    ("step", "step ms med ± IQR", "right"),
+    ("n", "n", "right"),
+    ("first_loss", "first-iter loss", "right"),
+    ("memory", "peak memory", "right"),
+    ("tflops", "TFLOP/s", "right"),
+    ("mfu", "MFU", "right"),
+    ("dtype", "ran as", "left"),
+)
+
+
+def bench_table(result: BenchResult) -> Group:
+    title = f"{result.workload} on {result.device}, batch {result.batch_size}"
+    table = Table(title=title, title_justify="left")
+    for _, header, justify in _COLUMNS:
+        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    notes: list[Text] = []
+    for row in result.rows:
+        cells = _cells(row)
+        values: list[Any] = [cells[key] for key, _, _ in _COLUMNS]
+        values[1] = Text(row.status, style=_STATUS_STYLE.get(row.status, ""))
+        table.add_row(*values)
+        if row.reason:
+            notes.append(Text(f"  {row.label}: {row.reason}", style=_STATUS_STYLE.get(row.status, "")))
+    parts: list[Any] = [table]
+    notes = [Text(f"  {note}") for note in result.notes] + notes
+    if notes:
+        parts.append(Text("notes:"))
+        parts.extend(notes)
+    parts.append(Text(summary_line(result)))
+    return Group(*parts)
+
+
+def summary_line(result: BenchResult) -> str:
+    best = result.best()
+    drift = result.baseline_drift
+    pieces = []
+    if best is not None:
+        speed = f"{best.speedup_vs_fp32:.2f}x fp32" if best.speedup_vs_fp32 else "no fp32 baseline"
+        pieces.append(f"fastest: {best.label} ({best.throughput:.1f} samples/s, {speed})")
+    if drift is not None:
+        pieces.append(f"fp32 re-measured at the end: {drift:+.1%} drift")
+    flops = next((r.flops_per_step for r in result.rows if r.flops_per_step), None)
+    if flops:
+        pieces.append(f"{flops / 1e9:.2f} GFLOP per step (torch.utils.flop_counter)")
+    return "; ".join(pieces) + "." if pieces else "no candidate finished."
+
+
+def markdown_table(result: BenchResult) -> str:
+    lines = [
+        f"### {result.workload} on {result.device}, batch {result.batch_size}",
+        "",
+        "| " + " | ".join(h for _, h, _ in _COLUMNS) + " | note |",
+        "|" + "|".join("---:" if j == "right" else "---" for _, _, j in _COLUMNS) + "|---|",
+    ]
+    for row in result.rows:
+        cells = _cells(row)
+        lines.append(
+            "| " + " | ".join(cells[k] for k, _, _ in _COLUMNS) + f" | {row.reason.replace('|', '/')} |"
+        )
+    lines += ["", summary_line(result), ""]
+    return "\n".join(lines)
+
+
+def write_markdown(path: str | os.PathLike[str], result: BenchResult) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(markdown_table(result), encoding="utf-8")
+    return path
+
+
+def plot(path: str | os.PathLike[str], result: BenchResult) -> Path:
+    """Throughput and peak memory per candidate, speedup labels on the bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.rows if not r.baseline_repeat and r.status != "unsupported"]
+    hidden = [r.label for r in result.rows if r.status == "unsupported"]
+    labels = [r.label for r in rows]
+    colors = {
+        "ok": "#3b7dd8",
+        "pruned": "#e0a030",
+        "error": "#c0392b",
+        "oom": "#c0392b",
+        "unsupported": "#bbbbbb",
+    }
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, max(3.0, 0.42 * len(rows) + 1.8)))
+    ypos = range(len(rows))
+    thr = [r.throughput or 0.0 for r in rows]
+    bars = ax_t.barh(ypos, thr, color=[colors.get(r.status, "#999") for r in rows])
+    for r, b in zip(rows, bars, strict=True):
+        if r.status == "ok" and r.speedup_vs_fp32:
+            text = f" {r.speedup_vs_fp32:.2f}x"
+        elif r.status == "pruned":
+            text = f" pruned ({r.speedup_vs_fp32:.2f}x)" if r.speedup_vs_fp32 else " pruned"
+        else:
+            text = f" {r.status}"
+        ax_t.text(b.get_width(), b.get_y() + b.get_height() / 2, text, va="center", fontsize=8)
+    ax_t.set_yticks(list(ypos), labels)
+    ax_t.invert_yaxis()
+    ax_t.set_xlabel("throughput (samples/s)")
+    ax_t.set_title("throughput (label: speedup vs strict fp32)")
+    ax_t.set_xlim(0, max([*thr, 1.0]) * 1.3)
+
+    mem = [(r.peak_memory_bytes or 0) / 2**20 for r in rows]
+    ax_m.barh(
+        ypos, mem, color=[colors.get(r.status, "#999") if r.peak_memory_bytes else "#eeeeee" for r in rows]
+    )
+    for i, r in enumerate(rows):
+        if r.step_time_ms and r.peak_memory_bytes is None:
+            ax_m.text(0, i, " n/a", va="center", fontsize=8)
+    ax_m.set_yticks(list(ypos), labels)
+    ax_m.invert_yaxis()
+    ax_m.set_xlabel("peak memory (MiB)")
+    method = next((r.memory_method for r in rows if r.memory_method), "")
+    ax_m.set_title("peak memory" + (f"\n({method})" if method else ""), fontsize=9)
+    fig.suptitle(
+        f"{result.workload} on {result.device} ({result.env.get('device', {}).get('name', '')}), "
+        f"batch {result.batch_size}",
+        fontsize=10,
+    )
+    if hidden:
+        fig.text(
+            0.01, 0.01, "not shown (unsupported here): " + ", ".join(hidden), fontsize=7, color="#666666"
+        )
+    fig.tight_layout(rect=(0, 0.04 if hidden else 0, 1, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,214 @@
+"""Turn a target string (zoo name, ``path/to/file.py:function``, ``package.module:function``) into a Workload.
+
+The function is a factory that returns a :class:`~mixprec.workload.Workload`. It takes no
+arguments, or keyword sizes (e.g. ``image_size``) when its signature names them. The returned
+workload carries a :class:`~mixprec.workload.WorkloadSpec`, so another process rebuilds the
+same workload with ``workload_from_spec(spec)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from mixprec.errors import UsageError, did_you_mean
+from mixprec.workload import Workload, WorkloadSpec
+from mixprec.zoo import ZOO_NAMES, build_zoo_workload
+
+_FORMS = "a zoo name, 'path/to/file.py:function' or 'package.module:function'"
+
+
+def load_workload(target: str, **sizes: Any) -> Workload:
+    """Build the workload that ``target`` names, passing ``sizes`` to the zoo model or factory."""
+    if not isinstance(target, str) or not target.strip():
+        raise UsageError(
+            f"workload target {target!r} is empty or not a string; pass {_FORMS} "
+            f"(zoo names: {', '.join(ZOO_NAMES)})."
+        )
+    target = target.strip()
+    if target in ZOO_NAMES:
+        return build_zoo_workload(target, **sizes)
+    if ":" not in target:
+        hint = f" Add the factory's name: '{target}:make_workload'." if _is_file_target(target) else ""
+        raise UsageError(
+            f"workload target {target!r} is neither a zoo model nor 'module:function'; pass {_FORMS}. "
+            f"Zoo names: {', '.join(ZOO_NAMES)}.{did_you_mean(target, ZOO_NAMES)}{hint}"
+        )
+    module_part, _, func_name = target.rpartition(":")
+    if not module_part or not func_name.isidentifier():
+        raise UsageError(
+            f"workload target {target!r} is malformed; expected 'path/to/file.py:function' or "
+            "'package.module:function' with a function name after the last ':'."
+        )
+    module, directory = _load_module(target, module_part)
+    factory = _get_factory(target, module, func_name)
+    kwargs = _factory_kwargs(target, factory, sizes)
+    try:
+        with _on_sys_path(directory) if directory else nullcontext():
+            workload = factory(**kwargs)
+    except Exception as exc:
+        raise UsageError(
+            f"workload factory {target!r} raised {type(exc).__name__}: {exc}; fix the factory "
+            "(run it directly to see the traceback, or use 'mixprec --debug')."
+        ) from exc
+    if not isinstance(workload, Workload):
+        raise UsageError(
+            f"workload factory {target!r} returned {_type_name(workload)}, "
+            "expected a mixprec.Workload; return Workload(model=..., make_batch=..., loss_fn=...)."
+        )
+    if workload.spec is None:
+        # An absolute file path, so a child process started elsewhere rebuilds the same workload.
+        spec_target = f"{Path(module_part).resolve()}:{func_name}" if directory else target
+        workload.spec = WorkloadSpec("factory", spec_target, tuple(sorted(sizes.items())))
+    return workload
+
+
+def workload_from_spec(spec: WorkloadSpec) -> Workload:
+    """Rebuild a workload from its spec (e.g. in a child process)."""
+    if not isinstance(spec, WorkloadSpec):
+        raise UsageError(
+            f"workload_from_spec expects a WorkloadSpec, got {type(spec).__name__}; "
+            "pass workload.spec or WorkloadSpec(kind, target, sizes)."
+        )
+    if spec.kind not in ("zoo", "factory"):
+        raise UsageError(
+            f"WorkloadSpec.kind {spec.kind!r} is invalid; valid kinds: zoo, factory."
+            + did_you_mean(spec.kind, ("zoo", "factory"))
+        )
+    if spec.kind == "zoo":
+        return build_zoo_workload(spec.target, **dict(spec.sizes))
+    return load_workload(spec.target, **dict(spec.sizes))
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _type_name(value: Any) -> str:
+    cls = type(value)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_file_target(module_part: str) -> bool:
+    return module_part.endswith(".py") or "/" in module_part or "\\" in module_part
+
+
+@contextmanager
+def _on_sys_path(directory: str) -> Iterator[None]:
+    """Put ``directory`` first on sys.path for the duration; afterwards remove exactly that one entry."""
+    sys.path.insert(0, directory)
+    try:
+        yield
+    finally:
+        # Removes the first occurrence: ours, or an equal one the code put in front, same net effect.
+        if directory in sys.path:
+            sys.path.remove(directory)
+
+
+def _load_module(target: str, module_part: str) -> tuple[ModuleType, str | None]:
+    """The module, and for a file target the directory to keep importable while its code runs."""
+    if _is_file_target(module_part):
+        module = _load_file(target, Path(module_part))
+        return module, str(Path(module.__file__ or ".").parent)
+    try:
+        return importlib.import_module(module_part), None
+    except ImportError as exc:
+        raise UsageError(
+            f"cannot import module {module_part!r} of workload target {target!r}: "
+            f"{type(exc).__name__}: {exc}. Install the package or add its directory to PYTHONPATH, "
+            "or pass a file path instead ('path/to/file.py:function')."
+        ) from exc
+    except Exception as exc:
+        raise UsageError(
+            f"importing module {module_part!r} of workload target {target!r} raised "
+            f"{type(exc).__name__}: {exc}; fix the module."
+        ) from exc
+
+
+def _load_file(target: str, path: Path) -> ModuleType:
+    path = path.expanduser()
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise UsageError(
+            f"workload file {str(path)!r} of target {target!r} {what} (looked in {str(Path.cwd())!r}); "
+            "pass the path of an existing .py file, e.g. 'train.py:make_workload'."
+        )
+    path = path.resolve()
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    module_name = f"_mixprec_workload_{path.stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(
+            f"cannot load {str(path)!r} of workload target {target!r} as a Python module; pass a .py file."
+        )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickle look the module up here
+    try:
+        with _on_sys_path(str(path.parent)):  # so the file can import its siblings
+            spec.loader.exec_module(module)
+    except BaseException as exc:
+        sys.modules.pop(module_name, None)
+        if not isinstance(exc, Exception):
+            raise
+        raise UsageError(
+            f"executing workload file {str(path)!r} of target {target!r} raised "
+            f"{type(exc).__name__}: {exc}; fix the file (run 'python {path}' to see the traceback)."
+        ) from exc
+    return module
+
+
+def _get_factory(target: str, module: ModuleType, func_name: str) -> Any:
+    if not hasattr(module, func_name):
+        callables = sorted(
+            name
+            for name, value in vars(module).items()
+            if callable(value)
+            and not name.startswith("_")
+            and not inspect.isclass(value)
+            and not inspect.ismodule(value)
+        )
+        listing = ", ".join(callables) if callables else "none"
+        raise UsageError(
+            f"workload target {target!r}: module {module.__name__!r} has no function {func_name!r}; "
+            f"its functions: {listing}.{did_you_mean(func_name, callables)} "
+            "Fix the name after ':'."
+        )
+    factory = getattr(module, func_name)
+    if not callable(factory):
+        raise UsageError(
+            f"workload target {target!r}: {func_name!r} is a {type(factory).__name__}, not callable; "
+            "point the target at a function that returns a Workload."
+        )
+    return factory
+
+
+def _factory_kwargs(target: str, factory: Any, sizes: dict[str, Any]) -> dict[str, Any]:
+    if not sizes:
+        return {}
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # builtins without a signature: pass everything
+        return dict(sizes)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(sizes)
+    accepted = [
+        name
+        for name, p in params.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+    for key in sizes:
+        if key not in accepted:
+            options = ", ".join(accepted) if accepted else "none (it takes no arguments)"
+            raise UsageError(
+                f"workload factory {target!r} does not accept {key}={sizes[key]!r}; "
+                f"its keyword arguments: {options}.{did_you_mean(key, accepted)} "
+                f"Drop {key} or add a '{key}' parameter to the factory."
+            )
+    return dict(sizes)

@@ -1,0 +1,375 @@
+"""The built-in model zoo: torchvision CNNs, a GPT-2-small-class language model and a tiny MLP.
+
+Nothing is ever downloaded: torchvision models are built with ``weights=None`` and every batch
+is synthetic. Every model is initialised under a fixed seed (without touching the caller's RNG)
+and every batch comes from its own seeded generator, so each process that builds the same
+workload sees the same weights and the same sequence of batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.errors import UsageError, did_you_mean
+from mixprec.workload import Workload, WorkloadSpec
+
+ZOO_NAMES: tuple[str, ...] = ("resnet50", "vgg19", "densenet121", "gpt2", "mlp")
+
+_CNN_NAMES = ("resnet50", "vgg19", "densenet121")
+_MODEL_SEED = 0
+_BATCH_SEED = 1234
+_NUM_CLASSES = 1000
+_DEFAULT_IMAGE_SIZE = 224
+_MIN_IMAGE_SIZE = 32  # vgg19 halves the image five times
+_DEFAULT_SEQ_LEN = 128
+_CNN_BATCH_SIZE = {"resnet50": 32, "vgg19": 16, "densenet121": 32}
+
+_MLP_IN = 64
+_MLP_CLASSES = 10
+_MLP_DEFAULTS = {"hidden": 256, "depth": 2}
+
+
+# --------------------------------------------------------------------------------------------------
+# GPT-2
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """GPT-2 small by default (124M parameters with the tied head)."""
+
+    vocab_size: int = 50257
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    block_size: int = 1024
+    dropout: float = 0.0
+
+
+# Fields that ``build_zoo_workload("gpt2", **config)`` may override (integers, so they fit a spec).
+GPT_CONFIG_KEYS: tuple[str, ...] = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-2-style causal language model: ``forward(idx [B,T] int64) -> logits [B,T,V]``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(config.vocab_size, config.n_embd),
+                "wpe": nn.Embedding(config.block_size, config.n_embd),
+                "drop": nn.Dropout(config.dropout),
+                "h": nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+                "ln_f": nn.LayerNorm(config.n_embd),
+            }
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # weight tying, as GPT-2
+        self.apply(self._init_weights)
+        residual_std = 0.02 / math.sqrt(2 * config.n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=residual_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.config.block_size:
+            raise UsageError(
+                f"sequence length {t} exceeds the model's block_size {self.config.block_size}; "
+                "use a shorter seq_len or build the model with a larger block_size."
+            )
+        pos = torch.arange(t, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _seeded_model(build: Callable[[], nn.Module]) -> nn.Module:
+    """Build under a fixed CPU seed, leaving the caller's RNG state as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(_MODEL_SEED)
+        return build()
+
+
+def _batch_generators() -> Iterator[torch.Generator]:
+    """One freshly seeded CPU generator per call: the n-th batch is the same in every process."""
+    for n in itertools.count():
+        yield torch.Generator().manual_seed(_BATCH_SEED + n)
+
+
+def _check_batch_size(batch_size: Any, name: str) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise UsageError(
+            f"batch_size {batch_size!r} for workload {name!r} is invalid; pass a positive integer."
+        )
+    return batch_size
+
+
+def _check_positive_int(key: str, value: Any, name: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UsageError(f"{key}={value!r} for zoo model {name!r} is invalid; pass an integer >= {minimum}.")
+    return value
+
+
+def _reject_unknown(name: str, config: dict[str, Any], valid: tuple[str, ...], size_option: str = "") -> None:
+    options = (size_option, *valid) if size_option else valid
+    for key in config:
+        if key not in valid:
+            raise UsageError(
+                f"unknown option {key!r} for zoo model {name!r}; valid options: {', '.join(options)}."
+                + did_you_mean(key, options)
+                + " Remove it or use one of those."
+            )
+
+
+def _device(device: Any) -> torch.device:
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def _param_millions(model: nn.Module) -> float:
+    return sum(p.numel() for p in model.parameters()) / 1e6
+
+
+# --------------------------------------------------------------------------------------------------
+# Builders
+
+
+def _build_cnn(name: str, image_size: int | None, config: dict[str, Any]) -> Workload:
+    _reject_unknown(name, config, (), "image_size")
+    sizes: dict[str, int] = {}
+    if image_size is not None:
+        sizes["image_size"] = _check_positive_int("image_size", image_size, name, _MIN_IMAGE_SIZE)
+    size = sizes.get("image_size", _DEFAULT_IMAGE_SIZE)
+
+    import torchvision.models as tvm  # deferred: importing torchvision costs time
+
+    constructor = getattr(tvm, name)
+    model = _seeded_model(lambda: constructor(weights=None, num_classes=_NUM_CLASSES))
+    generators = _batch_generators()
+
+    def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        b = _check_batch_size(batch_size, name)
+        gen = next(generators)
+        images = torch.randn(b, 3, size, size, generator=gen)
+        labels = torch.randint(0, _NUM_CLASSES, (b,), generator=gen)
+        dev = _device(device)
+        return images.to(dev), labels.to(dev)
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        images, labels = batch
+        return F.cross_entropy(model(images), labels)
+
+    return Workload(
+        model=model,
+        make_batch=make_batch,
+        loss_fn=loss_fn,
+        name=name,
+        default_batch_size=_CNN_BATCH_SIZE[name],
+        spec=WorkloadSpec("zoo", name, tuple(sorted(sizes.items()))),
+        description=(
+            f"{name} (torchvision, random init, {_param_millions(model):.1f}M params), "
+            f"3x{size}x{size} synthetic images, {_NUM_CLASSES} classes"
+        ),
+    )
+
+
+def _gpt_optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1)
+
+
+def _build_gpt2(seq_len: int | None, config: dict[str, Any]) -> Workload:
+    name = "gpt2"
+    _reject_unknown(name, config, GPT_CONFIG_KEYS, "seq_len")
+    sizes: dict[str, int] = {k: _check_positive_int(k, v, name) for k, v in config.items()}
+    if seq_len is not None:
+        sizes["seq_len"] = _check_positive_int("seq_len", seq_len, name)
+    cfg = replace(GPTConfig(), **config)
+    if cfg.n_embd % cfg.n_head:
+        raise UsageError(
+            f"n_embd={cfg.n_embd} is not divisible by n_head={cfg.n_head} for zoo model 'gpt2'; "
+            "choose n_embd as a multiple of n_head."
+        )
+    t = sizes.get("seq_len", _DEFAULT_SEQ_LEN)
+    if t > cfg.block_size:
+        raise UsageError(
+            f"seq_len={t} exceeds block_size={cfg.block_size} for zoo model 'gpt2'; "
+            f"pass seq_len <= {cfg.block_size} or a larger block_size."
+        )
+    model = _seeded_model(lambda: GPT(cfg))
+    generators = _batch_generators()
+    vocab = cfg.vocab_size
+
+    def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        b = _check_batch_size(batch_size, name)
+        tokens = torch.randint(0, vocab, (b, t + 1), generator=next(generators))
+        dev = _device(device)
+        return tokens[:, :-1].contiguous().to(dev), tokens[:, 1:].contiguous().to(dev)
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        idx, targets = batch
+        logits = model(idx)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    return Workload(
+        model=model,
+        make_batch=make_batch,
+        loss_fn=loss_fn,
+        optimizer_fn=_gpt_optimizer,
+        name=name,
+        default_batch_size=8,
+        spec=WorkloadSpec("zoo", name, tuple(sorted(sizes.items()))),
+        description=(
+            f"gpt2 ({cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} dim, "
+            f"{_param_millions(model):.1f}M params), seq_len {t}, vocab {vocab}, random tokens"
+        ),
+    )
+
+
+def _build_mlp(config: dict[str, Any]) -> Workload:
+    name = "mlp"
+    _reject_unknown(name, config, tuple(_MLP_DEFAULTS))
+    sizes: dict[str, int] = {k: _check_positive_int(k, v, name) for k, v in config.items()}
+    hidden = sizes.get("hidden", _MLP_DEFAULTS["hidden"])
+    depth = sizes.get("depth", _MLP_DEFAULTS["depth"])  # number of hidden layers
+
+    def build() -> nn.Module:
+        layers: list[nn.Module] = [nn.Linear(_MLP_IN, hidden), nn.GELU()]
+        for _ in range(depth - 1):
+            layers += [nn.Linear(hidden, hidden), nn.GELU()]
+        layers.append(nn.Linear(hidden, _MLP_CLASSES))
+        return nn.Sequential(*layers)
+
+    model = _seeded_model(build)
+    # Labels come from a fixed random teacher, so the task is learnable and a loss curve means something.
+    teacher = torch.randn(_MLP_IN, _MLP_CLASSES, generator=torch.Generator().manual_seed(_BATCH_SEED - 1))
+    generators = _batch_generators()
+
+    def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        b = _check_batch_size(batch_size, name)
+        x = torch.randn(b, _MLP_IN, generator=next(generators))
+        y = (x @ teacher).argmax(dim=1)
+        dev = _device(device)
+        return x.to(dev), y.to(dev)
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    return Workload(
+        model=model,
+        make_batch=make_batch,
+        loss_fn=loss_fn,
+        name=name,
+        default_batch_size=64,
+        spec=WorkloadSpec("zoo", name, tuple(sorted(sizes.items()))),
+        description=(
+            f"mlp ({depth} hidden layers of {hidden}, {_param_millions(model) * 1e3:.1f}K params), "
+            f"{_MLP_IN} synthetic features, {_MLP_CLASSES} classes"
+        ),
+    )
+
+
+def build_zoo_workload(
+    name: str, *, image_size: int | None = None, seq_len: int | None = None, **config: Any
+) -> Workload:
+    """Build a zoo workload by name (see ``ZOO_NAMES``); no weights or data are downloaded.
+
+    ``image_size`` applies to the CNNs (default 224), ``seq_len`` to gpt2 (default 128).
+    ``config`` overrides gpt2's ``GPTConfig`` fields (vocab_size, n_layer, n_head, n_embd,
+    block_size) or the mlp's ``hidden`` / ``depth``. Every size given explicitly is recorded in
+    the returned workload's spec, so another process rebuilds the identical workload.
+    """
+    if name not in ZOO_NAMES:
+        raise UsageError(
+            f"unknown zoo model {name!r}; valid names: {', '.join(ZOO_NAMES)}."
+            + did_you_mean(str(name), ZOO_NAMES)
+            + " Pick one of those, or pass 'path/to/file.py:function' for your own model."
+        )
+    if image_size is not None and name not in _CNN_NAMES:
+        raise UsageError(
+            f"image_size={image_size!r} does not apply to zoo model {name!r}; it applies only to "
+            f"{', '.join(_CNN_NAMES)}."
+            + (" Use seq_len for gpt2." if name == "gpt2" else " Drop image_size.")
+        )
+    if seq_len is not None and name != "gpt2":
+        raise UsageError(
+            f"seq_len={seq_len!r} does not apply to zoo model {name!r}; it applies only to gpt2."
+            + (" Use image_size for the CNNs." if name in _CNN_NAMES else " Drop seq_len.")
+        )
+    if name in _CNN_NAMES:
+        return _build_cnn(name, image_size, config)
+    if name == "gpt2":
+        return _build_gpt2(seq_len, config)
+    return _build_mlp(config)
+
+
+__all__ = ["GPT", "GPT_CONFIG_KEYS", "ZOO_NAMES", "GPTConfig", "build_zoo_workload"]

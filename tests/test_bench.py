@@ -1,0 +1,351 @@
+"""Sweep logic on tiny workloads: rows, failures, pruning, resume, honesty, files. No timing asserts."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+import mixprec
+from mixprec.cli import main
+from mixprec.measure.results import BenchRow, StepTime, read_csv, read_jsonl, write_csv
+from mixprec.measure.sweep import bench, parse_channels_last, parse_policies
+from mixprec.workload_loader import load_workload
+
+CPU_POLICIES = [n for n in mixprec.POLICY_NAMES if mixprec.check_support(n, mixprec.detect("cpu"))]
+
+# A factory file whose behaviour under one policy is planted: it fails, sleeps or disables autocast.
+FACTORY = textwrap.dedent(
+    """
+    import time
+    import torch
+    from torch import nn
+    import mixprec
+
+    def _autocast_dtype():
+        return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+
+    def _workload(loss_fn, model=None):
+        torch.manual_seed(0)
+        model = model or nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        def make_batch(batch_size, device):
+            x = torch.randn(batch_size, 16, device=device)
+            return x, torch.randint(0, 4, (batch_size,), device=device)
+        return mixprec.Workload(model=model, make_batch=make_batch, loss_fn=loss_fn, name="planted",
+                                default_batch_size=8)
+
+    def ce(model, batch):
+        return nn.functional.cross_entropy(model(batch[0]).float(), batch[1])
+
+    def fails_under_fp16():
+        def loss_fn(model, batch):
+            if _autocast_dtype() == torch.float16:
+                raise RuntimeError("planted failure under fp16 autocast")
+            return ce(model, batch)
+        return _workload(loss_fn)
+
+    def slow_under_fp16():
+        def loss_fn(model, batch):
+            if _autocast_dtype() == torch.float16:
+                time.sleep(4.0)
+            return ce(model, batch)
+        return _workload(loss_fn)
+
+    class NoAutocast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 4)
+        def forward(self, x):
+            with torch.autocast("cpu", enabled=False):  # silently defeats the policy
+                return self.fc(x.float())
+
+    def defeats_autocast():
+        return _workload(ce, model=NoAutocast())
+
+    def nan_loss():
+        def loss_fn(model, batch):
+            return ce(model, batch) * float("nan")
+        return _workload(loss_fn)
+    """
+)
+
+
+@pytest.fixture()
+def factory_file(tmp_path):
+    path = tmp_path / "planted.py"
+    path.write_text(FACTORY, encoding="utf-8")
+    return path
+
+
+def _by_label(result):
+    return {r.label: r for r in result.rows}
+
+
+def test_every_candidate_gets_a_row_and_unsupported_rows_say_why():
+    w = load_workload("mlp")
+    result = bench(w, policies="all", channels_last="both", steps=2, warmup=1, isolate=False, device="cpu")
+    labels = _by_label(result)
+    for name in mixprec.POLICY_NAMES:
+        assert name in labels, f"no row for {name}"
+    assert labels["tf32"].status == "unsupported"
+    assert "compute capability" in labels["tf32"].reason
+    assert "fp32 (repeat)" in labels  # baseline re-measured so drift shows
+    # mlp has no conv weights: channels_last candidates are skipped with one note, not run
+    assert not any(r.channels_last for r in result.rows)
+    assert any("channels_last" in n for n in result.notes)
+    for name in CPU_POLICIES:
+        row = labels[name]
+        assert row.status in ("ok", "pruned"), (name, row.status, row.reason)
+        if row.status == "ok":
+            assert row.throughput > 0 and row.step_time_ms.n >= 2
+            assert row.first_loss is not None
+    baseline = labels["fp32"]
+    assert baseline.speedup_vs_fp32 == pytest.approx(1.0)
+    assert baseline.flops_per_step and baseline.flops_per_step > 0
+    assert labels["bf16-mixed"].observed_dtype == "bfloat16"
+    assert labels["fp32"].observed_dtype == "float32"
+
+
+def test_same_initial_weights_and_batches_give_the_same_first_loss():
+    w = load_workload("mlp")
+    result = bench(
+        w, policies="fp32,bf32", channels_last="off", steps=1, warmup=1, isolate=False, device="cpu"
+    )
+    rows = [r for r in result.rows if r.status == "ok"]
+    assert len({r.first_loss for r in rows}) == 1  # fp32, bf32 and the fp32 repeat saw identical data
+
+
+def test_failing_candidate_does_not_stop_the_sweep(factory_file):
+    w = load_workload(f"{factory_file}:fails_under_fp16")
+    result = bench(
+        w,
+        policies="fp32,fp16-mixed,bf16-mixed",
+        channels_last="off",
+        steps=2,
+        warmup=1,
+        isolate=False,
+        device="cpu",
+    )
+    labels = _by_label(result)
+    assert labels["fp16-mixed"].status == "error"
+    assert "planted failure" in labels["fp16-mixed"].reason
+    assert labels["bf16-mixed"].status == "ok"  # measured after the failure
+
+
+def test_failing_candidate_in_child_process(factory_file):
+    w = load_workload(f"{factory_file}:fails_under_fp16")
+    result = bench(
+        w,
+        policies="fp32,fp16-mixed",
+        channels_last="off",
+        steps=2,
+        warmup=1,
+        device="cpu",
+        repeat_baseline=False,
+    )
+    labels = _by_label(result)
+    assert result.settings["isolate"] is True
+    assert labels["fp16-mixed"].status == "error" and "planted failure" in labels["fp16-mixed"].reason
+    # isolated CPU memory is measured, never a silent 0
+    assert labels["fp32"].peak_memory_bytes and labels["fp32"].peak_memory_bytes > 0
+    assert "isolated" in labels["fp32"].memory_method
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_hopeless_candidate_is_pruned_with_its_figure(factory_file, isolate):
+    w = load_workload(f"{factory_file}:slow_under_fp16")
+    result = bench(
+        w,
+        policies="fp32,fp16-mixed",
+        channels_last="off",
+        steps=2,
+        warmup=1,
+        device="cpu",
+        isolate=isolate,
+        repeat_baseline=False,
+    )
+    row = _by_label(result)["fp16-mixed"]
+    assert row.status == "pruned", row.reason
+    assert "best" in row.reason or "still running" in row.reason
+    if not isolate:  # in-process the step finishes before the verdict, so its figure is kept
+        assert row.step_time_ms is not None and row.step_time_ms.median_ms > 1000
+
+
+def test_autocast_defeated_is_an_error_row_not_a_mislabelled_number(factory_file):
+    w = load_workload(f"{factory_file}:defeats_autocast")
+    result = bench(
+        w,
+        policies="fp32,bf16-mixed",
+        channels_last="off",
+        steps=1,
+        warmup=1,
+        isolate=False,
+        device="cpu",
+        repeat_baseline=False,
+    )
+    row = _by_label(result)["bf16-mixed"]
+    assert row.status == "error"
+    assert "did not take effect" in row.reason and "'fc'" in row.reason
+    assert row.throughput is None
+
+
+def test_nonfinite_loss_is_an_error_row(factory_file):
+    w = load_workload(f"{factory_file}:nan_loss")
+    result = bench(
+        w,
+        policies="fp32",
+        channels_last="off",
+        steps=1,
+        warmup=1,
+        isolate=False,
+        device="cpu",
+        repeat_baseline=False,
+    )
+    assert result.rows[0].status == "error" and "non-finite loss" in result.rows[0].reason
+
+
+def test_interrupted_sweep_resumes_without_rerunning_finished_rows(tmp_path):
+    jsonl = tmp_path / "sweep.jsonl"
+    w = load_workload("mlp")
+    finished = []
+
+    def interrupt_after_two(event):
+        if event["event"] == "row":
+            finished.append(event["row"].label)
+            if len(finished) == 2:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        bench(
+            w,
+            policies="fp32,bf32,bf16-mixed",
+            channels_last="off",
+            steps=1,
+            warmup=1,
+            isolate=False,
+            device="cpu",
+            jsonl=jsonl,
+            progress=interrupt_after_two,
+        )
+    saved = read_jsonl(jsonl)
+    assert [r.label for r in saved] == finished  # nothing measured was lost
+
+    started, resumed = [], []
+
+    def record(event):
+        if event["event"] == "candidate":
+            started.append(event["label"])
+        if event["event"] == "row" and event["resumed"]:
+            resumed.append(event["row"].label)
+
+    result = bench(
+        w,
+        policies="fp32,bf32,bf16-mixed",
+        channels_last="off",
+        steps=1,
+        warmup=1,
+        isolate=False,
+        device="cpu",
+        jsonl=jsonl,
+        resume=True,
+        progress=record,
+    )
+    assert resumed == finished
+    assert not set(started) & set(finished)
+    assert {r.label for r in result.rows} == {"fp32", "bf32", "bf16-mixed", "fp32 (repeat)"}
+    assert len(read_jsonl(jsonl)) == 4
+
+
+def test_torn_jsonl_line_is_ignored(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    row = BenchRow("w", "fp32", False, "cpu", 8, "ok", step_time_ms=StepTime(1.0, 0.1, 3), throughput=8000.0)
+    path.write_text(json.dumps(row.to_dict()) + "\n" + '{"workload": "w", "pol', encoding="utf-8")
+    assert [r.to_dict() for r in read_jsonl(path)] == [row.to_dict()]
+
+
+def test_row_json_and_csv_round_trip(tmp_path):
+    row = BenchRow(
+        "mlp",
+        "bf16-mixed",
+        True,
+        "cpu",
+        64,
+        "ok",
+        throughput=1234.5,
+        step_time_ms=StepTime(51.8, 2.5, 12),
+        peak_memory_bytes=123456,
+        speedup_vs_fp32=2.5,
+        first_loss=2.3,
+        flops_per_step=10**9,
+        mfu=0.12,
+    )
+    assert BenchRow.from_dict(json.loads(json.dumps(row.to_dict()))) == row
+    write_csv(tmp_path / "rows.csv", [row])
+    (back,) = read_csv(tmp_path / "rows.csv")
+    assert back["policy"] == "bf16-mixed" and float(back["throughput"]) == 1234.5
+    assert float(back["step_time_median_ms"]) == 51.8 and back["step_time_n"] == "12"
+
+
+def test_parse_policies_and_layouts():
+    assert parse_policies("all") == list(mixprec.POLICY_NAMES)
+    assert parse_policies("bf16,fp16,bf16-mixed") == ["bf16-mixed", "fp16-mixed"]
+    with pytest.raises(mixprec.PolicyError, match="Did you mean 'bf16-mixed'"):
+        parse_policies("bf16-mix")
+    assert parse_channels_last("both") == [False, True]
+    with pytest.raises(mixprec.UsageError, match="valid: off, on, both"):
+        parse_channels_last("sometimes")
+
+
+def test_bad_bench_arguments():
+    w = load_workload("mlp")
+    with pytest.raises(mixprec.UsageError, match="steps must be an integer >= 1"):
+        bench(w, steps=0)
+    with pytest.raises(mixprec.UsageError, match=r"mixprec\.Workload"):
+        bench(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def test_cli_bench_writes_every_file(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(
+        [
+            "bench",
+            "--model",
+            "mlp",
+            "--policies",
+            "fp32,bf16-mixed",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--min-time",
+            "0",
+            "--device",
+            "cpu",
+            "--json",
+            str(out / "b.json"),
+            "--csv",
+            str(out / "b.csv"),
+            "--markdown",
+            str(out / "b.md"),
+            "--plot",
+            str(out / "b.png"),
+        ]
+    )
+    assert code == 0
+    data = json.loads((out / "b.json").read_text())
+    assert data["schema_version"] == 1 and data["kind"] == "bench"
+    assert "precision_state" in data["env"] and "native_bf16" in data["env"]["device"]
+    assert {r["policy"] for r in data["rows"]} == {"fp32", "bf16-mixed"}
+    assert (out / "b.jsonl").exists() and (out / "b.png").stat().st_size > 10_000
+    assert "| bf16-mixed |" in (out / "b.md").read_text()
+    assert "bf16-mixed" in capsys.readouterr().out
+
+
+def test_cli_usage_errors(capsys):
+    assert main(["bench", "--model", "mlp", "--resume"]) == 2
+    assert "--json" in capsys.readouterr().err
+    assert main(["bench", "--model", "resnet5"]) == 2
+    assert "Did you mean 'resnet50'" in capsys.readouterr().err
+    assert main(["bench", "--model", "mlp", "--policies", "tf32", "--device", "tpu"]) == 2
