@@ -21,8 +21,8 @@ demo: $(STAMP)
 	$(BIN)/mixprec demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q

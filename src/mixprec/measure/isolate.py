@@ -8,12 +8,14 @@ is killed when a step runs far longer than the best candidate so far (pruned) or
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import resource
 import signal
+import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,6 +34,28 @@ def _context() -> Any:
         ctx.set_forkserver_preload(_PRELOAD)
         _CONTEXT = ctx
     return _CONTEXT
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Keep multiprocessing from re-importing the caller's ``__main__`` script in the child.
+
+    The child only needs ``_child`` (importable from mixprec) and the workload spec; re-running
+    a user's script there would repeat its side effects, or recurse into the sweep when the
+    script has no ``if __name__ == "__main__"`` guard. multiprocessing decides this from
+    ``__main__.__spec__`` / ``__file__`` while ``Process.start()`` runs, so hide them just then.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
 
 
 def _current_rss_bytes() -> int:
@@ -99,7 +123,8 @@ def run_isolated(
     ctx = _context()
     parent_conn, child_conn = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(child_conn, spec.to_dict(), candidate, settings), daemon=True)
-    proc.start()
+    with _main_module_hidden():
+        proc.start()
     child_conn.close()
     steps: list[float] = []
     next_index = 0

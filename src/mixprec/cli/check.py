@@ -1,0 +1,60 @@
+"""`mixprec check`: prove a policy trains like fp32, find where it breaks, and fix it."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from mixprec.cli.bench import add_workload_arguments, positive_int, workload_from_args
+from mixprec.environment import collect
+from mixprec.errors import UsageError
+from mixprec.numerics.check import EMULATABLE, check
+from mixprec.report.check import check_report, plot
+from mixprec.report.jsonio import write_json
+
+# Small enough for a CPU: the default model at a small image size and batch.
+DEFAULTS = {"image_size": 64, "batch_size": 8}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("check", help="train each policy next to fp32 and judge its numerics")
+    add_workload_arguments(p)
+    p.add_argument("--policies", default="bf16-mixed,fp16-mixed", help="comma-separated policy names")
+    p.add_argument("--steps", type=positive_int, default=8, help="training steps compared with fp32")
+    p.add_argument(
+        "--emulate",
+        action="append",
+        default=[],
+        metavar="FMT",
+        help=f"also check an emulated format ({', '.join(EMULATABLE)}); repeatable",
+    )
+    p.add_argument("--fix", action="store_true", help="search a keep_fp32 set for failing candidates")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    workload = workload_from_args(args, DEFAULTS)
+    is_default = not args.workload and args.model in (None, "resnet50")
+    policies = [p for p in args.policies.split(",") if p.strip()]
+    if not policies and not args.emulate:
+        raise UsageError("--policies is empty and no --emulate given: nothing to check.")
+    with err.status("checking") as status:
+        result = check(
+            workload,
+            policies=policies,
+            emulate=args.emulate,
+            steps=args.steps,
+            batch_size=args.batch_size or (DEFAULTS["batch_size"] if is_default else None),
+            device=args.device,
+            fix=args.fix,
+            progress=lambda msg: status.update(f"checking {msg}"),
+        )
+    out.print(check_report(result))
+    if args.json:
+        err.print(f"wrote {write_json(args.json, 'check', collect(args.device), result.to_dict())}")
+    if args.plot:
+        err.print(f"wrote {plot(args.plot, result)}")
+    return 4 if result.failed else 0

@@ -1,0 +1,1 @@
+"""Numerics: number formats, emulation, per-layer ranges, differential checks against fp32."""

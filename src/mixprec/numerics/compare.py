@@ -1,0 +1,194 @@
+"""Differential training: a candidate policy against a strict-fp32 reference, step by step.
+
+Both runs start from the same weights (deep copies) and see the same batches. Per step we
+record the loss, its relative difference to the reference, skipped steps and the loss scale;
+at the first step the SQNR of the model output and of every parameter gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.policy import Policy
+from mixprec.workload import Workload
+
+
+def sqnr_db(reference: torch.Tensor, candidate: torch.Tensor) -> float:
+    """Signal-to-quantisation-noise ratio in dB: 20*log10(||ref|| / ||ref - x||); inf when equal."""
+    ref = reference.detach().double()
+    noise = (ref - candidate.detach().double()).norm()
+    signal = ref.norm()
+    if not torch.isfinite(noise):
+        return -math.inf
+    if noise == 0:
+        return math.inf
+    if signal == 0:
+        return -math.inf
+    return float(20 * torch.log10(signal / noise))
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    """The model output to compare: the tensor itself, or the first tensor inside a container."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+@dataclass
+class Trajectory:
+    """What one run recorded: the per-step losses of training and the first-step probe."""
+
+    label: str
+    losses: list[float] = field(default_factory=list)
+    stepped: list[bool] = field(default_factory=list)
+    scales: list[float | None] = field(default_factory=list)
+    first_output: torch.Tensor | None = None
+    first_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    probe_scale: float | None = None  # loss scale the first-step probe needed (fp16)
+    error: str | None = None
+
+
+Context = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+def _prepared_copy(workload: Workload, policy: Policy) -> nn.Module:
+    model = policy.prepare(copy.deepcopy(workload.model))
+    model.train()
+    return model
+
+
+def probe_first_step(
+    workload: Workload, policy: Policy, batch: Any, traj: Trajectory, context: Context | None = None
+) -> None:
+    """Model output and unscaled parameter gradients of one forward/backward from the initial weights.
+
+    For loss-scaled policies the scale starts at the scaler's initial value and is halved
+    until the gradients are finite, as GradScaler would after skipped steps, so the SQNR
+    measures precision rather than an overflow the scaler recovers from by itself.
+    """
+    model = _prepared_copy(workload, policy)
+    names = {id(p): n for n, p in model.named_parameters()}
+    ctx = context or contextlib.nullcontext
+    scale = policy.scaler.get_scale() if policy.scaler is not None else 1.0
+    outputs: list[torch.Tensor | None] = []
+    hook = model.register_forward_hook(lambda m, a, out: outputs.append(_first_tensor(out)))
+    try:
+        with policy.precision_scope():
+            for _ in range(40):
+                outputs.clear()
+                model.zero_grad(set_to_none=True)
+                with ctx():
+                    with policy.autocast():
+                        loss = workload.loss_fn(model, batch)
+                    (loss * scale).backward()
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                finite = all(bool(torch.isfinite(g).all()) for g in grads)
+                if finite or policy.scaler is None:
+                    break
+                scale *= 0.5
+    finally:
+        hook.remove()
+    if outputs and outputs[0] is not None:
+        traj.first_output = outputs[0].detach().float().cpu().clone()
+    traj.first_grads = {
+        names[id(p)]: (p.grad.detach().float() / scale).cpu().clone()
+        for p in model.parameters()
+        if p.grad is not None
+    }
+    traj.probe_scale = scale if policy.scaler is not None else None
+
+
+def run_trajectory(
+    workload: Workload,
+    policy: Policy,
+    batches: Sequence[Any],
+    steps: int,
+    *,
+    label: str | None = None,
+    context: Context | None = None,
+) -> Trajectory:
+    """Probe the first step, then train a fresh copy for ``steps`` steps under ``policy``.
+
+    ``context`` wraps every forward and backward (used for emulation). Exceptions inside the
+    run are recorded in ``error`` so one broken candidate does not end a check.
+    """
+    traj = Trajectory(label or policy.config.label)
+    ctx = context or contextlib.nullcontext
+    try:
+        probe_first_step(workload, policy, batches[0], traj, context)
+        model = _prepared_copy(workload, policy)
+        optimizer = workload.make_optimizer(model.parameters())
+        with policy.precision_scope():
+            for i in range(steps):
+                batch = batches[i % len(batches)]
+                with ctx():
+                    with policy.autocast():
+                        loss = workload.loss_fn(model, batch)
+                    policy.backward(loss)
+                traj.losses.append(float(loss.detach().float()))
+                traj.stepped.append(policy.step(optimizer))
+                traj.scales.append(policy.stats.scale)
+                optimizer.zero_grad(set_to_none=True)
+    except Exception as exc:  # a candidate that crashes is a failed candidate, not a crashed check
+        traj.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return traj
+
+
+@dataclass
+class Comparison:
+    """A candidate trajectory measured against the reference."""
+
+    rel_loss_diff: list[float]
+    max_rel_loss_diff: float
+    output_sqnr_db: float | None
+    grad_sqnr_db: dict[str, float]
+    min_grad_sqnr_db: float | None
+    median_grad_sqnr_db: float | None
+    skipped_steps: int
+    nonfinite_loss_step: int | None
+
+
+def compare(reference: Trajectory, candidate: Trajectory) -> Comparison:
+    rel = []
+    nonfinite_at = None
+    for i, (r, c) in enumerate(zip(reference.losses, candidate.losses, strict=False)):
+        if not math.isfinite(c):
+            nonfinite_at = i if nonfinite_at is None else nonfinite_at
+            rel.append(math.inf)
+        else:
+            rel.append(abs(c - r) / max(abs(r), 1e-12))
+    out_sqnr = None
+    ref_out, cand_out = reference.first_output, candidate.first_output
+    if ref_out is not None and cand_out is not None and ref_out.shape == cand_out.shape:
+        out_sqnr = sqnr_db(reference.first_output, candidate.first_output)
+    grads = {
+        name: sqnr_db(g, candidate.first_grads[name])
+        for name, g in reference.first_grads.items()
+        if name in candidate.first_grads and g.norm() > 0
+    }
+    values = sorted(grads.values())
+    return Comparison(
+        rel_loss_diff=rel,
+        max_rel_loss_diff=max(rel) if rel else math.inf,
+        output_sqnr_db=out_sqnr,
+        grad_sqnr_db=grads,
+        min_grad_sqnr_db=values[0] if values else None,
+        median_grad_sqnr_db=values[len(values) // 2] if values else None,
+        skipped_steps=sum(1 for s in candidate.stepped if not s),
+        nonfinite_loss_step=nonfinite_at,
+    )

@@ -1,0 +1,184 @@
+"""Presentation of `check` results: verdict table, evidence, the keep-fp32 fix, and plots."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from mixprec.numerics.check import CandidateCheck, CheckResult
+
+_VERDICT_STYLE = {"pass": "green", "fail": "red", "unsupported": "dim"}
+
+
+def _db(x: float | None) -> str:
+    if x is None:
+        return ""
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.1f}"
+
+
+def _pct(x: float | None) -> str:
+    if x is None:
+        return ""
+    return "inf" if math.isinf(x) else f"{x:.2%}"
+
+
+def fix_snippet(c: CandidateCheck) -> str:
+    name = c.policy.split(" ")[0]
+    return f"mixprec.get_policy({name!r}, keep_fp32={c.keep_fp32!r})"
+
+
+def check_report(result: CheckResult) -> Group:
+    table = Table(
+        title=(
+            f"{result.workload} on {result.device}: {result.steps} steps, batch {result.batch_size}, "
+            "vs strict fp32"
+        ),
+        title_justify="left",
+    )
+    for col in (
+        "candidate",
+        "verdict",
+        "max loss diff",
+        "output SQNR dB",
+        "min grad SQNR dB",
+        "skipped",
+        "first non-finite (fwd / bwd)",
+        "keep_fp32 fix",
+    ):
+        table.add_column(col, justify="left" if col in ("candidate", "verdict", "keep_fp32 fix") else "right")
+    for c in result.candidates:
+        nonfinite = " / ".join(x or "-" for x in (c.first_nonfinite_forward, c.first_nonfinite_backward))
+        fix = (
+            ", ".join(c.keep_fp32) + (" (verified)" if c.fix_verified else " (unverified)")
+            if c.keep_fp32
+            else ""
+        )
+        table.add_row(
+            c.policy,
+            Text(c.verdict, style=_VERDICT_STYLE.get(c.verdict, "")),
+            _pct(c.max_rel_loss_diff),
+            _db(c.output_sqnr_db),
+            _db(c.min_grad_sqnr_db),
+            str(c.skipped_steps) if c.verdict != "unsupported" else "",
+            nonfinite if c.verdict != "unsupported" else "",
+            fix,
+        )
+    parts: list[Any] = [table]
+    for c in result.candidates:
+        style = _VERDICT_STYLE.get(c.verdict, "")
+        parts.append(Text(f"{c.policy}: {c.reason}", style=style))
+        if c.verdict == "fail":
+            for layer in c.worst_layers[:3]:
+                parts.append(
+                    Text(
+                        f"    least {layer['format']} headroom: {layer['layer']} ({layer['type']}): "
+                        f"forward {_bits(layer['forward_headroom_bits'])}, "
+                        f"backward {_bits(layer['backward_headroom_bits'])}"
+                    )
+                )
+            if c.keep_fp32 and c.fix_verified:
+                parts.append(Text(f"    fix: {fix_snippet(c)}  ({c.fix_note})", style="bold"))
+            elif c.fix_note:
+                parts.append(Text(f"    {c.fix_note}"))
+            if c.suggestion:
+                parts.append(Text(f"    suggestion: {c.suggestion}"))
+    return Group(*parts)
+
+
+def _bits(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:+.1f} bits" if math.isfinite(x) else str(x)
+
+
+def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
+    """Loss curves over the fp32 reference, their relative difference, and per-layer headroom."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(12, 8))
+    grid = fig.add_gridspec(2, 2, height_ratios=(1, 1.1))
+    ax_loss, ax_diff = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+    ax_head = fig.add_subplot(grid[1, :])
+
+    steps = range(len(result.reference_losses))
+    ax_loss.plot(steps, result.reference_losses, color="black", linewidth=2.5, label="fp32 reference")
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for n, c in enumerate(c for c in result.candidates if c.losses):
+        color = palette[n % len(palette)]
+        style = "-" if c.verdict == "pass" else "--"
+        finite = [(i, v) for i, v in enumerate(c.losses) if math.isfinite(v)]
+        if finite:
+            ax_loss.plot(
+                *zip(*finite, strict=True),
+                style,
+                color=color,
+                marker="o",
+                markersize=3,
+                label=f"{c.policy} ({c.verdict})",
+            )
+        bad = [i for i, v in enumerate(c.losses) if not math.isfinite(v)]
+        if bad:
+            top = max(result.reference_losses)
+            ax_loss.scatter(
+                bad, [top] * len(bad), marker="x", color=color, zorder=5, label=f"{c.policy}: loss non-finite"
+            )
+        diffs = [(i, max(d, 1e-9)) for i, d in enumerate(c.rel_loss_diff) if math.isfinite(d)]
+        if diffs:
+            ax_diff.semilogy(
+                *zip(*diffs, strict=True), style, color=color, marker="o", markersize=3, label=c.policy
+            )
+        limit = c.thresholds.get("max_rel_loss_diff")
+        if limit:
+            ax_diff.axhline(limit, color=color, linestyle=":", label=f"{c.policy} limit")
+    ax_loss.set_title("training loss (same weights and batches)")
+    ax_loss.set_xlabel("step")
+    ax_loss.legend(fontsize=7)
+    ax_diff.set_title("relative loss difference to fp32 (dotted: pass limit)")
+    ax_diff.set_xlabel("step")
+    if ax_diff.lines:
+        ax_diff.legend(fontsize=7)
+
+    # fp16 is the format whose range matters (bf16 shares fp32's exponent range, see the text).
+    layers = result.reference_layers
+    x = list(range(len(layers)))
+    fwd = [_nan(layer["forward_headroom_bits"].get("fp16")) for layer in layers]
+    bwd = [_nan(layer["backward_headroom_bits"].get("fp16")) for layer in layers]
+    ax_head.plot(x, fwd, "o", color="#d62728", markersize=4, label="activations (forward)")
+    ax_head.plot(x, bwd, "x", color="#1f77b4", markersize=4, label="gradients (backward, unscaled)")
+    ax_head.axhline(0, color="black", linewidth=1)
+    ax_head.axhspan(-40, 0, color="#d62728", alpha=0.08)
+    ax_head.text(0, -1.5, "overflows fp16 (shaded)", fontsize=8, va="top")
+    ranked = sorted((h, i) for i, h in enumerate(fwd) if math.isfinite(h))[:3]
+    for h, i in ranked:
+        ax_head.annotate(layers[i]["layer"], (i, h), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    finite = [h for h in fwd + bwd if math.isfinite(h)]
+    if finite:
+        ax_head.set_ylim(min(-4.0, min(finite) - 2), max(finite) + 4)
+    bf16 = [h for layer in layers for h in (layer["forward_headroom_bits"].get("bf16"),) if h is not None]
+    bf16_note = f"; bf16 keeps >= {min(bf16):.0f} bits everywhere" if bf16 else ""
+    ax_head.set_title(f"fp16 headroom per layer in the fp32 reference: log2(65504 / max |value|){bf16_note}")
+    ax_head.set_xlabel("module, in forward execution order")
+    ax_head.set_ylabel("headroom (bits)")
+    ax_head.legend(fontsize=7)
+    fig.suptitle(f"mixprec check: {result.workload} on {result.device}", fontsize=11)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _nan(x: float | None) -> float:
+    return math.nan if x is None else x
