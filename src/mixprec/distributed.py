@@ -259,15 +259,6 @@ def support(policy: Policy | str, wrapper: Wrapper | str, backend: str | None = 
                 "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler",
                 "bf16-mixed, or torch >= 2.5",
             )
-        if spec.name == "bf16-true" and isinstance(policy, Policy) and policy.config.finite_check:
-            # Policy._find_nonfinite adds the bf16 check's DTensor flag into a plain tensor, which
-            # DTensor refuses; drop this clause once it calls .full_tensor() on a DTensor flag.
-            return Support(
-                False,
-                "finite_check=True on bf16-true cannot yet check bf16 DTensor gradient shards "
-                "(Policy's bf16 finite check adds a DTensor flag into a plain tensor)",
-                "bf16-true without finite_check, or bf16-mixed",
-            )
         reason = _FSDP2_REASONS[spec.name]
     if backend_note is not None:
         reason = f"{reason}; {backend_note.reason}"
@@ -680,7 +671,7 @@ def shard_model(
         fully_shard(module, mesh=mesh, mp_policy=group.mp_policy)
     # fully_shard replaced the parameters with DTensor ones: let the policy name them in
     # stats.last_nonfinite_params again (it keys names by parameter identity).
-    policy._param_names = {id(p): n for n, p in model.named_parameters()}
+    policy.refresh_param_names(model)
     return model
 
 

@@ -18,10 +18,12 @@ class Candidate:
 
     policy: str
     channels_last: bool = False
+    keep_fp32: tuple[str, ...] = ()  # fp32 islands, e.g. a failing candidate rescued by `check --fix`
 
     @property
     def label(self) -> str:
-        return self.policy + ("+cl" if self.channels_last else "")
+        islands = f"+fp32[{','.join(self.keep_fp32)}]" if self.keep_fp32 else ""
+        return self.policy + ("+cl" if self.channels_last else "") + islands
 
 
 @dataclass
@@ -60,22 +62,24 @@ class BenchRow:
     step_times_ms: list[float] = field(default_factory=list)
     wall_s: float | None = None
     baseline_repeat: bool = False  # the fp32 re-measurement at the end of a sweep (drift check)
+    keep_fp32: list[str] = field(default_factory=list)
 
     @property
     def candidate(self) -> Candidate:
-        return Candidate(self.policy, self.channels_last)
+        return Candidate(self.policy, self.channels_last, tuple(self.keep_fp32))
 
     @property
     def label(self) -> str:
         return self.candidate.label + (" (repeat)" if self.baseline_repeat else "")
 
     @property
-    def key(self) -> tuple[str, str, bool, str, int, bool]:
+    def key(self) -> tuple:
         """Identity for --resume: the same candidate on the same workload, device and batch size."""
         return (
             self.workload,
             self.policy,
             self.channels_last,
+            tuple(self.keep_fp32),
             self.device,
             self.batch_size,
             self.baseline_repeat,

@@ -155,7 +155,8 @@ def run_candidate(
     device = torch.device(settings.device)
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    policy = get_policy(candidate.policy, device=device, channels_last=candidate.channels_last)
+    islands = {"keep_fp32": list(candidate.keep_fp32)} if candidate.keep_fp32 else {}
+    policy = get_policy(candidate.policy, device=device, channels_last=candidate.channels_last, **islands)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = policy.prepare(copy.deepcopy(workload.model))

@@ -181,8 +181,12 @@ def bench(
     prune_factor: float = 5.0,
     repeat_baseline: bool = True,
     progress: Progress | None = None,
+    candidates: Sequence[Candidate] | None = None,
 ) -> BenchResult:
     """Measure every candidate policy on ``workload``'s real training step.
+
+    ``candidates`` (e.g. a policy with a ``keep_fp32`` rescue) replaces the grid of
+    ``policies`` x ``channels_last``; strict fp32 is always measured first.
 
     ``isolate`` (default: when the workload has a spec) runs each candidate in its own
     process, which gives isolated CPU peak memory and survives crashes. ``prune_factor``:
@@ -242,7 +246,8 @@ def bench(
             Path(jsonl).parent.mkdir(parents=True, exist_ok=True)
             Path(jsonl).write_text("", encoding="utf-8")
 
-    plan = plan_candidates(names, layouts)
+    plan = plan_candidates(names, layouts) if candidates is None else plan_candidates([], [])
+    plan += [c for c in (candidates or []) if c not in plan]
     if repeat_baseline:
         plan.append(Candidate("fp32", False))
     shared_batches: list | None = None  # in-process runs: one set of batches for all candidates
@@ -250,7 +255,16 @@ def bench(
 
     for index, cand in enumerate(plan):
         is_repeat = repeat_baseline and index == len(plan) - 1
-        row = BenchRow(label, cand.policy, cand.channels_last, str(dev), bs, "ok", baseline_repeat=is_repeat)
+        row = BenchRow(
+            label,
+            cand.policy,
+            cand.channels_last,
+            str(dev),
+            bs,
+            "ok",
+            baseline_repeat=is_repeat,
+            keep_fp32=list(cand.keep_fp32),
+        )
         if row.key in done:
             result.rows.append(done[row.key])
             progress(
@@ -343,6 +357,12 @@ def _measure(
         outcome = run_isolated(workload.spec, cand, settings, step_timeout=step_timeout, on_event=on_event)  # type: ignore[arg-type]
         row.status, measurement = outcome.status, outcome.measurement
         row.reason = verdict.get("reason") or outcome.reason
+        if outcome.status == "pruned" and not verdict and best_median_s:
+            limit = step_timeout(len(outcome.steps_seen or []))
+            row.reason += (
+                f" (best so far {best_median_s * 1e3:.0f} ms/step: "
+                f"at least {(limit or 0) / best_median_s:.0f}x slower)"
+            )
         if measurement is not None:
             row.flops_per_step = measurement.flops_per_step
     else:

@@ -32,35 +32,46 @@ EMULATABLE = ("tf32", "bf16", "fp8_e4m3", "fp8_e5m2")
 class Thresholds:
     """A candidate passes when all of these hold over the differential run.
 
-    max_rel_loss_diff: the largest |loss - loss_fp32| / |loss_fp32| over the steps.
+    max_rel_loss_diff: allowed max over steps of |loss - loss_fp32| / |loss_fp32|, at least;
+        the allowance grows to ``chaos_factor`` x the fp32 chaos floor (see below).
     min_output_sqnr_db: SQNR of the model output at the first step.
-    min_grad_sqnr_db: the smallest per-parameter gradient SQNR at the first step.
-    max_skip_fraction: skipped optimizer steps / steps (overflow the scaler had to absorb).
+    min_grad_sqnr_db: SQNR of all parameter gradients together (one vector) at the first step.
+    max_skip_fraction: optimizer steps skipped on non-finite gradients / steps, after the
+        loss scale has settled (start-up back-off is reported, not counted).
+
+    The chaos floor is an fp32 run whose initial weights differ by one part in 2^20: how far
+    two fp32 runs drift apart on this model in the same steps. Deep nets at initialisation
+    amplify any rounding difference, so a fixed loss tolerance would fail every format on
+    them while passing anything on a shallow model.
     """
 
     max_rel_loss_diff: float
     min_output_sqnr_db: float
     min_grad_sqnr_db: float
     max_skip_fraction: float = 0.0
+    chaos_factor: float = 3.0
 
 
-# Calibrated on the zoo (resnet50, gpt2, mlp) on this project's CPU, see docs/check.md:
-# healthy candidates sit well above these floors; planted range/precision faults fall far
-# below them. A ~10-bit mantissa (fp16, tf32) gives ~60 dB per rounding, bf16's 7 bits ~40 dB;
-# errors compound through depth, so the floors leave a wide margin.
+# Calibrated on the zoo on this project's CPU (docs/check.md has the figures and commands).
+# The SQNR floors are guards against catastrophic error (overflow, a layer computing garbage):
+# resnet50 at initialisation amplifies rounding noise by ~35 dB, so healthy bf16 there shows
+# ~10 dB output SQNR while an MLP shows ~45 dB. The loss trajectory against the chaos floor
+# decides the rest.
 DEFAULT_THRESHOLDS: dict[str, Thresholds] = {
-    "fp32": Thresholds(1e-5, 100.0, 100.0),
-    "tf32": Thresholds(1e-2, 30.0, 20.0),
-    "bf32": Thresholds(5e-2, 15.0, 10.0),
-    "bf16-mixed": Thresholds(5e-2, 15.0, 10.0),
-    "fp16-mixed": Thresholds(2e-2, 25.0, 15.0, max_skip_fraction=0.5),
-    "bf16-true": Thresholds(5e-2, 15.0, 5.0),
-    "fp16-true": Thresholds(2e-2, 20.0, 10.0, max_skip_fraction=0.5),
-    "emulated:tf32": Thresholds(1e-2, 30.0, 20.0),
-    "emulated:bf16": Thresholds(5e-2, 15.0, 10.0),
-    "emulated:fp8_e4m3": Thresholds(1e-1, 8.0, 3.0),
-    "emulated:fp8_e5m2": Thresholds(1e-1, 5.0, 0.0),
+    "fp32": Thresholds(1e-6, 100.0, 100.0),
+    "tf32": Thresholds(1e-2, 15.0, 10.0),
+    "bf32": Thresholds(2e-2, 5.0, 3.0),
+    "bf16-mixed": Thresholds(2e-2, 5.0, 3.0),
+    "fp16-mixed": Thresholds(1e-2, 10.0, 6.0, max_skip_fraction=0.25),
+    "bf16-true": Thresholds(5e-2, 5.0, 0.0),
+    "fp16-true": Thresholds(2e-2, 10.0, 3.0, max_skip_fraction=0.25),
+    "emulated:tf32": Thresholds(1e-2, 15.0, 10.0),
+    "emulated:bf16": Thresholds(2e-2, 5.0, 3.0),
+    "emulated:fp8_e4m3": Thresholds(1e-1, 3.0, 0.0),
+    "emulated:fp8_e5m2": Thresholds(1e-1, 0.0, -3.0),
 }
+
+CHAOS_PERTURBATION = 2.0**-20
 
 
 @dataclass
@@ -72,9 +83,12 @@ class CandidateCheck:
     reason: str
     max_rel_loss_diff: float | None = None
     output_sqnr_db: float | None = None
-    min_grad_sqnr_db: float | None = None
+    min_grad_sqnr_db: float | None = None  # the worst single parameter (evidence, not gated)
     median_grad_sqnr_db: float | None = None
+    total_grad_sqnr_db: float | None = None  # all gradients as one vector (gated)
     skipped_steps: int = 0
+    scaler_warmup_skips: int = 0  # start-up back-off from the init scale, before the compared run
+    allowed_rel_loss_diff: float | None = None  # after the chaos-floor allowance
     first_nonfinite_forward: str | None = None
     first_nonfinite_backward: str | None = None
     keep_fp32: list[str] = field(default_factory=list)
@@ -104,6 +118,8 @@ class CheckResult:
     candidates: list[CandidateCheck]
     reference_layers: list[dict[str, Any]] = field(default_factory=list)
     env: dict[str, Any] = field(default_factory=dict)
+    chaos_floor_rel_loss_diff: float | None = None
+    chaos_floor_losses: list[float] = field(default_factory=list)
 
     @property
     def failed(self) -> list[CandidateCheck]:
@@ -116,6 +132,8 @@ class CheckResult:
             "batch_size": self.batch_size,
             "steps": self.steps,
             "reference_losses": self.reference_losses,
+            "chaos_floor_rel_loss_diff": self.chaos_floor_rel_loss_diff,
+            "chaos_floor_losses": self.chaos_floor_losses,
             "reference_layers": self.reference_layers,
             "candidates": [c.to_dict() for c in self.candidates],
         }
@@ -145,7 +163,7 @@ def _emulation_context(fmt: str | None) -> Callable[[], contextlib.AbstractConte
     return lambda: emulate(fmt)
 
 
-def _judge(cmp: Comparison, traj: Trajectory, thr: Thresholds, steps: int) -> tuple[bool, str]:
+def _judge(cmp: Comparison, traj: Trajectory, thr: Thresholds, steps: int, floor: float) -> tuple[bool, str]:
     """(passed, reason). The reason names the first criterion that failed, with the figure."""
     if traj.error:
         return False, f"training crashed: {traj.error}"
@@ -153,24 +171,27 @@ def _judge(cmp: Comparison, traj: Trajectory, thr: Thresholds, steps: int) -> tu
         return False, f"loss became non-finite at step {cmp.nonfinite_loss_step}"
     if steps and cmp.skipped_steps / steps > thr.max_skip_fraction:
         return False, f"{cmp.skipped_steps}/{steps} optimizer steps skipped on non-finite gradients"
-    if cmp.max_rel_loss_diff > thr.max_rel_loss_diff:
+    allowed = allowed_rel_loss_diff(thr, floor)
+    if cmp.max_rel_loss_diff > allowed:
         return False, (
-            f"loss differs from fp32 by {cmp.max_rel_loss_diff:.2%} (limit {thr.max_rel_loss_diff:.2%})"
+            f"loss differs from fp32 by {cmp.max_rel_loss_diff:.2%} (allowed {allowed:.2%}; two fp32 runs "
+            f"drift {floor:.2%} apart here)"
         )
     if cmp.output_sqnr_db is not None and cmp.output_sqnr_db < thr.min_output_sqnr_db:
         return False, f"output SQNR {cmp.output_sqnr_db:.1f} dB < {thr.min_output_sqnr_db:g} dB"
-    if cmp.min_grad_sqnr_db is not None and cmp.min_grad_sqnr_db < thr.min_grad_sqnr_db:
-        worst = min(cmp.grad_sqnr_db, key=cmp.grad_sqnr_db.get)  # type: ignore[arg-type]
-        return False, (
-            f"gradient of {worst!r} has SQNR {cmp.min_grad_sqnr_db:.1f} dB < {thr.min_grad_sqnr_db:g} dB"
-        )
+    if cmp.total_grad_sqnr_db is not None and cmp.total_grad_sqnr_db < thr.min_grad_sqnr_db:
+        return False, f"gradient SQNR {cmp.total_grad_sqnr_db:.1f} dB < {thr.min_grad_sqnr_db:g} dB"
     margin = []
     if cmp.output_sqnr_db is not None:
         margin.append(f"output SQNR {cmp.output_sqnr_db:.1f} dB")
-    if cmp.min_grad_sqnr_db is not None:
-        margin.append(f"min grad SQNR {cmp.min_grad_sqnr_db:.1f} dB")
-    margin.append(f"max loss diff {cmp.max_rel_loss_diff:.2%}")
+    if cmp.total_grad_sqnr_db is not None:
+        margin.append(f"gradient SQNR {cmp.total_grad_sqnr_db:.1f} dB")
+    margin.append(f"max loss diff {cmp.max_rel_loss_diff:.2%} (allowed {allowed:.2%})")
     return True, "matches fp32: " + ", ".join(margin)
+
+
+def allowed_rel_loss_diff(thr: Thresholds, floor: float) -> float:
+    return max(thr.max_rel_loss_diff, thr.chaos_factor * floor)
 
 
 def _ranges(workload: Workload, policy: Policy, batch: Any, context: Any, loss_scale: float | None) -> Any:
@@ -257,6 +278,11 @@ class _Checker:
         self.reference_ranges = _ranges(
             workload, get_policy("fp32", device=device), self.batches[0], None, None
         )
+        progress("fp32 chaos floor")
+        self.chaos = run_trajectory(
+            workload, get_policy("fp32", device=device), self.batches, steps, perturb=CHAOS_PERTURBATION
+        )
+        self.floor = compare(self.reference, self.chaos).max_rel_loss_diff if not self.chaos.error else 0.0
 
     def policy(self, cand: _Candidate, keep_fp32: Sequence[str] = ()) -> Policy:
         options: dict[str, Any] = {"keep_fp32": list(keep_fp32)} if keep_fp32 else {}
@@ -275,7 +301,10 @@ class _Checker:
         )
         ref = replace(self.reference, losses=self.reference.losses[:steps])
         cmp = compare(ref, traj)
-        passed, reason = _judge(cmp, traj, self.thresholds[cand.threshold_key], steps)
+        floor = max(
+            compare(ref, replace(self.chaos, losses=self.chaos.losses[:steps])).max_rel_loss_diff, 0.0
+        )
+        passed, reason = _judge(cmp, traj, self.thresholds[cand.threshold_key], steps, floor)
         return passed, reason, cmp, traj, policy
 
     def check(self, cand: _Candidate, fix: bool) -> CandidateCheck:
@@ -290,7 +319,10 @@ class _Checker:
             output_sqnr_db=cmp.output_sqnr_db,
             min_grad_sqnr_db=cmp.min_grad_sqnr_db,
             median_grad_sqnr_db=cmp.median_grad_sqnr_db,
+            total_grad_sqnr_db=cmp.total_grad_sqnr_db,
             skipped_steps=cmp.skipped_steps,
+            scaler_warmup_skips=traj.warmup_skips,
+            allowed_rel_loss_diff=allowed_rel_loss_diff(thr, self.floor),
             emulated=cand.emulated,
             losses=traj.losses,
             rel_loss_diff=cmp.rel_loss_diff,
@@ -431,6 +463,8 @@ def check(
         batch_size=bs,
         steps=steps,
         reference_losses=checker.reference.losses,
+        chaos_floor_rel_loss_diff=checker.floor,
+        chaos_floor_losses=checker.chaos.losses,
         candidates=results,
         reference_layers=_layer_headroom(checker.reference_ranges),
     )

@@ -60,6 +60,7 @@ class Trajectory:
     first_output: torch.Tensor | None = None
     first_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     probe_scale: float | None = None  # loss scale the first-step probe needed (fp16)
+    warmup_skips: int = 0  # steps GradScaler would skip to back off from its init scale to probe_scale
     error: str | None = None
 
 
@@ -113,6 +114,21 @@ def probe_first_step(
     traj.probe_scale = scale if policy.scaler is not None else None
 
 
+def _settled(policy: Policy, traj: Trajectory) -> Policy:
+    """The same policy whose scaler starts at the scale the first-step probe needed."""
+    from mixprec.policy import policy_from_config
+
+    config = policy.config.to_dict()
+    init = config["scaler"]["init_scale"]
+    floor = config["scaler"]["min_scale"] or 0.0
+    settled = max(float(traj.probe_scale), floor)  # type: ignore[arg-type]
+    if settled >= init:
+        return policy
+    traj.warmup_skips = round(math.log(init / settled, 1 / config["scaler"]["backoff_factor"]))
+    config["scaler"] = {**config["scaler"], "init_scale": settled}
+    return policy_from_config(config)
+
+
 def run_trajectory(
     workload: Workload,
     policy: Policy,
@@ -121,17 +137,31 @@ def run_trajectory(
     *,
     label: str | None = None,
     context: Context | None = None,
+    perturb: float = 0.0,
+    settle_scale: bool = True,
 ) -> Trajectory:
     """Probe the first step, then train a fresh copy for ``steps`` steps under ``policy``.
 
-    ``context`` wraps every forward and backward (used for emulation). Exceptions inside the
+    ``context`` wraps every forward and backward (used for emulation). ``perturb`` multiplies
+    every initial weight by ``1 + perturb * N(0, 1)`` (the chaos-floor run). With
+    ``settle_scale`` a loss-scaled policy starts at the scale its probe found finite, i.e.
+    the steady state GradScaler reaches after ``warmup_skips`` skipped start-up steps, so the
+    comparison measures numerics rather than the scaler's start-up. Exceptions inside the
     run are recorded in ``error`` so one broken candidate does not end a check.
     """
     traj = Trajectory(label or policy.config.label)
     ctx = context or contextlib.nullcontext
     try:
         probe_first_step(workload, policy, batches[0], traj, context)
+        if settle_scale and policy.scaler is not None and traj.probe_scale is not None:
+            policy = _settled(policy, traj)
         model = _prepared_copy(workload, policy)
+        if perturb:
+            gen = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for p in model.parameters():
+                    noise = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
+                    p.mul_(1 + perturb * noise)
         optimizer = workload.make_optimizer(model.parameters())
         with policy.precision_scope():
             for i in range(steps):
@@ -157,6 +187,7 @@ class Comparison:
     max_rel_loss_diff: float
     output_sqnr_db: float | None
     grad_sqnr_db: dict[str, float]
+    total_grad_sqnr_db: float | None  # all parameter gradients as one vector
     min_grad_sqnr_db: float | None
     median_grad_sqnr_db: float | None
     skipped_steps: int
@@ -182,11 +213,19 @@ def compare(reference: Trajectory, candidate: Trajectory) -> Comparison:
         if name in candidate.first_grads and g.norm() > 0
     }
     values = sorted(grads.values())
+    common = [n for n in reference.first_grads if n in candidate.first_grads]
+    total = None
+    if common:
+        total = sqnr_db(
+            torch.cat([reference.first_grads[n].flatten() for n in common]),
+            torch.cat([candidate.first_grads[n].flatten() for n in common]),
+        )
     return Comparison(
         rel_loss_diff=rel,
         max_rel_loss_diff=max(rel) if rel else math.inf,
         output_sqnr_db=out_sqnr,
         grad_sqnr_db=grads,
+        total_grad_sqnr_db=total,
         min_grad_sqnr_db=values[0] if values else None,
         median_grad_sqnr_db=values[len(values) // 2] if values else None,
         skipped_steps=sum(1 for s in candidate.stepped if not s),

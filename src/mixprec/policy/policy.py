@@ -163,8 +163,13 @@ class Policy:
             self._wrap_fp32_island(module)
         if self.spec.param_dtype is not None or self.config.channels_last:
             model.register_forward_pre_hook(self._convert_inputs, with_kwargs=True)
-        self._param_names = {id(p): n for n, p in model.named_parameters()}
+        self.refresh_param_names(model)
         return model
+
+    def refresh_param_names(self, model: nn.Module) -> None:
+        """Re-read parameter names for skip reports after a wrapper replaced the parameters
+        (FSDP2's fully_shard does; DDP does not)."""
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
 
     def _keep_fp32_modules(self, model: nn.Module) -> dict[str, nn.Module]:
         named = dict(model.named_modules())
@@ -314,7 +319,11 @@ class Policy:
             flag = torch.zeros((), dtype=torch.float32, device=self.device)
             opt_params = [p for g in o.param_groups for p in g["params"]]
             for (device, _), grads in _grads_by_device_and_dtype(opt_params).items():
-                flag += _nonfinite_flag(grads, device).to(self.device)
+                found_here = _nonfinite_flag(grads, device)
+                if hasattr(found_here, "full_tensor"):
+                    # bf16 DTensor gradient shards (FSDP2): the global answer, identical on every rank
+                    found_here = found_here.full_tensor()
+                flag += found_here.to(self.device)
             found.append(flag)
         return found
 

@@ -48,7 +48,7 @@ def check_report(result: CheckResult) -> Group:
         "verdict",
         "max loss diff",
         "output SQNR dB",
-        "min grad SQNR dB",
+        "grad SQNR dB",
         "skipped",
         "first non-finite (fwd / bwd)",
         "keep_fp32 fix",
@@ -66,15 +66,32 @@ def check_report(result: CheckResult) -> Group:
             Text(c.verdict, style=_VERDICT_STYLE.get(c.verdict, "")),
             _pct(c.max_rel_loss_diff),
             _db(c.output_sqnr_db),
-            _db(c.min_grad_sqnr_db),
+            _db(c.total_grad_sqnr_db),
             str(c.skipped_steps) if c.verdict != "unsupported" else "",
             nonfinite if c.verdict != "unsupported" else "",
             fix,
         )
     parts: list[Any] = [table]
+    if result.chaos_floor_rel_loss_diff is not None:
+        parts.append(
+            Text(
+                f"chaos floor: two fp32 runs whose weights differ by 1 part in 2^20 drift "
+                f"{result.chaos_floor_rel_loss_diff:.2%} apart in {result.steps} steps; candidates may drift "
+                "a few times that.",
+                style="dim",
+            )
+        )
     for c in result.candidates:
         style = _VERDICT_STYLE.get(c.verdict, "")
         parts.append(Text(f"{c.policy}: {c.reason}", style=style))
+        if c.scaler_warmup_skips:
+            parts.append(
+                Text(
+                    f"    loss scale settled at {c.scales[0] if c.scales else '?'}: GradScaler skips "
+                    f"{c.scaler_warmup_skips} start-up steps to get there from its initial scale (normal)",
+                    style="dim",
+                )
+            )
         if c.verdict == "fail":
             for layer in c.worst_layers[:3]:
                 parts.append(
@@ -138,13 +155,26 @@ def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
             ax_diff.semilogy(
                 *zip(*diffs, strict=True), style, color=color, marker="o", markersize=3, label=c.policy
             )
-        limit = c.thresholds.get("max_rel_loss_diff")
+        limit = c.allowed_rel_loss_diff
         if limit:
             ax_diff.axhline(limit, color=color, linestyle=":", label=f"{c.policy} limit")
+    floor = [
+        (i, max(abs(a - b) / max(abs(b), 1e-12), 1e-9))
+        for i, (a, b) in enumerate(zip(result.chaos_floor_losses, result.reference_losses, strict=False))
+        if math.isfinite(a)
+    ]
+    if floor:
+        ax_diff.semilogy(
+            *zip(*floor, strict=True),
+            color="gray",
+            linewidth=3,
+            alpha=0.4,
+            label="fp32 vs fp32 (weights off by 2^-20)",
+        )
     ax_loss.set_title("training loss (same weights and batches)")
     ax_loss.set_xlabel("step")
     ax_loss.legend(fontsize=7)
-    ax_diff.set_title("relative loss difference to fp32 (dotted: pass limit)")
+    ax_diff.set_title("relative loss difference to fp32 (dotted: allowed)")
     ax_diff.set_xlabel("step")
     if ax_diff.lines:
         ax_diff.legend(fontsize=7)

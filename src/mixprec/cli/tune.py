@@ -1,0 +1,166 @@
+"""`mixprec tune`: measure, gate by numerics, recommend, export; `mixprec report` re-renders."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console, Group
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from mixprec.cli.bench import (
+    CPU_DEFAULTS,
+    CUDA_DEFAULTS,
+    add_workload_arguments,
+    positive_int,
+    workload_from_args,
+)
+from mixprec.errors import UsageError
+from mixprec.report.jsonio import write_json
+
+_STYLE = {
+    "recommended": "bold green",
+    "passed": "green",
+    "rejected": "red",
+    "error": "red",
+    "pruned": "yellow",
+    "unsupported": "dim",
+    "slower": "dim",
+    "unchecked": "yellow",
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "tune", help="find the fastest policy that trains like fp32, with evidence and exports"
+    )
+    add_workload_arguments(p)
+    p.add_argument("--budget", type=float, default=180.0, help="seconds for the whole search (default 180)")
+    p.add_argument("--steps", type=positive_int, help="timed steps per candidate")
+    p.add_argument("--check-steps", type=positive_int, default=6, help="training steps compared with fp32")
+    p.add_argument(
+        "--no-fix", action="store_true", help="do not search keep_fp32 rescues for failing policies"
+    )
+    p.add_argument("--no-lint", action="store_true")
+    p.add_argument("--json", metavar="FILE", help="everything tune measured and decided, as JSON")
+    p.add_argument("--report", metavar="DIR", help="write DIR/index.html and DIR/report.md")
+    p.set_defaults(run=run)
+
+    r = sub.add_parser("report", help="re-render a saved `mixprec tune --json` file as HTML and Markdown")
+    r.add_argument("results", help="JSON written by mixprec tune --json")
+    r.add_argument("--out", metavar="DIR", default="mixprec-report")
+    r.set_defaults(run=run_report)
+
+
+def candidate_table(data: dict[str, Any]) -> Table:
+    table = Table(title=f"{data['workload']} on {data['device']}: candidates", title_justify="left")
+    for col in ("candidate", "status", "samples/s", "speedup vs fp32", "numerics", "why"):
+        table.add_column(col, justify="right" if col in ("samples/s", "speedup vs fp32") else "left")
+    for c in data["candidates"]:
+        table.add_row(
+            c["label"],
+            Text(c["status"], style=_STYLE.get(c["status"], "")),
+            f"{c['throughput']:.1f}" if c.get("throughput") else "",
+            f"{c['speedup_vs_fp32']:.2f}x" if c.get("speedup_vs_fp32") else "",
+            c.get("verdict") or "",
+            c.get("reason", "")[:90],
+        )
+    return table
+
+
+def summary(data: dict[str, Any]) -> Group:
+    rec = data.get("recommendation")
+    parts: list[Any] = [candidate_table(data)]
+    if rec is None:
+        parts.append(Text("No candidate passed the numerics check, not even strict fp32.", style="red"))
+        return Group(*parts)
+    head = Text.assemble(("recommended: ", "bold"), (rec["label"], "bold green"))
+    if rec.get("speedup_vs_fp32"):
+        head.append(f"  {rec['speedup_vs_fp32']:.2f}x strict fp32")
+    if rec.get("speedup_vs_tf32"):
+        head.append(f", {rec['speedup_vs_tf32']:.2f}x tf32")
+    parts += [head, Text(rec["reason"])]
+    for finding in rec.get("lint_worth_fixing") or []:
+        parts.append(Text(f"  lint {finding.get('rule')}: {finding.get('message')} -> {finding.get('fix')}"))
+    snippet = (data.get("exports") or {}).get("mixprec")
+    if snippet:
+        parts += [Text("paste into your training script:", style="bold"), Syntax(snippet, "python")]
+    for note in data.get("notes") or []:
+        parts.append(Text(f"note: {note}", style="yellow"))
+    return Group(*parts)
+
+
+def run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from mixprec.tune import tune
+
+    on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    defaults = CUDA_DEFAULTS if on_cuda else CPU_DEFAULTS
+    workload = workload_from_args(args, defaults)
+    is_default = not args.workload and args.model in (None, "resnet50")
+    with err.status("tuning") as status:
+        result = tune(
+            workload,
+            budget_s=args.budget,
+            device=args.device,
+            batch_size=args.batch_size or (defaults["batch_size"] if is_default else None),
+            steps=args.steps or defaults["steps"],
+            warmup=defaults["warmup"],
+            check_steps=args.check_steps,
+            fix=not args.no_fix,
+            lint=not args.no_lint,
+            progress=lambda msg: status.update(msg),
+        )
+    data = {"command": "mixprec " + " ".join(sys.argv[1:]), **result.to_dict()}
+    out.print(summary(data))
+    if args.json:
+        err.print(f"wrote {write_json(args.json, 'tune', result.env, data)}")
+    if args.report:
+        for path in _write_report(data, result.env, Path(args.report), result).values():
+            err.print(f"wrote {path}")
+    return 0
+
+
+def _write_report(
+    data: dict[str, Any], env: dict[str, Any], out_dir: Path, result: Any = None
+) -> dict[str, Path]:
+    from mixprec.report import bench as bench_report
+    from mixprec.report import check as check_report
+    from mixprec.report.html import write_report
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    charts: dict[str, Path] = {}
+    if result is not None:
+        charts["bench"] = bench_report.plot(out_dir / "bench.png", result.bench)
+        if result.check is not None:
+            charts["check"] = check_report.plot(out_dir / "check.png", result.check)
+    return write_report(
+        {"schema_version": 1, "kind": "tune", "env": env, **data}, out_dir, charts=charts or None
+    )
+
+
+def run_report(args: argparse.Namespace, out: Console, err: Console) -> int:
+    path = Path(args.results)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(
+            f"results file {str(path)!r} does not exist; pass the file written by `mixprec tune --json`."
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(
+            f"results file {str(path)!r} is not JSON ({exc}); pass a `mixprec tune --json` file."
+        ) from None
+    if data.get("kind") != "tune":
+        raise UsageError(
+            f"results file {str(path)!r} has kind {data.get('kind')!r}; `mixprec report` renders kind 'tune' "
+            "(written by `mixprec tune --json`)."
+        )
+    for written in _write_report(data, data.get("env", {}), Path(args.out)).values():
+        err.print(f"wrote {written}")
+    return 0

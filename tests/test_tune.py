@@ -1,0 +1,197 @@
+"""The tune decision on synthetic measurements, and tune/autotune end to end on the tiny mlp."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import mixprec
+from mixprec.cli import main
+from mixprec.measure.results import BenchRow, StepTime
+from mixprec.numerics.check import CandidateCheck
+from mixprec.tune import autotune, decide, tune
+
+
+def row(policy, thr, *, cl=False, status="ok", keep=(), iqr=0.5, mem=1000):
+    step = 1000.0 * 8 / thr if thr else None
+    return BenchRow(
+        "w",
+        policy,
+        cl,
+        "cpu",
+        8,
+        status,
+        throughput=thr,
+        step_time_ms=StepTime(step, iqr * step / 100, 10) if step else None,
+        speedup_vs_fp32=thr / 100.0 if thr else None,
+        peak_memory_bytes=mem,
+        keep_fp32=list(keep),
+    )
+
+
+def verdict(policy, ok=True, reason="matches fp32", keep=()):
+    return CandidateCheck(
+        policy,
+        "pass" if ok else "fail",
+        reason,
+        max_rel_loss_diff=0.001,
+        output_sqnr_db=40.0,
+        min_grad_sqnr_db=30.0,
+        keep_fp32=list(keep),
+        fix_verified=bool(keep),
+    )
+
+
+def test_fastest_passing_candidate_wins():
+    rows = [row("fp32", 100), row("bf32", 130), row("bf16-mixed", 250), row("bf16-mixed", 240, cl=True)]
+    rec, table = decide(rows, {("bf16-mixed", ()): verdict("bf16-mixed"), ("bf32", ()): verdict("bf32")})
+    assert rec.label == "bf16-mixed" and rec.speedup_vs_fp32 == pytest.approx(2.5)
+    assert {c.label: c.status for c in table}["bf32"] == "passed"
+    assert "bf16-mixed is 2.50x faster than strict fp32" in rec.reason
+
+
+def test_failing_fast_candidate_is_rejected_with_its_reason():
+    rows = [row("fp32", 100), row("fp16-mixed", 300), row("bf16-mixed", 250)]
+    verdicts = {
+        ("fp16-mixed", ()): verdict("fp16-mixed", ok=False, reason="loss became non-finite at step 0"),
+        ("bf16-mixed", ()): verdict("bf16-mixed"),
+    }
+    rec, table = decide(rows, verdicts)
+    assert rec.policy == "bf16-mixed"
+    status = {c.label: (c.status, c.reason) for c in table}
+    assert status["fp16-mixed"] == ("rejected", "loss became non-finite at step 0")
+    assert "fp16-mixed rejected: loss became non-finite" in rec.reason
+
+
+def test_tie_within_noise_goes_to_the_safer_candidate_and_says_so():
+    rows = [row("fp32", 100), row("bf16-mixed", 250), row("bf16-true", 255)]
+    verdicts = {("bf16-mixed", ()): verdict("bf16-mixed"), ("bf16-true", ()): verdict("bf16-true")}
+    rec, _ = decide(rows, verdicts, noise=0.03)
+    assert rec.policy == "bf16-mixed"  # fp32 master weights beat pure bf16 within 2% noise
+    assert rec.tie_break and "within measurement noise" in rec.tie_break
+    # outside the noise band the faster one wins
+    rec, _ = decide([row("fp32", 100), row("bf16-mixed", 250), row("bf16-true", 300)], verdicts, noise=0.03)
+    assert rec.policy == "bf16-true" and rec.tie_break is None
+
+
+def test_wide_iqr_widens_the_noise_band():
+    rows = [row("fp32", 100), row("bf16-mixed", 250, iqr=12), row("bf16-mixed", 270, cl=True, iqr=12)]
+    rec, _ = decide(rows, {("bf16-mixed", ()): verdict("bf16-mixed")}, noise=0.03)
+    assert rec.label == "bf16-mixed"  # 7% apart but +-12% noise: NCHW is the simpler choice
+
+
+def test_rescued_candidate_competes_at_its_measured_cost():
+    rows = [
+        row("fp32", 100),
+        row("fp16-mixed", 300),
+        row("fp16-mixed", 280, keep=("head",)),
+        row("bf16-mixed", 200),
+    ]
+    verdicts = {
+        ("fp16-mixed", ()): verdict("fp16-mixed", ok=False, reason="overflow"),
+        ("fp16-mixed", ("head",)): verdict("fp16-mixed", keep=("head",)),
+        ("bf16-mixed", ()): verdict("bf16-mixed"),
+    }
+    rec, table = decide(rows, verdicts)
+    assert rec.label == "fp16-mixed+fp32[head]" and rec.keep_fp32 == ["head"]
+    assert rec.speedup_vs_fp32 == pytest.approx(2.8)  # the rescue's own cost, not the failing row's
+    assert "head kept in fp32" in rec.reason
+    assert rec.config("cpu").keep_fp32 == ("head",)
+
+
+def test_unchecked_and_slower_candidates_are_not_recommended():
+    rows = [
+        row("fp32", 100),
+        row("bf32", 90),
+        row("bf16-mixed", 400),
+        row("fp16-mixed", None, status="pruned"),
+    ]
+    rec, table = decide(rows, {})
+    assert rec.policy == "fp32"
+    status = {c.label: c.status for c in table}
+    assert status == {
+        "fp32": "recommended",
+        "bf32": "slower",
+        "bf16-mixed": "unchecked",
+        "fp16-mixed": "pruned",
+    }
+    assert "stay in fp32" in rec.reason
+
+
+def test_memory_saved_and_tf32_speedup():
+    rows = [row("fp32", 100, mem=5000), row("tf32", 200, mem=5000), row("bf16-mixed", 400, mem=3000)]
+    rec, _ = decide(rows, {("bf16-mixed", ()): verdict("bf16-mixed"), ("tf32", ()): verdict("tf32")})
+    assert rec.memory_saved_bytes == 2000 and rec.speedup_vs_tf32 == pytest.approx(2.0)
+
+
+@pytest.fixture()
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("_one_thread")
+def test_tune_end_to_end_on_the_tiny_mlp(tmp_path):
+    result = tune(
+        mixprec.load_workload("mlp"), budget_s=120, steps=2, warmup=1, check_steps=3, device="cpu", lint=False
+    )
+    rec = result.recommendation
+    assert rec is not None
+    measured = {c.label: c for c in result.candidates}
+    assert "fp32" in measured and "tf32" in measured and measured["tf32"].status == "unsupported"
+    chosen = measured[rec.label]
+    assert chosen.status == "recommended"
+    assert chosen.verdict == "pass"
+    # nothing that passed is meaningfully faster than the recommendation
+    faster = [
+        c for c in result.candidates if c.status == "passed" and (c.throughput or 0) > chosen.throughput * 1.5
+    ]
+    assert not faster
+    data = result.to_dict()
+    assert set(data["exports"]) >= {
+        "mixprec",
+        "pytorch",
+        "lightning",
+        "accelerate",
+        "deepspeed",
+        "fsdp2",
+        "hf",
+    }
+    json.dumps(data)  # serialisable
+
+
+@pytest.mark.usefixtures("_one_thread")
+def test_autotune_caches_its_decision(tmp_path, monkeypatch):
+    calls = []
+    import mixprec.tune as tune_mod
+
+    real = tune_mod.tune
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tune_mod, "tune", counting)
+    cache = tmp_path / "autotune.json"
+    w = mixprec.load_workload("mlp")
+    opts = dict(device="cpu", cache_path=cache, budget_s=60, steps=2, warmup=1, check_steps=2, lint=False)
+    first = autotune(w, **opts)
+    second = autotune(w, **opts)
+    assert isinstance(first, mixprec.Policy) and first.config == second.config
+    assert len(calls) == 1  # the second call read the cache
+    autotune(mixprec.load_workload("mlp", hidden=128), **opts)  # another model: tuned again
+    assert len(calls) == 2
+    assert len(json.loads(cache.read_text())) == 2
+
+
+def test_report_command_errors(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "missing.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bench.json"
+    bad.write_text(json.dumps({"kind": "bench"}))
+    assert main(["report", str(bad)]) == 2
+    assert "kind 'tune'" in capsys.readouterr().err
