@@ -94,7 +94,7 @@ def test_rescued_candidate_competes_at_its_measured_cost():
         ("fp16-mixed", ("head",)): verdict("fp16-mixed", keep=("head",)),
         ("bf16-mixed", ()): verdict("bf16-mixed"),
     }
-    rec, table = decide(rows, verdicts)
+    rec, _ = decide(rows, verdicts)
     assert rec.label == "fp16-mixed+fp32[head]" and rec.keep_fp32 == ["head"]
     assert rec.speedup_vs_fp32 == pytest.approx(2.8)  # the rescue's own cost, not the failing row's
     assert "head kept in fp32" in rec.reason

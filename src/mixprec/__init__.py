@@ -3,6 +3,7 @@
 Importing mixprec initialises no CUDA context and changes no global torch flag.
 """
 
+from mixprec import lint  # a callable package: mixprec.lint(workload, ...) and mixprec.lint.RULES
 from mixprec.errors import MixprecError, PolicyError, ScaleCollapseError, UnsupportedError, UsageError
 from mixprec.hardware import DeviceInfo, detect
 from mixprec.measure.results import BenchRow
@@ -20,6 +21,7 @@ __all__ = [
     "Workload",
     "WorkloadSpec",
     "bench",
+    "lint",
     "load_workload",
     "DeviceInfo",
     "MixprecError",

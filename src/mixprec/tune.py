@@ -261,8 +261,11 @@ class _OutOfBudget(Exception):
 
 
 def _candidates(info: Any, has_4d: bool) -> list[Candidate]:
+    """Every supported policy in every useful layout; unsupported ones once, so the table says why."""
     layouts = (False, True) if has_4d else (False,)
-    return [Candidate(p, cl) for p in POLICY_NAMES if check_support(p, info) for cl in layouts]
+    return [
+        Candidate(p, cl) for p in POLICY_NAMES for cl in (layouts if check_support(p, info) else (False,))
+    ]
 
 
 def tune(

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 from rich.console import Console
 
-from mixprec.cli import bench, check, demo, env, tune
+from mixprec.cli import bench, check, demo, env, lint, tune
 from mixprec.errors import MixprecError
 
-SUBCOMMANDS = (env, demo, bench, check, tune)
+SUBCOMMANDS = (env, demo, bench, check, lint, tune)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -385,9 +385,7 @@ def _cudnn_output_format(module: nn.Module, args: tuple, output: torch.Tensor) -
     fmt = torch.channels_last if output.dim() == 4 else torch.channels_last_3d
     inp = _first_tensor(args)
     weight = getattr(module, "weight", None)
-    wants = any(
-        isinstance(t, torch.Tensor) and memory_format_of(t) == "channels_last" for t in (inp, weight)
-    )
+    wants = any(isinstance(t, torch.Tensor) and memory_format_of(t) == "channels_last" for t in (inp, weight))
     if wants and not output.is_contiguous(memory_format=fmt):
         return output.contiguous(memory_format=fmt)
     return None

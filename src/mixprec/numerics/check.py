@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -72,6 +73,36 @@ DEFAULT_THRESHOLDS: dict[str, Thresholds] = {
 }
 
 CHAOS_PERTURBATION = 2.0**-20
+# SQNR of that perturbation itself: 20*log10(1 / 2^-20).
+_CHAOS_INPUT_SQNR_DB = 20 * math.log10(1 / CHAOS_PERTURBATION)
+# How much worse than the format's rounding, propagated like the chaos perturbation, a
+# candidate may be: rounding hits every layer's inputs, not the weights once (~10*log10(depth)).
+SQNR_MARGIN_DB = 20.0
+
+
+def rounding_sqnr_db(fmt: str) -> float:
+    """SQNR of rounding to ``fmt`` (round-to-nearest, p significand bits): 6.02*p + 4.77 dB."""
+    from mixprec.numerics.limits import FORMATS
+
+    p = FORMATS[fmt].mantissa_bits + 1
+    return 20 * math.log10(math.sqrt(3) * 2.0**p)
+
+
+@dataclass(frozen=True)
+class Floor:
+    """How far two fp32 runs 2^-20 apart drift: loss difference and first-step SQNRs."""
+
+    rel_loss_diff: float = 0.0
+    output_sqnr_db: float | None = None
+    grad_sqnr_db: float | None = None
+
+    def required(self, absolute: float, floor_sqnr: float | None, fmt: str) -> float:
+        """The SQNR floor for a candidate in ``fmt``: the absolute guard, lowered on models that
+        amplify noise so much that even the format's own rounding could not reach it."""
+        if floor_sqnr is None or not math.isfinite(floor_sqnr):
+            return absolute
+        amplification = _CHAOS_INPUT_SQNR_DB - floor_sqnr
+        return min(absolute, rounding_sqnr_db(fmt) - amplification - SQNR_MARGIN_DB)
 
 
 @dataclass
@@ -120,6 +151,7 @@ class CheckResult:
     env: dict[str, Any] = field(default_factory=dict)
     chaos_floor_rel_loss_diff: float | None = None
     chaos_floor_losses: list[float] = field(default_factory=list)
+    chaos_floor_sqnr_db: dict[str, float | None] = field(default_factory=dict)
 
     @property
     def failed(self) -> list[CandidateCheck]:
@@ -134,6 +166,7 @@ class CheckResult:
             "reference_losses": self.reference_losses,
             "chaos_floor_rel_loss_diff": self.chaos_floor_rel_loss_diff,
             "chaos_floor_losses": self.chaos_floor_losses,
+            "chaos_floor_sqnr_db": self.chaos_floor_sqnr_db,
             "reference_layers": self.reference_layers,
             "candidates": [c.to_dict() for c in self.candidates],
         }
@@ -163,7 +196,9 @@ def _emulation_context(fmt: str | None) -> Callable[[], contextlib.AbstractConte
     return lambda: emulate(fmt)
 
 
-def _judge(cmp: Comparison, traj: Trajectory, thr: Thresholds, steps: int, floor: float) -> tuple[bool, str]:
+def _judge(
+    cmp: Comparison, traj: Trajectory, thr: Thresholds, steps: int, floor: Floor, fmt: str
+) -> tuple[bool, str]:
     """(passed, reason). The reason names the first criterion that failed, with the figure."""
     if traj.error:
         return False, f"training crashed: {traj.error}"
@@ -171,22 +206,24 @@ def _judge(cmp: Comparison, traj: Trajectory, thr: Thresholds, steps: int, floor
         return False, f"loss became non-finite at step {cmp.nonfinite_loss_step}"
     if steps and cmp.skipped_steps / steps > thr.max_skip_fraction:
         return False, f"{cmp.skipped_steps}/{steps} optimizer steps skipped on non-finite gradients"
-    allowed = allowed_rel_loss_diff(thr, floor)
+    allowed = allowed_rel_loss_diff(thr, floor.rel_loss_diff)
     if cmp.max_rel_loss_diff > allowed:
         return False, (
             f"loss differs from fp32 by {cmp.max_rel_loss_diff:.2%} (allowed {allowed:.2%}; two fp32 runs "
-            f"drift {floor:.2%} apart here)"
+            f"drift {floor.rel_loss_diff:.2%} apart here)"
         )
-    if cmp.output_sqnr_db is not None and cmp.output_sqnr_db < thr.min_output_sqnr_db:
-        return False, f"output SQNR {cmp.output_sqnr_db:.1f} dB < {thr.min_output_sqnr_db:g} dB"
-    if cmp.total_grad_sqnr_db is not None and cmp.total_grad_sqnr_db < thr.min_grad_sqnr_db:
-        return False, f"gradient SQNR {cmp.total_grad_sqnr_db:.1f} dB < {thr.min_grad_sqnr_db:g} dB"
+    need_out = floor.required(thr.min_output_sqnr_db, floor.output_sqnr_db, fmt)
+    if cmp.output_sqnr_db is not None and cmp.output_sqnr_db < need_out:
+        return False, f"output SQNR {cmp.output_sqnr_db:.1f} dB < {need_out:.1f} dB required"
+    need_grad = floor.required(thr.min_grad_sqnr_db, floor.grad_sqnr_db, fmt)
+    if cmp.total_grad_sqnr_db is not None and cmp.total_grad_sqnr_db < need_grad:
+        return False, f"gradient SQNR {cmp.total_grad_sqnr_db:.1f} dB < {need_grad:.1f} dB required"
     margin = []
     if cmp.output_sqnr_db is not None:
-        margin.append(f"output SQNR {cmp.output_sqnr_db:.1f} dB")
+        margin.append(f"output SQNR {cmp.output_sqnr_db:.1f} dB (>= {need_out:.1f})")
     if cmp.total_grad_sqnr_db is not None:
-        margin.append(f"gradient SQNR {cmp.total_grad_sqnr_db:.1f} dB")
-    margin.append(f"max loss diff {cmp.max_rel_loss_diff:.2%} (allowed {allowed:.2%})")
+        margin.append(f"gradient SQNR {cmp.total_grad_sqnr_db:.1f} dB (>= {need_grad:.1f})")
+    margin.append(f"max loss diff {cmp.max_rel_loss_diff:.2%} (<= {allowed:.2%})")
     return True, "matches fp32: " + ", ".join(margin)
 
 
@@ -246,12 +283,23 @@ def _layer_headroom(report: Any) -> list[dict[str, Any]]:
     ]
 
 
+def _rounding_format(cand: _Candidate) -> str:
+    """The format whose rounding bounds the candidate's precision (bf32 rounds like bf16)."""
+    if cand.emulated:
+        return cand.emulated
+    if cand.policy_name in ("fp32",):
+        return "fp32"
+    if cand.policy_name == "tf32":
+        return "tf32"
+    return _format_of(cand)
+
+
 def _format_of(cand: _Candidate) -> str:
-    """The low-precision format whose range limits the candidate (tf32 has bf16's exponent range)."""
+    """The low-precision format whose range limits the candidate (tf32/bf32 have bf16's exponent range)."""
     if cand.emulated:
         return "bf16" if cand.emulated == "tf32" else cand.emulated
     dtype = get_policy(cand.policy_name, check=False, device="cpu").spec.low_precision_dtype
-    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp16")  # type: ignore[arg-type]
+    return "fp16" if dtype == torch.float16 else "bf16"
 
 
 class _Checker:
@@ -282,7 +330,12 @@ class _Checker:
         self.chaos = run_trajectory(
             workload, get_policy("fp32", device=device), self.batches, steps, perturb=CHAOS_PERTURBATION
         )
-        self.floor = compare(self.reference, self.chaos).max_rel_loss_diff if not self.chaos.error else 0.0
+        chaos_cmp = compare(self.reference, self.chaos)
+        self.floor = (
+            Floor(chaos_cmp.max_rel_loss_diff, chaos_cmp.output_sqnr_db, chaos_cmp.total_grad_sqnr_db)
+            if not self.chaos.error
+            else Floor()
+        )
 
     def policy(self, cand: _Candidate, keep_fp32: Sequence[str] = ()) -> Policy:
         options: dict[str, Any] = {"keep_fp32": list(keep_fp32)} if keep_fp32 else {}
@@ -301,10 +354,15 @@ class _Checker:
         )
         ref = replace(self.reference, losses=self.reference.losses[:steps])
         cmp = compare(ref, traj)
-        floor = max(
-            compare(ref, replace(self.chaos, losses=self.chaos.losses[:steps])).max_rel_loss_diff, 0.0
+        floor = replace(
+            self.floor,
+            rel_loss_diff=compare(
+                ref, replace(self.chaos, losses=self.chaos.losses[:steps])
+            ).max_rel_loss_diff,
         )
-        passed, reason = _judge(cmp, traj, self.thresholds[cand.threshold_key], steps, floor)
+        passed, reason = _judge(
+            cmp, traj, self.thresholds[cand.threshold_key], steps, floor, _rounding_format(cand)
+        )
         return passed, reason, cmp, traj, policy
 
     def check(self, cand: _Candidate, fix: bool) -> CandidateCheck:
@@ -322,7 +380,7 @@ class _Checker:
             total_grad_sqnr_db=cmp.total_grad_sqnr_db,
             skipped_steps=cmp.skipped_steps,
             scaler_warmup_skips=traj.warmup_skips,
-            allowed_rel_loss_diff=allowed_rel_loss_diff(thr, self.floor),
+            allowed_rel_loss_diff=allowed_rel_loss_diff(thr, self.floor.rel_loss_diff),
             emulated=cand.emulated,
             losses=traj.losses,
             rel_loss_diff=cmp.rel_loss_diff,
@@ -463,7 +521,8 @@ def check(
         batch_size=bs,
         steps=steps,
         reference_losses=checker.reference.losses,
-        chaos_floor_rel_loss_diff=checker.floor,
+        chaos_floor_rel_loss_diff=checker.floor.rel_loss_diff,
+        chaos_floor_sqnr_db={"output": checker.floor.output_sqnr_db, "grad": checker.floor.grad_sqnr_db},
         chaos_floor_losses=checker.chaos.losses,
         candidates=results,
         reference_layers=_layer_headroom(checker.reference_ranges),

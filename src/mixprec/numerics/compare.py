@@ -67,14 +67,27 @@ class Trajectory:
 Context = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
-def _prepared_copy(workload: Workload, policy: Policy) -> nn.Module:
+def _prepared_copy(workload: Workload, policy: Policy, perturb: float = 0.0) -> nn.Module:
+    """A fresh prepared copy; ``perturb`` multiplies every weight by ``1 + perturb * N(0, 1)``
+    with a fixed seed (the same perturbation for the probe and the training run)."""
     model = policy.prepare(copy.deepcopy(workload.model))
     model.train()
+    if perturb:
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                noise = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
+                p.mul_(1 + perturb * noise)
     return model
 
 
 def probe_first_step(
-    workload: Workload, policy: Policy, batch: Any, traj: Trajectory, context: Context | None = None
+    workload: Workload,
+    policy: Policy,
+    batch: Any,
+    traj: Trajectory,
+    context: Context | None = None,
+    perturb: float = 0.0,
 ) -> None:
     """Model output and unscaled parameter gradients of one forward/backward from the initial weights.
 
@@ -82,7 +95,7 @@ def probe_first_step(
     until the gradients are finite, as GradScaler would after skipped steps, so the SQNR
     measures precision rather than an overflow the scaler recovers from by itself.
     """
-    model = _prepared_copy(workload, policy)
+    model = _prepared_copy(workload, policy, perturb)
     names = {id(p): n for n, p in model.named_parameters()}
     ctx = context or contextlib.nullcontext
     scale = policy.scaler.get_scale() if policy.scaler is not None else 1.0
@@ -152,16 +165,10 @@ def run_trajectory(
     traj = Trajectory(label or policy.config.label)
     ctx = context or contextlib.nullcontext
     try:
-        probe_first_step(workload, policy, batches[0], traj, context)
+        probe_first_step(workload, policy, batches[0], traj, context, perturb)
         if settle_scale and policy.scaler is not None and traj.probe_scale is not None:
             policy = _settled(policy, traj)
-        model = _prepared_copy(workload, policy)
-        if perturb:
-            gen = torch.Generator().manual_seed(1)
-            with torch.no_grad():
-                for p in model.parameters():
-                    noise = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
-                    p.mul_(1 + perturb * noise)
+        model = _prepared_copy(workload, policy, perturb)
         optimizer = workload.make_optimizer(model.parameters())
         with policy.precision_scope():
             for i in range(steps):
