@@ -18,7 +18,7 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/mixprec env
-	$(BIN)/mixprec demo
+	$(BIN)/mixprec tune --report mixprec-out/report --json mixprec-out/tune.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

@@ -27,7 +27,7 @@ from mixprec.errors import UsageError
 from mixprec.hardware.device import detect, resolve_device
 from mixprec.measure.results import BenchRow, Candidate, read_jsonl
 from mixprec.measure.sweep import BenchResult, bench
-from mixprec.numerics.check import CandidateCheck, CheckResult, check
+from mixprec.numerics.check import CandidateCheck, CheckResult, check, make_checker
 from mixprec.policy import POLICY_NAMES, Policy, PolicyConfig, check_support, get_policy, policy_from_config
 from mixprec.workload import Workload
 
@@ -138,7 +138,11 @@ def decide(
         elif verdict is None:
             slower = fp32 is not None and (row.throughput or 0) <= (fp32.throughput or 0)
             cand.status = "slower" if slower else "unchecked"
-            cand.reason = "not faster than strict fp32" if slower else "numerics not checked (budget)"
+            cand.reason = (
+                "not faster than strict fp32"
+                if slower
+                else "numerics not checked: a faster candidate passed first, or the budget ran out"
+            )
         else:
             cand.verdict, cand.reason = verdict.verdict, verdict.reason
             cand.status = "passed" if verdict.verdict == "pass" else "rejected"
@@ -150,8 +154,9 @@ def decide(
     band = [
         r
         for r in passing
-        if (r.throughput or 0)
-        >= (fastest.throughput or 0) * (1 - max(noise, _rel_noise(r), _rel_noise(fastest)))
+        if _within_noise(
+            r.throughput or 0, fastest.throughput or 0, max(noise, _rel_noise(r), _rel_noise(fastest))
+        )
     ]
     chosen = min(band, key=_safety)
     tie_break = None
@@ -339,45 +344,36 @@ def tune(
         #    within noise of it.
         verdicts: dict[tuple[str, tuple[str, ...]], CandidateCheck] = {}
         checked: CheckResult | None = None
+        checker = None  # one fp32 reference + chaos floor shared by every policy checked
         order = list(dict.fromkeys(r.policy for r in faster))
         best_pass_thr = 0.0
         for policy in order:
             top = max((r.throughput or 0) for r in faster if r.policy == policy)
-            if best_pass_thr and top < best_pass_thr * (1 - noise):
-                break
+            if best_pass_thr and not _within_noise(top, best_pass_thr, noise):
+                break  # slower than a passing candidate by more than the noise: cannot win
             if time.perf_counter() > deadline - 10:
                 notes.append(f"numerics of {policy} not checked: budget spent")
                 break
             say(f"checking numerics of {policy}")
-            res = check(
-                workload,
-                policies=[policy],
-                steps=check_steps,
-                batch_size=batch_size,
-                device=dev,
-                fix=fix,
-                progress=lambda m: say(f"checking {m}"),
-            )
+            if checker is None:
+                checker = make_checker(
+                    workload,
+                    steps=check_steps,
+                    batch_size=batch_size,
+                    device=dev,
+                    progress=lambda m: say(f"checking {m}"),
+                    deadline=deadline - 10,
+                )
+            res = check(workload, policies=[policy], fix=fix, checker=checker)
             cand = res.candidates[0]
             verdicts[(policy, ())] = cand
             checked = res if checked is None else _merge_checks(checked, res)
             if cand.verdict == "pass":
                 best_pass_thr = max(best_pass_thr, top)
             elif cand.keep_fp32 and cand.fix_verified and time.perf_counter() < deadline - 10:
-                # rescued: its real cost must be measured, fp32 islands are not free
-                layouts = sorted({r.channels_last for r in faster if r.policy == policy})
-                rescued = [Candidate(policy, cl, tuple(cand.keep_fp32)) for cl in layouts]
-                say(f"measuring rescued {policy} with keep_fp32={cand.keep_fp32}")
-                extra = bench(
-                    workload,
-                    candidates=rescued,
-                    repeat_baseline=False,
-                    **{**kwargs, "jsonl": Path(tmp) / "rescued.jsonl"},
+                verdicts.update(
+                    _measure_rescue(workload, result, faster, cand, policy, kwargs, tmp, deadline, say)
                 )
-                result.rows.extend(r for r in extra.rows if r.keep_fp32)
-                fixed = CandidateCheck(**{**asdict(cand), "verdict": "pass", "reason": cand.fix_note})
-                verdicts[(policy, tuple(cand.keep_fp32))] = fixed
-
     rec, table = decide(result.rows, verdicts, noise=noise)
     findings = None
     if lint and rec is not None and time.perf_counter() < deadline:
@@ -399,6 +395,54 @@ def tune(
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         notes=notes,
     )
+
+
+def _within_noise(throughput: float, best: float, noise: float) -> bool:
+    return throughput >= best * (1 - noise)
+
+
+def _measure_rescue(
+    workload: Workload,
+    result: BenchResult,
+    faster: list[BenchRow],
+    cand: CandidateCheck,
+    policy: str,
+    kwargs: dict[str, Any],
+    tmp: str,
+    deadline: float,
+    say: Progress,
+) -> dict[tuple[str, tuple[str, ...]], CandidateCheck]:
+    """Measure a failing policy rescued by keep_fp32 (fp32 islands are not free) and return its
+    verdict, built from the verifying run's figures."""
+    layouts = sorted({r.channels_last for r in faster if r.policy == policy})
+    rescued = [Candidate(policy, cl, tuple(cand.keep_fp32)) for cl in layouts]
+    say(f"measuring rescued {policy} with keep_fp32={cand.keep_fp32}")
+
+    def on_rescue(event: dict[str, Any]) -> None:
+        if event["event"] in ("candidate", "step") and time.perf_counter() > deadline:
+            raise _OutOfBudget
+
+    try:
+        # bench always measures fp32 first; the rows are re-based on the sweep's own baseline below
+        extra = bench(
+            workload,
+            candidates=rescued,
+            repeat_baseline=False,
+            progress=on_rescue,
+            **{**kwargs, "jsonl": Path(tmp) / "rescued.jsonl"},
+        )
+    except _OutOfBudget:
+        result.notes.append(f"rescued {policy} not measured: budget spent")
+        return {}
+    base = result.baseline
+    for row in extra.rows:
+        if row.keep_fp32:
+            if base and base.throughput and row.throughput:
+                row.speedup_vs_fp32 = row.throughput / base.throughput
+            result.rows.append(row)
+    metrics = {k: v for k, v in cand.fix_metrics.items() if k in CandidateCheck.__dataclass_fields__}
+    fixed = CandidateCheck(**{**asdict(cand), **metrics, "verdict": "pass", "reason": cand.fix_note})
+    return {(policy, tuple(cand.keep_fp32)): fixed}
 
 
 def _merge_checks(a: CheckResult, b: CheckResult) -> CheckResult:

@@ -72,7 +72,6 @@ def _child(conn: Any, spec: dict[str, Any], candidate: Candidate, settings: Benc
         workload = workload_from_spec(
             WorkloadSpec(spec["kind"], spec["target"], tuple(spec["sizes"].items()))
         )
-        conn.send({"event": "ready"})
 
         def emit(event: dict[str, Any]) -> bool:
             conn.send(event)

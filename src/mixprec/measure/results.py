@@ -60,6 +60,7 @@ class BenchRow:
     peak_flops_source: str = ""
     observed_dtype: str | None = None  # output dtype of the first matmul/conv, as it really ran
     step_times_ms: list[float] = field(default_factory=list)
+    first_step_ms: float | None = None  # the cold first (warm-up) step, for pruning later candidates
     wall_s: float | None = None
     baseline_repeat: bool = False  # the fp32 re-measurement at the end of a sweep (drift check)
     keep_fp32: list[str] = field(default_factory=list)

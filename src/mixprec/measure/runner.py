@@ -178,6 +178,8 @@ def run_candidate(
         return loss
 
     total = settings.warmup + settings.steps
+    # From here on every step is timed against the pruning limits (setup above is not).
+    emit({"event": "ready"})
     i = -1
     with policy.precision_scope():
         while True:

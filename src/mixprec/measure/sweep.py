@@ -316,17 +316,20 @@ def _measure(
 ) -> None:
     """Run one candidate and fill ``row``: status, reason, timings, memory."""
     best_median_s = min((r.step_time_ms.median_ms / 1e3 for r in ok_rows if r.step_time_ms), default=None)
-    best_first_s = min((r.step_times_ms[0] / 1e3 for r in ok_rows if r.step_times_ms), default=None)
+    # A cold first step (allocation, kernel selection, CUDA context) is judged against the best
+    # candidate's own cold first step, later steps against its median.
+    best_first_s = min((r.first_step_ms / 1e3 for r in ok_rows if r.first_step_ms), default=None)
     # Below a second a "hopeless" verdict is process noise, not a measurement.
     floor_s = 1.0
 
     def step_timeout(i: int) -> float | None:
         if best_median_s is None:
             return None
-        ref = best_first_s if i == 0 and best_first_s else best_median_s
-        return (
-            max(floor_s, prune_factor * 3 * ref) if i < settings.warmup else max(floor_s, prune_factor * ref)
-        )
+        if i == 0 and best_first_s:
+            return max(floor_s, prune_factor * best_first_s)  # cold step vs the best's cold step
+        if i < settings.warmup:  # later warm-up steps may still be settling: a wider margin
+            return max(floor_s, prune_factor * 3 * best_median_s)
+        return max(floor_s, prune_factor * best_median_s)
 
     timed: list[float] = []
     seen: list[float] = []
@@ -339,6 +342,7 @@ def _measure(
         seen.append(event["seconds"])
         if event["index"] == 0:
             first_loss["value"] = event.get("loss")
+            row.first_step_ms = event["seconds"] * 1e3
         if event["timed"]:
             timed.append(event["seconds"])
         progress({**event, "label": row.label})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -125,6 +126,7 @@ class CandidateCheck:
     keep_fp32: list[str] = field(default_factory=list)
     fix_verified: bool = False
     fix_note: str = ""
+    fix_metrics: dict[str, float | None] = field(default_factory=dict)  # of the verifying run
     suggestion: str | None = None
     emulated: str | None = None
     losses: list[float] = field(default_factory=list)
@@ -313,8 +315,10 @@ class _Checker:
         steps: int,
         thresholds: dict[str, Thresholds],
         progress: Progress,
+        deadline: float = math.inf,
     ) -> None:
         self.workload, self.device, self.steps = workload, device, steps
+        self.deadline = deadline  # time.perf_counter() value after which searches stop
         self.batch_size = batch_size
         self.thresholds = thresholds
         self.progress = progress
@@ -336,6 +340,12 @@ class _Checker:
             if not self.chaos.error
             else Floor()
         )
+
+    @staticmethod
+    def spec_of(cand: _Candidate) -> Any:
+        from mixprec.policy import POLICIES
+
+        return POLICIES[cand.policy_name]
 
     def policy(self, cand: _Candidate, keep_fp32: Sequence[str] = ()) -> Policy:
         options: dict[str, Any] = {"keep_fp32": list(keep_fp32)} if keep_fp32 else {}
@@ -403,7 +413,14 @@ class _Checker:
             result.suggestion = self._suggest(cand, result, fmt)
             if result.first_nonfinite_forward and "non-finite" in reason:
                 result.reason += f"; first non-finite output in {result.first_nonfinite_forward!r}"
-            if fix and not cand.emulated:
+            if fix and self.spec_of(cand).low_precision_dtype is None:
+                result.fix_note = (
+                    f"{cand.label} is a global fp32 math mode (no autocast): fp32 islands cannot fix it; "
+                    "use fp32 or a *-mixed policy"
+                )
+            elif fix and time.perf_counter() > self.deadline:
+                result.fix_note = "keep_fp32 search skipped: time budget spent"
+            elif fix:
                 self._search_fix(cand, result, fmt)
         return result
 
@@ -443,6 +460,8 @@ class _Checker:
         chosen: list[str] = []
         passed = False
         for name in order[:max_set]:
+            if time.perf_counter() > self.deadline:
+                break
             chosen.append(name)
             self.progress(f"{cand.label}: trying keep_fp32={chosen}")
             passed = self.run(cand, chosen, search_steps)[0]
@@ -457,13 +476,22 @@ class _Checker:
             return
         # Delta-debugging-style minimisation: drop every module the candidate passes without.
         for name in list(chosen):
+            if time.perf_counter() > self.deadline:
+                break
             trial = [n for n in chosen if n != name]
             if trial and self.run(cand, trial, search_steps)[0]:
                 chosen = trial
         self.progress(f"{cand.label}: verifying keep_fp32={chosen}")
-        verified, reason, *_ = self.run(cand, chosen)
+        verified, reason, cmp, *_ = self.run(cand, chosen)
         result.keep_fp32 = chosen
         result.fix_verified = verified
+        result.fix_metrics = {
+            "max_rel_loss_diff": cmp.max_rel_loss_diff,
+            "output_sqnr_db": cmp.output_sqnr_db,
+            "total_grad_sqnr_db": cmp.total_grad_sqnr_db,
+            "min_grad_sqnr_db": cmp.min_grad_sqnr_db,
+            "skipped_steps": cmp.skipped_steps,
+        }
         result.fix_note = (
             f"verified over {self.steps} steps: {reason}"
             if verified
@@ -483,6 +511,27 @@ def _plan(policies: Sequence[str], emulate_fmts: Sequence[str], device: torch.de
     return cands
 
 
+def make_checker(
+    workload: Workload,
+    *,
+    steps: int = 8,
+    batch_size: int | None = None,
+    device: str | torch.device | None = None,
+    thresholds: dict[str, Thresholds] | None = None,
+    progress: Progress | None = None,
+    deadline: float = math.inf,
+) -> _Checker:
+    """Run the fp32 reference, its per-layer ranges and the chaos floor once, for many checks."""
+    if not isinstance(workload, Workload):
+        raise UsageError(f"check() takes a mixprec.Workload, got {type(workload).__name__}.")
+    if not isinstance(steps, int) or steps < 1:
+        raise UsageError(f"steps must be an integer >= 1, got {steps!r}.")
+    dev = resolve_device(device)
+    merged = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+    bs = batch_size or workload.default_batch_size
+    return _Checker(workload, dev, bs, steps, merged, progress or (lambda msg: None), deadline)
+
+
 def check(
     workload: Workload,
     *,
@@ -494,18 +543,28 @@ def check(
     fix: bool = False,
     thresholds: dict[str, Thresholds] | None = None,
     progress: Progress | None = None,
+    deadline: float = math.inf,
+    checker: _Checker | None = None,
 ) -> CheckResult:
-    """Check each policy (and each emulated format) against an fp32 reference on ``workload``."""
-    if not isinstance(workload, Workload):
-        raise UsageError(f"check() takes a mixprec.Workload, got {type(workload).__name__}.")
-    if not isinstance(steps, int) or steps < 1:
-        raise UsageError(f"steps must be an integer >= 1, got {steps!r}.")
-    dev = resolve_device(device)
+    """Check each policy (and each emulated format) against an fp32 reference on ``workload``.
+
+    ``deadline`` (a ``time.perf_counter()`` value) stops keep-fp32 searches once passed.
+    ``checker`` (from :func:`make_checker`) reuses an fp32 reference, its ranges and the chaos
+    floor across calls, e.g. when candidates are checked one at a time.
+    """
+    if checker is None:
+        checker = make_checker(
+            workload,
+            steps=steps,
+            batch_size=batch_size,
+            device=device,
+            thresholds=thresholds,
+            progress=progress,
+            deadline=deadline,
+        )
+    workload, dev, steps, bs = checker.workload, checker.device, checker.steps, checker.batch_size
     info = detect(dev)
-    merged = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
     cands = _plan(policies, emulate, dev)
-    bs = batch_size or workload.default_batch_size
-    checker = _Checker(workload, dev, bs, steps, merged, progress or (lambda msg: None))
     results = []
     for cand in cands:
         support = check_support(cand.policy_name, info)

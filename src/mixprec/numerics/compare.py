@@ -164,10 +164,31 @@ def run_trajectory(
     """
     traj = Trajectory(label or policy.config.label)
     ctx = context or contextlib.nullcontext
+    # Every run draws the same random numbers (dropout masks, ...): differences between runs
+    # are then the format's, not the RNG's. The caller's RNG state is left as it was.
+    cuda = [policy.device] if policy.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(0)
+        _train(workload, policy, batches, steps, traj, ctx, context, perturb, settle_scale)
+    return traj
+
+
+def _train(
+    workload: Workload,
+    policy: Policy,
+    batches: Sequence[Any],
+    steps: int,
+    traj: Trajectory,
+    ctx: Context,
+    context: Context | None,
+    perturb: float,
+    settle_scale: bool,
+) -> None:
     try:
         probe_first_step(workload, policy, batches[0], traj, context, perturb)
         if settle_scale and policy.scaler is not None and traj.probe_scale is not None:
             policy = _settled(policy, traj)
+        torch.manual_seed(0)
         model = _prepared_copy(workload, policy, perturb)
         optimizer = workload.make_optimizer(model.parameters())
         with policy.precision_scope():
@@ -183,7 +204,6 @@ def run_trajectory(
                 optimizer.zero_grad(set_to_none=True)
     except Exception as exc:  # a candidate that crashes is a failed candidate, not a crashed check
         traj.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return traj
 
 
 @dataclass

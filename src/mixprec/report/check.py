@@ -131,6 +131,7 @@ def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
     steps = range(len(result.reference_losses))
     ax_loss.plot(steps, result.reference_losses, color="black", linewidth=2.5, label="fp32 reference")
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn_limits: set[float] = set()
     for n, c in enumerate(c for c in result.candidates if c.losses):
         color = palette[n % len(palette)]
         style = "-" if c.verdict == "pass" else "--"
@@ -156,8 +157,9 @@ def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
                 *zip(*diffs, strict=True), style, color=color, marker="o", markersize=3, label=c.policy
             )
         limit = c.allowed_rel_loss_diff
-        if limit:
-            ax_diff.axhline(limit, color=color, linestyle=":", label=f"{c.policy} limit")
+        if limit and round(limit, 6) not in drawn_limits:  # candidates often share one allowance
+            drawn_limits.add(round(limit, 6))
+            ax_diff.axhline(limit, color=color, linestyle=":", label=f"allowed ({c.policy})")
     floor = [
         (i, max(abs(a - b) / max(abs(b), 1e-12), 1e-9))
         for i, (a, b) in enumerate(zip(result.chaos_floor_losses, result.reference_losses, strict=False))
