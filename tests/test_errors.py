@@ -147,13 +147,19 @@ CASES = [
     pytest.param(
         lambda: _step(clip_grad_norm=-1),
         mixprec.PolicyError,
-        "clip_grad_norm must be a number > 0",
+        "clip_grad_norm must be a finite number > 0",
         id="clip-norm",
+    ),
+    pytest.param(
+        lambda: _step(clip_grad_norm=float("nan")),
+        mixprec.PolicyError,
+        "clip_grad_norm must be a finite number > 0 or None, got nan",
+        id="clip-norm-nan",
     ),
     pytest.param(
         lambda: _step(clip_grad_value=0),
         mixprec.PolicyError,
-        "clip_grad_value must be a number > 0",
+        "clip_grad_value must be a finite number > 0",
         id="clip-value",
     ),
 ]

@@ -199,6 +199,8 @@ def bench(
             raise UsageError(f"{name} must be an integer >= {low}, got {value!r}.")
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise UsageError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+    if not (isinstance(min_time_s, (int, float)) and 0 <= min_time_s < math.inf):
+        raise UsageError(f"min_time_s must be a finite number of seconds >= 0, got {min_time_s!r}.")
     if not (isinstance(prune_factor, (int, float)) and prune_factor > 1):
         raise UsageError(f"prune_factor must be a number > 1, got {prune_factor!r}.")
     dev = resolve_device(device)
@@ -241,7 +243,8 @@ def bench(
     done: dict[tuple, BenchRow] = {}
     if jsonl is not None:
         if resume:
-            done = {r.key: r for r in read_jsonl(jsonl)}
+            # errors and OOMs may be transient: only finished verdicts are kept, the rest re-run
+            done = {r.key: r for r in read_jsonl(jsonl) if r.status in ("ok", "unsupported", "pruned")}
         else:
             Path(jsonl).parent.mkdir(parents=True, exist_ok=True)
             Path(jsonl).write_text("", encoding="utf-8")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -254,9 +255,9 @@ class Policy:
         opts = _as_optimizers(optimizer)
         for name, value in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
             if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf
             ):
-                raise PolicyError(f"{name} must be a number > 0 or None, got {value!r}.")
+                raise PolicyError(f"{name} must be a finite number > 0 or None, got {value!r}.")
         params = [p for o in opts for g in o.param_groups for p in g["params"]]
 
         found_per_opt = self._find_nonfinite(opts, params)
@@ -307,6 +308,11 @@ class Policy:
     def _find_nonfinite(self, opts: list, params: list) -> list[torch.Tensor | bool]:
         """Per optimizer: a device tensor (or False) telling whether its gradients are non-finite."""
         if self._scaler is not None:
+            if self._scaler._scale is None:
+                raise PolicyError(
+                    f"step() under {self.name!r} before any scaled backward: call policy.backward(loss) "
+                    "instead of loss.backward() so the loss is scaled."
+                )
             found = []
             for o in opts:
                 self._scaler.unscale_(o)

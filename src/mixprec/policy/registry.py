@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +151,13 @@ def _assess(spec: PolicySpec, info: DeviceInfo) -> tuple[bool, bool, str]:
             )
         if not info.tf32:
             return False, False, f"TF32 needs compute capability >= 8.0, this GPU has {cc}"
+        if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
+            # cuBLAS/cuDNN ignore every TF32 request then: a tf32 row would be fp32 under a tf32 label
+            return (
+                False,
+                False,
+                "NVIDIA_TF32_OVERRIDE=0 is set: the CUDA libraries refuse TF32 in this process",
+            )
         return True, True, f"TF32 tensor cores ({cc})"
     if spec.name == "bf32":
         if info.type != "cpu":
