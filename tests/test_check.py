@@ -98,6 +98,30 @@ def test_tiny_loss_underflows_fp16_without_scaling_and_the_scaler_rescues_it():
     assert cand.verdict == "pass", cand.reason  # GradScaler's scale keeps them representable
 
 
+def test_pure_bf16_weights_that_stop_learning_fail_while_mixed_passes():
+    # SGD with a small learning rate: updates of ~1e-6 on weights of ~0.1 are far below half a
+    # bf16 ulp (~2e-4 there), so bf16-true rounds them away; fp32 master weights keep them.
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+
+    def make_batch(batch_size, device):
+        return torch.randn(batch_size, 32, device=device), torch.randn(batch_size, 4, device=device)
+
+    w = mixprec.Workload(
+        model,
+        make_batch,
+        lambda m, b: nn.functional.mse_loss(m(b[0]).float(), b[1]),
+        optimizer_fn=lambda params: torch.optim.SGD(params, lr=1e-4),
+        name="small_lr",
+        default_batch_size=16,
+    )
+    by = _by_policy(check(w, policies=["bf16-true", "bf16-mixed"], steps=3, device="cpu"))
+    assert by["bf16-true"].verdict == "fail"
+    assert "rounded away" in by["bf16-true"].reason and by["bf16-true"].stalled_update_fraction > 0.5
+    assert by["bf16-mixed"].verdict == "pass" and by["bf16-mixed"].stalled_update_fraction is None
+
+
 def test_healthy_model_raises_no_false_alarm():
     w = mixprec.load_workload("mlp")
     result = check(

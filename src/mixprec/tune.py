@@ -133,7 +133,10 @@ def decide(
             continue
         verdict = _verdict_for(row, verdicts)
         if row.policy == "fp32":
-            cand.verdict, cand.status, cand.reason = "pass", "passed", "the strict fp32 reference"
+            cand.verdict, cand.status = "pass", "passed"
+            cand.reason = (
+                "the strict fp32 reference" if not row.channels_last else "fp32 numerics (layout only)"
+            )
             passing.append(row)
         elif verdict is None:
             slower = fp32 is not None and (row.throughput or 0) <= (fp32.throughput or 0)
@@ -154,9 +157,7 @@ def decide(
     band = [
         r
         for r in passing
-        if _within_noise(
-            r.throughput or 0, fastest.throughput or 0, max(noise, _rel_noise(r), _rel_noise(fastest))
-        )
+        if _within_noise(r.throughput or 0, fastest.throughput or 0, _noise_band(r, fastest, noise))
     ]
     chosen = min(band, key=_safety)
     tie_break = None
@@ -346,10 +347,12 @@ def tune(
         checked: CheckResult | None = None
         checker = None  # one fp32 reference + chaos floor shared by every policy checked
         order = list(dict.fromkeys(r.policy for r in faster))
-        best_pass_thr = 0.0
+        best_pass: BenchRow | None = None
         for policy in order:
-            top = max((r.throughput or 0) for r in faster if r.policy == policy)
-            if best_pass_thr and not _within_noise(top, best_pass_thr, noise):
+            top = max((r for r in faster if r.policy == policy), key=lambda r: r.throughput or 0)
+            if best_pass is not None and not _within_noise(
+                top.throughput or 0, best_pass.throughput or 0, _noise_band(top, best_pass, noise)
+            ):
                 break  # slower than a passing candidate by more than the noise: cannot win
             if time.perf_counter() > deadline - 10:
                 notes.append(f"numerics of {policy} not checked: budget spent")
@@ -368,8 +371,10 @@ def tune(
             cand = res.candidates[0]
             verdicts[(policy, ())] = cand
             checked = res if checked is None else _merge_checks(checked, res)
-            if cand.verdict == "pass":
-                best_pass_thr = max(best_pass_thr, top)
+            if cand.verdict == "pass" and (
+                best_pass is None or (top.throughput or 0) > (best_pass.throughput or 0)
+            ):
+                best_pass = top
             elif cand.keep_fp32 and cand.fix_verified and time.perf_counter() < deadline - 10:
                 verdicts.update(
                     _measure_rescue(workload, result, faster, cand, policy, kwargs, tmp, deadline, say)
@@ -395,6 +400,11 @@ def tune(
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         notes=notes,
     )
+
+
+def _noise_band(a: BenchRow, b: BenchRow, noise: float) -> float:
+    """Relative throughput difference that is not real: ``noise``, or either row's step-time IQR."""
+    return max(noise, _rel_noise(a), _rel_noise(b))
 
 
 def _within_noise(throughput: float, best: float, noise: float) -> bool:

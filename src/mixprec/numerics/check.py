@@ -52,6 +52,8 @@ class Thresholds:
     min_grad_sqnr_db: float
     max_skip_fraction: float = 0.0
     chaos_factor: float = 3.0
+    # *-true policies: the fraction of weights with a gradient whose update rounded away
+    max_stalled_update_fraction: float = 0.05
 
 
 # Calibrated on the zoo on this project's CPU (docs/check.md has the figures and commands).
@@ -120,6 +122,7 @@ class CandidateCheck:
     total_grad_sqnr_db: float | None = None  # all gradients as one vector (gated)
     skipped_steps: int = 0
     scaler_warmup_skips: int = 0  # start-up back-off from the init scale, before the compared run
+    stalled_update_fraction: float | None = None  # *-true: weight updates lost to rounding
     allowed_rel_loss_diff: float | None = None  # after the chaos-floor allowance
     first_nonfinite_forward: str | None = None
     first_nonfinite_backward: str | None = None
@@ -208,6 +211,13 @@ def _judge(
         return False, f"loss became non-finite at step {cmp.nonfinite_loss_step}"
     if steps and cmp.skipped_steps / steps > thr.max_skip_fraction:
         return False, f"{cmp.skipped_steps}/{steps} optimizer steps skipped on non-finite gradients"
+    stalled = traj.stalled_update_fraction
+    if stalled is not None and stalled > thr.max_stalled_update_fraction:
+        return False, (
+            f"{stalled:.0%} of the weight updates rounded away in half-precision storage (limit "
+            f"{thr.max_stalled_update_fraction:.0%}): without fp32 master weights this model stops learning; "
+            "use the *-mixed policy"
+        )
     allowed = allowed_rel_loss_diff(thr, floor.rel_loss_diff)
     if cmp.max_rel_loss_diff > allowed:
         return False, (
@@ -390,6 +400,7 @@ class _Checker:
             total_grad_sqnr_db=cmp.total_grad_sqnr_db,
             skipped_steps=cmp.skipped_steps,
             scaler_warmup_skips=traj.warmup_skips,
+            stalled_update_fraction=traj.stalled_update_fraction,
             allowed_rel_loss_diff=allowed_rel_loss_diff(thr, self.floor.rel_loss_diff),
             emulated=cand.emulated,
             losses=traj.losses,

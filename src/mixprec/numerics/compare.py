@@ -61,6 +61,14 @@ class Trajectory:
     first_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     probe_scale: float | None = None  # loss scale the first-step probe needed (fp16)
     warmup_skips: int = 0  # steps GradScaler would skip to back off from its init scale to probe_scale
+    stall_counts: list[int] = field(default_factory=lambda: [0, 0])  # (stalled, with gradient), *-true
+
+    @property
+    def stalled_update_fraction(self) -> float | None:
+        """Of the weights that had a gradient, the fraction whose update rounded away (*-true only)."""
+        stalled, total = self.stall_counts
+        return stalled / total if total else None
+
     error: str | None = None
 
 
@@ -173,6 +181,20 @@ def run_trajectory(
     return traj
 
 
+# Steps on which half-precision weights are watched for updates that rounding swallowed.
+_STALL_STEPS = 2
+
+
+def _count_stalls(traj: Trajectory, before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """Weights with a non-zero gradient that the optimizer step left bit-identical: the update
+    was smaller than half an ulp of the weight (bf16(1.0) - bf16(1e-3) == 1.0). Without fp32
+    master weights such updates are lost for good."""
+    for p, old, had_grad in before:
+        unchanged = p.detach() == old
+        traj.stall_counts[0] += int((unchanged & had_grad).sum())
+        traj.stall_counts[1] += int(had_grad.sum())
+
+
 def _train(
     workload: Workload,
     policy: Policy,
@@ -199,7 +221,14 @@ def _train(
                         loss = workload.loss_fn(model, batch)
                     policy.backward(loss)
                 traj.losses.append(float(loss.detach().float()))
-                traj.stepped.append(policy.step(optimizer))
+                watch = policy.spec.param_dtype is not None and i < _STALL_STEPS
+                before = [
+                    (p, p.detach().clone(), p.grad != 0) for p in model.parameters() if p.grad is not None
+                ]
+                stepped = policy.step(optimizer)
+                traj.stepped.append(stepped)
+                if watch and stepped:
+                    _count_stalls(traj, before)
                 traj.scales.append(policy.stats.scale)
                 optimizer.zero_grad(set_to_none=True)
     except Exception as exc:  # a candidate that crashes is a failed candidate, not a crashed check

@@ -102,6 +102,9 @@ class Policy:
     """
 
     def __init__(self, config: PolicyConfig) -> None:
+        if config.spec.loss_scaling and config.scaler is None:
+            # One place that fills the defaults, so a hand-built config keeps the min_scale floor.
+            config = replace(config, scaler=ScalerOptions())
         self.config = config
         self.spec = config.spec
         self.device = torch.device(config.device)
@@ -109,7 +112,7 @@ class Policy:
         if self.spec.loss_scaling:
             self._scaler = _GradScaler(
                 self.device.type,
-                config.scaler or ScalerOptions(),
+                config.scaler,  # type: ignore[arg-type]
                 allow_fp16_grads=self.spec.param_dtype is not None,
             )
         self.stats = StepStats()
@@ -282,12 +285,12 @@ class Policy:
 
         scale_before = None
         if self._scaler is not None:
-            if skipped and self.config.scaler and self.config.scaler.min_scale is not None:
+            if skipped and self.config.scaler.min_scale is not None:  # type: ignore[union-attr]
                 scale_before = self._scaler.get_scale()
             for o in opts:
                 self._scaler.step(o)
             self._scaler.update()
-            if self.config.scaler is not None and self.config.scaler.min_scale is not None:
+            if self.config.scaler.min_scale is not None:  # type: ignore[union-attr]
                 self._scaler._scale.clamp_(min=self.config.scaler.min_scale)  # type: ignore[union-attr]
             self.stats.record_scale(self.stats.steps, self._scaler._scale)  # type: ignore[arg-type]
         else:
