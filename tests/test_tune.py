@@ -71,15 +71,24 @@ def test_tie_within_noise_goes_to_the_safer_candidate_and_says_so():
     rec, _ = decide(rows, verdicts, noise=0.03)
     assert rec.policy == "bf16-mixed"  # fp32 master weights beat pure bf16 within 2% noise
     assert rec.tie_break and "within measurement noise" in rec.tie_break
+    assert rec.tied_with == "bf16-true"  # what tune re-measures when budget is left
     # outside the noise band the faster one wins
     rec, _ = decide([row("fp32", 100), row("bf16-mixed", 250), row("bf16-true", 300)], verdicts, noise=0.03)
     assert rec.policy == "bf16-true" and rec.tie_break is None
 
 
 def test_wide_iqr_widens_the_noise_band():
-    rows = [row("fp32", 100), row("bf16-mixed", 250, iqr=12), row("bf16-mixed", 270, cl=True, iqr=12)]
+    # 7% apart; step-time IQR 30% of the median over 10 steps: the medians' standard errors
+    # (0.93 * 0.30 / sqrt(10) = 8.8% each, 12.5% combined) make it a tie, so NCHW (simpler) wins
+    rows = [row("fp32", 100), row("bf16-mixed", 250, iqr=30), row("bf16-mixed", 270, cl=True, iqr=30)]
     rec, _ = decide(rows, {("bf16-mixed", ()): verdict("bf16-mixed")}, noise=0.03)
-    assert rec.label == "bf16-mixed"  # 7% apart but +-12% noise: NCHW is the simpler choice
+    assert rec.label == "bf16-mixed"
+    # the same spread is not a tie when it is the median of many more steps
+    rows = [row("fp32", 100), row("bf16-mixed", 250, iqr=30), row("bf16-mixed", 270, cl=True, iqr=30)]
+    for r in rows:
+        r.step_time_ms.n = 200
+    rec, _ = decide(rows, {("bf16-mixed", ()): verdict("bf16-mixed")}, noise=0.03)
+    assert rec.label == "bf16-mixed+cl"
 
 
 def test_rescued_candidate_competes_at_its_measured_cost():

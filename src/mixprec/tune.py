@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +27,7 @@ import torch
 from mixprec import environment
 from mixprec.errors import UsageError
 from mixprec.hardware.device import detect, resolve_device
-from mixprec.measure.results import BenchRow, Candidate, read_jsonl
+from mixprec.measure.results import BenchRow, Candidate, StepTime, read_jsonl
 from mixprec.measure.sweep import BenchResult, bench
 from mixprec.numerics.check import CandidateCheck, CheckResult, check, make_checker
 from mixprec.policy import POLICY_NAMES, Policy, PolicyConfig, check_support, get_policy, policy_from_config
@@ -64,6 +66,7 @@ class Recommendation:
     margin: dict[str, float | None]
     reason: str
     tie_break: str | None = None
+    tied_with: str | None = None  # the faster candidate it won against on the tie-break
     lint_worth_fixing: list[dict[str, Any]] = field(default_factory=list)
 
     def config(self, device: str) -> PolicyConfig:
@@ -80,9 +83,14 @@ def _safety(row: BenchRow) -> tuple[int, int, int]:
     return (SAFETY_ORDER.index(row.policy), int(row.channels_last), len(row.keep_fp32))
 
 
-def _rel_noise(row: BenchRow) -> float:
+def _median_rel_se(row: BenchRow) -> float:
+    """Relative standard error of the median step time: ~0.93 * IQR / sqrt(n) (IQR ~ 1.35 sigma,
+    se(median) ~ 1.25 sigma / sqrt(n)). The IQR alone would call anything within a noisy
+    candidate's spread a tie, however many steps were timed."""
     st = row.step_time_ms
-    return st.iqr_ms / st.median_ms if st and st.median_ms else 0.0
+    if not st or not st.median_ms or not st.n:
+        return 0.0
+    return 0.93 * (st.iqr_ms / st.median_ms) / math.sqrt(st.n)
 
 
 def _verdict_for(
@@ -101,7 +109,7 @@ def decide(
 
     ``verdicts`` maps (policy, keep_fp32) to its check; strict fp32 is the reference and
     passes by definition. ``noise`` is the smallest relative throughput difference treated
-    as real; a larger step-time IQR of either candidate widens it.
+    as real; a larger standard error of the two median step times widens it.
     """
     measured = [r for r in rows if not r.baseline_repeat]
     fp32 = next(
@@ -192,6 +200,7 @@ def decide(
         margin=margin,
         reason=_reason(chosen, table, verdict, tie_break),
         tie_break=tie_break,
+        tied_with=fastest.label if tie_break else None,
     )
     return rec, table
 
@@ -380,6 +389,13 @@ def tune(
                     _measure_rescue(workload, result, faster, cand, policy, kwargs, tmp, deadline, say)
                 )
     rec, table = decide(result.rows, verdicts, noise=noise)
+    # A tie within noise leaves the answer open: spend what is left of the budget re-measuring it.
+    if (
+        rec is not None
+        and rec.tied_with
+        and _remeasure_tie(workload, result, rec, kwargs, deadline, say, notes)
+    ):
+        rec, table = decide(result.rows, verdicts, noise=noise)
     findings = None
     if lint and rec is not None and time.perf_counter() < deadline:
         findings = _lint(workload, rec, dev, notes)
@@ -403,8 +419,9 @@ def tune(
 
 
 def _noise_band(a: BenchRow, b: BenchRow, noise: float) -> float:
-    """Relative throughput difference that is not real: ``noise``, or either row's step-time IQR."""
-    return max(noise, _rel_noise(a), _rel_noise(b))
+    """Relative throughput difference that is not real: ``noise``, or the combined standard
+    error of the two median step times if larger."""
+    return max(noise, math.hypot(_median_rel_se(a), _median_rel_se(b)))
 
 
 def _within_noise(throughput: float, best: float, noise: float) -> bool:
@@ -453,6 +470,73 @@ def _measure_rescue(
     metrics = {k: v for k, v in cand.fix_metrics.items() if k in CandidateCheck.__dataclass_fields__}
     fixed = CandidateCheck(**{**asdict(cand), **metrics, "verdict": "pass", "reason": cand.fix_note})
     return {(policy, tuple(cand.keep_fp32)): fixed}
+
+
+def _remeasure_tie(
+    workload: Workload,
+    result: BenchResult,
+    rec: Recommendation,
+    kwargs: dict[str, Any],
+    deadline: float,
+    say: Progress,
+    notes: list[str],
+) -> bool:
+    """Time the recommended row and the faster one it tied with again, twice as long, and fold
+    the new step times into both rows. False when the budget cannot pay for it."""
+    rows = {r.label: r for r in result.rows if r.status == "ok" and not r.baseline_repeat}
+    chosen, rival = rows[rec.label], rows[rec.tied_with]  # type: ignore[index]
+    steps = 2 * kwargs["steps"]
+    cost = sum(
+        (kwargs["warmup"] + steps) * (r.step_time_ms.median_ms / 1e3)
+        for r in (chosen, rival)
+        if r.step_time_ms
+    )
+    # fp32 is measured first by bench as well: pay for it too
+    base = result.baseline
+    cost += (
+        (kwargs["warmup"] + steps) * (base.step_time_ms.median_ms / 1e3) if base and base.step_time_ms else 0
+    )
+    if time.perf_counter() + 1.5 * cost > deadline:
+        notes.append(f"{chosen.label} and {rival.label} tie within noise; no budget left to re-measure them")
+        return False
+    say(f"re-measuring {chosen.label} and {rival.label}: within noise of each other")
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event["event"] in ("candidate", "step") and time.perf_counter() > deadline:
+            raise _OutOfBudget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            again = bench(
+                workload,
+                candidates=[chosen.candidate, rival.candidate],
+                repeat_baseline=False,
+                progress=on_event,
+                **{**kwargs, "steps": steps, "jsonl": Path(tmp) / "tie.jsonl"},
+            )
+        except _OutOfBudget:
+            notes.append("re-measurement of the tie stopped by the budget")
+            return False
+    by_label = {r.label: r for r in again.rows if r.status == "ok"}
+    for row in (chosen, rival):
+        extra = by_label.get(row.label)
+        if extra is None:
+            continue
+        merged = row.step_times_ms + extra.step_times_ms
+        _refresh_timing(row, merged, base)
+    notes.append(
+        f"{chosen.label} and {rival.label} were within noise: re-measured with {steps} more steps each"
+    )
+    return True
+
+
+def _refresh_timing(row: BenchRow, step_ms: list[float], base: BenchRow | None) -> None:
+    q = statistics.quantiles(step_ms, n=4) if len(step_ms) >= 2 else [step_ms[0]] * 3
+    row.step_times_ms = step_ms
+    row.step_time_ms = StepTime(statistics.median(step_ms), q[2] - q[0], len(step_ms))
+    row.throughput = row.batch_size / (row.step_time_ms.median_ms / 1e3)
+    if base is not None and base.throughput:
+        row.speedup_vs_fp32 = row.throughput / base.throughput
 
 
 def _merge_checks(a: CheckResult, b: CheckResult) -> CheckResult:
