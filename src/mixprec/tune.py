@@ -179,10 +179,15 @@ def decide(
         if cand.label == chosen.label:
             cand.status = "recommended"
     verdict = _verdict_for(chosen, verdicts)
+    # The figures with the limits that were applied to them (SQNR floors and the loss allowance
+    # adapt to how much this model amplifies noise, see docs/check.md).
     margin = {
         "output_sqnr_db": verdict.output_sqnr_db if verdict else None,
-        "min_grad_sqnr_db": verdict.min_grad_sqnr_db if verdict else None,
+        "output_sqnr_db_limit": verdict.required_output_sqnr_db if verdict else None,
+        "grad_sqnr_db": verdict.total_grad_sqnr_db if verdict else None,
+        "grad_sqnr_db_limit": verdict.required_grad_sqnr_db if verdict else None,
         "max_rel_loss_diff": verdict.max_rel_loss_diff if verdict else None,
+        "max_rel_loss_diff_limit": verdict.allowed_rel_loss_diff if verdict else None,
     }
     saved = None
     if fp32 and fp32.peak_memory_bytes and chosen.peak_memory_bytes:

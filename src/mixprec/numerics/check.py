@@ -124,6 +124,8 @@ class CandidateCheck:
     scaler_warmup_skips: int = 0  # start-up back-off from the init scale, before the compared run
     stalled_update_fraction: float | None = None  # *-true: weight updates lost to rounding
     allowed_rel_loss_diff: float | None = None  # after the chaos-floor allowance
+    required_output_sqnr_db: float | None = None  # the floors applied, after the amplification adjustment
+    required_grad_sqnr_db: float | None = None
     first_nonfinite_forward: str | None = None
     first_nonfinite_backward: str | None = None
     keep_fp32: list[str] = field(default_factory=list)
@@ -402,6 +404,12 @@ class _Checker:
             scaler_warmup_skips=traj.warmup_skips,
             stalled_update_fraction=traj.stalled_update_fraction,
             allowed_rel_loss_diff=allowed_rel_loss_diff(thr, self.floor.rel_loss_diff),
+            required_output_sqnr_db=self.floor.required(
+                thr.min_output_sqnr_db, self.floor.output_sqnr_db, _rounding_format(cand)
+            ),
+            required_grad_sqnr_db=self.floor.required(
+                thr.min_grad_sqnr_db, self.floor.grad_sqnr_db, _rounding_format(cand)
+            ),
             emulated=cand.emulated,
             losses=traj.losses,
             rel_loss_diff=cmp.rel_loss_diff,

@@ -564,12 +564,14 @@ def _margin_pairs(data: Mapping[str, Any], rec: Mapping[str, Any]) -> list[tuple
     out = []
     for key, name, fmt, lim_key, rel in (
         ("output_sqnr_db", "output SQNR", fmt_db, "min_output_sqnr_db", "≥"),
-        ("min_grad_sqnr_db", "min grad SQNR", fmt_db, "min_grad_sqnr_db", "≥"),
+        ("grad_sqnr_db", "gradient SQNR", fmt_db, "min_grad_sqnr_db", "≥"),
         ("max_rel_loss_diff", "max loss diff", fmt_small_pct, "max_rel_loss_diff", "≤"),
     ):
         value = fmt(margin.get(key))
         if value:
-            lim = fmt(limits.get(lim_key))
+            # the limit actually applied (written by tune), else the policy's absolute threshold
+            applied = margin.get(f"{key}_limit")
+            lim = fmt(applied if applied is not None else limits.get(lim_key))
             out.append((name, value, f"limit {rel} {lim}" if lim else ""))
     return out
 
