@@ -27,7 +27,6 @@ Usage (under ``torchrun``, after ``dist.init_process_group``)::
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -36,7 +35,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError, PolicyError, UnsupportedError, UsageError, did_you_mean
-from mixprec.policy.policy import Policy
+from mixprec.policy.policy import Policy, island_names
 from mixprec.policy.registry import POLICIES, PolicySpec, Support, canonical_name
 
 if TYPE_CHECKING:
@@ -571,11 +570,7 @@ def find_blocks(model: nn.Module, block_types: Sequence[type[nn.Module]] | None 
 
 def _island_names(model: nn.Module, policy: Policy) -> list[str]:
     """keep_fp32 modules, matched the way Policy.prepare matches them."""
-    names = [n for n, _ in model.named_modules() if n]
-    found: list[str] = []
-    for pattern in policy.config.keep_fp32:
-        found += [n for n in names if fnmatch.fnmatchcase(n, pattern) and n not in found]
-    return found
+    return island_names(model, policy.config.keep_fp32)
 
 
 @dataclass(frozen=True)

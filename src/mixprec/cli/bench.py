@@ -25,6 +25,18 @@ CPU_DEFAULTS = {"image_size": 128, "batch_size": 16, "steps": 4, "warmup": 1, "m
 CUDA_DEFAULTS = {"image_size": 224, "batch_size": 256, "steps": 20, "warmup": 5, "min_time": 2.0}
 
 
+def sweep_progress(console: Console) -> Progress:
+    """The progress bar (on stderr) of the commands that measure candidates one by one."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -92,14 +104,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     batch_size = args.batch_size or (defaults["batch_size"] if is_default_model else None)
     jsonl = Path(args.json).with_suffix(".jsonl") if args.json else None
 
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-    ) as bar:
+    with sweep_progress(err) as bar:
         task = bar.add_task("starting", total=None)
 
         def progress(event: dict[str, Any]) -> None:

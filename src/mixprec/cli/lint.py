@@ -6,10 +6,9 @@ import argparse
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mixprec import environment
-from mixprec.cli.bench import add_workload_arguments, positive_int, workload_from_args
+from mixprec.cli.bench import add_workload_arguments, positive_int, sweep_progress, workload_from_args
 from mixprec.errors import UsageError
 from mixprec.lint import TARGETS, measure_findings, parse_rule_ids, run_lint
 from mixprec.report.jsonio import write_json
@@ -83,14 +82,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         channels_last=channels_last,
     )
     if args.measure:
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=err,
-            transient=True,
-        ) as bar:
+        with sweep_progress(err) as bar:
             task = bar.add_task("measuring", total=None)
 
             def progress(event: dict[str, Any]) -> None:

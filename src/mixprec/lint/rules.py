@@ -17,7 +17,6 @@ not apply and report nothing (the report says so).
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from torch import nn
 from mixprec.hardware.device import DeviceInfo
 from mixprec.lint.trace import ATTENTION, COMPUTE_TYPES, FunctionCall, ModuleRecord, Trace
 from mixprec.policy import Policy, check_support
+from mixprec.policy.policy import is_fp32_island
 from mixprec.workload import Workload
 
 SEVERITIES: tuple[str, ...] = ("info", "warning", "error")
@@ -245,10 +245,7 @@ class LintContext:
 
     def alignment_for(self, module: str) -> int | None:
         """The alignment for a module: None inside a keep_fp32 island (it runs in fp32)."""
-        for pattern in self.policy.config.keep_fp32:
-            if fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(module, pattern + ".*"):
-                return None
-        return self.alignment
+        return None if is_fp32_island(module, self.policy.config.keep_fp32) else self.alignment
 
     @property
     def cuda_target(self) -> bool:

@@ -8,7 +8,6 @@ status) is the sweep's job.
 from __future__ import annotations
 
 import copy
-import fnmatch
 import math
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from mixprec.errors import MixprecError
 from mixprec.measure.flops import count_flops
 from mixprec.measure.results import Candidate
 from mixprec.policy import Policy, get_policy
+from mixprec.policy.policy import is_fp32_island
 from mixprec.workload import Workload
 
 # Layers whose output dtype shows which precision really ran (autocast casts their inputs).
@@ -105,7 +105,7 @@ class _FirstComputeLayer:
         for name, module in model.named_modules():
             if not isinstance(module, _COMPUTE_LAYERS):
                 continue
-            if any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, p + ".*") for p in keep_fp32):
+            if is_fp32_island(name, keep_fp32):
                 continue  # fp32 islands run in fp32 on purpose
             self._handles.append(module.register_forward_hook(self._hook(name)))
 

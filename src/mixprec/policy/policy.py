@@ -59,6 +59,20 @@ class PolicyConfig:
         }
 
 
+def is_fp32_island(name: str, patterns: Iterable[str]) -> bool:
+    """True when module ``name`` matches a keep_fp32 pattern or sits inside a module that does:
+    its forward runs outside autocast, in fp32."""
+    return bool(name) and any(
+        fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, p + ".*") for p in patterns
+    )
+
+
+def island_names(model: nn.Module, patterns: Iterable[str]) -> list[str]:
+    """The modules ``prepare`` wraps as fp32 islands: every named module matching a pattern."""
+    patterns = list(patterns)
+    return [n for n, _ in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
 def _as_optimizers(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> list:
     opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
     if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
