@@ -349,3 +349,36 @@ def test_cli_usage_errors(capsys):
     assert main(["bench", "--model", "resnet5"]) == 2
     assert "Did you mean 'resnet50'" in capsys.readouterr().err
     assert main(["bench", "--model", "mlp", "--policies", "tf32", "--device", "tpu"]) == 2
+
+
+@pytest.mark.timeout(240)
+def test_data_parallel_sweep_on_two_gloo_ranks(tmp_path):
+    w = load_workload("mlp")
+    result = bench(
+        w,
+        policies="fp32,bf16-mixed",
+        channels_last="off",
+        steps=2,
+        warmup=1,
+        device="cpu",
+        nproc=2,
+        repeat_baseline=False,
+        jsonl=tmp_path / "dp.jsonl",
+    )
+    labels = _by_label(result)
+    for name in ("fp32", "bf16-mixed"):
+        row = labels[name]
+        assert row.status == "ok", row.reason
+        assert row.world_size == 2 and len(row.rank_step_time_ms) == 2
+        assert len(row.rank_peak_memory_bytes) == 2 and row.peak_memory_bytes > 0
+        # global throughput counts both ranks' batches per (slowest-rank) step
+        assert row.throughput == pytest.approx(2 * row.batch_size / (row.step_time_ms.median_ms / 1e3))
+    assert labels["bf16-mixed"].observed_dtype == "bfloat16"
+    assert read_jsonl(tmp_path / "dp.jsonl")[0].world_size == 2
+
+
+def test_data_parallel_needs_a_spec():
+    w = load_workload("mlp")
+    w.spec = None
+    with pytest.raises(mixprec.UsageError, match="nproc > 1 needs a workload with a spec"):
+        bench(w, nproc=2)

@@ -91,6 +91,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--in-process", action="store_true", help="no child process per candidate (CPU memory: n/a)"
     )
+    p.add_argument(
+        "--nproc",
+        type=positive_int,
+        default=1,
+        help="train each candidate on N DDP ranks (gloo on CPU, nccl on CUDA); --batch-size is per rank",
+    )
     p.set_defaults(run=run)
 
 
@@ -143,6 +149,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
                 isolate=False if args.in_process else None,
                 prune_factor=args.prune_factor,
                 progress=progress,
+                nproc=args.nproc,
             )
         except KeyboardInterrupt:
             if jsonl:

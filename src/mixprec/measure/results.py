@@ -64,6 +64,9 @@ class BenchRow:
     wall_s: float | None = None
     baseline_repeat: bool = False  # the fp32 re-measurement at the end of a sweep (drift check)
     keep_fp32: list[str] = field(default_factory=list)
+    world_size: int = 1  # data-parallel ranks (DDP); throughput counts every rank's batch
+    rank_step_time_ms: list[float] = field(default_factory=list)  # median per rank
+    rank_peak_memory_bytes: list[int | None] = field(default_factory=list)
 
     @property
     def candidate(self) -> Candidate:

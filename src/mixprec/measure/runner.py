@@ -145,11 +145,14 @@ def run_candidate(
     settings: BenchSettings,
     emit: Emit | None = None,
     batches: list | None = None,
+    wrap_model: Callable[[nn.Module, Policy], nn.Module] | None = None,
 ) -> Measurement:
     """Train a fresh copy of the workload's model under ``candidate`` and time every step.
 
     ``batches`` (from :func:`make_batches`) lets in-process sweeps feed every candidate the
     very same data even when the workload's ``make_batch`` draws from a stateful generator.
+    ``wrap_model`` wraps the prepared model for training (DDP in data-parallel sweeps); the
+    optimizer and the honesty probe keep seeing the unwrapped model and its parameter names.
     """
     emit = emit or (lambda event: True)
     device = torch.device(settings.device)
@@ -161,6 +164,7 @@ def run_candidate(
         torch.cuda.reset_peak_memory_stats(device)
     model = policy.prepare(copy.deepcopy(workload.model))
     model.train()
+    trained = wrap_model(model, policy) if wrap_model is not None else model
     optimizer = workload.make_optimizer(model.parameters())
     if batches is None:
         batches = make_batches(
@@ -171,7 +175,7 @@ def run_candidate(
 
     def train_step(batch: Any) -> torch.Tensor:
         with policy.autocast():
-            loss = workload.loss_fn(model, batch)
+            loss = workload.loss_fn(trained, batch)
         policy.backward(loss)
         policy.step(optimizer)
         optimizer.zero_grad(set_to_none=True)

@@ -182,11 +182,14 @@ def bench(
     repeat_baseline: bool = True,
     progress: Progress | None = None,
     candidates: Sequence[Candidate] | None = None,
+    nproc: int = 1,
 ) -> BenchResult:
     """Measure every candidate policy on ``workload``'s real training step.
 
     ``candidates`` (e.g. a policy with a ``keep_fp32`` rescue) replaces the grid of
-    ``policies`` x ``channels_last``; strict fp32 is always measured first.
+    ``policies`` x ``channels_last``; strict fp32 is always measured first. ``nproc > 1``
+    trains every candidate data-parallel on that many DDP ranks (``batch_size`` per rank)
+    and reports global throughput and the per-rank spread; it needs a workload spec.
 
     ``isolate`` (default: when the workload has a spec) runs each candidate in its own
     process, which gives isolated CPU peak memory and survives crashes. ``prune_factor``:
@@ -216,6 +219,10 @@ def bench(
         notes.append(
             "channels_last candidates skipped: the model has no 4-D (conv) weights, so it changes nothing"
         )
+    if not isinstance(nproc, int) or nproc < 1:
+        raise UsageError(f"nproc must be an integer >= 1, got {nproc!r}.")
+    if nproc > 1 and workload.spec is None:
+        raise UsageError("nproc > 1 needs a workload with a spec (built by load_workload or the zoo).")
     isolate = workload.spec is not None if isolate is None else isolate
     if isolate and workload.spec is None:
         raise UsageError("isolate=True needs a workload with a spec (built by load_workload or the zoo).")
@@ -233,6 +240,7 @@ def bench(
             "prune_factor": prune_factor,
             "isolate": isolate,
             "policies": names,
+            "nproc": nproc,
             "channels_last": channels_last,
             "threads": torch.get_num_threads(),
             "min_time_s": min_time_s,
@@ -292,9 +300,16 @@ def bench(
                 threads=torch.get_num_threads(),
                 min_time_s=min_time_s,
             )
-            if not isolate and shared_batches is None:
-                shared_batches = make_batches(workload, bs, dev, settings.seed, distinct_batches(settings))
-            _measure(row, workload, cand, settings, isolate, prune_factor, ok_rows, progress, shared_batches)
+            if nproc > 1:
+                _measure_data_parallel(row, workload, cand, settings, nproc)
+            else:
+                if not isolate and shared_batches is None:
+                    shared_batches = make_batches(
+                        workload, bs, dev, settings.seed, distinct_batches(settings)
+                    )
+                _measure(
+                    row, workload, cand, settings, isolate, prune_factor, ok_rows, progress, shared_batches
+                )
             if row.status == "ok" and flops is None and row.flops_per_step:
                 flops = row.flops_per_step
         _finish([*result.rows, row], info, flops)
@@ -304,6 +319,31 @@ def bench(
         progress({"event": "row", "row": row, "index": index, "count": len(plan), "resumed": False})
     _finish(result.rows, info, flops)
     return result
+
+
+def _measure_data_parallel(
+    row: BenchRow, workload: Workload, cand: Candidate, settings: BenchSettings, nproc: int
+) -> None:
+    """Fill ``row`` from a DDP run on ``nproc`` ranks (no pruning: every rank must finish)."""
+    from mixprec.measure.data_parallel import rank_medians_ms, run_data_parallel, slowest_rank_step_times
+
+    wall = time.perf_counter()
+    outcome = run_data_parallel(workload.spec, cand, settings, nproc)  # type: ignore[arg-type]
+    row.wall_s = time.perf_counter() - wall
+    row.world_size = nproc
+    if outcome.status != "ok" or not outcome.ranks:
+        row.status, row.reason = "oom" if "OutOfMemory" in outcome.reason else "error", outcome.reason
+        return
+    ranks = outcome.ranks
+    _derive(row, ranks[0], slowest_rank_step_times(ranks), None)
+    if row.throughput:
+        row.throughput *= nproc  # every rank trains on its own batch of batch_size samples
+    row.flops_per_step = ranks[0].flops_per_step  # per rank: MFU stays per device
+    row.rank_step_time_ms = rank_medians_ms(ranks)
+    row.rank_peak_memory_bytes = [m.peak_memory_bytes for m in ranks]
+    known = [b for b in row.rank_peak_memory_bytes if b is not None]
+    row.peak_memory_bytes = max(known) if known else None
+    row.memory_method = (ranks[0].memory_method + " (the largest rank)") if known else "n/a"
 
 
 def _measure(

@@ -60,7 +60,9 @@ _COLUMNS = (
 
 
 def bench_table(result: BenchResult) -> Group:
-    title = f"{result.workload} on {result.device}, batch {result.batch_size}"
+    world = max((r.world_size for r in result.rows), default=1)
+    ranks = f" per rank x {world} DDP ranks" if world > 1 else ""
+    title = f"{result.workload} on {result.device}, batch {result.batch_size}{ranks}"
     table = Table(title=title, title_justify="left")
     for _, header, justify in _COLUMNS:
         table.add_column(header, justify=justify)  # type: ignore[arg-type]
@@ -72,6 +74,9 @@ def bench_table(result: BenchResult) -> Group:
         table.add_row(*values)
         if row.reason:
             notes.append(Text(f"  {row.label}: {row.reason}", style=_STATUS_STYLE.get(row.status, "")))
+        if row.world_size > 1 and row.rank_step_time_ms:
+            spread = ", ".join(f"{t:.1f}" for t in row.rank_step_time_ms)
+            notes.append(Text(f"  {row.label}: median step ms per rank: {spread}", style="dim"))
     parts: list[Any] = [table]
     notes = [Text(f"  {note}") for note in result.notes] + notes
     if notes:
