@@ -81,3 +81,12 @@ def test_console_script_entry_point_runs():
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("mixprec: error: Unknown policy 'nope'")
+
+
+def test_unwritable_output_fails_before_any_measurement(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    assert main(["bench", "--model", "mlp", "--json", str(blocker / "out.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and "cannot create folder" in err
+    assert "bench" not in capsys.readouterr().out  # nothing was measured

@@ -7,13 +7,15 @@ failed); ``--debug`` shows the traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 
 from mixprec.cli import bench, check, demo, env, lint, tune
-from mixprec.errors import MixprecError
+from mixprec.errors import MixprecError, UsageError
 
 SUBCOMMANDS = (env, demo, bench, check, lint, tune)
 
@@ -37,6 +39,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Arguments naming files (or, for --report, a folder) that a command writes at its end.
+_OUTPUT_ARGS = ("json", "csv", "markdown", "plot", "report")
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Fail before measuring, not after: every output location must be creatable and writable."""
+    for name in _OUTPUT_ARGS:
+        value = getattr(args, name, None)
+        if not value:
+            continue
+        path = Path(value)
+        folder = path if name == "report" else path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(
+                f"--{name} {value!r}: cannot create folder {str(folder)!r} ({exc.strerror})."
+            ) from None
+        if not os.access(folder, os.W_OK) or (path.exists() and path.is_dir() and name != "report"):
+            raise UsageError(
+                f"--{name} {value!r}: not a writable file location; pass a file path you can write."
+            )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -46,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stdout = Console(width=140)
     stderr = Console(stderr=True)
     try:
+        check_outputs(args)
         return int(args.run(args, stdout, stderr) or 0)
     except MixprecError as exc:
         if args.debug:
