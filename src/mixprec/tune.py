@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -27,8 +26,8 @@ import torch
 from mixprec import environment
 from mixprec.errors import UsageError
 from mixprec.hardware.device import detect, resolve_device
-from mixprec.measure.results import BenchRow, Candidate, StepTime, read_jsonl
-from mixprec.measure.sweep import BenchResult, bench
+from mixprec.measure.results import BenchRow, Candidate, read_jsonl
+from mixprec.measure.sweep import BenchResult, baseline_row, bench, set_step_times
 from mixprec.numerics.check import CandidateCheck, CheckResult, check, make_checker
 from mixprec.policy import POLICY_NAMES, Policy, PolicyConfig, check_support, get_policy, policy_from_config
 from mixprec.workload import Workload
@@ -112,9 +111,7 @@ def decide(
     as real; a larger standard error of the two median step times widens it.
     """
     measured = [r for r in rows if not r.baseline_repeat]
-    fp32 = next(
-        (r for r in measured if r.policy == "fp32" and not r.channels_last and r.status == "ok"), None
-    )
+    fp32 = baseline_row(measured)
     tf32 = max(
         (r for r in measured if r.policy == "tf32" and r.status == "ok"),
         key=lambda r: r.throughput or 0,
@@ -528,20 +525,11 @@ def _remeasure_tie(
         if extra is None:
             continue
         merged = row.step_times_ms + extra.step_times_ms
-        _refresh_timing(row, merged, base)
+        set_step_times(row, merged, base)
     notes.append(
         f"{chosen.label} and {rival.label} were within noise: re-measured with {steps} more steps each"
     )
     return True
-
-
-def _refresh_timing(row: BenchRow, step_ms: list[float], base: BenchRow | None) -> None:
-    q = statistics.quantiles(step_ms, n=4) if len(step_ms) >= 2 else [step_ms[0]] * 3
-    row.step_times_ms = step_ms
-    row.step_time_ms = StepTime(statistics.median(step_ms), q[2] - q[0], len(step_ms))
-    row.throughput = row.batch_size / (row.step_time_ms.median_ms / 1e3)
-    if base is not None and base.throughput:
-        row.speedup_vs_fp32 = row.throughput / base.throughput
 
 
 def _merge_checks(a: CheckResult, b: CheckResult) -> CheckResult:

@@ -90,10 +90,6 @@ def distinct_batches(settings: BenchSettings) -> int:
     return min(_DISTINCT_BATCHES, settings.warmup + settings.steps)
 
 
-def _expected_dtype(policy: Policy) -> torch.dtype:
-    return policy.compute_dtype
-
-
 class _FirstComputeLayer:
     """Forward hooks that record the first matmul/conv layer to run and its output dtype."""
 
@@ -125,7 +121,7 @@ class _FirstComputeLayer:
 def _check_honesty(policy: Policy, probe: _FirstComputeLayer) -> None:
     if probe.name is None:
         return  # no matmul/conv layer as a module (e.g. functional-only model): nothing to check
-    expected = _expected_dtype(policy)
+    expected = policy.compute_dtype
     if probe.dtype != expected:
         raise HonestyError(
             f"labelled {policy.config.label} but the first matmul/conv layer {probe.name!r} produced "

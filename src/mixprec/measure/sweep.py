@@ -45,14 +45,7 @@ class BenchResult:
 
     @property
     def baseline(self) -> BenchRow | None:
-        return next(
-            (
-                r
-                for r in self.rows
-                if r.policy == "fp32" and not r.channels_last and not r.baseline_repeat and r.status == "ok"
-            ),
-            None,
-        )
+        return baseline_row(self.rows)
 
     @property
     def baseline_drift(self) -> float | None:
@@ -125,26 +118,9 @@ def plan_candidates(policies: Iterable[str], layouts: Iterable[bool]) -> list[Ca
     return [baseline, *rest]
 
 
-def _derive(row: BenchRow, m: Measurement | None, timed: list[float], baseline: BenchRow | None) -> None:
-    """Fill the figures that follow from the step times."""
-    if timed:
-        ms = [t * 1e3 for t in timed]
-        q = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [ms[0], ms[0], ms[0]]
-        row.step_time_ms = StepTime(statistics.median(ms), q[2] - q[0], len(ms))
-        row.step_times_ms = ms
-        row.throughput = row.batch_size / (row.step_time_ms.median_ms / 1e3)
-    if m is not None:
-        row.first_loss = m.first_loss
-        row.observed_dtype = m.observed_dtype
-        row.peak_memory_bytes = m.peak_memory_bytes
-        row.memory_method = m.memory_method
-    if baseline is not None and baseline.throughput and row.throughput:
-        row.speedup_vs_fp32 = row.throughput / baseline.throughput
-
-
-def _finish(rows: list[BenchRow], info: Any, flops: int | None) -> None:
-    """Speedups against the fp32 baseline, FLOPs, achieved TFLOP/s and MFU for every timed row."""
-    baseline = next(
+def baseline_row(rows: Iterable[BenchRow]) -> BenchRow | None:
+    """The strict-fp32 NCHW row measured first: what every speedup refers to."""
+    return next(
         (
             r
             for r in rows
@@ -152,6 +128,32 @@ def _finish(rows: list[BenchRow], info: Any, flops: int | None) -> None:
         ),
         None,
     )
+
+
+def set_step_times(row: BenchRow, step_ms: list[float], baseline: BenchRow | None = None) -> None:
+    """Median, IQR, n and throughput from the timed steps (ms); the speedup too when a baseline is given."""
+    q = statistics.quantiles(step_ms, n=4) if len(step_ms) >= 2 else [step_ms[0]] * 3
+    row.step_times_ms = step_ms
+    row.step_time_ms = StepTime(statistics.median(step_ms), q[2] - q[0], len(step_ms))
+    row.throughput = row.batch_size / (row.step_time_ms.median_ms / 1e3)
+    if baseline is not None and baseline.throughput:
+        row.speedup_vs_fp32 = row.throughput / baseline.throughput
+
+
+def _derive(row: BenchRow, m: Measurement | None, timed: list[float]) -> None:
+    """Fill the figures that follow from the step times (seconds) and the measurement."""
+    if timed:
+        set_step_times(row, [t * 1e3 for t in timed])
+    if m is not None:
+        row.first_loss = m.first_loss
+        row.observed_dtype = m.observed_dtype
+        row.peak_memory_bytes = m.peak_memory_bytes
+        row.memory_method = m.memory_method
+
+
+def _finish(rows: list[BenchRow], info: Any, flops: int | None) -> None:
+    """Speedups against the fp32 baseline, FLOPs, achieved TFLOP/s and MFU for every timed row."""
+    baseline = baseline_row(rows)
     for row in rows:
         if row.throughput and baseline and baseline.throughput:
             row.speedup_vs_fp32 = row.throughput / baseline.throughput
@@ -335,7 +337,7 @@ def _measure_data_parallel(
         row.status, row.reason = "oom" if "OutOfMemory" in outcome.reason else "error", outcome.reason
         return
     ranks = outcome.ranks
-    _derive(row, ranks[0], slowest_rank_step_times(ranks), None)
+    _derive(row, ranks[0], slowest_rank_step_times(ranks))
     if row.throughput:
         row.throughput *= nproc  # every rank trains on its own batch of batch_size samples
     row.flops_per_step = ranks[0].flops_per_step  # per rank: MFU stays per device
@@ -431,14 +433,14 @@ def _measure(
     if row.status == "pruned":
         # Keep the measured figure: the steps that did complete (timed ones if any, else warm-up).
         figures = timed or seen
-        _derive(row, measurement, figures, None)
+        _derive(row, measurement, figures)
         row.first_loss = first_loss["value"]
         if not figures:
             row.reason = row.reason or "pruned before its first step finished"
         return
     if row.status != "ok":
         return
-    _derive(row, measurement, measurement.step_times_s if measurement else timed, None)
+    _derive(row, measurement, measurement.step_times_s if measurement else timed)
     if row.peak_memory_bytes is None:
         row.memory_method = "n/a: in-process run (isolated CPU memory needs a workload spec)"
     if row.first_loss is not None and not math.isfinite(row.first_loss):

@@ -312,8 +312,7 @@ def _format_of(cand: _Candidate) -> str:
     """The low-precision format whose range limits the candidate (tf32/bf32 have bf16's exponent range)."""
     if cand.emulated:
         return "bf16" if cand.emulated == "tf32" else cand.emulated
-    dtype = get_policy(cand.policy_name, check=False, device="cpu").spec.low_precision_dtype
-    return "fp16" if dtype == torch.float16 else "bf16"
+    return "fp16" if _Checker.spec_of(cand).low_precision_dtype == torch.float16 else "bf16"
 
 
 class _Checker:
