@@ -8,6 +8,24 @@ import torch
 from mixprec import state
 
 
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def single_thread():
+    """Tiny tensors: one intra-op thread is much faster than two contending ones, and deterministic."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _torch_state_unchanged():
     """Every test leaves TF32/bf32 flags, matmul precision, cudnn.benchmark and default dtype as found."""

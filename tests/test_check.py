@@ -33,12 +33,8 @@ REQUIRED_KEYS = {
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: a second OpenMP thread only adds synchronisation cost on a busy 2-core machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(single_thread):
+    """Every test here trains tiny models: one thread (see conftest.single_thread)."""
 
 
 def _by_policy(result):

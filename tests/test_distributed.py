@@ -406,7 +406,7 @@ def _nccl_worker(rank: int, world: int, out: Path) -> dict:
     return results
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.skipif(not dist.is_nccl_available(), reason="this torch has no nccl")
 @pytest.mark.timeout(300)
 def test_nccl_world_size_one(tmp_path, monkeypatch):

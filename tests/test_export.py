@@ -42,11 +42,8 @@ PYTHON_SECTION = {"accelerate": "train.py", "deepspeed": "train.py"}
 
 
 @pytest.fixture(autouse=True)
-def _single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(single_thread):
+    """Every test here trains tiny models: one thread (see conftest.single_thread)."""
 
 
 def python_part(text: str, target: str) -> str:

@@ -27,12 +27,8 @@ NAN = float("nan")
 
 
 @pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny tensors: one intra-op thread is much faster than two contending ones (and deterministic)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(single_thread):
+    """Every test here trains tiny models: one thread (see conftest.single_thread)."""
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -131,15 +127,27 @@ def _micro_loss(model: nn.Module, x, y, n_micro: int, autocast_ctx, faults, step
     return loss
 
 
-def run_plain(model, make_opts: OptFactory, batches, faults=(), clip=None, **scaler_kw) -> RunResult:
+def run_plain(
+    model, make_opts: OptFactory, batches, faults=(), clip=None, device="cpu", **scaler_kw
+) -> RunResult:
     """The loop as the PyTorch AMP recipe writes it."""
+    device_type = torch.device(device).type
+    model.to(device)
     opts = make_opts(model)
-    scaler = torch.amp.GradScaler("cpu", **scaler_kw)
+    scaler = torch.amp.GradScaler(device_type, **scaler_kw)
     res = RunResult(model=model, scaler=scaler, scales=[scaler.get_scale()])
     for step, micro in enumerate(batches):
         for m, (x, y) in enumerate(micro):
+            x, y = x.to(device), y.to(device)
             loss = _micro_loss(
-                model, x, y, len(micro), lambda: torch.autocast("cpu", dtype=torch.float16), faults, step, m
+                model,
+                x,
+                y,
+                len(micro),
+                lambda: torch.autocast(device_type, dtype=torch.float16),
+                faults,
+                step,
+                m,
             )
             scaler.scale(loss).backward()
         _inject_grads(model, faults, step)
@@ -157,14 +165,17 @@ def run_plain(model, make_opts: OptFactory, batches, faults=(), clip=None, **sca
     return res
 
 
-def run_mixprec(model, make_opts: OptFactory, batches, faults=(), clip=None, **scaler_kw) -> RunResult:
-    policy = mixprec.get_policy("fp16-mixed", device="cpu", **scaler_kw)
+def run_mixprec(
+    model, make_opts: OptFactory, batches, faults=(), clip=None, device="cpu", **scaler_kw
+) -> RunResult:
+    policy = mixprec.get_policy("fp16-mixed", device=device, **scaler_kw)
     policy.prepare(model)
     opts = make_opts(model)
     res = RunResult(model=model, policy=policy, scales=[policy.scaler.get_scale()])
     with policy.precision_scope():
         for step, micro in enumerate(batches):
             for m, (x, y) in enumerate(micro):
+                x, y = x.to(device), y.to(device)
                 loss = _micro_loss(model, x, y, len(micro), policy.autocast, faults, step, m)
                 policy.backward(loss)
             _inject_grads(model, faults, step)
@@ -176,12 +187,12 @@ def run_mixprec(model, make_opts: OptFactory, batches, faults=(), clip=None, **s
     return res
 
 
-def run_both(make_opts: OptFactory, faults=(), clip=None, micro: int = 1, **scaler_kw):
+def run_both(make_opts: OptFactory, faults=(), clip=None, micro: int = 1, device="cpu", **scaler_kw):
     base = make_mlp()
     batches = make_batches(micro=micro)
-    plain = run_plain(copy.deepcopy(base), make_opts, batches, faults, clip, **scaler_kw)
-    mixed = run_mixprec(copy.deepcopy(base), make_opts, batches, faults, clip, **scaler_kw)
-    return base, plain, mixed
+    plain = run_plain(copy.deepcopy(base), make_opts, batches, faults, clip, device, **scaler_kw)
+    mixed = run_mixprec(copy.deepcopy(base), make_opts, batches, faults, clip, device, **scaler_kw)
+    return base.to(device), plain, mixed
 
 
 def assert_bitwise_equal(plain: RunResult, mixed: RunResult) -> None:
@@ -288,6 +299,24 @@ def test_parity_foreach_and_fused(opt_name, flag, clip):
     )
     assert_bitwise_equal(plain, mixed)
     assert_skip_accounting(plain, mixed, {2, 5})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clip", [None, 0.25], ids=["noclip", "clip"])
+@pytest.mark.parametrize("flag", ["for-loop", "foreach", "fused"])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_parity_on_cuda(opt_name, flag, clip):
+    """The same by-the-book GradScaler loop on a GPU: fused optimizers take GradScaler's in-kernel
+    unscale path there (``_step_supports_amp_scaling``), mixprec unscales first; both must agree."""
+    cls, kw = OPTIMIZERS[opt_name]
+    variant = {"foreach": False} if flag == "for-loop" else {flag: True}
+    faults = (LossFault(2, INF), GradFault(5, "4.weight", NAN), LossFault(6, NAN))
+    _, plain, mixed = run_both(
+        single(cls, **kw, **variant), faults, clip, device="cuda", init_scale=2.0**10, growth_interval=2
+    )
+    assert_bitwise_equal(plain, mixed)
+    assert_skip_accounting(plain, mixed, {2, 5, 6})
+    assert mixed.snapshots[-1]["0.weight"].device.type == "cuda"
 
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))

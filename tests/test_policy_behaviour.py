@@ -27,11 +27,8 @@ PARAM_DTYPE = {"bf16-true": torch.bfloat16, "fp16-true": torch.float16}
 
 
 @pytest.fixture(autouse=True)
-def _single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(single_thread):
+    """Every test here trains tiny models: one thread (see conftest.single_thread)."""
 
 
 def make_mlp(seed: int = 0) -> nn.Sequential:

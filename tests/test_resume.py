@@ -18,11 +18,8 @@ NAN = float("nan")
 
 
 @pytest.fixture(autouse=True)
-def _single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(single_thread):
+    """Every test here trains tiny models: one thread (see conftest.single_thread)."""
 
 
 def make_mlp(seed: int = 0) -> nn.Sequential:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 import mixprec
 from mixprec.cli import main
@@ -135,15 +134,7 @@ def test_memory_saved_and_tf32_speedup():
     assert rec.memory_saved_bytes == 2000 and rec.speedup_vs_tf32 == pytest.approx(2.0)
 
 
-@pytest.fixture()
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.mark.usefixtures("_one_thread")
+@pytest.mark.usefixtures("single_thread")
 def test_tune_end_to_end_on_the_tiny_mlp(tmp_path):
     result = tune(
         mixprec.load_workload("mlp"), budget_s=120, steps=2, warmup=1, check_steps=3, device="cpu", lint=False
@@ -173,7 +164,7 @@ def test_tune_end_to_end_on_the_tiny_mlp(tmp_path):
     json.dumps(data)  # serialisable
 
 
-@pytest.mark.usefixtures("_one_thread")
+@pytest.mark.usefixtures("single_thread")
 def test_autotune_caches_its_decision(tmp_path, monkeypatch):
     calls = []
     import mixprec.tune as tune_mod

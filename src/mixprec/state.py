@@ -130,6 +130,22 @@ def precision_settings(settings: PrecisionSettings) -> Iterator[None]:
         restore(before)
 
 
+@contextmanager
+def cudnn_benchmark(enabled: bool) -> Iterator[None]:
+    """``torch.backends.cudnn.benchmark`` for the body, restored on exit.
+
+    Benchmark mode times cuDNN's convolution algorithms on the first call of each shape and
+    keeps the fastest, as NVIDIA's training recipes and timm's train.py enable it; TensorFlow
+    autotunes the same way by default. It changes which algorithm runs, never the precision.
+    """
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
 def effective_state() -> dict[str, object]:
     """The fp32 math mode each library will use now, read through the API in use, for reports."""
     state: dict[str, object] = {"api": "fp32_precision" if has_fp32_precision_api() else "legacy"}

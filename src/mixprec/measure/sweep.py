@@ -185,6 +185,7 @@ def bench(
     progress: Progress | None = None,
     candidates: Sequence[Candidate] | None = None,
     nproc: int = 1,
+    cudnn_benchmark: bool = True,
 ) -> BenchResult:
     """Measure every candidate policy on ``workload``'s real training step.
 
@@ -192,6 +193,8 @@ def bench(
     ``policies`` x ``channels_last``; strict fp32 is always measured first. ``nproc > 1``
     trains every candidate data-parallel on that many DDP ranks (``batch_size`` per rank)
     and reports global throughput and the per-rank spread; it needs a workload spec.
+    ``cudnn_benchmark`` lets cuDNN autotune its convolution algorithms on CUDA (warm-up
+    steps absorb the tuning), as NVIDIA's and timm's training scripts do.
 
     ``isolate`` (default: when the workload has a spec) runs each candidate in its own
     process, which gives isolated CPU peak memory and survives crashes. ``prune_factor``:
@@ -246,6 +249,7 @@ def bench(
             "channels_last": channels_last,
             "threads": torch.get_num_threads(),
             "min_time_s": min_time_s,
+            "cudnn_benchmark": cudnn_benchmark and dev.type == "cuda",
         },
         env=environment.collect(dev),
         notes=notes,
@@ -301,6 +305,7 @@ def bench(
                 count_flops=flops is None,
                 threads=torch.get_num_threads(),
                 min_time_s=min_time_s,
+                cudnn_benchmark=cudnn_benchmark,
             )
             if nproc > 1:
                 _measure_data_parallel(row, workload, cand, settings, nproc)
