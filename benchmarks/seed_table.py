@@ -116,6 +116,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<device name>")
+    parser.add_argument("--resume", action="store_true", help="keep the rows already in <out>/*.jsonl")
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("seed_table.py needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
@@ -150,6 +151,7 @@ def main() -> int:
             warmup=args.warmup,
             device=args.device,
             jsonl=out / f"seed_table-{name}.jsonl",
+            resume=args.resume,
         )
         results.append(result)
         model_rows.append((name, result.rows))

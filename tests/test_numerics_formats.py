@@ -20,7 +20,18 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16}
 
 
 def _torch_cast(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    return x.to(FORMATS[fmt].dtype).float()
+    """PyTorch's cast, as the saturating cast float8 training uses for fp8_e4m3.
+
+    torch 2.14 saturates out-of-range values to +-448 when casting to float8_e4m3fn; torch 2.11
+    (seen on an H100 machine) returned NaN for them. mixprec emulates the saturating cast (what
+    torchao's float8 training does by clamping first), so NaNs that torch made of non-NaN
+    inputs are compared as the saturated value.
+    """
+    out = x.to(FORMATS[fmt].dtype).float()
+    if fmt == "fp8_e4m3":
+        overflowed = out.isnan() & ~x.isnan()
+        out = torch.where(overflowed, torch.copysign(torch.tensor(FORMATS[fmt].max_finite), x), out)
+    return out
 
 
 def _assert_bits_equal(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor) -> None:
@@ -292,8 +303,9 @@ def test_emulated_bf16_gradients_match_real_autocast():
     fp32 = _mlp_grads(contextlib.nullcontext())
     real = _mlp_grads(torch.autocast("cpu", dtype=torch.bfloat16))
     emulated = _mlp_grads(emulate("bf16"))
-    # Measured: emulated vs real 121 dB; each vs fp32 47 dB (bf16 has ~8 bits: ~50 dB is its ceiling).
-    assert _sqnr_db(real, emulated) > 90
+    # Measured: emulated vs real 121 dB (2-core EPYC), 88.5 dB (16-core Xeon, other oneDNN kernels),
+    # bit-identical on some CPUs; each vs fp32 47 dB (bf16 has ~8 bits: ~50 dB is its ceiling).
+    assert _sqnr_db(real, emulated) > 80
     for grads in (real, emulated):
         assert 30 < _sqnr_db(fp32, grads) < 80
     tf32 = _mlp_grads(emulate("tf32"))

@@ -30,6 +30,7 @@ from mixprec.workload import Workload
 
 Progress = Callable[[dict[str, Any]], None]
 CHANNELS_LAST_CHOICES = ("off", "on", "both")
+_CUDA_WARMUP_LIMIT_S = 600.0
 
 
 @dataclass
@@ -311,12 +312,24 @@ def bench(
                 _measure_data_parallel(row, workload, cand, settings, nproc)
             else:
                 if not isolate and shared_batches is None:
-                    shared_batches = make_batches(
-                        workload, bs, dev, settings.seed, distinct_batches(settings)
+                    try:
+                        shared_batches = make_batches(
+                            workload, bs, dev, settings.seed, distinct_batches(settings)
+                        )
+                    except Exception as exc:  # e.g. a batch larger than the device: this row's failure
+                        row.status, row.reason = _failure(exc)
+                if row.status == "ok":
+                    _measure(
+                        row,
+                        workload,
+                        cand,
+                        settings,
+                        isolate,
+                        prune_factor,
+                        ok_rows,
+                        progress,
+                        shared_batches,
                     )
-                _measure(
-                    row, workload, cand, settings, isolate, prune_factor, ok_rows, progress, shared_batches
-                )
             if row.status == "ok" and flops is None and row.flops_per_step:
                 flops = row.flops_per_step
         _finish([*result.rows, row], info, flops)
@@ -353,6 +366,16 @@ def _measure_data_parallel(
     row.memory_method = (ranks[0].memory_method + " (the largest rank)") if known else "n/a"
 
 
+def _failure(exc: BaseException) -> tuple[str, str]:
+    """(status, reason) of a candidate that raised: 'oom' for out-of-memory, else 'error'."""
+    reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if isinstance(exc, torch.OutOfMemoryError):
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # give the memory back before the next candidate
+        return "oom", reason
+    return "error", reason
+
+
 def _measure(
     row: BenchRow,
     workload: Workload,
@@ -372,9 +395,16 @@ def _measure(
     # Below a second a "hopeless" verdict is process noise, not a measurement.
     floor_s = 1.0
 
+    on_cuda = settings.device.startswith("cuda")
+
     def step_timeout(i: int) -> float | None:
         if best_median_s is None:
             return None
+        if on_cuda and i < settings.warmup:
+            # cuDNN autotuning and lazy kernel loading make CUDA warm-up steps cost what the dtype and
+            # layout happen to need (8 to 69 s for ResNet-50 at batch 256 on an H100), unrelated to the
+            # steady-state speed: never pruned there, only bounded.
+            return _CUDA_WARMUP_LIMIT_S
         if i == 0 and best_first_s:
             return max(floor_s, prune_factor * best_first_s)  # cold step vs the best's cold step
         if i < settings.warmup:  # later warm-up steps may still be settling: a wider margin
@@ -425,15 +455,8 @@ def _measure(
             row.flops_per_step = measurement.flops_per_step
             if measurement.stopped_early:
                 row.status, row.reason = "pruned", verdict.get("reason", "stopped early")
-        except torch.OutOfMemoryError as exc:
-            row.status, row.reason = "oom", f"OutOfMemoryError: {str(exc).splitlines()[0]}"
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
         except Exception as exc:  # any failure of one candidate must not stop the sweep
-            row.status, row.reason = (
-                "error",
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-            )
+            row.status, row.reason = _failure(exc)
     row.wall_s = time.perf_counter() - wall
     if row.status == "pruned":
         # Keep the measured figure: the steps that did complete (timed ones if any, else warm-up).

@@ -265,9 +265,11 @@ class Policy:
         gradients were non-finite; skip the LR scheduler step too when it returns False.
         Several optimizers are stepped together and share one scale update, like GradScaler.
 
-        Returning a bool needs the host to know whether gradients were finite: for
-        non-fused optimizers GradScaler reads exactly that on the host anyway, so no
-        synchronisation is added; for fused optimizers on CUDA this costs one.
+        The sequence is GradScaler's recipe, so the weights come out bitwise as a loop written
+        with it: with clipping, ``unscale_`` first; without, ``GradScaler.step`` unscales
+        (fused optimizers inside their own kernel). Returning a bool needs the host to know
+        whether gradients were finite: GradScaler reads exactly that anyway for non-fused
+        optimizers, so no synchronisation is added; for fused optimizers it costs one.
         """
         opts = _as_optimizers(optimizer)
         for name, value in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
@@ -275,42 +277,53 @@ class Policy:
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf
             ):
                 raise PolicyError(f"{name} must be a finite number > 0 or None, got {value!r}.")
-        params = [p for o in opts for g in o.param_groups for p in g["params"]]
+        clipping = clip_grad_norm is not None or clip_grad_value is not None
+        if self._scaler is not None and self._scaler._scale is None:
+            raise PolicyError(
+                f"step() under {self.name!r} before any scaled backward: call policy.backward(loss) "
+                "instead of loss.backward() so the loss is scaled."
+            )
 
-        found_per_opt = self._find_nonfinite(opts, params)
-        found_host = [bool(f) for f in found_per_opt]  # the one host read per step
-        skipped = any(found_host)
-        if skipped:
-            self.stats.last_nonfinite_params = nonfinite_parameter_names(params, self._param_names)
-        # Clip only what will be stepped: a non-finite gradient would turn the shared norm into
-        # NaN and wipe out the update of the optimizers whose gradients are fine.
-        stepping = [
-            p
-            for o, found in zip(opts, found_host, strict=True)
-            if not found
-            for g in o.param_groups
-            for p in g["params"]
-            if p.grad is not None
-        ]
-        if stepping and clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(stepping, clip_grad_norm)
-        if stepping and clip_grad_value is not None:
-            torch.nn.utils.clip_grad_value_(stepping, clip_grad_value)
-
-        scale_before = None
-        if self._scaler is not None:
-            if skipped and self.config.scaler.min_scale is not None:  # type: ignore[union-attr]
-                scale_before = self._scaler.get_scale()
+        if self._scaler is not None and not clipping:
             for o in opts:
                 self._scaler.step(o)
-            self._scaler.update()
-            if self.config.scaler.min_scale is not None:  # type: ignore[union-attr]
-                self._scaler._scale.clamp_(min=self.config.scaler.min_scale)  # type: ignore[union-attr]
-            self.stats.record_scale(self.stats.steps, self._scaler._scale)  # type: ignore[arg-type]
+            found_host = [bool(self._scaler.found_inf(o)) for o in opts]
         else:
+            found_host = [bool(f) for f in self._find_nonfinite(opts)]  # the one host read per step
+            # Clip only what will be stepped: a non-finite gradient would turn the shared norm into
+            # NaN and wipe out the update of the optimizers whose gradients are fine.
+            stepping = [
+                p
+                for o, found in zip(opts, found_host, strict=True)
+                if not found
+                for g in o.param_groups
+                for p in g["params"]
+                if p.grad is not None
+            ]
+            if stepping and clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(stepping, clip_grad_norm)
+            if stepping and clip_grad_value is not None:
+                torch.nn.utils.clip_grad_value_(stepping, clip_grad_value)
             for o, found in zip(opts, found_host, strict=True):
-                if not found:
+                if self._scaler is not None:
+                    self._scaler.step(o)  # skips by itself on non-finite gradients
+                elif not found:
                     o.step()
+
+        skipped = any(found_host)
+        if skipped:
+            params = [p for o in opts for g in o.param_groups for p in g["params"]]
+            self.stats.last_nonfinite_params = nonfinite_parameter_names(params, self._param_names)
+        scale_before = None
+        if self._scaler is not None:
+            options: ScalerOptions = self.config.scaler  # type: ignore[assignment]
+            if skipped and options.min_scale is not None:
+                scale_before = self._scaler.get_scale()
+            self._scaler.update()
+            if skipped and options.min_scale is not None:
+                # Only a skip lowers the scale, so only then can it cross the floor.
+                self._scaler._scale.clamp_(min=options.min_scale)  # type: ignore[union-attr]
+            self.stats.record_scale(self.stats.steps, self._scaler._scale)  # type: ignore[arg-type]
 
         self.stats.steps += 1
         if skipped:
@@ -322,14 +335,11 @@ class Policy:
             self.stats.skips_at_min_scale = 0
         return not skipped
 
-    def _find_nonfinite(self, opts: list, params: list) -> list[torch.Tensor | bool]:
-        """Per optimizer: a device tensor (or False) telling whether its gradients are non-finite."""
+    def _find_nonfinite(self, opts: list) -> list[torch.Tensor | bool]:
+        """Per optimizer: a device tensor (or False) telling whether its gradients are non-finite.
+
+        With a scaler this is ``unscale_`` (the gradients are unscaled in place for clipping)."""
         if self._scaler is not None:
-            if self._scaler._scale is None:
-                raise PolicyError(
-                    f"step() under {self.name!r} before any scaled backward: call policy.backward(loss) "
-                    "instead of loss.backward() so the loss is scaled."
-                )
             found = []
             for o in opts:
                 self._scaler.unscale_(o)

@@ -77,8 +77,10 @@ class _GradScaler(torch.amp.GradScaler):
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Device tensor > 0 when ``optimizer``'s gradients had inf/NaN (after ``unscale_``)."""
-        per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        return sum(v.to(self._scale.device, non_blocking=True) for v in per_device.values())  # type: ignore[union-attr,return-value]
+        per_device = list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+        if len(per_device) == 1 and per_device[0].device == self._scale.device:  # type: ignore[union-attr]
+            return per_device[0]  # the common case: no extra kernel on the step's hot path
+        return sum(v.to(self._scale.device, non_blocking=True) for v in per_device)  # type: ignore[union-attr,return-value]
 
 
 @dataclass
@@ -147,13 +149,21 @@ class StepStats:
             self._scale_history.append((int(step), torch.tensor(float(scale))))
 
 
+def _has_nonfinite(grad: torch.Tensor) -> bool:
+    if hasattr(grad, "full_tensor"):
+        # A sharded DTensor gradient (FSDP2): ask the whole tensor, so every rank reports the same
+        # names. Only skipped steps get here, so the gather's cost does not matter.
+        grad = grad.full_tensor()
+    return not bool(torch.isfinite(grad).all())
+
+
 def nonfinite_parameter_names(params: Sequence[torch.nn.Parameter], names: dict[int, str]) -> list[str]:
     """Names of the parameters whose gradient holds inf or NaN (synchronises; call on skips only)."""
-    bad = []
-    for i, p in enumerate(params):
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-            bad.append(names.get(id(p), f"param[{i}]"))
-    return bad
+    return [
+        names.get(id(p), f"param[{i}]")
+        for i, p in enumerate(params)
+        if p.grad is not None and _has_nonfinite(p.grad)
+    ]
 
 
 def check_scale_collapse(stats: StepStats, options: ScalerOptions, scale_before: float) -> None:
