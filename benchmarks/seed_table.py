@@ -117,6 +117,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<device name>")
     parser.add_argument("--resume", action="store_true", help="keep the rows already in <out>/*.jsonl")
+    parser.add_argument(
+        "--cudnn-benchmark",
+        choices=("on", "off"),
+        default="on",
+        help="cuDNN autotuning (on: as NVIDIA's recipes; off: cuDNN's heuristics, no minutes-long tuning)",
+    )
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("seed_table.py needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
@@ -152,6 +158,7 @@ def main() -> int:
             device=args.device,
             jsonl=out / f"seed_table-{name}.jsonl",
             resume=args.resume,
+            cudnn_benchmark=args.cudnn_benchmark == "on",
         )
         results.append(result)
         model_rows.append((name, result.rows))
