@@ -96,6 +96,7 @@ print(json.dumps({
     "reason": mixprec.check_support("tf32", info).reason,
     "tf32_request_honoured": not torch.equal(strict, asked_tf32),
     "env_reports": mixprec.environment.collect("cuda")["precision_state"]["NVIDIA_TF32_OVERRIDE"],
+    "effective_conv": mixprec.environment.collect("cuda")["precision_state"]["cudnn.conv"],
 }))
 """
 
@@ -114,6 +115,7 @@ def test_nvidia_tf32_override_zero_is_detected_and_really_forces_fp32():
     assert probe["supported"] is False and "NVIDIA_TF32_OVERRIDE=0" in probe["reason"]
     assert probe["tf32_request_honoured"] is False  # the driver libraries ignore the TF32 request
     assert probe["env_reports"] == "0"
+    assert probe["effective_conv"] == "ieee (NVIDIA_TF32_OVERRIDE=0)"
 
 
 def test_isolated_cuda_sweep_times_with_events_and_reports_gpu_memory():

@@ -197,3 +197,18 @@ def test_real_cpu():
         )
     assert mixprec.check_support("bf32", info)
     assert "avx512_bf16" in info.cpu_flags or "amx_bf16" in info.cpu_flags
+
+
+def test_nvidia_tf32_override_zero_shows_in_the_effective_state(monkeypatch):
+    """The driver libraries ignore TF32 requests under NVIDIA_TF32_OVERRIDE=0 (measured on an H100 in
+    tests/test_gpu.py), so env must not report cuDNN's default TF32 as effective."""
+    from mixprec import state
+
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
+    with state.precision_settings(state.PrecisionSettings(cuda_matmul="tf32", cudnn="tf32", mkldnn="ieee")):
+        assert state.effective_state()["cudnn.conv"] == "tf32"
+        monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
+        eff = state.effective_state()
+    assert eff["cuda.matmul"] == eff["cudnn.conv"] == "ieee (NVIDIA_TF32_OVERRIDE=0)"
+    assert eff["mkldnn.matmul"] == "ieee" and eff["NVIDIA_TF32_OVERRIDE"] == "0"
+    assert not mixprec.check_support("tf32", DEVICES["H100"])

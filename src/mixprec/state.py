@@ -164,6 +164,12 @@ def effective_state() -> dict[str, object]:
         state["cuda.matmul"] = "tf32" if legacy["cuda.matmul.allow_tf32"] else "ieee"
         state["cudnn.conv"] = "tf32" if legacy["cudnn.allow_tf32"] else "ieee"
         state["float32_matmul_precision"] = legacy["float32_matmul_precision"]
+    if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
+        # cuBLAS and cuDNN then refuse TF32 whatever torch asks for (measured on an H100: a TF32
+        # request returns the strict result bit for bit), so the effective mode is IEEE.
+        for key, value in state.items():
+            if key.startswith(("cuda.", "cudnn.")) and value == "tf32":
+                state[key] = "ieee (NVIDIA_TF32_OVERRIDE=0)"
     state["cudnn.benchmark"] = torch.backends.cudnn.benchmark
     state["NVIDIA_TF32_OVERRIDE"] = os.environ.get("NVIDIA_TF32_OVERRIDE")
     return state
