@@ -25,7 +25,7 @@ import torch
 import mixprec
 import mixprec.environment
 from mixprec.measure.results import BenchRow
-from mixprec.report.bench import fmt_bytes
+from mixprec.report.format import fmt_bytes
 from mixprec.report.jsonio import write_json
 
 MODELS = ("resnet50", "vgg19", "densenet121")
@@ -56,7 +56,7 @@ def _row_cells(model: str, row: BenchRow) -> list[str]:
         f"{row.first_loss:.6f}" if row.first_loss is not None else "",
         f"{row.mfu:.1%}" if row.mfu else "",
         f"{row.achieved_tflops:.1f}" if row.achieved_tflops else "",
-        fmt_bytes(row.peak_memory_bytes) if row.step_time_ms else "",
+        (fmt_bytes(row.peak_memory_bytes) or "n/a") if row.step_time_ms else "",
         f"{seed:.1f}" if seed else "",
         row.reason[:80],
     ]

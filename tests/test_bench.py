@@ -10,9 +10,11 @@ import torch
 
 import mixprec
 from mixprec.cli import main
-from mixprec.measure.results import BenchRow, StepTime, read_csv, read_jsonl, write_csv
+from mixprec.measure.results import BenchRow, read_csv, read_jsonl, write_csv
 from mixprec.measure.sweep import bench, parse_channels_last, parse_policies
-from mixprec.workload_loader import load_workload
+from mixprec.policy import Candidate
+from mixprec.schema import SCHEMA_VERSION
+from mixprec.workload.loader import load_workload
 
 CPU_POLICIES = [n for n in mixprec.POLICY_NAMES if mixprec.check_support(n, mixprec.detect("cpu"))]
 
@@ -260,7 +262,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_rows(tmp_path):
 
 def test_torn_jsonl_line_is_ignored(tmp_path):
     path = tmp_path / "rows.jsonl"
-    row = BenchRow("w", "fp32", False, "cpu", 8, "ok", step_time_ms=StepTime(1.0, 0.1, 3), throughput=8000.0)
+    row = BenchRow("w", Candidate("fp32"), "cpu", 8, "ok", step_times_ms=(0.9, 1.0, 1.1))
     path.write_text(json.dumps(row.to_dict()) + "\n" + '{"workload": "w", "pol', encoding="utf-8")
     assert [r.to_dict() for r in read_jsonl(path)] == [row.to_dict()]
 
@@ -268,13 +270,11 @@ def test_torn_jsonl_line_is_ignored(tmp_path):
 def test_row_json_and_csv_round_trip(tmp_path):
     row = BenchRow(
         "mlp",
-        "bf16-mixed",
-        True,
+        Candidate("bf16-mixed", channels_last=True, keep_fp32=("head",)),
         "cpu",
         64,
         "ok",
-        throughput=1234.5,
-        step_time_ms=StepTime(51.8, 2.5, 12),
+        step_times_ms=(50.0, 51.8, 52.5),
         peak_memory_bytes=123456,
         speedup_vs_fp32=2.5,
         first_loss=2.3,
@@ -282,10 +282,13 @@ def test_row_json_and_csv_round_trip(tmp_path):
         mfu=0.12,
     )
     assert BenchRow.from_dict(json.loads(json.dumps(row.to_dict()))) == row
+    data = row.to_dict()  # the output contract's flat keys
+    assert (data["policy"], data["channels_last"], data["keep_fp32"]) == ("bf16-mixed", True, ["head"])
+    assert data["step_time_ms"] == {"median": 51.8, "iqr": row.step_time_ms.iqr_ms, "n": 3}
     write_csv(tmp_path / "rows.csv", [row])
     (back,) = read_csv(tmp_path / "rows.csv")
-    assert back["policy"] == "bf16-mixed" and float(back["throughput"]) == 1234.5
-    assert float(back["step_time_median_ms"]) == 51.8 and back["step_time_n"] == "12"
+    assert back["policy"] == "bf16-mixed" and float(back["throughput"]) == pytest.approx(64 / 0.0518)
+    assert float(back["step_time_median_ms"]) == 51.8 and back["step_time_n"] == "3"
 
 
 def test_parse_policies_and_layouts():
@@ -335,7 +338,7 @@ def test_cli_bench_writes_every_file(tmp_path, capsys):
     )
     assert code == 0
     data = json.loads((out / "b.json").read_text())
-    assert data["schema_version"] == 1 and data["kind"] == "bench"
+    assert data["schema_version"] == SCHEMA_VERSION and data["kind"] == "bench"
     assert "precision_state" in data["env"] and "native_bf16" in data["env"]["device"]
     assert {r["policy"] for r in data["rows"]} == {"fp32", "bf16-mixed"}
     assert (out / "b.jsonl").exists() and (out / "b.png").stat().st_size > 10_000

@@ -16,6 +16,7 @@ from mixprec.cli import main
 from mixprec.measure.runner import make_batches
 from mixprec.numerics.check import check
 from mixprec.numerics.compare import run_trajectory
+from mixprec.schema import SCHEMA_VERSION
 
 EXAMPLE = str(Path(__file__).parents[1] / "examples" / "planted_overflow.py") + ":workload"
 REQUIRED_KEYS = {
@@ -28,7 +29,7 @@ REQUIRED_KEYS = {
     "skipped_steps",
     "first_nonfinite_forward",
     "first_nonfinite_backward",
-    "keep_fp32",
+    "fix_keep_fp32",
 }
 
 
@@ -38,7 +39,7 @@ def _one_thread(single_thread):
 
 
 def _by_policy(result):
-    return {c.policy: c for c in result.candidates}
+    return {c.label: c for c in result.candidates}
 
 
 def test_planted_overflow_fails_fp16_names_the_layer_and_finds_a_verified_fix():
@@ -48,14 +49,14 @@ def test_planted_overflow_fails_fp16_names_the_layer_and_finds_a_verified_fix():
     fp16, bf16 = by["fp16-mixed"], by["bf16-mixed"]
     assert fp16.verdict == "fail"
     assert fp16.first_nonfinite_forward == "amplify"
-    assert "amplify" in fp16.keep_fp32 and fp16.fix_verified
+    assert "amplify" in fp16.fix_keep_fp32 and fp16.fix_verified
     assert "bf16" in fp16.suggestion
     assert bf16.verdict == "pass", bf16.reason
     # the fix really is a fix: a plain training run with the pasted policy tracks fp32
     batches = make_batches(w, 32, torch.device("cpu"), 0, 6)
     ref = run_trajectory(w, mixprec.get_policy("fp32", device="cpu"), batches, 6)
     fixed = run_trajectory(
-        w, mixprec.get_policy("fp16-mixed", device="cpu", keep_fp32=fp16.keep_fp32), batches, 6
+        w, mixprec.get_policy("fp16-mixed", device="cpu", keep_fp32=fp16.fix_keep_fp32), batches, 6
     )
     assert fixed.error is None and all(fixed.stepped)
     assert max(abs(a - b) / b for a, b in zip(fixed.losses, ref.losses, strict=True)) < 1e-2
@@ -153,7 +154,7 @@ def test_unsupported_policy_is_reported_not_run():
 
 
 def test_bad_emulate_format():
-    with pytest.raises(mixprec.UsageError, match="valid: tf32, bf16, fp8_e4m3, fp8_e5m2"):
+    with pytest.raises(mixprec.PolicyError, match="valid: tf32, bf16, fp8_e4m3, fp8_e5m2"):
         check(mixprec.load_workload("mlp"), policies=[], emulate=["fp16"], steps=1, device="cpu")
 
 
@@ -189,7 +190,7 @@ def test_cli_check_exit_codes_json_and_plot(tmp_path, capsys):
     )
     assert code == 4
     data = json.loads(out.read_text())
-    assert data["kind"] == "check" and data["schema_version"] == 1
+    assert data["kind"] == "check" and data["schema_version"] == SCHEMA_VERSION
     for cand in data["candidates"]:
         assert set(cand) >= REQUIRED_KEYS
     assert (tmp_path / "c.png").stat().st_size > 10_000

@@ -10,13 +10,14 @@ import pytest
 
 import mixprec
 from mixprec.cli import main
+from mixprec.schema import SCHEMA_VERSION
 
 
 def test_env_json_reports_policies_and_precision_state(tmp_path, capsys):
     path = tmp_path / "env.json"
     assert main(["env", "--device", "cpu", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 1 and data["kind"] == "env"
+    assert data["schema_version"] == SCHEMA_VERSION and data["kind"] == "env"
     table = {row["policy"]: row for row in data["policies"]}
     assert set(table) == set(mixprec.POLICY_NAMES)
     assert table["tf32"]["supported"] is False and "compute capability" in table["tf32"]["reason"]

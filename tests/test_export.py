@@ -21,7 +21,7 @@ from torch import nn
 import mixprec
 from mixprec import state
 from mixprec.errors import UsageError
-from mixprec.export import EXPORT_TARGETS, export, export_all, split_sections
+from mixprec.exports import EXPORT_TARGETS, export, export_all, split_sections
 from mixprec.policy import PolicyConfig, ScalerOptions
 
 GOLDEN_DIR = Path(__file__).parent / "golden" / "export"

@@ -35,8 +35,8 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 def test_peak_table_knows_this_gpu():
     """MFU needs the datasheet peak of the card in hand; a GPU missing from the table loses MFU."""
     info = mixprec.detect("cuda")
-    for policy in ("fp32", "tf32", "bf16-mixed", "fp16-mixed"):
-        peak, source = peak_flops(info, policy)
+    for key in ("fp32", "tf32", "bf16", "fp16", "fp8"):
+        peak, source = peak_flops(info, key)
         assert peak is not None and peak > 1e12, f"{info.name}: {source}"
         assert "datasheet" in source
 

@@ -19,11 +19,12 @@ from mixprec import UnsupportedError, UsageError, Workload
 from mixprec.cli import lint as lint_cli
 from mixprec.cli import main
 from mixprec.hardware.device import DeviceInfo
-from mixprec.lint import RULES, Finding, Remedy, lint, measure_findings, run_lint
-from mixprec.lint.measure import drop_in_fix
-from mixprec.lint.runner import find_grad_scalers
+from mixprec.linting import RULES, Finding, Remedy, lint, measure_findings, run_lint
+from mixprec.linting.measure import drop_in_fix
+from mixprec.linting.runner import find_grad_scalers
 from mixprec.report.lint import group_findings
-from mixprec.zoo import build_zoo_workload
+from mixprec.schema import SCHEMA_VERSION
+from mixprec.workload.zoo import build_zoo_workload
 
 # --------------------------------------------------------------------------------------------------
 # Small workloads
@@ -538,6 +539,7 @@ WORKLOAD_FILE = """
 import torch, torch.nn.functional as F
 from torch import nn
 import mixprec
+from mixprec.schema import SCHEMA_VERSION
 
 def workload(bce: bool = False):
     model = nn.Sequential(nn.Linear(64, 100), nn.ReLU(), nn.Linear(100, 16))
@@ -569,7 +571,7 @@ def test_cli_report_json_and_exit_codes(cli, tiny, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "MP104" in out and "pad out_features 100 -> 104" in out and "2 warnings" in out
     data = json.loads(out_json.read_text())
-    assert data["schema_version"] == 1 and data["kind"] == "lint" and "env" in data
+    assert data["schema_version"] == SCHEMA_VERSION and data["kind"] == "lint" and "env" in data
     assert {f["module"] for f in data["findings"] if f["rule"] == "MP104"} == {"0", "2"}
     # --strict fails only on error severity: BCE under autocast judged for CUDA is one.
     assert cli(["lint", "--workload", f"{tiny}:workload", "--target", "cuda", "--strict"]) == 0

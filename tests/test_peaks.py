@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from mixprec.errors import PolicyError
+from mixprec.errors import UsageError
 from mixprec.hardware import peaks
 from mixprec.hardware.device import DeviceInfo
 from mixprec.hardware.peaks import (
@@ -20,10 +20,9 @@ from mixprec.hardware.peaks import (
     gpu_peak,
     measure_cpu_peak,
     peak_flops,
-    policy_dtype_key,
 )
 from mixprec.measure.flops import achieved_tflops, count_flops, mfu
-from mixprec.policy import POLICY_NAMES
+from mixprec.policy import POLICY_NAMES, spec_of
 
 FAKE_CPU = DeviceInfo(type="cpu", name="Fake CPU 9000", cpu_flags=frozenset({"avx2", "avx512f"}))
 
@@ -146,7 +145,7 @@ def test_missing_dtype_is_none_not_another_model():
 # ----------------------------------------------------------------------------- policies
 
 
-def test_policy_dtype_key_covers_every_policy():
+def test_every_policy_names_a_peak_key_the_tables_know():
     expected = {
         "fp32": "fp32",
         "tf32": "tf32",
@@ -156,27 +155,26 @@ def test_policy_dtype_key_covers_every_policy():
         "fp16-mixed": "fp16",
         "fp16-true": "fp16",
     }
-    assert set(POLICY_NAMES) == set(expected)
-    for name in POLICY_NAMES:
-        assert policy_dtype_key(name) == expected[name]
-    assert policy_dtype_key("16-mixed") == "fp16"  # aliases too
-    with pytest.raises(PolicyError):
-        policy_dtype_key("fp12")
+    assert {name: spec_of(name).peak_key for name in POLICY_NAMES} == expected
+    assert spec_of("16-mixed").peak_key == "fp16"  # aliases too
+    assert set(expected.values()) <= set(DTYPE_KEYS)
+    with pytest.raises(UsageError):
+        peak_flops(DeviceInfo(type="cuda", name="NVIDIA H100 80GB HBM3"), "fp12")
 
 
 def test_peak_flops_cuda():
     h100 = DeviceInfo(type="cuda", name="NVIDIA H100 80GB HBM3", index=0, capability=(9, 0))
-    value, source = peak_flops(h100, "bf16-mixed")
+    value, source = peak_flops(h100, "bf16")
     assert value == pytest.approx(989.4e12)
     assert "H100" in source
     assert peak_flops(h100, "fp32")[0] == 67e12
     assert peak_flops(h100, "tf32")[0] == pytest.approx(494.7e12)
 
     mystery = DeviceInfo(type="cuda", name="NVIDIA Mystery X1", index=0, capability=(12, 0))
-    assert peak_flops(mystery, "fp16-true") == (None, "no datasheet entry for NVIDIA Mystery X1 fp16")
+    assert peak_flops(mystery, "fp16") == (None, "no datasheet entry for NVIDIA Mystery X1 fp16")
     v100 = DeviceInfo(type="cuda", name="Tesla V100-SXM2-16GB", index=0, capability=(7, 0))
     for name in POLICY_NAMES:  # never raises, even for dtypes the GPU lacks
-        value, source = peak_flops(v100, name)
+        value, source = peak_flops(v100, spec_of(name).peak_key)
         assert value is None or value > 0
         assert source
 
@@ -261,7 +259,7 @@ def test_cache_dir_from_environment(tmp_path, fake_measure, monkeypatch):
 
 def test_peak_flops_cpu_never_raises(tmp_path, fake_measure):
     for name in POLICY_NAMES:
-        value, source = peak_flops(FAKE_CPU, name, cache_dir=tmp_path)
+        value, source = peak_flops(FAKE_CPU, spec_of(name).peak_key, cache_dir=tmp_path)
         assert value is not None and value > 0
         assert source.startswith("measured:")
     assert sorted(fake_measure) == ["bf16", "fp16", "fp32"]  # one measurement per dtype
@@ -272,7 +270,7 @@ def test_peak_flops_cpu_reports_failed_measurement(tmp_path, monkeypatch):
         raise RuntimeError("no kernel")
 
     monkeypatch.setattr(peaks, "measure_cpu_peak", broken)
-    value, source = peak_flops(FAKE_CPU, "fp16-mixed", cache_dir=tmp_path)
+    value, source = peak_flops(FAKE_CPU, "fp16", cache_dir=tmp_path)
     assert value is None
     assert "no kernel" in source
 

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from mixprec.measure.results import BenchResult
+from mixprec.numerics.results import CheckResult
+from mixprec.report import format as fmt
 from mixprec.report import html as report_html
 
 SAMPLE = Path(__file__).parent / "data" / "tune_sample.json"
@@ -182,26 +185,26 @@ def test_partial_data_renders(data, tmp_path):
 
 
 def test_result_objects_from_dicts(sample):
-    bench = report_html.bench_result_from_dict(sample["bench"])
+    bench = BenchResult.from_dict(sample["bench"])
     assert len(bench.rows) == len(sample["bench"]["rows"])
     assert bench.baseline is not None and bench.baseline.step_time_ms.n == 8
     raw = copy.deepcopy(sample["check"])
     raw["candidates"][0]["losses"][1] = "inf"
     raw["candidates"][0]["unknown_future_key"] = 1
-    check = report_html.check_result_from_dict(raw)
-    assert [c.policy for c in check.candidates] == ["bf16-mixed", "fp16-mixed"]
+    check = CheckResult.from_dict(raw)
+    assert [c.label for c in check.candidates] == ["bf16-mixed", "fp16-mixed"]
     assert math.isinf(check.candidates[0].losses[1])
     assert check.reference_layers[0]["forward_headroom_bits"]["fp16"] > 0
 
 
 def test_formatting():
-    assert report_html.fmt_speedup(2.456) == "2.46x"
-    assert report_html.fmt_throughput(1481.36) == "1,481.4"
-    assert report_html.fmt_bytes(3 * 2**20) == "3.0 MiB"
-    assert report_html.fmt_bytes(5 * 2**30) == "5.00 GiB"
-    assert report_html.fmt_bytes(-2 * 2**20) == "-2.0 MiB"
-    assert report_html.fmt_ms({"median": 12.34, "iqr": 0.56, "n": 5}) == "12.3 ± 0.6"
-    assert report_html.fmt_small_pct(2.07e-5) == "0.0021%"
-    assert report_html.fmt_date("2026-11-22T11:30:00Z") == "2026-11-22 11:30 UTC"
-    for f in (report_html.fmt_speedup, report_html.fmt_bytes, report_html.fmt_throughput):
+    assert fmt.fmt_speedup(2.456) == "2.46x"
+    assert fmt.fmt_throughput(1481.36) == "1,481.4"
+    assert fmt.fmt_bytes(3 * 2**20) == "3.0 MiB"
+    assert fmt.fmt_bytes(5 * 2**30) == "5.00 GiB"
+    assert fmt.fmt_bytes(-2 * 2**20) == "-2.0 MiB"
+    assert fmt.fmt_ms(12.34, 0.56) == "12.3 ± 0.6"
+    assert fmt.fmt_small_pct(2.07e-5) == "0.0021%"
+    assert fmt.fmt_date("2026-11-22T11:30:00Z") == "2026-11-22 11:30 UTC"
+    for f in (fmt.fmt_speedup, fmt.fmt_bytes, fmt.fmt_throughput):
         assert f(None) == "" and f("junk") == "" and f(True) == ""

@@ -8,116 +8,132 @@ import pytest
 
 import mixprec
 from mixprec.cli import main
-from mixprec.measure.results import BenchRow, StepTime
-from mixprec.numerics.check import CandidateCheck
-from mixprec.tune import autotune, decide, tune
+from mixprec.measure.results import BenchRow, assemble
+from mixprec.numerics.results import CandidateCheck
+from mixprec.policy import Candidate
+from mixprec.tuning import autotune, decide, tune
 
 
-def row(policy, thr, *, cl=False, status="ok", keep=(), iqr=0.5, mem=1000):
+def step_times(median: float, iqr: float, n: int = 11) -> tuple[float, ...]:
+    """``n`` (odd) evenly spaced step times with this median and inter-quartile range."""
+    half = (n - 1) // 2
+    # exclusive quartiles of n evenly spaced points sit (n+1)/4 points from each end
+    spread = iqr / (2 * (half - (n + 1) / 4 + 1)) if n > 3 else 0.0
+    return tuple(median + spread * (i - half) for i in range(n))
+
+
+def row(policy, thr, *, cl=False, status="ok", keep=(), iqr=0.5, mem=1000, n=11):
     step = 1000.0 * 8 / thr if thr else None
     return BenchRow(
         "w",
-        policy,
-        cl,
+        Candidate(policy, cl, tuple(keep)),
         "cpu",
         8,
         status,
-        throughput=thr,
-        step_time_ms=StepTime(step, iqr * step / 100, 10) if step else None,
-        speedup_vs_fp32=thr / 100.0 if thr else None,
+        step_times_ms=step_times(step, iqr * step / 100, n) if step else (),
         peak_memory_bytes=mem,
-        keep_fp32=list(keep),
     )
+
+
+def rows(*items):
+    """The rows as a sweep reports them: with speedups against the fp32 row."""
+    return assemble(items, None, {})
 
 
 def verdict(policy, ok=True, reason="matches fp32", keep=()):
     return CandidateCheck(
-        policy,
+        Candidate(policy, keep_fp32=tuple(keep)),
         "pass" if ok else "fail",
         reason,
         max_rel_loss_diff=0.001,
         output_sqnr_db=40.0,
         min_grad_sqnr_db=30.0,
-        keep_fp32=list(keep),
         fix_verified=bool(keep),
     )
 
 
+def verdicts(*checks):
+    return {c.candidate: c for c in checks}
+
+
 def test_fastest_passing_candidate_wins():
-    rows = [row("fp32", 100), row("bf32", 130), row("bf16-mixed", 250), row("bf16-mixed", 240, cl=True)]
-    rec, table = decide(rows, {("bf16-mixed", ()): verdict("bf16-mixed"), ("bf32", ()): verdict("bf32")})
+    measured = rows(
+        row("fp32", 100), row("bf32", 130), row("bf16-mixed", 250), row("bf16-mixed", 240, cl=True)
+    )
+    rec, table = decide(measured, verdicts(verdict("bf16-mixed"), verdict("bf32")))
     assert rec.label == "bf16-mixed" and rec.speedup_vs_fp32 == pytest.approx(2.5)
     assert {c.label: c.status for c in table}["bf32"] == "passed"
     assert "bf16-mixed is 2.50x faster than strict fp32" in rec.reason
 
 
 def test_failing_fast_candidate_is_rejected_with_its_reason():
-    rows = [row("fp32", 100), row("fp16-mixed", 300), row("bf16-mixed", 250)]
-    verdicts = {
-        ("fp16-mixed", ()): verdict("fp16-mixed", ok=False, reason="loss became non-finite at step 0"),
-        ("bf16-mixed", ()): verdict("bf16-mixed"),
-    }
-    rec, table = decide(rows, verdicts)
-    assert rec.policy == "bf16-mixed"
+    measured = rows(row("fp32", 100), row("fp16-mixed", 300), row("bf16-mixed", 250))
+    checks = verdicts(
+        verdict("fp16-mixed", ok=False, reason="loss became non-finite at step 0"), verdict("bf16-mixed")
+    )
+    rec, table = decide(measured, checks)
+    assert rec.candidate.policy == "bf16-mixed"
     status = {c.label: (c.status, c.reason) for c in table}
     assert status["fp16-mixed"] == ("rejected", "loss became non-finite at step 0")
     assert "fp16-mixed rejected: loss became non-finite" in rec.reason
 
 
 def test_tie_within_noise_goes_to_the_safer_candidate_and_says_so():
-    rows = [row("fp32", 100), row("bf16-mixed", 250), row("bf16-true", 255)]
-    verdicts = {("bf16-mixed", ()): verdict("bf16-mixed"), ("bf16-true", ()): verdict("bf16-true")}
-    rec, _ = decide(rows, verdicts, noise=0.03)
-    assert rec.policy == "bf16-mixed"  # fp32 master weights beat pure bf16 within 2% noise
+    measured = rows(row("fp32", 100), row("bf16-mixed", 250), row("bf16-true", 255))
+    checks = verdicts(verdict("bf16-mixed"), verdict("bf16-true"))
+    rec, _ = decide(measured, checks, noise=0.03)
+    assert rec.candidate.policy == "bf16-mixed"  # fp32 master weights beat pure bf16 within 2% noise
     assert rec.tie_break and "within measurement noise" in rec.tie_break
-    assert rec.tied_with == "bf16-true"  # what tune re-measures when budget is left
+    assert rec.tied_with == Candidate("bf16-true")  # what tune re-measures when budget is left
     # outside the noise band the faster one wins
-    rec, _ = decide([row("fp32", 100), row("bf16-mixed", 250), row("bf16-true", 300)], verdicts, noise=0.03)
-    assert rec.policy == "bf16-true" and rec.tie_break is None
+    rec, _ = decide(rows(row("fp32", 100), row("bf16-mixed", 250), row("bf16-true", 300)), checks, noise=0.03)
+    assert rec.candidate.policy == "bf16-true" and rec.tie_break is None
 
 
 def test_wide_iqr_widens_the_noise_band():
     # 7% apart; step-time IQR 30% of the median over 10 steps: the medians' standard errors
     # (0.93 * 0.30 / sqrt(10) = 8.8% each, 12.5% combined) make it a tie, so NCHW (simpler) wins
-    rows = [row("fp32", 100), row("bf16-mixed", 250, iqr=30), row("bf16-mixed", 270, cl=True, iqr=30)]
-    rec, _ = decide(rows, {("bf16-mixed", ()): verdict("bf16-mixed")}, noise=0.03)
+    measured = rows(row("fp32", 100), row("bf16-mixed", 250, iqr=30), row("bf16-mixed", 270, cl=True, iqr=30))
+    rec, _ = decide(measured, verdicts(verdict("bf16-mixed")), noise=0.03)
     assert rec.label == "bf16-mixed"
     # the same spread is not a tie when it is the median of many more steps
-    rows = [row("fp32", 100), row("bf16-mixed", 250, iqr=30), row("bf16-mixed", 270, cl=True, iqr=30)]
-    for r in rows:
-        r.step_time_ms.n = 200
-    rec, _ = decide(rows, {("bf16-mixed", ()): verdict("bf16-mixed")}, noise=0.03)
+    measured = rows(
+        row("fp32", 100, n=201),
+        row("bf16-mixed", 250, iqr=30, n=201),
+        row("bf16-mixed", 270, cl=True, iqr=30, n=201),
+    )
+    rec, _ = decide(measured, verdicts(verdict("bf16-mixed")), noise=0.03)
     assert rec.label == "bf16-mixed+cl"
 
 
 def test_rescued_candidate_competes_at_its_measured_cost():
-    rows = [
+    measured = rows(
         row("fp32", 100),
         row("fp16-mixed", 300),
         row("fp16-mixed", 280, keep=("head",)),
         row("bf16-mixed", 200),
-    ]
-    verdicts = {
-        ("fp16-mixed", ()): verdict("fp16-mixed", ok=False, reason="overflow"),
-        ("fp16-mixed", ("head",)): verdict("fp16-mixed", keep=("head",)),
-        ("bf16-mixed", ()): verdict("bf16-mixed"),
-    }
-    rec, _ = decide(rows, verdicts)
-    assert rec.label == "fp16-mixed+fp32[head]" and rec.keep_fp32 == ["head"]
+    )
+    checks = verdicts(
+        verdict("fp16-mixed", ok=False, reason="overflow"),
+        verdict("fp16-mixed", keep=("head",)),
+        verdict("bf16-mixed"),
+    )
+    rec, _ = decide(measured, checks)
+    assert rec.label == "fp16-mixed+fp32[head]" and rec.candidate.keep_fp32 == ("head",)
     assert rec.speedup_vs_fp32 == pytest.approx(2.8)  # the rescue's own cost, not the failing row's
     assert "head kept in fp32" in rec.reason
     assert rec.config("cpu").keep_fp32 == ("head",)
 
 
 def test_unchecked_and_slower_candidates_are_not_recommended():
-    rows = [
+    measured = rows(
         row("fp32", 100),
         row("bf32", 90),
         row("bf16-mixed", 400),
         row("fp16-mixed", None, status="pruned"),
-    ]
-    rec, table = decide(rows, {})
-    assert rec.policy == "fp32"
+    )
+    rec, table = decide(measured, {})
+    assert rec.candidate.policy == "fp32"
     status = {c.label: c.status for c in table}
     assert status == {
         "fp32": "recommended",
@@ -129,8 +145,8 @@ def test_unchecked_and_slower_candidates_are_not_recommended():
 
 
 def test_memory_saved_and_tf32_speedup():
-    rows = [row("fp32", 100, mem=5000), row("tf32", 200, mem=5000), row("bf16-mixed", 400, mem=3000)]
-    rec, _ = decide(rows, {("bf16-mixed", ()): verdict("bf16-mixed"), ("tf32", ()): verdict("tf32")})
+    measured = rows(row("fp32", 100, mem=5000), row("tf32", 200, mem=5000), row("bf16-mixed", 400, mem=3000))
+    rec, _ = decide(measured, verdicts(verdict("bf16-mixed"), verdict("tf32")))
     assert rec.memory_saved_bytes == 2000 and rec.speedup_vs_tf32 == pytest.approx(2.0)
 
 
@@ -141,14 +157,14 @@ def test_tune_end_to_end_on_the_tiny_mlp(tmp_path):
     )
     rec = result.recommendation
     assert rec is not None
-    measured = {c.label: c for c in result.candidates}
+    measured = {c.label: c for c in result.ranked}
     assert "fp32" in measured and "tf32" in measured and measured["tf32"].status == "unsupported"
     chosen = measured[rec.label]
     assert chosen.status == "recommended"
     assert chosen.verdict == "pass"
     # nothing that passed is meaningfully faster than the recommendation
     faster = [
-        c for c in result.candidates if c.status == "passed" and (c.throughput or 0) > chosen.throughput * 1.5
+        c for c in result.ranked if c.status == "passed" and c.row.throughput > chosen.row.throughput * 1.5
     ]
     assert not faster
     data = result.to_dict()
@@ -167,7 +183,7 @@ def test_tune_end_to_end_on_the_tiny_mlp(tmp_path):
 @pytest.mark.usefixtures("single_thread")
 def test_autotune_caches_its_decision(tmp_path, monkeypatch):
     calls = []
-    import mixprec.tune as tune_mod
+    import mixprec.tuning.cache as tune_mod
 
     real = tune_mod.tune
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from mixprec.errors import UsageError
-from mixprec.workload import Workload, WorkloadSpec
-from mixprec.workload_loader import load_workload, workload_from_spec
-from mixprec.zoo import ZOO_NAMES, GPTConfig, build_zoo_workload
+from mixprec.workload.loader import load_workload, workload_from_spec
+from mixprec.workload.workload import Workload, WorkloadSpec
+from mixprec.workload.zoo import ZOO_NAMES, GPTConfig, build_zoo_workload
 
 TINY_GPT = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 1000, "seq_len": 16}
 CPU = torch.device("cpu")
@@ -282,7 +282,7 @@ def test_factory_keeps_its_own_spec(tmp_path):
         tmp_path / "own.py",
         """
         from mixprec.workload import WorkloadSpec
-        from mixprec.zoo import build_zoo_workload
+        from mixprec.workload.zoo import build_zoo_workload
 
         def make():
             w = build_zoo_workload("mlp")
@@ -303,7 +303,7 @@ def returns_dict():
     return {"model": None}
 
 def no_args():
-    from mixprec.zoo import build_zoo_workload
+    from mixprec.workload.zoo import build_zoo_workload
     return build_zoo_workload("mlp")
 
 def helper_one():
@@ -345,7 +345,7 @@ def test_file_that_fails_to_execute(tmp_path):
         ("resnet", r"'resnet' is neither a zoo model.*resnet50, vgg19.*Did you mean 'resnet50'"),
         ("train.py", r"'train.py' is neither.*'train.py:make_workload'"),
         ("no_such_pkg_mixprec.mod:f", r"cannot import module 'no_such_pkg_mixprec.mod'.*No module named"),
-        ("mixprec.zoo:", r"malformed"),
+        ("mixprec.workload.zoo:", r"malformed"),
         ("", r"empty"),
     ],
 )

@@ -1,39 +1,67 @@
 """mixprec: apply, measure, verify and recommend mixed-precision policies for PyTorch training.
 
-Importing mixprec initialises no CUDA context and changes no global torch flag.
+The public API is what the README shows: policies (:func:`get_policy`, :class:`Policy`,
+:class:`Candidate`), workloads (:class:`Workload`, :func:`load_workload`), the measuring and
+checking commands (:func:`bench`, :func:`check`, :func:`lint`), the decision (:func:`tune`,
+:func:`autotune`) and :func:`export`. Importing mixprec initialises no CUDA context and
+changes no global torch flag.
 """
 
-from mixprec import lint  # a callable package: mixprec.lint(workload, ...) and mixprec.lint.RULES
 from mixprec.errors import MixprecError, PolicyError, ScaleCollapseError, UnsupportedError, UsageError
+from mixprec.exports import EXPORT_TARGETS, export, export_all
 from mixprec.hardware import DeviceInfo, detect
-from mixprec.measure.results import BenchRow
-from mixprec.measure.sweep import BenchResult, bench
-from mixprec.policy import POLICY_NAMES, Policy, PolicyConfig, Support, check_support, get_policy
-from mixprec.workload import Workload, WorkloadSpec
-from mixprec.workload_loader import load_workload
+from mixprec.linting import lint
+from mixprec.measure.results import BenchResult, BenchRow
+from mixprec.measure.sweep import bench
+from mixprec.numerics.check import check
+from mixprec.numerics.results import CandidateCheck, CheckResult
+from mixprec.policy import (
+    POLICY_NAMES,
+    Candidate,
+    Policy,
+    PolicyConfig,
+    Support,
+    check_support,
+    get_policy,
+)
+from mixprec.status import Status
+from mixprec.tuning import Recommendation, TuneResult, autotune, tune
+from mixprec.workload import Workload, WorkloadSpec, load_workload
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
+    "EXPORT_TARGETS",
     "POLICY_NAMES",
     "BenchResult",
     "BenchRow",
-    "Workload",
-    "WorkloadSpec",
-    "bench",
-    "lint",
-    "load_workload",
+    "Candidate",
+    "CandidateCheck",
+    "CheckResult",
     "DeviceInfo",
     "MixprecError",
     "Policy",
     "PolicyConfig",
     "PolicyError",
+    "Recommendation",
     "ScaleCollapseError",
+    "Status",
     "Support",
+    "TuneResult",
     "UnsupportedError",
     "UsageError",
+    "Workload",
+    "WorkloadSpec",
     "__version__",
+    "autotune",
+    "bench",
+    "check",
     "check_support",
     "detect",
+    "export",
+    "export_all",
     "get_policy",
+    "lint",
+    "load_workload",
+    "tune",
 ]

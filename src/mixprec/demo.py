@@ -8,25 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mixprec.hardware.device import DeviceInfo
-from mixprec.policy import Policy, check_support
-
-# Most preferred first. fp16 on a CPU without native fp16 is far slower than fp32, so it is
-# never a CPU default; tf32/bf32 only change matmul internals, so autocast comes first.
-_PREFERENCE = {
-    "cuda": ("bf16-mixed", "fp16-mixed", "tf32", "fp32"),
-    "cpu": ("bf16-mixed", "bf32", "fp32"),
-}
-
-
-def best_default_policy(info: DeviceInfo) -> str:
-    """The policy a newcomer should start from on this device (before measuring anything)."""
-    for name in _PREFERENCE.get(info.type, ("fp32",)):
-        support = check_support(name, info)
-        emulated = "emulated" in support.reason
-        if support and not emulated:
-            return name
-    return "fp32"
+from mixprec.policy import Policy
 
 
 @dataclass

@@ -36,7 +36,8 @@ from torch import nn
 
 from mixprec.errors import MixprecError, PolicyError, UnsupportedError, UsageError, did_you_mean
 from mixprec.policy.policy import Policy, island_names
-from mixprec.policy.registry import POLICIES, PolicySpec, Support, canonical_name
+from mixprec.policy.registry import POLICIES, PolicySpec, canonical_name
+from mixprec.policy.support import Support
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -10,7 +10,8 @@ import torch
 
 from mixprec import state
 from mixprec.hardware.device import detect
-from mixprec.policy.registry import POLICY_NAMES, check_support
+from mixprec.policy.registry import POLICY_NAMES
+from mixprec.policy.support import check_support
 
 SCHEMA_VERSION = 1
 

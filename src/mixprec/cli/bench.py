@@ -15,8 +15,8 @@ from mixprec.measure.results import write_csv
 from mixprec.measure.sweep import CHANNELS_LAST_CHOICES, bench
 from mixprec.report.bench import bench_table, plot, write_markdown
 from mixprec.report.jsonio import write_json
-from mixprec.workload_loader import load_workload
-from mixprec.zoo import ZOO_NAMES
+from mixprec.workload.loader import load_workload
+from mixprec.workload.zoo import ZOO_NAMES
 
 # Sized so the default sweep (resnet50, every CPU policy, both layouts) ends in about two
 # minutes on a 2-core CPU, at a size where compute (not per-op overhead) dominates so the

@@ -9,7 +9,8 @@ from rich.console import Console
 from mixprec.cli.bench import add_workload_arguments, positive_int, workload_from_args
 from mixprec.environment import collect
 from mixprec.errors import UsageError
-from mixprec.numerics.check import EMULATABLE, check
+from mixprec.numerics.check import check
+from mixprec.policy.candidate import EMULATABLE
 from mixprec.report.check import check_report, plot
 from mixprec.report.jsonio import write_json
 

@@ -6,9 +6,9 @@ import argparse
 
 from rich.console import Console
 
-from mixprec.demo import best_default_policy, run_demo
+from mixprec.demo import run_demo
 from mixprec.hardware import detect
-from mixprec.policy import get_policy
+from mixprec.policy import get_policy, starting_policy
 from mixprec.report.console import demo_report
 
 
@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     info = detect(args.device)
-    name = args.policy or best_default_policy(info)
+    name = args.policy or starting_policy(info)
     policy = get_policy(name, device=args.device)
     baseline = run_demo(get_policy("fp32", device=args.device), steps=args.steps)
     result = run_demo(policy, steps=args.steps)

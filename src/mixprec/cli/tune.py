@@ -97,7 +97,7 @@ def summary(data: dict[str, Any]) -> Group:
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from mixprec.tune import tune
+    from mixprec.tuning import tune
 
     on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     defaults = CUDA_DEFAULTS if on_cuda else CPU_DEFAULTS
@@ -116,35 +116,36 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
             lint=not args.no_lint,
             progress=lambda msg: status.update(msg),
         )
-    data = {"command": "mixprec " + " ".join(sys.argv[1:]), **result.to_dict()}
+    result.command = "mixprec " + " ".join(sys.argv[1:])
+    data = result.to_dict()
     out.print(summary(data))
     if args.json:
         err.print(f"wrote {write_json(args.json, 'tune', result.env, data)}")
     if args.report:
-        for path in _write_report(data, result.env, Path(args.report), result).values():
+        for path in write_report(result, Path(args.report)).values():
             err.print(f"wrote {path}")
     return 0
 
 
-def _write_report(
-    data: dict[str, Any], env: dict[str, Any], out_dir: Path, result: Any = None
-) -> dict[str, Path]:
+def write_report(result: Any, out_dir: Path) -> dict[str, Path]:
+    """The HTML and Markdown report of a :class:`~mixprec.TuneResult`, with its two charts."""
     from mixprec.report import bench as bench_report
     from mixprec.report import check as check_report
-    from mixprec.report.html import write_report
+    from mixprec.report.html import write_report as write_pages
 
     out_dir.mkdir(parents=True, exist_ok=True)
     charts: dict[str, Path] = {}
-    if result is not None:
+    if result.bench.rows:
         charts["bench"] = bench_report.plot(out_dir / "bench.png", result.bench)
-        if result.check is not None:
-            charts["check"] = check_report.plot(out_dir / "check.png", result.check)
-    return write_report(
-        {"schema_version": 1, "kind": "tune", "env": env, **data}, out_dir, charts=charts or None
-    )
+    if result.check is not None and result.check.candidates:
+        charts["check"] = check_report.plot(out_dir / "check.png", result.check)
+    data = {"schema_version": 1, "kind": "tune", "env": result.env, **result.to_dict()}
+    return write_pages(data, out_dir, charts=charts)
 
 
 def run_report(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from mixprec.tuning import TuneResult
+
     path = Path(args.results)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -156,11 +157,12 @@ def run_report(args: argparse.Namespace, out: Console, err: Console) -> int:
         raise UsageError(
             f"results file {str(path)!r} is not JSON ({exc}); pass a `mixprec tune --json` file."
         ) from None
-    if data.get("kind") != "tune":
+    if not isinstance(data, dict) or data.get("kind") != "tune":
+        kind = data.get("kind") if isinstance(data, dict) else type(data).__name__
         raise UsageError(
-            f"results file {str(path)!r} has kind {data.get('kind')!r}; `mixprec report` renders kind 'tune' "
+            f"results file {str(path)!r} has kind {kind!r}; `mixprec report` renders kind 'tune' "
             "(written by `mixprec tune --json`)."
         )
-    for written in _write_report(data, data.get("env", {}), Path(args.out)).values():
+    for written in write_report(TuneResult.from_dict(data), Path(args.out)).values():
         err.print(f"wrote {written}")
     return 0

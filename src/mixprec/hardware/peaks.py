@@ -25,17 +25,6 @@ from mixprec.hardware.device import DeviceInfo
 
 DTYPE_KEYS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
-# Canonical policy name -> the dtype its matmuls run in (bf32 is oneDNN fp32 with bf16 internals).
-_POLICY_KEYS: dict[str, str] = {
-    "fp32": "fp32",
-    "tf32": "tf32",
-    "bf32": "bf16",
-    "bf16-mixed": "bf16",
-    "bf16-true": "bf16",
-    "fp16-mixed": "fp16",
-    "fp16-true": "fp16",
-}
-
 
 @dataclass(frozen=True)
 class PeakEntry:
@@ -240,16 +229,6 @@ def _check_dtype_key(dtype_key: str) -> None:
         raise UsageError(f"Unknown compute dtype key {dtype_key!r}; valid: {', '.join(DTYPE_KEYS)}.")
 
 
-def policy_dtype_key(policy_name: str) -> str:
-    """The compute dtype key ('fp32', 'tf32', 'bf16', 'fp16') whose peak applies to ``policy_name``.
-
-    Aliases are accepted; an unknown name raises :class:`~mixprec.errors.PolicyError`.
-    """
-    from mixprec.policy.registry import canonical_name  # lazy: keeps hardware free of import cycles
-
-    return _POLICY_KEYS[canonical_name(policy_name)]
-
-
 def find_gpu_entry(name: str, dtype_key: str) -> PeakEntry | None:
     """The table entry for a CUDA device name and dtype key: the first (most specific) model that matches.
 
@@ -447,21 +426,23 @@ def cpu_peak(dtype_key: str, info: DeviceInfo, *, cache_dir: Path | None = None)
 
 
 def peak_flops(
-    info: DeviceInfo, policy_name: str, *, cache_dir: Path | None = None
+    info: DeviceInfo, dtype_key: str, *, cache_dir: Path | None = None
 ) -> tuple[float | None, str]:
-    """(peak FLOP/s or None, source) for running ``policy_name`` on ``info``.
+    """(peak FLOP/s or None, source) for compute in ``dtype_key`` (a policy spec's ``peak_key``) on ``info``.
 
-    CUDA: the datasheet table; CPU: a cached measurement. Never raises for a known policy name.
+    CUDA: the datasheet table; CPU: a cached measurement. Never raises for a known dtype key.
     """
-    key = policy_dtype_key(policy_name)
+    _check_dtype_key(dtype_key)
     if info.type == "cuda":
-        found = gpu_peak(info.name, key)
+        found = gpu_peak(info.name, dtype_key)
         if found is None:
-            return None, f"no datasheet entry for {info.name} {key}"
+            return None, f"no datasheet entry for {info.name} {dtype_key}"
         return found
     if info.type == "cpu":
+        if dtype_key not in _TORCH_DTYPES:
+            return None, f"no CPU {dtype_key} matmul to measure"
         try:
-            return cpu_peak(key, info, cache_dir=cache_dir)
+            return cpu_peak(dtype_key, info, cache_dir=cache_dir)
         except (RuntimeError, OSError, UsageError) as exc:
-            return None, f"CPU {key} peak could not be measured: {exc}"
+            return None, f"CPU {dtype_key} peak could not be measured: {exc}"
     return None, f"no peak FLOP/s for device type {info.type!r}"

@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mixprec.measure.isolate import _current_rss_bytes, _main_module_hidden
-from mixprec.measure.results import Candidate
+from mixprec.measure.process import current_rss_bytes, main_module_hidden
 from mixprec.measure.runner import BenchSettings, Measurement
+from mixprec.policy import Candidate
 from mixprec.workload import WorkloadSpec
 
 
@@ -44,7 +44,7 @@ def _rank_main(
     import torch.distributed as dist
 
     from mixprec.distributed import apply_ddp
-    from mixprec.workload_loader import workload_from_spec
+    from mixprec.workload.loader import workload_from_spec
 
     out = Path(out_dir) / f"rank{rank}.json"
     try:
@@ -56,7 +56,7 @@ def _rank_main(
             "nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=nproc
         )
         try:
-            rss_before = _current_rss_bytes()
+            rss_before = current_rss_bytes()
             workload = workload_from_spec(
                 WorkloadSpec(spec["kind"], spec["target"], tuple(spec["sizes"].items()))
             )
@@ -89,7 +89,7 @@ def run_data_parallel(
     with tempfile.TemporaryDirectory() as tmp:
         init_file = str(Path(tmp) / "pg_init")
         try:
-            with _main_module_hidden():
+            with main_module_hidden():
                 tmp_mp.start_processes(
                     _rank_main,
                     args=(nproc, spec.to_dict(), candidate, settings, init_file, tmp),

@@ -8,22 +8,21 @@ is killed when a step runs far longer than the best candidate so far (pruned) or
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import resource
 import signal
-import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mixprec.measure.results import Candidate
+from mixprec.measure.process import current_rss_bytes, main_module_hidden
 from mixprec.measure.runner import BenchSettings, Measurement, run_candidate
+from mixprec.policy import Candidate
 from mixprec.workload import WorkloadSpec
 
-_PRELOAD = ["torch", "torchvision", "mixprec.measure.runner", "mixprec.workload_loader"]
+_PRELOAD = ["torch", "torchvision", "mixprec.measure.runner", "mixprec.workload.loader"]
 _CONTEXT: Any = None
 
 
@@ -36,39 +35,12 @@ def _context() -> Any:
     return _CONTEXT
 
 
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Keep multiprocessing from re-importing the caller's ``__main__`` script in the child.
-
-    The child only needs ``_child`` (importable from mixprec) and the workload spec; re-running
-    a user's script there would repeat its side effects, or recurse into the sweep when the
-    script has no ``if __name__ == "__main__"`` guard. multiprocessing decides this from
-    ``__main__.__spec__`` / ``__file__`` while ``Process.start()`` runs, so hide them just then.
-    """
-    main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if main is not None and k in main.__dict__}
-    try:
-        if main is not None:
-            main.__dict__.pop("__file__", None)
-            main.__dict__["__spec__"] = None
-        yield
-    finally:
-        if main is not None:
-            main.__dict__.pop("__spec__", None)
-            main.__dict__.update(saved)
-
-
-def _current_rss_bytes() -> int:
-    with open("/proc/self/statm", encoding="ascii") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
 def _child(conn: Any, spec: dict[str, Any], candidate: Candidate, settings: BenchSettings) -> None:
     """Child process body: everything it learns goes back over ``conn``; it never raises."""
     try:
-        from mixprec.workload_loader import workload_from_spec
+        from mixprec.workload.loader import workload_from_spec
 
-        rss_before = _current_rss_bytes()
+        rss_before = current_rss_bytes()
         workload = workload_from_spec(
             WorkloadSpec(spec["kind"], spec["target"], tuple(spec["sizes"].items()))
         )
@@ -99,12 +71,13 @@ def _child(conn: Any, spec: dict[str, Any], candidate: Candidate, settings: Benc
 
 @dataclass
 class ChildOutcome:
-    status: str  # ok | error | oom | pruned
+    status: str  # ok | error | oom | pruned | stopped (the caller's should_stop said so)
     reason: str = ""
     measurement: Measurement | None = None
     steps_seen: list[float] | None = None
 
 
+_POLL_S = 0.2
 StepTimeout = Callable[[int], float | None]  # step index -> seconds allowed, None = no limit
 OnEvent = Callable[[dict[str, Any]], bool]  # False = prune now
 
@@ -116,13 +89,18 @@ def run_isolated(
     *,
     step_timeout: StepTimeout,
     on_event: OnEvent,
+    should_stop: Callable[[], bool] = lambda: False,
     start_timeout_s: float = 600.0,
 ) -> ChildOutcome:
-    """Run ``candidate`` in a child process; prune it when a step exceeds ``step_timeout``."""
+    """Run ``candidate`` in a child process; prune it when a step exceeds ``step_timeout``.
+
+    ``should_stop`` is polled about every 0.2 s while a step runs; when it says so the child is
+    killed and the outcome is ``stopped``.
+    """
     ctx = _context()
     parent_conn, child_conn = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(child_conn, spec.to_dict(), candidate, settings), daemon=True)
-    with _main_module_hidden():
+    with main_module_hidden():
         proc.start()
     child_conn.close()
     steps: list[float] = []
@@ -133,7 +111,11 @@ def run_isolated(
         while True:
             limit = step_timeout(next_index) if ready else start_timeout_s
             remaining = None if limit is None else max(0.0, limit - (time.perf_counter() - waited_since))
-            if not parent_conn.poll(remaining):
+            if should_stop():
+                return ChildOutcome("stopped", steps_seen=steps)
+            if not parent_conn.poll(_POLL_S if remaining is None else min(remaining, _POLL_S)):
+                if (remaining is None or remaining > _POLL_S) and proc.is_alive():
+                    continue  # still within its limit: look at should_stop again
                 if not proc.is_alive():
                     return _died(proc, steps)
                 if not ready:

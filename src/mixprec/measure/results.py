@@ -1,107 +1,302 @@
-"""Bench result rows: dataclasses, and their JSON Lines / CSV round trips."""
+"""Bench results: immutable rows, the sweep's result, and their JSON / JSON Lines / CSV forms.
+
+A :class:`BenchRow` holds what one candidate's run measured (raw step times, memory, loss).
+The figures that follow from them and from the rest of the sweep (speedup against the strict
+fp32 baseline, achieved FLOP/s, MFU) are computed in one place, :func:`assemble`, each time
+:attr:`BenchResult.rows` is read: a row can never show a figure from an older baseline.
+"""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+import statistics
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-STATUSES = ("ok", "unsupported", "oom", "error", "pruned")
+from mixprec.measure import flops as flops_mod
+from mixprec.policy import Candidate
+from mixprec.schema import SCHEMA_VERSION, check_version, known_fields
+from mixprec.status import Status
+
+STATUSES = (Status.OK, Status.UNSUPPORTED, Status.OOM, Status.ERROR, Status.PRUNED)
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """One point of a sweep: a policy name and its channels_last flag."""
-
-    policy: str
-    channels_last: bool = False
-    keep_fp32: tuple[str, ...] = ()  # fp32 islands, e.g. a failing candidate rescued by `check --fix`
-
-    @property
-    def label(self) -> str:
-        islands = f"+fp32[{','.join(self.keep_fp32)}]" if self.keep_fp32 else ""
-        return self.policy + ("+cl" if self.channels_last else "") + islands
-
-
-@dataclass
 class StepTime:
+    """Median, inter-quartile range and count of timed step times, in milliseconds."""
+
     median_ms: float
     iqr_ms: float
     n: int
+
+    @classmethod
+    def of(cls, step_ms: Iterable[float]) -> StepTime | None:
+        times = list(step_ms)
+        if not times:
+            return None
+        q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+        return cls(statistics.median(times), q[2] - q[0], len(times))
 
     def to_dict(self) -> dict[str, float | int]:
         return {"median": self.median_ms, "iqr": self.iqr_ms, "n": self.n}
 
 
-@dataclass
+@dataclass(frozen=True)
 class BenchRow:
-    """One measured (or refused) candidate. Keys follow DESIGN §4."""
+    """One measured (or refused) candidate.
+
+    Attributes:
+        workload: the workload's label, e.g. 'resnet50(image_size=128)'.
+        candidate: what ran.
+        device: where it ran ('cpu', 'cuda:0').
+        batch_size: samples per step (per rank in data-parallel runs).
+        status: ok, unsupported, oom, error or pruned.
+        reason: why a row is not ok (or how a pruned row was judged).
+        step_times_ms: the timed steps; a pruned row keeps the steps it completed.
+        first_step_ms: the cold first (warm-up) step.
+        first_loss: the loss of the first step.
+        observed_dtype: the output dtype of the first matmul/conv, as it really ran.
+        peak_memory_bytes / memory_method: peak memory and how it was measured.
+        flops_per_step: FLOPs of one training step (torch.utils.flop_counter), per rank.
+        wall_s: wall time the candidate took, setup included.
+        baseline_repeat: the strict-fp32 re-measurement at the end of a sweep (drift check).
+        world_size: data-parallel ranks; throughput counts every rank's batch.
+        rank_step_time_ms / rank_peak_memory_bytes: per rank, in data-parallel runs.
+        speedup_vs_fp32, achieved_tflops, mfu, peak_flops, peak_flops_source: derived by
+            :func:`assemble` from the sweep; never set them by hand.
+    """
 
     workload: str
-    policy: str
-    channels_last: bool
+    candidate: Candidate
     device: str
     batch_size: int
     status: str
     reason: str = ""
-    throughput: float | None = None  # samples/s
-    step_time_ms: StepTime | None = None
+    step_times_ms: tuple[float, ...] = ()
+    first_step_ms: float | None = None
+    first_loss: float | None = None
+    observed_dtype: str | None = None
     peak_memory_bytes: int | None = None
     memory_method: str = ""
-    speedup_vs_fp32: float | None = None
-    first_loss: float | None = None
     flops_per_step: int | None = None
+    wall_s: float | None = None
+    baseline_repeat: bool = False
+    world_size: int = 1
+    rank_step_time_ms: tuple[float, ...] = ()
+    rank_peak_memory_bytes: tuple[int | None, ...] = ()
+    # derived (assemble)
+    speedup_vs_fp32: float | None = None
     achieved_tflops: float | None = None
     mfu: float | None = None
     peak_flops: float | None = None
     peak_flops_source: str = ""
-    observed_dtype: str | None = None  # output dtype of the first matmul/conv, as it really ran
-    step_times_ms: list[float] = field(default_factory=list)
-    first_step_ms: float | None = None  # the cold first (warm-up) step, for pruning later candidates
-    wall_s: float | None = None
-    baseline_repeat: bool = False  # the fp32 re-measurement at the end of a sweep (drift check)
-    keep_fp32: list[str] = field(default_factory=list)
-    world_size: int = 1  # data-parallel ranks (DDP); throughput counts every rank's batch
-    rank_step_time_ms: list[float] = field(default_factory=list)  # median per rank
-    rank_peak_memory_bytes: list[int | None] = field(default_factory=list)
 
     @property
-    def candidate(self) -> Candidate:
-        return Candidate(self.policy, self.channels_last, tuple(self.keep_fp32))
+    def policy(self) -> str:
+        return self.candidate.policy
+
+    @property
+    def channels_last(self) -> bool:
+        return self.candidate.channels_last
+
+    @property
+    def keep_fp32(self) -> tuple[str, ...]:
+        return self.candidate.keep_fp32
 
     @property
     def label(self) -> str:
         return self.candidate.label + (" (repeat)" if self.baseline_repeat else "")
 
+    @cached_property
+    def step_time_ms(self) -> StepTime | None:
+        return StepTime.of(self.step_times_ms)
+
+    @property
+    def throughput(self) -> float | None:
+        """Samples per second over all ranks, from the median step time."""
+        st = self.step_time_ms
+        if st is None or st.median_ms <= 0:
+            return None
+        return self.world_size * self.batch_size / (st.median_ms / 1e3)
+
     @property
     def key(self) -> tuple:
         """Identity for --resume: the same candidate on the same workload, device and batch size."""
-        return (
-            self.workload,
-            self.policy,
-            self.channels_last,
-            tuple(self.keep_fp32),
-            self.device,
-            self.batch_size,
-            self.baseline_repeat,
-        )
+        return (self.workload, self.candidate, self.device, self.batch_size, self.baseline_repeat)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["step_time_ms"] = self.step_time_ms.to_dict() if self.step_time_ms else None
+        cand = self.candidate.to_dict()
+        del d["candidate"]
+        d = {
+            "workload": d.pop("workload"),
+            "label": self.label,
+            **cand,
+            **d,
+            "throughput": self.throughput,
+            "step_time_ms": self.step_time_ms.to_dict() if self.step_time_ms else None,
+        }
+        for key in ("step_times_ms", "rank_step_time_ms", "rank_peak_memory_bytes"):
+            d[key] = list(d[key])
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BenchRow:
-        known = {f.name for f in fields(cls)}
-        data = {k: v for k, v in d.items() if k in known}
-        st = data.get("step_time_ms")
-        if isinstance(st, dict):
-            data["step_time_ms"] = StepTime(st["median"], st["iqr"], st["n"])
+        data = known_fields(cls, d)
+        data["candidate"] = Candidate.from_dict(d.get("candidate", d))
+        for key in ("step_times_ms", "rank_step_time_ms", "rank_peak_memory_bytes"):
+            data[key] = tuple(d.get(key) or ())
         return cls(**data)
+
+
+def baseline_row(rows: Iterable[BenchRow]) -> BenchRow | None:
+    """The strict-fp32 NCHW row measured first: what every speedup refers to."""
+    return next(
+        (
+            r
+            for r in rows
+            if r.policy == "fp32"
+            and not r.channels_last
+            and not r.baseline_repeat
+            and r.status == Status.OK
+            and r.throughput
+        ),
+        None,
+    )
+
+
+Peaks = dict[str, tuple[float | None, str]]  # a spec's peak_key -> (FLOP/s or None, source)
+
+
+def assemble(rows: Iterable[BenchRow], flops_per_step: int | None, peaks: Peaks) -> list[BenchRow]:
+    """``rows`` with every derived figure computed from their own measurements and the baseline."""
+    rows = list(rows)
+    base = baseline_row(rows)
+    out = []
+    for row in rows:
+        derived: dict[str, Any] = {}
+        if row.throughput and base is not None and base.throughput:
+            derived["speedup_vs_fp32"] = row.throughput / base.throughput
+        st = row.step_time_ms
+        if st is not None:
+            flops = row.flops_per_step or flops_per_step
+            peak, source = peaks.get(row.candidate.spec.peak_key, (None, ""))
+            step_s = st.median_ms / 1e3
+            derived.update(
+                flops_per_step=flops,
+                achieved_tflops=flops_mod.achieved_tflops(flops, step_s),
+                mfu=flops_mod.mfu(flops, step_s, peak),
+                peak_flops=peak,
+                peak_flops_source=source,
+            )
+        out.append(replace(row, **derived))
+    return out
+
+
+@dataclass
+class BenchResult:
+    """A sweep's rows and the settings they were measured under.
+
+    Attributes:
+        workload / description: what was measured.
+        device: where.
+        batch_size: samples per step (per rank).
+        settings: steps, warm-up, threads, pruning, ... as passed to :func:`mixprec.bench`.
+        measured: the rows as measured; read :attr:`rows` for them with their derived figures.
+        flops_per_step: FLOPs of one training step, counted once per sweep.
+        peaks: the peak FLOP/s per compute dtype behind MFU, with their sources.
+        env: the environment block (versions, device, precision state).
+        notes: what the sweep adjusted or skipped, and why.
+        stopped: why the sweep ended before its last candidate (a deadline), else None.
+    """
+
+    workload: str
+    description: str
+    device: str
+    batch_size: int
+    settings: dict[str, Any]
+    measured: list[BenchRow] = field(default_factory=list)
+    flops_per_step: int | None = None
+    peaks: Peaks = field(default_factory=dict)
+    env: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    stopped: str | None = None
+
+    @property
+    def rows(self) -> list[BenchRow]:
+        return assemble(self.measured, self.flops_per_step, self.peaks)
+
+    def add(self, row: BenchRow) -> None:
+        self.measured.append(row)
+
+    def update(self, row: BenchRow) -> None:
+        """Replace the measured row with ``row``'s key by ``row`` (e.g. after re-measuring it)."""
+        for i, old in enumerate(self.measured):
+            if old.key == row.key:
+                self.measured[i] = row
+                return
+        self.measured.append(row)
+
+    @property
+    def baseline(self) -> BenchRow | None:
+        return baseline_row(self.rows)
+
+    @property
+    def baseline_drift(self) -> float | None:
+        """Relative change of the fp32 step time between the start and the end of the sweep."""
+        rows = self.rows
+        first = baseline_row(rows)
+        repeat = next((r for r in rows if r.baseline_repeat and r.status == Status.OK), None)
+        if not first or not repeat or not first.step_time_ms or not repeat.step_time_ms:
+            return None
+        return repeat.step_time_ms.median_ms / first.step_time_ms.median_ms - 1.0
+
+    def best(self) -> BenchRow | None:
+        ok = [r for r in self.rows if r.status == Status.OK and r.throughput and not r.baseline_repeat]
+        return max(ok, key=lambda r: r.throughput or 0.0, default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "workload": self.workload,
+            "description": self.description,
+            "device": self.device,
+            "batch_size": self.batch_size,
+            "settings": self.settings,
+            "flops_per_step": self.flops_per_step,
+            "peaks": {k: list(v) for k, v in self.peaks.items()},
+            "baseline_drift": self.baseline_drift,
+            "notes": self.notes,
+            "stopped": self.stopped,
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchResult:
+        data = check_version(data, "a bench result")
+        rows = [BenchRow.from_dict(r) for r in data.get("rows") or []]
+        peaks = {k: (v[0], v[1]) for k, v in (data.get("peaks") or {}).items()}
+        for row in rows:  # schema 1 kept the peaks on the rows only
+            peaks.setdefault(row.candidate.spec.peak_key, (row.peak_flops, row.peak_flops_source))
+        flops = data.get("flops_per_step") or next((r.flops_per_step for r in rows if r.flops_per_step), None)
+        return cls(
+            workload=data.get("workload", ""),
+            description=data.get("description", ""),
+            device=data.get("device", ""),
+            batch_size=data.get("batch_size", 0),
+            settings=data.get("settings") or {},
+            measured=rows,
+            flops_per_step=flops,
+            peaks=peaks,
+            env=data.get("env") or {},
+            notes=list(data.get("notes") or []),
+            stopped=data.get("stopped"),
+        )
 
 
 def append_jsonl(path: str | os.PathLike[str], row: BenchRow) -> None:
@@ -125,7 +320,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[BenchRow]:
             continue
         try:
             rows.append(BenchRow.from_dict(json.loads(line)))
-        except (json.JSONDecodeError, TypeError, KeyError):
+        except (json.JSONDecodeError, TypeError, KeyError, ValueError):
             continue
     return rows
 
@@ -134,6 +329,7 @@ CSV_COLUMNS = (
     "workload",
     "policy",
     "channels_last",
+    "keep_fp32",
     "device",
     "batch_size",
     "status",
@@ -163,6 +359,7 @@ def write_csv(path: str | os.PathLike[str], rows: list[BenchRow]) -> Path:
             d = row.to_dict()
             st = row.step_time_ms
             d.update(
+                keep_fp32=";".join(row.keep_fp32),
                 step_time_median_ms=st.median_ms if st else None,
                 step_time_iqr_ms=st.iqr_ms if st else None,
                 step_time_n=st.n if st else None,

@@ -20,8 +20,7 @@ from torch import nn
 from mixprec import state
 from mixprec.errors import MixprecError
 from mixprec.measure.flops import count_flops
-from mixprec.measure.results import Candidate
-from mixprec.policy import Policy, get_policy
+from mixprec.policy import Candidate, Policy, get_policy
 from mixprec.policy.policy import is_fp32_island
 from mixprec.workload import Workload
 
@@ -157,8 +156,7 @@ def run_candidate(
     device = torch.device(settings.device)
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    islands = {"keep_fp32": list(candidate.keep_fp32)} if candidate.keep_fp32 else {}
-    policy = get_policy(candidate.policy, device=device, channels_last=candidate.channels_last, **islands)
+    policy = get_policy(candidate.policy, device=device, **candidate.policy_options())
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = policy.prepare(copy.deepcopy(workload.model))

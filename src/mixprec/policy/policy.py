@@ -16,7 +16,7 @@ from torch import nn
 from mixprec import state
 from mixprec.errors import PolicyError, UnsupportedError, did_you_mean
 from mixprec.hardware.device import DeviceInfo, detect, resolve_device
-from mixprec.policy.registry import POLICIES, PolicySpec, Support, canonical_name, check_support
+from mixprec.policy.registry import POLICIES, PolicySpec, canonical_name
 from mixprec.policy.scaler import (
     ScalerOptions,
     StepStats,
@@ -24,6 +24,7 @@ from mixprec.policy.scaler import (
     check_scale_collapse,
     nonfinite_parameter_names,
 )
+from mixprec.policy.support import Support, check_support
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -140,7 +141,7 @@ class Policy:
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype matmuls and convolutions run in (fp32 for fp32/tf32/bf32)."""
-        return self.spec.low_precision_dtype or torch.float32
+        return self.spec.compute_dtype
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:

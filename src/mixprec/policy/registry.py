@@ -1,37 +1,113 @@
-"""The closed vocabulary of precision policies: one definition used by the API, the CLI and JSON."""
+"""The closed vocabulary of precision policies, and every fact the rest of mixprec needs about each.
+
+One :class:`PolicySpec` per policy carries what it computes in, which peak FLOP/s applies,
+how it ranks for ties, what the numerics gate allows, and what the other training stacks
+call it. Nothing else in mixprec keeps a per-policy table: a new policy is one entry here
+(``tests/test_policy_registry.py`` checks that every spec states every fact).
+"""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from mixprec.errors import PolicyError, did_you_mean
-from mixprec.hardware.device import DeviceInfo
 from mixprec.state import PrecisionSettings
 
 _STRICT = PrecisionSettings(cuda_matmul="ieee", cudnn="ieee", mkldnn="ieee")
 
+# Formats the numerics facts name (mixprec.numerics.limits.FORMATS has their limits).
+COMPUTE_FORMATS = ("fp32", "tf32", "bf32", "bf16", "fp16")
+PEAK_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Limits a candidate must meet against the strict-fp32 reference (see docs/check.md).
+
+    Attributes:
+        max_rel_loss_diff: largest relative loss difference from fp32 at any checked step,
+            before the chaos-floor allowance (``chaos_factor`` times the fp32-vs-fp32 drift).
+        min_output_sqnr_db: SQNR of the model output at the first step, in dB.
+        min_grad_sqnr_db: SQNR of all parameter gradients together (one vector) at the first step.
+        max_skip_fraction: optimizer steps skipped on non-finite gradients / steps, after the
+            loss scale has settled (the start-up back-off is reported, not counted).
+        chaos_factor: how many times the drift of two fp32 runs 2^-20 apart a candidate may drift.
+        max_stalled_update_fraction: *-true policies: the share of weights with a gradient whose
+            update rounded away in half-precision storage.
+
+    The chaos floor is an fp32 run whose initial weights differ by one part in 2^20: how far
+    two fp32 runs drift apart on this model in the same steps. Deep nets at initialisation
+    amplify any rounding difference, so a fixed loss tolerance would fail every format on
+    them while passing anything on a shallow model.
+    """
+
+    max_rel_loss_diff: float
+    min_output_sqnr_db: float
+    min_grad_sqnr_db: float
+    max_skip_fraction: float = 0.0
+    chaos_factor: float = 3.0
+    max_stalled_update_fraction: float = 0.05
+
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """What a policy name means. ``autocast_dtype`` and ``param_dtype`` are mutually exclusive."""
+    """What a policy name means. ``autocast_dtype`` and ``param_dtype`` are mutually exclusive.
+
+    Attributes:
+        name: the canonical name (``fp32``, ``bf16-mixed``, ...).
+        description: one line for tables and docs.
+        precision: the fp32 math mode per library while the policy is active.
+        compute_format: what matmuls and convolutions compute in: fp32, tf32, bf32, bf16 or fp16.
+        peak_key: whose peak FLOP/s is the MFU denominator (bf32 runs oneDNN's bf16 kernels).
+        rounding_format: the format whose rounding bounds the result's precision.
+        range_format: the format whose exponent range limits values (tf32 and bf32 have bf16's).
+        safety_rank: tie-break order, lower is simpler/safer: fp32 master weights beat
+            half-precision storage, no loss scaling beats loss scaling.
+        thresholds: the numerics gate's default limits, calibrated in docs/check.md.
+        lightning: ``Trainer(precision=...)`` for this policy.
+        accelerate: ``Accelerator(mixed_precision=...)``; None where Accelerate has no such mode.
+        deepspeed: the DeepSpeed config section that enables it ("fp16", "bf16"), None for fp32 math.
+        autocast_dtype: *-mixed: fp32 weights, autocast to this dtype.
+        param_dtype: *-true: weights stored in this dtype, no fp32 master copy.
+        loss_scaling: a dynamic loss scaler is part of the policy (fp16).
+    """
 
     name: str
     description: str
     precision: PrecisionSettings
-    autocast_dtype: torch.dtype | None = None  # *-mixed: fp32 weights, autocast compute
-    param_dtype: torch.dtype | None = None  # *-true: weights stored in half precision
+    compute_format: str
+    peak_key: str
+    rounding_format: str
+    range_format: str
+    safety_rank: int
+    thresholds: Thresholds
+    lightning: str
+    accelerate: str | None
+    deepspeed: str | None
+    autocast_dtype: torch.dtype | None = None
+    param_dtype: torch.dtype | None = None
     loss_scaling: bool = False
 
     @property
     def low_precision_dtype(self) -> torch.dtype | None:
+        """The half dtype the policy computes in, None for the fp32-storage math modes."""
         return self.autocast_dtype or self.param_dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmul/conv outputs have (fp32 for fp32, tf32 and bf32)."""
+        return self.low_precision_dtype or torch.float32
 
     @property
     def is_mixed(self) -> bool:
         return self.autocast_dtype is not None
+
+    @property
+    def is_math_mode(self) -> bool:
+        """fp32 storage and compute whose internals a library flag changes (fp32, tf32, bf32)."""
+        return self.low_precision_dtype is None
 
 
 POLICIES: dict[str, PolicySpec] = {
@@ -41,27 +117,72 @@ POLICIES: dict[str, PolicySpec] = {
             "fp32",
             "fp32 storage and strict IEEE fp32 math (TF32 off for matmul and cuDNN conv)",
             _STRICT,
+            compute_format="fp32",
+            peak_key="fp32",
+            rounding_format="fp32",
+            range_format="fp32",
+            safety_rank=0,
+            thresholds=Thresholds(1e-6, 100.0, 100.0),
+            lightning="32-true",
+            accelerate="no",
+            deepspeed=None,
         ),
         PolicySpec(
             "tf32",
             "fp32 storage, TF32 tensor cores for matmul and convolution",
             PrecisionSettings(cuda_matmul="tf32", cudnn="tf32", mkldnn="ieee"),
+            compute_format="tf32",
+            peak_key="tf32",
+            rounding_format="tf32",
+            range_format="bf16",
+            safety_rank=1,
+            thresholds=Thresholds(1e-2, 15.0, 10.0),
+            lightning="32-true",
+            accelerate="no",
+            deepspeed=None,
         ),
         PolicySpec(
             "bf32",
             "fp32 storage, oneDNN matmul/conv with bf16 internals (CPU)",
             PrecisionSettings(cuda_matmul="ieee", cudnn="ieee", mkldnn="bf16"),
+            compute_format="bf32",
+            peak_key="bf16",
+            rounding_format="bf16",
+            range_format="bf16",
+            safety_rank=2,
+            thresholds=Thresholds(2e-2, 5.0, 3.0),
+            lightning="32-true",
+            accelerate="no",
+            deepspeed=None,
         ),
         PolicySpec(
             "bf16-mixed",
             "fp32 weights, autocast to bf16, optional finite-gradient guard",
             _STRICT,
+            compute_format="bf16",
+            peak_key="bf16",
+            rounding_format="bf16",
+            range_format="bf16",
+            safety_rank=3,
+            thresholds=Thresholds(2e-2, 5.0, 3.0),
+            lightning="bf16-mixed",
+            accelerate="bf16",
+            deepspeed="bf16",
             autocast_dtype=torch.bfloat16,
         ),
         PolicySpec(
             "fp16-mixed",
             "fp32 weights, autocast to fp16, dynamic loss scaling",
             _STRICT,
+            compute_format="fp16",
+            peak_key="fp16",
+            rounding_format="fp16",
+            range_format="fp16",
+            safety_rank=4,
+            thresholds=Thresholds(1e-2, 10.0, 6.0, max_skip_fraction=0.25),
+            lightning="16-mixed",
+            accelerate="fp16",
+            deepspeed="fp16",
             autocast_dtype=torch.float16,
             loss_scaling=True,
         ),
@@ -69,12 +190,30 @@ POLICIES: dict[str, PolicySpec] = {
             "bf16-true",
             "bf16 weights and math, no fp32 master weights",
             _STRICT,
+            compute_format="bf16",
+            peak_key="bf16",
+            rounding_format="bf16",
+            range_format="bf16",
+            safety_rank=5,
+            thresholds=Thresholds(5e-2, 5.0, 0.0),
+            lightning="bf16-true",
+            accelerate=None,
+            deepspeed="bf16",
             param_dtype=torch.bfloat16,
         ),
         PolicySpec(
             "fp16-true",
             "fp16 weights and math, no fp32 master weights, dynamic loss scaling",
             _STRICT,
+            compute_format="fp16",
+            peak_key="fp16",
+            rounding_format="fp16",
+            range_format="fp16",
+            safety_rank=6,
+            thresholds=Thresholds(2e-2, 10.0, 3.0, max_skip_fraction=0.25),
+            lightning="16-true",
+            accelerate=None,
+            deepspeed="fp16",
             param_dtype=torch.float16,
             loss_scaling=True,
         ),
@@ -112,97 +251,6 @@ def canonical_name(name: str) -> str:
     )
 
 
-@dataclass(frozen=True)
-class Support:
-    """Whether a policy can run on a device, why, and what to use instead."""
-
-    supported: bool
-    reason: str
-    suggestion: str | None = None
-
-    def __bool__(self) -> bool:
-        return self.supported
-
-
-# What to suggest instead of a policy that is unsupported (or slow) here: the first of these
-# that runs natively on the device. fp32 always does, so every chain ends there.
-_FALLBACKS: dict[str, tuple[str, ...]] = {
-    "fp32": (),
-    "tf32": ("bf32", "bf16-mixed", "fp16-mixed", "fp32"),
-    "bf32": ("tf32", "bf16-mixed", "fp32"),
-    "bf16-mixed": ("fp16-mixed", "tf32", "bf32", "fp32"),
-    "fp16-mixed": ("bf16-mixed", "tf32", "bf32", "fp32"),
-    "bf16-true": ("fp16-mixed", "bf16-mixed", "fp32"),
-    "fp16-true": ("bf16-mixed", "bf16-true", "fp32"),
-}
-
-
-def _assess(spec: PolicySpec, info: DeviceInfo) -> tuple[bool, bool, str]:
-    """(supported, fast, reason) without suggestions: 'fast' means native, not emulated."""
-    cc = f"compute capability {info.capability[0]}.{info.capability[1]}" if info.capability else ""
-    if spec.name == "fp32":
-        return True, True, "strict IEEE fp32 works everywhere"
-    if spec.name == "tf32":
-        if info.type != "cuda":
-            return (
-                False,
-                False,
-                "TF32 needs an NVIDIA GPU with compute capability >= 8.0; this device is a CPU",
-            )
-        if not info.tf32:
-            return False, False, f"TF32 needs compute capability >= 8.0, this GPU has {cc}"
-        if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
-            # cuBLAS/cuDNN ignore every TF32 request then: a tf32 row would be fp32 under a tf32 label
-            return (
-                False,
-                False,
-                "NVIDIA_TF32_OVERRIDE=0 is set: the CUDA libraries refuse TF32 in this process",
-            )
-        return True, True, f"TF32 tensor cores ({cc})"
-    if spec.name == "bf32":
-        if info.type != "cpu":
-            return False, False, "bf32 is a oneDNN (CPU) math mode; cuBLAS has no bf16 fp32-mode"
-        if not info.mkldnn_available:
-            return False, False, "this torch build has no oneDNN (mkldnn)"
-        if not info.native_bf16:
-            return False, False, "bf32 needs AVX512-BF16 or AMX on the CPU; this CPU has neither"
-        return True, True, "oneDNN bf16 math on a CPU with native bf16"
-    if spec.low_precision_dtype == torch.bfloat16:
-        if info.type == "cuda":
-            if not info.native_bf16:
-                return False, False, f"bf16 on {cc} is emulated (needs >= 8.0) and slower than fp32"
-            return True, True, f"native bf16 ({cc})"
-        if info.native_bf16:
-            return True, True, "native bf16 on this CPU (AVX512-BF16/AMX)"
-        return True, False, "bf16 on this CPU is emulated: expect it to be slower than fp32"
-    # fp16
-    if info.type == "cuda":
-        if not info.native_fp16:
-            return False, False, f"fp16 tensor cores need compute capability >= 7.0, this GPU has {cc}"
-        return True, True, f"fp16 tensor cores ({cc})"
-    if info.native_fp16:
-        return True, True, "native fp16 on this CPU (AVX512-FP16/AMX-FP16)"
-    return (
-        True,
-        False,
-        "no native fp16 on this CPU (AVX512-FP16/AMX-FP16): runs, but often far slower than fp32",
-    )
-
-
-def check_support(name: str, info: DeviceInfo) -> Support:
-    """Support of policy ``name`` on the device described by ``info``. Never raises for known names.
-
-    Where the policy is unsupported or only emulated, ``suggestion`` names the first policy
-    of its fallback chain that runs natively on this device.
-    """
-    spec = POLICIES[canonical_name(name)]
-    if info.type not in ("cpu", "cuda"):
-        return Support(False, f"device type {info.type!r} is not supported", "fp32 on cpu or cuda")
-    supported, fast, reason = _assess(spec, info)
-    if fast:
-        return Support(supported, reason)
-    suggestion = next(
-        (alt for alt in _FALLBACKS[spec.name] if _assess(POLICIES[alt], info)[1]),
-        "fp32",
-    )
-    return Support(supported, reason, suggestion)
+def spec_of(name: str) -> PolicySpec:
+    """The :class:`PolicySpec` of ``name`` (aliases accepted); raises :class:`PolicyError` otherwise."""
+    return POLICIES[canonical_name(name)]

@@ -10,20 +10,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from mixprec.measure.results import BenchRow
-from mixprec.measure.sweep import BenchResult
-
-_STATUS_STYLE = {"ok": "green", "pruned": "yellow", "unsupported": "dim", "error": "red", "oom": "red"}
-
-
-def fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
+from mixprec.measure.results import BenchResult, BenchRow
+from mixprec.report.format import fmt_bytes, fmt_ms, rich_style
 
 
 def _cells(row: BenchRow) -> dict[str, str]:
@@ -33,10 +21,10 @@ def _cells(row: BenchRow) -> dict[str, str]:
         "status": row.status,
         "throughput": f"{row.throughput:.1f}" if row.throughput else "",
         "speedup": f"{row.speedup_vs_fp32:.2f}x" if row.speedup_vs_fp32 else "",
-        "step": f"{st.median_ms:.1f} ± {st.iqr_ms:.1f}" if st else "",
+        "step": fmt_ms(st.median_ms, st.iqr_ms) if st else "",
         "n": str(st.n) if st else "",
         "first_loss": f"{row.first_loss:.4f}" if row.first_loss is not None else "",
-        "memory": fmt_bytes(row.peak_memory_bytes) if row.step_time_ms else "",
+        "memory": (fmt_bytes(row.peak_memory_bytes) or "n/a") if row.step_time_ms else "",
         "tflops": f"{row.achieved_tflops:.3f}" if row.achieved_tflops else "",
         "mfu": f"{row.mfu:.1%}" if row.mfu else "",
         "dtype": row.observed_dtype or "",
@@ -70,10 +58,10 @@ def bench_table(result: BenchResult) -> Group:
     for row in result.rows:
         cells = _cells(row)
         values: list[Any] = [cells[key] for key, _, _ in _COLUMNS]
-        values[1] = Text(row.status, style=_STATUS_STYLE.get(row.status, ""))
+        values[1] = Text(row.status, style=rich_style(row.status))
         table.add_row(*values)
         if row.reason:
-            notes.append(Text(f"  {row.label}: {row.reason}", style=_STATUS_STYLE.get(row.status, "")))
+            notes.append(Text(f"  {row.label}: {row.reason}", style=rich_style(row.status)))
         if row.world_size > 1 and row.rank_step_time_ms:
             spread = ", ".join(f"{t:.1f}" for t in row.rank_step_time_ms)
             notes.append(Text(f"  {row.label}: median step ms per rank: {spread}", style="dim"))

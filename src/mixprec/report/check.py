@@ -11,28 +11,13 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from mixprec.numerics.check import CandidateCheck, CheckResult
-
-_VERDICT_STYLE = {"pass": "green", "fail": "red", "unsupported": "dim"}
-
-
-def _db(x: float | None) -> str:
-    if x is None:
-        return ""
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return f"{x:.1f}"
-
-
-def _pct(x: float | None) -> str:
-    if x is None:
-        return ""
-    return "inf" if math.isinf(x) else f"{x:.2%}"
+from mixprec.numerics.results import CandidateCheck, CheckResult
+from mixprec.report.format import fmt_bits, fmt_db, fmt_pct, rich_style
 
 
 def fix_snippet(c: CandidateCheck) -> str:
-    name = c.policy.split(" ")[0]
-    return f"mixprec.get_policy({name!r}, keep_fp32={c.keep_fp32!r})"
+    keep = [*c.candidate.keep_fp32, *c.fix_keep_fp32]
+    return f"mixprec.get_policy({c.candidate.policy!r}, keep_fp32={keep!r})"
 
 
 def check_report(result: CheckResult) -> Group:
@@ -57,16 +42,16 @@ def check_report(result: CheckResult) -> Group:
     for c in result.candidates:
         nonfinite = " / ".join(x or "-" for x in (c.first_nonfinite_forward, c.first_nonfinite_backward))
         fix = (
-            ", ".join(c.keep_fp32) + (" (verified)" if c.fix_verified else " (unverified)")
-            if c.keep_fp32
+            ", ".join(c.fix_keep_fp32) + (" (verified)" if c.fix_verified else " (unverified)")
+            if c.fix_keep_fp32
             else ""
         )
         table.add_row(
-            c.policy,
-            Text(c.verdict, style=_VERDICT_STYLE.get(c.verdict, "")),
-            _pct(c.max_rel_loss_diff),
-            _db(c.output_sqnr_db),
-            _db(c.total_grad_sqnr_db),
+            c.label,
+            Text(c.verdict, style=rich_style(c.verdict)),
+            fmt_pct(c.max_rel_loss_diff, 2),
+            fmt_db(c.output_sqnr_db, unit=False),
+            fmt_db(c.total_grad_sqnr_db, unit=False),
             str(c.skipped_steps) if c.verdict != "unsupported" else "",
             nonfinite if c.verdict != "unsupported" else "",
             fix,
@@ -82,8 +67,7 @@ def check_report(result: CheckResult) -> Group:
             )
         )
     for c in result.candidates:
-        style = _VERDICT_STYLE.get(c.verdict, "")
-        parts.append(Text(f"{c.policy}: {c.reason}", style=style))
+        parts.append(Text(f"{c.label}: {c.reason}", style=rich_style(c.verdict)))
         if c.scaler_warmup_skips:
             parts.append(
                 Text(
@@ -97,23 +81,17 @@ def check_report(result: CheckResult) -> Group:
                 parts.append(
                     Text(
                         f"    least {layer['format']} headroom: {layer['layer']} ({layer['type']}): "
-                        f"forward {_bits(layer['forward_headroom_bits'])}, "
-                        f"backward {_bits(layer['backward_headroom_bits'])}"
+                        f"forward {fmt_bits(layer['forward_headroom_bits'])}, "
+                        f"backward {fmt_bits(layer['backward_headroom_bits'])}"
                     )
                 )
-            if c.keep_fp32 and c.fix_verified:
+            if c.fix_keep_fp32 and c.fix_verified:
                 parts.append(Text(f"    fix: {fix_snippet(c)}  ({c.fix_note})", style="bold"))
             elif c.fix_note:
                 parts.append(Text(f"    {c.fix_note}"))
             if c.suggestion:
                 parts.append(Text(f"    suggestion: {c.suggestion}"))
     return Group(*parts)
-
-
-def _bits(x: float | None) -> str:
-    if x is None:
-        return "n/a"
-    return f"{x:+.1f} bits" if math.isfinite(x) else str(x)
 
 
 def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
@@ -143,23 +121,23 @@ def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
                 color=color,
                 marker="o",
                 markersize=3,
-                label=f"{c.policy} ({c.verdict})",
+                label=f"{c.label} ({c.verdict})",
             )
         bad = [i for i, v in enumerate(c.losses) if not math.isfinite(v)]
         if bad:
             top = max(result.reference_losses)
             ax_loss.scatter(
-                bad, [top] * len(bad), marker="x", color=color, zorder=5, label=f"{c.policy}: loss non-finite"
+                bad, [top] * len(bad), marker="x", color=color, zorder=5, label=f"{c.label}: loss non-finite"
             )
         diffs = [(i, max(d, 1e-9)) for i, d in enumerate(c.rel_loss_diff) if math.isfinite(d)]
         if diffs:
             ax_diff.semilogy(
-                *zip(*diffs, strict=True), style, color=color, marker="o", markersize=3, label=c.policy
+                *zip(*diffs, strict=True), style, color=color, marker="o", markersize=3, label=c.label
             )
         limit = c.allowed_rel_loss_diff
         if limit and round(limit, 6) not in drawn_limits:  # candidates often share one allowance
             drawn_limits.add(round(limit, 6))
-            ax_diff.axhline(limit, color=color, linestyle=":", label=f"allowed ({c.policy})")
+            ax_diff.axhline(limit, color=color, linestyle=":", label=f"allowed ({c.label})")
     floor = [
         (i, max(abs(a - b) / max(abs(b), 1e-12), 1e-9))
         for i, (a, b) in enumerate(zip(result.chaos_floor_losses, result.reference_losses, strict=False))

@@ -16,7 +16,6 @@ import math
 import re
 import shutil
 from collections.abc import Iterable, Mapping
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -279,106 +278,7 @@ def verdict_line(data: Mapping[str, Any]) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Rebuilding result objects (for the charts)
-
-
-_STRING_KEYS = {
-    "policy",
-    "verdict",
-    "reason",
-    "layer",
-    "type",
-    "format",
-    "fix_note",
-    "suggestion",
-    "emulated",
-    "first_nonfinite_forward",
-    "first_nonfinite_backward",
-    "keep_fp32",
-    "workload",
-    "device",
-    "status",
-    "memory_method",
-    "peak_flops_source",
-    "observed_dtype",
-    "description",
-}
-
-
-def _revive(obj: Any, key: str = "") -> Any:
-    """Undo jsonio's inf/NaN-as-string encoding in numeric fields."""
-    if key in _STRING_KEYS:
-        return obj
-    if isinstance(obj, str) and obj.lower() in ("inf", "-inf", "infinity", "-infinity", "nan"):
-        return float(obj)
-    if isinstance(obj, dict):
-        return {k: _revive(v, k) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_revive(v) for v in obj]
-    return obj
-
-
-def bench_result_from_dict(d: Mapping[str, Any]) -> Any:
-    """A :class:`BenchResult` from ``BenchResult.to_dict()`` output; unknown keys are dropped."""
-    from mixprec.measure.results import BenchRow
-    from mixprec.measure.sweep import BenchResult
-
-    d = _revive(dict(_dict(d)))
-    defaults = {
-        "workload": _text(d.get("workload")),
-        "device": _text(d.get("device")),
-        "batch_size": d.get("batch_size") or 0,
-        "policy": "?",
-        "channels_last": False,
-        "status": "error",
-    }
-    rows = []
-    for raw in _list(d.get("rows")):
-        if not isinstance(raw, dict):
-            continue
-        row = {**defaults, **{k: v for k, v in raw.items() if v is not None or k not in defaults}}
-        st = row.get("step_time_ms")
-        if isinstance(st, dict) and not all(k in st for k in ("median", "iqr", "n")):
-            row["step_time_ms"] = None
-        rows.append(BenchRow.from_dict(row))
-    return BenchResult(
-        workload=defaults["workload"],
-        description=_text(d.get("description")),
-        device=defaults["device"],
-        batch_size=int(d.get("batch_size") or 0),
-        settings=_dict(d.get("settings")),
-        rows=rows,
-        env=_dict(d.get("env")),
-        notes=[_text(n) for n in _list(d.get("notes"))],
-    )
-
-
-def check_result_from_dict(d: Mapping[str, Any]) -> Any:
-    """A :class:`CheckResult` from ``CheckResult.to_dict()`` output; unknown keys are dropped."""
-    from mixprec.numerics.check import CandidateCheck, CheckResult
-
-    d = _revive(dict(_dict(d)))
-    known = {f.name for f in fields(CandidateCheck)}
-    cands = []
-    for raw in _list(d.get("candidates")):
-        if not isinstance(raw, dict):
-            continue
-        kw = {k: v for k, v in raw.items() if k in known}
-        kw.setdefault("policy", "?")
-        kw.setdefault("verdict", "")
-        kw.setdefault("reason", "")
-        kw["worst_grads"] = [tuple(g) for g in _list(kw.get("worst_grads"))]
-        cands.append(CandidateCheck(**kw))
-    return CheckResult(
-        workload=_text(d.get("workload")),
-        device=_text(d.get("device")),
-        batch_size=int(d.get("batch_size") or 0),
-        steps=int(d.get("steps") or 0),
-        reference_losses=[v for v in _list(d.get("reference_losses")) if isinstance(v, (int, float))],
-        candidates=cands,
-        reference_layers=[_dict(x) for x in _list(d.get("reference_layers")) if isinstance(x, dict)],
-        env=_dict(d.get("env")),
-    )
+# Charts
 
 
 def render_charts(data: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
@@ -389,20 +289,20 @@ def render_charts(data: Mapping[str, Any], out_dir: str | Path) -> dict[str, Pat
     bench = _dict(data.get("bench"))
     if _list(bench.get("rows")):
         try:
+            from mixprec.measure.results import BenchResult
             from mixprec.report import bench as bench_report
 
-            result = bench_result_from_dict(bench)
-            if not result.env:
-                result.env = _dict(data.get("env"))
+            result = BenchResult.from_dict({**bench, "env": _dict(data.get("env"))})
             charts["bench"] = bench_report.plot(out_dir / "bench.png", result)
         except Exception:  # a partial file must still give a report
             pass
     check = _dict(data.get("check"))
     if _list(check.get("candidates")):
         try:
+            from mixprec.numerics.results import CheckResult
             from mixprec.report import check as check_report
 
-            charts["check"] = check_report.plot(out_dir / "check.png", check_result_from_dict(check))
+            charts["check"] = check_report.plot(out_dir / "check.png", CheckResult.from_dict(check))
         except Exception:
             pass
     return charts

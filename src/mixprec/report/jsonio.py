@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mixprec.environment import SCHEMA_VERSION
+from mixprec.schema import SCHEMA_VERSION
 
 
 def _default(obj: Any) -> Any:

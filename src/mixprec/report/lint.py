@@ -9,8 +9,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from mixprec.lint.rules import RULES, Finding, Rule
-from mixprec.lint.runner import LintResult
+from mixprec.linting.rules import RULES, Finding, Rule
+from mixprec.linting.runner import LintResult
 
 _SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 _NAMES_SHOWN = 3

@@ -12,9 +12,9 @@ import torch
 
 from mixprec.errors import UnsupportedError, UsageError, did_you_mean
 from mixprec.hardware.device import DeviceInfo, detect, resolve_device
-from mixprec.lint.rules import RULES, SEVERITIES, SEVERITY_RANK, Finding, LintContext
-from mixprec.lint.trace import Trace, trace_workload
-from mixprec.policy import Policy, check_support, get_policy
+from mixprec.linting.rules import RULES, SEVERITIES, SEVERITY_RANK, Finding, LintContext
+from mixprec.linting.trace import Trace, trace_workload
+from mixprec.policy import Policy, check_support, get_policy, starting_policy
 from mixprec.workload import Workload
 
 TARGETS = ("cpu", "cuda")
@@ -122,9 +122,7 @@ def _resolve_policy(
     info = device_info or detect(dev)
     chosen = policy is None
     if policy is None:
-        from mixprec.demo import best_default_policy
-
-        policy = best_default_policy(info)
+        policy = starting_policy(info)
     options = {} if channels_last is None else {"channels_last": channels_last}
     return get_policy(policy, device=dev, check=False, **options), info, chosen
 
@@ -311,7 +309,7 @@ def lint(
     ``channels_last`` sets that option of a policy given by name. Returns the active
     findings, most important first (suppressed unavoidable cases are in
     :func:`run_lint`'s result). With ``measure=True`` the mechanical fixes are built and timed
-    (:func:`mixprec.lint.measure_findings`) and the findings are ranked by measured gain.
+    (:func:`mixprec.linting.measure_findings`) and the findings are ranked by measured gain.
     """
     result = run_lint(
         workload,
@@ -323,7 +321,7 @@ def lint(
         channels_last=channels_last,
     )
     if measure:
-        from mixprec.lint.measure import measure_findings
+        from mixprec.linting.measure import measure_findings
 
         measure_findings(workload, result)
     return result.findings

@@ -1,6 +1,6 @@
 """--measure: build the mechanical fixes, time them, and rank the findings by measured gain.
 
-For every finding with a :class:`~mixprec.lint.rules.Remedy`:
+For every finding with a :class:`~mixprec.linting.rules.Remedy`:
 
 * the **layer**: forward + backward of the affected layer(s) on the traced shapes, under the
   policy's autocast and precision settings, before and after the fix, timed with
@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import UsageError
-from mixprec.lint.rules import Finding, MeasuredGain, Remedy
-from mixprec.lint.runner import LintResult
-from mixprec.lint.trace import ModuleRecord, TensorInfo, memory_format_of
+from mixprec.linting.rules import Finding, MeasuredGain, Remedy
+from mixprec.linting.runner import LintResult
+from mixprec.linting.trace import ModuleRecord, TensorInfo, memory_format_of
 from mixprec.measure.results import Candidate
 from mixprec.measure.runner import BenchSettings, distinct_batches, make_batches, run_candidate
 from mixprec.policy import Policy

@@ -20,8 +20,8 @@ from types import ModuleType
 from typing import Any
 
 from mixprec.errors import UsageError, did_you_mean
-from mixprec.workload import Workload, WorkloadSpec
-from mixprec.zoo import ZOO_NAMES, build_zoo_workload
+from mixprec.workload.workload import Workload, WorkloadSpec
+from mixprec.workload.zoo import ZOO_NAMES, build_zoo_workload
 
 _FORMS = "a zoo name, 'path/to/file.py:function' or 'package.module:function'"
 

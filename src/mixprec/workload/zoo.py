@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import UsageError, did_you_mean
-from mixprec.workload import Workload, WorkloadSpec
+from mixprec.workload.workload import Workload, WorkloadSpec
 
 ZOO_NAMES: tuple[str, ...] = ("resnet50", "vgg19", "densenet121", "gpt2", "mlp")
 

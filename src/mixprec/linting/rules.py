@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from mixprec.hardware.device import DeviceInfo
-from mixprec.lint.trace import ATTENTION, COMPUTE_TYPES, FunctionCall, ModuleRecord, Trace
+from mixprec.linting.trace import ATTENTION, COMPUTE_TYPES, FunctionCall, ModuleRecord, Trace
 from mixprec.policy import Policy, check_support
 from mixprec.policy.policy import is_fp32_island
 from mixprec.workload import Workload

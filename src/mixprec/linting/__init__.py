@@ -1,0 +1,29 @@
+"""Lint: tensor-core-unfriendly shapes and precision mistakes, with stable rule ids.
+
+:func:`lint` returns the findings (``mixprec.lint`` is the same function); :func:`run_lint`
+returns them with their context (suppressed unavoidable cases, notes), and
+:func:`measure_findings` times the mechanical fixes.
+"""
+
+from mixprec.linting.measure import measure_findings
+from mixprec.linting.rules import RULES, SEVERITIES, Finding, LintContext, MeasuredGain, Remedy, Rule
+from mixprec.linting.runner import TARGETS, LintResult, lint, parse_rule_ids, run_lint
+from mixprec.linting.trace import Trace, trace_workload
+
+__all__ = [
+    "RULES",
+    "SEVERITIES",
+    "TARGETS",
+    "Finding",
+    "LintContext",
+    "LintResult",
+    "MeasuredGain",
+    "Remedy",
+    "Rule",
+    "Trace",
+    "lint",
+    "measure_findings",
+    "parse_rule_ids",
+    "run_lint",
+    "trace_workload",
+]

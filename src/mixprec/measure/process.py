@@ -1,0 +1,35 @@
+"""Process plumbing shared by the isolated and the data-parallel runners."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def main_module_hidden() -> Iterator[None]:
+    """Keep multiprocessing from re-importing the caller's ``__main__`` script in the child.
+
+    The child only needs ``_child`` (importable from mixprec) and the workload spec; re-running
+    a user's script there would repeat its side effects, or recurse into the sweep when the
+    script has no ``if __name__ == "__main__"`` guard. multiprocessing decides this from
+    ``__main__.__spec__`` / ``__file__`` while ``Process.start()`` runs, so hide them just then.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm", encoding="ascii") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()

@@ -1,0 +1,103 @@
+"""Judging a candidate against strict fp32: the thresholds, the chaos floor and the verdict.
+
+The chaos floor is an fp32 run whose initial weights differ by one part in 2^20: how far two
+fp32 runs drift apart on this model in the same steps. The loss allowance and the SQNR floors
+adapt to it (calibration and figures in docs/check.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mixprec.numerics.compare import Comparison, Trajectory
+from mixprec.policy import POLICIES, Thresholds
+
+# Formats run as an emulated fp32 policy (`check --emulate`): their limits, calibrated like the
+# policies' own (docs/check.md). fp8 loses more than bf16; the floors are guards against garbage.
+EMULATED_THRESHOLDS: dict[str, Thresholds] = {
+    "emulated:tf32": Thresholds(1e-2, 15.0, 10.0),
+    "emulated:bf16": Thresholds(2e-2, 5.0, 3.0),
+    "emulated:fp8_e4m3": Thresholds(1e-1, 3.0, 0.0),
+    "emulated:fp8_e5m2": Thresholds(1e-1, 0.0, -3.0),
+}
+
+
+def default_thresholds() -> dict[str, Thresholds]:
+    """Every policy's thresholds (from its spec) and the emulated formats', by threshold key."""
+    return {**{name: spec.thresholds for name, spec in POLICIES.items()}, **EMULATED_THRESHOLDS}
+
+
+CHAOS_PERTURBATION = 2.0**-20
+# SQNR of that perturbation itself: 20*log10(1 / 2^-20).
+_CHAOS_INPUT_SQNR_DB = 20 * math.log10(1 / CHAOS_PERTURBATION)
+# How much worse than the format's rounding, propagated like the chaos perturbation, a
+# candidate may be: rounding hits every layer's inputs, not the weights once (~10*log10(depth)).
+SQNR_MARGIN_DB = 20.0
+
+
+def rounding_sqnr_db(fmt: str) -> float:
+    """SQNR of rounding to ``fmt`` (round-to-nearest, p significand bits): 6.02*p + 4.77 dB."""
+    from mixprec.numerics.limits import FORMATS
+
+    p = FORMATS[fmt].mantissa_bits + 1
+    return 20 * math.log10(math.sqrt(3) * 2.0**p)
+
+
+@dataclass(frozen=True)
+class Floor:
+    """How far two fp32 runs 2^-20 apart drift: loss difference and first-step SQNRs."""
+
+    rel_loss_diff: float = 0.0
+    output_sqnr_db: float | None = None
+    grad_sqnr_db: float | None = None
+
+    def required(self, absolute: float, floor_sqnr: float | None, fmt: str) -> float:
+        """The SQNR floor for a candidate in ``fmt``: the absolute guard, lowered on models that
+        amplify noise so much that even the format's own rounding could not reach it."""
+        if floor_sqnr is None or not math.isfinite(floor_sqnr):
+            return absolute
+        amplification = _CHAOS_INPUT_SQNR_DB - floor_sqnr
+        return min(absolute, rounding_sqnr_db(fmt) - amplification - SQNR_MARGIN_DB)
+
+
+def allowed_rel_loss_diff(thr: Thresholds, floor: float) -> float:
+    return max(thr.max_rel_loss_diff, thr.chaos_factor * floor)
+
+
+def judge(
+    cmp: Comparison, traj: Trajectory, thr: Thresholds, steps: int, floor: Floor, fmt: str
+) -> tuple[bool, str]:
+    """(passed, reason). The reason names the first criterion that failed, with the figure."""
+    if traj.error:
+        return False, f"training crashed: {traj.error}"
+    if cmp.nonfinite_loss_step is not None:
+        return False, f"loss became non-finite at step {cmp.nonfinite_loss_step}"
+    if steps and cmp.skipped_steps / steps > thr.max_skip_fraction:
+        return False, f"{cmp.skipped_steps}/{steps} optimizer steps skipped on non-finite gradients"
+    stalled = traj.stalled_update_fraction
+    if stalled is not None and stalled > thr.max_stalled_update_fraction:
+        return False, (
+            f"{stalled:.0%} of the weight updates rounded away in half-precision storage (limit "
+            f"{thr.max_stalled_update_fraction:.0%}): without fp32 master weights this model stops learning; "
+            "use the *-mixed policy"
+        )
+    allowed = allowed_rel_loss_diff(thr, floor.rel_loss_diff)
+    if cmp.max_rel_loss_diff > allowed:
+        return False, (
+            f"loss differs from fp32 by {cmp.max_rel_loss_diff:.2%} (allowed {allowed:.2%}; two fp32 runs "
+            f"drift {floor.rel_loss_diff:.2%} apart here)"
+        )
+    need_out = floor.required(thr.min_output_sqnr_db, floor.output_sqnr_db, fmt)
+    if cmp.output_sqnr_db is not None and cmp.output_sqnr_db < need_out:
+        return False, f"output SQNR {cmp.output_sqnr_db:.1f} dB < {need_out:.1f} dB required"
+    need_grad = floor.required(thr.min_grad_sqnr_db, floor.grad_sqnr_db, fmt)
+    if cmp.total_grad_sqnr_db is not None and cmp.total_grad_sqnr_db < need_grad:
+        return False, f"gradient SQNR {cmp.total_grad_sqnr_db:.1f} dB < {need_grad:.1f} dB required"
+    margin = []
+    if cmp.output_sqnr_db is not None:
+        margin.append(f"output SQNR {cmp.output_sqnr_db:.1f} dB (>= {need_out:.1f})")
+    if cmp.total_grad_sqnr_db is not None:
+        margin.append(f"gradient SQNR {cmp.total_grad_sqnr_db:.1f} dB (>= {need_grad:.1f})")
+    margin.append(f"max loss diff {cmp.max_rel_loss_diff:.2%} (<= {allowed:.2%})")
+    return True, "matches fp32: " + ", ".join(margin)

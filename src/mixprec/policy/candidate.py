@@ -1,0 +1,106 @@
+"""One configuration mixprec measures, checks, recommends and exports: a :class:`Candidate`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from mixprec.errors import PolicyError
+from mixprec.policy.registry import PolicySpec, canonical_name, spec_of
+
+# Formats `check` can emulate on hardware without them (mixprec.numerics.emulate).
+EMULATABLE: tuple[str, ...] = ("tf32", "bf16", "fp8_e4m3", "fp8_e5m2")
+FRAMEWORKS: tuple[str, ...] = ("torch",)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A precision policy plus the modifiers that change what runs. Frozen and hashable: the key
+    of every table that maps a configuration to its measurement or verdict.
+
+    Attributes:
+        policy: canonical policy name (aliases are resolved on construction).
+        channels_last: run 4-D weights and inputs in NHWC memory format.
+        keep_fp32: module-name glob patterns that run outside autocast in fp32 ("fp32 islands").
+        emulate: `check` only: run strict fp32 under this format's emulated rounding
+            (one of :data:`EMULATABLE`) to predict hardware the machine lacks.
+        framework: the training framework the candidate runs in.
+    """
+
+    policy: str
+    channels_last: bool = False
+    keep_fp32: tuple[str, ...] = ()
+    emulate: str | None = None
+    framework: str = "torch"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", canonical_name(self.policy))
+        keep = self.keep_fp32
+        if isinstance(keep, str):
+            keep = (keep,)
+        if not isinstance(keep, (tuple, list)) or not all(isinstance(p, str) and p for p in keep):
+            raise PolicyError(
+                f"keep_fp32 must be a list of module-name patterns (strings), got {self.keep_fp32!r}."
+            )
+        object.__setattr__(self, "keep_fp32", tuple(keep))
+        if not isinstance(self.channels_last, bool):
+            raise PolicyError(f"channels_last must be True or False, got {self.channels_last!r}.")
+        if self.emulate is not None and self.emulate not in EMULATABLE:
+            raise PolicyError(
+                f"Cannot emulate {self.emulate!r}; valid: {', '.join(EMULATABLE)}. "
+                "fp16 runs natively on every CPU: check fp16-mixed instead."
+            )
+        if self.framework not in FRAMEWORKS:
+            raise PolicyError(f"Unknown framework {self.framework!r}; valid: {', '.join(FRAMEWORKS)}.")
+
+    @property
+    def spec(self) -> PolicySpec:
+        return spec_of(self.policy)
+
+    @property
+    def label(self) -> str:
+        """Short human label: 'bf16-mixed+cl+fp32[head]', 'bf16 (emulated)'."""
+        if self.emulate:
+            return f"{self.emulate} (emulated)"
+        islands = f"+fp32[{','.join(self.keep_fp32)}]" if self.keep_fp32 else ""
+        return self.policy + ("+cl" if self.channels_last else "") + islands
+
+    @property
+    def numerics(self) -> Candidate:
+        """The candidate whose numerics verdict applies to this one: the memory layout changes
+        which kernels run, not the formats they round to, so it is checked once per policy."""
+        return replace(self, channels_last=False) if self.channels_last else self
+
+    @property
+    def threshold_key(self) -> str:
+        return f"emulated:{self.emulate}" if self.emulate else self.policy
+
+    def policy_options(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`mixprec.get_policy` that reproduce this candidate."""
+        options: dict[str, Any] = {}
+        if self.channels_last:
+            options["channels_last"] = True
+        if self.keep_fp32:
+            options["keep_fp32"] = list(self.keep_fp32)
+        return options
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "channels_last": self.channels_last,
+            "keep_fp32": list(self.keep_fp32),
+            "emulate": self.emulate,
+            "framework": self.framework,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Candidate:
+        if not isinstance(data, dict) or "policy" not in data:
+            raise PolicyError(f"A candidate needs at least a 'policy' key, got {data!r}.")
+        return cls(
+            policy=data["policy"],
+            channels_last=bool(data.get("channels_last", False)),
+            keep_fp32=tuple(data.get("keep_fp32") or ()),
+            emulate=data.get("emulate"),
+            framework=data.get("framework", "torch"),
+        )

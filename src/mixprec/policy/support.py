@@ -1,0 +1,131 @@
+"""Whether a policy runs on a device, natively or emulated, why, and what to use instead."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from mixprec.hardware.device import DeviceInfo
+from mixprec.policy.registry import POLICIES, PolicySpec, canonical_name
+
+
+@dataclass(frozen=True)
+class Support:
+    """Whether a policy can run on a device, why, and what to use instead.
+
+    Attributes:
+        supported: the policy runs here (possibly slowly, see ``native``).
+        reason: one sentence a user can act on.
+        suggestion: the first policy of the fallback chain that runs natively here, when this
+            one is unsupported or only emulated.
+        native: the device computes the format in hardware; False where it is emulated
+            through fp32 and usually slower than fp32.
+    """
+
+    supported: bool
+    reason: str
+    suggestion: str | None = None
+    native: bool = True
+
+    def __bool__(self) -> bool:
+        return self.supported
+
+
+# What to suggest instead of a policy that is unsupported (or slow) here: the first of these
+# that runs natively on the device. fp32 always does, so every chain ends there.
+_FALLBACKS: dict[str, tuple[str, ...]] = {
+    "fp32": (),
+    "tf32": ("bf32", "bf16-mixed", "fp16-mixed", "fp32"),
+    "bf32": ("tf32", "bf16-mixed", "fp32"),
+    "bf16-mixed": ("fp16-mixed", "tf32", "bf32", "fp32"),
+    "fp16-mixed": ("bf16-mixed", "tf32", "bf32", "fp32"),
+    "bf16-true": ("fp16-mixed", "bf16-mixed", "fp32"),
+    "fp16-true": ("bf16-mixed", "bf16-true", "fp32"),
+}
+
+# Where a newcomer should start on a device before measuring anything, most preferred first:
+# autocast before a math mode (tf32/bf32 only change matmul internals); fp16 on a CPU without
+# native fp16 is far slower than fp32, so it is never a CPU default.
+_STARTING_POINTS: dict[str, tuple[str, ...]] = {
+    "cuda": ("bf16-mixed", "fp16-mixed", "tf32", "fp32"),
+    "cpu": ("bf16-mixed", "bf32", "fp32"),
+}
+
+
+def _assess(spec: PolicySpec, info: DeviceInfo) -> tuple[bool, bool, str]:
+    """(supported, native, reason) without suggestions."""
+    cc = f"compute capability {info.capability[0]}.{info.capability[1]}" if info.capability else ""
+    if spec.name == "fp32":
+        return True, True, "strict IEEE fp32 works everywhere"
+    if spec.name == "tf32":
+        if info.type != "cuda":
+            return (
+                False,
+                False,
+                "TF32 needs an NVIDIA GPU with compute capability >= 8.0; this device is a CPU",
+            )
+        if not info.tf32:
+            return False, False, f"TF32 needs compute capability >= 8.0, this GPU has {cc}"
+        if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
+            # cuBLAS/cuDNN ignore every TF32 request then: a tf32 row would be fp32 under a tf32 label
+            return (
+                False,
+                False,
+                "NVIDIA_TF32_OVERRIDE=0 is set: the CUDA libraries refuse TF32 in this process",
+            )
+        return True, True, f"TF32 tensor cores ({cc})"
+    if spec.name == "bf32":
+        if info.type != "cpu":
+            return False, False, "bf32 is a oneDNN (CPU) math mode; cuBLAS has no bf16 fp32-mode"
+        if not info.mkldnn_available:
+            return False, False, "this torch build has no oneDNN (mkldnn)"
+        if not info.native_bf16:
+            return False, False, "bf32 needs AVX512-BF16 or AMX on the CPU; this CPU has neither"
+        return True, True, "oneDNN bf16 math on a CPU with native bf16"
+    if spec.low_precision_dtype == torch.bfloat16:
+        if info.type == "cuda":
+            if not info.native_bf16:
+                return False, False, f"bf16 on {cc} is emulated (needs >= 8.0) and slower than fp32"
+            return True, True, f"native bf16 ({cc})"
+        if info.native_bf16:
+            return True, True, "native bf16 on this CPU (AVX512-BF16/AMX)"
+        return True, False, "bf16 on this CPU is emulated: expect it to be slower than fp32"
+    # fp16
+    if info.type == "cuda":
+        if not info.native_fp16:
+            return False, False, f"fp16 tensor cores need compute capability >= 7.0, this GPU has {cc}"
+        return True, True, f"fp16 tensor cores ({cc})"
+    if info.native_fp16:
+        return True, True, "native fp16 on this CPU (AVX512-FP16/AMX-FP16)"
+    return (
+        True,
+        False,
+        "no native fp16 on this CPU (AVX512-FP16/AMX-FP16): runs, but often far slower than fp32",
+    )
+
+
+def check_support(name: str, info: DeviceInfo) -> Support:
+    """Support of policy ``name`` on the device described by ``info``. Never raises for known names.
+
+    Where the policy is unsupported or only emulated, ``suggestion`` names the first policy
+    of its fallback chain that runs natively on this device.
+    """
+    spec = POLICIES[canonical_name(name)]
+    if info.type not in ("cpu", "cuda"):
+        return Support(False, f"device type {info.type!r} is not supported", "fp32 on cpu or cuda", False)
+    supported, native, reason = _assess(spec, info)
+    if native:
+        return Support(supported, reason)
+    suggestion = next((alt for alt in _FALLBACKS[spec.name] if _assess(POLICIES[alt], info)[1]), "fp32")
+    return Support(supported, reason, suggestion, native=False)
+
+
+def starting_policy(info: DeviceInfo) -> str:
+    """The policy a newcomer should start from on this device, before measuring anything."""
+    for name in _STARTING_POINTS.get(info.type, ("fp32",)):
+        support = check_support(name, info)
+        if support and support.native:
+            return name
+    return "fp32"

@@ -1,0 +1,133 @@
+"""How every report writes numbers, and the rich style of each status tone: one place for both.
+
+The formatters take what a result holds (floats, None, inf/NaN, or the strings JSON turns
+non-finite numbers into) and return display text, empty when there is nothing to show.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from typing import Any
+
+from mixprec.status import tone
+
+# Rich styles per status tone (mixprec.status.TONES); the HTML report has the same tones in CSS.
+RICH_STYLES = {"best": "bold green", "good": "green", "bad": "red", "warn": "yellow", "muted": "dim"}
+
+
+def rich_style(status: str) -> str:
+    return RICH_STYLES[tone(status)]
+
+
+def num(x: Any) -> float | None:
+    """A number, or None; JSON writes inf/NaN as strings, so those come back as floats."""
+    if isinstance(x, bool) or x is None:
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, str):
+        try:
+            return float(x)
+        except ValueError:
+            return None
+    return None
+
+
+def finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def fmt_speedup(x: Any) -> str:
+    v = num(x)
+    return f"{v:.2f}x" if finite(v) else ""
+
+
+def fmt_throughput(x: Any) -> str:
+    v = num(x)
+    return f"{v:,.1f}" if finite(v) else ""
+
+
+def fmt_bytes(x: Any) -> str:
+    """Bytes as KiB (below 1 MiB), MiB or GiB; negative values keep their sign."""
+    v = num(x)
+    if v is None or not math.isfinite(v):
+        return ""
+    sign, a = ("-" if v < 0 else ""), abs(v)
+    if a >= 2**30:
+        return f"{sign}{a / 2**30:.2f} GiB"
+    if a >= 2**20:
+        return f"{sign}{a / 2**20:.1f} MiB"
+    if a >= 2**10:
+        return f"{sign}{a / 2**10:.1f} KiB"
+    return f"{sign}{a:.0f} B"
+
+
+def fmt_ms(median: Any, iqr: Any = None) -> str:
+    """A step time: 'median ± IQR' in milliseconds."""
+    med, spread = num(median), num(iqr)
+    if not finite(med):
+        return ""
+    return f"{med:.1f} ± {spread:.1f}" if finite(spread) else f"{med:.1f}"
+
+
+def fmt_pct(x: Any, digits: int = 1) -> str:
+    v = num(x)
+    if v is None:
+        return ""
+    if not math.isfinite(v):
+        return "inf" if v > 0 else ("-inf" if v < 0 else "nan")
+    return f"{v:.{digits}%}"
+
+
+def fmt_small_pct(x: Any) -> str:
+    """Relative differences: 2 significant digits, so 2e-5 shows as 0.0020%, not 0.00%."""
+    v = num(x)
+    if v is None:
+        return ""
+    if not math.isfinite(v):
+        return fmt_pct(v)
+    if v == 0:
+        return "0%"
+    return f"{v * 100:.2g}%" if abs(v) < 0.01 else f"{v:.2%}"
+
+
+def fmt_db(x: Any, unit: bool = True) -> str:
+    v = num(x)
+    if v is None:
+        return ""
+    text = f"{v:.1f}" if math.isfinite(v) else ("inf" if v > 0 else "-inf" if v < 0 else "nan")
+    return f"{text} dB" if unit else text
+
+
+def fmt_bits(x: Any) -> str:
+    v = num(x)
+    if v is None:
+        return "n/a"
+    return f"{v:+.1f} bits" if math.isfinite(v) else str(v)
+
+
+def fmt_date(x: Any) -> str:
+    if not isinstance(x, str) or not x:
+        return ""
+    try:
+        t = dt.datetime.fromisoformat(x.replace("Z", "+00:00"))
+    except ValueError:
+        return x
+    if t.tzinfo is not None and t.utcoffset() == dt.timedelta(0):
+        return t.strftime("%Y-%m-%d %H:%M UTC")
+    return t.strftime("%Y-%m-%d %H:%M %z").strip()
+
+
+def fmt_gain(gain: Any) -> str:
+    """A lint finding's measured gain: '+4.2% step; layer 1.20 -> 0.90 ms'."""
+    g = gain if isinstance(gain, dict) else {}
+    parts = []
+    pct = num(g.get("gain_pct"))
+    if finite(pct):
+        parts.append(f"{pct:+.1f}% step")
+    for what in ("step", "layer"):
+        before, after = num(g.get(f"{what}_ms_before")), num(g.get(f"{what}_ms_after"))
+        if finite(before) and finite(after):
+            parts.append(f"{what} {before:.2f} → {after:.2f} ms")
+    return "; ".join(parts)

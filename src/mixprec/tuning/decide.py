@@ -1,0 +1,280 @@
+"""The decision: the fastest candidate whose numerics passed; ties within noise go to the safer one.
+
+:func:`decide` is a pure function of measurements and verdicts, so it is tested on synthetic
+numbers. Safer means simpler to live with: fp32 master weights beat half-precision storage, no
+loss scaling beats loss scaling, NCHW beats a layout change, fewer fp32 islands beat more
+(``PolicySpec.safety_rank`` orders the policies).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mixprec.measure.results import BenchRow, baseline_row
+from mixprec.numerics.results import CandidateCheck
+from mixprec.policy import Candidate, PolicyConfig, get_policy
+from mixprec.status import Status
+
+Verdicts = Mapping[Candidate, CandidateCheck]  # keyed by Candidate.numerics
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """One row of tune's decision table: a measured candidate and what the decision made of it.
+
+    Attributes:
+        candidate: what was measured.
+        status: recommended, passed, rejected, slower, unchecked, or the bench status
+            (pruned, unsupported, oom, error).
+        reason: why, in one sentence.
+        verdict: the numerics verdict (pass/fail), None when not checked.
+        row: the bench row with its figures (throughput, speedup, memory, MFU).
+    """
+
+    candidate: Candidate
+    status: str
+    reason: str
+    verdict: str | None = None
+    row: BenchRow | None = None
+
+    @property
+    def label(self) -> str:
+        return self.candidate.label
+
+    def to_dict(self) -> dict[str, Any]:
+        row = self.row
+        return {
+            "label": self.label,
+            "candidate": self.candidate.to_dict(),
+            "policy": self.candidate.policy,
+            "channels_last": self.candidate.channels_last,
+            "keep_fp32": list(self.candidate.keep_fp32),
+            "status": str(self.status),
+            "verdict": self.verdict,
+            "reason": self.reason,
+            "throughput": row.throughput if row else None,
+            "speedup_vs_fp32": row.speedup_vs_fp32 if row else None,
+            "step_time_ms": row.step_time_ms.to_dict() if row and row.step_time_ms else None,
+            "peak_memory_bytes": row.peak_memory_bytes if row else None,
+            "mfu": row.mfu if row else None,
+        }
+
+
+@dataclass
+class Recommendation:
+    """The candidate tune recommends, with the evidence.
+
+    Attributes:
+        candidate: the pick.
+        speedup_vs_fp32 / speedup_vs_tf32: its throughput over strict fp32's and tf32's.
+        memory_saved_bytes: peak memory saved against strict fp32.
+        margin: the numerics figures with the limits applied to them.
+        reason: one paragraph: why it won and what lost.
+        tie_break: set when a faster candidate within noise lost to this safer one.
+        tied_with: that faster candidate.
+        lint_worth_fixing: lint findings of warning severity or worse under this policy.
+    """
+
+    candidate: Candidate
+    speedup_vs_fp32: float | None
+    speedup_vs_tf32: float | None
+    memory_saved_bytes: int | None
+    margin: dict[str, float | None]
+    reason: str
+    tie_break: str | None = None
+    tied_with: Candidate | None = None
+    lint_worth_fixing: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return self.candidate.label
+
+    def config(self, device: str) -> PolicyConfig:
+        """The policy configuration that reproduces the pick on ``device``."""
+        return get_policy(
+            self.candidate.policy, device=device, check=False, **self.candidate.policy_options()
+        ).config
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "candidate": self.candidate.to_dict(),
+            "policy": self.candidate.policy,
+            "channels_last": self.candidate.channels_last,
+            "keep_fp32": list(self.candidate.keep_fp32),
+            "speedup_vs_fp32": self.speedup_vs_fp32,
+            "speedup_vs_tf32": self.speedup_vs_tf32,
+            "memory_saved_bytes": self.memory_saved_bytes,
+            "margin": self.margin,
+            "reason": self.reason,
+            "tie_break": self.tie_break,
+            "tied_with": self.tied_with.label if self.tied_with else None,
+            "tied_with_candidate": self.tied_with.to_dict() if self.tied_with else None,
+            "lint_worth_fixing": self.lint_worth_fixing,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Recommendation:
+        tied = data.get("tied_with_candidate")
+        return cls(
+            candidate=Candidate.from_dict(data.get("candidate") or data),
+            speedup_vs_fp32=data.get("speedup_vs_fp32"),
+            speedup_vs_tf32=data.get("speedup_vs_tf32"),
+            memory_saved_bytes=data.get("memory_saved_bytes"),
+            margin=data.get("margin") or {},
+            reason=data.get("reason", ""),
+            tie_break=data.get("tie_break"),
+            tied_with=Candidate.from_dict(tied) if tied else None,
+            lint_worth_fixing=list(data.get("lint_worth_fixing") or []),
+        )
+
+
+def safety(row: BenchRow) -> tuple[int, int, int]:
+    return (row.candidate.spec.safety_rank, int(row.channels_last), len(row.keep_fp32))
+
+
+def median_rel_se(row: BenchRow) -> float:
+    """Relative standard error of the median step time: ~0.93 * IQR / sqrt(n) (IQR ~ 1.35 sigma,
+    se(median) ~ 1.25 sigma / sqrt(n)). The IQR alone would call anything within a noisy
+    candidate's spread a tie, however many steps were timed."""
+    st = row.step_time_ms
+    if not st or not st.median_ms or not st.n:
+        return 0.0
+    return 0.93 * (st.iqr_ms / st.median_ms) / math.sqrt(st.n)
+
+
+def noise_band(a: BenchRow, b: BenchRow, noise: float) -> float:
+    """Relative throughput difference that is not real: ``noise``, or the combined standard
+    error of the two median step times if larger."""
+    return max(noise, math.hypot(median_rel_se(a), median_rel_se(b)))
+
+
+def within_noise(throughput: float, best: float, noise: float) -> bool:
+    return throughput >= best * (1 - noise)
+
+
+def decide(
+    rows: Sequence[BenchRow], verdicts: Verdicts, *, noise: float = 0.03
+) -> tuple[Recommendation | None, list[Ranked]]:
+    """The fastest candidate whose numerics passed; ties within noise go to the safer one.
+
+    ``verdicts`` maps a candidate's :attr:`~mixprec.Candidate.numerics` to its check; strict
+    fp32 is the reference and passes by definition. ``noise`` is the smallest relative
+    throughput difference treated as real; a larger standard error of the two median step
+    times widens it.
+    """
+    measured = [r for r in rows if not r.baseline_repeat]
+    fp32 = baseline_row(measured)
+    tf32 = max(
+        (r for r in measured if r.policy == "tf32" and r.status == Status.OK),
+        key=lambda r: r.throughput or 0,
+        default=None,
+    )
+    passing: list[BenchRow] = []
+    table: list[Ranked] = []
+    for row in measured:
+        verdict = verdicts.get(row.candidate.numerics)
+        if row.status != Status.OK:
+            table.append(Ranked(row.candidate, row.status, row.reason, row=row))
+        elif row.policy == "fp32":
+            why = "the strict fp32 reference" if not row.channels_last else "fp32 numerics (layout only)"
+            table.append(Ranked(row.candidate, Status.PASSED, why, Status.PASS, row))
+            passing.append(row)
+        elif verdict is None:
+            slower = fp32 is not None and (row.throughput or 0) <= (fp32.throughput or 0)
+            table.append(
+                Ranked(
+                    row.candidate,
+                    Status.SLOWER if slower else Status.UNCHECKED,
+                    "not faster than strict fp32"
+                    if slower
+                    else "numerics not checked: a faster candidate passed first, or the budget ran out",
+                    row=row,
+                )
+            )
+        else:
+            ok = verdict.verdict == Status.PASS
+            table.append(
+                Ranked(
+                    row.candidate,
+                    Status.PASSED if ok else Status.REJECTED,
+                    verdict.reason,
+                    verdict.verdict,
+                    row,
+                )
+            )
+            if ok:
+                passing.append(row)
+    if not passing:
+        return None, table
+    fastest = max(passing, key=lambda r: r.throughput or 0.0)
+    band = [
+        r
+        for r in passing
+        if within_noise(r.throughput or 0, fastest.throughput or 0, noise_band(r, fastest, noise))
+    ]
+    chosen = min(band, key=safety)
+    tie_break = None
+    if chosen is not fastest:
+        gap = 1 - (chosen.throughput or 0) / (fastest.throughput or 1)
+        tie_break = (
+            f"{fastest.label} measured {gap:.1%} faster than {chosen.label}, within measurement noise; "
+            f"{chosen.label} is simpler/safer, so it is preferred"
+        )
+    table = [
+        Ranked(r.candidate, Status.RECOMMENDED, r.reason, r.verdict, r.row)
+        if r.candidate == chosen.candidate
+        else r
+        for r in table
+    ]
+    verdict = verdicts.get(chosen.candidate.numerics)
+    # The figures with the limits that were applied to them (SQNR floors and the loss allowance
+    # adapt to how much this model amplifies noise, see docs/check.md).
+    margin = {
+        "output_sqnr_db": verdict.output_sqnr_db if verdict else None,
+        "output_sqnr_db_limit": verdict.required_output_sqnr_db if verdict else None,
+        "grad_sqnr_db": verdict.total_grad_sqnr_db if verdict else None,
+        "grad_sqnr_db_limit": verdict.required_grad_sqnr_db if verdict else None,
+        "max_rel_loss_diff": verdict.max_rel_loss_diff if verdict else None,
+        "max_rel_loss_diff_limit": verdict.allowed_rel_loss_diff if verdict else None,
+    }
+    saved = None
+    if fp32 and fp32.peak_memory_bytes and chosen.peak_memory_bytes:
+        saved = fp32.peak_memory_bytes - chosen.peak_memory_bytes
+    rec = Recommendation(
+        candidate=chosen.candidate,
+        speedup_vs_fp32=chosen.speedup_vs_fp32,
+        speedup_vs_tf32=(chosen.throughput / tf32.throughput)
+        if tf32 and tf32.throughput and chosen.throughput
+        else None,
+        memory_saved_bytes=saved,
+        margin=margin,
+        reason=_reason(chosen, table, verdict, tie_break),
+        tie_break=tie_break,
+        tied_with=fastest.candidate if tie_break else None,
+    )
+    return rec, table
+
+
+def _reason(chosen: BenchRow, table: list[Ranked], verdict: CandidateCheck | None, tie: str | None) -> str:
+    parts = [f"{r.label} rejected: {r.reason}" for r in table if r.status == Status.REJECTED]
+    pruned = [r.label for r in table if r.status == Status.PRUNED]
+    if pruned:
+        parts.append(f"{', '.join(pruned)} pruned as far slower than the best")
+    speed = f"{chosen.speedup_vs_fp32:.2f}x faster than strict fp32" if chosen.speedup_vs_fp32 else "measured"
+    if chosen.policy == "fp32":
+        parts.append(
+            "no lower-precision candidate both beat strict fp32 and passed the numerics check: stay in fp32"
+        )
+    else:
+        match = ""
+        if verdict is not None and verdict.max_rel_loss_diff is not None:
+            match = f" and matches its loss within {verdict.max_rel_loss_diff:.2%} over the checked steps"
+        islands = f" with {', '.join(chosen.keep_fp32)} kept in fp32" if chosen.keep_fp32 else ""
+        parts.append(f"{chosen.label}{islands} is {speed}{match}")
+    if tie:
+        parts.append(tie)
+    return "; ".join(parts) + "."

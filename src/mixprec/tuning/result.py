@@ -1,0 +1,106 @@
+"""What `tune` measured, checked and decided: a :class:`TuneResult`, with its JSON form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mixprec.measure.results import BenchResult
+from mixprec.numerics.results import CheckResult
+from mixprec.policy import Candidate
+from mixprec.schema import SCHEMA_VERSION, check_version
+from mixprec.tuning.decide import Ranked, Recommendation
+
+
+@dataclass
+class TuneResult:
+    """Everything one tune run produced.
+
+    Attributes:
+        workload / description / device: what was tuned, where.
+        recommendation: the pick, None when nothing passed.
+        ranked: the decision table, one entry per measured candidate.
+        bench: the speed sweep (with rescued and re-measured rows folded in).
+        check: the numerics checks that ran, None when none did.
+        lint: lint findings (dicts) under the recommended policy, None when not linted.
+        exports: the pick as code or configuration per export target.
+        budget_s / elapsed_s: the time budget and the time spent.
+        env: the environment block.
+        created: UTC timestamp.
+        notes: what the search skipped or adjusted, and why.
+        command: the command line that produced it, when run from the CLI.
+    """
+
+    workload: str
+    description: str
+    device: str
+    recommendation: Recommendation | None
+    ranked: list[Ranked]
+    bench: BenchResult
+    check: CheckResult | None
+    lint: list[dict[str, Any]] | None
+    budget_s: float
+    elapsed_s: float
+    env: dict[str, Any]
+    created: str
+    notes: list[str] = field(default_factory=list)
+    exports: dict[str, str] = field(default_factory=dict)
+    command: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        rec = self.recommendation
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "command": self.command,
+            "workload": self.workload,
+            "description": self.description,
+            "device": self.device,
+            "created": self.created,
+            "budget_s": self.budget_s,
+            "elapsed_s": self.elapsed_s,
+            "notes": self.notes,
+            "bench": self.bench.to_dict(),
+            "check": self.check.to_dict() if self.check else None,
+            "lint": {"findings": self.lint} if self.lint is not None else None,
+            "candidates": [r.to_dict() for r in self.ranked],
+            "recommendation": rec.to_dict() if rec else None,
+            "exports": self.exports,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TuneResult:
+        """Read a :meth:`to_dict` (or ``mixprec tune --json``) payload back, schema 1 included."""
+        data = check_version(data, "a tune result")
+        bench = BenchResult.from_dict({**(data.get("bench") or {}), "env": data.get("env") or {}})
+        rows = {(r.candidate, r.baseline_repeat): r for r in bench.rows}
+        ranked = []
+        for entry in data.get("candidates") or []:
+            cand = Candidate.from_dict(entry.get("candidate") or entry)
+            ranked.append(
+                Ranked(
+                    cand,
+                    entry.get("status", ""),
+                    entry.get("reason", ""),
+                    entry.get("verdict"),
+                    rows.get((cand, False)),
+                )
+            )
+        rec = data.get("recommendation")
+        lint = data.get("lint")
+        return cls(
+            workload=data.get("workload", ""),
+            description=data.get("description", ""),
+            device=data.get("device", ""),
+            recommendation=Recommendation.from_dict(rec) if rec else None,
+            ranked=ranked,
+            bench=bench,
+            check=CheckResult.from_dict(data["check"]) if data.get("check") else None,
+            lint=list(lint.get("findings") or []) if isinstance(lint, dict) else None,
+            budget_s=float(data.get("budget_s") or 0.0),
+            elapsed_s=float(data.get("elapsed_s") or 0.0),
+            env=data.get("env") or {},
+            created=data.get("created", ""),
+            notes=list(data.get("notes") or []),
+            exports=dict(data.get("exports") or {}),
+            command=data.get("command"),
+        )
