@@ -1,0 +1,186 @@
+"""FSDP2 (``fully_shard``) for a policy: its MixedPrecisionPolicy, the sharding plan, and the sharding."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from mixprec.distributed.common import (
+    check_prepared,
+    fsdp_api,
+    policy_island_names,
+    policy_spec,
+    require_initialized,
+)
+from mixprec.distributed.support import support
+from mixprec.errors import PolicyError, UnsupportedError, UsageError
+from mixprec.policy.policy import Policy
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+
+def fsdp_mp_policy(policy: Policy | str) -> MixedPrecisionPolicy:
+    """FSDP2's ``MixedPrecisionPolicy`` for ``policy`` (for the blocks and the root).
+
+    - fp32 / tf32 / bf32: ``param_dtype=fp32, reduce_dtype=fp32``.
+    - *-mixed: ``param_dtype`` = the compute dtype (bf16/fp16) for the all-gather and forward,
+      ``reduce_dtype=fp32`` so gradients are reduce-scattered in fp32 into the fp32 sharded
+      master params; ``output_dtype=None``: outputs keep the dtype they have under single-device
+      autocast, and ``policy.autocast()`` must still wrap forward and loss so autocast's fp32 ops
+      (softmax, norms, losses) run in fp32 as on one device.
+    - *-true: ``param_dtype`` = the half dtype, which equals the dtype ``policy.prepare()`` gave
+      the model, so FSDP2 stores the sharded params (and steps them) in half: no fp32 master
+      weights, as the policy says; ``reduce_dtype=fp32`` sums the ranks' gradients in fp32 (no
+      fp16 overflow of scaled sums, one rounding) before they are cast back to half.
+
+    ``cast_forward_inputs=True`` throughout. fp32 islands get ``MixedPrecisionPolicy(fp32, fp32)``
+    from :func:`shard_model`.
+    """
+    _, MixedPrecisionPolicy, _ = fsdp_api()
+    spec = policy_spec(policy)
+    low = spec.low_precision_dtype
+    if low is None:
+        return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=None)
+
+
+def _fp32_mp_policy() -> MixedPrecisionPolicy:
+    _, MixedPrecisionPolicy, _ = fsdp_api()
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+
+
+def find_blocks(model: nn.Module, block_types: Sequence[type[nn.Module]] | None = None) -> list[str]:
+    """Names of the modules :func:`shard_model` shards one by one (the root excluded).
+
+    With ``block_types``: every submodule that is an instance of one of them. Without: the
+    children (with parameters) of the ``nn.ModuleList`` / ``nn.Sequential`` holding the most
+    parameters, e.g. the transformer layers. Empty when the model has no such container.
+    """
+    named = dict(model.named_modules())
+    if block_types is not None:
+        types = tuple(block_types)
+        if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+            raise PolicyError(f"block_types must be nn.Module subclasses, got {block_types!r}.")
+        found = [n for n, m in named.items() if n and isinstance(m, types)]
+        if not found:
+            present = sorted({type(m).__name__ for m in named.values()})
+            raise PolicyError(
+                f"No module of {type(model).__name__} is a {' or '.join(t.__name__ for t in types)}; "
+                f"module types present: {', '.join(present[:12])}."
+            )
+        return found
+
+    def n_params(m: nn.Module) -> int:
+        return sum(p.numel() for p in m.parameters())
+
+    containers = [(n, m) for n, m in named.items() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+    containers = [(n, m) for n, m in containers if n_params(m) > 0]
+    if not containers:
+        return []
+    # Most parameters wins; on a tie the outermost (first in module order) does.
+    best_name, best = max(containers, key=lambda item: n_params(item[1]))
+    prefix = f"{best_name}." if best_name else ""
+    return [f"{prefix}{child}" for child, m in best.named_children() if n_params(m) > 0]
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """One ``fully_shard`` call of :func:`shard_model`: the module (``""`` = root) and its policy."""
+
+    name: str
+    mp_policy: MixedPrecisionPolicy
+    role: str  # "block", "keep_fp32", "block in keep_fp32" or "root"
+
+
+def sharding_plan(
+    model: nn.Module, policy: Policy, *, block_types: Sequence[type[nn.Module]] | None = None
+) -> list[ShardGroup]:
+    """The ``fully_shard`` calls :func:`shard_model` makes, in order (bottom-up, root last).
+
+    Pure: needs no process group. keep_fp32 modules with parameters get an fp32
+    MixedPrecisionPolicy of their own (else the enclosing group would all-gather their params
+    in the low-precision dtype); blocks inside a keep_fp32 module get it too.
+    """
+    if not isinstance(model, nn.Module):
+        raise PolicyError(f"sharding_plan takes a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(policy, Policy):
+        raise PolicyError(f"sharding_plan takes a mixprec Policy, got {type(policy).__name__}.")
+    islands = policy_island_names(model, policy)
+    blocks = find_blocks(model, block_types)
+
+    def in_island(name: str) -> bool:
+        return any(name == i or name.startswith(i + ".") for i in islands)
+
+    candidates: dict[str, str] = {}
+    for name in blocks:
+        candidates[name] = "block in keep_fp32" if in_island(name) else "block"
+    for name in islands:
+        candidates.setdefault(name, "keep_fp32")
+    # Bottom-up: deepest first, so each call only takes the params no deeper group took.
+    order = sorted(candidates, key=lambda n: -n.count("."))
+    claimed: set[int] = set()
+    plan: list[ShardGroup] = []
+    low_policy, fp32_policy = fsdp_mp_policy(policy), _fp32_mp_policy()
+    for name in order:
+        params = {id(p) for p in model.get_submodule(name).parameters()} - claimed
+        if not params:
+            continue
+        claimed |= params
+        role = candidates[name]
+        plan.append(ShardGroup(name, low_policy if role == "block" else fp32_policy, role))
+    plan.append(ShardGroup("", low_policy, "root"))
+    return plan
+
+
+def shard_model(
+    model: nn.Module,
+    policy: Policy,
+    *,
+    block_types: Sequence[type[nn.Module]] | None = None,
+    mesh: DeviceMesh | None = None,
+) -> nn.Module:
+    """Apply FSDP2 ``fully_shard`` block by block with ``policy``'s mixed precision; returns ``model``.
+
+    Call ``policy.prepare(model)`` first. Each block (see :func:`find_blocks`) is sharded with
+    :func:`fsdp_mp_policy`, each keep_fp32 module with an fp32 policy of its own, then the root.
+    ``mesh`` defaults to a 1-D mesh over the world on the policy's device type. Keep the usual
+    loop: ``policy.autocast()``, ``policy.backward()``, ``policy.step()``; the policy's scaler
+    works on the sharded DTensor gradients and every rank skips the same steps.
+    """
+    import torch.distributed as dist
+
+    if not isinstance(policy, Policy):
+        raise PolicyError(f"shard_model takes a mixprec Policy, got {type(policy).__name__}.")
+    fully_shard, _, FSDPModule = fsdp_api()
+    if isinstance(model, FSDPModule):
+        raise PolicyError("The model is already sharded with fully_shard; shard it once.")
+    check_prepared(model, policy, "shard_model", check_device=False)
+    require_initialized("shard_model")
+    verdict = support(policy, "fsdp2", str(dist.get_backend()))
+    if not verdict:
+        hint = f"; try {verdict.suggestion}" if verdict.suggestion else ""
+        raise UnsupportedError(f"Policy {policy.name!r} under FSDP2: {verdict.reason}{hint}.")
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if policy.device.type == "cuda":
+            current = torch.cuda.current_device()
+            if policy.device.index is not None and policy.device.index != current:
+                raise UsageError(
+                    f"The policy's device is {policy.device} but the current CUDA device is cuda:{current}; "
+                    "call torch.cuda.set_device(local_rank) before shard_model (FSDP2 shards onto it)."
+                )
+        mesh = init_device_mesh(policy.device.type, (dist.get_world_size(),))
+    for group in sharding_plan(model, policy, block_types=block_types):
+        module = model.get_submodule(group.name) if group.name else model
+        fully_shard(module, mesh=mesh, mp_policy=group.mp_policy)
+    # fully_shard replaced the parameters with DTensor ones: let the policy name them in
+    # stats.last_nonfinite_params again (it keys names by parameter identity).
+    policy.refresh_param_names(model)
+    return model
