@@ -22,7 +22,7 @@ import torchvision
 from torch import nn
 
 import mixprec
-from mixprec.environment import collect
+from mixprec.hardware.environment import collect
 
 
 def plain_loop(image_size: int, batch_size: int, steps: int, warmup: int, bf16_channels_last: bool) -> float:

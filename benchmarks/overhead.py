@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils import benchmark
 
 import mixprec
-import mixprec.environment
+import mixprec.hardware.environment
 
 
 def make_model() -> nn.Module:
@@ -109,7 +109,7 @@ def main() -> None:
             f"ms/step, median ratio mixprec/plain = {r['median_ratio']:.4f}"
         )
     if args.json:
-        env = mixprec.environment.collect(args.device, full=True)
+        env = mixprec.hardware.environment.collect(args.device, full=True)
         command = "python benchmarks/overhead.py " + " ".join(sys.argv[1:])
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import mixprec
-import mixprec.environment
+import mixprec.hardware.environment
 from mixprec.measure.results import BenchRow
 from mixprec.report.format import fmt_bytes
 from mixprec.report.jsonio import write_json
@@ -132,7 +132,7 @@ def main() -> int:
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / slug
     out.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/seed_table.py " + " ".join(sys.argv[1:])
-    env = mixprec.environment.collect(args.device, full=True)
+    env = mixprec.hardware.environment.collect(args.device, full=True)
     system = env.get("system", {})
     meta = {
         "command": f"`{command}`",

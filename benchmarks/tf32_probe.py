@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils import benchmark
 
 import mixprec
-import mixprec.environment
+import mixprec.hardware.environment
 from mixprec import state
 
 
@@ -106,7 +106,7 @@ def main() -> int:
         )
     if args.json:
         command = "python benchmarks/tf32_probe.py " + " ".join(sys.argv[1:])
-        env = mixprec.environment.collect(args.device, full=True)
+        env = mixprec.hardware.environment.collect(args.device, full=True)
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(
                 {"benchmark": "tf32_probe", "command": command, "env": env, "results": results}, f, indent=2

@@ -95,8 +95,8 @@ print(json.dumps({
     "supported": bool(mixprec.check_support("tf32", info)),
     "reason": mixprec.check_support("tf32", info).reason,
     "tf32_request_honoured": not torch.equal(strict, asked_tf32),
-    "env_reports": mixprec.environment.collect("cuda")["precision_state"]["NVIDIA_TF32_OVERRIDE"],
-    "effective_conv": mixprec.environment.collect("cuda")["precision_state"]["cudnn.conv"],
+    "env_reports": mixprec.hardware.environment.collect("cuda")["precision_state"]["NVIDIA_TF32_OVERRIDE"],
+    "effective_conv": mixprec.hardware.environment.collect("cuda")["precision_state"]["cudnn.conv"],
 }))
 """
 
@@ -104,7 +104,7 @@ print(json.dumps({
 def test_nvidia_tf32_override_zero_is_detected_and_really_forces_fp32():
     env = {**os.environ, "NVIDIA_TF32_OVERRIDE": "0"}
     out = subprocess.run(
-        [sys.executable, "-c", "import mixprec.environment\n" + _OVERRIDE_PROBE],
+        [sys.executable, "-c", "import mixprec.hardware.environment\n" + _OVERRIDE_PROBE],
         env=env,
         capture_output=True,
         text=True,

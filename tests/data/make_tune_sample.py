@@ -13,7 +13,7 @@ import datetime as dt
 from pathlib import Path
 
 import mixprec
-from mixprec import environment
+from mixprec.hardware import environment
 from mixprec.numerics.check import check
 from mixprec.report.jsonio import dumps
 

@@ -8,66 +8,20 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mixprec.cli.common import (
+    CPU_DEFAULTS,
+    CUDA_DEFAULTS,
+    add_workload_arguments,
+    positive_int,
+    sweep_progress,
+    workload_from_args,
+)
 from mixprec.errors import UsageError
 from mixprec.measure.results import write_csv
 from mixprec.measure.sweep import CHANNELS_LAST_CHOICES, bench
 from mixprec.report.bench import bench_table, plot, write_markdown
 from mixprec.report.jsonio import write_json
-from mixprec.workload.loader import load_workload
-from mixprec.workload.zoo import ZOO_NAMES
-
-# Sized so the default sweep (resnet50, every CPU policy, both layouts) ends in about two
-# minutes on a 2-core CPU, at a size where compute (not per-op overhead) dominates so the
-# ranking means something; on CUDA the seed's setup: 224 px and a batch that fills the GPU.
-CPU_DEFAULTS = {"image_size": 128, "batch_size": 16, "steps": 4, "warmup": 1, "min_time": 1.0}
-CUDA_DEFAULTS = {"image_size": 224, "batch_size": 256, "steps": 20, "warmup": 5, "min_time": 2.0}
-
-
-def sweep_progress(console: Console) -> Progress:
-    """The progress bar (on stderr) of the commands that measure candidates one by one."""
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    )
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    """--model / --workload and the size options, shared by the commands that train a workload."""
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--model", help=f"built-in model: {', '.join(ZOO_NAMES)} (default: resnet50)")
-    group.add_argument("--workload", help="your factory: path/to/file.py:function or package.module:function")
-    p.add_argument("--image-size", type=positive_int, help="image side for CNN models")
-    p.add_argument("--seq-len", type=positive_int, help="sequence length for the language model")
-    p.add_argument("--batch-size", type=positive_int)
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
-
-
-def workload_from_args(args: argparse.Namespace, defaults: dict[str, int]) -> Any:
-    sizes = {}
-    target = args.workload or args.model or "resnet50"
-    if args.image_size:
-        sizes["image_size"] = args.image_size
-    elif target == "resnet50" and not args.workload and "image_size" in defaults:
-        sizes["image_size"] = defaults["image_size"]
-    if args.seq_len:
-        sizes["seq_len"] = args.seq_len
-    return load_workload(target, **sizes)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

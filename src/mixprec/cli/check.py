@@ -6,9 +6,9 @@ import argparse
 
 from rich.console import Console
 
-from mixprec.cli.bench import add_workload_arguments, positive_int, workload_from_args
-from mixprec.environment import collect
+from mixprec.cli.common import add_workload_arguments, positive_int, workload_from_args
 from mixprec.errors import UsageError
+from mixprec.hardware.environment import collect
 from mixprec.numerics.check import check
 from mixprec.policy.candidate import EMULATABLE
 from mixprec.report.check import check_report, plot

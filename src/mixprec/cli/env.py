@@ -6,7 +6,8 @@ import argparse
 
 from rich.console import Console
 
-from mixprec import environment
+from mixprec.hardware import detect, environment
+from mixprec.policy.support import support_table
 from mixprec.report.console import env_report
 from mixprec.report.jsonio import write_json
 
@@ -20,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     env = environment.collect(args.device, full=True)
-    policies = environment.policy_support_table(args.device)
+    policies = support_table(detect(args.device))
     out.print(env_report(env, policies))
     if args.json:
         path = write_json(args.json, "env", env, {"policies": policies})

@@ -7,9 +7,9 @@ from typing import Any
 
 from rich.console import Console
 
-from mixprec import environment
-from mixprec.cli.bench import add_workload_arguments, positive_int, sweep_progress, workload_from_args
+from mixprec.cli.common import add_workload_arguments, positive_int, sweep_progress, workload_from_args
 from mixprec.errors import UsageError
+from mixprec.hardware import environment
 from mixprec.linting import TARGETS, measure_findings, parse_rule_ids, run_lint
 from mixprec.report.jsonio import write_json
 from mixprec.report.lint import lint_report, rules_table

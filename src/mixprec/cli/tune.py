@@ -14,7 +14,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from mixprec.cli.bench import (
+from mixprec.cli.common import (
     CPU_DEFAULTS,
     CUDA_DEFAULTS,
     add_workload_arguments,

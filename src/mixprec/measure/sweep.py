@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from mixprec import environment
 from mixprec.errors import PolicyError, UsageError
+from mixprec.hardware import environment
 from mixprec.hardware.device import DeviceInfo, detect, resolve_device
 from mixprec.hardware.peaks import peak_flops
 from mixprec.measure.isolate import run_isolated

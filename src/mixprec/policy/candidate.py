@@ -40,7 +40,8 @@ class Candidate:
             keep = (keep,)
         if not isinstance(keep, (tuple, list)) or not all(isinstance(p, str) and p for p in keep):
             raise PolicyError(
-                f"keep_fp32 must be a list of module-name patterns (strings), got {self.keep_fp32!r}."
+                f"keep_fp32 must be module-name glob patterns, got {self.keep_fp32!r}; valid: a string or a "
+                "list of strings, e.g. keep_fp32=['head']."
             )
         object.__setattr__(self, "keep_fp32", tuple(keep))
         if not isinstance(self.channels_last, bool):

@@ -129,3 +129,20 @@ def starting_policy(info: DeviceInfo) -> str:
         if support and support.native:
             return name
     return "fp32"
+
+
+def support_table(info: DeviceInfo) -> list[dict[str, object]]:
+    """One row per policy: supported, native, reason, suggestion, on the device ``info`` describes."""
+    from mixprec.policy.registry import POLICY_NAMES
+
+    return [
+        {
+            "policy": name,
+            "supported": s.supported,
+            "native": s.native,
+            "reason": s.reason,
+            "suggestion": s.suggestion,
+        }
+        for name in POLICY_NAMES
+        for s in (check_support(name, info),)
+    ]

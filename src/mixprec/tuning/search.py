@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from mixprec import environment
 from mixprec.errors import UsageError
+from mixprec.hardware import environment
 from mixprec.hardware.device import DeviceInfo, detect, resolve_device
 from mixprec.measure.results import BenchResult, BenchRow
 from mixprec.measure.sweep import bench, has_4d_weights

@@ -10,10 +10,6 @@ import torch
 
 from mixprec import state
 from mixprec.hardware.device import detect
-from mixprec.policy.registry import POLICY_NAMES
-from mixprec.policy.support import check_support
-
-SCHEMA_VERSION = 1
 
 
 def _collect_env_fields() -> dict[str, Any]:
@@ -54,20 +50,3 @@ def collect(device: str | torch.device | None = None, *, full: bool = False) -> 
     if full:
         env["system"] = _collect_env_fields()
     return env
-
-
-def policy_support_table(device: str | torch.device | None = None) -> list[dict[str, Any]]:
-    """One row per policy: supported, reason, suggestion, on ``device``."""
-    info = detect(device)
-    rows = []
-    for name in POLICY_NAMES:
-        support = check_support(name, info)
-        rows.append(
-            {
-                "policy": name,
-                "supported": support.supported,
-                "reason": support.reason,
-                "suggestion": support.suggestion,
-            }
-        )
-    return rows
