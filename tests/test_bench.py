@@ -85,6 +85,7 @@ def _by_label(result):
     return {r.label: r for r in result.rows}
 
 
+@pytest.mark.slow
 def test_every_candidate_gets_a_row_and_unsupported_rows_say_why():
     w = load_workload("mlp")
     result = bench(w, policies="all", channels_last="both", steps=2, warmup=1, isolate=False, device="cpu")
@@ -136,6 +137,7 @@ def test_failing_candidate_does_not_stop_the_sweep(factory_file):
     assert labels["bf16-mixed"].status == "ok"  # measured after the failure
 
 
+@pytest.mark.slow
 def test_failing_candidate_in_child_process(factory_file):
     w = load_workload(f"{factory_file}:fails_under_fp16")
     result = bench(
@@ -155,6 +157,7 @@ def test_failing_candidate_in_child_process(factory_file):
     assert "isolated" in labels["fp32"].memory_method
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isolate", [False, True])
 def test_hopeless_candidate_is_pruned_with_its_figure(factory_file, isolate):
     w = load_workload(f"{factory_file}:slow_under_fp16")
@@ -309,6 +312,7 @@ def test_bad_bench_arguments():
         bench(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_cli_bench_writes_every_file(tmp_path, capsys):
     out = tmp_path / "out"
     code = main(
@@ -354,6 +358,7 @@ def test_cli_usage_errors(capsys):
     assert main(["bench", "--model", "mlp", "--policies", "tf32", "--device", "tpu"]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_data_parallel_sweep_on_two_gloo_ranks(tmp_path):
     w = load_workload("mlp")

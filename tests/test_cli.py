@@ -73,6 +73,7 @@ def test_debug_shows_the_traceback():
         main(["--debug", "demo", "--policy", "bf16-mix"])
 
 
+@pytest.mark.slow
 def test_console_script_entry_point_runs():
     proc = subprocess.run(
         [sys.executable, "-m", "mixprec", "demo", "--policy", "nope"],

@@ -237,6 +237,7 @@ def _ddp_worker(rank: int, world: int, out: Path) -> dict:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ddp_two_ranks_gloo(tmp_path, monkeypatch):
     r0, r1 = _spawn(_ddp_worker, tmp_path, monkeypatch)
@@ -363,6 +364,7 @@ def _fsdp_worker(rank: int, world: int, out: Path) -> dict:
 _FSDP_CASES = (("bf16-mixed", {"finite_check": True}), ("fp16-mixed", FP16_OPTS))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fsdp2_two_ranks_gloo(tmp_path, monkeypatch):
     r0, r1 = _spawn(_fsdp_worker, tmp_path, monkeypatch)

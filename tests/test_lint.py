@@ -604,6 +604,7 @@ def test_cli_list_rules(cli, capsys):
     assert all(rule_id in out for rule_id in RULES)
 
 
+@pytest.mark.slow
 def test_cli_measure_end_to_end(cli, tiny, capsys):
     code = cli(["lint", "--workload", f"{tiny}:workload", "--target", "cuda", "--measure", "--steps", "1"])
     assert code == 0

@@ -150,6 +150,7 @@ def test_memory_saved_and_tf32_speedup():
     assert rec.memory_saved_bytes == 2000 and rec.speedup_vs_tf32 == pytest.approx(2.0)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("single_thread")
 def test_tune_end_to_end_on_the_tiny_mlp(tmp_path):
     result = tune(
@@ -180,6 +181,7 @@ def test_tune_end_to_end_on_the_tiny_mlp(tmp_path):
     json.dumps(data)  # serialisable
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("single_thread")
 def test_autotune_caches_its_decision(tmp_path, monkeypatch):
     calls = []
