@@ -28,9 +28,9 @@ def run_demo(policy: Policy, steps: int = 20, batch_size: int = 64, seed: int = 
     """Train a 3-layer MLP on a fixed synthetic regression task for ``steps`` steps."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
+    net = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
     teacher = torch.randn(64, 8, generator=gen)
-    model = policy.prepare(model)
+    model = policy.prepare(net)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     result = DemoResult(policy=policy.config.label, device=str(policy.device), steps=steps)
     start = time.perf_counter()

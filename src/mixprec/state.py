@@ -46,7 +46,12 @@ class PrecisionSettings:
 
     def per_knob(self) -> dict[tuple[str, str], str]:
         wanted = {"cuda": self.cuda_matmul, "cudnn": self.cudnn, "mkldnn": self.mkldnn}
-        return {knob: wanted[knob[0]] for knob in PRECISION_KNOBS if wanted[knob[0]] is not None}
+        return {knob: value for knob in PRECISION_KNOBS if (value := wanted[knob[0]]) is not None}
+
+
+# torch.backends as an untyped module: fp32_precision and its per-backend knobs (torch >= 2.9) are
+# set at run time, so type checkers do not know them.
+_backends: Any = torch.backends
 
 
 def _knob(backend: str, op: str) -> Any:
@@ -90,7 +95,7 @@ def snapshot() -> dict[str, object]:
         snap: dict[str, object] = {
             f"{backend}.{op}": _knob(backend, op).fp32_precision for backend, op in PRECISION_KNOBS
         }
-        snap["generic"] = torch.backends.fp32_precision
+        snap["generic"] = _backends.fp32_precision
     else:
         snap = _legacy_snapshot()
     snap["cudnn.benchmark"] = torch.backends.cudnn.benchmark
@@ -103,7 +108,7 @@ def restore(snap: dict[str, object]) -> None:
     if has_fp32_precision_api():
         for backend, op in PRECISION_KNOBS:
             _knob(backend, op).fp32_precision = snap[f"{backend}.{op}"]
-        torch.backends.fp32_precision = snap["generic"]
+        _backends.fp32_precision = snap["generic"]
     else:
         _legacy_apply(snap)
     torch.backends.cudnn.benchmark = bool(snap["cudnn.benchmark"])
@@ -150,7 +155,7 @@ def effective_state() -> dict[str, object]:
     """The fp32 math mode each library will use now, read through the API in use, for reports."""
     state: dict[str, object] = {"api": "fp32_precision" if has_fp32_precision_api() else "legacy"}
     if has_fp32_precision_api():
-        generic = torch.backends.fp32_precision
+        generic = _backends.fp32_precision
         for backend, op in PRECISION_KNOBS:
             value = _knob(backend, op).fp32_precision
             # "none" means "inherit": from the backend-wide value, then from the generic one.

@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from rich.console import Console
 
@@ -21,7 +22,7 @@ SUBCOMMANDS = (env, demo, bench, check, lint, tune)
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's usage errors: one line, exit 2
+    def error(self, message: str) -> NoReturn:  # argparse's usage errors: one line, exit 2
         self.exit(2, f"mixprec: error: {message} (see `{self.prog} --help`)\n")
 
 

@@ -14,8 +14,14 @@ from mixprec.workload.zoo import ZOO_NAMES
 # Sized so the default sweep (resnet50, every CPU policy, both layouts) ends in about two
 # minutes on a 2-core CPU, at a size where compute (not per-op overhead) dominates so the
 # ranking means something; on CUDA the seed's setup: 224 px and a batch that fills the GPU.
-CPU_DEFAULTS = {"image_size": 128, "batch_size": 16, "steps": 4, "warmup": 1, "min_time": 1.0}
-CUDA_DEFAULTS = {"image_size": 224, "batch_size": 256, "steps": 20, "warmup": 5, "min_time": 2.0}
+CPU_DEFAULTS: dict[str, Any] = {"image_size": 128, "batch_size": 16, "steps": 4, "warmup": 1, "min_time": 1.0}
+CUDA_DEFAULTS: dict[str, Any] = {
+    "image_size": 224,
+    "batch_size": 256,
+    "steps": 20,
+    "warmup": 5,
+    "min_time": 2.0,
+}
 
 
 def sweep_progress(console: Console) -> Progress:
@@ -51,7 +57,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
 
 
-def workload_from_args(args: argparse.Namespace, defaults: dict[str, int]) -> Any:
+def workload_from_args(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
     sizes = {}
     target = args.workload or args.model or "resnet50"
     if args.image_size:

@@ -103,7 +103,7 @@ def run_data_parallel(
         ranks, errors = [], []
         for r in range(nproc):
             path = Path(tmp) / f"rank{r}.json"
-            data = (
+            data: dict[str, Any] = (
                 json.loads(path.read_text(encoding="utf-8"))
                 if path.exists()
                 else {"ok": False, "error": "no result"}

@@ -6,6 +6,7 @@ import contextlib
 import resource
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -18,7 +19,9 @@ def main_module_hidden() -> Iterator[None]:
     ``__main__.__spec__`` / ``__file__`` while ``Process.start()`` runs, so hide them just then.
     """
     main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if main is not None and k in main.__dict__}
+    saved: dict[str, Any] = {
+        k: main.__dict__[k] for k in ("__spec__", "__file__") if main is not None and k in main.__dict__
+    }
     try:
         if main is not None:
             main.__dict__.pop("__file__", None)

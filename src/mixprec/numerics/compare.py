@@ -185,7 +185,9 @@ def run_trajectory(
 _STALL_STEPS = 2
 
 
-def _count_stalls(traj: Trajectory, before: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+def _count_stalls(
+    traj: Trajectory, before: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+) -> None:
     """Weights with a non-zero gradient that the optimizer step left bit-identical: the update
     was smaller than half an ulp of the weight (bf16(1.0) - bf16(1e-3) == 1.0). Without fp32
     master weights such updates are lost for good."""
@@ -262,7 +264,7 @@ def compare(reference: Trajectory, candidate: Trajectory) -> Comparison:
     out_sqnr = None
     ref_out, cand_out = reference.first_output, candidate.first_output
     if ref_out is not None and cand_out is not None and ref_out.shape == cand_out.shape:
-        out_sqnr = sqnr_db(reference.first_output, candidate.first_output)
+        out_sqnr = sqnr_db(ref_out, cand_out)
     grads = {
         name: sqnr_db(g, candidate.first_grads[name])
         for name, g in reference.first_grads.items()

@@ -340,15 +340,14 @@ class Policy:
         """Per optimizer: a device tensor (or False) telling whether its gradients are non-finite.
 
         With a scaler this is ``unscale_`` (the gradients are unscaled in place for clipping)."""
+        found: list[torch.Tensor | bool] = []
         if self._scaler is not None:
-            found = []
             for o in opts:
                 self._scaler.unscale_(o)
                 found.append(self._scaler.found_inf(o))
             return found
         if not self.config.finite_check:
             return [False] * len(opts)
-        found = []
         for o in opts:
             flag = torch.zeros((), dtype=torch.float32, device=self.device)
             opt_params = [p for g in o.param_groups for p in g["params"]]

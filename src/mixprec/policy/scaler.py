@@ -12,6 +12,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -138,14 +139,14 @@ class StepStats:
             "scale_history": self.scale_history,
         }
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        self.steps = int(state["steps"])  # type: ignore[arg-type]
-        self.skipped_steps = int(state["skipped_steps"])  # type: ignore[arg-type]
-        self.last_skipped_step = state["last_skipped_step"]  # type: ignore[assignment]
-        self.last_nonfinite_params = list(state["last_nonfinite_params"])  # type: ignore[call-overload]
-        self.skips_at_min_scale = int(state["skips_at_min_scale"])  # type: ignore[arg-type]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.last_skipped_step = state["last_skipped_step"]
+        self.last_nonfinite_params = list(state["last_nonfinite_params"])
+        self.skips_at_min_scale = int(state["skips_at_min_scale"])
         self._scale_history.clear()
-        for step, scale in state["scale_history"]:  # type: ignore[attr-defined]
+        for step, scale in state["scale_history"]:
             self._scale_history.append((int(step), torch.tensor(float(scale))))
 
 

@@ -172,9 +172,9 @@ def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
     ranked = sorted((h, i) for i, h in enumerate(fwd) if math.isfinite(h))[:3]
     for h, i in ranked:
         ax_head.annotate(layers[i]["layer"], (i, h), fontsize=7, xytext=(4, 4), textcoords="offset points")
-    finite = [h for h in fwd + bwd if math.isfinite(h)]
-    if finite:
-        ax_head.set_ylim(min(-4.0, min(finite) - 2), max(finite) + 4)
+    shown = [h for h in fwd + bwd if math.isfinite(h)]
+    if shown:
+        ax_head.set_ylim(min(-4.0, min(shown) - 2), max(shown) + 4)
     bf16 = [h for layer in layers for h in (layer["forward_headroom_bits"].get("bf16"),) if h is not None]
     bf16_note = f"; bf16 keeps >= {min(bf16):.0f} bits everywhere" if bf16 else ""
     ax_head.set_title(f"fp16 headroom per layer in the fp32 reference: log2(65504 / max |value|){bf16_note}")

@@ -86,7 +86,7 @@ def tune(
     dev = resolve_device(device)
     info = detect(dev)
     notes: list[str] = []
-    sweep = dict(batch_size=batch_size, steps=steps, warmup=warmup, device=dev)
+    sweep: dict[str, Any] = dict(batch_size=batch_size, steps=steps, warmup=warmup, device=dev)
 
     def on_bench(event: dict[str, Any]) -> None:
         if event["event"] == "candidate":
@@ -208,7 +208,9 @@ def _measure_rescue(
         return {}
     for row in added:
         result.add(row)
-    metrics = {k: v for k, v in verdict.fix_metrics.items() if k in CandidateCheck.__dataclass_fields__}
+    metrics: dict[str, Any] = {
+        k: v for k, v in verdict.fix_metrics.items() if k in CandidateCheck.__dataclass_fields__
+    }
     fixed = replace(
         verdict, **metrics, candidate=rescued[0].numerics, verdict=Status.PASS, reason=verdict.fix_note
     )

@@ -12,7 +12,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -119,7 +119,7 @@ class GPT(nn.Module):
             }
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # weight tying, as GPT-2
+        self.lm_head.weight = cast(nn.Embedding, self.transformer["wte"]).weight  # weight tying, as GPT-2
         self.apply(self._init_weights)
         residual_std = 0.02 / math.sqrt(2 * config.n_layer)
         for name, p in self.named_parameters():
@@ -143,10 +143,11 @@ class GPT(nn.Module):
                 "use a shorter seq_len or build the model with a larger block_size."
             )
         pos = torch.arange(t, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
+        parts = self.transformer
+        x = parts["drop"](parts["wte"](idx) + parts["wpe"](pos))
+        for block in cast(nn.ModuleList, parts["h"]):
             x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))
+        return self.lm_head(parts["ln_f"](x))
 
 
 # --------------------------------------------------------------------------------------------------
