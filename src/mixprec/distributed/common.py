@@ -71,7 +71,7 @@ def fsdp_api():
     try:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch 2.4 / 2.5
-        from torch.distributed._composable.fsdp import (  # type: ignore[no-redef]
+        from torch.distributed._composable.fsdp import (
             FSDPModule,
             MixedPrecisionPolicy,
             fully_shard,

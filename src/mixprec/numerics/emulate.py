@@ -62,7 +62,7 @@ class _Round(torch.autograd.Function):
     """Forward: quantise to ``fwd_fmt`` (None: copy). Backward: quantise the gradient to ``bwd_fmt``."""
 
     @staticmethod
-    def forward(ctx, x, fwd_fmt, bwd_fmt, scaled):  # type: ignore[override]
+    def forward(ctx, x, fwd_fmt, bwd_fmt, scaled):
         ctx.bwd_fmt = bwd_fmt
         ctx.scaled = scaled
         ctx.in_dtype = x.dtype
@@ -71,7 +71,7 @@ class _Round(torch.autograd.Function):
         return _quantize(x, fwd_fmt, scaled)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         if ctx.bwd_fmt is not None and grad is not None:
             grad = _quantize(grad, ctx.bwd_fmt, ctx.scaled)
         return (grad.to(ctx.in_dtype) if grad is not None else None), None, None, None

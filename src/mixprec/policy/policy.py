@@ -229,7 +229,7 @@ class Policy:
                 out = forward(*_cast_floating(args, torch.float32), **_cast_floating(kwargs, torch.float32))
             return _cast_floating(out, back_to) if back_to is not None else out
 
-        module.forward = fp32_forward  # type: ignore[method-assign]
+        module.forward = fp32_forward
         module._mixprec_fp32_island = True  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ contexts

@@ -73,7 +73,7 @@ class _GradScaler(torch.amp.GradScaler):
         )
         self._allow_fp16_grads = allow_fp16_grads
 
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[override]
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self._allow_fp16_grads)
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
