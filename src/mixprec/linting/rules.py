@@ -18,29 +18,19 @@ not apply and report nothing (the report says so).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any
+from collections.abc import Iterator
+from functools import partial
 
 import torch
 from torch import nn
 
-from mixprec.hardware.device import DeviceInfo
-from mixprec.linting.trace import ATTENTION, COMPUTE_TYPES, FunctionCall, ModuleRecord, Trace
-from mixprec.policy import Policy, check_support
-from mixprec.policy.policy import is_fp32_island
-from mixprec.workload import Workload
+from mixprec.linting.context import LintContext
+from mixprec.linting.model import SEVERITIES, Finding, MeasuredGain, Remedy, Rule, define_rule
+from mixprec.linting.trace import ATTENTION, FunctionCall, ModuleRecord
+from mixprec.policy import check_support
 
-SEVERITIES: tuple[str, ...] = ("info", "warning", "error")
-SEVERITY_RANK = {name: i for i, name in enumerate(SEVERITIES)}
-
-# A layer doing at least this share of the model's matmul/conv FLOPs is worth a warning.
-WARNING_SHARE = 0.01
 # A classifier head with fewer outputs than this is the data's choice and tiny: not reported.
 SMALL_HEAD = 64
-# The image stem: the first convolution, when it takes at most this many channels.
-STEM_CHANNELS = 4
 VOCAB_MULTIPLE = 64
 MIN_CONV_CHANNELS = 32
 # cuDNN >= 8.3 fast grouped-convolution widths (channels per group), from seed 002.
@@ -67,7 +57,6 @@ _ACTIVATION_SUBSTITUTES = {
     "hardshrink": "relu",
     "threshold": "relu",
 }
-_ALIGNMENT = {"fp16": 8, "bf16": 8, "tf32": 4, "fp8": 16}
 _FP16_TINY = 2.0**-24  # smallest fp16 subnormal: anything below rounds to 0
 _FP16_MIN_NORMAL = 2.0**-14
 
@@ -84,276 +73,13 @@ _MEASURE_NOTE = (
 
 
 # --------------------------------------------------------------------------------------------------
-# Findings
-
-
-@dataclass(frozen=True)
-class Remedy:
-    """A mechanical fix that --measure can build and time.
-
-    ``kind`` 'pad': zero-pad ``module``'s weight to ``in_to`` inputs and/or ``out_to``
-    outputs, pad its input with zeros and slice its output back (the original outputs are
-    unchanged). ``kind`` 'layout': run the model with ``channels_last`` on or off.
-    """
-
-    kind: str
-    module: str | None = None
-    in_to: int | None = None
-    out_to: int | None = None
-    channels_last: bool | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if v is not None}
-
-
-@dataclass
-class MeasuredGain:
-    """Before/after timings of a mechanical fix (median milliseconds, forward + backward)."""
-
-    layer_before_ms: float | None = None
-    layer_after_ms: float | None = None
-    step_before_ms: float | None = None
-    step_after_ms: float | None = None
-    layers: tuple[str, ...] = ()  # the layers timed for the layer figures
-    device: str = ""
-    note: str = ""
-
-    @staticmethod
-    def _gain(before: float | None, after: float | None) -> float | None:
-        if before is None or after is None or before <= 0:
-            return None
-        return (before - after) / before * 100.0
-
-    @property
-    def layer_gain_pct(self) -> float | None:
-        return self._gain(self.layer_before_ms, self.layer_after_ms)
-
-    @property
-    def step_gain_pct(self) -> float | None:
-        return self._gain(self.step_before_ms, self.step_after_ms)
-
-    @property
-    def gain_pct(self) -> float | None:
-        """The step's gain when the step was timed, else the layer's: positive means faster."""
-        step = self.step_gain_pct
-        return step if step is not None else self.layer_gain_pct
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "layer_before_ms": self.layer_before_ms,
-            "layer_after_ms": self.layer_after_ms,
-            "layer_gain_pct": self.layer_gain_pct,
-            "step_before_ms": self.step_before_ms,
-            "step_after_ms": self.step_after_ms,
-            "step_gain_pct": self.step_gain_pct,
-            "gain_pct": self.gain_pct,
-            "layers": list(self.layers),
-            "device": self.device,
-            "note": self.note,
-        }
-
-
-@dataclass
-class Finding:
-    """One problem at one place. ``module`` is a qualified module name, '' for the model's own
-    forward, or None when the finding is about the whole model/optimizer/policy."""
-
-    rule: str
-    name: str
-    severity: str
-    module: str | None
-    message: str  # what is wrong; the same text for the same problem in different layers
-    fix: str  # a concrete change
-    shape: str = ""  # the layer and the shapes it ran with
-    details: dict[str, Any] = field(default_factory=dict)
-    flops_share: float | None = None  # share of the model's matmul/conv FLOPs (forward)
-    suppressed: str | None = None  # why an unavoidable case is not reported
-    remedy: Remedy | None = None  # set when --measure can build the fix
-    measured: MeasuredGain | None = None
-    order: int = 0  # position in the forward pass, for a stable order
-
-    @property
-    def where(self) -> str:
-        """The module's name, '(model forward)', or '(scope)' for model-wide findings."""
-        if self.module is None:
-            return f"({self.details.get('scope', 'model')})"
-        return self.module or "(model forward)"
-
-    @property
-    def mechanical(self) -> bool:
-        return self.remedy is not None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "rule": self.rule,
-            "name": self.name,
-            "severity": self.severity,
-            "module": self.module,
-            "message": self.message,
-            "fix": self.fix,
-            "shape": self.shape,
-            "details": self.details,
-            "flops_share": self.flops_share,
-            "suppressed": self.suppressed,
-            "mechanical_fix": self.remedy.to_dict() if self.remedy else None,
-            "measured": self.measured.to_dict() if self.measured else None,
-        }
-
-
-# --------------------------------------------------------------------------------------------------
-# Context
-
-
-@dataclass
-class LintContext:
-    """Everything a rule may look at. Built by the runner; rules only read it."""
-
-    workload: Workload
-    policy: Policy
-    device: DeviceInfo  # the device the policy runs on
-    target: str  # 'cuda' or 'cpu': whose hardware the tensor-core rules judge
-    trace: Trace
-    batch_size: int
-    optimizer: torch.optim.Optimizer | None = None
-    grad_scalers: tuple[Any, ...] = ()
-
-    @cached_property
-    def dtype(self) -> str:
-        """What matmuls and convolutions compute in: fp16, bf16, tf32, bf32 or fp32."""
-        if self.policy.name == "tf32":
-            return "tf32"
-        if self.policy.name == "bf32":
-            return "bf32"
-        low = self.policy.spec.low_precision_dtype
-        if low == torch.float16:
-            return "fp16"
-        if low == torch.bfloat16:
-            return "bf16"
-        return "fp32"
-
-    @property
-    def alignment(self) -> int | None:
-        """Elements per 16 bytes for the tensor-core dtype; None when no tensor core runs."""
-        return _ALIGNMENT.get(self.dtype)
-
-    @property
-    def assumes(self) -> str:
-        a = self.alignment
-        if a is None:
-            return f"policy {self.policy.name}: no tensor cores"
-        return f"policy {self.policy.name}: {self.dtype} tensor cores want multiples of {a}"
-
-    def alignment_for(self, module: str) -> int | None:
-        """The alignment for a module: None inside a keep_fp32 island (it runs in fp32)."""
-        return None if is_fp32_island(module, self.policy.config.keep_fp32) else self.alignment
-
-    @property
-    def cuda_target(self) -> bool:
-        return self.target == "cuda"
-
-    @cached_property
-    def total_flops(self) -> int:
-        return self.trace.total_flops
-
-    def share(self, flops: int) -> float:
-        return flops / self.total_flops if self.total_flops else 0.0
-
-    def share_severity(self, share: float) -> str:
-        return "warning" if share >= WARNING_SHARE else "info"
-
-    @cached_property
-    def convs(self) -> list[ModuleRecord]:
-        return self.trace.of_type(*COMPUTE_TYPES[1:])
-
-    @cached_property
-    def linears(self) -> list[ModuleRecord]:
-        return self.trace.of_type(nn.Linear)
-
-    @cached_property
-    def stem(self) -> str | None:
-        """The first convolution, when it reads at most a handful of (image) channels."""
-        convs = self.convs
-        if convs and convs[0].module.in_channels <= STEM_CHANNELS:
-            return convs[0].name
-        return None
-
-    @cached_property
-    def head(self) -> str | None:
-        """The last matmul/conv layer, when its output has the model output's size."""
-        compute = [r for r in self.trace.modules.values() if r.calls and isinstance(r.module, COMPUTE_TYPES)]
-        out = self.trace.output
-        if not compute or out is None:
-            return None
-        last = max(compute, key=lambda r: r.order)
-        return last.name if last.output is not None and last.output.numel == out.numel else None
-
-    @cached_property
-    def vocab_projections(self) -> dict[str, tuple[str, ModuleRecord, bool]]:
-        """Linear name -> (embedding name, embedding record, tied) for language-model heads."""
-        found: dict[str, tuple[str, ModuleRecord, bool]] = {}
-        embeddings = [r for r in self.trace.modules.values() if isinstance(r.module, nn.Embedding)]
-        for emb in embeddings:
-            for lin in self.linears:
-                tied = lin.module.weight is emb.module.weight
-                if tied or lin.module.out_features == emb.module.num_embeddings:
-                    found.setdefault(lin.name, (emb.name, emb, tied))
-        return found
-
-
-# --------------------------------------------------------------------------------------------------
 # Rules
-
-
-Check = Callable[[LintContext], Iterable[Finding]]
-
-
-@dataclass(frozen=True)
-class Rule:
-    id: str
-    name: str
-    severity: str  # the most severe level this rule reports
-    summary: str
-    rationale: str
-    source: str
-    check: Check = field(repr=False, compare=False)
-    tensor_core: bool = False  # judged for NVIDIA tensor cores: info on a CPU target
-    mechanical: bool = False  # --measure can build and time the fix
-
-    def finding(self, severity: str, module: str | None, message: str, fix: str, **kw: Any) -> Finding:
-        return Finding(self.id, self.name, severity, module, message, fix, **kw)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "name": self.name,
-            "severity": self.severity,
-            "summary": self.summary,
-            "rationale": self.rationale,
-            "source": self.source,
-            "tensor_core": self.tensor_core,
-            "mechanical": self.mechanical,
-        }
 
 
 RULES: dict[str, Rule] = {}
 
 
-def _rule(
-    id: str,
-    name: str,
-    severity: str,
-    *,
-    summary: str,
-    rationale: str,
-    source: str,
-    tensor_core: bool = False,
-    mechanical: bool = False,
-) -> Callable[[Check], Check]:
-    def register(check: Check) -> Check:
-        RULES[id] = Rule(id, name, severity, summary, rationale, source, check, tensor_core, mechanical)
-        return check
-
-    return register
+_rule = partial(define_rule, RULES)
 
 
 def _up(n: int, multiple: int) -> int:
