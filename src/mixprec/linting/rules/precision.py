@@ -122,8 +122,23 @@ def _gradscaler_bf16(ctx: LintContext) -> Iterator[Finding]:
     )
 
 
-def _device_rule_applies(ctx: LintContext) -> bool:
-    return ctx.target == ctx.device.type
+def _emulated(
+    ctx: LintContext, rule: Rule, dtype: torch.dtype, native: bool, severity: str
+) -> Iterator[Finding]:
+    """MP304/MP305: the policy computes in ``dtype``, which the device lacks (``native`` False).
+
+    Judged against the device the policy runs on: nothing when lint's target is another one.
+    """
+    if ctx.policy.spec.low_precision_dtype != dtype or ctx.target != ctx.device.type or native:
+        return
+    support = check_support(ctx.policy.name, ctx.device)
+    yield rule.finding(
+        severity,
+        None,
+        f"{ctx.policy.name} on {ctx.device.name}: {support.reason}",
+        f"use {support.suggestion or 'fp32'} on this device",
+        details={"device": ctx.device.name, "capability": ctx.device.capability, "scope": "policy"},
+    )
 
 
 @_rule(
@@ -141,18 +156,8 @@ def _device_rule_applies(ctx: LintContext) -> bool:
     source="FIELD-NOTES ('bf16/AMP is slower than fp32'); kubeedge/ianvs#888",
 )
 def _bf16_not_native(ctx: LintContext) -> Iterator[Finding]:
-    if ctx.policy.spec.low_precision_dtype != torch.bfloat16 or not _device_rule_applies(ctx):
-        return
-    if ctx.device.native_bf16:
-        return
-    support = check_support(ctx.policy.name, ctx.device)
-    yield PRECISION_RULES["MP304"].finding(
-        "error" if ctx.device.type == "cuda" else "warning",
-        None,
-        f"{ctx.policy.name} on {ctx.device.name}: {support.reason}",
-        f"use {support.suggestion or 'fp32'} on this device",
-        details={"device": ctx.device.name, "capability": ctx.device.capability, "scope": "policy"},
-    )
+    severity = "error" if ctx.device.type == "cuda" else "warning"
+    return _emulated(ctx, PRECISION_RULES["MP304"], torch.bfloat16, ctx.device.native_bf16, severity)
 
 
 @_rule(
@@ -168,18 +173,7 @@ def _bf16_not_native(ctx: LintContext) -> Iterator[Finding]:
     source="FIELD-NOTES (fp16 autocast ~25x slower than fp32 on this CPU class)",
 )
 def _fp16_not_native(ctx: LintContext) -> Iterator[Finding]:
-    if ctx.policy.spec.low_precision_dtype != torch.float16 or not _device_rule_applies(ctx):
-        return
-    if ctx.device.native_fp16:
-        return
-    support = check_support(ctx.policy.name, ctx.device)
-    yield PRECISION_RULES["MP305"].finding(
-        "error",
-        None,
-        f"{ctx.policy.name} on {ctx.device.name}: {support.reason}",
-        f"use {support.suggestion or 'fp32'} on this device",
-        details={"device": ctx.device.name, "capability": ctx.device.capability, "scope": "policy"},
-    )
+    return _emulated(ctx, PRECISION_RULES["MP305"], torch.float16, ctx.device.native_fp16, "error")
 
 
 __all__ = ["PRECISION_RULES"]

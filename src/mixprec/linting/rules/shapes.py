@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 from mixprec.linting.context import LintContext
 from mixprec.linting.model import Finding, Remedy, Rule, define_rule
 from mixprec.linting.rules.text import CPU_NOTE, conv_desc, dims, layer_shape
-from mixprec.linting.trace import ATTENTION, FunctionCall
+from mixprec.linting.trace import ATTENTION, FunctionCall, ModuleRecord
 
 SHAPE_RULES: dict[str, Rule] = {}
 _rule = partial(define_rule, SHAPE_RULES)
@@ -38,8 +39,41 @@ def _up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _pad_parts(label: str, n: int, a: int, to: int | None = None) -> str:
-    return f"{label} {n} -> {to if to is not None else _up(n, a)}"
+def _pad_plan(
+    layer: str, label: str, sizes: tuple[int, int], to: tuple[int | None, int | None]
+) -> tuple[str, str, Remedy]:
+    """Padding ``layer``'s (in, out) ``sizes`` of ``label`` to ``to`` (None: that side stays):
+    what is off ('in_channels 30'), the padding ('in_channels 30 -> 32') and its :class:`Remedy`."""
+    sides = [
+        (f"{io}_{label}", n, t) for io, n, t in zip(("in", "out"), sizes, to, strict=True) if t is not None
+    ]
+    what = " and ".join(f"{side} {n}" for side, n, _ in sides)
+    pad = " and ".join(f"{side} {n} -> {t}" for side, n, t in sides)
+    return what, pad, Remedy("pad", layer, in_to=to[0], out_to=to[1])
+
+
+def _misaligned(
+    ctx: LintContext,
+    rule: Rule,
+    rec: ModuleRecord,
+    label: str,
+    sizes: tuple[int, int],
+    bad: tuple[bool, bool],
+    a: int,
+    **kw: Any,
+) -> Finding:
+    """MP101/MP104's finding: the (in, out) ``sizes`` flagged ``bad`` are not multiples of ``a``;
+    the fix pads them to the next multiple. ``kw``: the finding's other fields."""
+    to = (_up(sizes[0], a) if bad[0] else None, _up(sizes[1], a) if bad[1] else None)
+    what, pad, remedy = _pad_plan(rec.name, label, sizes, to)
+    return rule.finding(
+        ctx.share_severity(ctx.share(rec.flops)),
+        rec.name,
+        f"{what} not a multiple of {a} ({ctx.dtype})",
+        "pad " + pad,
+        remedy=remedy,
+        **kw,
+    )
 
 
 @_rule(
@@ -78,7 +112,7 @@ def _conv_channels(ctx: LintContext) -> Iterator[Finding]:
                 "info",
                 rec.name,
                 f"in_channels {m.in_channels} is not a multiple of {a} ({ctx.dtype})",
-                _pad_parts("pad the input images' channels", m.in_channels, 4, 4),
+                f"pad the input images' channels {m.in_channels} -> 4",
                 suppressed=(
                     f"image stem: its {m.in_channels} input channels come from the data "
                     "(NVIDIA: padding them to 4 suffices for a stride-2 stem)"
@@ -89,30 +123,20 @@ def _conv_channels(ctx: LintContext) -> Iterator[Finding]:
             bad_in = False
         if not (bad_in or bad_out):
             continue
-        parts, what = [], []
-        if bad_in:
-            parts.append(_pad_parts("in_channels", m.in_channels, a))
-            what.append(f"in_channels {m.in_channels}")
-        if bad_out:
-            parts.append(_pad_parts("out_channels", m.out_channels, a))
-            what.append(f"out_channels {m.out_channels}")
-        yield rule.finding(
-            ctx.share_severity(share),
-            rec.name,
-            f"{' and '.join(what)} not a multiple of {a} ({ctx.dtype})",
-            "pad " + " and ".join(p.removeprefix("pad ") for p in parts),
+        yield _misaligned(
+            ctx,
+            rule,
+            rec,
+            "channels",
+            (m.in_channels, m.out_channels),
+            (bad_in, bad_out),
+            a,
             details={
                 "in_channels": m.in_channels,
                 "out_channels": m.out_channels,
                 "alignment": a,
                 "assumes": ctx.assumes,
             },
-            remedy=Remedy(
-                "pad",
-                rec.name,
-                in_to=_up(m.in_channels, a) if bad_in else None,
-                out_to=_up(m.out_channels, a) if bad_out else None,
-            ),
             **common,
         )
 
@@ -145,37 +169,22 @@ def _conv_channels_small(ctx: LintContext) -> Iterator[Finding]:
         small_out = m.out_channels < MIN_CONV_CHANNELS
         if not (small_in or small_out):
             continue
-        what = [
-            f"{k} {v}"
-            for k, v, s in (
-                ("in_channels", m.in_channels, small_in),
-                ("out_channels", m.out_channels, small_out),
-            )
-            if s
-        ]
-        parts = [
-            f"{k} {v} -> {MIN_CONV_CHANNELS}"
-            for k, v, s in (
-                ("in_channels", m.in_channels, small_in),
-                ("out_channels", m.out_channels, small_out),
-            )
-            if s
-        ]
+        what, pad, remedy = _pad_plan(
+            rec.name,
+            "channels",
+            (m.in_channels, m.out_channels),
+            (MIN_CONV_CHANNELS if small_in else None, MIN_CONV_CHANNELS if small_out else None),
+        )
         yield rule.finding(
             "info",
             rec.name,
-            f"{' and '.join(what)} below {MIN_CONV_CHANNELS}",
-            f"widen to {MIN_CONV_CHANNELS} where the architecture allows (pad {' and '.join(parts)})",
+            f"{what} below {MIN_CONV_CHANNELS}",
+            f"widen to {MIN_CONV_CHANNELS} where the architecture allows (pad {pad})",
             shape=layer_shape(rec, conv_desc(m)),
             flops_share=ctx.share(rec.flops),
             order=rec.order,
             details={"in_channels": m.in_channels, "out_channels": m.out_channels, "assumes": ctx.assumes},
-            remedy=Remedy(
-                "pad",
-                rec.name,
-                in_to=MIN_CONV_CHANNELS if small_in else None,
-                out_to=MIN_CONV_CHANNELS if small_out else None,
-            ),
+            remedy=remedy,
         )
 
 
@@ -270,7 +279,7 @@ def _linear_features(ctx: LintContext) -> Iterator[Finding]:
                 "info",
                 rec.name,
                 f"out_features {m.out_features} not a multiple of {a} ({ctx.dtype})",
-                _pad_parts("pad out_features", m.out_features, a),
+                f"pad out_features {m.out_features} -> {_up(m.out_features, a)}",
                 shape=shape,
                 flops_share=share,
                 order=rec.order,
@@ -283,28 +292,18 @@ def _linear_features(ctx: LintContext) -> Iterator[Finding]:
             bad_out = False
             if not bad_in:
                 continue
-        parts, what = [], []
-        if bad_in:
-            parts.append(_pad_parts("in_features", m.in_features, a))
-            what.append(f"in_features {m.in_features}")
-        if bad_out:
-            parts.append(_pad_parts("out_features", m.out_features, a))
-            what.append(f"out_features {m.out_features}")
-        yield rule.finding(
-            ctx.share_severity(share),
-            rec.name,
-            f"{' and '.join(what)} not a multiple of {a} ({ctx.dtype})",
-            "pad " + " and ".join(parts),
+        yield _misaligned(
+            ctx,
+            rule,
+            rec,
+            "features",
+            (m.in_features, m.out_features),
+            (bad_in, bad_out),
+            a,
             shape=shape,
             flops_share=share,
             order=rec.order,
             details=details,
-            remedy=Remedy(
-                "pad",
-                rec.name,
-                in_to=_up(m.in_features, a) if bad_in else None,
-                out_to=_up(m.out_features, a) if bad_out else None,
-            ),
         )
 
 
