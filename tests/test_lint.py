@@ -3,10 +3,13 @@ the zoo, a deliberately misaligned model, --measure end to end, the CLI contract
 
 from __future__ import annotations
 
+import ast
+import graphlib
 import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec.cli
+import mixprec.linting
 from mixprec import UnsupportedError, UsageError, Workload
 from mixprec.cli import lint as lint_cli
 from mixprec.cli import main
@@ -514,6 +518,43 @@ def test_group_findings_merges_repeated_findings():
     assert groups[0].where == "12 layers: layer0, layer1, layer2, +9 more"
     many = [Finding("MP101", "conv-channels", "info", f"c{i}", f"msg {i}", f"fix {i}") for i in range(7)]
     assert [g.label for g in group_findings(many, max_rows_per_rule=4)] == ["MP101"] * 3 + ["MP101 x 4"]
+
+
+def linting_import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the ``mixprec.linting`` modules it imports (anywhere in it, lazy imports too),
+    read with ``ast`` from the package's files below ``root``."""
+    modules: dict[str, Path] = {}
+    for path in root.rglob("*.py"):
+        parts = ["mixprec", "linting", *path.relative_to(root).with_suffix("").parts]
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from . / .. import
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                # `from pkg import submodule` imports the submodule; `from mod import name` the module
+                imported.update(
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names
+                )
+        graph[name] = {m for m in imported if m in modules and m != name}
+    return graph
+
+
+def test_lint_package_has_no_import_cycle():
+    graph = linting_import_graph(Path(mixprec.linting.__file__).parent)
+    assert {"mixprec.linting.runner", "mixprec.linting.measure", "mixprec.linting.rules.shapes"} <= set(graph)
+    assert "mixprec.linting.measure" in graph["mixprec.linting.runner"]  # one way: runner calls measure
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import cycle in mixprec.linting: {' -> '.join(exc.args[1])}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,9 +5,11 @@ returns them with their context (suppressed unavoidable cases, notes), and
 :func:`measure_findings` times the mechanical fixes.
 """
 
+from mixprec.linting.context import LintContext
 from mixprec.linting.measure import measure_findings
-from mixprec.linting.rules import RULES, SEVERITIES, Finding, LintContext, MeasuredGain, Remedy, Rule
-from mixprec.linting.runner import TARGETS, LintResult, lint, parse_rule_ids, run_lint
+from mixprec.linting.model import SEVERITIES, Finding, LintResult, MeasuredGain, Remedy, Rule
+from mixprec.linting.rules import RULES
+from mixprec.linting.runner import TARGETS, lint, parse_rule_ids, run_lint
 from mixprec.linting.trace import Trace, trace_workload
 
 __all__ = [

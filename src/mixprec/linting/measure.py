@@ -1,6 +1,6 @@
 """--measure: build the mechanical fixes, time them, and rank the findings by measured gain.
 
-For every finding with a :class:`~mixprec.linting.rules.Remedy`:
+For every finding with a :class:`~mixprec.linting.model.Remedy`:
 
 * the **layer**: forward + backward of the affected layer(s) on the traced shapes, under the
   policy's autocast and precision settings, before and after the fix, timed with
@@ -31,8 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import UsageError
-from mixprec.linting.rules import Finding, MeasuredGain, Remedy
-from mixprec.linting.runner import LintResult
+from mixprec.linting.model import Finding, LintResult, MeasuredGain, Remedy
 from mixprec.linting.trace import ModuleRecord, TensorInfo, memory_format_of
 from mixprec.measure.results import Candidate
 from mixprec.measure.runner import BenchSettings, distinct_batches, make_batches, run_candidate

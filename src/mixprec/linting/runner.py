@@ -5,69 +5,21 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from mixprec.errors import UnsupportedError, UsageError, did_you_mean
 from mixprec.hardware.device import DeviceInfo, detect, resolve_device
-from mixprec.linting.rules import RULES, SEVERITIES, SEVERITY_RANK, Finding, LintContext
-from mixprec.linting.trace import Trace, trace_workload
+from mixprec.linting.context import LintContext
+from mixprec.linting.measure import measure_findings
+from mixprec.linting.model import SEVERITY_RANK, Finding, LintResult
+from mixprec.linting.rules import RULES
+from mixprec.linting.trace import trace_workload
 from mixprec.policy import Policy, check_support, get_policy, starting_policy
 from mixprec.workload import Workload
 
 TARGETS = ("cpu", "cuda")
-
-
-@dataclass
-class LintResult:
-    """Findings of one lint run and what they were judged against."""
-
-    workload: str
-    description: str
-    policy: str  # label, e.g. 'bf16-mixed' or 'bf16-mixed+cl'
-    policy_chosen: bool  # True when lint picked the device's best default policy
-    device: str  # 'cpu: <name>' / 'cuda: <name>'
-    target: str  # whose hardware the tensor-core rules judged
-    batch_size: int
-    findings: list[Finding]  # active findings, most important first
-    suppressed: list[Finding] = field(default_factory=list)  # unavoidable cases, with the reason
-    ignored: tuple[str, ...] = ()
-    notes: list[str] = field(default_factory=list)
-    trace_mode: str = "meta"
-    measured: bool = False
-    # For --measure; not part of the JSON.
-    policy_obj: Policy | None = field(default=None, repr=False, compare=False)
-    trace: Trace | None = field(default=None, repr=False, compare=False)
-
-    def counts(self) -> dict[str, int]:
-        counts = dict.fromkeys(SEVERITIES, 0)
-        for f in self.findings:
-            counts[f.severity] += 1
-        return counts
-
-    @property
-    def has_errors(self) -> bool:
-        return any(f.severity == "error" for f in self.findings)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "workload": self.workload,
-            "description": self.description,
-            "policy": self.policy,
-            "policy_chosen": self.policy_chosen,
-            "device": self.device,
-            "target": self.target,
-            "batch_size": self.batch_size,
-            "counts": self.counts(),
-            "findings": [f.to_dict() for f in self.findings],
-            "suppressed": [f.to_dict() for f in self.suppressed],
-            "ignored": list(self.ignored),
-            "notes": list(self.notes),
-            "trace_mode": self.trace_mode,
-            "measured": self.measured,
-        }
 
 
 def parse_rule_ids(ignore: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -321,10 +273,8 @@ def lint(
         channels_last=channels_last,
     )
     if measure:
-        from mixprec.linting.measure import measure_findings
-
         measure_findings(workload, result)
     return result.findings
 
 
-__all__ = ["TARGETS", "LintResult", "find_grad_scalers", "lint", "parse_rule_ids", "run_lint"]
+__all__ = ["TARGETS", "find_grad_scalers", "lint", "parse_rule_ids", "run_lint"]

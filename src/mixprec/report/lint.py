@@ -9,8 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from mixprec.linting.rules import RULES, Finding, Rule
-from mixprec.linting.runner import LintResult
+from mixprec.linting import RULES, Finding, LintResult, Rule
 
 _SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 _NAMES_SHOWN = 3
