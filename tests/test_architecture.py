@@ -1,0 +1,104 @@
+"""The package layering of docs/architecture.md, checked on the source: no module imports a
+package above it (lazy imports inside functions included), and no import cycle between modules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "mixprec"
+
+# Lower number = lower layer. A module may import its own layer and the layers below.
+LAYERS = {
+    "errors": 0,
+    "state": 0,
+    "status": 0,
+    "schema": 0,
+    "hardware": 1,
+    "policy": 2,
+    "workload": 3,
+    "distributed": 3,
+    "exports": 3,
+    "demo": 3,
+    "measure": 4,
+    "numerics": 5,
+    "linting": 5,
+    "tuning": 6,
+    "report": 7,
+    "cli": 8,
+    "__init__": 9,
+    "__main__": 9,
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mixprec"):
+            if node.module != "mixprec":  # `from mixprec import state` imports mixprec.state only
+                found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("mixprec"))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in SRC.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = {m for m in _imports(path) if m in modules and m != name}
+    return graph
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else "__init__"
+    return LAYERS[top]
+
+
+def test_every_top_level_module_has_a_layer():
+    tops = {p.stem if p.is_file() else p.name for p in SRC.iterdir() if p.suffix == ".py" or p.is_dir()}
+    tops.discard("__pycache__")
+    assert tops - set(LAYERS) == set(), "add the new package to LAYERS and docs/architecture.md"
+
+
+def test_no_module_imports_a_layer_above_it():
+    upward = [
+        f"{mod} -> {dep}"
+        for mod, deps in _graph().items()
+        for dep in deps
+        if _layer(dep) > _layer(mod) and not dep.startswith("mixprec.__")
+    ]
+    assert not upward, "imports against the layering:\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    # a package's __init__ re-exports its modules; an edge module -> its own package is not a cycle
+    for mod in graph:
+        graph[mod] = {d for d in graph[mod] if not mod.startswith(d + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in graph[node]:
+            if state.get(dep) == 1:
+                cycles.append([*stack[stack.index(dep) :], dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for node in graph:
+        if node not in state:
+            visit(node)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
