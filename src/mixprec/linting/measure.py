@@ -33,9 +33,8 @@ from torch import nn
 from mixprec.errors import UsageError
 from mixprec.linting.model import Finding, LintResult, MeasuredGain, Remedy
 from mixprec.linting.trace import ModuleRecord, TensorInfo, memory_format_of
-from mixprec.measure.results import Candidate
 from mixprec.measure.runner import BenchSettings, distinct_batches, make_batches, run_candidate
-from mixprec.policy import Policy
+from mixprec.policy import Candidate, Policy
 from mixprec.workload import Workload
 
 Progress = Callable[[dict[str, Any]], None]
@@ -61,7 +60,7 @@ def _padded(t: torch.Tensor, sizes: dict[int, int]) -> torch.Tensor:
     return out
 
 
-def _replace_parameter(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> list[nn.Module]:
+def _replace_parameter(root: nn.Module, old: torch.Tensor, new: nn.Parameter) -> list[nn.Module]:
     """Point every module of ``root`` that holds ``old`` (tied weights) at ``new``."""
     holders = []
     for module in root.modules():
@@ -130,7 +129,7 @@ def _slice_output(module: nn.Module, args: tuple, output: torch.Tensor, *, dim: 
 def drop_in_fix(model: nn.Module, remedy: Remedy) -> nn.Module:
     """A copy of ``model`` with ``remedy``'s padding applied so that it computes the same outputs."""
     fixed = copy.deepcopy(model)
-    module = fixed.get_submodule(remedy.module or "")
+    module: Any = fixed.get_submodule(remedy.module or "")
     dim = -1 if isinstance(module, nn.Linear) else 1
     n_in = module.in_features if isinstance(module, nn.Linear) else module.in_channels
     n_out = module.out_features if isinstance(module, nn.Linear) else module.out_channels
@@ -190,14 +189,21 @@ def _time_layer(
         return _time(step, min_time_s)
 
 
+def _traced_input(rec: ModuleRecord) -> TensorInfo:
+    if rec.input is None:
+        raise UsageError(f"layer {rec.name!r} has no traced tensor input to time")
+    return rec.input
+
+
 def _pad_timings(rec: ModuleRecord, remedy: Remedy, policy: Policy, min_time_s: float) -> tuple[float, float]:
-    before = _time_layer(copy.deepcopy(rec.module), rec.input, policy, min_time_s)
+    inp = _traced_input(rec)
+    before = _time_layer(copy.deepcopy(rec.module), inp, policy, min_time_s)
     fixed = copy.deepcopy(rec.module)
     pad_module(fixed, remedy.in_to, remedy.out_to)
-    shape = list(rec.input.shape)
+    shape = list(inp.shape)
     if remedy.in_to is not None:
         shape[-1 if isinstance(fixed, nn.Linear) else 1] = remedy.in_to
-    after = _time_layer(fixed, rec.input, policy, min_time_s, shape=tuple(shape))
+    after = _time_layer(fixed, inp, policy, min_time_s, shape=tuple(shape))
     return before, after
 
 
@@ -224,19 +230,20 @@ def _layout_timings(
     on = bool(finding.remedy and finding.remedy.channels_last)
     before = after = 0.0
     for rec in layers:
+        inp = _traced_input(rec)
         if finding.rule == "MP203":  # channels_last weights either way; only the input changes
             before += _time_layer(
-                _layout_copy(rec.module, True), rec.input, policy, min_time_s, input_channels_last=False
+                _layout_copy(rec.module, True), inp, policy, min_time_s, input_channels_last=False
             )
             after += _time_layer(
-                _layout_copy(rec.module, True), rec.input, policy, min_time_s, input_channels_last=True
+                _layout_copy(rec.module, True), inp, policy, min_time_s, input_channels_last=True
             )
         else:
             before += _time_layer(
-                _layout_copy(rec.module, not on), rec.input, policy, min_time_s, input_channels_last=not on
+                _layout_copy(rec.module, not on), inp, policy, min_time_s, input_channels_last=not on
             )
             after += _time_layer(
-                _layout_copy(rec.module, on), rec.input, policy, min_time_s, input_channels_last=on
+                _layout_copy(rec.module, on), inp, policy, min_time_s, input_channels_last=on
             )
     return before, after, tuple(r.name for r in layers)
 

@@ -134,7 +134,9 @@ class ModuleRecord:
 
     name: str  # qualified name; '' is the model itself
     type: str
-    module: nn.Module = field(repr=False, compare=False)  # the user's module, not the traced copy
+    # the user's module, not the traced copy; Any so rules read layer attributes (in_features, groups, ...)
+    # as the ints they are rather than through nn.Module.__getattr__'s Tensor | Module
+    module: Any = field(repr=False, compare=False)
     order: int  # position of its first call among all module calls
     calls: int = 0
     input: TensorInfo | None = None  # the first tensor argument

@@ -395,7 +395,7 @@ def _batch_size(ctx: LintContext) -> Iterator[Finding]:
         f"batch size {b} is not a multiple of {a} ({ctx.dtype}); it is the M dimension of "
         f"{len(hit)} Linear layer{'s' if len(hit) > 1 else ''}",
         f"batch size {b} -> {_up(b, a)} (measure throughput: often no difference)",
-        shape=f"{names[0]} input {dims(hit[0].input.shape)}"
+        shape=f"{names[0]} input {dims(hit[0].input.shape) if hit[0].input else '?'}"
         + (f" (+{len(hit) - 1} more)" if len(hit) > 1 else ""),
         flops_share=ctx.share(sum(r.flops for r in hit)),
         order=hit[0].order,

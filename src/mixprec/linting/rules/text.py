@@ -3,7 +3,7 @@ rationale note of the tensor-core rules."""
 
 from __future__ import annotations
 
-from torch import nn
+from typing import Any
 
 from mixprec.linting.trace import ModuleRecord
 
@@ -26,7 +26,7 @@ def layer_shape(rec: ModuleRecord, what: str) -> str:
     return f"{what} on {inp} -> {out}"
 
 
-def conv_desc(m: nn.Module) -> str:
+def conv_desc(m: Any) -> str:
     """A convolution as its constructor call: 'Conv2d(32, 30, k=3x3)' (with groups if any)."""
     k = "x".join(map(str, m.kernel_size))
     groups = f", groups={m.groups}" if m.groups != 1 else ""
