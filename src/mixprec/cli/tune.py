@@ -122,28 +122,15 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.json:
         err.print(f"wrote {write_json(args.json, 'tune', result.env, data)}")
     if args.report:
+        from mixprec.report.html import write_report
+
         for path in write_report(result, Path(args.report)).values():
             err.print(f"wrote {path}")
     return 0
 
 
-def write_report(result: Any, out_dir: Path) -> dict[str, Path]:
-    """The HTML and Markdown report of a :class:`~mixprec.TuneResult`, with its two charts."""
-    from mixprec.report import bench as bench_report
-    from mixprec.report import check as check_report
-    from mixprec.report.html import write_report as write_pages
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    charts: dict[str, Path] = {}
-    if result.bench.rows:
-        charts["bench"] = bench_report.plot(out_dir / "bench.png", result.bench)
-    if result.check is not None and result.check.candidates:
-        charts["check"] = check_report.plot(out_dir / "check.png", result.check)
-    data = {"schema_version": 1, "kind": "tune", "env": result.env, **result.to_dict()}
-    return write_pages(data, out_dir, charts=charts)
-
-
 def run_report(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from mixprec.report.html import write_report
     from mixprec.tuning import TuneResult
 
     path = Path(args.results)
