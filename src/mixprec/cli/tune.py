@@ -22,18 +22,8 @@ from mixprec.cli.bench import (
     workload_from_args,
 )
 from mixprec.errors import UsageError
+from mixprec.report.format import rich_style
 from mixprec.report.jsonio import write_json
-
-_STYLE = {
-    "recommended": "bold green",
-    "passed": "green",
-    "rejected": "red",
-    "error": "red",
-    "pruned": "yellow",
-    "unsupported": "dim",
-    "slower": "dim",
-    "unchecked": "yellow",
-}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,7 +55,7 @@ def candidate_table(data: dict[str, Any]) -> Table:
     for c in data["candidates"]:
         table.add_row(
             c["label"],
-            Text(c["status"], style=_STYLE.get(c["status"], "")),
+            Text(c["status"], style=rich_style(c["status"])),
             f"{c['throughput']:.1f}" if c.get("throughput") else "",
             f"{c['speedup_vs_fp32']:.2f}x" if c.get("speedup_vs_fp32") else "",
             c.get("verdict") or "",
