@@ -52,3 +52,25 @@ def _private_cache_dir(tmp_path_factory):
         os.environ.pop("MIXPREC_CACHE_DIR", None)
     else:
         os.environ["MIXPREC_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_tune_result(_private_cache_dir):
+    """A real `tune` of the mlp workload on the CPU (about 20 s), run once per test session with
+    one torch thread: the result the report tests render."""
+    import mixprec
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return mixprec.tune(
+            mixprec.load_workload("mlp"),
+            budget_s=60,
+            steps=2,
+            warmup=1,
+            check_steps=3,
+            device="cpu",
+            lint=True,
+        )
+    finally:
+        torch.set_num_threads(before)

@@ -22,18 +22,8 @@ from mixprec.cli.common import (
     workload_from_args,
 )
 from mixprec.errors import UsageError
+from mixprec.report.format import rich_style
 from mixprec.report.jsonio import write_json
-
-_STYLE = {
-    "recommended": "bold green",
-    "passed": "green",
-    "rejected": "red",
-    "error": "red",
-    "pruned": "yellow",
-    "unsupported": "dim",
-    "slower": "dim",
-    "unchecked": "yellow",
-}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,7 +55,7 @@ def candidate_table(data: dict[str, Any]) -> Table:
     for c in data["candidates"]:
         table.add_row(
             c["label"],
-            Text(c["status"], style=_STYLE.get(c["status"], "")),
+            Text(c["status"], style=rich_style(c["status"])),
             f"{c['throughput']:.1f}" if c.get("throughput") else "",
             f"{c['speedup_vs_fp32']:.2f}x" if c.get("speedup_vs_fp32") else "",
             c.get("verdict") or "",
@@ -122,28 +112,15 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.json:
         err.print(f"wrote {write_json(args.json, 'tune', result.env, data)}")
     if args.report:
+        from mixprec.report.html import write_report
+
         for path in write_report(result, Path(args.report)).values():
             err.print(f"wrote {path}")
     return 0
 
 
-def write_report(result: Any, out_dir: Path) -> dict[str, Path]:
-    """The HTML and Markdown report of a :class:`~mixprec.TuneResult`, with its two charts."""
-    from mixprec.report import bench as bench_report
-    from mixprec.report import check as check_report
-    from mixprec.report.html import write_report as write_pages
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    charts: dict[str, Path] = {}
-    if result.bench.rows:
-        charts["bench"] = bench_report.plot(out_dir / "bench.png", result.bench)
-    if result.check is not None and result.check.candidates:
-        charts["check"] = check_report.plot(out_dir / "check.png", result.check)
-    data = {"schema_version": 1, "kind": "tune", "env": result.env, **result.to_dict()}
-    return write_pages(data, out_dir, charts=charts)
-
-
 def run_report(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from mixprec.report.html import write_report
     from mixprec.tuning import TuneResult
 
     path = Path(args.results)

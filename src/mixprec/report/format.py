@@ -17,6 +17,7 @@ RICH_STYLES = {"best": "bold green", "good": "green", "bad": "red", "warn": "yel
 
 
 def rich_style(status: str) -> str:
+    """The rich style of ``status``'s tone."""
     return RICH_STYLES[tone(status)]
 
 
@@ -35,15 +36,18 @@ def num(x: Any) -> float | None:
 
 
 def finite(x: float | None) -> bool:
+    """``x`` is a finite number (not None, inf or NaN)."""
     return x is not None and math.isfinite(x)
 
 
 def fmt_speedup(x: Any) -> str:
+    """A throughput ratio: '2.06x'."""
     v = num(x)
     return f"{v:.2f}x" if finite(v) else ""
 
 
 def fmt_throughput(x: Any) -> str:
+    """Samples per second: '1,481.4'."""
     v = num(x)
     return f"{v:,.1f}" if finite(v) else ""
 
@@ -71,13 +75,14 @@ def fmt_ms(median: Any, iqr: Any = None) -> str:
     return f"{med:.1f} ± {spread:.1f}" if finite(spread) else f"{med:.1f}"
 
 
-def fmt_pct(x: Any, digits: int = 1) -> str:
+def fmt_pct(x: Any, digits: int = 1, sign: bool = False) -> str:
+    """A fraction as a percentage (0.123 -> '12.3%'); ``sign`` writes '+' on positive values."""
     v = num(x)
     if v is None:
         return ""
     if not math.isfinite(v):
         return "inf" if v > 0 else ("-inf" if v < 0 else "nan")
-    return f"{v:.{digits}%}"
+    return f"{v:{'+' if sign else ''}.{digits}%}"
 
 
 def fmt_small_pct(x: Any) -> str:
@@ -93,6 +98,7 @@ def fmt_small_pct(x: Any) -> str:
 
 
 def fmt_db(x: Any, unit: bool = True) -> str:
+    """Decibels to one decimal: '14.7 dB' (without the unit when ``unit`` is False)."""
     v = num(x)
     if v is None:
         return ""
@@ -101,13 +107,21 @@ def fmt_db(x: Any, unit: bool = True) -> str:
 
 
 def fmt_bits(x: Any) -> str:
+    """Signed headroom in bits: '+3.5 bits', 'n/a' when unknown."""
     v = num(x)
     if v is None:
         return "n/a"
     return f"{v:+.1f} bits" if math.isfinite(v) else str(v)
 
 
+def fmt_seconds(x: Any) -> str:
+    """A duration in whole seconds: '17 s'."""
+    v = num(x)
+    return f"{v:.0f} s" if finite(v) else ""
+
+
 def fmt_date(x: Any) -> str:
+    """An ISO timestamp as '2026-11-22 11:30 UTC'; text that is not one is returned as is."""
     if not isinstance(x, str) or not x:
         return ""
     try:
@@ -120,14 +134,18 @@ def fmt_date(x: Any) -> str:
 
 
 def fmt_gain(gain: Any) -> str:
-    """A lint finding's measured gain: '+4.2% step; layer 1.20 -> 0.90 ms'."""
+    """A lint finding's measured gain (``MeasuredGain.to_dict()``): '+4.2% step; step 5.00 → 4.79 ms'.
+
+    The percentage is the step's gain when the step was timed, else the layer's.
+    """
     g = gain if isinstance(gain, dict) else {}
     parts = []
     pct = num(g.get("gain_pct"))
     if finite(pct):
-        parts.append(f"{pct:+.1f}% step")
+        what = "step" if finite(num(g.get("step_gain_pct"))) else "layer"
+        parts.append(f"{pct:+.1f}% {what}")
     for what in ("step", "layer"):
-        before, after = num(g.get(f"{what}_ms_before")), num(g.get(f"{what}_ms_after"))
+        before, after = num(g.get(f"{what}_before_ms")), num(g.get(f"{what}_after_ms"))
         if finite(before) and finite(after):
             parts.append(f"{what} {before:.2f} → {after:.2f} ms")
     return "; ".join(parts)
