@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mixprec.cli import main
-from mixprec.linting.rules import Finding, MeasuredGain
+from mixprec.linting import Finding, MeasuredGain
 from mixprec.report import format as fmt
 from mixprec.report import html as report_html
 from mixprec.report import view as report_view

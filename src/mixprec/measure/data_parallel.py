@@ -62,8 +62,13 @@ def _rank_main(
             )
             from mixprec.measure.runner import run_candidate
 
+            # every rank must run the same steps for the collectives: fixed counts, no time target
             rank_settings = replace(
-                settings, device=f"cuda:{rank}" if cuda else "cpu", seed=settings.seed + rank
+                settings,
+                device=f"cuda:{rank}" if cuda else "cpu",
+                seed=settings.seed + rank,
+                adaptive_warmup=False,
+                min_time_s=0.0,
             )
             m = run_candidate(
                 workload, candidate, rank_settings, wrap_model=lambda model, policy: apply_ddp(model, policy)

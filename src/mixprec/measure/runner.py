@@ -28,6 +28,9 @@ from mixprec.workload import Workload
 _COMPUTE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Bilinear)
 # How many distinct batches to cycle through: same data for every candidate, bounded memory.
 _DISTINCT_BATCHES = 4
+# Warm-up is steady when the last two step times differ by at most this share; never more steps.
+STEADY_TOLERANCE = 0.10
+MAX_WARMUP = 8
 
 
 class HonestyError(MixprecError):
@@ -51,6 +54,10 @@ class BenchSettings:
     min_time_s: float = 0.0
     max_steps: int = 200
     threads: int | None = None
+    # Warm-up runs at least ``warmup`` steps and, when adaptive, more until steady (this many seconds
+    # at most). Data-parallel ranks must run the same steps, so they use fixed counts.
+    max_warmup_s: float = 30.0
+    adaptive_warmup: bool = True
     # cuDNN autotuning on CUDA (the warm-up steps absorb its first-call cost); no effect on CPU.
     cudnn_benchmark: bool = True
 
@@ -137,6 +144,120 @@ def _check_honesty(policy: Policy, probe: _FirstComputeLayer) -> None:
             )
 
 
+class TrainingSession:
+    """One candidate's model, optimizer and batches, stepped on demand and timed step by step.
+
+    Sweeps alternate the steps of two sessions (the strict-fp32 baseline and a candidate), so each
+    step applies its own policy's fp32 math mode and cuDNN setting and puts the previous ones back:
+    two sessions in one process never see each other's global state.
+    """
+
+    def __init__(
+        self,
+        workload: Workload,
+        candidate: Candidate,
+        settings: BenchSettings,
+        batches: list | None = None,
+        wrap_model: Callable[[nn.Module, Policy], nn.Module] | None = None,
+    ) -> None:
+        self.workload, self.candidate, self.settings = workload, candidate, settings
+        self.device = torch.device(settings.device)
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        self.policy = get_policy(candidate.policy, device=self.device, **candidate.policy_options())
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.model = self.policy.prepare(copy.deepcopy(workload.model))
+        self.model.train()
+        self.trained = wrap_model(self.model, self.policy) if wrap_model is not None else self.model
+        self.optimizer = workload.make_optimizer(self.model.parameters())
+        self.batches = batches or make_batches(
+            workload, settings.batch_size, self.device, settings.seed, distinct_batches(settings)
+        )
+        self._probe: _FirstComputeLayer | None = _FirstComputeLayer(self.model, self.policy.config.keep_fp32)
+        self.result = Measurement()
+        self.index = 0
+
+    def _train_step(self, batch: Any) -> torch.Tensor:
+        with self.policy.autocast():
+            loss = self.workload.loss_fn(self.trained, batch)
+        self.policy.backward(loss)
+        self.policy.step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def step(self, timed: bool) -> dict[str, Any]:
+        """Run and time one training step; returns its 'step' event (index, seconds, loss, timed)."""
+        i, device, settings = self.index, self.device, self.settings
+        batch = self.batches[i % len(self.batches)]
+        cudnn = settings.cudnn_benchmark and device.type == "cuda"
+        with self.policy.precision_scope(), state.cudnn_benchmark(cudnn):
+            _sync(device)
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            if i == 0 and settings.count_flops:
+                box: list[torch.Tensor] = []
+                self.result.flops_per_step = count_flops(lambda: box.append(self._train_step(batch)))
+                loss = box[0]
+            else:
+                loss = self._train_step(batch)
+            if device.type == "cuda":
+                end.record()
+                torch.cuda.synchronize(device)
+                seconds = start.elapsed_time(end) / 1e3
+            else:
+                seconds = time.perf_counter() - t0
+        loss_value = float(loss.detach().float())
+        if self._probe is not None:
+            self._probe.remove()
+            _check_honesty(self.policy, self._probe)
+            self.result.observed_dtype = (
+                str(self._probe.dtype).removeprefix("torch.") if self._probe.dtype else None
+            )
+            self.result.observed_layer = self._probe.name
+            self.result.first_loss = loss_value
+            self._probe = None
+        if not math.isfinite(loss_value):
+            raise NonFiniteLossError(f"non-finite loss ({loss_value}) at step {i}")
+        self.result.last_loss = loss_value
+        (self.result.step_times_s if timed else self.result.warmup_times_s).append(seconds)
+        self.index += 1
+        return {"event": "step", "index": i, "seconds": seconds, "timed": timed, "loss": loss_value}
+
+    def warm_up(self, emit: Emit) -> bool:
+        """Untimed steps until the step time is steady: at least ``settings.warmup``, then more
+        while the last two differ by over ``STEADY_TOLERANCE`` (oneDNN creates its primitives and
+        allocators settle over the first steps), at most ``MAX_WARMUP`` or ``max_warmup_s``.
+        False when ``emit`` stopped it."""
+        settings = self.settings
+        spent = 0.0
+        while True:
+            event = self.step(timed=False)
+            spent += event["seconds"]
+            if not emit({**event, "total": settings.warmup + settings.steps}):
+                return False
+            times = self.result.warmup_times_s
+            if len(times) < settings.warmup:
+                continue
+            if not settings.adaptive_warmup:
+                return True
+            steady = len(times) >= 2 and abs(times[-1] - times[-2]) <= STEADY_TOLERANCE * min(times[-2:])
+            if steady or len(times) >= max(settings.warmup, MAX_WARMUP) or spent >= settings.max_warmup_s:
+                return True
+
+    def finish(self) -> Measurement:
+        """The measurement so far, with the peak memory (CUDA) and skipped steps filled in."""
+        if self._probe is not None:
+            self._probe.remove()
+        self.result.skipped_steps = self.policy.stats.skipped_steps
+        if self.device.type == "cuda":
+            self.result.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            self.result.memory_method = "torch.cuda.max_memory_allocated"
+        return self.result
+
+
 def run_candidate(
     workload: Workload,
     candidate: Candidate,
@@ -145,99 +266,27 @@ def run_candidate(
     batches: list | None = None,
     wrap_model: Callable[[nn.Module, Policy], nn.Module] | None = None,
 ) -> Measurement:
-    """Train a fresh copy of the workload's model under ``candidate`` and time every step.
+    """Train a fresh copy of the workload's model under ``candidate``: warm up until steady, then
+    time at least ``settings.steps`` steps (and ``min_time_s``), unpaired.
 
-    ``batches`` (from :func:`make_batches`) lets in-process sweeps feed every candidate the
-    very same data even when the workload's ``make_batch`` draws from a stateful generator.
+    ``batches`` (from :func:`make_batches`) lets in-process runs feed every candidate the very
+    same data even when the workload's ``make_batch`` draws from a stateful generator.
     ``wrap_model`` wraps the prepared model for training (DDP in data-parallel sweeps); the
     optimizer and the honesty probe keep seeing the unwrapped model and its parameter names.
     """
     emit = emit or (lambda event: True)
-    device = torch.device(settings.device)
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    policy = get_policy(candidate.policy, device=device, **candidate.policy_options())
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    model = policy.prepare(copy.deepcopy(workload.model))
-    model.train()
-    trained = wrap_model(model, policy) if wrap_model is not None else model
-    optimizer = workload.make_optimizer(model.parameters())
-    if batches is None:
-        batches = make_batches(
-            workload, settings.batch_size, device, settings.seed, distinct_batches(settings)
-        )
-    probe = _FirstComputeLayer(model, policy.config.keep_fp32)
-    result = Measurement()
-
-    def train_step(batch: Any) -> torch.Tensor:
-        with policy.autocast():
-            loss = workload.loss_fn(trained, batch)
-        policy.backward(loss)
-        policy.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    total = settings.warmup + settings.steps
+    session = TrainingSession(workload, candidate, settings, batches, wrap_model)
     # From here on every step is timed against the pruning limits (setup above is not).
     emit({"event": "ready"})
-    i = -1
-    with policy.precision_scope(), state.cudnn_benchmark(settings.cudnn_benchmark and device.type == "cuda"):
-        while True:
-            i += 1
-            if i >= total and (
-                sum(result.step_times_s) >= settings.min_time_s or i >= settings.warmup + settings.max_steps
-            ):
-                break
-            batch = batches[i % len(batches)]
-            timed = i >= settings.warmup
-            _sync(device)
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            if i == 0 and settings.count_flops:
-                loss = None
-
-                def counted(first_batch: Any = batch) -> None:
-                    nonlocal loss
-                    loss = train_step(first_batch)
-
-                result.flops_per_step = count_flops(counted)
-            else:
-                loss = train_step(batch)
-            if device.type == "cuda":
-                end.record()
-                torch.cuda.synchronize(device)
-                seconds = start.elapsed_time(end) / 1e3
-            else:
-                seconds = time.perf_counter() - t0
-            loss_value = float(loss.detach().float())  # type: ignore[union-attr]
-            if i == 0:
-                probe.remove()
-                _check_honesty(policy, probe)
-                result.observed_dtype = str(probe.dtype).removeprefix("torch.") if probe.dtype else None
-                result.observed_layer = probe.name
-                result.first_loss = loss_value
-            if not math.isfinite(loss_value):
-                raise NonFiniteLossError(f"non-finite loss ({loss_value}) at step {i}")
-            result.last_loss = loss_value
-            (result.step_times_s if timed else result.warmup_times_s).append(seconds)
-            if not emit(
-                {
-                    "event": "step",
-                    "index": i,
-                    "seconds": seconds,
-                    "timed": timed,
-                    "total": max(total, i + 1),
-                    "loss": loss_value,
-                }
-            ):
-                result.stopped_early = True
-                break
-    probe.remove()
-    result.skipped_steps = policy.stats.skipped_steps
-    if device.type == "cuda":
-        result.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
-        result.memory_method = "torch.cuda.max_memory_allocated"
-    return result
+    if not session.warm_up(emit):
+        session.result.stopped_early = True
+        return session.finish()
+    result = session.result
+    while len(result.step_times_s) < settings.steps or (
+        sum(result.step_times_s) < settings.min_time_s and len(result.step_times_s) < settings.max_steps
+    ):
+        event = session.step(timed=True)
+        if not emit({**event, "total": len(result.warmup_times_s) + settings.steps}):
+            result.stopped_early = True
+            break
+    return session.finish()
