@@ -76,7 +76,6 @@ def main() -> None:
                 steps=args.steps,
                 warmup=args.warmup,
                 device="cpu",
-                repeat_baseline=False,
             )
             row = next(r for r in result.rows if r.label == label)
             rows.append(row)

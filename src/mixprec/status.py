@@ -1,6 +1,7 @@
 """The one status vocabulary of mixprec's results, and the tone every report shows it in.
 
-Bench rows end ``ok``, ``unsupported``, ``oom``, ``error`` or ``pruned``; checks ``pass`` or
+Bench rows end ``ok``, ``unsupported``, ``oom``, ``error``, ``pruned`` or ``no-effect`` (a math
+mode that computes what strict fp32 computes on this workload); checks ``pass`` or
 ``fail`` (or ``unsupported``); tune's decision table adds ``recommended``, ``passed``,
 ``rejected``, ``slower`` and ``unchecked``. Statuses are strings (``StrEnum``), so JSON
 written by older versions and comparisons with plain strings keep working.
@@ -17,6 +18,7 @@ class Status(StrEnum):
     OOM = "oom"
     ERROR = "error"
     PRUNED = "pruned"
+    NO_EFFECT = "no-effect"
     PASS = "pass"
     FAIL = "fail"
     RECOMMENDED = "recommended"
@@ -41,6 +43,7 @@ TONES: dict[Status, str] = {
     Status.UNCHECKED: "warn",
     Status.UNSUPPORTED: "muted",
     Status.SLOWER: "muted",
+    Status.NO_EFFECT: "muted",
 }
 
 

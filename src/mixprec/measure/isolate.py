@@ -1,29 +1,47 @@
-"""Run one candidate in its own process: isolated peak memory, crash isolation, hard pruning.
+"""A candidate's training session, stepped on command: in its own process or in this one.
 
-Children come from a ``forkserver`` that imported torch once, so each candidate starts in
-about a tenth of a second instead of re-importing torch, and no OpenMP thread pool is
-forked. The child rebuilds the workload from its spec, reports every step over a pipe, and
-is killed when a step runs far longer than the best candidate so far (pruned) or dies.
+Sweeps hold two sessions at once (the strict-fp32 baseline and the candidate being measured)
+and alternate their steps, so both see the same machine at the same moments. A
+:class:`ChildSession` runs in a process of its own (isolated peak memory, crash isolation, and a
+step that runs far too long can be killed); a :class:`LocalSession` runs in this process (no
+spec needed; a slow step is judged only when it ends). Both raise :class:`SessionEnded` when a
+session stops early: pruned at a step limit, out of memory, crashed, or told to stop.
+
+Children come from a ``forkserver`` that imported torch once, so each starts in about a tenth of
+a second instead of re-importing torch, and no OpenMP thread pool is forked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import resource
 import signal
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from mixprec.measure.process import current_rss_bytes, main_module_hidden
-from mixprec.measure.runner import BenchSettings, Measurement, run_candidate
+from mixprec.measure.runner import BenchSettings, Measurement, TrainingSession
 from mixprec.policy import Candidate
-from mixprec.workload import WorkloadSpec
+from mixprec.workload import Workload, WorkloadSpec
 
 _PRELOAD = ["torch", "torchvision", "mixprec.measure.runner", "mixprec.workload.loader"]
 _CONTEXT: Any = None
+_POLL_S = 0.2  # how often a wait looks at should_stop
+
+StepLimit = Callable[[int, bool], float | None]  # (step index, timed) -> seconds allowed, None = no limit
+OnStep = Callable[[dict[str, Any]], None]
+
+
+class SessionEnded(Exception):
+    """The session stopped before it was finished; ``status`` is pruned, oom, error or stopped."""
+
+    def __init__(self, status: str, reason: str, steps: list[float] | None = None) -> None:
+        super().__init__(reason)
+        self.status, self.reason, self.steps = status, reason, steps or []
 
 
 def _context() -> Any:
@@ -35,8 +53,21 @@ def _context() -> Any:
     return _CONTEXT
 
 
+def _error_event(exc: BaseException) -> dict[str, Any]:
+    return {
+        "event": "error",
+        "type": type(exc).__name__,
+        "message": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        "traceback": traceback.format_exc(limit=8),
+    }
+
+
+def _failure_status(error_type: str) -> str:
+    return "oom" if "OutOfMemory" in error_type else "error"
+
+
 def _child(conn: Any, spec: dict[str, Any], candidate: Candidate, settings: BenchSettings) -> None:
-    """Child process body: everything it learns goes back over ``conn``; it never raises."""
+    """Child process body: build the session, then obey commands; errors are sent, never raised."""
     try:
         from mixprec.workload.loader import workload_from_spec
 
@@ -44,119 +75,204 @@ def _child(conn: Any, spec: dict[str, Any], candidate: Candidate, settings: Benc
         workload = workload_from_spec(
             WorkloadSpec(spec["kind"], spec["target"], tuple(spec["sizes"].items()))
         )
-
-        def emit(event: dict[str, Any]) -> bool:
-            conn.send(event)
-            return True
-
-        result = run_candidate(workload, candidate, settings, emit)
-        if result.peak_memory_bytes is None:
-            # ru_maxrss is KiB on Linux; the fork server's own pages are already resident at start.
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            result.peak_memory_bytes = max(0, peak - rss_before)
-            result.memory_method = "peak RSS of the isolated candidate process minus its RSS before building"
-        conn.send({"event": "done", "measurement": asdict(result)})
+        session = TrainingSession(workload, candidate, settings)
+        conn.send({"event": "ready"})
+        while True:
+            command = conn.recv()
+            if command["cmd"] == "warmup":
+                session.warm_up(lambda event: conn.send(event) or True)
+                conn.send({"event": "warm"})
+            elif command["cmd"] == "steps":
+                for _ in range(command["n"]):
+                    conn.send(session.step(timed=True))
+                conn.send({"event": "round"})
+            else:  # finish
+                result = session.finish()
+                if result.peak_memory_bytes is None:
+                    # ru_maxrss is KiB on Linux; the fork server's own pages are already resident at start.
+                    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+                    result.peak_memory_bytes = max(0, peak - rss_before)
+                    result.memory_method = (
+                        "peak RSS of the isolated candidate process minus its RSS before building"
+                    )
+                conn.send({"event": "done", "measurement": asdict(result)})
+                return
     except BaseException as exc:  # report everything, including OOM and KeyboardInterrupt
-        conn.send(
-            {
-                "event": "error",
-                "type": type(exc).__name__,
-                "message": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-                "traceback": traceback.format_exc(limit=8),
-            }
-        )
+        with contextlib.suppress(BrokenPipeError, OSError):  # the parent is gone: nobody to tell
+            conn.send(_error_event(exc))
     finally:
         conn.close()
 
 
-@dataclass
-class ChildOutcome:
-    status: str  # ok | error | oom | pruned | stopped (the caller's should_stop said so)
-    reason: str = ""
-    measurement: Measurement | None = None
-    steps_seen: list[float] | None = None
+class ChildSession:
+    """A candidate's session in a child process, driven over a pipe."""
 
-
-_POLL_S = 0.2
-StepTimeout = Callable[[int], float | None]  # step index -> seconds allowed, None = no limit
-OnEvent = Callable[[dict[str, Any]], bool]  # False = prune now
-
-
-def run_isolated(
-    spec: WorkloadSpec,
-    candidate: Candidate,
-    settings: BenchSettings,
-    *,
-    step_timeout: StepTimeout,
-    on_event: OnEvent,
-    should_stop: Callable[[], bool] = lambda: False,
-    start_timeout_s: float = 600.0,
-) -> ChildOutcome:
-    """Run ``candidate`` in a child process; prune it when a step exceeds ``step_timeout``.
-
-    ``should_stop`` is polled about every 0.2 s while a step runs; when it says so the child is
-    killed and the outcome is ``stopped``.
-    """
-    ctx = _context()
-    parent_conn, child_conn = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child_conn, spec.to_dict(), candidate, settings), daemon=True)
-    with main_module_hidden():
-        proc.start()
-    child_conn.close()
-    steps: list[float] = []
-    next_index = 0
-    ready = False  # the child has rebuilt the workload; from now on steps are timed
-    waited_since = time.perf_counter()
-    try:
-        while True:
-            limit = step_timeout(next_index) if ready else start_timeout_s
-            remaining = None if limit is None else max(0.0, limit - (time.perf_counter() - waited_since))
-            if should_stop():
-                return ChildOutcome("stopped", steps_seen=steps)
-            if not parent_conn.poll(_POLL_S if remaining is None else min(remaining, _POLL_S)):
-                if (remaining is None or remaining > _POLL_S) and proc.is_alive():
-                    continue  # still within its limit: look at should_stop again
-                if not proc.is_alive():
-                    return _died(proc, steps)
-                if not ready:
-                    return ChildOutcome("error", f"workload not built within {limit:.0f} s", steps_seen=steps)
-                return ChildOutcome(
-                    "pruned",
-                    f"step {next_index} still running after {limit:.1f} s, far slower than the best "
-                    "candidate so far",
-                    steps_seen=steps,
-                )
-            try:
-                event = parent_conn.recv()
-            except EOFError:
-                return _died(proc, steps)
-            if event["event"] == "ready":
-                ready = True
-                waited_since = time.perf_counter()
-                on_event(event)
-            elif event["event"] == "step":
-                steps.append(event["seconds"])
-                next_index = event["index"] + 1
-                waited_since = time.perf_counter()
-                if not on_event(event):
-                    return ChildOutcome("pruned", "", steps_seen=steps)
-            elif event["event"] == "done":
-                return ChildOutcome("ok", measurement=Measurement(**event["measurement"]), steps_seen=steps)
-            elif event["event"] == "error":
-                status = "oom" if "OutOfMemory" in event["type"] else "error"
-                return ChildOutcome(status, f"{event['type']}: {event['message']}", steps_seen=steps)
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(timeout=30)
-        parent_conn.close()
-
-
-def _died(proc: Any, steps: list[float]) -> ChildOutcome:
-    proc.join(timeout=5)
-    code = proc.exitcode
-    if code is not None and code < 0 and -code == signal.SIGKILL:
-        return ChildOutcome(
-            "oom", "candidate process was killed (SIGKILL): most likely out of memory", steps_seen=steps
+    def __init__(
+        self,
+        spec: WorkloadSpec,
+        candidate: Candidate,
+        settings: BenchSettings,
+        *,
+        should_stop: Callable[[], bool] = lambda: False,
+        start_timeout_s: float = 600.0,
+    ) -> None:
+        self.candidate = candidate
+        self.should_stop = should_stop
+        self.steps_seen: list[float] = []
+        ctx = _context()
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(
+            target=_child, args=(child_conn, spec.to_dict(), candidate, settings), daemon=True
         )
-    return ChildOutcome("error", f"candidate process died with exit code {code}", steps_seen=steps)
+        with main_module_hidden():
+            self._proc.start()
+        child_conn.close()
+        self._next_index = 0
+        event = self._wait(lambda: start_timeout_s, "building the workload")
+        if event["event"] != "ready":
+            raise SessionEnded("error", f"unexpected {event['event']!r} while building the workload")
+
+    def _wait(self, limit: Callable[[], float | None], what: str) -> dict[str, Any]:
+        """The next event from the child; :class:`SessionEnded` when it dies, errs, is stopped or
+        exceeds ``limit()`` seconds."""
+        since = time.perf_counter()
+        while True:
+            if self.should_stop():
+                self.close()
+                raise SessionEnded("stopped", "stopped by the deadline", self.steps_seen)
+            allowed = limit()
+            remaining = None if allowed is None else allowed - (time.perf_counter() - since)
+            if remaining is not None and remaining <= 0:
+                self.close()
+                raise SessionEnded(
+                    "pruned" if what.startswith("step") else "error",
+                    f"{what} still running after {allowed:.1f} s",
+                    self.steps_seen,
+                )
+            wait = _POLL_S if remaining is None else min(remaining, _POLL_S)
+            if self._conn.poll(wait):
+                try:
+                    event = self._conn.recv()
+                except EOFError:
+                    raise self._died() from None
+                if event["event"] == "error":
+                    self.close()
+                    raise SessionEnded(
+                        _failure_status(event["type"]),
+                        f"{event['type']}: {event['message']}",
+                        self.steps_seen,
+                    )
+                return event
+            if not self._proc.is_alive() and not self._conn.poll():
+                raise self._died()
+
+    def _run(
+        self, command: dict[str, Any], end: str, limit: StepLimit, on_step: OnStep, timed: bool
+    ) -> list[float]:
+        self._conn.send(command)
+        times = []
+        while True:
+            index = self._next_index
+            event = self._wait(lambda index=index: limit(index, timed), f"step {index}")
+            if event["event"] == end:
+                return times
+            times.append(event["seconds"])
+            self.steps_seen.append(event["seconds"])
+            self._next_index = event["index"] + 1
+            on_step(event)
+
+    def warm_up(self, limit: StepLimit, on_step: OnStep) -> list[float]:
+        return self._run({"cmd": "warmup"}, "warm", limit, on_step, timed=False)
+
+    def steps(self, n: int, limit: StepLimit, on_step: OnStep) -> list[float]:
+        return self._run({"cmd": "steps", "n": n}, "round", limit, on_step, timed=True)
+
+    def finish(self) -> Measurement:
+        self._conn.send({"cmd": "finish"})
+        event = self._wait(lambda: 120.0, "finishing")
+        self.close()
+        return Measurement(**event["measurement"])
+
+    def _died(self) -> SessionEnded:
+        self._proc.join(timeout=5)
+        code = self._proc.exitcode
+        self.close()
+        if code is not None and code < 0 and -code == signal.SIGKILL:
+            return SessionEnded(
+                "oom", "candidate process was killed (SIGKILL): most likely out of memory", self.steps_seen
+            )
+        return SessionEnded("error", f"candidate process died with exit code {code}", self.steps_seen)
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join(timeout=30)
+        self._conn.close()
+
+
+class LocalSession:
+    """A candidate's session in this process: the same interface, limits judged after each step."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        candidate: Candidate,
+        settings: BenchSettings,
+        batches: list | None = None,
+        *,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.candidate = candidate
+        self.should_stop = should_stop
+        self.steps_seen: list[float] = []
+        try:
+            self._session = TrainingSession(workload, candidate, settings, batches)
+        except Exception as exc:
+            raise SessionEnded(
+                _failure_status(type(exc).__name__), f"{type(exc).__name__}: {_first_line(exc)}"
+            ) from exc
+
+    def _step(self, timed: bool, limit: StepLimit, on_step: OnStep) -> dict[str, Any]:
+        if self.should_stop():
+            raise SessionEnded("stopped", "stopped by the deadline", self.steps_seen)
+        index = self._session.index
+        try:
+            event = self._session.step(timed)
+        except Exception as exc:  # one candidate's failure must not stop the sweep
+            raise SessionEnded(
+                _failure_status(type(exc).__name__),
+                f"{type(exc).__name__}: {_first_line(exc)}",
+                self.steps_seen,
+            ) from exc
+        self.steps_seen.append(event["seconds"])
+        on_step(event)
+        allowed = limit(index, timed)
+        if allowed is not None and event["seconds"] > allowed:
+            raise SessionEnded(
+                "pruned",
+                f"step {index} took {event['seconds']:.1f} s (limit {allowed:.1f} s)",
+                self.steps_seen,
+            )
+        return event
+
+    def warm_up(self, limit: StepLimit, on_step: OnStep) -> list[float]:
+        times: list[float] = []
+        while not self._session.warm_enough(times):
+            times.append(self._step(False, limit, on_step)["seconds"])
+        return times
+
+    def steps(self, n: int, limit: StepLimit, on_step: OnStep) -> list[float]:
+        return [self._step(True, limit, on_step)["seconds"] for _ in range(n)]
+
+    def finish(self) -> Measurement:
+        result = self._session.finish()
+        if result.peak_memory_bytes is None:
+            result.memory_method = "n/a: in-process run (isolated CPU memory needs a workload spec)"
+        return result
+
+    def close(self) -> None:
+        pass
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else ""

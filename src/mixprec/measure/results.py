@@ -11,8 +11,9 @@ from __future__ import annotations
 import csv
 import json
 import os
+import random
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -23,7 +24,7 @@ from mixprec.policy import Candidate
 from mixprec.schema import SCHEMA_VERSION, check_version, known_fields
 from mixprec.status import Status
 
-STATUSES = (Status.OK, Status.UNSUPPORTED, Status.OOM, Status.ERROR, Status.PRUNED)
+STATUSES = (Status.OK, Status.UNSUPPORTED, Status.OOM, Status.ERROR, Status.PRUNED, Status.NO_EFFECT)
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,11 @@ class BenchRow:
         baseline_repeat: the strict-fp32 re-measurement at the end of a sweep (drift check).
         world_size: data-parallel ranks; throughput counts every rank's batch.
         rank_step_time_ms / rank_peak_memory_bytes: per rank, in data-parallel runs.
-        speedup_vs_fp32, achieved_tflops, mfu, peak_flops, peak_flops_source: derived by
-            :func:`assemble` from the sweep; never set them by hand.
+        paired_ratios: per round, the strict-fp32 step time over this candidate's step time,
+            measured back to back (see :mod:`mixprec.measure.paired`).
+        notes: what happened to this row beyond its status (e.g. measured on a retry).
+        speedup_vs_fp32, speedup_ci, achieved_tflops, mfu, mfu_note, peak_flops,
+            peak_flops_source: derived by :func:`assemble` from the sweep; never set them by hand.
     """
 
     workload: str
@@ -89,10 +93,14 @@ class BenchRow:
     world_size: int = 1
     rank_step_time_ms: tuple[float, ...] = ()
     rank_peak_memory_bytes: tuple[int | None, ...] = ()
+    paired_ratios: tuple[float, ...] = ()
+    notes: tuple[str, ...] = ()
     # derived (assemble)
     speedup_vs_fp32: float | None = None
+    speedup_ci: tuple[float, float] | None = None
     achieved_tflops: float | None = None
     mfu: float | None = None
+    mfu_note: str = ""
     peak_flops: float | None = None
     peak_flops_source: str = ""
 
@@ -141,16 +149,19 @@ class BenchRow:
             "throughput": self.throughput,
             "step_time_ms": self.step_time_ms.to_dict() if self.step_time_ms else None,
         }
-        for key in ("step_times_ms", "rank_step_time_ms", "rank_peak_memory_bytes"):
+        for key in ("step_times_ms", "rank_step_time_ms", "rank_peak_memory_bytes", "paired_ratios", "notes"):
             d[key] = list(d[key])
+        d["speedup_ci"] = list(self.speedup_ci) if self.speedup_ci else None
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BenchRow:
         data = known_fields(cls, d)
         data["candidate"] = Candidate.from_dict(d.get("candidate", d))
-        for key in ("step_times_ms", "rank_step_time_ms", "rank_peak_memory_bytes"):
+        for key in ("step_times_ms", "rank_step_time_ms", "rank_peak_memory_bytes", "paired_ratios", "notes"):
             data[key] = tuple(d.get(key) or ())
+        ci = d.get("speedup_ci")
+        data["speedup_ci"] = (float(ci[0]), float(ci[1])) if ci else None
         return cls(**data)
 
 
@@ -173,24 +184,63 @@ def baseline_row(rows: Iterable[BenchRow]) -> BenchRow | None:
 Peaks = dict[str, tuple[float | None, str]]  # a spec's peak_key -> (FLOP/s or None, source)
 
 
+def median_ci(
+    values: Sequence[float], *, level: float = 0.95, resamples: int = 2000
+) -> tuple[float, float] | None:
+    """Bootstrap percentile interval of the median of ``values`` (seeded: the same data gives the
+    same interval). None below two values: one pair says nothing about its spread."""
+    if len(values) < 2:
+        return None
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * (resamples - 1))], medians[int((1 - tail) * (resamples - 1))]
+
+
+def _mfu(
+    row: BenchRow, flops: int | None, step_s: float, peak: float | None, source: str
+) -> tuple[float | None, str]:
+    """MFU, or None with the reason when the figure cannot be right (above the peak)."""
+    value = flops_mod.mfu(flops, step_s, peak)
+    if value is None or value <= 1.0:
+        return value, ""
+    achieved = flops_mod.achieved_tflops(flops, step_s)
+    why = (
+        "the measured CPU peak is too low (the machine was busy when it was measured)"
+        if source.startswith("measured")
+        else "the model's FLOPs overstate the work done (e.g. Winograd/FFT convolutions multiply less)"
+    )
+    return None, f"n/a: {achieved:.3g} TFLOP/s exceed the {peak / 1e12:.3g} TFLOP/s peak ({value:.0%}): {why}"  # type: ignore[operator]
+
+
 def assemble(rows: Iterable[BenchRow], flops_per_step: int | None, peaks: Peaks) -> list[BenchRow]:
-    """``rows`` with every derived figure computed from their own measurements and the baseline."""
+    """``rows`` with every derived figure computed from their own measurements and the baseline.
+
+    The speedup of a row with paired ratios is their median (and its bootstrap interval); rows
+    without (the baseline, data-parallel runs, schema-1 files) fall back on the ratio of
+    throughputs. MFU above 100% is never shown as a figure: it becomes None with ``mfu_note``.
+    """
     rows = list(rows)
     base = baseline_row(rows)
     out = []
     for row in rows:
         derived: dict[str, Any] = {}
-        if row.throughput and base is not None and base.throughput:
+        if row.paired_ratios:
+            derived["speedup_vs_fp32"] = statistics.median(row.paired_ratios)
+            derived["speedup_ci"] = median_ci(row.paired_ratios)
+        elif row.throughput and base is not None and base.throughput:
             derived["speedup_vs_fp32"] = row.throughput / base.throughput
         st = row.step_time_ms
         if st is not None:
             flops = row.flops_per_step or flops_per_step
             peak, source = peaks.get(row.candidate.spec.peak_key, (None, ""))
             step_s = st.median_ms / 1e3
+            mfu, note = _mfu(row, flops, step_s, peak, source)
             derived.update(
                 flops_per_step=flops,
                 achieved_tflops=flops_mod.achieved_tflops(flops, step_s),
-                mfu=flops_mod.mfu(flops, step_s, peak),
+                mfu=mfu,
+                mfu_note=note,
                 peak_flops=peak,
                 peak_flops_source=source,
             )
@@ -213,6 +263,7 @@ class BenchResult:
         env: the environment block (versions, device, precision state).
         notes: what the sweep adjusted or skipped, and why.
         stopped: why the sweep ended before its last candidate (a deadline), else None.
+        noise: what the machine was doing meanwhile (see :mod:`mixprec.measure.noise`).
     """
 
     workload: str
@@ -226,6 +277,7 @@ class BenchResult:
     env: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     stopped: str | None = None
+    noise: dict[str, Any] = field(default_factory=dict)
 
     @property
     def rows(self) -> list[BenchRow]:
@@ -248,13 +300,18 @@ class BenchResult:
 
     @property
     def baseline_drift(self) -> float | None:
-        """Relative change of the fp32 step time between the start and the end of the sweep."""
+        """Relative change of the strict-fp32 step time from the start of the sweep to its end:
+        +0.2 means fp32 steps took 20% longer at the end (the machine got busier or hotter)."""
         rows = self.rows
         first = baseline_row(rows)
         repeat = next((r for r in rows if r.baseline_repeat and r.status == Status.OK), None)
-        if not first or not repeat or not first.step_time_ms or not repeat.step_time_ms:
+        if first and repeat and first.step_time_ms and repeat.step_time_ms:  # schema 1: a repeat row
+            return repeat.step_time_ms.median_ms / first.step_time_ms.median_ms - 1.0
+        times = first.step_times_ms if first else ()
+        if len(times) < 6:
             return None
-        return repeat.step_time_ms.median_ms / first.step_time_ms.median_ms - 1.0
+        third = len(times) // 3
+        return statistics.median(times[-third:]) / statistics.median(times[:third]) - 1.0
 
     def best(self) -> BenchRow | None:
         ok = [r for r in self.rows if r.status == Status.OK and r.throughput and not r.baseline_repeat]
@@ -273,6 +330,7 @@ class BenchResult:
             "baseline_drift": self.baseline_drift,
             "notes": self.notes,
             "stopped": self.stopped,
+            "noise": self.noise,
             "rows": [r.to_dict() for r in self.rows],
         }
 
@@ -296,6 +354,7 @@ class BenchResult:
             env=data.get("env") or {},
             notes=list(data.get("notes") or []),
             stopped=data.get("stopped"),
+            noise=dict(data.get("noise") or {}),
         )
 
 

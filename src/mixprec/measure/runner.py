@@ -231,21 +231,22 @@ class TrainingSession:
         while the last two differ by over ``STEADY_TOLERANCE`` (oneDNN creates its primitives and
         allocators settle over the first steps), at most ``MAX_WARMUP`` or ``max_warmup_s``.
         False when ``emit`` stopped it."""
-        settings = self.settings
-        spent = 0.0
         while True:
             event = self.step(timed=False)
-            spent += event["seconds"]
-            if not emit({**event, "total": settings.warmup + settings.steps}):
+            if not emit({**event, "total": self.settings.warmup + self.settings.steps}):
                 return False
-            times = self.result.warmup_times_s
-            if len(times) < settings.warmup:
-                continue
-            if not settings.adaptive_warmup:
+            if self.warm_enough(self.result.warmup_times_s):
                 return True
-            steady = len(times) >= 2 and abs(times[-1] - times[-2]) <= STEADY_TOLERANCE * min(times[-2:])
-            if steady or len(times) >= max(settings.warmup, MAX_WARMUP) or spent >= settings.max_warmup_s:
-                return True
+
+    def warm_enough(self, times: list[float]) -> bool:
+        """Whether warm-up steps taking ``times`` seconds are enough (see :meth:`warm_up`)."""
+        settings = self.settings
+        if len(times) < settings.warmup:
+            return False
+        if not settings.adaptive_warmup:
+            return True
+        steady = len(times) >= 2 and abs(times[-1] - times[-2]) <= STEADY_TOLERANCE * min(times[-2:])
+        return steady or len(times) >= max(settings.warmup, MAX_WARMUP) or sum(times) >= settings.max_warmup_s
 
     def finish(self) -> Measurement:
         """The measurement so far, with the peak memory (CUDA) and skipped steps filled in."""

@@ -20,18 +20,19 @@ import torch
 from mixprec.errors import PolicyError, UsageError
 from mixprec.hardware import environment
 from mixprec.hardware.device import DeviceInfo, detect, resolve_device
-from mixprec.hardware.peaks import peak_flops
-from mixprec.measure.isolate import run_isolated
+from mixprec.hardware.peaks import cpu_peak, peak_flops
+from mixprec.measure import noise
+from mixprec.measure.effect import math_mode_effect
+from mixprec.measure.isolate import SessionEnded
+from mixprec.measure.paired import BASELINE, PairedSweep
 from mixprec.measure.results import BenchResult, BenchRow, Peaks, append_jsonl, read_jsonl
-from mixprec.measure.runner import BenchSettings, Measurement, distinct_batches, make_batches, run_candidate
+from mixprec.measure.runner import BenchSettings, Measurement, distinct_batches, make_batches
 from mixprec.policy import POLICY_NAMES, Candidate, canonical_name, check_support
 from mixprec.status import Status
 from mixprec.workload import Workload
 
 Progress = Callable[[dict[str, Any]], None]
 CHANNELS_LAST_CHOICES = ("off", "on", "both")
-_CUDA_WARMUP_LIMIT_S = 600.0
-BASELINE = Candidate("fp32")
 
 
 def parse_policies(policies: str | Sequence[str] | None) -> list[str]:
@@ -112,7 +113,6 @@ def bench(
     resume: bool = False,
     isolate: bool | None = None,
     prune_factor: float = 5.0,
-    repeat_baseline: bool = True,
     progress: Progress | None = None,
     candidates: Sequence[Candidate] | None = None,
     nproc: int = 1,
@@ -120,26 +120,28 @@ def bench(
     deadline: float | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> BenchResult:
-    """Measure every candidate policy on ``workload``'s real training step.
+    """Measure every candidate policy on ``workload``'s real training step, paired with strict fp32.
 
     Args:
         workload: the model, its batches, loss and optimizer.
         policies: 'all', or policy names (a list or a comma-separated string).
         channels_last: 'off', 'on' or 'both' layouts for models with 4-D weights.
         batch_size: samples per step (default: the workload's); per rank when ``nproc > 1``.
-        steps / warmup: timed and untimed steps per candidate.
+        steps: timed steps (paired rounds) per candidate, at least.
+        warmup: untimed steps per candidate, at least (more until the step time is steady).
         min_time_s: keep timing a candidate until this much timed time has passed (<= 200 steps).
         device: 'cpu', 'cuda[:N]' (default: CUDA when available).
         jsonl: append each finished row to this JSON Lines file at once.
         resume: keep the finished rows already in ``jsonl`` and measure the rest.
         isolate: each candidate in its own process (default: when the workload has a spec):
             isolated CPU peak memory, crash isolation, hard pruning.
-        prune_factor: stop a candidate that many times slower than the best step time so far.
-        repeat_baseline: measure strict fp32 again at the end, so drift shows.
+        prune_factor: stop a candidate that many times slower than the best so far (compared
+            like with like, retried once at the end; see :mod:`mixprec.measure.paired`).
         progress: receives 'candidate', 'step' and 'row' events.
         candidates: replaces the ``policies`` x ``channels_last`` grid (e.g. a keep_fp32
-            rescue); strict fp32 is always measured first.
-        nproc: train every candidate data-parallel on that many DDP ranks (needs a spec).
+            rescue); strict fp32 is always measured too, as the baseline.
+        nproc: train every candidate data-parallel on that many DDP ranks (needs a spec); these
+            runs are sequential, not paired.
         cudnn_benchmark: let cuDNN autotune its convolutions on CUDA, as NVIDIA's and timm's
             training scripts do (the warm-up steps absorb the tuning).
         deadline: a ``time.perf_counter()`` value; the sweep stops there and returns what it has.
@@ -158,8 +160,6 @@ def bench(
     dev = resolve_device(device)
     info = detect(dev)
     names = parse_policies(policies)
-    if "fp32" not in names:
-        names.insert(0, "fp32")  # speedups need the strict baseline
     layouts = parse_channels_last(channels_last)
     notes = []
     if True in layouts and not has_4d_weights(workload.model):
@@ -178,7 +178,6 @@ def bench(
     bs = batch_size or workload.default_batch_size
     plan = plan_candidates(names, layouts) if candidates is None else [BASELINE]
     plan += [c for c in (candidates or []) if c not in plan]
-    repeats = [BASELINE] if repeat_baseline else []
     settings = BenchSettings(
         device=str(dev),
         batch_size=bs,
@@ -204,6 +203,7 @@ def bench(
             "threads": settings.threads,
             "min_time_s": min_time_s,
             "cudnn_benchmark": cudnn_benchmark and dev.type == "cuda",
+            "paired": nproc == 1,
         },
         env=environment.collect(dev),
         notes=notes,
@@ -213,84 +213,233 @@ def bench(
     if jsonl is not None:
         if resume:
             # errors and OOMs may be transient: only finished verdicts are kept, the rest re-run
-            kept = (Status.OK, Status.UNSUPPORTED, Status.PRUNED)
+            kept = (Status.OK, Status.UNSUPPORTED, Status.PRUNED, Status.NO_EFFECT)
             done = {r.key: r for r in read_jsonl(jsonl) if r.status in kept}
         else:
             Path(jsonl).parent.mkdir(parents=True, exist_ok=True)
             Path(jsonl).write_text("", encoding="utf-8")
     result.flops_per_step = next((r.flops_per_step for r in done.values() if r.flops_per_step), None)
-    shared_batches: list | None = None  # in-process runs: one set of batches for all candidates
 
-    schedule = [(c, False) for c in plan] + [(c, True) for c in repeats]
-    for index, (cand, is_repeat) in enumerate(schedule):
-        if stop_requested():
-            result.stopped = (
-                f"stopped by the deadline after {len(result.measured)} of {len(schedule)} candidates"
+    def record(row: BenchRow, index: int, resumed: bool = False) -> None:
+        result.update(row)
+        shown = next(r for r in result.rows if r.key == row.key)
+        if jsonl is not None and not resumed:
+            append_jsonl(jsonl, shown)
+        progress({"event": "row", "row": shown, "index": index, "count": len(plan), "resumed": resumed})
+
+    start = noise.snapshot(str(dev))
+    if nproc > 1:
+        _sweep_data_parallel(
+            workload, plan, settings, nproc, info, result, done, record, stop_requested, progress
+        )
+    else:
+        _sweep_paired(
+            workload,
+            plan,
+            settings,
+            isolate,
+            prune_factor,
+            info,
+            result,
+            done,
+            record,
+            stop_requested,
+            progress,
+        )
+    order = {cand: i for i, cand in enumerate(plan)}
+    result.measured.sort(key=lambda r: order.get(r.candidate, len(plan)))  # resumed rows too, in plan order
+    base = result.baseline
+    result.noise = noise.summarize(start, noise.snapshot(str(dev)), base.step_times_ms if base else ())
+    _revalidate_cpu_peaks(result, info)
+    return result
+
+
+def _sweep_paired(
+    workload: Workload,
+    plan: list[Candidate],
+    settings: BenchSettings,
+    isolate: bool,
+    prune_factor: float,
+    info: DeviceInfo,
+    result: BenchResult,
+    done: dict[tuple, BenchRow],
+    record: Callable[..., None],
+    stop_requested: Callable[[], bool],
+    progress: Progress,
+) -> None:
+    label, device, bs = result.workload, settings.device, settings.batch_size
+    todo = [(i, c) for i, c in enumerate(plan) if (label, c, device, bs, False) not in done or c == BASELINE]
+    for i, cand in enumerate(plan):
+        key = (label, cand, device, bs, False)
+        if key in done and cand != BASELINE:
+            record(done[key], i, resumed=True)
+    if not todo:
+        return
+    batches = None
+    if not isolate:
+        try:
+            batches = make_batches(
+                workload, bs, torch.device(device), settings.seed, distinct_batches(settings)
             )
-            break
-        key = (label, cand, str(dev), bs, is_repeat)
-        if key in done:
-            result.add(done[key])
+        except Exception as exc:  # e.g. a batch larger than the device: every row fails alike
+            status, reason = _failure(exc)
+            for i, cand in todo:
+                record(BenchRow(label, cand, device, bs, status, reason), i)
+            return
+    sweep = PairedSweep(
+        workload,
+        settings,
+        label=label,
+        isolate=isolate,
+        prune_factor=prune_factor,
+        progress=progress,
+        should_stop=stop_requested,
+        batches=batches,
+    )
+    progress({"event": "candidate", "label": BASELINE.label, "index": 0, "count": len(plan)})
+    try:
+        try:
+            record(sweep.start_baseline(count_flops=result.flops_per_step is None), 0)
+        except SessionEnded as ended:
+            if ended.status == "stopped":
+                result.stopped = "stopped by the deadline before strict fp32 was measured"
+                return
+            row = BenchRow(
+                label, BASELINE, device, bs, Status(ended.status), f"strict fp32 failed: {ended.reason}"
+            )
+            for i, cand in todo:
+                record(replace(row, candidate=cand), i)
+            return
+        pruned: list[tuple[int, BenchRow]] = []
+        for i, cand in todo:
+            if cand == BASELINE:
+                continue
+            if stop_requested():
+                result.stopped = f"stopped by the deadline before {cand.label}"
+                break
+            progress({"event": "candidate", "label": cand.label, "index": i, "count": len(plan)})
+            row = _refused(cand, label, settings, info, workload, batches)
+            if row is None:
+                try:
+                    row = sweep.measure(cand)
+                except SessionEnded:  # told to stop while measuring it
+                    result.stopped = f"stopped by the deadline while measuring {cand.label}"
+                    break
+            if row.status == Status.PRUNED:
+                pruned.append((i, row))
+            record(row, i)
+        # A transient must not prune a candidate for good: one more attempt, when time is left.
+        for i, first in pruned:
+            if result.stopped or stop_requested():
+                break
             progress(
-                {"event": "row", "row": done[key], "index": index, "count": len(schedule), "resumed": True}
+                {
+                    "event": "candidate",
+                    "label": f"{first.candidate.label} (retry)",
+                    "index": i,
+                    "count": len(plan),
+                }
             )
+            try:
+                again = sweep.measure(first.candidate)
+            except SessionEnded:
+                result.stopped = f"stopped by the deadline while retrying {first.candidate.label}"
+                break
+            if again.status == Status.PRUNED:
+                again = replace(again, reason=f"pruned twice: {first.reason}; again: {again.reason}")
+            else:
+                again = replace(
+                    again,
+                    notes=(
+                        *again.notes,
+                        f"pruned on the first attempt ({first.reason}); measured on a retry",
+                    ),
+                )
+            record(again, i)
+        baseline = sweep.finish_baseline()
+        result.flops_per_step = result.flops_per_step or baseline.flops_per_step
+        record(baseline, 0)
+    finally:
+        sweep.close()
+
+
+def _refused(
+    cand: Candidate,
+    label: str,
+    settings: BenchSettings,
+    info: DeviceInfo,
+    workload: Workload,
+    batches: list | None,
+) -> BenchRow | None:
+    """The row of a candidate that is not measured: unsupported here, or a math mode that computes
+    what strict fp32 computes on this workload; None when it should be measured."""
+    device, bs = settings.device, settings.batch_size
+    support = check_support(cand.policy, info)
+    if not support:
+        hint = f"; try {support.suggestion}" if support.suggestion else ""
+        return BenchRow(label, cand, device, bs, Status.UNSUPPORTED, support.reason + hint)
+    if cand.spec.is_math_mode and cand.policy != "fp32":
+        try:
+            batch = (batches or make_batches(workload, bs, torch.device(device), settings.seed, 1))[0]
+            effect = math_mode_effect(workload, cand, batch, torch.device(device))
+        except Exception:  # the probe is an optimisation: when it cannot run, measure instead
+            return None
+        if effect.no_effect:
+            return BenchRow(label, cand, device, bs, Status.NO_EFFECT, effect.describe(cand))
+    return None
+
+
+def _sweep_data_parallel(
+    workload: Workload,
+    plan: list[Candidate],
+    settings: BenchSettings,
+    nproc: int,
+    info: DeviceInfo,
+    result: BenchResult,
+    done: dict[tuple, BenchRow],
+    record: Callable[..., None],
+    stop_requested: Callable[[], bool],
+    progress: Progress,
+) -> None:
+    label, device, bs = result.workload, settings.device, settings.batch_size
+    for i, cand in enumerate(plan):
+        key = (label, cand, device, bs, False)
+        if key in done:
+            record(done[key], i, resumed=True)
             continue
-        row = BenchRow(label, cand, str(dev), bs, Status.OK, baseline_repeat=is_repeat)
-        progress({"event": "candidate", "label": row.label, "index": index, "count": len(schedule)})
+        if stop_requested():
+            result.stopped = f"stopped by the deadline before {cand.label}"
+            break
+        progress({"event": "candidate", "label": cand.label, "index": i, "count": len(plan)})
         support = check_support(cand.policy, info)
         if not support:
             hint = f"; try {support.suggestion}" if support.suggestion else ""
-            row = BenchRow(
-                label,
-                cand,
-                str(dev),
-                bs,
-                Status.UNSUPPORTED,
-                support.reason + hint,
-                baseline_repeat=is_repeat,
-            )
-        else:
-            run_settings = replace(settings, count_flops=result.flops_per_step is None)
-            if nproc > 1:
-                row = _measure_data_parallel(row, workload, cand, run_settings, nproc)
-            else:
-                if not isolate and shared_batches is None:
-                    try:
-                        shared_batches = make_batches(
-                            workload, bs, dev, settings.seed, distinct_batches(settings)
-                        )
-                    except Exception as exc:  # e.g. a batch larger than the device: this row's failure
-                        status, reason = _failure(exc)
-                        row = BenchRow(label, cand, str(dev), bs, status, reason, baseline_repeat=is_repeat)
-                if row.status == Status.OK:
-                    ok_rows = [r for r in result.rows if r.status == Status.OK and not r.baseline_repeat]
-                    measured = _measure(
-                        row,
-                        workload,
-                        run_settings,
-                        isolate,
-                        prune_factor,
-                        ok_rows,
-                        progress,
-                        shared_batches,
-                        stop_requested,
-                    )
-                    if measured is None:  # stopped mid-candidate: the sweep ends here
-                        result.stopped = (
-                            f"stopped by the deadline while measuring {cand.label}, after "
-                            f"{len(result.measured)} of {len(schedule)} candidates"
-                        )
-                        break
-                    row = measured
-            if row.status == Status.OK and result.flops_per_step is None and row.flops_per_step:
-                result.flops_per_step = row.flops_per_step
-        result.add(row)
-        if jsonl is not None:
-            append_jsonl(jsonl, result.rows[-1])
-        progress(
-            {"event": "row", "row": result.rows[-1], "index": index, "count": len(schedule), "resumed": False}
+            record(BenchRow(label, cand, device, bs, Status.UNSUPPORTED, support.reason + hint), i)
+            continue
+        run_settings = replace(settings, count_flops=result.flops_per_step is None)
+        row = _measure_data_parallel(
+            BenchRow(label, cand, device, bs, Status.OK), workload, cand, run_settings, nproc
         )
-    return result
+        if result.flops_per_step is None and row.flops_per_step:
+            result.flops_per_step = row.flops_per_step
+        record(row, i)
+
+
+def _revalidate_cpu_peaks(result: BenchResult, info: DeviceInfo) -> None:
+    """A run faster than the measured CPU peak proves the peak low: measure it again (keeping the
+    larger), once per sweep; what still exceeds it is shown as MFU n/a by :func:`assemble`."""
+    if info.type != "cpu":
+        return
+    beaten = {
+        r.candidate.spec.peak_key
+        for r in result.rows
+        if r.achieved_tflops and r.peak_flops and r.achieved_tflops * 1e12 > r.peak_flops
+    }
+    for key in beaten:
+        try:
+            result.peaks[key] = cpu_peak(key, info, refresh=True)
+        except (RuntimeError, OSError, UsageError):
+            continue
 
 
 def _failure(exc: BaseException) -> tuple[Status, str]:
@@ -344,114 +493,3 @@ def _measure_data_parallel(
         memory_method=(ranks[0].memory_method + " (the largest rank)") if known else "n/a",
         first_step_ms=ranks[0].warmup_times_s[0] * 1e3 if ranks[0].warmup_times_s else None,
     )
-
-
-def _measure(
-    row: BenchRow,
-    workload: Workload,
-    settings: BenchSettings,
-    isolate: bool,
-    prune_factor: float,
-    ok_rows: list[BenchRow],
-    progress: Progress,
-    batches: list | None,
-    stop_requested: Callable[[], bool],
-) -> BenchRow | None:
-    """Run one candidate; its row, or None when the sweep was told to stop during it."""
-    cand = row.candidate
-    best_median_s = min((r.step_time_ms.median_ms / 1e3 for r in ok_rows if r.step_time_ms), default=None)
-    # A cold first step (allocation, kernel selection) is judged against the best candidate's
-    # own cold first step, later steps against its median.
-    best_first_s = min((r.first_step_ms / 1e3 for r in ok_rows if r.first_step_ms), default=None)
-    floor_s = 1.0  # below a second a "hopeless" verdict is process noise, not a measurement
-    on_cuda = settings.device.startswith("cuda")
-
-    def step_timeout(i: int) -> float | None:
-        if best_median_s is None:
-            return None
-        if on_cuda and i < settings.warmup:
-            # cuDNN autotuning and lazy kernel loading make CUDA warm-up steps cost what the dtype and
-            # layout happen to need (8 to 69 s for ResNet-50 at batch 256 on an H100), unrelated to the
-            # steady-state speed: never pruned there, only bounded.
-            return _CUDA_WARMUP_LIMIT_S
-        if i == 0 and best_first_s:
-            return max(floor_s, prune_factor * best_first_s)  # cold step vs the best's cold step
-        if i < settings.warmup:  # later warm-up steps may still be settling: a wider margin
-            return max(floor_s, prune_factor * 3 * best_median_s)
-        return max(floor_s, prune_factor * best_median_s)
-
-    timed: list[float] = []
-    seen: list[float] = []
-    state: dict[str, Any] = {"reason": None, "first_loss": None, "first_step_ms": None, "stopped": False}
-
-    def on_event(event: dict[str, Any]) -> bool:
-        if event.get("event") != "step":
-            return True
-        if stop_requested():
-            state["stopped"] = True
-            return False
-        seen.append(event["seconds"])
-        if event["index"] == 0:
-            state["first_loss"] = event.get("loss")
-            state["first_step_ms"] = event["seconds"] * 1e3
-        if event["timed"]:
-            timed.append(event["seconds"])
-        progress({**event, "label": cand.label})
-        limit = step_timeout(event["index"])
-        if limit is not None and event["seconds"] > limit:
-            state["reason"] = (
-                f"step {event['index']} took {event['seconds'] * 1e3:.0f} ms, over {prune_factor:g}x the "
-                f"best step time so far ({best_median_s * 1e3:.0f} ms)"  # type: ignore[operator]
-            )
-            return False
-        return True
-
-    measurement: Measurement | None = None
-    status, reason = Status.OK, ""
-    wall = time.perf_counter()
-    if isolate:
-        outcome = run_isolated(
-            workload.spec,  # type: ignore[arg-type]
-            cand,
-            settings,
-            step_timeout=step_timeout,
-            on_event=on_event,
-            should_stop=stop_requested,
-        )
-        if outcome.status == "stopped" or state["stopped"]:
-            return None
-        status, measurement = Status(outcome.status), outcome.measurement
-        reason = state["reason"] or outcome.reason
-        if outcome.status == Status.PRUNED and not state["reason"] and best_median_s:
-            limit = step_timeout(len(outcome.steps_seen or []))
-            factor = (limit or 0) / best_median_s
-            reason += f" (best so far {best_median_s * 1e3:.0f} ms/step: at least {factor:.0f}x slower)"
-    else:
-        try:
-            measurement = run_candidate(workload, cand, settings, on_event, batches)
-            if state["stopped"]:
-                return None
-            if measurement.stopped_early:
-                status, reason = Status.PRUNED, state["reason"] or "stopped early"
-        except Exception as exc:  # any failure of one candidate must not stop the sweep
-            status, reason = _failure(exc)
-    common = {
-        "status": status,
-        "reason": reason,
-        "wall_s": time.perf_counter() - wall,
-        "first_step_ms": state["first_step_ms"],
-    }
-    if status == Status.PRUNED:
-        # Keep the measured figure: the steps that did complete (timed ones if any, else warm-up).
-        figures = timed or seen
-        if not figures:
-            common["reason"] = reason or "pruned before its first step finished"
-        return _with_measurement(row, measurement, figures, **common, first_loss=state["first_loss"])
-    if status != Status.OK:
-        return replace(row, **common)
-    out = _with_measurement(row, measurement, measurement.step_times_s if measurement else timed, **common)
-    if out.peak_memory_bytes is None:
-        out = replace(out, memory_method="n/a: in-process run (isolated CPU memory needs a workload spec)")
-    if out.first_loss is not None and not math.isfinite(out.first_loss):
-        out = replace(out, status=Status.ERROR, reason=f"non-finite first loss {out.first_loss}")
-    return out

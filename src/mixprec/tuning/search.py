@@ -201,7 +201,7 @@ def _measure_rescue(
     ]
     say(f"measuring rescued {base.label} with keep_fp32={verdict.fix_keep_fp32}")
     # bench measures fp32 first as well; the rescued rows join the sweep's own baseline below
-    extra = bench(workload, candidates=rescued, repeat_baseline=False, deadline=deadline, **sweep)
+    extra = bench(workload, candidates=rescued, deadline=deadline, **sweep)
     added = [r for r in extra.measured if r.keep_fp32]
     if not added:
         result.notes.append(f"rescued {base.label} not measured: budget spent")
@@ -245,7 +245,6 @@ def _remeasure_tie(
     again = bench(
         workload,
         candidates=[chosen.candidate, rival.candidate],
-        repeat_baseline=False,
         deadline=deadline,
         **{**sweep, "steps": steps},
     )

@@ -1,0 +1,229 @@
+"""Paired measurement: each candidate's steps alternate with the strict-fp32 baseline's.
+
+The baseline session stays open for the whole sweep. A candidate is warmed up, then timed in
+rounds of one step each, alternating with one baseline step (ABBA order, so a linear drift hits
+both alike). A round's paired ratio is baseline step time / candidate step time, measured at the
+same moment: a neighbour that slows the machine down slows both sides of the pair, so the ratio
+stays honest where a sequential sweep would print an impossible speedup. The speedup reported is
+the median paired ratio, with a bootstrap interval (:func:`mixprec.measure.results.assemble`).
+
+Pruning compares like with like: a candidate's cold first step against the baseline's cold first
+step, its warm steps against what the best candidate would take right now (the baseline's recent
+step time over the best paired ratio). A candidate is stopped when one step overruns that limit
+by ``prune_factor``, or when two rounds in a row are ``prune_factor`` slower than the best; the
+sweep gives every pruned candidate one more attempt at the end, so a transient cannot prune it
+for good.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from mixprec.measure.isolate import ChildSession, LocalSession, SessionEnded
+from mixprec.measure.results import BenchRow
+from mixprec.measure.runner import BenchSettings, Measurement
+from mixprec.policy import Candidate
+from mixprec.status import Status
+from mixprec.workload import Workload
+
+BASELINE = Candidate("fp32")
+# Below a second a "hopeless" verdict is process noise, not a measurement.
+PRUNE_FLOOR_S = 1.0
+# CUDA warm-up steps cost what cuDNN autotuning and lazy kernel loading need (8 to 69 s for
+# ResNet-50 at batch 256 on an H100), unrelated to the steady speed: never pruned, only bounded.
+CUDA_WARMUP_LIMIT_S = 600.0
+# A step of the baseline itself: bounded against a hang, never pruned.
+BASELINE_LIMIT_S = 600.0
+
+Session = ChildSession | LocalSession
+Progress = Callable[[dict[str, Any]], None]
+
+
+class PairedSweep:
+    """The baseline session and the measurement of one candidate after another against it."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        settings: BenchSettings,
+        *,
+        label: str,
+        isolate: bool,
+        prune_factor: float,
+        progress: Progress,
+        should_stop: Callable[[], bool],
+        batches: list | None = None,
+    ) -> None:
+        self.workload, self.settings, self.label = workload, settings, label
+        self.isolate, self.prune_factor = isolate, prune_factor
+        self.progress, self.should_stop, self.batches = progress, should_stop, batches
+        self.on_cuda = settings.device.startswith("cuda")
+        self.baseline: Session | None = None
+        self.baseline_times: list[float] = []  # every timed baseline step, in order (seconds)
+        self.baseline_cold: float | None = None
+        self.baseline_wall = 0.0
+        self.best_ratio = 1.0  # the best median paired ratio so far (the baseline itself is 1)
+
+    # ------------------------------------------------------------------ sessions
+    def _open(self, candidate: Candidate, settings: BenchSettings) -> Session:
+        if self.isolate:
+            return ChildSession(self.workload.spec, candidate, settings, should_stop=self.should_stop)  # type: ignore[arg-type]
+        return LocalSession(self.workload, candidate, settings, self.batches, should_stop=self.should_stop)
+
+    def _row(
+        self, candidate: Candidate, status: str = Status.OK, reason: str = "", **fields: Any
+    ) -> BenchRow:
+        return BenchRow(
+            self.label, candidate, self.settings.device, self.settings.batch_size, status, reason, **fields
+        )
+
+    def start_baseline(self, count_flops: bool) -> BenchRow:
+        """Open, warm up and time the baseline; its row so far (it keeps running for the pairs)."""
+        wall = time.perf_counter()
+        settings = replace(self.settings, count_flops=count_flops)
+        self.baseline = self._open(BASELINE, settings)
+        no_limit = lambda index, timed: BASELINE_LIMIT_S  # noqa: E731
+        warm = self.baseline.warm_up(no_limit, self._emit(BASELINE))
+        self.baseline_cold = warm[0] if warm else None
+        self.baseline_times += self.baseline.steps(self.settings.steps, no_limit, self._emit(BASELINE))
+        self.baseline_wall = time.perf_counter() - wall
+        return self._row(
+            BASELINE, step_times_ms=_ms(self.baseline_times), first_step_ms=_ms1(self.baseline_cold)
+        )
+
+    def finish_baseline(self) -> BenchRow:
+        """Close the baseline session; its row over every step it timed during the sweep."""
+        assert self.baseline is not None
+        measurement = self.baseline.finish()
+        self.baseline = None
+        row = self._row(
+            BASELINE, step_times_ms=_ms(self.baseline_times), first_step_ms=_ms1(self.baseline_cold)
+        )
+        return _with(row, measurement, wall_s=self.baseline_wall)
+
+    def _baseline_step(self) -> float:
+        assert self.baseline is not None
+        (seconds,) = self.baseline.steps(1, lambda index, timed: BASELINE_LIMIT_S, lambda event: None)
+        self.baseline_times.append(seconds)
+        return seconds
+
+    def _recent_baseline(self) -> float:
+        return statistics.median(self.baseline_times[-3:])
+
+    def _emit(self, candidate: Candidate) -> Callable[[dict[str, Any]], None]:
+        total = self.settings.warmup + self.settings.steps
+        return lambda event: self.progress(
+            {**event, "label": candidate.label, "total": max(total, event["index"] + 1)}
+        )
+
+    # ------------------------------------------------------------------ one candidate
+    def _limit(self, index: int, timed: bool) -> float | None:
+        """Seconds a candidate's step may take before it counts as hopeless (see the module doc)."""
+        if self.on_cuda and not timed:
+            return CUDA_WARMUP_LIMIT_S
+        if index == 0 and self.baseline_cold:
+            return max(PRUNE_FLOOR_S, self.prune_factor * self.baseline_cold)
+        best_now = self._recent_baseline() / self.best_ratio
+        settling = 1 if timed else 3  # later warm-up steps may still be settling: a wider margin
+        return max(PRUNE_FLOOR_S, self.prune_factor * settling * best_now)
+
+    def measure(self, candidate: Candidate) -> BenchRow:
+        """Warm ``candidate`` up and time it in rounds paired with the baseline; never raises for
+        the candidate's own failures (they become the row's status). :class:`SessionEnded` with
+        status 'stopped' propagates: the sweep ends there."""
+        wall = time.perf_counter()
+        session: Session | None = None
+        times: list[float] = []
+        ratios: list[float] = []
+        cold: list[float] = []
+        try:
+            session = self._open(candidate, self.settings)
+            emit = self._emit(candidate)
+            warm = session.warm_up(self._limit, emit)
+            cold = warm[:1]
+            strikes = 0
+            while len(times) < self.settings.steps or (
+                sum(times) < self.settings.min_time_s and len(times) < self.settings.max_steps
+            ):
+                if len(ratios) % 2 == 0:  # ABBA: baseline first in even rounds, the candidate first in odd
+                    base = self._baseline_step()
+                    (step,) = session.steps(1, self._limit, emit)
+                else:
+                    (step,) = session.steps(1, self._limit, emit)
+                    base = self._baseline_step()
+                times.append(step)
+                ratios.append(base / step)
+                strikes = strikes + 1 if ratios[-1] * self.prune_factor < self.best_ratio else 0
+                if strikes >= 2:
+                    raise SessionEnded(
+                        "pruned",
+                        f"two paired rounds at least {self.prune_factor:g}x slower than the best candidate "
+                        f"(paired speedup {ratios[-1]:.2f}x against the best {self.best_ratio:.2f}x)",
+                        times,
+                    )
+            measurement = session.finish()
+        except SessionEnded as ended:
+            if session is not None:
+                session.close()
+            if ended.status == "stopped":
+                raise
+            status = Status(ended.status)
+            reason = ended.reason
+            if status == Status.PRUNED:
+                reason += f" (strict fp32 took {self._recent_baseline():.2f} s per step meanwhile)"
+            if status == Status.OOM and self.on_cuda:
+                torch.cuda.empty_cache()
+            seen = times or ended.steps  # a pruned row keeps the figure it reached
+            return self._row(
+                candidate,
+                status,
+                reason,
+                step_times_ms=_ms(seen) if status == Status.PRUNED else (),
+                paired_ratios=tuple(ratios) if status == Status.PRUNED else (),
+                first_step_ms=_ms1(cold[0] if cold else (ended.steps[0] if ended.steps else None)),
+                wall_s=time.perf_counter() - wall,
+            )
+        median_ratio = statistics.median(ratios)
+        self.best_ratio = max(self.best_ratio, median_ratio)
+        row = self._row(
+            candidate,
+            step_times_ms=_ms(times),
+            paired_ratios=tuple(ratios),
+            first_step_ms=_ms1(cold[0] if cold else None),
+        )
+        return _with(row, measurement, wall_s=time.perf_counter() - wall)
+
+    def close(self) -> None:
+        if self.baseline is not None:
+            self.baseline.close()
+            self.baseline = None
+
+
+def _ms(seconds: list[float]) -> tuple[float, ...]:
+    return tuple(t * 1e3 for t in seconds)
+
+
+def _ms1(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def _with(row: BenchRow, m: Measurement, **extra: Any) -> BenchRow:
+    """``row`` with what the run's measurement saw (first loss, dtype, memory, FLOPs)."""
+    out = replace(
+        row,
+        first_loss=m.first_loss,
+        observed_dtype=m.observed_dtype,
+        peak_memory_bytes=m.peak_memory_bytes,
+        memory_method=m.memory_method,
+        flops_per_step=m.flops_per_step,
+        **extra,
+    )
+    if out.first_loss is not None and out.first_loss != out.first_loss:  # NaN
+        out = replace(out, status=Status.ERROR, reason=f"non-finite first loss {out.first_loss}")
+    return out
