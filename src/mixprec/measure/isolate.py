@@ -170,10 +170,14 @@ class ChildSession:
         self, command: dict[str, Any], end: str, limit: StepLimit, on_step: OnStep, timed: bool
     ) -> list[float]:
         self._conn.send(command)
-        times = []
+        times: list[float] = []
         while True:
             index = self._next_index
-            event = self._wait(lambda index=index: limit(index, timed), f"step {index}")
+
+            def allowed(index: int = index) -> float | None:
+                return limit(index, timed)
+
+            event = self._wait(allowed, f"step {index}")
             if event["event"] == end:
                 return times
             times.append(event["seconds"])

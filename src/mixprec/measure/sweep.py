@@ -318,8 +318,10 @@ def _sweep_paired(
                 result.stopped = f"stopped by the deadline before {cand.label}"
                 break
             progress({"event": "candidate", "label": cand.label, "index": i, "count": len(plan)})
-            row = _refused(cand, label, settings, info, workload, batches)
-            if row is None:
+            refused = _refused(cand, label, settings, info, workload, batches)
+            if refused is not None:
+                row = refused
+            else:
                 try:
                     row = sweep.measure(cand)
                 except SessionEnded:  # told to stop while measuring it

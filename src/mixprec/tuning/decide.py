@@ -9,6 +9,7 @@ loss scaling beats loss scaling, NCHW beats a layout change, fewer fp32 islands 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,8 @@ class Recommendation:
         reason: one paragraph: why it won and what lost.
         tie_break: set when a faster candidate within noise lost to this safer one.
         tied_with: that faster candidate.
+        too_noisy: set when the machine's noise was too large to separate two candidates.
+        noisy_with: the candidate the pick could not be separated from.
         lint_worth_fixing: lint findings of warning severity or worse under this policy.
     """
 
@@ -86,6 +89,8 @@ class Recommendation:
     reason: str
     tie_break: str | None = None
     tied_with: Candidate | None = None
+    too_noisy: str | None = None
+    noisy_with: Candidate | None = None
     lint_worth_fixing: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -113,6 +118,8 @@ class Recommendation:
             "tie_break": self.tie_break,
             "tied_with": self.tied_with.label if self.tied_with else None,
             "tied_with_candidate": self.tied_with.to_dict() if self.tied_with else None,
+            "too_noisy": self.too_noisy,
+            "noisy_with": self.noisy_with.to_dict() if self.noisy_with else None,
             "lint_worth_fixing": self.lint_worth_fixing,
         }
 
@@ -128,6 +135,8 @@ class Recommendation:
             reason=data.get("reason", ""),
             tie_break=data.get("tie_break"),
             tied_with=Candidate.from_dict(tied) if tied else None,
+            too_noisy=data.get("too_noisy"),
+            noisy_with=Candidate.from_dict(data["noisy_with"]) if data.get("noisy_with") else None,
             lint_worth_fixing=list(data.get("lint_worth_fixing") or []),
         )
 
@@ -136,24 +145,39 @@ def safety(row: BenchRow) -> tuple[int, int, int]:
     return (row.candidate.spec.safety_rank, int(row.channels_last), len(row.keep_fp32))
 
 
-def median_rel_se(row: BenchRow) -> float:
-    """Relative standard error of the median step time: ~0.93 * IQR / sqrt(n) (IQR ~ 1.35 sigma,
-    se(median) ~ 1.25 sigma / sqrt(n)). The IQR alone would call anything within a noisy
-    candidate's spread a tie, however many steps were timed."""
+def speed(row: BenchRow) -> float:
+    """What candidates are ranked by: the speedup over strict fp32 (paired when measured so)."""
+    return row.speedup_vs_fp32 or 0.0
+
+
+def log_speed_se(row: BenchRow) -> float:
+    """Standard error of log(speedup). Paired rows: the spread of their log paired ratios over
+    sqrt(rounds). Unpaired rows (data-parallel, schema-1 files): from the step times' IQR
+    (IQR ~ 1.35 sigma, se(median) ~ 1.25 sigma / sqrt(n), so ~0.93 * IQR / median / sqrt(n))."""
+    ratios = [r for r in row.paired_ratios if r > 0]
+    if len(ratios) >= 2:
+        return statistics.stdev(math.log(r) for r in ratios) / math.sqrt(len(ratios))
     st = row.step_time_ms
     if not st or not st.median_ms or not st.n:
         return 0.0
     return 0.93 * (st.iqr_ms / st.median_ms) / math.sqrt(st.n)
 
 
+# About 95% of the sampling noise of a difference lies within two standard errors.
+Z = 2.0
+# Beyond this relative uncertainty two candidates cannot be told apart on this machine: the
+# decision says so instead of pretending a tie (or a winner) was measured.
+NOISE_CAP = 0.25
+
+
 def noise_band(a: BenchRow, b: BenchRow, noise: float) -> float:
-    """Relative throughput difference that is not real: ``noise``, or the combined standard
-    error of the two median step times if larger."""
-    return max(noise, math.hypot(median_rel_se(a), median_rel_se(b)))
+    """Relative speed difference between ``a`` and ``b`` that is not real: ``noise``, or two
+    combined standard errors of their log speedups if larger (uncapped: compare with NOISE_CAP)."""
+    return max(noise, math.expm1(Z * math.hypot(log_speed_se(a), log_speed_se(b))))
 
 
-def within_noise(throughput: float, best: float, noise: float) -> bool:
-    return throughput >= best * (1 - noise)
+def within_noise(speedup: float, best: float, band: float) -> bool:
+    return speedup >= best * (1 - min(band, NOISE_CAP))
 
 
 def decide(
@@ -162,15 +186,17 @@ def decide(
     """The fastest candidate whose numerics passed; ties within noise go to the safer one.
 
     ``verdicts`` maps a candidate's :attr:`~mixprec.Candidate.numerics` to its check; strict
-    fp32 is the reference and passes by definition. ``noise`` is the smallest relative
-    throughput difference treated as real; a larger standard error of the two median step
-    times widens it.
+    fp32 is the reference and passes by definition. Candidates are ranked by their speedup over
+    strict fp32 (the median paired ratio). ``noise`` is the smallest relative difference treated
+    as real; two combined standard errors of the speedups widen it, up to :data:`NOISE_CAP`.
+    When the measurement cannot separate the fastest candidate from a safer one within that
+    cap, the recommendation says so (``too_noisy``) rather than calling a tie or a winner.
     """
     measured = [r for r in rows if not r.baseline_repeat]
     fp32 = baseline_row(measured)
     tf32 = max(
         (r for r in measured if r.policy == "tf32" and r.status == Status.OK),
-        key=lambda r: r.throughput or 0,
+        key=speed,
         default=None,
     )
     passing: list[BenchRow] = []
@@ -184,7 +210,7 @@ def decide(
             table.append(Ranked(row.candidate, Status.PASSED, why, Status.PASS, row))
             passing.append(row)
         elif verdict is None:
-            slower = fp32 is not None and (row.throughput or 0) <= (fp32.throughput or 0)
+            slower = fp32 is not None and speed(row) <= 1.0
             table.append(
                 Ranked(
                     row.candidate,
@@ -210,20 +236,27 @@ def decide(
                 passing.append(row)
     if not passing:
         return None, table
-    fastest = max(passing, key=lambda r: r.throughput or 0.0)
-    band = [
-        r
-        for r in passing
-        if within_noise(r.throughput or 0, fastest.throughput or 0, noise_band(r, fastest, noise))
-    ]
+    fastest = max(passing, key=speed)
+    band = [r for r in passing if within_noise(speed(r), speed(fastest), noise_band(r, fastest, noise))]
     chosen = min(band, key=safety)
-    tie_break = None
+    tie_break = too_noisy = None
+    noisy_with: BenchRow | None = None
     if chosen is not fastest:
-        gap = 1 - (chosen.throughput or 0) / (fastest.throughput or 1)
+        gap = 1 - speed(chosen) / (speed(fastest) or 1)
         tie_break = (
             f"{fastest.label} measured {gap:.1%} faster than {chosen.label}, within measurement noise; "
             f"{chosen.label} is simpler/safer, so it is preferred"
         )
+    for r in passing:
+        uncertainty = noise_band(r, fastest, noise)
+        if r is not fastest and uncertainty > NOISE_CAP and speed(r) < speed(fastest) * (1 - NOISE_CAP):
+            noisy_with = r
+            too_noisy = (
+                f"too noisy to separate {fastest.label} ({speed(fastest):.2f}x) and {r.label} "
+                f"({speed(r):.2f}x): their speedups are uncertain by +-{uncertainty:.0%} here; rerun on a "
+                "quiet machine"
+            )
+            break
     table = [
         Ranked(r.candidate, Status.RECOMMENDED, r.reason, r.verdict, r.row)
         if r.candidate == chosen.candidate
@@ -247,24 +280,34 @@ def decide(
     rec = Recommendation(
         candidate=chosen.candidate,
         speedup_vs_fp32=chosen.speedup_vs_fp32,
-        speedup_vs_tf32=(chosen.throughput / tf32.throughput)
-        if tf32 and tf32.throughput and chosen.throughput
-        else None,
+        speedup_vs_tf32=speed(chosen) / speed(tf32) if tf32 and speed(tf32) else None,
         memory_saved_bytes=saved,
         margin=margin,
-        reason=_reason(chosen, table, verdict, tie_break),
+        reason=_reason(chosen, table, verdict, tie_break, too_noisy),
         tie_break=tie_break,
         tied_with=fastest.candidate if tie_break else None,
+        too_noisy=too_noisy,
+        noisy_with=noisy_with.candidate if noisy_with is not None else None,
     )
     return rec, table
 
 
-def _reason(chosen: BenchRow, table: list[Ranked], verdict: CandidateCheck | None, tie: str | None) -> str:
+def _reason(
+    chosen: BenchRow,
+    table: list[Ranked],
+    verdict: CandidateCheck | None,
+    tie: str | None,
+    too_noisy: str | None,
+) -> str:
     parts = [f"{r.label} rejected: {r.reason}" for r in table if r.status == Status.REJECTED]
     pruned = [r.label for r in table if r.status == Status.PRUNED]
     if pruned:
         parts.append(f"{', '.join(pruned)} pruned as far slower than the best")
-    speed = f"{chosen.speedup_vs_fp32:.2f}x faster than strict fp32" if chosen.speedup_vs_fp32 else "measured"
+    how_fast = "measured"
+    if chosen.speedup_vs_fp32:
+        ci = chosen.speedup_ci
+        interval = f" (95% interval {ci[0]:.2f}-{ci[1]:.2f}x)" if ci else ""
+        how_fast = f"{chosen.speedup_vs_fp32:.2f}x faster than strict fp32{interval}"
     if chosen.policy == "fp32":
         parts.append(
             "no lower-precision candidate both beat strict fp32 and passed the numerics check: stay in fp32"
@@ -274,7 +317,9 @@ def _reason(chosen: BenchRow, table: list[Ranked], verdict: CandidateCheck | Non
         if verdict is not None and verdict.max_rel_loss_diff is not None:
             match = f" and matches its loss within {verdict.max_rel_loss_diff:.2%} over the checked steps"
         islands = f" with {', '.join(chosen.keep_fp32)} kept in fp32" if chosen.keep_fp32 else ""
-        parts.append(f"{chosen.label}{islands} is {speed}{match}")
+        parts.append(f"{chosen.label}{islands} is {how_fast}{match}")
     if tie:
         parts.append(tie)
+    if too_noisy:
+        parts.append(too_noisy)
     return "; ".join(parts) + "."

@@ -27,7 +27,7 @@ from mixprec.numerics.check import check, make_checker
 from mixprec.numerics.results import CandidateCheck, CheckResult
 from mixprec.policy import POLICY_NAMES, Candidate, check_support
 from mixprec.status import Status
-from mixprec.tuning.decide import Recommendation, Verdicts, decide, noise_band, within_noise
+from mixprec.tuning.decide import Recommendation, Verdicts, decide, noise_band, speed, within_noise
 from mixprec.tuning.result import TuneResult
 from mixprec.workload import Workload
 
@@ -116,15 +116,15 @@ def tune(
             and not r.baseline_repeat
             and r.policy != "fp32"
             and fp32 is not None
-            and (r.throughput or 0) > (fp32.throughput or 0)
+            and speed(r) > 1.0
         ),
-        key=lambda r: -(r.throughput or 0),
+        key=lambda r: -speed(r),
     )
     best_pass: BenchRow | None = None
     for numerics in dict.fromkeys(r.candidate.numerics for r in faster):
-        top = max((r for r in faster if r.candidate.numerics == numerics), key=lambda r: r.throughput or 0)
+        top = max((r for r in faster if r.candidate.numerics == numerics), key=speed)
         if best_pass is not None and not within_noise(
-            top.throughput or 0, best_pass.throughput or 0, noise_band(top, best_pass, noise)
+            speed(top), speed(best_pass), noise_band(top, best_pass, noise)
         ):
             break  # slower than a passing candidate by more than the noise: cannot win
         if time.perf_counter() > deadline - RESERVE_S:
@@ -147,7 +147,7 @@ def tune(
             checked = res
         else:
             checked.candidates.extend(res.candidates)
-        if verdict.passed and (best_pass is None or (top.throughput or 0) > (best_pass.throughput or 0)):
+        if verdict.passed and (best_pass is None or speed(top) > speed(best_pass)):
             best_pass = top
         elif verdict.fix_keep_fp32 and verdict.fix_verified and time.perf_counter() < deadline - RESERVE_S:
             verdicts.update(_measure_rescue(workload, result, faster, verdict, sweep, deadline, say))
@@ -156,7 +156,7 @@ def tune(
     rec, ranked = decide(result.rows, verdicts, noise=noise)
     if (
         rec is not None
-        and rec.tied_with
+        and (rec.tied_with or rec.noisy_with)
         and _remeasure_tie(workload, result, rec, sweep, deadline, say, notes)
     ):
         rec, ranked = decide(result.rows, verdicts, noise=noise)
@@ -226,10 +226,11 @@ def _remeasure_tie(
     say: Progress,
     notes: list[str],
 ) -> bool:
-    """Time the recommended row and the faster one it tied with again, twice as long, and fold
-    the new step times into both rows. False when the budget cannot pay for it."""
+    """Time the recommended row and the one it tied with (or could not be separated from) again,
+    twice as long, and fold the new paired rounds into both rows. False when the budget cannot
+    pay for it."""
     rows = {r.candidate: r for r in result.rows if r.status == Status.OK and not r.baseline_repeat}
-    chosen, rival = rows[rec.candidate], rows[rec.tied_with]  # type: ignore[index]
+    chosen, rival = rows[rec.candidate], rows[rec.tied_with or rec.noisy_with]  # type: ignore[index]
     base = result.baseline
     steps = 2 * sweep["steps"]
     # bench measures fp32 first as well: pay for it too
@@ -251,8 +252,13 @@ def _remeasure_tie(
     extra = {r.candidate: r for r in again.measured if r.status == Status.OK}
     redone = [row for row in (chosen, rival) if row.candidate in extra]
     for row in redone:
-        merged = row.step_times_ms + extra[row.candidate].step_times_ms
-        result.update(replace(row, step_times_ms=merged))
+        new = extra[row.candidate]
+        merged = replace(
+            row,
+            step_times_ms=row.step_times_ms + new.step_times_ms,
+            paired_ratios=row.paired_ratios + new.paired_ratios,
+        )
+        result.update(merged)
     if not redone:
         notes.append("re-measurement of the tie stopped by the budget")
         return False
