@@ -24,6 +24,9 @@ class DeviceInfo:
     # CPU instruction-set features that decide whether low precision is fast there.
     cpu_flags: frozenset[str] = field(default_factory=frozenset)
     mkldnn_available: bool = True
+    # Which fp32 ops oneDNN's bf16 math mode (bf32) really changes on this CPU: a subset of
+    # ('matmul', 'conv'); None when not probed (fake devices, GPUs).
+    bf32_changes: tuple[str, ...] | None = None
 
     @property
     def native_bf16(self) -> bool:
@@ -54,6 +57,7 @@ class DeviceInfo:
         d = asdict(self)
         d["cpu_flags"] = sorted(self.cpu_flags)
         d["capability"] = list(self.capability) if self.capability else None
+        d["bf32_changes"] = list(self.bf32_changes) if self.bf32_changes is not None else None
         d.update(native_bf16=self.native_bf16, native_fp16=self.native_fp16, tf32=self.tf32, fp8=self.fp8)
         return d
 
@@ -120,6 +124,29 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _bf32_changes() -> tuple[str, ...]:
+    """Which of a 1024-wide matmul and a 3x3 convolution oneDNN computes differently under its bf16
+    fp32-math mode than in strict fp32. On an AVX512-BF16 EPYC (torch 2.14) only matmuls change,
+    and only large ones (1024 does, 256 does not): a CNN then runs fp32 under a bf32 label."""
+    from mixprec.state import PrecisionSettings, precision_settings
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1024, 1024, generator=gen), torch.randn(1024, 1024, generator=gen)
+    x, w = torch.randn(2, 32, 16, 16, generator=gen), torch.randn(32, 32, 3, 3, generator=gen)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.nn.functional.linear(a, b.t()), torch.nn.functional.conv2d(x, w, padding=1)
+
+    with torch.no_grad():
+        with precision_settings(PrecisionSettings(mkldnn="ieee")):
+            strict = run()
+        with precision_settings(PrecisionSettings(mkldnn="bf16")):
+            reduced = run()
+    return tuple(
+        op for op, s, r in zip(("matmul", "conv"), strict, reduced, strict=True) if not torch.equal(s, r)
+    )
+
+
 @lru_cache(maxsize=8)
 def _detect(device: torch.device) -> DeviceInfo:
     if device.type == "cuda":
@@ -131,11 +158,15 @@ def _detect(device: torch.device) -> DeviceInfo:
             index=index,
             capability=(props.major, props.minor),
         )
+    flags = _cpu_flags()
+    mkldnn = torch.backends.mkldnn.is_available()
+    native_bf16 = bool({"avx512_bf16", "amx_bf16"} & flags)
     return DeviceInfo(
         type="cpu",
         name=_cpu_name(),
-        cpu_flags=_cpu_flags(),
-        mkldnn_available=torch.backends.mkldnn.is_available(),
+        cpu_flags=flags,
+        mkldnn_available=mkldnn,
+        bf32_changes=_bf32_changes() if mkldnn and native_bf16 else None,
     )
 
 

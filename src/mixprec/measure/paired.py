@@ -1,11 +1,16 @@
 """Paired measurement: each candidate's steps alternate with the strict-fp32 baseline's.
 
 The baseline session stays open for the whole sweep. A candidate is warmed up, then timed in
-rounds of one step each, alternating with one baseline step (ABBA order, so a linear drift hits
-both alike). A round's paired ratio is baseline step time / candidate step time, measured at the
-same moment: a neighbour that slows the machine down slows both sides of the pair, so the ratio
-stays honest where a sequential sweep would print an impossible speedup. The speedup reported is
-the median paired ratio, with a bootstrap interval (:func:`mixprec.measure.results.assemble`).
+rounds that alternate with the baseline (ABBA order, so a linear drift hits both alike). A round
+is about ``ROUND_S`` seconds of steps per side (one step for models slower than that); its
+paired ratio is the baseline's median step time over the candidate's, measured at the same
+moment: a neighbour that slows the machine down slows both sides of the pair, so the ratio stays
+honest where a sequential sweep would print an impossible speedup. The speedup reported is the
+median paired ratio, with a bootstrap interval (:func:`mixprec.measure.results.assemble`).
+
+When a side runs three steps or more in a round, its first is left out of the round: the other
+session's OpenMP threads are still spin-waiting right after a switch (measured on a 2-core CPU:
+a 1 ms MLP step took 8 ms when the sessions switched after every step).
 
 Pruning compares like with like: a candidate's cold first step against the baseline's cold first
 step, its warm steps against what the best candidate would take right now (the baseline's recent
@@ -40,6 +45,9 @@ PRUNE_FLOOR_S = 1.0
 CUDA_WARMUP_LIMIT_S = 600.0
 # A step of the baseline itself: bounded against a hang, never pruned.
 BASELINE_LIMIT_S = 600.0
+# Seconds of steps per side and round; rounds of short steps batch many of them.
+ROUND_S = 0.2
+MAX_ROUND_STEPS = 500
 
 Session = ChildSession | LocalSession
 Progress = Callable[[dict[str, Any]], None]
@@ -107,11 +115,13 @@ class PairedSweep:
         )
         return _with(row, measurement, wall_s=self.baseline_wall)
 
-    def _baseline_step(self) -> float:
+    def _baseline_round(self, n: int) -> float:
+        """Run ``n`` baseline steps; their median (the first left out when ``n >= 3``)."""
         assert self.baseline is not None
-        (seconds,) = self.baseline.steps(1, lambda index, timed: BASELINE_LIMIT_S, lambda event: None)
-        self.baseline_times.append(seconds)
-        return seconds
+        times = self.baseline.steps(n, lambda index, timed: BASELINE_LIMIT_S, lambda event: None)
+        kept = _settled(times)
+        self.baseline_times += kept
+        return statistics.median(kept)
 
     def _recent_baseline(self) -> float:
         return statistics.median(self.baseline_times[-3:])
@@ -148,17 +158,19 @@ class PairedSweep:
             warm = session.warm_up(self._limit, emit)
             cold = warm[:1]
             strikes = 0
-            while len(times) < self.settings.steps or (
+            n_base = _round_steps(self._recent_baseline())
+            n_cand = _round_steps(warm[-1] if warm else self._recent_baseline())
+            while len(ratios) < self.settings.steps or (
                 sum(times) < self.settings.min_time_s and len(times) < self.settings.max_steps
             ):
                 if len(ratios) % 2 == 0:  # ABBA: baseline first in even rounds, the candidate first in odd
-                    base = self._baseline_step()
-                    (step,) = session.steps(1, self._limit, emit)
+                    base = self._baseline_round(n_base)
+                    steps = _settled(session.steps(n_cand, self._limit, emit))
                 else:
-                    (step,) = session.steps(1, self._limit, emit)
-                    base = self._baseline_step()
-                times.append(step)
-                ratios.append(base / step)
+                    steps = _settled(session.steps(n_cand, self._limit, emit))
+                    base = self._baseline_round(n_base)
+                times += steps
+                ratios.append(base / statistics.median(steps))
                 strikes = strikes + 1 if ratios[-1] * self.prune_factor < self.best_ratio else 0
                 if strikes >= 2:
                     raise SessionEnded(
@@ -203,6 +215,15 @@ class PairedSweep:
         if self.baseline is not None:
             self.baseline.close()
             self.baseline = None
+
+
+def _round_steps(step_s: float) -> int:
+    return max(1, min(MAX_ROUND_STEPS, round(ROUND_S / max(step_s, 1e-6))))
+
+
+def _settled(times: list[float]) -> list[float]:
+    """A round's step times without the first when there are three or more (see the module doc)."""
+    return times[1:] if len(times) >= 3 else times
 
 
 def _ms(seconds: list[float]) -> tuple[float, ...]:

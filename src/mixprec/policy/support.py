@@ -83,6 +83,19 @@ def _assess(spec: PolicySpec, info: DeviceInfo) -> tuple[bool, bool, str]:
             return False, False, "this torch build has no oneDNN (mkldnn)"
         if not info.native_bf16:
             return False, False, "bf32 needs AVX512-BF16 or AMX on the CPU; this CPU has neither"
+        if info.bf32_changes is not None and not info.bf32_changes:
+            return (
+                True,
+                False,
+                "oneDNN bf16 math changes neither matmuls nor convolutions on this CPU: no effect",
+            )
+        if info.bf32_changes == ("matmul",):
+            return (
+                True,
+                True,
+                "oneDNN bf16 math on a CPU with native bf16, for large matmuls only here: convolutions "
+                "stay bit-identical to fp32 (no effect on conv-dominated models)",
+            )
         return True, True, "oneDNN bf16 math on a CPU with native bf16"
     if spec.low_precision_dtype == torch.bfloat16:
         if info.type == "cuda":

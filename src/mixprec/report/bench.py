@@ -10,8 +10,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from mixprec.measure.noise import describe as describe_noise
 from mixprec.measure.results import BenchResult, BenchRow
-from mixprec.report.format import fmt_bytes, fmt_ms, rich_style
+from mixprec.report.format import fmt_bytes, fmt_ms, fmt_speedup_ci, rich_style
 
 
 def _cells(row: BenchRow) -> dict[str, str]:
@@ -20,13 +21,13 @@ def _cells(row: BenchRow) -> dict[str, str]:
         "candidate": row.label,
         "status": row.status,
         "throughput": f"{row.throughput:.1f}" if row.throughput else "",
-        "speedup": f"{row.speedup_vs_fp32:.2f}x" if row.speedup_vs_fp32 else "",
+        "speedup": fmt_speedup_ci(row.speedup_vs_fp32, row.speedup_ci),
         "step": fmt_ms(st.median_ms, st.iqr_ms) if st else "",
         "n": str(st.n) if st else "",
         "first_loss": f"{row.first_loss:.4f}" if row.first_loss is not None else "",
         "memory": (fmt_bytes(row.peak_memory_bytes) or "n/a") if row.step_time_ms else "",
         "tflops": f"{row.achieved_tflops:.3f}" if row.achieved_tflops else "",
-        "mfu": f"{row.mfu:.1%}" if row.mfu else "",
+        "mfu": f"{row.mfu:.1%}" if row.mfu else ("n/a" if row.mfu_note else ""),
         "dtype": row.observed_dtype or "",
         "reason": row.reason,
     }
@@ -62,6 +63,9 @@ def bench_table(result: BenchResult) -> Group:
         table.add_row(*values)
         if row.reason:
             notes.append(Text(f"  {row.label}: {row.reason}", style=rich_style(row.status)))
+        for note in (*row.notes, row.mfu_note):
+            if note:
+                notes.append(Text(f"  {row.label}: {note}", style="dim"))
         if row.world_size > 1 and row.rank_step_time_ms:
             spread = ", ".join(f"{t:.1f}" for t in row.rank_step_time_ms)
             notes.append(Text(f"  {row.label}: median step ms per rank: {spread}", style="dim"))
@@ -74,18 +78,33 @@ def bench_table(result: BenchResult) -> Group:
     return Group(*parts)
 
 
+def drift_text(drift: float | None) -> str:
+    """The baseline's drift in words: which way, how much, from when to when."""
+    if drift is None:
+        return ""
+    if abs(drift) < 0.005:
+        return "strict fp32 ran at the same speed at the end of the sweep as at its start"
+    way = "slower" if drift > 0 else "faster"
+    return f"strict fp32 was {abs(drift):.0%} {way} at the end of the sweep than at its start"
+
+
 def summary_line(result: BenchResult) -> str:
     best = result.best()
-    drift = result.baseline_drift
     pieces = []
     if best is not None:
-        speed = f"{best.speedup_vs_fp32:.2f}x fp32" if best.speedup_vs_fp32 else "no fp32 baseline"
-        pieces.append(f"fastest: {best.label} ({best.throughput:.1f} samples/s, {speed})")
-    if drift is not None:
-        pieces.append(f"fp32 re-measured at the end: {drift:+.1%} drift")
+        speed = fmt_speedup_ci(best.speedup_vs_fp32, best.speedup_ci) or "no fp32 baseline"
+        pieces.append(f"fastest: {best.label} ({best.throughput:.1f} samples/s, {speed} strict fp32)")
+    drift = drift_text(result.baseline_drift)
+    if drift:
+        pieces.append(drift)
     flops = next((r.flops_per_step for r in result.rows if r.flops_per_step), None)
     if flops:
         pieces.append(f"{flops / 1e9:.2f} GFLOP per step (torch.utils.flop_counter)")
+    noise_line = describe_noise(result.noise)
+    if noise_line:
+        pieces.append(f"machine noise: {noise_line}")
+    if result.stopped:
+        pieces.append(result.stopped)
     return "; ".join(pieces) + "." if pieces else "no candidate finished."
 
 

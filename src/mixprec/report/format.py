@@ -46,6 +46,15 @@ def fmt_speedup(x: Any) -> str:
     return f"{v:.2f}x" if finite(v) else ""
 
 
+def fmt_speedup_ci(x: Any, ci: Any = None) -> str:
+    """A speedup with its 95% interval when there is one: '1.84x [1.70-1.95]'."""
+    text = fmt_speedup(x)
+    lo, hi = (num(ci[0]), num(ci[1])) if isinstance(ci, (list, tuple)) and len(ci) == 2 else (None, None)
+    if text and finite(lo) and finite(hi):
+        text += f" [{lo:.2f}-{hi:.2f}]"
+    return text
+
+
 def fmt_throughput(x: Any) -> str:
     """Samples per second: '1,481.4'."""
     v = num(x)

@@ -1,0 +1,183 @@
+"""Figures that stay honest on a busy machine: paired speedups, pruning that survives a transient,
+MFU that is never above 100%, FLOPs that match an analytic count, and math modes that do nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec.measure.effect import math_mode_effect
+from mixprec.measure.flops import count_flops
+from mixprec.measure.results import BenchResult, BenchRow, assemble
+from mixprec.measure.runner import make_batches
+from mixprec.policy import Candidate
+from mixprec.report.bench import bench_table, drift_text
+from mixprec.tuning import decide
+from mixprec.tuning.decide import NOISE_CAP
+
+
+def _mlp_workload(disturb) -> mixprec.Workload:
+    """A ~10 ms CPU step whose loss_fn calls ``disturb(autocast_on)`` first: the tests plant their
+    transients there (the strict-fp32 baseline never runs under autocast, bf16-mixed always does)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10))
+
+    def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+        disturb(torch.is_autocast_enabled("cpu"))
+        return F.cross_entropy(model(batch[0]).float(), batch[1])
+
+    return mixprec.Workload(
+        model=model,
+        make_batch=lambda bs, device: (
+            torch.randn(bs, 256, device=device),
+            torch.randint(0, 10, (bs,), device=device),
+        ),
+        loss_fn=loss_fn,
+        name="mlp256",
+        default_batch_size=64,
+    )
+
+
+def _bench(workload, **kw):
+    return mixprec.bench(
+        workload,
+        policies="fp32,bf16-mixed",
+        channels_last="off",
+        steps=6,
+        warmup=2,
+        device="cpu",
+        isolate=False,
+        **kw,
+    )
+
+
+@pytest.mark.slow
+def test_a_slow_baseline_start_does_not_inflate_the_speedup(single_thread):
+    calm = _bench(_mlp_workload(lambda autocast: None))
+    calls = {"fp32": 0}
+
+    def slow_first_baseline_steps(autocast: bool) -> None:
+        if not autocast:
+            calls["fp32"] += 1
+            if calls["fp32"] <= 8:  # the baseline's warm-up and first timed steps: a neighbour's burst
+                time.sleep(0.25)
+
+    busy = _bench(_mlp_workload(slow_first_baseline_steps))
+    (calm_row,) = [r for r in calm.rows if r.policy == "bf16-mixed"]
+    (busy_row,) = [r for r in busy.rows if r.policy == "bf16-mixed"]
+    # A sequential sweep would have compared bf16 with the 250 ms steps: a >10x "speedup".
+    assert busy_row.speedup_vs_fp32 < 3.0, busy_row.speedup_vs_fp32
+    lo, hi = calm_row.speedup_ci
+    assert lo * 0.75 <= busy_row.speedup_vs_fp32 <= hi * 1.33, (calm_row.speedup_ci, busy_row.speedup_vs_fp32)
+    # and the console says the baseline was slower at the start
+    assert busy.baseline_drift is not None and busy.baseline_drift < 0
+    assert "faster at the end" in drift_text(busy.baseline_drift)
+
+
+@pytest.mark.slow
+def test_a_transient_during_a_first_step_does_not_prune_for_good(single_thread):
+    state = {"slept": False}
+
+    def one_slow_cold_step(autocast: bool) -> None:
+        if autocast and not state["slept"]:
+            state["slept"] = True
+            time.sleep(3.0)  # far over 5x the baseline's cold step: pruned on the first attempt
+
+    result = _bench(_mlp_workload(one_slow_cold_step))
+    (row,) = [r for r in result.rows if r.policy == "bf16-mixed"]
+    assert state["slept"]
+    assert row.status == "ok", row.reason
+    assert any("pruned on the first attempt" in n and "measured on a retry" in n for n in row.notes)
+
+
+def test_mfu_above_100_percent_is_never_a_figure():
+    rows = [
+        BenchRow("w", Candidate("fp32"), "cpu", 8, "ok", step_times_ms=(10.0, 10.0, 10.0)),
+        BenchRow("w", Candidate("bf16-mixed"), "cpu", 8, "ok", step_times_ms=(5.0, 5.0, 5.0)),
+    ]
+    flops = 10**9  # 1 GFLOP per step: fp32 achieves 0.1 TFLOP/s, bf16 0.2 TFLOP/s
+    peaks = {"fp32": (1e12, "datasheet"), "bf16": (1e11, "measured: 2048^3 bf16 matmul")}
+    fp32, bf16 = assemble(rows, flops, peaks)
+    assert fp32.mfu == pytest.approx(0.1) and not fp32.mfu_note
+    assert bf16.mfu is None and "exceed" in bf16.mfu_note and "CPU peak is too low" in bf16.mfu_note
+    result = BenchResult("w", "", "cpu", 8, {}, measured=rows, flops_per_step=flops, peaks=peaks)
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(bench_table(result))
+    text = console.export_text()
+    assert "200.0%" not in text and "n/a" in text
+
+
+def test_depthwise_separable_flops_match_the_analytic_count():
+    """An EfficientNet-style block (expand 1x1, depthwise 3x3, project 1x1), forward and backward."""
+    n, c, h, k, e = 4, 32, 28, 3, 4
+    block = nn.Sequential(
+        nn.Conv2d(c, c * e, 1, bias=False),
+        nn.Conv2d(c * e, c * e, k, padding=1, groups=c * e, bias=False),
+        nn.Conv2d(c * e, c, 1, bias=False),
+    )
+    x = torch.randn(n, c, h, h, requires_grad=True)
+
+    def step() -> None:
+        block(x).sum().backward()
+
+    expand, depthwise, project = (
+        2 * n * h * h * c * c * e,
+        2 * n * h * h * c * e * k * k,
+        2 * n * h * h * c * e * c,
+    )
+    forward = expand + depthwise + project
+    analytic = 3 * forward  # each layer: forward, input gradient, weight gradient (x needs a gradient)
+    assert abs(count_flops(step) - analytic) / analytic < 0.05
+
+
+def test_bf32_on_a_cnn_is_reported_as_no_effect_where_convolutions_ignore_it():
+    info = mixprec.detect("cpu")
+    if not mixprec.check_support("bf32", info):
+        pytest.skip(f"bf32 is unsupported on this CPU: {mixprec.check_support('bf32', info).reason}")
+    workload = mixprec.load_workload("resnet50", image_size=32)
+    batch = make_batches(workload, 2, torch.device("cpu"), 0, 1)[0]
+    effect = math_mode_effect(workload, Candidate("bf32"), batch, torch.device("cpu"))
+    if "conv" in info.bf32_changes:
+        assert not effect.no_effect  # this CPU's oneDNN applies bf16 math to convolutions too
+    else:
+        assert effect.no_effect, effect
+        assert "bit-identical" in effect.describe(Candidate("bf32"))
+        result = mixprec.bench(
+            workload,
+            policies="fp32,bf32",
+            channels_last="off",
+            batch_size=2,
+            steps=1,
+            warmup=1,
+            device="cpu",
+            isolate=False,
+        )
+        assert {r.label: r.status for r in result.rows}["bf32"] == "no-effect"
+
+
+def test_too_noisy_to_separate_is_said_not_hidden():
+    def row(policy: str, ratios: tuple[float, ...]) -> BenchRow:
+        return BenchRow(
+            "w", Candidate(policy), "cpu", 8, "ok", step_times_ms=(1.0,) * len(ratios), paired_ratios=ratios
+        )
+
+    rows = assemble(
+        [row("fp32", ()), row("bf16-mixed", (1.3, 2.9, 1.1, 3.5)), row("bf16-true", (9.0, 1.2, 11.0, 1.0))],
+        None,
+        {},
+    )
+    from mixprec.numerics.results import CandidateCheck
+
+    checks = {Candidate(p): CandidateCheck(Candidate(p), "pass", "ok") for p in ("bf16-mixed", "bf16-true")}
+    rec, _ = decide(rows, checks)
+    assert rec.too_noisy and "too noisy to separate" in rec.too_noisy and "quiet machine" in rec.too_noisy
+    assert NOISE_CAP <= 0.25
+    assert rec.noisy_with is not None or rec.tied_with is not None
