@@ -147,7 +147,10 @@ def test_candidates_table_with_the_recommended_row_marked(result):
         assert f'<span class="badge {tone(ranked.status)}">{ranked.status}</span>' in row
         if ranked.row is not None and ranked.row.throughput:
             assert f'<td class="num">{fmt.fmt_throughput(ranked.row.throughput)}</td>' in row
-            assert f'<td class="num">{fmt.fmt_speedup(ranked.row.speedup_vs_fp32)}</td>' in row
+            assert (
+                f'<td class="num">{fmt.fmt_speedup_ci(ranked.row.speedup_vs_fp32, ranked.row.speedup_ci)}</td>'
+                in row
+            )
             assert f'<td class="num">{fmt.fmt_bytes(ranked.row.peak_memory_bytes)}</td>' in row
 
     md = report_html.render_markdown(result).splitlines()
@@ -276,7 +279,7 @@ def test_old_schema_1_file_renders(old_result):
     assert "<code>MP201</code> <b>(model)</b>" in page  # lint worth fixing
     assert page.count('<pre id="export-') == 7
     assert "measured with batch 16, steps 4, warmup 1, threads 2." in page
-    assert "-2.2% drift" in page
+    assert "strict fp32 was 2% faster at the end of the sweep than at its start" in page
     assert _md_h2(report_html.render_markdown(old_result)) == HEADINGS
 
 

@@ -22,7 +22,9 @@ from mixprec.cli.common import (
     workload_from_args,
 )
 from mixprec.errors import UsageError
-from mixprec.report.format import rich_style
+from mixprec.measure.noise import describe as describe_noise
+from mixprec.report.bench import drift_text
+from mixprec.report.format import fmt_speedup_ci, rich_style
 from mixprec.report.jsonio import write_json
 
 
@@ -57,7 +59,7 @@ def candidate_table(data: dict[str, Any]) -> Table:
             c["label"],
             Text(c["status"], style=rich_style(c["status"])),
             f"{c['throughput']:.1f}" if c.get("throughput") else "",
-            f"{c['speedup_vs_fp32']:.2f}x" if c.get("speedup_vs_fp32") else "",
+            fmt_speedup_ci(c.get("speedup_vs_fp32"), c.get("speedup_ci")),
             c.get("verdict") or "",
             c.get("reason", "")[:90],
         )
@@ -83,6 +85,10 @@ def summary(data: dict[str, Any]) -> Group:
         parts += [Text("paste into your training script:", style="bold"), Syntax(snippet, "python")]
     for note in data.get("notes") or []:
         parts.append(Text(f"note: {note}", style="yellow"))
+    bench = data.get("bench") or {}
+    measured = [drift_text(bench.get("baseline_drift")), describe_noise(bench.get("noise") or {})]
+    if any(measured):
+        parts.append(Text("measured: " + "; ".join(m for m in measured if m), style="dim"))
     return Group(*parts)
 
 

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from mixprec import __version__
+from mixprec.measure.noise import describe as describe_noise
+from mixprec.report.bench import drift_text
 from mixprec.report.format import (
     fmt_bytes,
     fmt_date,
@@ -24,6 +26,7 @@ from mixprec.report.format import (
     fmt_seconds,
     fmt_small_pct,
     fmt_speedup,
+    fmt_speedup_ci,
     fmt_throughput,
     num,
 )
@@ -153,11 +156,18 @@ def _check_of(result: TuneResult, rec: Recommendation) -> CandidateCheck | None:
     return next((c for c in result.check.candidates if c.candidate in wanted), None)
 
 
+def _ci_of(result: TuneResult, rec: Recommendation) -> tuple[float, float] | None:
+    row = next((r.row for r in result.ranked if r.candidate == rec.candidate and r.row), None)
+    return row.speedup_ci if row else None
+
+
 def cards(result: TuneResult, rec: Recommendation) -> tuple[Card, ...]:
     """The recommendation's numbers: speedups, memory saved, and each numerics margin with its limit."""
     out = []
     if fmt_speedup(rec.speedup_vs_fp32):
-        out.append(Card("speedup vs fp32", fmt_speedup(rec.speedup_vs_fp32), "throughput, strict fp32 = 1x"))
+        ci = _ci_of(result, rec)
+        sub = f"95% interval {ci[0]:.2f}-{ci[1]:.2f}x, paired with strict fp32" if ci else "strict fp32 = 1x"
+        out.append(Card("speedup vs fp32", fmt_speedup(rec.speedup_vs_fp32), sub))
     if fmt_speedup(rec.speedup_vs_tf32):
         out.append(Card("speedup vs tf32", fmt_speedup(rec.speedup_vs_tf32), "throughput ratio"))
     if num(rec.memory_saved_bytes) is not None:
@@ -214,14 +224,21 @@ def candidate_row(ranked: Ranked) -> Row:
         Cell(ranked.label, "candidate"),
         _badge(ranked.status),
         Cell(fmt_throughput(row.throughput if row else None), "num"),
-        Cell(fmt_speedup(row.speedup_vs_fp32 if row else None), "num"),
+        Cell(fmt_speedup_ci(row.speedup_vs_fp32, row.speedup_ci) if row else "", "num"),
         Cell(fmt_ms(st.median_ms, st.iqr_ms) if st else "", "num"),
         Cell(fmt_bytes(row.peak_memory_bytes if row else None), "num"),
-        Cell(fmt_pct(mfu) if mfu else "", "num"),
+        Cell(fmt_pct(mfu) if mfu else ("n/a" if row and row.mfu_note else ""), "num"),
         _badge(ranked.verdict),
-        Cell(ranked.reason or "", "why"),
+        Cell(_why(ranked), "why"),
     )
     return Row(cells, marked=ranked.status == Status.RECOMMENDED)
+
+
+def _why(ranked: Ranked) -> str:
+    """The decision's reason, then what happened to the row (retries, MFU not shown)."""
+    row = ranked.row
+    extra = (*row.notes, row.mfu_note) if row else ()
+    return "; ".join(x for x in (ranked.reason, *extra) if x)
 
 
 def measurement_notes(result: TuneResult) -> tuple[str, ...]:
@@ -234,9 +251,14 @@ def measurement_notes(result: TuneResult) -> tuple[str, ...]:
     ]
     notes = ["measured with " + ", ".join(bits)] if bits else []
     notes += [_text(n) for n in bench.notes]
-    drift = fmt_pct(bench.baseline_drift, sign=True)
-    if drift:
-        notes.append(f"strict fp32 re-measured at the end of the sweep: {drift} drift")
+    if settings.get("paired"):
+        notes.append(
+            "each speedup is the median of paired rounds timed back to back with strict fp32, "
+            "with its 95% interval"
+        )
+    notes += [drift_text(bench.baseline_drift), describe_noise(bench.noise)]
+    if result.recommendation is not None and result.recommendation.too_noisy:
+        notes.append(result.recommendation.too_noisy)
     notes += [_text(n) for n in result.notes]
     return tuple(n.rstrip(".") + "." for n in notes if n)
 

@@ -58,6 +58,7 @@ class Ranked:
             "reason": self.reason,
             "throughput": row.throughput if row else None,
             "speedup_vs_fp32": row.speedup_vs_fp32 if row else None,
+            "speedup_ci": list(row.speedup_ci) if row and row.speedup_ci else None,
             "step_time_ms": row.step_time_ms.to_dict() if row and row.step_time_ms else None,
             "peak_memory_bytes": row.peak_memory_bytes if row else None,
             "mfu": row.mfu if row else None,
