@@ -22,6 +22,7 @@ from mixprec.cli.bench import (
     workload_from_args,
 )
 from mixprec.errors import UsageError
+from mixprec.exports import EXPORT_TARGETS
 from mixprec.report.jsonio import write_json
 
 _STYLE = {
@@ -91,9 +92,25 @@ def summary(data: dict[str, Any]) -> Group:
     snippet = (data.get("exports") or {}).get("mixprec")
     if snippet:
         parts += [Text("paste into your training script:", style="bold"), Syntax(snippet, "python")]
+    parts += export_lines(data)
     for note in data.get("notes") or []:
         parts.append(Text(f"note: {note}", style="yellow"))
     return Group(*parts)
+
+
+def export_lines(data: dict[str, Any]) -> list[Text]:
+    """Per export target: "faithful" (its text is in the JSON and the report) or "refused: why"."""
+    exports, refusals = data.get("exports") or {}, data.get("export_refusals") or {}
+    if not exports and not refusals:
+        return []
+    lines = [Text("exports (mixprec tune --json / --report hold the texts):", style="bold")]
+    named = [*exports, *refusals]
+    for target in [t for t in EXPORT_TARGETS if t in named] + [t for t in named if t not in EXPORT_TARGETS]:
+        if target in exports:
+            lines.append(Text.assemble(f"  {target}: ", ("faithful", "green")))
+        else:
+            lines.append(Text.assemble(f"  {target}: ", ("refused", "yellow"), f": {refusals[target]}"))
+    return lines
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
