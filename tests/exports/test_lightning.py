@@ -11,7 +11,10 @@ require("lightning")
 import lightning as L  # noqa: E402
 from lightning.pytorch.plugins.precision import HalfPrecision  # noqa: E402
 
-pytestmark = pytest.mark.frameworks
+pytestmark = [
+    pytest.mark.frameworks,
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
+]
 
 # tf32: a CUDA math mode. fp16-true: Lightning's 16-true has no loss scaler.
 REFUSED = {"tf32", "fp16-true"}

@@ -252,7 +252,7 @@ class ExportTarget:
             lines.append("# What runs:")
             lines += bullets(contract.runs)
         if contract.instead:
-            lines.append(f"# Not expressible in {self.title}, so:")
+            lines.append(f"# Notes (what {self.title} cannot express, what is done instead):")
             lines += bullets(contract.instead)
         if contract.fill_in:
             lines += comment(f"You fill in: {contract.fill_in}")
