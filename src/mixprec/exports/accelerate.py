@@ -42,7 +42,7 @@ class AccelerateTarget(PyTorchTarget):
 
     name = "accelerate"
     title = "HF Accelerate"
-    aliases = ()
+    aliases = ()  # not the plain-PyTorch target's
     package = "accelerate"
     verified = "1.15"
 

@@ -271,11 +271,6 @@ def py(value: object) -> str:
     return repr(value)
 
 
-def json_number(value: float) -> int | float:
-    """``value`` as a JSON number: an int when it is whole."""
-    return int(value) if float(value).is_integer() else float(value)
-
-
 def comment(text: str, indent: int = 0, width: int = WIDTH) -> list[str]:
     """``text`` as ``# `` comment lines, wrapped at ``width`` columns (indent included)."""
     pad = " " * indent + "# "

@@ -7,6 +7,8 @@ skipped-step accounting, channels_last, half casts and fp32 islands: everything
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from mixprec.exports.base import (
@@ -37,6 +39,7 @@ class PyTorchTarget(ExportTarget):
     name = "pytorch"
     title = "plain PyTorch"
     aliases = ("torch", "plain")
+    optimizer_after: ClassVar[str] = "the casts"  # what the optimizer line says to build it after
 
     def contract(self, facts: Facts) -> Contract:
         contract = super().contract(facts)
@@ -94,8 +97,6 @@ class PyTorchTarget(ExportTarget):
             SCHEDULER,
             *plain_loop(facts),
         ]
-
-    optimizer_after = "the casts"
 
 
 def plain_loop(facts: Facts) -> list[str]:

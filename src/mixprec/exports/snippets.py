@@ -9,12 +9,14 @@ inputs, wrap fp32 islands and set the default dtype with one copy of the code.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import fnmatch
 import functools
 import inspect
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -180,9 +182,6 @@ def stdlib_imports(blocks: list[str]) -> list[str]:
 def source_in_file(path: str, name: str) -> str:
     """The source of top-level function or class ``name`` in the Python file at ``path``, decorators
     included, read from the text: for snippet modules that import an optional framework."""
-    import ast
-    from pathlib import Path
-
     text = Path(path).read_text(encoding="utf-8")
     for node in ast.parse(text).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
