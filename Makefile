@@ -11,7 +11,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# pinned torch first: on these machines pip takes both wheels from local disk
 	$(BIN)/pip install --quiet torch==2.14.1 torchvision==0.29.1
-	$(BIN)/pip install --quiet -e ".[dev]"
+	# The frameworks extra (the stacks mixprec exports to, tested in tests/exports). DeepSpeed is an
+	# sdist: built against the torch above (no build isolation, which would fetch another torch), no
+	# CUDA ops, its CPU shared-memory comm op compiled now (else its first use JIT-compiles it, ~1.5 min;
+	# no wheel cache: a cached wheel built without the op would be reused).
+	$(BIN)/pip install --quiet "setuptools>=77"
+	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(BIN)/pip install --quiet --no-build-isolation --no-cache-dir \
+		"deepspeed>=0.19,<0.20"
+	$(BIN)/pip install --quiet -e ".[dev,frameworks]"
+	$(BIN)/pip check
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -25,8 +33,9 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy
 
+# MIXPREC_REQUIRE_FRAMEWORKS=1: the frameworks tier fails instead of skipping when one is missing.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q
+	MIXPREC_REQUIRE_FRAMEWORKS=1 $(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build src/*.egg-info

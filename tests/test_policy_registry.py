@@ -29,7 +29,7 @@ def test_every_policy_states_every_fact(name):
     assert spec.range_format in FORMATS or spec.range_format == "fp32"
     assert isinstance(spec.thresholds, Thresholds)
     assert spec.accelerate is None or spec.accelerate in ("no", "bf16", "fp16")
-    assert spec.deepspeed is None or spec.deepspeed in ("bf16", "fp16")
+    assert spec.deepspeed is None or spec.deepspeed in ("bf16", "fp16", "torch_autocast")
     assert not (spec.autocast_dtype and spec.param_dtype), "mixed and true are exclusive"
     assert spec.loss_scaling == (spec.low_precision_dtype == torch.float16)
     assert spec.compute_dtype == (spec.low_precision_dtype or torch.float32)

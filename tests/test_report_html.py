@@ -174,6 +174,22 @@ def test_recommendation_cards(result, old_result):
     assert f'<div class="v">{fmt.fmt_speedup(rec.speedup_vs_fp32)}</div>' in page
 
 
+def test_refused_exports_show_why(result):
+    import dataclasses
+
+    refused = dataclasses.replace(
+        result,
+        exports={k: v for k, v in result.exports.items() if k != "hf"},
+        export_refusals={"hf": "the HF Trainer <cannot> do this"},
+    )
+    page = report_html.render_html(refused)
+    assert (
+        '<span class="badge bad">refused</span>' in page and "the HF Trainer &lt;cannot&gt; do this" in page
+    )
+    assert 'id="export-hf"' not in page
+    assert "Refused: the HF Trainer" in report_html.render_markdown(refused)
+
+
 def test_exports_present_and_equal_to_the_result(result, written):
     assert len(result.exports) == 7
     page = written["html"].read_text(encoding="utf-8")
@@ -185,7 +201,7 @@ def test_exports_present_and_equal_to_the_result(result, written):
         assert html.unescape(blocks[key]) == text.rstrip()
         assert f'data-target="export-{key}"' in page  # its copy button
     md = written["markdown"].read_text(encoding="utf-8")
-    fenced = re.findall(r"^### ([^\n]*)\n\n(`{3,})[a-z]*\n(.*?)\n\2$", md, flags=re.M | re.S)
+    fenced = re.findall(r"^### ([^\n]*)\n\nFaithful\.\n\n(`{3,})[a-z]*\n(.*?)\n\2$", md, flags=re.M | re.S)
     assert [body for _, _, body in fenced] == [text.rstrip() for text in result.exports.values()]
     assert [title for title, _, _ in fenced] == [report_view.EXPORT_TITLES[k] for k in result.exports]
 

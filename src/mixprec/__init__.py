@@ -8,7 +8,7 @@ changes no global torch flag.
 """
 
 from mixprec.errors import MixprecError, PolicyError, ScaleCollapseError, UnsupportedError, UsageError
-from mixprec.exports import EXPORT_TARGETS, export, export_all
+from mixprec.exports import EXPORT_TARGETS, export, export_all, export_status
 from mixprec.hardware import DeviceInfo, detect
 from mixprec.linting import lint
 from mixprec.measure.results import BenchResult, BenchRow
@@ -60,6 +60,7 @@ __all__ = [
     "detect",
     "export",
     "export_all",
+    "export_status",
     "get_policy",
     "lint",
     "load_workload",

@@ -24,6 +24,24 @@ class UsageError(MixprecError, ValueError):
     exit_code = 2
 
 
+class ExportRefused(UsageError):
+    """An export target cannot express a policy faithfully on a device; the message says why and
+    names the nearest faithful alternative (see :func:`mixprec.exports.export_status`)."""
+
+    exit_code = 2
+
+    def __init__(self, target: str, policy: str, device: str, reason: str, alternative: str) -> None:
+        super().__init__(
+            f"Cannot export policy {policy!r} on {device} to {target}: {reason}. "
+            f"Nearest faithful alternative: {alternative}."
+        )
+        self.target = target
+        self.policy = policy
+        self.device = device
+        self.reason = reason
+        self.alternative = alternative
+
+
 class UnsupportedError(MixprecError):
     """The requested policy cannot run on this device."""
 

@@ -22,6 +22,7 @@ from mixprec.cli.common import (
     workload_from_args,
 )
 from mixprec.errors import UsageError
+from mixprec.exports import EXPORT_TARGETS
 from mixprec.measure.noise import describe as describe_noise
 from mixprec.report.bench import drift_text
 from mixprec.report.format import fmt_speedup_ci, rich_style
@@ -83,6 +84,7 @@ def summary(data: dict[str, Any]) -> Group:
     snippet = (data.get("exports") or {}).get("mixprec")
     if snippet:
         parts += [Text("paste into your training script:", style="bold"), Syntax(snippet, "python")]
+    parts += export_lines(data)
     for note in data.get("notes") or []:
         parts.append(Text(f"note: {note}", style="yellow"))
     bench = data.get("bench") or {}
@@ -90,6 +92,21 @@ def summary(data: dict[str, Any]) -> Group:
     if any(measured):
         parts.append(Text("measured: " + "; ".join(m for m in measured if m), style="dim"))
     return Group(*parts)
+
+
+def export_lines(data: dict[str, Any]) -> list[Text]:
+    """Per export target: "faithful" (its text is in the JSON and the report) or "refused: why"."""
+    exports, refusals = data.get("exports") or {}, data.get("export_refusals") or {}
+    if not exports and not refusals:
+        return []
+    lines = [Text("exports (mixprec tune --json / --report hold the texts):", style="bold")]
+    named = [*exports, *refusals]
+    for target in [t for t in EXPORT_TARGETS if t in named] + [t for t in named if t not in EXPORT_TARGETS]:
+        if target in exports:
+            lines.append(Text.assemble(f"  {target}: ", ("faithful", "green")))
+        else:
+            lines.append(Text.assemble(f"  {target}: ", ("refused", "yellow"), f": {refusals[target]}"))
+    return lines
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:

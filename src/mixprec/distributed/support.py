@@ -103,6 +103,13 @@ def support(policy: Policy | str, wrapper: Wrapper | str, backend: str | None = 
                 "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler",
                 "bf16-mixed, or torch >= 2.5",
             )
+        if isinstance(policy, Policy) and policy.config.channels_last:
+            return Support(
+                False,
+                "fully_shard refuses non-contiguous parameters ('FSDP does not support non-contiguous "
+                "parameters'), and channels_last convolution weights are non-contiguous",
+                f"{spec.name} without channels_last, or channels_last under ddp",
+            )
         reason = fsdp2_reason(spec)
     if backend_note is not None:
         reason = f"{reason}; {backend_note.reason}"

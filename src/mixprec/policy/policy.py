@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import functools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -16,6 +15,7 @@ from torch import nn
 from mixprec import state
 from mixprec.errors import PolicyError, UnsupportedError, did_you_mean
 from mixprec.hardware.device import DeviceInfo, detect, resolve_device
+from mixprec.policy.hooks import cast_inputs, channels_last_inputs, default_dtype, keep_in_fp32
 from mixprec.policy.registry import POLICIES, PolicySpec, canonical_name
 from mixprec.policy.scaler import (
     ScalerOptions,
@@ -89,26 +89,6 @@ def _grads_by_device_and_dtype(params: Iterable[torch.Tensor]) -> dict[tuple, li
     return groups
 
 
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floating(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
-    return value
-
-
-def _to_channels_last(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 4 and value.is_floating_point():
-            return value.contiguous(memory_format=torch.channels_last)
-        return value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_channels_last(v) for v in value)
-    return value
-
-
 class Policy:
     """A precision policy bound to one device. Build it with :func:`mixprec.get_policy`.
 
@@ -180,8 +160,10 @@ class Policy:
             model.to(memory_format=torch.channels_last)
         for module in islands.values():
             self._wrap_fp32_island(module)
-        if self.spec.param_dtype is not None or self.config.channels_last:
-            model.register_forward_pre_hook(self._convert_inputs, with_kwargs=True)
+        if self.spec.param_dtype is not None:
+            model.register_forward_pre_hook(cast_inputs(self.spec.param_dtype), with_kwargs=True)
+        if self.config.channels_last:
+            model.register_forward_pre_hook(channels_last_inputs, with_kwargs=True)
         self.refresh_param_names(model)
         return model
 
@@ -205,31 +187,9 @@ class Policy:
         # Nested matches: wrapping the outer module is enough, and wrapping twice is harmless.
         return found
 
-    def _convert_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.spec.param_dtype is not None:
-            args, kwargs = (
-                _cast_floating(args, self.spec.param_dtype),
-                _cast_floating(kwargs, self.spec.param_dtype),
-            )
-        if self.config.channels_last:
-            args = _to_channels_last(args)
-        return args, kwargs
-
     def _wrap_fp32_island(self, module: nn.Module) -> None:
         """Run ``module`` outside autocast with fp32 inputs (and cast back for *-true models)."""
-        if getattr(module, "_mixprec_fp32_island", False):
-            return
-        forward = module.forward
-        device_type = self.device.type
-        back_to = self.spec.param_dtype
-
-        @functools.wraps(forward)
-        def fp32_forward(*args: Any, **kwargs: Any) -> Any:
-            with torch.autocast(device_type, enabled=False):
-                out = forward(*_cast_floating(args, torch.float32), **_cast_floating(kwargs, torch.float32))
-            return _cast_floating(out, back_to) if back_to is not None else out
-
-        module.forward = fp32_forward
+        keep_in_fp32(module, self.device.type, output_dtype=self.spec.param_dtype)
         module._mixprec_fp32_island = True  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ contexts
@@ -242,7 +202,7 @@ class Policy:
         if self.spec.autocast_dtype is not None:
             return torch.autocast(self.device.type, dtype=self.spec.autocast_dtype)
         if self.spec.param_dtype is not None:
-            return _default_dtype(self.spec.param_dtype)
+            return default_dtype(self.spec.param_dtype)
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ training step
@@ -390,16 +350,6 @@ def _nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Te
         return flag
     # bf16 gradients (bf16-true): the fused kernel only takes fp32/fp16.
     return torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any().float()
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 _SCALER_OPTION_NAMES = (

@@ -68,7 +68,10 @@ class PolicySpec:
         thresholds: the numerics gate's default limits, calibrated in docs/check.md.
         lightning: ``Trainer(precision=...)`` for this policy.
         accelerate: ``Accelerator(mixed_precision=...)``; None where Accelerate has no such mode.
-        deepspeed: the DeepSpeed config section that enables it ("fp16", "bf16"), None for fp32 math.
+        deepspeed: the DeepSpeed config section that expresses it ("torch_autocast" for *-mixed: fp32
+            parameters, autocast), None where every precision section stays off (fp32 math modes, and
+            *-true: the model is cast by hand, as DeepSpeed's "bf16"/"fp16" sections add fp32 master
+            weights).
         autocast_dtype: *-mixed: fp32 weights, autocast to this dtype.
         param_dtype: *-true: weights stored in this dtype, no fp32 master copy.
         loss_scaling: a dynamic loss scaler is part of the policy (fp16).
@@ -167,7 +170,7 @@ POLICIES: dict[str, PolicySpec] = {
             thresholds=Thresholds(2e-2, 5.0, 3.0),
             lightning="bf16-mixed",
             accelerate="bf16",
-            deepspeed="bf16",
+            deepspeed="torch_autocast",
             autocast_dtype=torch.bfloat16,
         ),
         PolicySpec(
@@ -182,7 +185,7 @@ POLICIES: dict[str, PolicySpec] = {
             thresholds=Thresholds(1e-2, 10.0, 6.0, max_skip_fraction=0.25),
             lightning="16-mixed",
             accelerate="fp16",
-            deepspeed="fp16",
+            deepspeed="torch_autocast",
             autocast_dtype=torch.float16,
             loss_scaling=True,
         ),
@@ -198,7 +201,7 @@ POLICIES: dict[str, PolicySpec] = {
             thresholds=Thresholds(5e-2, 5.0, 0.0),
             lightning="bf16-true",
             accelerate=None,
-            deepspeed="bf16",
+            deepspeed=None,
             param_dtype=torch.bfloat16,
         ),
         PolicySpec(
@@ -213,7 +216,7 @@ POLICIES: dict[str, PolicySpec] = {
             thresholds=Thresholds(2e-2, 10.0, 3.0, max_skip_fraction=0.25),
             lightning="16-true",
             accelerate=None,
-            deepspeed="fp16",
+            deepspeed=None,
             param_dtype=torch.float16,
             loss_scaling=True,
         ),

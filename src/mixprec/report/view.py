@@ -76,7 +76,7 @@ def build(result: TuneResult, charts: Mapping[str, str] | None = None) -> Report
         _candidates_section(result),
         _charts_section(charts or {}),
         _lint_section(result.lint),
-        _exports_section(result.exports),
+        _exports_section(result.exports, result.export_refusals),
         _environment_section(result),
     )
     ran = _text(env.get("mixprec_version"))
@@ -329,16 +329,29 @@ def _lint_section(findings: list[dict[str, Any]] | None) -> Section:
     )
 
 
-def _exports_section(exports: Mapping[str, str]) -> Section:
+def _exports_section(exports: Mapping[str, str], refusals: Mapping[str, str]) -> Section:
     sid, title = "exports", "Exports"
+    keys = [*exports, *(k for k in refusals if k not in exports)]
     shown = tuple(
-        Export(key, EXPORT_TITLES.get(key, key), EXPORT_LANGS.get(key, "python"), f"export-{slug(key)}", text)
-        for key, text in exports.items()
-        if isinstance(text, str) and text.strip()
+        Export(
+            key,
+            EXPORT_TITLES.get(key, key),
+            EXPORT_LANGS.get(key, "python"),
+            f"export-{slug(key)}",
+            exports.get(key) or "",
+            refused=_text(refusals.get(key)) if key not in exports else "",
+        )
+        for key in keys
+        if (isinstance(exports.get(key), str) and exports[key].strip()) or key in refusals
     )
     if not shown:
         return Section(sid, title, empty="No exports: nothing was recommended.")
-    return Section(sid, title, shown, lead="The recommended policy, written for each training stack.")
+    return Section(
+        sid,
+        title,
+        shown,
+        lead="The recommended policy, written for each training stack: faithful, or refused with the reason.",
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -107,13 +107,15 @@ class Chart:
 
 @dataclass(frozen=True)
 class Export:
-    """The recommended policy written for one training stack; ``anchor`` names its code block."""
+    """The recommended policy written for one training stack; ``anchor`` names its code block.
+    ``refused`` says why the stack cannot run the policy faithfully (then there is no text)."""
 
     key: str
     title: str
     lang: str
     anchor: str
     text: str
+    refused: str = ""
 
 
 @dataclass(frozen=True)

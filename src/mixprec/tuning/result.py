@@ -23,7 +23,9 @@ class TuneResult:
         bench: the speed sweep (with rescued and re-measured rows folded in).
         check: the numerics checks that ran, None when none did.
         lint: lint findings (dicts) under the recommended policy, None when not linted.
-        exports: the pick as code or configuration per export target.
+        exports: the pick as code or configuration, per export target that expresses it faithfully.
+        export_refusals: per export target that cannot, why not and the nearest faithful alternative
+            (:func:`mixprec.exports.export_all`); ``exports`` and ``export_refusals`` share no key.
         budget_s / elapsed_s: the time budget and the time spent.
         env: the environment block.
         created: UTC timestamp.
@@ -45,6 +47,7 @@ class TuneResult:
     created: str
     notes: list[str] = field(default_factory=list)
     exports: dict[str, str] = field(default_factory=dict)
+    export_refusals: dict[str, str] = field(default_factory=dict)
     command: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -65,6 +68,7 @@ class TuneResult:
             "candidates": [r.to_dict() for r in self.ranked],
             "recommendation": rec.to_dict() if rec else None,
             "exports": self.exports,
+            "export_refusals": self.export_refusals,
         }
 
     @classmethod
@@ -102,5 +106,6 @@ class TuneResult:
             created=data.get("created", ""),
             notes=list(data.get("notes") or []),
             exports=dict(data.get("exports") or {}),
+            export_refusals=dict(data.get("export_refusals") or {}),
             command=data.get("command"),
         )

@@ -165,6 +165,7 @@ def tune(
         findings = _lint(workload, rec, dev, notes)
         if findings:
             rec.lint_worth_fixing = [f for f in findings if f.get("severity") in ("warning", "error")][:5]
+    exports = export_all(rec.config(str(dev))) if rec else {}
     return TuneResult(
         workload=result.workload,
         description=workload.description,
@@ -179,7 +180,8 @@ def tune(
         env=result.env or environment.collect(dev),
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         notes=notes,
-        exports=export_all(rec.config(str(dev))) if rec else {},
+        exports={target: r.text for target, r in exports.items() if r.text is not None},
+        export_refusals={target: r.refused for target, r in exports.items() if r.refused is not None},
     )
 
 

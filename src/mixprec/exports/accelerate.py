@@ -1,0 +1,192 @@
+"""The ``accelerate`` target: a launch config (YAML) and the training script around an Accelerator.
+
+Checked in accelerate 1.15's source and run by the frameworks tier:
+
+- ``Accelerator(mixed_precision="fp16", cpu=True)`` enables autocast and the GradScaler only off
+  the CPU (``self.device.type != "cpu"``); on a CPU it trains in plain fp32 without a warning.
+  fp16-mixed on a CPU is refused.
+- ``mixed_precision="bf16"`` on a CPU is native autocast: ``prepare()`` wraps the model's forward in
+  it (and casts its outputs to fp32), ``accelerator.autocast()`` covers the loss.
+- ``accelerate launch --config_file`` needs ``distributed_type`` (``load_config_from_file``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from mixprec.exports.base import (
+    DTYPE_SHORT,
+    OPTIMIZER,
+    SCALER_ARGS,
+    SCHEDULER,
+    Contract,
+    Facts,
+    Refusal,
+    helper_lines,
+    helper_names,
+    helpers,
+    imports,
+    loop_helper_names,
+    loss_lines,
+    precision_lines,
+    prepare_lines,
+    py,
+    section,
+)
+from mixprec.exports.native import EXPECTS
+from mixprec.exports.pytorch import PyTorchTarget
+
+
+class AccelerateTarget(PyTorchTarget):
+    """HF Accelerate: the plain-PyTorch preparation, Accelerator(mixed_precision=...) for the loop."""
+
+    name = "accelerate"
+    title = "HF Accelerate"
+    aliases: ClassVar[tuple[str, ...]] = ()  # not the plain-PyTorch target's
+    package = "accelerate"
+    verified = "1.15"
+
+    def refusal(self, facts: Facts) -> Refusal | None:
+        refused = super().refusal(facts)
+        if refused is not None:
+            return refused
+        if facts.mixed == torch.float16 and facts.device_type == "cpu":
+            return Refusal(
+                'Accelerate does not run fp16 autocast on a CPU: Accelerator(mixed_precision="fp16",'
+                " cpu=True)"
+                " trains in plain fp32, with no GradScaler and no warning",
+                "bf16-mixed with Accelerate, or the 'pytorch' or 'mixprec' export for fp16-mixed on a CPU",
+            )
+        if facts.true == torch.float16:
+            return Refusal(
+                'Accelerate\'s mixed_precision="fp16" is autocast + GradScaler over fp32 weights and its'
+                " GradScaler refuses fp16 gradients; fp16-true needs fp16 weights with loss scaling",
+                "fp16-mixed with Accelerate, or the 'pytorch' or 'mixprec' export for fp16-true",
+            )
+        return None
+
+    @staticmethod
+    def mode(facts: Facts) -> str:
+        """Accelerator(mixed_precision=...): the spec's value, "no" where Accelerate has none (*-true)."""
+        return facts.spec.accelerate or "no"
+
+    def contract(self, facts: Facts) -> Contract:
+        contract = Contract(runs=[f"fp32 math mode: {facts.math_mode()}."])
+        mode = self.mode(facts)
+        if facts.mixed is not None:
+            what = (
+                f'Accelerator(mixed_precision="{mode}"): autocast({DTYPE_SHORT[facts.mixed]}) around the'
+                " prepared model's forward (outputs cast to fp32) and accelerator.autocast() around the loss;"
+                " fp32 weights."
+            )
+            if facts.scaler is not None:
+                what += (
+                    " GradScaler with the policy's options (GradScalerKwargs); clip_grad_norm_ unscales"
+                    " first;"
+                    " an overflowing step is skipped and the prepared scheduler skips it too."
+                )
+            contract.runs.append(what)
+        else:
+            contract.runs.append('Accelerator(mixed_precision="no"): Accelerate changes no dtype.')
+        if facts.true is not None:
+            contract.runs += [
+                line for line in self.policy_runs(facts) if line.startswith(DTYPE_SHORT[facts.true])
+            ]
+            contract.instead.append(
+                f"{facts.name}: Accelerate has no such mode; the model is cast and its inputs converted"
+                " below, the default dtype set around the loss."
+            )
+        if facts.channels_last:
+            contract.runs.append("channels_last weights and 4-D inputs (a forward pre-hook).")
+        if facts.keep:
+            contract.instead.append(
+                f"keep_fp32={py(facts.keep)}: keep_in_fp32() below (fp32 weights and inputs, outside"
+                " autocast)."
+            )
+        if facts.finite_check:
+            contract.runs.append("finite_check: the loop skips a step with non-finite gradients.")
+        if facts.min_scale is not None:
+            contract.instead.append(
+                f"min_scale={py(facts.min_scale)}: GradScalerKwargs has no floor and no collapse alarm."
+            )
+        if facts.name == "bf32":
+            contract.instead.append("bf32: no Accelerate flag; the oneDNN knobs below make it bf32.")
+        contract.fill_in = (
+            f"{EXPECTS}; the optimizer and scheduler lines; num_processes / distributed_type in the YAML"
+            " for more than one process (`accelerate config` writes them)."
+        )
+        contract.launch = "accelerate launch --config_file default_config.yaml train.py"
+        return contract
+
+    def body(self, facts: Facts) -> list[str]:
+        mode = self.mode(facts)
+        cpu = facts.device_type == "cpu"
+        yaml = [
+            "compute_environment: LOCAL_MACHINE",
+            "distributed_type: 'NO'",
+            "num_processes: 1",
+            "mixed_precision: 'no'" if mode == "no" else f"mixed_precision: {mode}",
+            f"use_cpu: {'true' if cpu else 'false'}",
+        ]
+        kwargs = [f'mixed_precision="{mode}"', *(["cpu=True"] if cpu else [])]
+        third = ["import torch", "from accelerate import Accelerator"]
+        if facts.scaler is not None:
+            third.append("from accelerate.utils import GradScalerKwargs")
+            opts = facts.scaler
+            accelerator = [
+                "accelerator = Accelerator(",
+                *(f"    {k}," for k in kwargs),
+                "    kwargs_handlers=[",
+                "        GradScalerKwargs(",
+                *(f"            {name}={py(getattr(opts, name))}," for name in SCALER_ARGS),
+                "        )",
+                "    ],",
+                ")",
+            ]
+        else:
+            accelerator = [f"accelerator = Accelerator({', '.join(kwargs)})"]
+        blocks = helpers(helper_names(facts) + loop_helper_names(facts))
+        fp16 = facts.scaler is not None
+        loop = [
+            "for batch in loader:",
+            *loss_lines(facts, autocast="accelerator.autocast()"),
+            "    accelerator.backward(loss)",
+            "    accelerator.clip_grad_norm_(model.parameters(), 1.0)"
+            + ("  # unscales the fp16 gradients first" if fp16 else ""),
+        ]
+        if facts.finite_check:
+            loop += [
+                "    grads = [p.grad for p in model.parameters() if p.grad is not None]",
+                "    if all(bool(torch.isfinite(g).all()) for g in grads):  # finite_check: skip inf/NaN"
+                " steps",
+                "        optimizer.step()",
+                "        scheduler.step()",
+            ]
+        else:
+            step, sched = "    optimizer.step()", "    scheduler.step()"
+            if fp16:
+                step += "  # skipped on overflow (accelerator.optimizer_step_was_skipped)"
+                sched += "  # a prepared scheduler does not step after a skipped step"
+            loop += [step, sched]
+        loop.append("    optimizer.zero_grad(set_to_none=True)")
+        return [
+            section("default_config.yaml"),
+            *yaml,
+            section("train.py"),
+            *imports(*third, helpers=blocks),
+            "",
+            f"device_type = {py(facts.device_type)}",
+            "",
+            *precision_lines(facts),
+            *helper_lines(blocks),
+            *accelerator,
+            "# (the Accelerator arguments win over default_config.yaml when both are given)",
+            *prepare_lines(facts, move=False),
+            "",
+            OPTIMIZER.format(after="the casts"),
+            SCHEDULER,
+            "model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)",
+            *loop,
+        ]

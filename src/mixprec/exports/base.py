@@ -1,0 +1,445 @@
+"""What every export target shares: the facts about a policy config, the target interface, the header
+that states the export's contract, and the text helpers.
+
+A target (one module per stack, see :mod:`mixprec.exports`) subclasses :class:`ExportTarget` and
+overrides what differs: :meth:`~ExportTarget.refusal` (where the stack cannot express the policy
+faithfully), :meth:`~ExportTarget.contract` (what each setting does, what the stack cannot express
+and what the user fills in) and :meth:`~ExportTarget.body` (the code).
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import ClassVar
+
+import torch
+
+from mixprec.errors import ExportRefused, MixprecError, UsageError
+from mixprec.exports import snippets
+from mixprec.policy.policy import Policy, PolicyConfig
+from mixprec.policy.registry import PolicySpec, canonical_name
+from mixprec.policy.scaler import ScalerOptions
+
+SECTION_PREFIX = "# --- "
+SECTION_SUFFIX = " ---"
+WIDTH = 100  # comment lines wrap here; code stays within ruff's 110
+
+# Which fp32_precision knobs matter on which device: cuBLAS/cuDNN on a GPU, oneDNN on a CPU.
+LIBRARIES = {"cuda": ("cuda", "cudnn"), "cpu": ("mkldnn",)}
+DTYPE_CODE = {
+    torch.bfloat16: "torch.bfloat16",
+    torch.float16: "torch.float16",
+    torch.float32: "torch.float32",
+}
+DTYPE_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+SCALER_ARGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+OPTIMIZER = "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # yours; build it after {after}"
+SCHEDULER = "scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1000)  # yours"
+
+
+# ------------------------------------------------------------------------------------------ facts
+@dataclass(frozen=True)
+class Facts:
+    """The facts about one policy config that the exporters need (all derived from its PolicySpec)."""
+
+    config: PolicyConfig
+    spec: PolicySpec
+    device_type: str
+
+    @classmethod
+    def of(cls, config: PolicyConfig | Policy) -> Facts:
+        """Validate ``config`` (a PolicyConfig or a Policy); raises :class:`UsageError` when it names no
+        known policy or device."""
+        if isinstance(config, Policy):
+            config = config.config
+        if not isinstance(config, PolicyConfig):
+            raise UsageError(
+                f"export() takes a mixprec PolicyConfig or Policy, got {type(config).__name__}; "
+                "e.g. mixprec.get_policy('bf16-mixed').config."
+            )
+        try:
+            name = canonical_name(config.name)
+        except MixprecError as exc:
+            raise UsageError(str(exc)) from exc
+        try:
+            device_type = torch.device(config.device).type
+        except (RuntimeError, TypeError) as exc:
+            raise UsageError(f"Policy config has an invalid device {config.device!r}: {exc}") from exc
+        if device_type not in LIBRARIES:
+            raise UsageError(
+                f"Cannot export for device {config.device!r}; mixprec policies run on {', '.join(LIBRARIES)}."
+            )
+        config = replace(config, name=name)
+        return cls(config, config.spec, device_type)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def mixed(self) -> torch.dtype | None:
+        """The autocast dtype of a *-mixed policy."""
+        return self.spec.autocast_dtype
+
+    @property
+    def true(self) -> torch.dtype | None:
+        """The parameter dtype of a *-true policy."""
+        return self.spec.param_dtype
+
+    @property
+    def low(self) -> torch.dtype | None:
+        """The half dtype the policy computes in; None for fp32, tf32 and bf32."""
+        return self.spec.low_precision_dtype
+
+    @property
+    def short(self) -> str:
+        """bf16 / fp16 / fp32: what matmuls and convolutions compute in."""
+        return DTYPE_SHORT[self.spec.compute_dtype]
+
+    @property
+    def keep(self) -> list[str]:
+        return list(self.config.keep_fp32) if self.low is not None else []
+
+    @property
+    def channels_last(self) -> bool:
+        return self.config.channels_last
+
+    @property
+    def scaler(self) -> ScalerOptions | None:
+        if not self.spec.loss_scaling:
+            return None
+        return self.config.scaler or ScalerOptions()
+
+    @property
+    def finite_check(self) -> bool:
+        """finite_check that matters: policies with a scaler skip non-finite steps anyway."""
+        return self.config.finite_check and self.scaler is None
+
+    @property
+    def min_scale(self) -> float | None:
+        return None if self.scaler is None else self.scaler.min_scale
+
+    def scaler_changes(self) -> dict[str, object]:
+        """Scaler options that differ from mixprec's defaults, in ScalerOptions' field order."""
+        if self.scaler is None:
+            return {}
+        default = ScalerOptions()
+        return {
+            f.name: getattr(self.scaler, f.name)
+            for f in fields(ScalerOptions)
+            if getattr(self.scaler, f.name) != getattr(default, f.name)
+        }
+
+    def knobs(self) -> list[tuple[str, str, str]]:
+        """(backend, op, value) for the fp32_precision knobs that matter on the policy's device."""
+        libraries = LIBRARIES[self.device_type]
+        return [
+            (backend, op, value)
+            for (backend, op), value in self.spec.precision.per_knob().items()
+            if backend in libraries
+        ]
+
+    def math_mode(self) -> str:
+        """What the fp32_precision knobs make fp32 matmuls and convolutions do."""
+        values = {value for _, _, value in self.knobs()}
+        if values == {"tf32"}:
+            return "TF32 tensor cores for fp32 matmuls and convolutions (cuBLAS, cuDNN)"
+        if values == {"bf16"}:
+            return "oneDNN fp32 matmuls and convolutions with bf16 internals (bf32)"
+        if self.device_type == "cuda":
+            what = "strict IEEE fp32 for fp32 matmuls and convolutions (cuDNN convolutions default to TF32)"
+        else:
+            what = "strict IEEE fp32 for oneDNN fp32 matmuls and convolutions"
+        return what + (", also for the ops autocast keeps in fp32" if self.mixed is not None else "")
+
+    def describe(self) -> str:
+        """``'bf16-mixed' on cpu (channels_last, keep_fp32=["head"])``."""
+        extras = []
+        if self.channels_last:
+            extras.append("channels_last")
+        if self.keep:
+            extras.append(f"keep_fp32={py(self.keep)}")
+        if self.finite_check:
+            extras.append("finite_check")
+        extras += [f"{k}={py(v)}" for k, v in self.scaler_changes().items()]
+        return f"{self.name!r} on {self.device_type}" + (f" ({', '.join(extras)})" if extras else "")
+
+
+# ------------------------------------------------------------------------------------------ contract
+@dataclass(frozen=True)
+class Refusal:
+    """Why a target cannot express a policy faithfully, and what to use instead."""
+
+    reason: str
+    alternative: str
+
+
+# Policies that exist on one device type only: elsewhere their knobs would silently mean fp32.
+_DEVICE_ONLY = {
+    "tf32": Refusal(
+        "TF32 is a cuBLAS/cuDNN math mode; on a CPU its knobs change nothing, it would train in plain fp32",
+        "'fp32', or 'bf32' (oneDNN's reduced-precision fp32 math) on a CPU with native bf16",
+    ),
+    "bf32": Refusal(
+        "bf32 is a oneDNN (CPU) math mode; on a GPU its knob changes nothing, it would train in plain fp32",
+        "'fp32', or 'tf32' on a GPU with compute capability >= 8.0",
+    ),
+}
+_DEVICE_OF = {"tf32": "cuda", "bf32": "cpu"}
+
+
+@dataclass
+class Contract:
+    """The header of an export: what runs, what the stack cannot express, what the user fills in.
+
+    Attributes:
+        runs: what each setting of the stack does on this device, one item each.
+        instead: what the stack cannot express and what this export (or the user) does instead.
+        fill_in: the names the export expects and everything marked "yours" in it.
+        launch: how to run it, when that is not ``python train.py``.
+    """
+
+    runs: list[str] = field(default_factory=list)
+    instead: list[str] = field(default_factory=list)
+    fill_in: str = ""
+    launch: str = ""
+
+
+class ExportTarget:
+    """One training stack. Subclasses set the class attributes and override what differs."""
+
+    name: ClassVar[str]
+    title: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    # The PyPI package whose behaviour the export relies on and the releases it was checked against
+    # (mixprec's `frameworks` test tier runs every export against them); None: torch only.
+    package: ClassVar[str | None] = None
+    verified: ClassVar[str] = ""
+
+    def refusal(self, facts: Facts) -> Refusal | None:
+        """None when this target expresses the policy faithfully on the device, else why not."""
+        if facts.name in _DEVICE_OF and facts.device_type != _DEVICE_OF[facts.name]:
+            return _DEVICE_ONLY[facts.name]
+        return None
+
+    def contract(self, facts: Facts) -> Contract:
+        """What this export promises; the base states the fp32 math mode."""
+        return Contract(runs=[f"fp32 math mode: {facts.math_mode()}."])
+
+    def body(self, facts: Facts) -> list[str]:
+        """The code (and any other files' sections) after the header."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------------- shared by every target
+    def export(self, facts: Facts) -> str:
+        """The text, or :class:`ExportRefused` when :meth:`refusal` says the target cannot express it."""
+        refused = self.refusal(facts)
+        if refused is not None:
+            raise ExportRefused(
+                self.title, facts.name, facts.device_type, refused.reason, refused.alternative
+            )
+        return join_lines([*self.header(facts), *self.body(facts)])
+
+    def header(self, facts: Facts) -> list[str]:
+        """The contract as comment lines: the first line names policy, device and target."""
+        contract = self.contract(facts)
+        checked = f", checked against {self.package} {self.verified}" if self.package else ""
+        lines = comment(f"mixprec export: policy {facts.describe()} -> {self.title}{checked}")
+        if contract.runs:
+            lines.append("# What runs:")
+            lines += bullets(contract.runs)
+        if contract.instead:
+            lines.append(f"# Notes (what {self.title} cannot express, what is done instead):")
+            lines += bullets(contract.instead)
+        if contract.fill_in:
+            lines += comment(f"You fill in: {contract.fill_in}")
+        if contract.launch:
+            lines += comment(f"Run: {contract.launch}")
+        return lines
+
+
+# ------------------------------------------------------------------------------------------ text helpers
+def py(value: object) -> str:
+    """A Python literal for ``value``, with double-quoted strings as ruff format writes them."""
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(py(v) for v in value) + "]"
+    return repr(value)
+
+
+def comment(text: str, indent: int = 0, width: int = WIDTH) -> list[str]:
+    """``text`` as ``# `` comment lines, wrapped at ``width`` columns (indent included)."""
+    pad = " " * indent + "# "
+    return textwrap.wrap(text, width=width, initial_indent=pad, subsequent_indent=pad, break_on_hyphens=False)
+
+
+def bullets(items: list[str]) -> list[str]:
+    """``items`` as ``#   - `` comment bullets, continuation lines indented under the text."""
+    out: list[str] = []
+    for item in items:
+        out += textwrap.wrap(
+            item, width=WIDTH, initial_indent="#   - ", subsequent_indent="#     ", break_on_hyphens=False
+        )
+    return out
+
+
+def section(name: str) -> str:
+    """The ``# --- <file name> ---`` line that starts a file in a multi-file export."""
+    return f"{SECTION_PREFIX}{name}{SECTION_SUFFIX}"
+
+
+def call_lines(head: str, args: list[str], width: int = 110) -> list[str]:
+    """``head(args...)`` laid out as ruff format does: one line if it fits, else the arguments on one
+    indented line, else one argument per line with a trailing comma."""
+    flat = f"{head}({', '.join(args)})"
+    if len(flat) <= width:
+        return [flat]
+    inner = "    " + ", ".join(args)
+    if len(inner) <= width:
+        return [f"{head}(", inner, ")"]
+    return [f"{head}(", *(f"    {a}," for a in args), ")"]
+
+
+def indent(lines: list[str], spaces: int) -> list[str]:
+    return [" " * spaces + line if line else line for line in lines]
+
+
+def join_lines(lines: list[str]) -> str:
+    """Join lines; at most two blank lines in a row (PEP 8 around definitions), none at the end."""
+    out: list[str] = []
+    for line in lines:
+        if line == "" and out[-2:] == ["", ""]:
+            continue
+        out.append(line)
+    while out and out[-1] == "":
+        out.pop()
+    return "\n".join(out) + "\n"
+
+
+def imports(*third_party: str, helpers: Sequence[str] = ()) -> list[str]:
+    """Import lines in isort order: the standard library the ``helpers`` blocks need, a blank line,
+    the third-party packages."""
+    std = snippets.stdlib_imports(list(helpers))
+    third = sorted(third_party, key=lambda s: (s.startswith("from "), s.split()[1].lower()))
+    return [*std, *([""] if std and third else []), *third]
+
+
+def helpers(names: list[str]) -> list[str]:
+    """The source blocks of the named snippets (and what they call)."""
+    return snippets.source(names)
+
+
+def helper_lines(blocks: list[str]) -> list[str]:
+    """Helper blocks with two blank lines around each (PEP 8), or one blank line when there are none."""
+    lines: list[str] = []
+    for block in blocks:
+        lines += ["", "", *block.splitlines()]
+    return [*lines, "", ""] if lines else [""]
+
+
+def precision_lines(facts: Facts, *, indent_by: int = 0, legacy_note: bool = True) -> list[str]:
+    """The fp32_precision knob assignments, with the note about the legacy API."""
+    text = f"fp32 math mode: {facts.math_mode()}."
+    if legacy_note:
+        text += (
+            " The torch >= 2.9 fp32_precision API: do not also use the legacy allow_tf32 flags or"
+            " torch.set_float32_matmul_precision(); once both APIs were used, reading either raises."
+        )
+    knobs = [f'torch.backends.{b}.{op}.fp32_precision = "{value}"' for b, op, value in facts.knobs()]
+    return comment(text, indent_by) + indent(knobs, indent_by)
+
+
+def grad_scaler_lines(facts: Facts, cls: str, device: str, target: str = "scaler") -> list[str]:
+    """``scaler = cls(device, init_scale=..., ...)`` with the policy's four GradScaler options."""
+    opts = facts.scaler
+    assert opts is not None
+    return [
+        f"{target} = {cls}(",
+        f"    {device},",
+        *(f"    {name}={py(getattr(opts, name))}," for name in SCALER_ARGS),
+        ")",
+    ]
+
+
+def helper_names(facts: Facts, *, casts: bool = True, channels_last_hook: bool = True) -> list[str]:
+    """The snippets :func:`prepare_lines` uses for this policy."""
+    names = []
+    if facts.keep:
+        names += ["fp32_islands", "keep_in_fp32"]
+    if facts.true is not None and casts:
+        names.append("cast_inputs")
+    if facts.channels_last and channels_last_hook:
+        names.append("channels_last_inputs")
+    return names
+
+
+def prepare_lines(
+    facts: Facts,
+    *,
+    move: bool,
+    casts: bool = True,
+    channels_last: bool = True,
+    keep_kwargs: tuple[str, ...] = (),
+) -> list[str]:
+    """Model preparation in plain PyTorch, in the order Policy.prepare() applies it.
+
+    ``casts``: cast a *-true model and register the input cast (False where the stack does both);
+    ``channels_last``: convert the model and its inputs here (False where it must happen later);
+    ``keep_kwargs``: keyword inputs the input cast leaves alone (the HF Trainer's ``labels``).
+    """
+    lines = ["model = model.to(device_type)"] if move else []
+    if facts.keep:
+        lines.append(f"islands = fp32_islands(model, {py(facts.keep)})  # keep_fp32: module-name patterns")
+    if facts.true is not None and casts:
+        lines.append(
+            f"model = model.to({DTYPE_CODE[facts.true]})  # {DTYPE_SHORT[facts.true]} weights, no fp32"
+            " master copy"
+        )
+        if facts.keep:
+            lines += [
+                "for module in islands.values():",
+                "    module.float()  # fp32 islands keep fp32 weights",
+            ]
+    if facts.channels_last and channels_last:
+        lines.append("model = model.to(memory_format=torch.channels_last)")
+    if facts.keep:
+        back = f", output_dtype={DTYPE_CODE[facts.true]}" if facts.true is not None else ""
+        lines += [
+            "for module in islands.values():",
+            f"    keep_in_fp32(module, device_type{back})  # outside autocast, fp32 inputs",
+        ]
+    if facts.true is not None and casts:
+        keep = f", keep={tuple(keep_kwargs)!r}".replace("'", '"') if keep_kwargs else ""
+        lines.append(
+            f"model.register_forward_pre_hook(cast_inputs({DTYPE_CODE[facts.true]}{keep}), with_kwargs=True)"
+        )
+    if facts.channels_last and channels_last:
+        lines.append("model.register_forward_pre_hook(channels_last_inputs, with_kwargs=True)")
+    return lines
+
+
+def loss_lines(facts: Facts, model: str = "model", autocast: str | None = None) -> list[str]:
+    """``loss = loss_fn(model, batch)`` inside the policy's context: autocast for *-mixed, the half
+    default dtype for *-true (tensors that forward creates get the weights' dtype), none otherwise.
+
+    ``autocast``: the stack's own autocast context expression, e.g. ``accelerator.autocast()``.
+    """
+    call = f"loss = loss_fn({model}, batch)"
+    if facts.mixed is not None:
+        ctx = autocast or f"torch.autocast(device_type, dtype={DTYPE_CODE[facts.mixed]})"
+        return [f"    with {ctx}:", f"        {call}"]
+    if facts.true is not None:
+        return [f"    with default_dtype({DTYPE_CODE[facts.true]}):", f"        {call}"]
+    return [f"    {call}"]
+
+
+def loop_helper_names(facts: Facts) -> list[str]:
+    """The snippets :func:`loss_lines` and the loss scaling need."""
+    names = ["default_dtype"] if facts.true is not None else []
+    if facts.true == torch.float16:
+        names.append("HalfGradScaler")
+    return names

@@ -1,0 +1,224 @@
+"""The ``deepspeed`` target: ds_config.json and the training script around ``deepspeed.initialize``.
+
+Checked in deepspeed 0.19's source and run by the frameworks tier (CPU accelerator, gloo):
+
+- ``deepspeed.initialize`` asserts without a batch size: the config always has
+  ``train_micro_batch_size_per_gpu`` (a value the user fills in).
+- ``"torch_autocast": {"enabled": true, "dtype": ...}`` is *-mixed: fp32 parameters and optimizer,
+  autocast around the engine's forward, and for fp16 without ZeRO a ``torch.amp.GradScaler``
+  (``engine.torch_autocast_z0_gradscaler``) that ``engine.step()`` unscales before clipping. The
+  ``"bf16"`` / ``"fp16"`` sections are something else: half parameters with fp32 master weights in
+  the optimizer and no autocast (and ``"fp16"`` is refused on CPUs without fp16 support).
+- bf16-true: no precision section; the model is cast by hand and DeepSpeed steps the bf16
+  parameters with the user's optimizer (no master copy), as the policy says.
+- ``_broadcast_model`` views every parameter as bytes, which fails for channels_last parameters:
+  channels_last is applied to the model after ``initialize``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import ClassVar
+
+import torch
+
+from mixprec.exports.base import (
+    DTYPE_SHORT,
+    OPTIMIZER,
+    SCHEDULER,
+    Contract,
+    Facts,
+    Refusal,
+    grad_scaler_lines,
+    helper_lines,
+    helper_names,
+    helpers,
+    imports,
+    loop_helper_names,
+    loss_lines,
+    precision_lines,
+    prepare_lines,
+    py,
+    section,
+)
+from mixprec.exports.native import EXPECTS
+from mixprec.exports.pytorch import PyTorchTarget
+
+_AUTOCAST_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class DeepSpeedTarget(PyTorchTarget):
+    """DeepSpeed (ZeRO off): torch_autocast for *-mixed, the plain-PyTorch preparation for the rest."""
+
+    name = "deepspeed"
+    title = "DeepSpeed"
+    aliases: ClassVar[tuple[str, ...]] = ("ds",)
+    package = "deepspeed"
+    verified = "0.19"
+
+    def refusal(self, facts: Facts) -> Refusal | None:
+        refused = super().refusal(facts)
+        if refused is not None:
+            return refused
+        if facts.true == torch.float16:
+            return Refusal(
+                'DeepSpeed\'s loss scaler works only with its "fp16" section (fp16 parameters with fp32'
+                " master"
+                " weights) or torch_autocast (fp32 parameters); fp16-true needs fp16 weights without a master"
+                " copy, with loss scaling",
+                "fp16-mixed with DeepSpeed (torch_autocast), or the 'pytorch' or 'mixprec' export for"
+                " fp16-true",
+            )
+        if facts.finite_check:
+            return Refusal(
+                "DeepSpeed's engine.step() does not skip steps with non-finite gradients without a loss"
+                " scaler"
+                " (finite_check=True)",
+                "finite_check=False with DeepSpeed, or the 'pytorch', 'accelerate' or 'mixprec' export",
+            )
+        return None
+
+    @staticmethod
+    def config(facts: Facts) -> dict[str, object]:
+        """ds_config.json as a dict."""
+        config: dict[str, object] = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0,
+            "fp16": {"enabled": False},
+            "bf16": {"enabled": False},
+        }
+        if facts.spec.deepspeed == "torch_autocast":
+            assert facts.mixed is not None
+            config["torch_autocast"] = {"enabled": True, "dtype": _AUTOCAST_DTYPE[facts.mixed]}
+        return config
+
+    def contract(self, facts: Facts) -> Contract:
+        contract = Contract(runs=[f"fp32 math mode: {facts.math_mode()}."])
+        if facts.mixed is not None:
+            short = DTYPE_SHORT[facts.mixed]
+            contract.runs.append(
+                f'"torch_autocast" ({short}): fp32 parameters and optimizer, autocast({short}) around the'
+                " engine's forward (and, in this loop, around the loss)."
+            )
+            contract.instead.append(
+                f'DeepSpeed\'s "{short}" section stays off: it casts the parameters to'
+                f" {short} with fp32 master weights in the optimizer and no autocast, which is not"
+                f" {facts.name}."
+            )
+        if facts.scaler is not None:
+            contract.runs.append(
+                "Loss scaling: DeepSpeed's GradScaler for torch_autocast fp16 without ZeRO"
+                " (engine.torch_autocast_z0_gradscaler), replaced by one with the policy's options;"
+                " engine.step() unscales, clips, skips an overflowing step and updates the scale."
+            )
+            contract.instead.append(
+                "The scheduler is stepped by this loop, and not after a skipped step (DeepSpeed would step"
+                " it)."
+            )
+            if facts.min_scale is not None:
+                contract.instead.append(
+                    f"min_scale={py(facts.min_scale)}: the loop keeps the scale at the floor; no collapse"
+                    " alarm."
+                )
+            contract.instead.append(
+                "With ZeRO stages 1-3 DeepSpeed uses its own loss scaler instead: this export is for ZeRO"
+                " off."
+            )
+        if facts.true is not None:
+            short = DTYPE_SHORT[facts.true]
+            contract.runs.append(
+                f"No precision section: the model is cast to {short} before initialize() and DeepSpeed steps"
+                " the"
+                f" {short} parameters with your optimizer (no fp32 master copy); {short} inputs (a forward"
+                f" pre-hook) and {short} default dtype around forward and loss."
+            )
+            contract.instead.append(
+                'DeepSpeed\'s "bf16" section stays off: it keeps fp32 master weights, which is not'
+                f" {facts.name}."
+            )
+        if facts.low is None:
+            contract.runs.append("No precision section: fp32 parameters and math.")
+        if facts.channels_last:
+            contract.runs.append(
+                "channels_last weights and 4-D inputs, applied after initialize(): its parameter broadcast"
+                " views parameters as bytes and fails for channels_last ones."
+            )
+        if facts.keep:
+            contract.instead.append(
+                f"keep_fp32={py(facts.keep)}: keep_in_fp32() below (DeepSpeed's"
+                " data_types.keep_in_fp32_modules"
+                " keeps buffers only)."
+            )
+        contract.fill_in = (
+            f"{EXPECTS}; the optimizer and scheduler lines; train_micro_batch_size_per_gpu in ds_config.json"
+            " (your per-device batch size: DeepSpeed asserts without one and uses it for its own data loader"
+            " and logs)."
+        )
+        contract.launch = (
+            "deepspeed train.py (or torchrun): initialize() needs RANK, LOCAL_RANK and WORLD_SIZE from a"
+            " launcher."
+        )
+        return contract
+
+    def body(self, facts: Facts) -> list[str]:
+        blocks = helpers(helper_names(facts) + loop_helper_names(facts))
+        lines = [
+            section("ds_config.json"),
+            json.dumps(self.config(facts), indent=2),
+            section("train.py"),
+            *imports("import deepspeed", "import torch", helpers=blocks),
+            "",
+            f"device_type = {py(facts.device_type)}",
+            "",
+            *precision_lines(facts),
+            *helper_lines(blocks),
+            *prepare_lines(facts, move=False, channels_last=False),
+            "",
+            OPTIMIZER.format(after="the casts"),
+            SCHEDULER,
+            "model_engine, optimizer, _, _ = deepspeed.initialize(",
+            '    model=model, optimizer=optimizer, config="ds_config.json"',
+            ")",
+        ]
+        if facts.channels_last:
+            lines += [
+                "model.to(memory_format=torch.channels_last)  # after initialize(): model_engine.module is"
+                " model",
+                "model.register_forward_pre_hook(channels_last_inputs, with_kwargs=True)",
+            ]
+        opts = facts.scaler
+        if opts is not None:
+            lines += grad_scaler_lines(
+                facts,
+                "torch.amp.GradScaler",
+                "device_type",
+                target="model_engine.torch_autocast_z0_gradscaler",
+            )
+            lines.append("scaler = model_engine.torch_autocast_z0_gradscaler")
+        lines += ["for batch in loader:", *loss_lines(facts, model="model_engine")]
+        lines.append(
+            "    model_engine.backward(loss)" + ("  # scaled by the GradScaler above" if opts else "")
+        )
+        if opts is None:
+            lines += [
+                "    model_engine.step()  # clips, steps, zeroes the gradients",
+                "    scheduler.step()",
+            ]
+        else:
+            lines += [
+                "    scale = scaler.get_scale()",
+                "    model_engine.step()  # unscales, clips, steps unless it overflowed, updates the scale",
+                "    skipped = scaler.get_scale() < scale  # it backs off exactly when it skipped the step",
+            ]
+            if opts.min_scale is not None:
+                floor = py(opts.min_scale)
+                lines += [
+                    f"    if scaler.get_scale() < {floor}:",
+                    f"        scaler.update({floor})  # min_scale floor: GradScaler has none",
+                ]
+            lines += [
+                "    if not skipped:",
+                "        scheduler.step()  # a skipped step skips the scheduler too",
+            ]
+        return lines

@@ -1,0 +1,164 @@
+"""The ``hf`` target: TrainingArguments flags and the model preparation for the HF Trainer.
+
+Checked in transformers 5.23's source and run by the frameworks tier:
+
+- The Trainer builds its Accelerator from ``bf16``/``fp16``, so it inherits Accelerate's CPU rule:
+  ``TrainingArguments(fp16=True, use_cpu=True)`` trains in plain fp32 without a warning. fp16-mixed
+  on a CPU is refused, and so is a GradScaler with non-default options (no flag for them).
+- The Trainer calls ``model(**inputs)``: the input conversions are keyword-aware, and the bf16-true
+  cast leaves ``labels`` alone (the model computes its loss from them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec.exports.base import (
+    DTYPE_CODE,
+    DTYPE_SHORT,
+    SCALER_ARGS,
+    Contract,
+    Facts,
+    Refusal,
+    helper_lines,
+    helper_names,
+    helpers,
+    imports,
+    precision_lines,
+    prepare_lines,
+    py,
+)
+from mixprec.exports.pytorch import PyTorchTarget
+
+LABELS = ("labels",)  # TrainingArguments.label_names' default for models that take labels
+
+
+class HFTarget(PyTorchTarget):
+    """The HF Trainer: TrainingArguments(bf16/fp16) plus the plain-PyTorch model preparation."""
+
+    name = "hf"
+    title = "HF Trainer"
+    aliases = ("transformers", "huggingface")
+    package = "transformers"
+    verified = "5.23"
+
+    def refusal(self, facts: Facts) -> Refusal | None:
+        refused = super().refusal(facts)
+        if refused is not None:
+            return refused
+        if facts.mixed == torch.float16 and facts.device_type == "cpu":
+            return Refusal(
+                "the HF Trainer's fp16=True goes through Accelerate, which does not run fp16 autocast on a"
+                " CPU: TrainingArguments(fp16=True, use_cpu=True) trains in plain fp32, with no GradScaler"
+                " and no warning",
+                "bf16-mixed with the HF Trainer, or the 'pytorch' or 'mixprec' export for fp16-mixed on a"
+                " CPU",
+            )
+        if facts.true == torch.float16:
+            return Refusal(
+                "the HF Trainer's fp16=True is autocast + GradScaler over fp32 weights and its GradScaler"
+                " refuses fp16 gradients; fp16-true needs fp16 weights with loss scaling",
+                "fp16-mixed with the HF Trainer, or the 'pytorch' or 'mixprec' export for fp16-true",
+            )
+        changed = {k: v for k, v in facts.scaler_changes().items() if k in SCALER_ARGS}
+        if changed:
+            shown = ", ".join(f"{k}={py(v)}" for k, v in changed.items())
+            return Refusal(
+                f"TrainingArguments has no GradScaler options ({shown}); the Trainer's scaler uses torch's"
+                " defaults",
+                "the default loss-scaler options with the HF Trainer, or the 'accelerate' export"
+                " (GradScalerKwargs)",
+            )
+        if facts.finite_check:
+            return Refusal(
+                "the HF Trainer does not skip optimizer steps with non-finite gradients (finite_check=True)",
+                "finite_check=False with the HF Trainer, or the 'pytorch', 'accelerate' or 'mixprec' export",
+            )
+        return None
+
+    @staticmethod
+    def flags(facts: Facts) -> list[str]:
+        """The precision flags of TrainingArguments, as ``name=value`` source."""
+        flags = []
+        if facts.mixed is not None:
+            flags.append(f"{facts.spec.accelerate}=True")
+        if facts.device_type == "cpu":
+            flags.append("use_cpu=True")
+        return [*flags, "max_grad_norm=1.0"]
+
+    def contract(self, facts: Facts) -> Contract:
+        contract = Contract(runs=[f"fp32 math mode: {facts.math_mode()}."])
+        if facts.mixed is not None:
+            what = (
+                f"{facts.spec.accelerate}=True: the Trainer's Accelerator runs the model's forward (and the"
+                " loss"
+                f" it computes) under autocast({DTYPE_SHORT[facts.mixed]}); fp32 weights."
+            )
+            if facts.scaler is not None:
+                what += (
+                    " GradScaler (torch's defaults, the policy's too), unscaled before max_grad_norm clips."
+                )
+            contract.runs.append(what)
+        else:
+            contract.runs.append("No bf16/fp16 flag: the Trainer changes no dtype.")
+        if facts.true is not None:
+            short = DTYPE_SHORT[facts.true]
+            contract.runs.append(
+                f"{short} weights (cast below, no fp32 master copy), {short} inputs except labels (a forward"
+                f" pre-hook), {short} default dtype during forward (forward hooks)."
+            )
+            contract.instead.append(
+                f"{facts.name}: no flag; the model is prepared below and bf16=... stays off."
+            )
+        if facts.channels_last:
+            contract.runs.append(
+                "channels_last weights and 4-D inputs: a forward pre-hook converts keyword inputs too, as the"
+                " Trainer calls model(**batch)."
+            )
+        if facts.keep:
+            contract.instead.append(f"keep_fp32={py(facts.keep)}: keep_in_fp32() below, inside the autocast.")
+        if facts.min_scale is not None:
+            contract.instead.append(
+                f"min_scale={py(facts.min_scale)}: the Trainer's GradScaler has no floor and no collapse"
+                " alarm."
+            )
+        if facts.name in ("tf32", "bf32"):
+            contract.instead.append(
+                f"{facts.name}: set by the fp32_precision knobs below. TrainingArguments(tf32=...) stays"
+                " unset:"
+                " depending on the release it sets the legacy allow_tf32 flags (mixing the APIs raises) or"
+                " only the global torch.backends.fp32_precision, which does not reach cuDNN convolutions."
+            )
+        contract.fill_in = (
+            "model (nn.Module or PreTrainedModel whose forward(**batch) returns the loss first or as 'loss'),"
+            " train_dataset, training_args (your other TrainingArguments: output_dir, learning_rate, batch"
+            " size, max_steps or num_train_epochs, ...)."
+        )
+        return contract
+
+    def body(self, facts: Facts) -> list[str]:
+        names = helper_names(facts)
+        if facts.true is not None:
+            names.append("default_dtype_in_forward")
+        blocks = helpers(names)
+        prepare = prepare_lines(facts, move=False, keep_kwargs=LABELS)
+        if facts.true is not None:
+            prepare.append(
+                f"default_dtype_in_forward(model, {DTYPE_CODE[facts.true]})  # tensors forward creates"
+            )
+        return [
+            *imports("import torch", "from transformers import Trainer, TrainingArguments", helpers=blocks),
+            "",
+            f"device_type = {py(facts.device_type)}",
+            "",
+            *precision_lines(facts),
+            *helper_lines(blocks),
+            *prepare,
+            "",
+            "args = TrainingArguments(",
+            *(f"    {flag}," for flag in self.flags(facts)),
+            "    **training_args,  # yours: output_dir, learning_rate, batch size, max_steps, ...",
+            ")",
+            "trainer = Trainer(model=model, args=args, train_dataset=train_dataset)",
+            "trainer.train()",
+        ]

@@ -1,0 +1,220 @@
+"""The ``lightning`` target: a LightningModule subclass with the policy's hooks, and the Trainer.
+
+Checked in lightning 2.6's source and run by the frameworks tier:
+
+- ``Trainer(accelerator="cpu", precision="16-mixed")`` silently becomes bf16-mixed
+  (``_AcceleratorConnector._check_and_init_precision``), while the ``MixedPrecision("16-mixed",
+  "cpu", scaler=...)`` plugin really runs fp16 autocast with the scaler. fp16-mixed is therefore
+  always exported as the plugin, on every device: one code path, one behaviour.
+- ``precision="bf16-true"`` (``HalfPrecision``) casts the module, sets the default dtype in
+  forward and casts every floating-point tensor of the batch, float targets included; the export
+  uses a subclass that leaves the batch alone and casts the model's inputs with a pre-hook, as
+  mixprec does (:mod:`mixprec.exports.snippets_lightning`).
+- ``16-true`` has no loss scaler: fp16-true is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mixprec.exports import snippets
+from mixprec.exports.base import (
+    DTYPE_CODE,
+    DTYPE_SHORT,
+    Contract,
+    ExportTarget,
+    Facts,
+    Refusal,
+    call_lines,
+    comment,
+    grad_scaler_lines,
+    helper_lines,
+    helpers,
+    imports,
+    precision_lines,
+    py,
+)
+
+_PLUGIN_FILE = str(Path(__file__).with_name("snippets_lightning.py"))
+_PLUGIN = "HalfPrecisionKeepBatch"
+_RELATIVE = (
+    "keep_fp32 patterns name modules of the model you gave mixprec; prefix them with the attribute that holds"
+    " it in your LightningModule (e.g. 'net.head')"
+)
+
+
+class LightningTarget(ExportTarget):
+    """PyTorch Lightning: Trainer precision (or precision plugin) plus LightningModule hooks."""
+
+    name = "lightning"
+    title = "PyTorch Lightning"
+    aliases = ("pl", "pytorch-lightning")
+    package = "lightning"
+    verified = "2.6"
+
+    def refusal(self, facts: Facts) -> Refusal | None:
+        refused = super().refusal(facts)
+        if refused is not None:
+            return refused
+        if facts.true == torch.float16:
+            return Refusal(
+                'Lightning\'s "16-true" has no loss scaler and "16-mixed" is autocast + GradScaler over fp32'
+                " weights; fp16-true needs fp16 weights with dynamic loss scaling",
+                "fp16-mixed with Lightning, or the 'pytorch' or 'mixprec' export for fp16-true",
+            )
+        if facts.finite_check:
+            return Refusal(
+                "Lightning does not skip optimizer steps with non-finite gradients (finite_check=True)",
+                "finite_check=False with Lightning, or the 'pytorch', 'accelerate' or 'mixprec' export",
+            )
+        return None
+
+    @staticmethod
+    def precision(facts: Facts) -> str:
+        """The Trainer's precision string (the policy spec's Lightning name)."""
+        return facts.spec.lightning
+
+    def contract(self, facts: Facts) -> Contract:
+        contract = super().contract(facts)
+        contract.runs[0] += " Set in setup(), after Lightning has set up the accelerator."
+        precision = self.precision(facts)
+        if facts.mixed == torch.float16:
+            contract.runs.append(
+                f'MixedPrecision("{precision}", {py(facts.device_type)}, scaler=GradScaler(...)): fp16'
+                " autocast"
+                " around training_step, dynamic loss scaling with the policy's options; unscaled before"
+                " gradient_clip_val clips, overflowing steps skipped. (The plugin, not"
+                ' precision="16-mixed":'
+                " on a CPU Lightning turns that string into bf16-mixed.)"
+            )
+            contract.instead.append(
+                "Lightning steps LR schedulers on its own schedule, also after a skipped (overflowing) step."
+            )
+            if facts.min_scale is not None:
+                contract.instead.append(
+                    f"min_scale={py(facts.min_scale)}: GradScaler has no floor and no collapse alarm; watch"
+                    " trainer.precision_plugin.scaler.get_scale() if the loss keeps overflowing."
+                )
+        elif facts.mixed is not None:
+            contract.runs.append(
+                f'precision="{precision}": autocast(bf16) around training_step, fp32 weights.'
+            )
+        elif facts.true is not None:
+            short = DTYPE_SHORT[facts.true]
+            contract.runs.append(
+                f'{_PLUGIN}("{precision}") = Lightning\'s precision="{precision}" ({short} module, {short}'
+                " default dtype in training_step) except that it leaves the batch alone: the pre-hook from"
+                " configure_model() casts the model's inputs, float targets keep fp32 as under mixprec."
+            )
+        else:
+            contract.runs.append(f'precision="{precision}": fp32 weights and math.')
+        if facts.channels_last:
+            contract.runs.append(
+                "channels_last: the module in configure_model(), 4-D batch tensors in"
+                " on_after_batch_transfer()."
+            )
+        if facts.keep:
+            contract.runs.append(
+                f"keep_fp32={py(facts.keep)}: fp32 weights and inputs, outside autocast"
+                + (" (after Lightning's conversion, in on_fit_start())." if facts.true is not None else ".")
+            )
+            contract.instead.append(_RELATIVE + ".")
+        fill = (
+            "YourLightningModule (your LightningModule class: LitModel adds the hooks to it, calling yours"
+            " first), loader, trainer_options (your other Trainer arguments: max_epochs, logger, ...), and"
+            " LitModel's constructor arguments."
+        )
+        if facts.true is not None:
+            fill += " training_step must call self(...): the input cast is a pre-hook on the LightningModule."
+        contract.fill_in = fill
+        return contract
+
+    def body(self, facts: Facts) -> list[str]:
+        device = py(facts.device_type)
+        precision = self.precision(facts)
+        third = ["import lightning as L", "import torch"]
+        if facts.mixed == torch.float16:
+            third.append("from lightning.pytorch.plugins.precision import MixedPrecision")
+        if facts.true is not None:
+            third.append("from lightning.pytorch.plugins.precision import HalfPrecision")
+        names = []
+        if facts.keep:
+            names += ["fp32_islands", "keep_in_fp32"]
+        if facts.true is not None:
+            names.append("cast_inputs")
+        if facts.channels_last:
+            names.append("to_channels_last")
+        blocks = helpers(names)
+        if facts.true is not None:
+            blocks.append(snippets.source_in_file(_PLUGIN_FILE, _PLUGIN))
+        lines = [
+            *imports(*third, helpers=blocks),
+            *(helper_lines(blocks) if blocks else ["", ""]),
+            "class LitModel(YourLightningModule):  # your LightningModule, with the policy's hooks",
+            "    def setup(self, stage):",
+            "        super().setup(stage)",
+            *comment(
+                "Here rather than at import: Lightning reads torch.get_float32_matmul_precision() when it"
+                " sets"
+                ' up a CUDA device, and with torch >= 2.9 that read raises once a knob is not "ieee". Not'
+                " torch.set_float32_matmul_precision() as Lightning advises: that is the legacy API, which"
+                " never reached cuDNN convolutions.",
+                indent=8,
+            ),
+            *precision_lines(facts, indent_by=8, legacy_note=False),
+        ]
+        configure = []
+        if facts.channels_last:
+            configure.append("        self.to(memory_format=torch.channels_last)")
+        if facts.keep and facts.mixed is not None:
+            configure += [
+                f"        for module in fp32_islands(self, {py(facts.keep)}).values():",
+                f"            keep_in_fp32(module, {device})  # keep_fp32: outside autocast, fp32 inputs",
+            ]
+        if facts.true is not None:
+            configure.append(
+                f"        self.register_forward_pre_hook(cast_inputs({DTYPE_CODE[facts.true]}),"
+                " with_kwargs=True)"
+            )
+        if configure:
+            lines += [
+                "",
+                "    def configure_model(self):  # before Lightning converts, moves and wraps the model",
+                "        super().configure_model()",
+                *configure,
+            ]
+        if facts.keep and facts.true is not None:
+            lines += [
+                "",
+                f"    def on_fit_start(self):  # after Lightning's {precision} conversion of the whole"
+                " module",
+                "        super().on_fit_start()",
+                f"        for module in fp32_islands(self, {py(facts.keep)}).values():  # keep_fp32",
+                f"            keep_in_fp32(module.float(), {device}, output_dtype={DTYPE_CODE[facts.true]})",
+            ]
+        if facts.channels_last:
+            lines += [
+                "",
+                "    def on_after_batch_transfer(self, batch, dataloader_idx):",
+                "        return to_channels_last(super().on_after_batch_transfer(batch, dataloader_idx))",
+            ]
+        lines += ["", ""]
+        accelerator = "gpu" if facts.device_type == "cuda" else "cpu"
+        args = [f'accelerator="{accelerator}"']
+        if facts.mixed == torch.float16:
+            lines += [
+                *grad_scaler_lines(facts, "torch.amp.GradScaler", device),
+                f'plugin = MixedPrecision("{precision}", {device}, scaler=scaler)',
+            ]
+            args.append("plugins=[plugin]")
+        elif facts.true is not None:
+            args.append(f'plugins=[{_PLUGIN}("{precision}")]')
+        else:
+            args.append(f'precision="{precision}"')
+        lines += call_lines("trainer = L.Trainer", [*args, "gradient_clip_val=1.0", "**trainer_options"])
+        lines.append(
+            "trainer.fit(LitModel(), train_dataloaders=loader)  # LitModel(your constructor arguments)"
+        )
+        return lines

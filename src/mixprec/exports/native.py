@@ -1,0 +1,64 @@
+"""The ``mixprec`` target: the ``get_policy(...)`` call with exactly the non-default options, and the loop."""
+
+from __future__ import annotations
+
+from mixprec.exports.base import OPTIMIZER, SCHEDULER, Contract, ExportTarget, Facts, py
+
+EXPECTS = "model (nn.Module), loader (iterable of batches), loss_fn(model, batch) -> scalar loss"
+
+
+class MixprecTarget(ExportTarget):
+    """mixprec itself: what was measured and verified, applied by :class:`mixprec.Policy`."""
+
+    name = "mixprec"
+    title = "mixprec"
+
+    def contract(self, facts: Facts) -> Contract:
+        return Contract(
+            runs=[
+                "Policy.prepare(), autocast(), backward() and step(): the policy exactly as mixprec"
+                " verified it."
+            ],
+            fill_in=f"{EXPECTS}; the optimizer and scheduler lines.",
+        )
+
+    def body(self, facts: Facts) -> list[str]:
+        options: dict[str, object] = {}
+        if facts.channels_last:
+            options["channels_last"] = True
+        if facts.keep:
+            options["keep_fp32"] = facts.keep
+        if facts.config.finite_check:  # kept where a scaler makes it redundant: the call rebuilds the config
+            options["finite_check"] = True
+        options.update(facts.scaler_changes())
+        args = [
+            py(facts.name),
+            f"device={py(facts.device_type)}",
+            *(f"{k}={py(v)}" for k, v in options.items()),
+        ]
+        call = [f"policy = mixprec.get_policy({', '.join(args)})"]
+        if len(call[0]) > 100:
+            call = ["policy = mixprec.get_policy(", *(f"    {a}," for a in args), ")"]
+        lines = [
+            "import torch",
+            "",
+            "import mixprec",
+            "",
+            *call,
+            "model = policy.prepare(model)  # device, half casts, channels_last, fp32 islands (in place)",
+            OPTIMIZER.format(after="prepare()"),
+            SCHEDULER,
+            "with policy.precision_scope():  # the fp32 math mode (TF32 / bf32 / strict), restored on exit",
+            "    for batch in loader:",
+            "        with policy.autocast():",
+            "            loss = loss_fn(model, batch)",
+            "        policy.backward(loss)  # scaled when the policy scales the loss",
+            "        if policy.step(optimizer, clip_grad_norm=1.0):  # unscale -> clip -> step -> update",
+            "            scheduler.step()  # a skipped (non-finite) step skips the scheduler too",
+            "        optimizer.zero_grad(set_to_none=True)",
+        ]
+        if facts.scaler is not None or facts.finite_check:
+            lines.append(
+                "# policy.stats.as_dict(): steps, skipped_steps, scale history, last non-finite parameters"
+            )
+        return lines

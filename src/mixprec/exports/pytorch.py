@@ -1,0 +1,149 @@
+"""The ``pytorch`` target: plain PyTorch without mixprec.
+
+fp32_precision knobs, autocast or the half default dtype, GradScaler with unscale-before-clip and
+skipped-step accounting, channels_last, half casts and fp32 islands: everything
+:class:`mixprec.Policy` does, written out. :class:`~mixprec.exports.fsdp2.FSDP2Target` extends it.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from mixprec.exports.base import (
+    DTYPE_SHORT,
+    OPTIMIZER,
+    SCHEDULER,
+    Contract,
+    ExportTarget,
+    Facts,
+    comment,
+    grad_scaler_lines,
+    helper_lines,
+    helper_names,
+    helpers,
+    imports,
+    loop_helper_names,
+    loss_lines,
+    precision_lines,
+    prepare_lines,
+    py,
+)
+from mixprec.exports.native import EXPECTS
+
+
+class PyTorchTarget(ExportTarget):
+    """Plain PyTorch: every policy is expressible."""
+
+    name = "pytorch"
+    title = "plain PyTorch"
+    aliases: ClassVar[tuple[str, ...]] = ("torch", "plain")
+    optimizer_after: ClassVar[str] = "the casts"  # what the optimizer line says to build it after
+
+    def contract(self, facts: Facts) -> Contract:
+        contract = super().contract(facts)
+        contract.runs += self.policy_runs(facts)
+        contract.fill_in = f"{EXPECTS}; the optimizer and scheduler lines."
+        return contract
+
+    def policy_runs(self, facts: Facts) -> list[str]:
+        """What the code below does for the policy (shared with FSDP2)."""
+        runs = []
+        if facts.mixed is not None:
+            runs.append(f"torch.autocast({DTYPE_SHORT[facts.mixed]}) around forward and loss; fp32 weights.")
+        if facts.true is not None:
+            runs.append(
+                f"{DTYPE_SHORT[facts.true]} weights (no fp32 master copy), {DTYPE_SHORT[facts.true]} inputs"
+                f" (a forward pre-hook), {DTYPE_SHORT[facts.true]} default dtype around forward and loss"
+                " (tensors that forward creates match the weights)."
+            )
+        if facts.scaler is not None:
+            what = "HalfGradScaler (GradScaler that also unscales fp16 gradients)"
+            if facts.true is None:
+                what = "torch.amp.GradScaler"
+            runs.append(
+                f"{what}: unscale before clipping, a non-finite step is skipped with its scheduler step."
+            )
+        if facts.finite_check:
+            runs.append("finite_check: a step with non-finite gradients is skipped.")
+        if facts.channels_last:
+            runs.append("channels_last weights and 4-D inputs (a forward pre-hook, positional and keyword).")
+        if facts.keep:
+            runs.append(f"keep_fp32={py(facts.keep)}: fp32 weights, fp32 inputs, outside autocast.")
+        return runs
+
+    def third_party(self, facts: Facts) -> list[str]:
+        return ["import torch"]
+
+    def snippet_names(self, facts: Facts) -> list[str]:
+        return helper_names(facts) + loop_helper_names(facts)
+
+    def prepare(self, facts: Facts) -> list[str]:
+        return prepare_lines(facts, move=True)
+
+    def body(self, facts: Facts) -> list[str]:
+        blocks = helpers(self.snippet_names(facts))
+        return [
+            *imports(*self.third_party(facts), helpers=blocks),
+            "",
+            f"device_type = {py(facts.device_type)}",
+            "",
+            *precision_lines(facts),
+            *helper_lines(blocks),
+            *self.prepare(facts),
+            "",
+            OPTIMIZER.format(after=self.optimizer_after),
+            SCHEDULER,
+            *plain_loop(facts),
+        ]
+
+
+def plain_loop(facts: Facts) -> list[str]:
+    """The training loop of the plain-PyTorch and FSDP2 exports."""
+    lines: list[str] = []
+    opts = facts.scaler
+    if opts is not None:
+        cls = "HalfGradScaler" if facts.true == torch.float16 else "torch.amp.GradScaler"
+        lines += grad_scaler_lines(facts, cls, "device_type")
+    lines += ["for batch in loader:", *loss_lines(facts)]
+    if opts is not None:
+        lines += [
+            "    scaler.scale(loss).backward()",
+            "    scaler.unscale_(optimizer)  # before clipping: the threshold is for the true gradients",
+            "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+            "    scale = scaler.get_scale()",
+            "    scaler.step(optimizer)  # skipped when the gradients hold inf/NaN",
+            "    scaler.update()",
+            "    skipped = scaler.get_scale() < scale  # it backs off exactly when it skipped the step",
+        ]
+        if opts.min_scale is not None:
+            floor = py(opts.min_scale)
+            lines += [
+                f"    if scaler.get_scale() < {floor}:",
+                f"        scaler.update({floor})  # min_scale floor: GradScaler has none",
+            ]
+        lines += ["    if not skipped:", "        scheduler.step()  # a skipped step skips the scheduler too"]
+    elif facts.finite_check:
+        lines += [
+            "    loss.backward()",
+            "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+            "    grads = [p.grad for p in model.parameters() if p.grad is not None]",
+            "    if all(bool(torch.isfinite(g).all()) for g in grads):  # finite_check: skip inf/NaN steps",
+            "        optimizer.step()",
+            "        scheduler.step()",
+        ]
+    else:
+        lines += [
+            "    loss.backward()",
+            "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+            "    optimizer.step()",
+            "    scheduler.step()",
+        ]
+    lines.append("    optimizer.zero_grad(set_to_none=True)")
+    if opts is not None and opts.min_scale is not None:
+        lines += comment(
+            f"mixprec also raises ScaleCollapseError after {opts.max_skips_at_min_scale} overflowing steps"
+            " in a row at the floor; add such a check if you want that alarm."
+        )
+    return lines

@@ -1,0 +1,125 @@
+"""The input conversions, fp32 islands and default-dtype scopes a policy applies to a model.
+
+Plain, self-contained PyTorch on purpose: the exports paste these very functions into the user's
+script (``mixprec.exports.snippets`` emits them with ``inspect.getsource``), so an export and
+``Policy.prepare()`` convert inputs, wrap fp32 islands and set the default dtype with one copy of
+the code. Code here may use only ``torch`` and the standard-library names in :data:`STDLIB` and
+:data:`STDLIB_NAMES`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+# What emitted code may use besides torch: module -> import line, name -> "from" import.
+STDLIB = {"contextlib": "contextlib", "fnmatch": "fnmatch", "functools": "functools"}
+STDLIB_NAMES = {"Callable": "collections.abc", "Iterator": "collections.abc", "Any": "typing"}
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """Cast the floating-point tensors in value (nested lists, tuples, dicts) to dtype."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: cast_floating(v, dtype) for k, v in value.items()}
+    return value
+
+
+def to_channels_last(value: Any) -> Any:
+    """4-D floating-point tensors in value (nested lists, tuples, dicts) to channels_last."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 4 and value.is_floating_point():
+            return value.contiguous(memory_format=torch.channels_last)
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_channels_last(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_channels_last(v) for k, v in value.items()}
+    return value
+
+
+def cast_inputs(dtype: torch.dtype, keep: tuple[str, ...] = ()) -> Callable:
+    """A forward pre-hook (register it with with_kwargs=True) that casts the module's floating-point
+    inputs to dtype, positional and keyword alike, except the keyword arguments named in keep."""
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs = {k: v if k in keep else cast_floating(v, dtype) for k, v in kwargs.items()}
+        return cast_floating(args, dtype), kwargs
+
+    return hook
+
+
+def channels_last_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook (with_kwargs=True): 4-D floating-point inputs, positional and keyword, to
+    channels_last."""
+    return to_channels_last(args), to_channels_last(kwargs)
+
+
+def fp32_islands(model: torch.nn.Module, patterns: list[str]) -> dict[str, torch.nn.Module]:
+    """The modules of model whose names match a keep_fp32 glob pattern (as mixprec's keep_fp32)."""
+    named = {name: module for name, module in model.named_modules() if name}
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in named):
+            raise ValueError(f"keep_fp32 pattern {pattern!r} matches no module of {type(model).__name__}")
+    return {name: m for name, m in named.items() if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
+
+
+def keep_in_fp32(
+    module: torch.nn.Module, device_type: str, output_dtype: torch.dtype | None = None
+) -> torch.nn.Module:
+    """Run module outside autocast with fp32 inputs; cast its outputs to output_dtype if given."""
+    if getattr(module, "_fp32_island", False):
+        return module
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def fp32_forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, enabled=False):
+            out = forward(*cast_floating(args, torch.float32), **cast_floating(kwargs, torch.float32))
+        return out if output_dtype is None else cast_floating(out, output_dtype)
+
+    module.forward = fp32_forward
+    module._fp32_island = True  # type: ignore[assignment]
+    return module
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Make dtype the default dtype inside the block (tensors created without a dtype get it)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def default_dtype_in_forward(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Run module's forward with dtype as the default dtype, restored afterwards (also on errors)."""
+    saved = []
+
+    def enter(mod: torch.nn.Module, args: tuple) -> None:
+        saved.append(torch.get_default_dtype())
+        torch.set_default_dtype(dtype)
+
+    def leave(mod: torch.nn.Module, args: tuple, output: object) -> None:
+        torch.set_default_dtype(saved.pop())
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+    return module
+
+
+class HalfGradScaler(torch.amp.GradScaler):
+    """GradScaler that also unscales fp16 gradients (refused by default); fp16-true has only those."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # private GradScaler hook
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)

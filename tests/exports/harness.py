@@ -1,0 +1,451 @@
+"""Run an export as a user would and record, with forward hooks, what actually ran.
+
+One tiny CNN (:class:`Net`: two conv blocks in ``.layers``, a ``.head`` of Flatten + Linear that is
+the fp32 island when ``keep_fp32=("head",)``), one batch stream, one loss. Each ``run_*`` function
+executes the exported text verbatim with the names the export says the user fills in, and returns a
+:class:`Run`: the hook records, the trained parameters, the framework's loss scaler. :func:`check_run`
+compares them with what the policy promises (:class:`mixprec.policy.PolicySpec`), so every target is
+judged by the same expectations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec import state
+from mixprec.exports import export, split_sections
+from mixprec.policy import PolicyConfig, ScalerOptions
+
+STEPS = 4
+BATCH = 8
+OVERFLOW_AT = 1  # fp16 policies: this batch overflows fp16 activations, its step must be skipped
+ISLAND = "head"
+SCALER = ScalerOptions(init_scale=1024.0, growth_interval=1000)  # no growth within STEPS
+SCALE_AFTER = 512.0  # init_scale after the one overflow
+FILL_INS = (
+    "model",
+    "loader",
+    "loss_fn",
+    "YourLightningModule",
+    "trainer_options",
+    "train_dataset",
+    "training_args",
+)
+
+
+# ------------------------------------------------------------------------------------------ the model
+class Net(nn.Module):
+    """Conv blocks (what FSDP2 shards), a head, and a tensor created in forward (needs the half
+    default dtype under *-true, else ``x + zeros`` promotes to fp32 and the head's half weights fail)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()),
+            nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()),
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layers(x)
+        return self.head(h + torch.zeros(h.shape))
+
+
+class HFNet(Net):
+    """The HF Trainer's convention: forward(**batch) returns the loss, computed from ``labels``."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        PROBE.labels.append(None if labels is None else labels.dtype)
+        out = super().forward(x)
+        return {"loss": F.mse_loss(out.float(), labels), "logits": out}
+
+
+def batches(overflow: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(STEPS):
+        x = torch.randn(BATCH, 3, 4, 4, generator=generator)
+        if overflow and i == OVERFLOW_AT:
+            x = x * 1e6  # fp16 activations overflow: inf loss, non-finite gradients
+        out.append((x, torch.randn(BATCH, 2, generator=generator)))
+    return out
+
+
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    PROBE.labels.append(y.dtype)
+    return F.mse_loss(model(x).float(), y)
+
+
+def data_loader(overflow: bool) -> torch.utils.data.DataLoader:
+    pairs = batches(overflow)
+    dataset = torch.utils.data.TensorDataset(
+        torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])
+    )
+    return torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=False)
+
+
+class DictDataset(torch.utils.data.Dataset):
+    """Samples as the HF Trainer wants them: dicts of the model's keyword inputs."""
+
+    def __init__(self, overflow: bool) -> None:
+        pairs = batches(overflow=False)
+        self.x = torch.cat([x for x, _ in pairs])
+        self.y = torch.cat([y for _, y in pairs])
+        if overflow:  # exactly one batch overflows whatever the Trainer's shuffling: one sample does
+            self.x[0] = self.x[0] * 1e6
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+# ------------------------------------------------------------------------------------------ recording
+@dataclass
+class Call:
+    """One forward of a conv or linear leaf."""
+
+    name: str
+    out_dtype: torch.dtype
+    weight_dtype: torch.dtype
+    input_cl: bool | None  # 4-D input in channels_last, None for 2-D
+    weight_cl: bool | None
+    autocast: bool
+    default_dtype: torch.dtype
+    knobs: dict[str, str]
+
+
+@dataclass
+class Probe:
+    """What ran: one :class:`Call` per leaf forward, the dtypes the loss saw for its targets."""
+
+    calls: list[Call] = field(default_factory=list)
+    labels: list[torch.dtype | None] = field(default_factory=list)
+    initial: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def attach(self, model: nn.Module) -> None:
+        self.initial = {n: p.detach().clone().float() for n, p in model.named_parameters()}
+        for name, module in model.named_modules():
+            if isinstance(module, (nn.Conv2d, nn.Linear)):
+                module.register_forward_hook(self._hook(name))
+
+    def _hook(self, name: str) -> Callable:
+        def record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            x, w = args[0], module.weight
+            four_d = x.dim() == 4
+            self.calls.append(
+                Call(
+                    name,
+                    output.dtype,
+                    w.dtype,
+                    x.is_contiguous(memory_format=torch.channels_last) if four_d else None,
+                    w.is_contiguous(memory_format=torch.channels_last) if w.dim() == 4 else None,
+                    torch.is_autocast_enabled(x.device.type),
+                    torch.get_default_dtype(),
+                    {op: getattr(torch.backends.mkldnn, op).fp32_precision for op in ("matmul", "conv")},
+                )
+            )
+
+        return record
+
+
+PROBE = Probe()
+
+
+@dataclass
+class Run:
+    """A finished run: the module whose parameters trained, and the framework's loss scaler."""
+
+    model: nn.Module
+    scaler: Any
+    namespace: dict[str, Any]
+
+
+# ------------------------------------------------------------------------------------------ running
+@contextlib.contextmanager
+def restored_state() -> Iterator[None]:
+    """Exports set the fp32 math mode for good, as a script would: put it back afterwards."""
+    before = state.snapshot()
+    try:
+        yield
+    finally:
+        state.restore(before)
+
+
+def fresh_model(cls: type[nn.Module] = Net) -> nn.Module:
+    PROBE.__init__()  # type: ignore[misc]
+    torch.manual_seed(0)
+    model = cls()
+    PROBE.attach(model)
+    return model
+
+
+def execute(text: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    namespace = {"__name__": "exported_snippet", **namespace}
+    with restored_state():
+        exec(compile(text, "<exported snippet>", "exec"), namespace)
+    return namespace
+
+
+def python_part(text: str, target: str) -> str:
+    return split_sections(text).get("train.py") or text
+
+
+def run_plain(config: PolicyConfig, target: str) -> Run:
+    """The ``mixprec`` and ``pytorch`` exports."""
+    fp16 = config.spec.loss_scaling
+    model = fresh_model()
+    ns = execute(export(config, target), {"model": model, "loader": batches(fp16), "loss_fn": loss_fn})
+    scaler = ns["policy"].scaler if target == "mixprec" else ns.get("scaler")
+    return Run(ns["model"], scaler, ns)
+
+
+def run_accelerate(config: PolicyConfig) -> Run:
+    from accelerate.state import AcceleratorState
+
+    fp16 = config.spec.loss_scaling
+    model = fresh_model()
+    text = python_part(export(config, "accelerate"), "accelerate")
+    try:
+        ns = execute(text, {"model": model, "loader": data_loader(fp16), "loss_fn": loss_fn})
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return Run(model, ns["accelerator"].scaler, ns)
+
+
+def run_deepspeed(config: PolicyConfig, workdir: Path) -> Run:
+    fp16 = config.spec.loss_scaling
+    model = fresh_model()
+    sections = split_sections(export(config, "deepspeed"))
+    (workdir / "ds_config.json").write_text(sections["ds_config.json"])
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        ns = execute(sections["train.py"], {"model": model, "loader": batches(fp16), "loss_fn": loss_fn})
+    finally:
+        os.chdir(cwd)
+    return Run(model, ns["model_engine"].torch_autocast_z0_gradscaler, ns)
+
+
+def run_fsdp2(config: PolicyConfig) -> Run:
+    fp16 = config.spec.loss_scaling
+    model = fresh_model()
+    ns = execute(export(config, "fsdp2"), {"model": model, "loader": batches(fp16), "loss_fn": loss_fn})
+    return Run(model, ns.get("scaler"), ns)
+
+
+def run_hf(config: PolicyConfig, workdir: Path) -> Run:
+    from accelerate.state import AcceleratorState
+
+    fp16 = config.spec.loss_scaling
+    model = fresh_model(HFNet)
+    args = {
+        "output_dir": str(workdir / "hf-out"),
+        "max_steps": STEPS,
+        "per_device_train_batch_size": BATCH,
+        "learning_rate": 1e-3,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+    }
+    try:
+        ns = execute(
+            export(config, "hf"), {"model": model, "train_dataset": DictDataset(fp16), "training_args": args}
+        )
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return Run(model, ns["trainer"].accelerator.scaler, ns)
+
+
+def lightning_module_class() -> type:
+    """YourLightningModule for the Lightning export: Net's modules and forward, AdamW, the loss."""
+    import lightning as L
+
+    class LitNet(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            net = Net()
+            self.layers, self.head = net.layers, net.head
+            PROBE.attach(self)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return Net.forward(self, x)  # type: ignore[arg-type]
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return loss_fn(self, batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return LitNet
+
+
+def run_lightning(config: PolicyConfig, workdir: Path) -> Run:
+    fp16 = config.spec.loss_scaling
+    PROBE.__init__()  # type: ignore[misc]
+    options = {
+        "max_steps": STEPS,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": str(workdir),
+    }
+    ns = execute(
+        export(config, "lightning"),
+        {
+            "YourLightningModule": lightning_module_class(),
+            "loader": data_loader(fp16),
+            "trainer_options": options,
+        },
+    )
+    trainer = ns["trainer"]
+    return Run(trainer.lightning_module, getattr(trainer.precision_plugin, "scaler", None), ns)
+
+
+# ------------------------------------------------------------------------------------------ checking
+def island(name: str) -> bool:
+    return name == ISLAND or name.startswith(ISLAND + ".")
+
+
+def check_run(config: PolicyConfig, run: Run, *, target: str, scale: float | None = None) -> None:
+    """Assert that what ran is what ``config``'s policy promises; ``scale``: the loss scale mixprec's own
+    Policy ends with on the same batches (fp16 policies)."""
+    spec = config.spec
+    keep = bool(config.keep_fp32)
+    calls = PROBE.calls
+    assert calls, "no conv/linear forward was recorded"
+    assert {c.name for c in calls} == {"layers.0.0", "layers.1.0", "head.1"}
+    wanted_knobs = {
+        op: v for (b, op), v in spec.precision.per_knob().items() if b == "mkldnn" and op != "rnn"
+    }
+    for c in calls:
+        where = f"{target}: {c.name}"
+        assert c.knobs == wanted_knobs, f"{where}: fp32 math knobs {c.knobs}, want {wanted_knobs}"
+        if keep and island(c.name):
+            assert c.out_dtype == torch.float32, f"{where}: fp32 island computed in {c.out_dtype}"
+            assert c.weight_dtype == torch.float32, f"{where}: fp32 island weights are {c.weight_dtype}"
+            assert not c.autocast, f"{where}: fp32 island ran under autocast"
+            continue
+        assert c.out_dtype == spec.compute_dtype, (
+            f"{where}: computed in {c.out_dtype}, want {spec.compute_dtype}"
+        )
+        weight = spec.param_dtype or torch.float32
+        if target == "fsdp2" and spec.low_precision_dtype is not None:
+            weight = spec.low_precision_dtype  # FSDP2 all-gathers in param_dtype
+        assert c.weight_dtype == weight, f"{where}: weights used in {c.weight_dtype}, want {weight}"
+        assert c.autocast == (spec.autocast_dtype is not None), f"{where}: autocast={c.autocast}"
+        assert c.default_dtype == (spec.param_dtype or torch.float32), (
+            f"{where}: default dtype {c.default_dtype}"
+        )
+        if c.input_cl is not None:
+            assert c.input_cl == config.channels_last, f"{where}: channels_last input is {c.input_cl}"
+        if c.weight_cl is not None:
+            assert c.weight_cl == config.channels_last, f"{where}: channels_last weight is {c.weight_cl}"
+    # The loss (or the model's own loss) saw fp32 targets: no export rounds them to the half dtype.
+    assert PROBE.labels and all(d == torch.float32 for d in PROBE.labels), f"{target}: targets {PROBE.labels}"
+
+    # Trained parameters: dtypes as the policy stores them, every tensor changed.
+    params = dict(run.model.named_parameters())
+    assert set(params) == set(PROBE.initial), sorted(params)
+    for name, p in params.items():
+        stored = torch.float32 if keep and island(name) else (spec.param_dtype or torch.float32)
+        assert p.dtype == stored, f"{target}: parameter {name} stored as {p.dtype}, want {stored}"
+        value = p.full_tensor() if hasattr(p, "full_tensor") else p
+        assert not torch.equal(value.detach().float(), PROBE.initial[name]), f"{target}: {name} did not train"
+
+    # Loss scaling: present with the policy's options exactly where the policy scales the loss.
+    if spec.loss_scaling:
+        assert isinstance(run.scaler, torch.amp.GradScaler), f"{target}: no GradScaler ({run.scaler!r})"
+        assert run.scaler.is_enabled()
+        assert run.scaler.get_scale() == scale, f"{target}: scale {run.scaler.get_scale()}, mixprec's {scale}"
+        if spec.autocast_dtype is not None:  # fp16-mixed: exactly the planted overflow was skipped
+            assert scale == SCALE_AFTER
+    else:
+        assert run.scaler is None or not run.scaler.is_enabled(), (
+            f"{target}: unexpected scaler {run.scaler!r}"
+        )
+
+
+def cases() -> dict[str, PolicyConfig]:
+    """target-independent CPU configs: {fp32, bf16-mixed, fp16-mixed, bf16-true} x channels_last x keep_fp32,
+    plus bf32 and fp16-true (base) and tf32 (refused on a CPU everywhere)."""
+    out: dict[str, PolicyConfig] = {}
+    for name in ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true"):
+        for cl in (False, True):
+            for keep in (False, True):
+                if keep and name == "fp32":
+                    continue
+                label = name + ("+cl" if cl else "") + ("+keep" if keep else "")
+                scaler = SCALER if name == "fp16-mixed" else None
+                out[label] = PolicyConfig(name, "cpu", cl, (ISLAND,) if keep else (), scaler=scaler)
+    out["bf32"] = PolicyConfig("bf32", "cpu")
+    out["fp16-true"] = PolicyConfig("fp16-true", "cpu", scaler=SCALER)
+    out["tf32"] = PolicyConfig("tf32", "cpu")
+    return out
+
+
+CASES = cases()
+
+
+def require(package: str) -> None:
+    """Skip the calling test module when ``package`` (from the ``frameworks`` extra) is missing, or
+    fail when MIXPREC_REQUIRE_FRAMEWORKS=1 (``make test`` sets it: there the extra is installed)."""
+    import importlib
+
+    import pytest
+
+    if os.environ.get("MIXPREC_REQUIRE_FRAMEWORKS") == "1":
+        importlib.import_module(package)
+        return
+    pytest.importorskip(
+        package, reason=f"{package} is not installed: pip install -e '.[frameworks]' (make test does)"
+    )
+
+
+def installed_version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def run_case(target: str, case: str, refused: set[str], runner: Callable[[PolicyConfig], Run]) -> None:
+    """The tier's one test body: a refused case raises ExportRefused (and only the expected ones are
+    refused); a faithful one trains and :func:`check_run` confirms the promise with the hooks."""
+    import pytest
+
+    from mixprec.errors import ExportRefused
+    from mixprec.exports import export_status
+    from mixprec.hardware import detect
+    from mixprec.policy import check_support
+
+    config = CASES[case]
+    faithful, reason = export_status(config, target)
+    if case in refused:
+        assert not faithful, f"{target} {case}: expected a refusal"
+        with pytest.raises(ExportRefused, match="Nearest faithful alternative") as info:
+            export(config, target)
+        assert info.value.reason in reason and info.value.alternative in reason
+        return
+    assert faithful, f"{target} {case}: unexpected refusal: {reason}"
+    if not check_support(config.name, detect(torch.device("cpu"))):
+        pytest.skip(f"{config.name} does not run on this CPU")
+    scale = None
+    if config.spec.loss_scaling:  # mixprec's own policy on the same batches: the reference scale
+        scale = run_plain(config, "mixprec").namespace["policy"].stats.scale
+    run = runner(config)
+    check_run(config, run, target=target, scale=scale)

@@ -1,0 +1,33 @@
+"""The hf export against the real HF Trainer (transformers, the frameworks extra), on CPU."""
+
+from __future__ import annotations
+
+import pytest
+from harness import CASES, DictDataset, HFNet, require, run_case, run_hf
+
+require("transformers")
+
+from accelerate.state import AcceleratorState  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+pytestmark = pytest.mark.frameworks
+
+# tf32: a CUDA math mode. fp16 on a CPU: the Trainer's Accelerator runs no fp16 autocast there.
+# fp16-true: its GradScaler refuses fp16 gradients.
+REFUSED = {"tf32", "fp16-true"} | {c for c in CASES if c.startswith("fp16-mixed")}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_export_runs_the_policy(case, tmp_path):
+    run_case("hf", case, REFUSED, lambda config: run_hf(config, tmp_path))
+
+
+def test_fp16_on_a_cpu_trains_in_plain_fp32_without_a_warning(tmp_path):
+    """Why fp16-mixed on a CPU is refused for the Trainer too."""
+    args = TrainingArguments(output_dir=str(tmp_path), fp16=True, use_cpu=True, report_to="none")
+    try:
+        trainer = Trainer(model=HFNet(), args=args, train_dataset=DictDataset(False))
+        assert trainer.accelerator.state.mixed_precision == "fp16"
+        assert not trainer.accelerator.native_amp and trainer.accelerator.scaler is None
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -1,0 +1,48 @@
+"""The lightning export against the real Lightning (the frameworks extra), on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import CASES, require, run_case, run_lightning
+
+require("lightning")
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.plugins.precision import HalfPrecision  # noqa: E402
+
+pytestmark = [
+    pytest.mark.frameworks,
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
+]
+
+# tf32: a CUDA math mode. fp16-true: Lightning's 16-true has no loss scaler.
+REFUSED = {"tf32", "fp16-true"}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_export_runs_the_policy(case, tmp_path):
+    run_case("lightning", case, REFUSED, lambda config: run_lightning(config, tmp_path))
+
+
+def test_the_16_mixed_string_on_a_cpu_is_bf16_without_a_scaler():
+    """Why fp16-mixed is exported as the MixedPrecision plugin: the string silently becomes bf16."""
+    with pytest.warns(UserWarning, match="Using `precision='bf16-mixed'` instead"):
+        trainer = L.Trainer(accelerator="cpu", precision="16-mixed", logger=False)
+    assert trainer.precision_plugin.precision == "bf16-mixed"
+    assert trainer.precision_plugin.scaler is None
+
+
+def test_stock_bf16_true_rounds_float_targets_and_the_exported_plugin_does_not():
+    """Why bf16-true uses HalfPrecisionKeepBatch: HalfPrecision casts the whole batch."""
+    from mixprec.exports.lightning import _PLUGIN, _PLUGIN_FILE
+    from mixprec.exports.snippets import source_in_file
+
+    batch = (torch.randn(2, 3), torch.randn(2, 2))
+    assert HalfPrecision("bf16-true").convert_input(batch)[1].dtype == torch.bfloat16
+    namespace = {"HalfPrecision": HalfPrecision}
+    exec(source_in_file(_PLUGIN_FILE, _PLUGIN), namespace)
+    plugin = namespace[_PLUGIN]("bf16-true")
+    assert plugin.convert_input(batch)[1].dtype == torch.float32
+    with plugin.forward_context():
+        assert torch.get_default_dtype() == torch.bfloat16  # the rest of bf16-true stays

@@ -1,0 +1,560 @@
+"""mixprec.exports without running a framework: the settings every export locks (golden JSON), that the
+Python parses and is lint-clean with every name defined, the refusal API, the helper snippets, and
+what `tune` shows per target. Executed behaviour is tested in the test_run_*/test_<framework> files."""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import FILL_INS, Net
+from rich.console import Console
+from torch import nn
+
+import mixprec
+from mixprec import state
+from mixprec.errors import ExportRefused, UsageError
+from mixprec.exports import (
+    EXPORT_TARGETS,
+    FRAMEWORKS,
+    ExportResult,
+    export,
+    export_all,
+    export_status,
+    snippets,
+    split_sections,
+)
+from mixprec.policy import PolicyConfig, ScalerOptions, get_policy
+from mixprec.policy.policy import island_names
+
+ROOT = Path(__file__).parents[2]
+GOLDEN_DIR = ROOT / "tests" / "golden" / "export"
+UPDATE_GOLDEN = os.environ.get("MIXPREC_UPDATE_GOLDEN") == "1"
+
+
+def _configs() -> dict[str, PolicyConfig]:
+    """Every policy on both devices with default options, and the options that change the text."""
+    out = {
+        f"{name}-{device}": PolicyConfig(name, device)
+        for name in mixprec.POLICY_NAMES
+        for device in ("cpu", "cuda")
+    }
+    out["bf16-mixed-cuda+cl+head"] = PolicyConfig("bf16-mixed", "cuda", True, ("head",))
+    out["bf16-mixed-cpu+cl+head"] = PolicyConfig("bf16-mixed", "cpu", True, ("head",))
+    out["bf16-true-cpu+cl+head"] = PolicyConfig("bf16-true", "cpu", True, ("head",))
+    out["fp16-mixed-cuda+head+scaler"] = PolicyConfig(
+        "fp16-mixed",
+        "cuda",
+        keep_fp32=("head",),
+        scaler=ScalerOptions(init_scale=1024.0, growth_interval=100),
+    )
+    out["fp16-mixed-cuda+odd-scaler"] = PolicyConfig(
+        "fp16-mixed", "cuda", scaler=ScalerOptions(init_scale=1000.0, growth_factor=4.0, min_scale=None)
+    )
+    out["bf16-mixed-cpu+finite_check"] = PolicyConfig("bf16-mixed", "cpu", finite_check=True)
+    return out
+
+
+CONFIGS = _configs()
+PYTHON_SECTION = {"accelerate": "train.py", "deepspeed": "train.py"}
+# Calls and assignments that carry configuration; helper bodies (the snippets) are left out.
+SETTING_CALLS = {
+    "Trainer",
+    "MixedPrecision",
+    "HalfPrecisionKeepBatch",
+    "GradScaler",
+    "HalfGradScaler",
+    "Accelerator",
+    "TrainingArguments",
+    "MixedPrecisionPolicy",
+    "autocast",
+    "fully_shard",
+    "initialize",
+    "get_policy",
+    "default_dtype",
+    "default_dtype_in_forward",
+    "keep_in_fp32",
+    "fp32_islands",
+    "register_forward_pre_hook",
+    "to",
+    "float",
+    "step",
+}
+HELPERS = {*snippets._SNIPPETS, "HalfPrecisionKeepBatch"}
+
+
+def python_part(text: str, target: str) -> str:
+    return split_sections(text)[PYTHON_SECTION[target]] if target in PYTHON_SECTION else text
+
+
+def _callee(node: ast.Call) -> str:
+    func = node.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
+def settings(text: str, target: str) -> dict[str, object]:
+    """The configuration an export locks: its other files parsed, and its setting calls and assignments
+    in order (outermost calls, helper definitions skipped), not its comments."""
+    out: dict[str, object] = {}
+    sections = split_sections(text)
+    if "ds_config.json" in sections:
+        out["ds_config.json"] = json.loads(sections["ds_config.json"])
+    if "default_config.yaml" in sections:
+        out["default_config.yaml"] = dict(
+            line.split(": ", 1) for line in sections["default_config.yaml"].split("\n") if line
+        )
+    tree = ast.parse(python_part(text, target))
+    out["helpers"] = sorted(
+        n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in HELPERS
+    )
+    found: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in HELPERS:
+            return
+        if isinstance(node, ast.Assign) and any(
+            ast.unparse(t).endswith(("fp32_precision", "gradscaler")) for t in node.targets
+        ):
+            found.append(ast.unparse(node))
+            return
+        if isinstance(node, ast.Call) and _callee(node) in SETTING_CALLS:
+            found.append(ast.unparse(node))
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    out["settings"] = found
+    return out
+
+
+# ------------------------------------------------------------------------------------------ golden files
+@pytest.mark.parametrize("target", EXPORT_TARGETS)
+def test_golden_settings(target):
+    """One JSON per target: per config, the refusal or the settings (not every comment word)."""
+    got: dict[str, object] = {}
+    for case, config in CONFIGS.items():
+        faithful, reason = export_status(config, target)
+        got[case] = settings(export(config, target), target) if faithful else {"refused": reason}
+    path = GOLDEN_DIR / f"{target}.json"
+    if UPDATE_GOLDEN:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(got, indent=1) + "\n")
+        return
+    assert path.exists(), f"missing {path}; create it with MIXPREC_UPDATE_GOLDEN=1 pytest {__file__}"
+    want = json.loads(path.read_text())
+    for case in CONFIGS:
+        assert got[case] == want.get(case), (
+            f"{target} {case}: the exported settings differ from {path.name}; if intended, regenerate with "
+            "MIXPREC_UPDATE_GOLDEN=1 and review the diff"
+        )
+    assert set(want) == set(got), "golden cases without a config"
+
+
+def test_no_stale_golden_files():
+    assert {p.name for p in GOLDEN_DIR.iterdir()} == {f"{t}.json" for t in EXPORT_TARGETS}
+
+
+# ------------------------------------------------------------------------------------------ syntax
+def _faithful_texts():
+    for case, config in CONFIGS.items():
+        for target, result in export_all(config).items():
+            if result.text is not None:
+                yield case, target, result.text
+
+
+def test_every_python_part_parses_and_states_its_contract():
+    for case, target, text in _faithful_texts():
+        compile(python_part(text, target), f"<export {case} {target}>", "exec", flags=ast.PyCF_ONLY_AST)
+        assert text.endswith("\n") and not text.endswith("\n\n")
+        head = split_sections(text)[""] if target in PYTHON_SECTION else text
+        assert head.startswith(f"# mixprec export: policy '{CONFIGS[case].name}' on ")
+        assert "# You fill in: " in head
+
+
+# The venv's own ruff (a dev dependency) even when .venv/bin is not on PATH, as under `make test`.
+RUFF = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+
+
+@pytest.mark.skipif(RUFF is None, reason="ruff is not installed")
+def test_python_parts_are_lint_clean_ruff_formatted_and_define_every_name(tmp_path):
+    """F821 on: every name is defined, imported or one the header lists under "You fill in"."""
+    for case, target, text in _faithful_texts():
+        name = re.sub(r"\W", "_", f"{case}_{target}")
+        (tmp_path / f"{name}.py").write_text(python_part(text, target))
+    common = ["--isolated", "--line-length", "110"]
+    builtins = f"builtins = {json.dumps(list(FILL_INS))}"
+    lint = [RUFF, "check", *common, "--config", builtins, "--select", "E,F,W,I,B,UP,SIM", str(tmp_path)]
+    fmt = [RUFF, "format", *common, "--check", str(tmp_path)]
+    for command in (lint, fmt):  # from the repository root, where ruff finds mixprec first-party
+        result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_helpers_named_in_the_text_are_defined_in_it():
+    """A comment that points at a helper (e.g. "HalfGradScaler above") points at a definition."""
+    for case, target, text in _faithful_texts():
+        prose = " ".join(line for line in text.splitlines() if line.lstrip().startswith("#"))
+        for helper in HELPERS:
+            if re.search(rf"\b{helper}\b", prose):
+                assert re.search(rf"^(def|class) {helper}\b", text, re.M), f"{case} {target}: {helper}"
+
+
+def test_fill_ins_are_listed_in_the_header():
+    """Every fill-in name the code uses without defining it is named under "You fill in"."""
+    for case, target, text in _faithful_texts():
+        tree = ast.parse(python_part(text, target))
+        stored = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        stored |= {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        header = " ".join(line[2:] for line in text.splitlines() if line.startswith("# "))
+        fill_in = header.split("You fill in: ", 1)[1].split(" Run: ", 1)[0]
+        for name in FILL_INS:
+            if name in used - stored:
+                assert re.search(rf"\b{name}\b", fill_in), f"{case} {target}: {name} is not listed: {fill_in}"
+
+
+# ------------------------------------------------------------------------------------------ content
+@pytest.mark.parametrize("case", CONFIGS)
+def test_precision_knobs_follow_the_policy_settings(case):
+    config = CONFIGS[case]
+    libraries = ("cuda", "cudnn") if config.device == "cuda" else ("mkldnn",)
+    wanted = {
+        f"{backend}.{op}": value
+        for (backend, op), value in config.spec.precision.per_knob().items()
+        if backend in libraries
+    }
+    for target, result in export_all(config).items():
+        if result.text is None or target == "mixprec":
+            continue
+        text = result.text
+        set_here = dict(re.findall(r"torch\.backends\.(\w+\.\w+)\.fp32_precision = \"(\w+)\"$", text, re.M))
+        assert set_here == wanted and wanted, target
+        code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+        assert "allow_tf32" not in code and "set_float32_matmul_precision" not in code
+
+
+def test_deepspeed_config_per_policy():
+    for case, config in CONFIGS.items():
+        if not export_status(config, "deepspeed").faithful:
+            continue
+        ds = json.loads(split_sections(export(config, "deepspeed"))["ds_config.json"])
+        assert ds["train_micro_batch_size_per_gpu"] >= 1 and ds["gradient_clipping"] == 1.0
+        assert ds["fp16"] == {"enabled": False} and ds["bf16"] == {"enabled": False}, case
+        dtype = config.spec.autocast_dtype
+        if dtype is None:
+            assert "torch_autocast" not in ds, case
+        else:
+            want = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+            assert ds["torch_autocast"] == {"enabled": True, "dtype": want}, case
+
+
+def test_odd_scaler_options_are_expressed_or_refused():
+    odd = CONFIGS["fp16-mixed-cuda+odd-scaler"]
+    assert "growth_factor=4.0," in export(odd, "pytorch") and "growth_factor=4.0," in export(odd, "deepspeed")
+    assert "growth_factor=4.0," in export(odd, "accelerate") and "growth_factor=4.0," in export(
+        odd, "lightning"
+    )
+    assert "min_scale floor" not in export(odd, "pytorch")  # min_scale=None: no floor
+    faithful, reason = export_status(odd, "hf")
+    assert not faithful and "init_scale=1000.0" in reason and "GradScalerKwargs" in reason
+
+
+def _get_policy_call(text: str) -> ast.Call:
+    calls = [
+        node
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "get_policy"
+    ]
+    assert len(calls) == 1
+    return calls[0]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"channels_last": True},
+        {"keep_fp32": ["head", "blocks.*.norm"], "finite_check": True},
+        {"init_scale": 1024.0, "min_scale": 1.0},  # min_scale=1.0 is the default: left out
+        {"init_scale": 1024.0, "finite_check": True},
+        {"growth_interval": 100, "backoff_factor": 0.25, "min_scale": None, "max_skips_at_min_scale": 5},
+    ],
+)
+def test_mixprec_call_has_exactly_the_non_default_options_and_round_trips(options):
+    name = "fp16-mixed" if any(k in options for k in ("init_scale", "growth_interval")) else "bf16-mixed"
+    config = get_policy(name, device="cpu", check=False, **options).config
+    call = _get_policy_call(export(config, "mixprec"))
+    kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+    assert kwargs.pop("device") == "cpu"
+    assert ast.literal_eval(call.args[0]) == name
+    expected = {k: v for k, v in options.items() if not (k == "min_scale" and v == 1.0)}
+    assert kwargs == expected
+    rebuilt = get_policy(name, device="cpu", check=False, **kwargs).config
+    assert rebuilt == config
+
+
+# ------------------------------------------------------------------------------------------ refusals
+def test_refusal_raises_with_reason_and_alternative():
+    config = PolicyConfig("fp16-mixed", "cpu")
+    with pytest.raises(ExportRefused) as info:
+        export(config, "accelerate")
+    err = info.value
+    assert isinstance(err, UsageError) and err.exit_code == 2
+    assert (err.target, err.policy, err.device) == ("HF Accelerate", "fp16-mixed", "cpu")
+    assert "does not run fp16 autocast on a CPU" in err.reason and "bf16-mixed" in err.alternative
+    assert "Nearest faithful alternative: bf16-mixed" in str(err)
+    assert export_status(config, "accelerate") == (False, f"{err.reason}; instead: {err.alternative}")
+    assert export_status(config, "pytorch") == (True, "")
+
+
+def test_export_all_records_refusals():
+    results = export_all(PolicyConfig("fp16-mixed", "cpu", channels_last=True))
+    assert list(results) == list(EXPORT_TARGETS)
+    assert all(
+        isinstance(r, ExportResult) and (r.text is None) != (r.refused is None) for r in results.values()
+    )
+    refused = {t for t, r in results.items() if not r.faithful}
+    assert refused == {"accelerate", "hf", "fsdp2"}
+    assert "non-contiguous" in results["fsdp2"].refused
+
+
+@pytest.mark.parametrize(("name", "device"), [("tf32", "cpu"), ("bf32", "cuda")])
+def test_a_math_mode_of_the_other_device_is_refused_everywhere(name, device):
+    for target in EXPORT_TARGETS:
+        faithful, reason = export_status(PolicyConfig(name, device), target)
+        assert not faithful and "plain fp32" in reason, target
+
+
+def test_frameworks_extra_matches_the_verified_releases():
+    """pyproject's frameworks extra pins each package to the minor release its target was checked against."""
+    text = (ROOT / "pyproject.toml").read_text()
+    for package, verified in FRAMEWORKS.items():
+        major, minor = verified.split(".")
+        assert f'"{package}>={verified},<{major}.{int(minor) + 1}"' in text, package
+
+
+# ------------------------------------------------------------------------------------------ snippets
+def test_snippets_are_what_policy_uses_and_emitted_with_their_dependencies():
+    from mixprec.policy import policy as policy_module
+
+    for name in ("cast_inputs", "channels_last_inputs", "keep_in_fp32", "default_dtype"):
+        assert getattr(policy_module, name) is getattr(snippets, name)
+    assert snippets.needed(["keep_in_fp32"]) == ["cast_floating", "keep_in_fp32"]
+    assert snippets.needed(["channels_last_inputs", "cast_inputs"]) == [
+        "cast_floating",
+        "to_channels_last",
+        "cast_inputs",
+        "channels_last_inputs",
+    ]
+    blocks = snippets.source(["default_dtype", "fp32_islands"])
+    assert snippets.stdlib_imports(blocks) == [
+        "import contextlib",
+        "import fnmatch",
+        "from collections.abc import Iterator",
+    ]
+    with pytest.raises(KeyError):
+        snippets.source_in_file(snippets.__file__, "no_such_helper")
+
+
+def test_fp32_islands_matches_mixprec_keep_fp32():
+    model = Net()
+    for patterns in (["head"], ["layers.*"], ["head", "layers.0.0"]):
+        assert list(snippets.fp32_islands(model, patterns)) == island_names(model, patterns)
+    with pytest.raises(ValueError, match="matches no module"):
+        snippets.fp32_islands(model, ["nope"])
+
+
+def test_input_hooks_convert_keyword_inputs_and_keep_labels():
+    x, labels = torch.randn(2, 3, 4, 4), torch.randn(2, 2)
+    args, kwargs = snippets.cast_inputs(torch.bfloat16, keep=("labels",))(
+        None, (x,), {"x": x, "labels": labels}
+    )
+    assert args[0].dtype == kwargs["x"].dtype == torch.bfloat16 and kwargs["labels"].dtype == torch.float32
+    args, kwargs = snippets.channels_last_inputs(None, (x,), {"x": x, "labels": labels})
+    assert args[0].is_contiguous(memory_format=torch.channels_last)
+    assert kwargs["x"].is_contiguous(memory_format=torch.channels_last) and kwargs["labels"] is labels
+
+
+def test_policy_converts_keyword_inputs_to_channels_last():
+    seen = []
+
+    class Kw(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 1)
+
+        def forward(self, *, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x.is_contiguous(memory_format=torch.channels_last))
+            return self.conv(x)
+
+    model = get_policy("fp32", device="cpu", channels_last=True).prepare(Kw())
+    model(x=torch.randn(1, 3, 4, 4))
+    assert seen == [True]
+
+
+def test_default_dtype_in_forward_restores_on_errors():
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            assert torch.get_default_dtype() == torch.bfloat16
+            raise RuntimeError("boom")
+
+    model = snippets.default_dtype_in_forward(Boom(), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.ones(1))
+    assert torch.get_default_dtype() == torch.float32
+
+
+# ------------------------------------------------------------------------------------------ API
+def test_unknown_target_lists_the_valid_ones():
+    with pytest.raises(UsageError) as info:
+        export(CONFIGS["fp32-cpu"], "lightnin")
+    message = str(info.value)
+    assert "'lightnin'" in message and all(t in message for t in EXPORT_TARGETS)
+    assert "Did you mean 'lightning'?" in message
+    assert info.value.exit_code == 2
+
+
+def test_aliases_and_policy_objects_are_accepted():
+    config = CONFIGS["bf16-mixed-cuda+cl+head"]
+    assert export(config, "transformers") == export(config, "hf")
+    assert export(config, "DS") == export(config, "deepspeed")
+    assert export(CONFIGS["bf16-mixed-cuda"], "FSDP") == export(CONFIGS["bf16-mixed-cuda"], "fsdp2")
+    policy = get_policy("bf16", device="cpu", check=False)
+    assert export(policy, "mixprec") == export(policy.config, "mixprec")
+    aliased = PolicyConfig("16-mixed", "cuda")
+    assert export(aliased, "mixprec") == export(PolicyConfig("fp16-mixed", "cuda"), "mixprec")
+
+
+@pytest.mark.parametrize(
+    ("config", "fragment"),
+    [
+        ("bf16-mixed", "PolicyConfig or Policy"),
+        (PolicyConfig("bf16-mix", "cpu"), "Did you mean 'bf16-mixed'"),
+        (PolicyConfig("fp32", "not-a-device"), "invalid device"),
+        (PolicyConfig("fp32", "meta"), "mixprec policies run on cuda, cpu"),
+    ],
+)
+def test_bad_configs_raise_usage_errors(config, fragment):
+    with pytest.raises(UsageError, match=re.escape(fragment)):
+        export(config, "pytorch")
+    with pytest.raises(UsageError, match=re.escape(fragment)):
+        export_status(config, "pytorch")
+
+
+def test_split_sections():
+    assert split_sections("a = 1\n") == {"": "a = 1\n"}
+    sections = split_sections("# head\n# --- x.yaml ---\nk: v\n# --- y.py ---\nimport os\n")
+    assert sections == {"": "# head\n", "x.yaml": "k: v\n", "y.py": "import os\n"}
+
+
+def test_exporting_touches_no_global_state_and_imports_no_framework():
+    before = state.snapshot()
+    modules = set(sys.modules)
+    for config in CONFIGS.values():
+        export_all(config)
+    assert state.snapshot() == before
+    assert not {m.split(".")[0] for m in set(sys.modules) - modules} & {
+        "lightning",
+        "accelerate",
+        "deepspeed",
+    }
+
+
+# ------------------------------------------------------------------------------------------ tune
+def test_tune_summary_lists_each_target_as_faithful_or_refused():
+    from mixprec.cli.tune import export_lines
+
+    results = export_all(PolicyConfig("fp16-mixed", "cpu"))
+    data = {
+        "exports": {t: r.text for t, r in results.items() if r.faithful},
+        "export_refusals": {t: r.refused for t, r in results.items() if not r.faithful},
+    }
+    console = Console(file=io.StringIO(), width=400)
+    for line in export_lines(data):
+        console.print(line)
+    out = console.file.getvalue()
+    assert "  pytorch: faithful" in out and "  lightning: faithful" in out
+    assert "  accelerate: refused: Accelerate does not run fp16 autocast on a CPU" in out
+    assert out.index("mixprec:") < out.index("accelerate:") < out.index("hf:")
+
+
+def test_tune_result_round_trips_export_refusals(tiny_tune_result):
+    from mixprec.tuning.result import TuneResult
+
+    data = json.loads(json.dumps(tiny_tune_result.to_dict()))
+    data["export_refusals"] = {"accelerate": "why"}
+    assert TuneResult.from_dict(data).to_dict()["export_refusals"] == {"accelerate": "why"}
+
+
+# ------------------------------------------------------------------------------------------ docs
+DOC = ROOT / "docs" / "exports.md"
+MATRIX_START, MATRIX_END = "<!-- matrix: generated by tests/exports/test_text.py -->", "<!-- matrix end -->"
+OPTION_CASES = {
+    "channels_last=True": {"channels_last": True},
+    "keep_fp32": {"keep_fp32": ("head",)},
+    "finite_check=True": {"finite_check": True},
+    "non-default GradScaler options": {"scaler": ScalerOptions(init_scale=1024.0)},
+}
+
+
+def matrix_markdown() -> str:
+    """target x policy x device -> faithful / refused (n), then the reasons, then the options that
+    turn a faithful combination into a refusal."""
+    reasons: dict[str, int] = {}
+    lines = [
+        "| policy | device | " + " | ".join(EXPORT_TARGETS) + " |",
+        "|---|---|" + "---|" * len(EXPORT_TARGETS),
+    ]
+    for device in ("cpu", "cuda"):
+        for name in mixprec.POLICY_NAMES:
+            cells = []
+            for target in EXPORT_TARGETS:
+                faithful, reason = export_status(PolicyConfig(name, device), target)
+                cells.append(
+                    "faithful" if faithful else f"refused ({reasons.setdefault(reason, len(reasons) + 1)})"
+                )
+            lines.append(f"| {name} | {device} | " + " | ".join(cells) + " |")
+    lines += ["", "Refusals (each names the nearest faithful alternative after `instead:`):", ""]
+    lines += [f"{n}. {reason}" for reason, n in reasons.items()]
+    lines += ["", "Options that make a faithful combination refused:", ""]
+    for label, options in OPTION_CASES.items():
+        hit: dict[str, tuple[list[str], str]] = {}
+        for target in EXPORT_TARGETS:
+            for device in ("cpu", "cuda"):
+                for name in mixprec.POLICY_NAMES:
+                    config = PolicyConfig(name, device)
+                    if not export_status(config, target).faithful:
+                        continue
+                    if "scaler" in options and not config.spec.loss_scaling:
+                        continue
+                    if "keep_fp32" in options and config.spec.low_precision_dtype is None:
+                        continue
+                    faithful, reason = export_status(PolicyConfig(name, device, **options), target)
+                    if not faithful:
+                        hit.setdefault(target, ([], reason))[0].append(f"{name} on {device}")
+        if not hit:
+            lines.append(f"- {label}: none.")
+        for target, (where, reason) in hit.items():
+            lines.append(f"- {label}, {target} ({', '.join(dict.fromkeys(where))}): {reason}")
+    return "\n".join(lines)
+
+
+def test_docs_matrix_is_current():
+    text = DOC.read_text()
+    head, rest = text.split(MATRIX_START)
+    _, tail = rest.split(MATRIX_END)
+    fresh = f"{head}{MATRIX_START}\n{matrix_markdown()}\n{MATRIX_END}{tail}"
+    if UPDATE_GOLDEN:
+        DOC.write_text(fresh)
+        return
+    assert text == fresh, f"{DOC} is stale: regenerate with MIXPREC_UPDATE_GOLDEN=1 pytest {__file__}"
