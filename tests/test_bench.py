@@ -387,3 +387,26 @@ def test_data_parallel_needs_a_spec():
     w.spec = None
     with pytest.raises(mixprec.UsageError, match="nproc > 1 needs a workload with a spec"):
         bench(w, nproc=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isolate", [False, True])
+def test_a_deadline_ends_the_sweep_with_the_rows_measured_so_far(isolate):
+    """bench returns (never raises) at a deadline: the baseline is finished, later candidates skipped."""
+    import time
+
+    w = load_workload("mlp")
+    result = bench(
+        w,
+        policies="fp32,bf16-mixed,fp16-mixed,bf16-true",
+        channels_last="off",
+        steps=2,
+        warmup=1,
+        device="cpu",
+        isolate=isolate,
+        deadline=time.perf_counter() + 0.5,
+    )
+    assert result.stopped and "deadline" in result.stopped
+    labels = _by_label(result)
+    assert labels["fp32"].status == "ok" and labels["fp32"].throughput
+    assert len(result.rows) < 4

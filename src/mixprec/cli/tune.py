@@ -24,9 +24,11 @@ from mixprec.cli.common import (
 from mixprec.errors import UsageError
 from mixprec.exports import EXPORT_TARGETS
 from mixprec.measure.noise import describe as describe_noise
+from mixprec.policy.candidate import COMPILE_MODES
 from mixprec.report.bench import drift_text
 from mixprec.report.format import fmt_speedup_ci, rich_style
 from mixprec.report.jsonio import write_json
+from mixprec.tuning.search import TRAIN_STEPS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -34,13 +36,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "tune", help="find the fastest policy that trains like fp32, with evidence and exports"
     )
     add_workload_arguments(p)
-    p.add_argument("--budget", type=float, default=180.0, help="seconds for the whole search (default 180)")
+    p.add_argument("--budget", type=float, default=240.0, help="seconds for the whole search (default 240)")
     p.add_argument("--steps", type=positive_int, help="timed steps per candidate")
     p.add_argument("--check-steps", type=positive_int, default=6, help="training steps compared with fp32")
     p.add_argument(
         "--no-fix", action="store_true", help="do not search keep_fp32 rescues for failing policies"
     )
     p.add_argument("--no-lint", action="store_true")
+    p.add_argument(
+        "--compile",
+        metavar="MODE[,MODE]",
+        default="default",
+        type=compile_modes,
+        help=f"torch.compile modes tried on the best eager candidates ({', '.join(COMPILE_MODES)}; "
+        "default: default)",
+    )
+    p.add_argument("--no-compile", action="store_true", help="eager candidates only")
+    p.add_argument(
+        "--no-optimizers",
+        action="store_true",
+        help="do not try the optimizer's foreach/fused implementations",
+    )
+    p.add_argument(
+        "--train-steps",
+        type=positive_int,
+        default=TRAIN_STEPS,
+        help=f"length of your training run; compile time is amortised over it (default {TRAIN_STEPS})",
+    )
     p.add_argument("--json", metavar="FILE", help="everything tune measured and decided, as JSON")
     p.add_argument("--report", metavar="DIR", help="write DIR/index.html and DIR/report.md")
     p.set_defaults(run=run)
@@ -51,16 +73,49 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(run=run_report)
 
 
+def compile_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in COMPILE_MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(
+            f"unknown torch.compile mode {', '.join(bad) or repr(text)}; valid: {', '.join(COMPILE_MODES)} "
+            "(or --no-compile)"
+        )
+    return modes
+
+
+def compile_cell(c: dict[str, Any]) -> str:
+    """'41 s, 2 breaks' for a compiled candidate: what compiling it cost and how cleanly it traced."""
+    if c.get("compile_s") is None:
+        return ""
+    breaks = c.get("graph_breaks")
+    tail = f", {breaks} break{'s' if breaks != 1 else ''}" if breaks is not None else ""
+    return f"{c['compile_s']:.0f} s{tail}"
+
+
 def candidate_table(data: dict[str, Any]) -> Table:
     table = Table(title=f"{data['workload']} on {data['device']}: candidates", title_justify="left")
-    for col in ("candidate", "status", "samples/s", "speedup vs fp32", "numerics", "why"):
-        table.add_column(col, justify="right" if col in ("samples/s", "speedup vs fp32") else "left")
+    compiled = any(c.get("compile_s") is not None for c in data["candidates"])
+    columns = ["candidate", "status", "samples/s", "speedup vs fp32", "compute", "numerics", "why"]
+    if compiled:
+        columns.insert(4, "compile")
+    for col in columns:
+        table.add_column(
+            col, justify="right" if col in ("samples/s", "speedup vs fp32", "compute") else "left"
+        )
     for c in data["candidates"]:
-        table.add_row(
+        share = c.get("compute_share")
+        cells = [
             c["label"],
             Text(c["status"], style=rich_style(c["status"])),
             f"{c['throughput']:.1f}" if c.get("throughput") else "",
             fmt_speedup_ci(c.get("speedup_vs_fp32"), c.get("speedup_ci")),
+            f"{share:.0%}" if share is not None else "",
+        ]
+        if compiled:
+            cells.insert(4, compile_cell(c))
+        table.add_row(
+            *cells,
             c.get("verdict") or "",
             c.get("reason", "")[:90],
         )
@@ -127,6 +182,9 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
             check_steps=args.check_steps,
             fix=not args.no_fix,
             lint=not args.no_lint,
+            compile_modes=() if args.no_compile else args.compile,
+            optimizers=not args.no_optimizers,
+            train_steps=args.train_steps,
             progress=lambda msg: status.update(msg),
         )
     result.command = "mixprec " + " ".join(sys.argv[1:])

@@ -85,19 +85,25 @@ class ExportResult(NamedTuple):
         return self.text is not None
 
 
-def export(config: PolicyConfig | Policy, target: str) -> str:
+def export(
+    config: PolicyConfig | Policy, target: str, *, compile: str | None = None, optimizer: str | None = None
+) -> str:
     """Ready-to-paste text that applies ``config``'s policy with ``target`` (one of :data:`EXPORT_TARGETS`).
 
     ``config`` is a :class:`PolicyConfig` (e.g. a recommendation's) or a :class:`Policy`. Raises
     :class:`UsageError` for an unknown target, or a config that names no known policy or device, and
     :class:`ExportRefused` (a UsageError) where the target cannot express the policy faithfully.
+    ``compile`` (a torch.compile mode) and ``optimizer`` (for-loop / foreach / fused) are the
+    candidate's other axes, as :class:`mixprec.Candidate` names them.
     """
-    return TARGETS[_check_target(target)].export(Facts.of(config))
+    return TARGETS[_check_target(target)].export(Facts.of(config, compile=compile, optimizer=optimizer))
 
 
-def export_status(config: PolicyConfig | Policy, target: str) -> ExportStatus:
+def export_status(
+    config: PolicyConfig | Policy, target: str, *, compile: str | None = None, optimizer: str | None = None
+) -> ExportStatus:
     """``(faithful, reason)`` for ``export(config, target)`` without building or raising a refusal."""
-    facts = Facts.of(config)
+    facts = Facts.of(config, compile=compile, optimizer=optimizer)
     target_obj = TARGETS[_check_target(target)]
     refused = target_obj.refusal(facts)
     if refused is None:
@@ -105,9 +111,11 @@ def export_status(config: PolicyConfig | Policy, target: str) -> ExportStatus:
     return ExportStatus(False, _refusal_text(target_obj, facts))
 
 
-def export_all(config: PolicyConfig | Policy) -> dict[str, ExportResult]:
+def export_all(
+    config: PolicyConfig | Policy, *, compile: str | None = None, optimizer: str | None = None
+) -> dict[str, ExportResult]:
     """An :class:`ExportResult` for every target of :data:`EXPORT_TARGETS`, in that order."""
-    facts = Facts.of(config)
+    facts = Facts.of(config, compile=compile, optimizer=optimizer)
     results = {}
     for name, target in TARGETS.items():
         try:

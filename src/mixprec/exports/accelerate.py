@@ -43,6 +43,7 @@ class AccelerateTarget(PyTorchTarget):
     """HF Accelerate: the plain-PyTorch preparation, Accelerator(mixed_precision=...) for the loop."""
 
     name = "accelerate"
+    writes_compile = False  # not written yet: refused with the reason
     title = "HF Accelerate"
     aliases: ClassVar[tuple[str, ...]] = ()  # not the plain-PyTorch target's
     package = "accelerate"

@@ -48,11 +48,23 @@ class Facts:
     config: PolicyConfig
     spec: PolicySpec
     device_type: str
+    compile: str | None = None  # torch.compile mode the model runs under, None: eager
+    optimizer: str | None = None  # the optimizer implementation measured: for-loop, foreach or fused
 
     @classmethod
-    def of(cls, config: PolicyConfig | Policy) -> Facts:
+    def of(
+        cls, config: PolicyConfig | Policy, *, compile: str | None = None, optimizer: str | None = None
+    ) -> Facts:
         """Validate ``config`` (a PolicyConfig or a Policy); raises :class:`UsageError` when it names no
-        known policy or device."""
+        known policy or device. ``compile`` and ``optimizer`` are the candidate's other axes."""
+        from mixprec.policy.candidate import COMPILE_MODES, OPTIMIZER_IMPLS
+
+        if compile is not None and compile not in COMPILE_MODES:
+            raise UsageError(f"Unknown torch.compile mode {compile!r}; valid: {', '.join(COMPILE_MODES)}.")
+        if optimizer is not None and optimizer not in OPTIMIZER_IMPLS:
+            raise UsageError(
+                f"Unknown optimizer implementation {optimizer!r}; valid: {', '.join(OPTIMIZER_IMPLS)}."
+            )
         if isinstance(config, Policy):
             config = config.config
         if not isinstance(config, PolicyConfig):
@@ -73,7 +85,21 @@ class Facts:
                 f"Cannot export for device {config.device!r}; mixprec policies run on {', '.join(LIBRARIES)}."
             )
         config = replace(config, name=name)
-        return cls(config, config.spec, device_type)
+        return cls(config, config.spec, device_type, compile, optimizer)
+
+    def compile_lines(self, model: str = "model") -> list[str]:
+        """``model = torch.compile(model)`` (with the measured mode), or nothing for eager."""
+        if not self.compile:
+            return []
+        mode = "" if self.compile == "default" else f", mode={py(self.compile)}"
+        return [f"{model} = torch.compile({model}{mode})  # measured compiled: the first step compiles"]
+
+    def optimizer_line(self, after: str) -> str:
+        """The optimizer line, with the implementation flag that was measured."""
+        flag = {"fused": ", fused=True", "foreach": ", foreach=True", "for-loop": ", foreach=False"}.get(
+            self.optimizer or "", ""
+        )
+        return OPTIMIZER.replace("lr=1e-3)", f"lr=1e-3{flag})").format(after=after)
 
     @property
     def name(self) -> str:
@@ -218,11 +244,20 @@ class ExportTarget:
     # (mixprec's `frameworks` test tier runs every export against them); None: torch only.
     package: ClassVar[str | None] = None
     verified: ClassVar[str] = ""
+    # Whether the export writes torch.compile and the optimizer's implementation flag.
+    writes_compile: ClassVar[bool] = False
 
     def refusal(self, facts: Facts) -> Refusal | None:
         """None when this target expresses the policy faithfully on the device, else why not."""
         if facts.name in _DEVICE_OF and facts.device_type != _DEVICE_OF[facts.name]:
             return _DEVICE_ONLY[facts.name]
+        if (facts.compile or facts.optimizer) and not self.writes_compile:
+            return Refusal(
+                f"the {self.title} export does not write torch.compile or the optimizer's implementation "
+                "flag yet, and without them it would not run what mixprec measured",
+                "the 'mixprec' or 'pytorch' export (they compile the model and set the flag), or this "
+                "target for the same policy without compile",
+            )
         return None
 
     def contract(self, facts: Facts) -> Contract:

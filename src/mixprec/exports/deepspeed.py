@@ -51,6 +51,7 @@ class DeepSpeedTarget(PyTorchTarget):
     """DeepSpeed (ZeRO off): torch_autocast for *-mixed, the plain-PyTorch preparation for the rest."""
 
     name = "deepspeed"
+    writes_compile = False  # not written yet: refused with the reason
     title = "DeepSpeed"
     aliases: ClassVar[tuple[str, ...]] = ("ds",)
     package = "deepspeed"

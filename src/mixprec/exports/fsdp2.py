@@ -25,6 +25,7 @@ class FSDP2Target(PyTorchTarget):
     """FSDP2: the plain-PyTorch export with fully_shard between preparation and optimizer."""
 
     name = "fsdp2"
+    writes_compile = False  # not written yet: refused with the reason
     title = "FSDP2 (fully_shard)"
     aliases = ("fsdp", "fully_shard")
     optimizer_after = "fully_shard"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mixprec.exports.base import OPTIMIZER, SCHEDULER, Contract, ExportTarget, Facts, py
+from mixprec.exports.base import SCHEDULER, Contract, ExportTarget, Facts, py
 
 EXPECTS = "model (nn.Module), loader (iterable of batches), loss_fn(model, batch) -> scalar loss"
 
@@ -12,6 +12,7 @@ class MixprecTarget(ExportTarget):
 
     name = "mixprec"
     title = "mixprec"
+    writes_compile = True
 
     def contract(self, facts: Facts) -> Contract:
         return Contract(
@@ -46,7 +47,8 @@ class MixprecTarget(ExportTarget):
             "",
             *call,
             "model = policy.prepare(model)  # device, half casts, channels_last, fp32 islands (in place)",
-            OPTIMIZER.format(after="prepare()"),
+            *facts.compile_lines(),
+            facts.optimizer_line(after="prepare()"),
             SCHEDULER,
             "with policy.precision_scope():  # the fp32 math mode (TF32 / bf32 / strict), restored on exit",
             "    for batch in loader:",

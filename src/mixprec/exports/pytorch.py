@@ -13,7 +13,6 @@ import torch
 
 from mixprec.exports.base import (
     DTYPE_SHORT,
-    OPTIMIZER,
     SCHEDULER,
     Contract,
     ExportTarget,
@@ -37,6 +36,7 @@ class PyTorchTarget(ExportTarget):
     """Plain PyTorch: every policy is expressible."""
 
     name = "pytorch"
+    writes_compile = True
     title = "plain PyTorch"
     aliases: ClassVar[tuple[str, ...]] = ("torch", "plain")
     optimizer_after: ClassVar[str] = "the casts"  # what the optimizer line says to build it after
@@ -92,8 +92,9 @@ class PyTorchTarget(ExportTarget):
             *precision_lines(facts),
             *helper_lines(blocks),
             *self.prepare(facts),
+            *facts.compile_lines(),
             "",
-            OPTIMIZER.format(after=self.optimizer_after),
+            facts.optimizer_line(after=self.optimizer_after),
             SCHEDULER,
             *plain_loop(facts),
         ]

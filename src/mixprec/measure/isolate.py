@@ -194,6 +194,8 @@ class ChildSession:
     def finish(self) -> Measurement:
         self._conn.send({"cmd": "finish"})
         event = self._wait(lambda: 120.0, "finishing")
+        # let it exit on its own: a killed child leaks what its torch.compile worker pool holds
+        self._proc.join(timeout=30)
         self.close()
         return Measurement(**event["measurement"])
 

@@ -43,6 +43,9 @@ PRUNE_FLOOR_S = 1.0
 # CUDA warm-up steps cost what cuDNN autotuning and lazy kernel loading need (8 to 69 s for
 # ResNet-50 at batch 256 on an H100), unrelated to the steady speed: never pruned, only bounded.
 CUDA_WARMUP_LIMIT_S = 600.0
+# torch.compile's warm-up steps trace and compile (and may recompile on the second step): that
+# cost is reported as compile time, amortised by tune, never a reason to prune.
+COMPILE_WARMUP_LIMIT_S = 600.0
 # A step of the baseline itself: bounded against a hang, never pruned.
 BASELINE_LIMIT_S = 600.0
 # Seconds of steps per side and round; rounds of short steps batch many of them.
@@ -75,14 +78,18 @@ class PairedSweep:
         self.baseline: Session | None = None
         self.baseline_times: list[float] = []  # every timed baseline step, in order (seconds)
         self.baseline_cold: float | None = None
+        self.compiling = False  # the candidate being measured runs under torch.compile
         self.baseline_wall = 0.0
         self.best_ratio = 1.0  # the best median paired ratio so far (the baseline itself is 1)
 
     # ------------------------------------------------------------------ sessions
     def _open(self, candidate: Candidate, settings: BenchSettings) -> Session:
+        # The baseline is never stopped mid-step: every row already measured was timed against it,
+        # and it must finish to give its own row (a deadline ends the sweep between candidates).
+        stop = self.should_stop if candidate != BASELINE else (lambda: False)
         if self.isolate:
-            return ChildSession(self.workload.spec, candidate, settings, should_stop=self.should_stop)  # type: ignore[arg-type]
-        return LocalSession(self.workload, candidate, settings, self.batches, should_stop=self.should_stop)
+            return ChildSession(self.workload.spec, candidate, settings, should_stop=stop)  # type: ignore[arg-type]
+        return LocalSession(self.workload, candidate, settings, self.batches, should_stop=stop)
 
     def _row(
         self, candidate: Candidate, status: str = Status.OK, reason: str = "", **fields: Any
@@ -137,6 +144,8 @@ class PairedSweep:
         """Seconds a candidate's step may take before it counts as hopeless (see the module doc)."""
         if self.on_cuda and not timed:
             return CUDA_WARMUP_LIMIT_S
+        if self.compiling and not timed:
+            return COMPILE_WARMUP_LIMIT_S
         if index == 0 and self.baseline_cold:
             return max(PRUNE_FLOOR_S, self.prune_factor * self.baseline_cold)
         best_now = self._recent_baseline() / self.best_ratio
@@ -153,6 +162,7 @@ class PairedSweep:
         ratios: list[float] = []
         cold: list[float] = []
         try:
+            self.compiling = candidate.compile is not None
             session = self._open(candidate, self.settings)
             emit = self._emit(candidate)
             warm = session.warm_up(self._limit, emit)
@@ -243,6 +253,10 @@ def _with(row: BenchRow, m: Measurement, **extra: Any) -> BenchRow:
         peak_memory_bytes=m.peak_memory_bytes,
         memory_method=m.memory_method,
         flops_per_step=m.flops_per_step,
+        graph_breaks=m.graph_breaks,
+        graphs=m.graphs,
+        recompiles=m.recompiles,
+        compute_share=m.compute_share,
         **extra,
     )
     if out.first_loss is not None and out.first_loss != out.first_loss:  # NaN

@@ -70,6 +70,10 @@ class BenchRow:
         rank_step_time_ms / rank_peak_memory_bytes: per rank, in data-parallel runs.
         paired_ratios: per round, the strict-fp32 step time over this candidate's step time,
             measured back to back (see :mod:`mixprec.measure.paired`).
+        graph_breaks / graphs / recompiles: torch.compile candidates: graph breaks, graphs
+            compiled, and graphs compiled after the first step.
+        compute_share: share of one profiled step's operator time spent in matmuls, convolutions
+            and attention (low: the next gain is in fusion or the input pipeline, not precision).
         notes: what happened to this row beyond its status (e.g. measured on a retry).
         speedup_vs_fp32, speedup_ci, achieved_tflops, mfu, mfu_note, peak_flops,
             peak_flops_source: derived by :func:`assemble` from the sweep; never set them by hand.
@@ -94,6 +98,10 @@ class BenchRow:
     rank_step_time_ms: tuple[float, ...] = ()
     rank_peak_memory_bytes: tuple[int | None, ...] = ()
     paired_ratios: tuple[float, ...] = ()
+    graph_breaks: int | None = None
+    graphs: int | None = None
+    recompiles: int | None = None
+    compute_share: float | None = None
     notes: tuple[str, ...] = ()
     # derived (assemble)
     speedup_vs_fp32: float | None = None
@@ -131,6 +139,14 @@ class BenchRow:
         if st is None or st.median_ms <= 0:
             return None
         return self.world_size * self.batch_size / (st.median_ms / 1e3)
+
+    @property
+    def compile_s(self) -> float | None:
+        """Seconds the first (cold) step took beyond a steady one: compilation for compiled candidates."""
+        st = self.step_time_ms
+        if self.first_step_ms is None or st is None:
+            return None
+        return max(0.0, (self.first_step_ms - st.median_ms) / 1e3)
 
     @property
     def key(self) -> tuple:

@@ -8,11 +8,12 @@ status) is the sweep's job.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -48,6 +49,8 @@ class BenchSettings:
     steps: int = 10
     warmup: int = 2
     count_flops: bool = False
+    # Profile one warm-up step for the share of time in matmuls/convolutions (the roofline view).
+    profile: bool = True
     seed: int = 0
     # Keep timing past ``steps`` until this much timed time has passed (small models need
     # many steps for a stable median, big ones few), but never beyond ``max_steps``.
@@ -75,6 +78,12 @@ class Measurement:
     memory_method: str = ""
     stopped_early: bool = False
     skipped_steps: int = 0
+    # torch.compile: graph breaks, graphs compiled, and graphs compiled after the first step
+    graph_breaks: int | None = None
+    graphs: int | None = None
+    recompiles: int | None = None
+    # share of one profiled step's operator time spent in matmuls and convolutions
+    compute_share: float | None = None
 
 
 Emit = Callable[[dict[str, Any]], bool]  # returns False to stop the candidate (pruned)
@@ -171,12 +180,19 @@ class TrainingSession:
         self.model.train()
         self.trained = wrap_model(self.model, self.policy) if wrap_model is not None else self.model
         self.optimizer = workload.make_optimizer(self.model.parameters())
+        if candidate.optimizer:
+            self.optimizer = with_implementation(self.optimizer, candidate.optimizer)
+        self._compile_counts: dict[str, int] | None = None
+        if candidate.compile:
+            self._compile_counts = _dynamo_counts()
+            self.trained = cast(nn.Module, torch.compile(self.trained, mode=candidate.compile))
         self.batches = batches or make_batches(
             workload, settings.batch_size, self.device, settings.seed, distinct_batches(settings)
         )
         self._probe: _FirstComputeLayer | None = _FirstComputeLayer(self.model, self.policy.config.keep_fp32)
         self.result = Measurement()
         self.index = 0
+        self._clean_warmup: list[float] = []  # warm-up steps without an instrument
 
     def _train_step(self, batch: Any) -> torch.Tensor:
         with self.policy.autocast():
@@ -197,10 +213,13 @@ class TrainingSession:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
             t0 = time.perf_counter()
-            if i == 0 and settings.count_flops:
+            instrument = self._instrument(i, timed)
+            if instrument == "flops":
                 box: list[torch.Tensor] = []
                 self.result.flops_per_step = count_flops(lambda: box.append(self._train_step(batch)))
                 loss = box[0]
+            elif instrument == "profile":
+                loss = self._profiled_step(batch)
             else:
                 loss = self._train_step(batch)
             if device.type == "cuda":
@@ -211,6 +230,8 @@ class TrainingSession:
                 seconds = time.perf_counter() - t0
         loss_value = float(loss.detach().float())
         if self._probe is not None:
+            if self._compile_counts is not None:
+                self.result.graphs = _dynamo_counts()["graphs"] - self._compile_counts["graphs"]
             self._probe.remove()
             _check_honesty(self.policy, self._probe)
             self.result.observed_dtype = (
@@ -223,8 +244,36 @@ class TrainingSession:
             raise NonFiniteLossError(f"non-finite loss ({loss_value}) at step {i}")
         self.result.last_loss = loss_value
         (self.result.step_times_s if timed else self.result.warmup_times_s).append(seconds)
+        if instrument is None and not timed:
+            self._clean_warmup.append(seconds)
         self.index += 1
         return {"event": "step", "index": i, "seconds": seconds, "timed": timed, "loss": loss_value}
+
+    def _instrument(self, index: int, timed: bool) -> str | None:
+        """Which warm-up step carries an instrument: FLOP counting on the second step and profiling
+        on the third (the first stays a plain cold step: pruning compares cold steps), on the first
+        when the warm-up is a fixed single step (data-parallel ranks)."""
+        if timed:
+            return None
+        settings = self.settings
+        flops_at, profile_at = (1, 2) if settings.adaptive_warmup else (0, None)
+        if settings.count_flops and index == flops_at:
+            return "flops"
+        if settings.profile and index == profile_at:
+            return "profile"
+        return None
+
+    def _profiled_step(self, batch: Any) -> torch.Tensor:
+        """One step under torch.profiler: the share of its operator time spent in matmuls and
+        convolutions (the rest is elementwise work, normalisation, the optimizer: what fusion saves)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            loss = self._train_step(batch)
+            _sync(self.device)
+        self.result.compute_share = compute_share(prof.key_averages(), self.device.type == "cuda")
+        return loss
 
     def warm_up(self, emit: Emit) -> bool:
         """Untimed steps until the step time is steady: at least ``settings.warmup``, then more
@@ -239,17 +288,28 @@ class TrainingSession:
                 return True
 
     def warm_enough(self, times: list[float]) -> bool:
-        """Whether warm-up steps taking ``times`` seconds are enough (see :meth:`warm_up`)."""
+        """Whether warm-up steps taking ``times`` seconds are enough (see :meth:`warm_up`); the
+        instrumented steps (FLOP counting, profiling) are run but not judged for steadiness."""
         settings = self.settings
         if len(times) < settings.warmup:
             return False
         if not settings.adaptive_warmup:
             return True
-        steady = len(times) >= 2 and abs(times[-1] - times[-2]) <= STEADY_TOLERANCE * min(times[-2:])
+        if settings.profile and len(times) < 3:
+            return False  # the profiled warm-up step has not run yet
+        clean = self._clean_warmup
+        steady = len(clean) >= 2 and abs(clean[-1] - clean[-2]) <= STEADY_TOLERANCE * min(clean[-2:])
         return steady or len(times) >= max(settings.warmup, MAX_WARMUP) or sum(times) >= settings.max_warmup_s
 
     def finish(self) -> Measurement:
-        """The measurement so far, with the peak memory (CUDA) and skipped steps filled in."""
+        """The measurement so far, with the peak memory (CUDA), skipped steps and, for compiled
+        candidates, the graph breaks and recompiles filled in."""
+        if self._compile_counts is not None:
+            now = _dynamo_counts()
+            self.result.graph_breaks = now["breaks"] - self._compile_counts["breaks"]
+            total = now["graphs"] - self._compile_counts["graphs"]
+            self.result.recompiles = total - (self.result.graphs or total)
+            self.result.graphs = total
         if self._probe is not None:
             self._probe.remove()
         self.result.skipped_steps = self.policy.stats.skipped_steps
@@ -257,6 +317,67 @@ class TrainingSession:
             self.result.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self.device))
             self.result.memory_method = "torch.cuda.max_memory_allocated"
         return self.result
+
+
+def _dynamo_counts() -> dict[str, int]:
+    """Graph breaks and graphs compiled so far in this process (torch._dynamo's counters)."""
+    from torch._dynamo.utils import counters
+
+    return {"breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"]}
+
+
+_COMPUTE_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "matmul",
+    "linear",
+    "conv",
+    "convolution",
+    "scaled_dot_product",
+)
+
+
+def compute_share(events: Any, on_cuda: bool) -> float | None:
+    """Share of the profiled time in matmul/convolution/attention operators: device time on CUDA,
+    CPU self time elsewhere."""
+    total = matmul = 0.0
+    for event in events:
+        t = event.self_device_time_total if on_cuda else event.self_cpu_time_total
+        total += t
+        name = event.key.removeprefix("aten::")
+        if any(op in name for op in _COMPUTE_OPS):
+            matmul += t
+    return matmul / total if total > 0 else None
+
+
+def with_implementation(optimizer: torch.optim.Optimizer, implementation: str) -> torch.optim.Optimizer:
+    """The same optimizer (class, hyperparameters, parameter groups) with another implementation:
+    'for-loop', 'foreach' (multi-tensor kernels) or 'fused' (one kernel). Raises
+    :class:`UnsupportedError` when its class has no such implementation."""
+    from mixprec.errors import UnsupportedError
+
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    flags = {
+        "for-loop": {"foreach": False, "fused": False},
+        "foreach": {"foreach": True, "fused": False},
+        "fused": {"fused": True, "foreach": False},
+    }[implementation]
+    wanted = [k for k, on in flags.items() if on]
+    if any(k not in accepted for k in wanted):
+        raise UnsupportedError(
+            f"{cls.__name__} has no {implementation} implementation (it takes no {wanted[0]}= argument)"
+        )
+    if optimizer.state:
+        raise UnsupportedError(
+            f"{cls.__name__} already holds state: switch its implementation before the first step"
+        )
+    chosen = {k: v for k, v in flags.items() if k in accepted}
+    groups = [{**g, **chosen} for g in optimizer.param_groups]
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return cls(groups, **{**defaults, **chosen})
 
 
 def run_candidate(

@@ -161,6 +161,7 @@ class _Checker:
             steps,
             context=_emulation_context(cand.emulate),
             label=cand.label,
+            compile_mode=cand.compile,
         )
         ref = replace(self.reference, losses=self.reference.losses[:steps])
         cmp = compare(ref, traj)

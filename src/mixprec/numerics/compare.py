@@ -89,6 +89,12 @@ def _prepared_copy(workload: Workload, policy: Policy, perturb: float = 0.0) -> 
     return model
 
 
+def _run_model(model: nn.Module, compile_mode: str | None) -> nn.Module:
+    """``model`` as the candidate runs it: compiled with ``torch.compile`` (fused kernels round
+    differently from eager ones) or as it is."""
+    return torch.compile(model, mode=compile_mode) if compile_mode else model  # type: ignore[return-value]
+
+
 def probe_first_step(
     workload: Workload,
     policy: Policy,
@@ -96,6 +102,7 @@ def probe_first_step(
     traj: Trajectory,
     context: Context | None = None,
     perturb: float = 0.0,
+    compile_mode: str | None = None,
 ) -> None:
     """Model output and unscaled parameter gradients of one forward/backward from the initial weights.
 
@@ -109,6 +116,7 @@ def probe_first_step(
     scale = policy.scaler.get_scale() if policy.scaler is not None else 1.0
     outputs: list[torch.Tensor | None] = []
     hook = model.register_forward_hook(lambda m, a, out: outputs.append(_first_tensor(out)))
+    run = _run_model(model, compile_mode)
     try:
         with policy.precision_scope():
             for _ in range(40):
@@ -116,7 +124,7 @@ def probe_first_step(
                 model.zero_grad(set_to_none=True)
                 with ctx():
                     with policy.autocast():
-                        loss = workload.loss_fn(model, batch)
+                        loss = workload.loss_fn(run, batch)
                     (loss * scale).backward()
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
                 finite = all(bool(torch.isfinite(g).all()) for g in grads)
@@ -160,6 +168,7 @@ def run_trajectory(
     context: Context | None = None,
     perturb: float = 0.0,
     settle_scale: bool = True,
+    compile_mode: str | None = None,
 ) -> Trajectory:
     """Probe the first step, then train a fresh copy for ``steps`` steps under ``policy``.
 
@@ -167,8 +176,9 @@ def run_trajectory(
     every initial weight by ``1 + perturb * N(0, 1)`` (the chaos-floor run). With
     ``settle_scale`` a loss-scaled policy starts at the scale its probe found finite, i.e.
     the steady state GradScaler reaches after ``warmup_skips`` skipped start-up steps, so the
-    comparison measures numerics rather than the scaler's start-up. Exceptions inside the
-    run are recorded in ``error`` so one broken candidate does not end a check.
+    comparison measures numerics rather than the scaler's start-up. ``compile_mode`` runs the
+    model under ``torch.compile``. Exceptions inside the run are recorded in ``error`` so one
+    broken candidate does not end a check.
     """
     traj = Trajectory(label or policy.config.label)
     ctx = context or contextlib.nullcontext
@@ -177,7 +187,7 @@ def run_trajectory(
     cuda = [policy.device] if policy.device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(0)
-        _train(workload, policy, batches, steps, traj, ctx, context, perturb, settle_scale)
+        _train(workload, policy, batches, steps, traj, ctx, context, perturb, settle_scale, compile_mode)
     return traj
 
 
@@ -207,20 +217,22 @@ def _train(
     context: Context | None,
     perturb: float,
     settle_scale: bool,
+    compile_mode: str | None = None,
 ) -> None:
     try:
-        probe_first_step(workload, policy, batches[0], traj, context, perturb)
+        probe_first_step(workload, policy, batches[0], traj, context, perturb, compile_mode)
         if settle_scale and policy.scaler is not None and traj.probe_scale is not None:
             policy = _settled(policy, traj)
         torch.manual_seed(0)
         model = _prepared_copy(workload, policy, perturb)
+        run = _run_model(model, compile_mode)
         optimizer = workload.make_optimizer(model.parameters())
         with policy.precision_scope():
             for i in range(steps):
                 batch = batches[i % len(batches)]
                 with ctx():
                     with policy.autocast():
-                        loss = workload.loss_fn(model, batch)
+                        loss = workload.loss_fn(run, batch)
                     policy.backward(loss)
                 traj.losses.append(float(loss.detach().float()))
                 watch = policy.spec.param_dtype is not None and i < _STALL_STEPS

@@ -11,6 +11,11 @@ from mixprec.policy.registry import PolicySpec, canonical_name, spec_of
 # Formats `check` can emulate on hardware without them (mixprec.numerics.emulate).
 EMULATABLE: tuple[str, ...] = ("tf32", "bf16", "fp8_e4m3", "fp8_e5m2")
 FRAMEWORKS: tuple[str, ...] = ("torch",)
+# torch.compile modes; "reduce-overhead" (CUDA graphs) only on CUDA.
+COMPILE_MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+# How a torch.optim optimizer applies its update: a Python loop per parameter, multi-tensor
+# (foreach) kernels, or one fused kernel (Adam, AdamW, SGD on CPU and CUDA).
+OPTIMIZER_IMPLS: tuple[str, ...] = ("for-loop", "foreach", "fused")
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,10 @@ class Candidate:
         keep_fp32: module-name glob patterns that run outside autocast in fp32 ("fp32 islands").
         emulate: `check` only: run strict fp32 under this format's emulated rounding
             (one of :data:`EMULATABLE`) to predict hardware the machine lacks.
+        compile: ``torch.compile`` mode the model runs under (one of :data:`COMPILE_MODES`), None
+            for eager.
+        optimizer: the optimizer's implementation (one of :data:`OPTIMIZER_IMPLS`), None for the
+            workload's optimizer as written.
         framework: the training framework the candidate runs in.
     """
 
@@ -31,6 +40,8 @@ class Candidate:
     channels_last: bool = False
     keep_fp32: tuple[str, ...] = ()
     emulate: str | None = None
+    compile: str | None = None
+    optimizer: str | None = None
     framework: str = "torch"
 
     def __post_init__(self) -> None:
@@ -51,6 +62,16 @@ class Candidate:
                 f"Cannot emulate {self.emulate!r}; valid: {', '.join(EMULATABLE)}. "
                 "fp16 runs natively on every CPU: check fp16-mixed instead."
             )
+        if self.compile is not None and self.compile not in COMPILE_MODES:
+            raise PolicyError(
+                f"Unknown torch.compile mode {self.compile!r}; valid: {', '.join(COMPILE_MODES)} "
+                "(or None: eager)."
+            )
+        if self.optimizer is not None and self.optimizer not in OPTIMIZER_IMPLS:
+            raise PolicyError(
+                f"Unknown optimizer implementation {self.optimizer!r}; valid: {', '.join(OPTIMIZER_IMPLS)} "
+                "(or None: as the workload builds it)."
+            )
         if self.framework not in FRAMEWORKS:
             raise PolicyError(f"Unknown framework {self.framework!r}; valid: {', '.join(FRAMEWORKS)}.")
 
@@ -64,13 +85,18 @@ class Candidate:
         if self.emulate:
             return f"{self.emulate} (emulated)"
         islands = f"+fp32[{','.join(self.keep_fp32)}]" if self.keep_fp32 else ""
-        return self.policy + ("+cl" if self.channels_last else "") + islands
+        compiled = ""
+        if self.compile:
+            compiled = "+compile" if self.compile == "default" else f"+compile:{self.compile}"
+        optimizer = f"+{self.optimizer}" if self.optimizer else ""
+        return self.policy + ("+cl" if self.channels_last else "") + islands + compiled + optimizer
 
     @property
     def numerics(self) -> Candidate:
-        """The candidate whose numerics verdict applies to this one: the memory layout changes
-        which kernels run, not the formats they round to, so it is checked once per policy."""
-        return replace(self, channels_last=False) if self.channels_last else self
+        """The candidate whose numerics verdict applies to this one: the memory layout and the
+        optimizer's implementation change which kernels run, not the formats they round to, so they
+        share a verdict; a compiled candidate has its own (fused kernels round differently)."""
+        return replace(self, channels_last=False, optimizer=None)
 
     @property
     def threshold_key(self) -> str:
@@ -91,6 +117,8 @@ class Candidate:
             "channels_last": self.channels_last,
             "keep_fp32": list(self.keep_fp32),
             "emulate": self.emulate,
+            "compile": self.compile,
+            "optimizer": self.optimizer,
             "framework": self.framework,
         }
 
@@ -103,5 +131,7 @@ class Candidate:
             channels_last=bool(data.get("channels_last", False)),
             keep_fp32=tuple(data.get("keep_fp32") or ()),
             emulate=data.get("emulate"),
+            compile=data.get("compile"),
+            optimizer=data.get("optimizer"),
             framework=data.get("framework", "torch"),
         )

@@ -62,6 +62,10 @@ class Ranked:
             "step_time_ms": row.step_time_ms.to_dict() if row and row.step_time_ms else None,
             "peak_memory_bytes": row.peak_memory_bytes if row else None,
             "mfu": row.mfu if row else None,
+            "compile_s": row.compile_s if row and self.candidate.compile else None,
+            "graph_breaks": row.graph_breaks if row else None,
+            "recompiles": row.recompiles if row else None,
+            "compute_share": row.compute_share if row else None,
         }
 
 
@@ -142,8 +146,17 @@ class Recommendation:
         )
 
 
-def safety(row: BenchRow) -> tuple[int, int, int]:
-    return (row.candidate.spec.safety_rank, int(row.channels_last), len(row.keep_fp32))
+def safety(row: BenchRow) -> tuple[int, int, int, int, int]:
+    """Lower is simpler to live with: policy, then layout, fp32 islands, compilation (compile
+    time, recompiles, graph breaks to maintain), then a non-default optimizer implementation."""
+    c = row.candidate
+    return (
+        c.spec.safety_rank,
+        int(c.channels_last),
+        len(c.keep_fp32),
+        int(bool(c.compile)),
+        int(bool(c.optimizer)),
+    )
 
 
 def speed(row: BenchRow) -> float:
@@ -181,8 +194,26 @@ def within_noise(speedup: float, best: float, band: float) -> bool:
     return speedup >= best * (1 - min(band, NOISE_CAP))
 
 
+def amortized(row: BenchRow, baseline: BenchRow | None, train_steps: int | None) -> float:
+    """The speedup over a run of ``train_steps`` steps with compilation paid once: strict fp32
+    takes N steps of t; the candidate takes its compile time plus N steps of t / speedup. Eager
+    candidates (whose cold step costs about what fp32's does) keep their steady speedup."""
+    s = speed(row)
+    if not train_steps or not row.candidate.compile or not s or baseline is None:
+        return s
+    base_st, extra = baseline.step_time_ms, row.compile_s
+    if base_st is None or not base_st.median_ms or extra is None:
+        return s
+    run_s = train_steps * base_st.median_ms / 1e3
+    return run_s / (extra + run_s / s)
+
+
 def decide(
-    rows: Sequence[BenchRow], verdicts: Verdicts, *, noise: float = 0.03
+    rows: Sequence[BenchRow],
+    verdicts: Verdicts,
+    *,
+    noise: float = 0.03,
+    train_steps: int | None = None,
 ) -> tuple[Recommendation | None, list[Ranked]]:
     """The fastest candidate whose numerics passed; ties within noise go to the safer one.
 
@@ -192,12 +223,18 @@ def decide(
     as real; two combined standard errors of the speedups widen it, up to :data:`NOISE_CAP`.
     When the measurement cannot separate the fastest candidate from a safer one within that
     cap, the recommendation says so (``too_noisy``) rather than calling a tie or a winner.
+    With ``train_steps``, a compiled candidate's speedup is its :func:`amortized` one: its
+    compile time is paid once over that many steps.
     """
     measured = [r for r in rows if not r.baseline_repeat]
     fp32 = baseline_row(measured)
+
+    def effective(row: BenchRow) -> float:
+        return amortized(row, fp32, train_steps)
+
     tf32 = max(
         (r for r in measured if r.policy == "tf32" and r.status == Status.OK),
-        key=speed,
+        key=effective,
         default=None,
     )
     passing: list[BenchRow] = []
@@ -211,7 +248,7 @@ def decide(
             table.append(Ranked(row.candidate, Status.PASSED, why, Status.PASS, row))
             passing.append(row)
         elif verdict is None:
-            slower = fp32 is not None and speed(row) <= 1.0
+            slower = fp32 is not None and effective(row) <= 1.0
             table.append(
                 Ranked(
                     row.candidate,
@@ -237,25 +274,31 @@ def decide(
                 passing.append(row)
     if not passing:
         return None, table
-    fastest = max(passing, key=speed)
-    band = [r for r in passing if within_noise(speed(r), speed(fastest), noise_band(r, fastest, noise))]
+    fastest = max(passing, key=effective)
+    band = [
+        r for r in passing if within_noise(effective(r), effective(fastest), noise_band(r, fastest, noise))
+    ]
     chosen = min(band, key=safety)
     tie_break = too_noisy = None
     noisy_with: BenchRow | None = None
     if chosen is not fastest:
-        gap = 1 - speed(chosen) / (speed(fastest) or 1)
+        gap = 1 - effective(chosen) / (effective(fastest) or 1)
         tie_break = (
             f"{fastest.label} measured {gap:.1%} faster than {chosen.label}, within measurement noise; "
             f"{chosen.label} is simpler/safer, so it is preferred"
         )
     for r in passing:
         uncertainty = noise_band(r, fastest, noise)
-        if r is not fastest and uncertainty > NOISE_CAP and speed(r) < speed(fastest) * (1 - NOISE_CAP):
+        if (
+            r is not fastest
+            and uncertainty > NOISE_CAP
+            and effective(r) < effective(fastest) * (1 - NOISE_CAP)
+        ):
             noisy_with = r
             too_noisy = (
-                f"too noisy to separate {fastest.label} ({speed(fastest):.2f}x) and {r.label} "
-                f"({speed(r):.2f}x): their speedups are uncertain by +-{uncertainty:.0%} here; rerun on a "
-                "quiet machine"
+                f"too noisy to separate {fastest.label} ({effective(fastest):.2f}x) and {r.label} "
+                f"({effective(r):.2f}x): their speedups are uncertain by +-{uncertainty:.0%} "
+                "here; rerun on a quiet machine"
             )
             break
     table = [
@@ -281,10 +324,10 @@ def decide(
     rec = Recommendation(
         candidate=chosen.candidate,
         speedup_vs_fp32=chosen.speedup_vs_fp32,
-        speedup_vs_tf32=speed(chosen) / speed(tf32) if tf32 and speed(tf32) else None,
+        speedup_vs_tf32=effective(chosen) / effective(tf32) if tf32 and effective(tf32) else None,
         memory_saved_bytes=saved,
         margin=margin,
-        reason=_reason(chosen, table, verdict, tie_break, too_noisy),
+        reason=_reason(chosen, table, verdict, tie_break, too_noisy, fp32, train_steps),
         tie_break=tie_break,
         tied_with=fastest.candidate if tie_break else None,
         too_noisy=too_noisy,
@@ -299,6 +342,8 @@ def _reason(
     verdict: CandidateCheck | None,
     tie: str | None,
     too_noisy: str | None,
+    fp32: BenchRow | None = None,
+    train_steps: int | None = None,
 ) -> str:
     parts = [f"{r.label} rejected: {r.reason}" for r in table if r.status == Status.REJECTED]
     pruned = [r.label for r in table if r.status == Status.PRUNED]
@@ -309,6 +354,11 @@ def _reason(
         ci = chosen.speedup_ci
         interval = f" (95% interval {ci[0]:.2f}-{ci[1]:.2f}x)" if ci else ""
         how_fast = f"{chosen.speedup_vs_fp32:.2f}x faster than strict fp32{interval}"
+        if chosen.candidate.compile and chosen.compile_s is not None and train_steps:
+            how_fast += (
+                f" per step, {amortized(chosen, fp32, train_steps):.2f}x over {train_steps} steps "
+                f"after {chosen.compile_s:.0f} s of compilation"
+            )
     if chosen.policy == "fp32":
         parts.append(
             "no lower-precision candidate both beat strict fp32 and passed the numerics check: stay in fp32"

@@ -1,17 +1,20 @@
-"""`tune`: the fastest policy that trains correctly, with the evidence.
+"""`tune`: the fastest configuration that trains correctly, with the evidence.
 
-1. Measure every supported policy x layout with the bench machinery (hopeless ones pruned),
-   until 60% of the budget is spent.
-2. Gate the candidates that beat strict fp32 by the numerics check, fastest first; a failing
-   one may be rescued by a keep_fp32 set, which is then measured at its real cost.
-3. Decide (:func:`mixprec.tuning.decide.decide`); when the pick ties with a faster candidate
-   within noise and budget is left, re-measure both and decide again.
+1. Speed: every supported policy x layout, eager, paired with strict fp32 (hopeless ones pruned),
+   within ``SPEED_SHARE`` of the budget.
+2. Numerics: the candidates that beat strict fp32, fastest first; a failing one may be rescued by
+   a keep_fp32 set, which is then measured at its real cost.
+3. Beyond eager: the best passing candidates again under ``torch.compile`` (and their numerics,
+   since fused kernels round differently), and the pick with the optimizer's foreach/fused
+   implementations. Compilation is paid once: candidates are compared over ``train_steps``.
+4. Decide (:func:`mixprec.tuning.decide.decide`); when the pick ties with a faster candidate
+   within noise, or cannot be told apart from it, and budget is left: re-measure both, decide again.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -27,15 +30,23 @@ from mixprec.numerics.check import check, make_checker
 from mixprec.numerics.results import CandidateCheck, CheckResult
 from mixprec.policy import POLICY_NAMES, Candidate, check_support
 from mixprec.status import Status
-from mixprec.tuning.decide import Recommendation, Verdicts, decide, noise_band, speed, within_noise
+from mixprec.tuning.decide import Recommendation, decide, noise_band, speed, within_noise
 from mixprec.tuning.result import TuneResult
 from mixprec.workload import Workload
 
 Progress = Callable[[str], None]
-# Share of the budget the speed sweep may use; the numerics checks and rescues get the rest.
-SPEED_SHARE = 0.6
+# Share of the budget the eager speed sweep may use; numerics, compile and rescues get the rest.
+SPEED_SHARE = 0.45
 # Seconds kept back at the end for deciding, linting and writing.
 RESERVE_S = 10.0
+# How many of the best eager candidates are measured again under torch.compile.
+COMPILE_TOP = 2
+# More graph breaks than this and a compiled candidate's row says so.
+GRAPH_BREAKS_NOTED = 0
+# Below this share of step time in matmul/conv/attention, precision is not where the time goes.
+LOW_COMPUTE_SHARE = 0.5
+# The run length compile time is amortised over when the user names none.
+TRAIN_STEPS = 10_000
 
 
 def tune_candidates(info: DeviceInfo, has_4d: bool) -> list[Candidate]:
@@ -46,10 +57,260 @@ def tune_candidates(info: DeviceInfo, has_4d: bool) -> list[Candidate]:
     ]
 
 
+class _Search:
+    """The state of one tune: the sweep's rows, the verdicts, the shared fp32 checker, the clock."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        device: torch.device,
+        sweep: dict[str, Any],
+        *,
+        check_steps: int,
+        fix: bool,
+        noise: float,
+        train_steps: int,
+        deadline: float,
+        say: Progress,
+    ) -> None:
+        self.workload, self.device, self.sweep = workload, device, sweep
+        self.check_steps, self.fix, self.noise, self.train_steps = check_steps, fix, noise, train_steps
+        self.deadline, self.say = deadline, say
+        self.notes: list[str] = []
+        self.verdicts: dict[Candidate, CandidateCheck] = {}
+        self.checked: CheckResult | None = None
+        self._checker: Any = None
+        self.result: BenchResult | None = None
+
+    def time_left(self) -> float:
+        return self.deadline - RESERVE_S - time.perf_counter()
+
+    def decide(self) -> tuple[Recommendation | None, list]:
+        assert self.result is not None
+        return decide(self.result.rows, self.verdicts, noise=self.noise, train_steps=self.train_steps)
+
+    def _bench(self, candidates: Sequence[Candidate], deadline: float, **overrides: Any) -> BenchResult:
+        def on_bench(event: dict[str, Any]) -> None:
+            if event["event"] == "candidate":
+                self.say(f"measuring {event['label']} ({event['index'] + 1}/{event['count']})")
+
+        return bench(
+            self.workload,
+            candidates=candidates,
+            progress=on_bench,
+            deadline=deadline,
+            **{**self.sweep, **overrides},
+        )
+
+    # ------------------------------------------------------------------ 1. speed
+    def measure_speed(self, info: DeviceInfo, deadline: float) -> None:
+        self.result = self._bench(tune_candidates(info, has_4d_weights(self.workload.model)), deadline)
+        if self.result.stopped:
+            self.notes.append(f"speed sweep {self.result.stopped}")
+
+    def _add(self, rows: Sequence[BenchRow]) -> list[BenchRow]:
+        """Fold rows measured in another (paired) sweep into this one; the non-baseline ones."""
+        assert self.result is not None
+        added = [r for r in rows if r.candidate != Candidate("fp32")]
+        for row in added:
+            self.result.add(row)
+        return added
+
+    # ------------------------------------------------------------------ 2. numerics
+    def check(self, candidate: Candidate) -> CandidateCheck:
+        if self._checker is None:
+            self._checker = make_checker(
+                self.workload,
+                steps=self.check_steps,
+                batch_size=self.sweep["batch_size"],
+                device=self.device,
+                progress=lambda m: self.say(f"checking {m}"),
+                deadline=self.deadline - RESERVE_S,
+            )
+        self.say(f"checking numerics of {candidate.label}")
+        res = check(self.workload, policies=[candidate], fix=self.fix, checker=self._checker)
+        if self.checked is None:
+            self.checked = res
+        else:
+            self.checked.candidates.extend(res.candidates)
+        verdict = res.candidates[0]
+        self.verdicts[candidate] = verdict
+        return verdict
+
+    def check_faster(self) -> None:
+        """Check the candidates that beat strict fp32, fastest policy first; stop once one passed
+        and nothing faster is left within noise of it."""
+        assert self.result is not None
+        faster = sorted(
+            (
+                r
+                for r in self.result.rows
+                if r.status == Status.OK and r.policy != "fp32" and not r.baseline_repeat and speed(r) > 1.0
+            ),
+            key=lambda r: -speed(r),
+        )
+        best_pass: BenchRow | None = None
+        for numerics in dict.fromkeys(r.candidate.numerics for r in faster):
+            if numerics in self.verdicts:
+                continue
+            top = max((r for r in faster if r.candidate.numerics == numerics), key=speed)
+            if best_pass is not None and not within_noise(
+                speed(top), speed(best_pass), noise_band(top, best_pass, self.noise)
+            ):
+                break  # slower than a passing candidate by more than the noise: cannot win
+            if self.time_left() <= 0:
+                self.notes.append(f"numerics of {numerics.label} not checked: budget spent")
+                break
+            verdict = self.check(numerics)
+            if verdict.passed and (best_pass is None or speed(top) > speed(best_pass)):
+                best_pass = top
+            elif verdict.fix_keep_fp32 and verdict.fix_verified and self.time_left() > 0:
+                self.rescue(faster, verdict)
+
+    def rescue(self, faster: list[BenchRow], verdict: CandidateCheck) -> None:
+        """Measure a failing policy rescued by keep_fp32 (fp32 islands are not free); its verdict is
+        built from the verifying run's figures."""
+        base = verdict.candidate
+        layouts = sorted({r.channels_last for r in faster if r.candidate.numerics == base})
+        rescued = [
+            replace(base, channels_last=cl, keep_fp32=(*base.keep_fp32, *verdict.fix_keep_fp32))
+            for cl in layouts
+        ]
+        self.say(f"measuring rescued {base.label} with keep_fp32={verdict.fix_keep_fp32}")
+        added = self._add([r for r in self._bench(rescued, self.deadline).measured if r.keep_fp32])
+        if not added:
+            self.notes.append(f"rescued {base.label} not measured: budget spent")
+            return
+        metrics: dict[str, Any] = {
+            k: v for k, v in verdict.fix_metrics.items() if k in CandidateCheck.__dataclass_fields__
+        }
+        fixed = replace(
+            verdict, **metrics, candidate=rescued[0].numerics, verdict=Status.PASS, reason=verdict.fix_note
+        )
+        self.verdicts[fixed.candidate] = fixed
+
+    # ------------------------------------------------------------------ 3. beyond eager
+    def try_compile(self, modes: Sequence[str]) -> None:
+        """The best passing eager candidates again under torch.compile, and their numerics."""
+        assert self.result is not None
+        rec, _ = self.decide()
+        if rec is None or not modes:
+            return
+        passing = [
+            r
+            for r in self.result.rows
+            if r.status == Status.OK
+            and not r.candidate.compile
+            and not r.candidate.optimizer
+            and (r.policy == "fp32" or (self.verdicts.get(r.candidate.numerics) or _FAIL).passed)
+        ]
+        best = sorted(passing, key=speed, reverse=True)[:COMPILE_TOP]
+        todo = [replace(r.candidate, compile=mode) for r in best for mode in modes]
+        todo = [c for c in todo if not any(r.candidate == c for r in self.result.rows)]
+        if not todo:
+            return
+        if self.time_left() < 30:
+            self.notes.append("torch.compile candidates not tried: budget spent (--budget raises it)")
+            return
+        self.say(f"compiling {', '.join(c.label for c in todo)}")
+        measured = self._add(self._bench(todo, self.deadline - RESERVE_S).measured)
+        for row in measured:
+            if (
+                row.status == Status.OK
+                and row.candidate.numerics not in self.verdicts
+                and self.time_left() > 0
+            ):
+                self.check(row.candidate.numerics)
+        for row in measured:
+            if row.graph_breaks and row.graph_breaks > GRAPH_BREAKS_NOTED:
+                self.notes.append(
+                    f"{row.label}: {row.graph_breaks} graph breaks; each one splits the compiled graph and "
+                    "stops fusion across it (torch._dynamo.explain(model)(batch) lists where and why)"
+                )
+        missing = [c.label for c in todo if not any(r.candidate == c for r in measured)]
+        if missing:
+            self.notes.append(f"not measured within the budget: {', '.join(missing)}")
+
+    def try_optimizers(self, rec: Recommendation) -> None:
+        """The pick with its optimizer's other implementations (for-loop / foreach / fused): same
+        numerics, possibly faster steps. Only the ones the optimizer class offers."""
+        assert self.result is not None
+        if rec.candidate.optimizer or self.time_left() < 10:
+            return
+        probe = self.workload.make_optimizer([torch.nn.Parameter(torch.zeros(1))])
+        import inspect
+
+        accepted = inspect.signature(type(probe).__init__).parameters
+        impls = [i for i, flag in (("foreach", "foreach"), ("fused", "fused")) if flag in accepted]
+        todo = [replace(rec.candidate, optimizer=impl) for impl in impls]
+        if todo:
+            self.say(f"measuring the optimizer's implementations: {', '.join(c.label for c in todo)}")
+            self._add(self._bench(todo, self.deadline - RESERVE_S).measured)
+
+    def note_compute_share(self, rec: Recommendation) -> None:
+        """Say where the next gain is when the pick spends most of its step outside matmuls."""
+        assert self.result is not None
+        row = next((r for r in self.result.rows if r.candidate == rec.candidate), None)
+        share = row.compute_share if row is not None else None
+        if share is not None and share < LOW_COMPUTE_SHARE:
+            hint = "" if rec.candidate.compile else "; torch.compile fuses the elementwise rest"
+            self.notes.append(
+                f"{rec.label} spends {share:.0%} of its profiled step in matmul/conv/attention: lower "
+                f"precision speeds up only that share, the rest is elementwise ops, the optimizer and "
+                f"framework overhead{hint}"
+            )
+
+    # ------------------------------------------------------------------ 4. ties
+    def remeasure(self, rec: Recommendation) -> bool:
+        """Time the pick and the one it tied with (or could not be separated from) again, twice as
+        long, and fold the new paired rounds into both rows. False when the budget cannot pay."""
+        assert self.result is not None
+        rows = {r.candidate: r for r in self.result.rows if r.status == Status.OK and not r.baseline_repeat}
+        other = rec.tied_with or rec.noisy_with
+        if other not in rows or rec.candidate not in rows:
+            return False
+        chosen, rival = rows[rec.candidate], rows[other]
+        base = self.result.baseline
+        steps = 2 * self.sweep["steps"]
+        # bench times fp32 next to every candidate: pay for it too
+        cost = sum(
+            (self.sweep["warmup"] + 2 * steps) * (r.step_time_ms.median_ms / 1e3)
+            for r in (chosen, rival, base)
+            if r is not None and r.step_time_ms
+        )
+        if 1.5 * cost > self.time_left():
+            self.notes.append(f"{chosen.label} and {rival.label}: no budget left to re-measure them")
+            return False
+        self.say(f"re-measuring {chosen.label} and {rival.label}: within noise of each other")
+        again = self._bench([chosen.candidate, rival.candidate], self.deadline - RESERVE_S, steps=steps)
+        extra = {r.candidate: r for r in again.measured if r.status == Status.OK}
+        redone = [row for row in (chosen, rival) if row.candidate in extra]
+        for row in redone:
+            new = extra[row.candidate]
+            self.result.update(
+                replace(
+                    row,
+                    step_times_ms=row.step_times_ms + new.step_times_ms,
+                    paired_ratios=row.paired_ratios + new.paired_ratios,
+                )
+            )
+        if not redone:
+            self.notes.append("re-measurement of the tie stopped by the budget")
+            return False
+        self.notes.append(
+            f"{chosen.label} and {rival.label} were within noise of each other: "
+            f"{' and '.join(r.label for r in redone)} re-measured with {steps} more paired rounds each"
+        )
+        return True
+
+
+_FAIL = CandidateCheck(Candidate("fp32"), Status.FAIL, "")
+
+
 def tune(
     workload: Workload,
     *,
-    budget_s: float = 180.0,
+    budget_s: float = 240.0,
     device: str | torch.device | None = None,
     batch_size: int | None = None,
     steps: int = 4,
@@ -58,20 +319,27 @@ def tune(
     fix: bool = True,
     lint: bool = True,
     noise: float = 0.03,
+    compile_modes: Sequence[str] = ("default",),
+    optimizers: bool = True,
+    train_steps: int = TRAIN_STEPS,
     progress: Progress | None = None,
 ) -> TuneResult:
-    """Find the fastest policy that trains like fp32 on ``workload`` within ``budget_s`` seconds.
+    """Find the fastest configuration that trains like fp32 on ``workload`` within ``budget_s`` seconds.
 
     Args:
         workload: the model, its batches, loss and optimizer.
-        budget_s: seconds for the whole search (measuring, checking, rescuing, re-measuring).
+        budget_s: seconds for the whole search (measuring, checking, compiling, re-measuring).
         device: 'cpu', 'cuda[:N]' (default: CUDA when available).
         batch_size: samples per step (default: the workload's).
-        steps / warmup: timed and untimed steps per candidate in the speed sweep.
+        steps / warmup: paired rounds and (at least) untimed steps per candidate.
         check_steps: training steps compared with the strict-fp32 reference.
         fix: search a keep_fp32 rescue for a candidate that fails its check.
         lint: lint the model under the recommended policy.
-        noise: the smallest relative throughput difference treated as real.
+        noise: the smallest relative speed difference treated as real.
+        compile_modes: torch.compile modes tried on the best eager candidates (() for none).
+        optimizers: try the pick with its optimizer's foreach / fused implementations.
+        train_steps: the length of the training run compile time is amortised over: a compile
+            that costs 90 s to save 5 ms per step is not recommended for a 100-step job.
         progress: receives one line per stage.
     """
     from mixprec.exports import export_all
@@ -80,92 +348,46 @@ def tune(
         raise UsageError(f"tune() takes a mixprec.Workload, got {type(workload).__name__}.")
     if isinstance(budget_s, bool) or not (isinstance(budget_s, (int, float)) and budget_s > 0):
         raise UsageError(f"budget must be a number of seconds > 0, got {budget_s!r}.")
-    say = progress or (lambda msg: None)
+    if isinstance(train_steps, bool) or not isinstance(train_steps, int) or train_steps < 1:
+        raise UsageError(f"train_steps must be an integer >= 1, got {train_steps!r}.")
+    modes = [replace(Candidate("fp32"), compile=m).compile for m in compile_modes]  # validated
     start = time.perf_counter()
-    deadline = start + budget_s
     dev = resolve_device(device)
     info = detect(dev)
-    notes: list[str] = []
-    sweep: dict[str, Any] = dict(batch_size=batch_size, steps=steps, warmup=warmup, device=dev)
-
-    def on_bench(event: dict[str, Any]) -> None:
-        if event["event"] == "candidate":
-            say(f"measuring {event['label']} ({event['index'] + 1}/{event['count']})")
-
-    # 1. speed
-    result = bench(
+    search = _Search(
         workload,
-        candidates=tune_candidates(info, has_4d_weights(workload.model)),
-        progress=on_bench,
-        deadline=start + SPEED_SHARE * budget_s,
-        **sweep,
+        dev,
+        dict(batch_size=batch_size, steps=steps, warmup=warmup, device=dev),
+        check_steps=check_steps,
+        fix=fix,
+        noise=noise,
+        train_steps=train_steps,
+        deadline=start + budget_s,
+        say=progress or (lambda msg: None),
     )
-    if result.stopped:
-        notes.append(f"speed sweep {result.stopped}")
-
-    # 2. numerics, fastest policy first; stop once one passes and nothing faster is left within noise
-    verdicts: dict[Candidate, CandidateCheck] = {}
-    checked: CheckResult | None = None
-    checker = None  # one fp32 reference + chaos floor shared by every policy checked
-    fp32 = result.baseline
-    faster = sorted(
-        (
-            r
-            for r in result.rows
-            if r.status == Status.OK
-            and not r.baseline_repeat
-            and r.policy != "fp32"
-            and fp32 is not None
-            and speed(r) > 1.0
-        ),
-        key=lambda r: -speed(r),
-    )
-    best_pass: BenchRow | None = None
-    for numerics in dict.fromkeys(r.candidate.numerics for r in faster):
-        top = max((r for r in faster if r.candidate.numerics == numerics), key=speed)
-        if best_pass is not None and not within_noise(
-            speed(top), speed(best_pass), noise_band(top, best_pass, noise)
-        ):
-            break  # slower than a passing candidate by more than the noise: cannot win
-        if time.perf_counter() > deadline - RESERVE_S:
-            notes.append(f"numerics of {numerics.label} not checked: budget spent")
-            break
-        say(f"checking numerics of {numerics.label}")
-        if checker is None:
-            checker = make_checker(
-                workload,
-                steps=check_steps,
-                batch_size=batch_size,
-                device=dev,
-                progress=lambda m: say(f"checking {m}"),
-                deadline=deadline - RESERVE_S,
-            )
-        res = check(workload, policies=[numerics], fix=fix, checker=checker)
-        verdict = res.candidates[0]
-        verdicts[numerics] = verdict
-        if checked is None:
-            checked = res
-        else:
-            checked.candidates.extend(res.candidates)
-        if verdict.passed and (best_pass is None or speed(top) > speed(best_pass)):
-            best_pass = top
-        elif verdict.fix_keep_fp32 and verdict.fix_verified and time.perf_counter() < deadline - RESERVE_S:
-            verdicts.update(_measure_rescue(workload, result, faster, verdict, sweep, deadline, say))
-
-    # 3. decide, re-measuring a tie within noise while budget is left
-    rec, ranked = decide(result.rows, verdicts, noise=noise)
-    if (
-        rec is not None
-        and (rec.tied_with or rec.noisy_with)
-        and _remeasure_tie(workload, result, rec, sweep, deadline, say, notes)
-    ):
-        rec, ranked = decide(result.rows, verdicts, noise=noise)
+    search.measure_speed(info, start + SPEED_SHARE * budget_s)
+    search.check_faster()
+    search.try_compile([m for m in modes if m is not None])
+    rec, ranked = search.decide()
+    if rec is not None and optimizers:
+        search.try_optimizers(rec)
+        rec, ranked = search.decide()
+    if rec is not None and (rec.tied_with or rec.noisy_with) and search.remeasure(rec):
+        rec, ranked = search.decide()
+    result = search.result
+    assert result is not None
+    if rec is not None:
+        search.note_compute_share(rec)
     findings = None
-    if lint and rec is not None and time.perf_counter() < deadline:
-        findings = _lint(workload, rec, dev, notes)
+    if lint and rec is not None and time.perf_counter() < search.deadline:
+        findings = _lint(workload, rec, dev, search.notes)
         if findings:
             rec.lint_worth_fixing = [f for f in findings if f.get("severity") in ("warning", "error")][:5]
-    exports = export_all(rec.config(str(dev))) if rec else {}
+    exports = (
+        export_all(rec.config(str(dev)), compile=rec.candidate.compile, optimizer=rec.candidate.optimizer)
+        if rec
+        else {}
+    )
     return TuneResult(
         workload=result.workload,
         description=workload.description,
@@ -173,102 +395,16 @@ def tune(
         recommendation=rec,
         ranked=ranked,
         bench=result,
-        check=checked,
+        check=search.checked,
         lint=findings,
         budget_s=budget_s,
         elapsed_s=time.perf_counter() - start,
         env=result.env or environment.collect(dev),
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        notes=notes,
+        notes=search.notes,
         exports={target: r.text for target, r in exports.items() if r.text is not None},
         export_refusals={target: r.refused for target, r in exports.items() if r.refused is not None},
     )
-
-
-def _measure_rescue(
-    workload: Workload,
-    result: BenchResult,
-    faster: list[BenchRow],
-    verdict: CandidateCheck,
-    sweep: dict[str, Any],
-    deadline: float,
-    say: Progress,
-) -> Verdicts:
-    """Measure a failing policy rescued by keep_fp32 (fp32 islands are not free) and return its
-    verdict, built from the verifying run's figures."""
-    base = verdict.candidate
-    layouts = sorted({r.channels_last for r in faster if r.candidate.numerics == base})
-    rescued = [
-        replace(base, channels_last=cl, keep_fp32=(*base.keep_fp32, *verdict.fix_keep_fp32)) for cl in layouts
-    ]
-    say(f"measuring rescued {base.label} with keep_fp32={verdict.fix_keep_fp32}")
-    # bench measures fp32 first as well; the rescued rows join the sweep's own baseline below
-    extra = bench(workload, candidates=rescued, deadline=deadline, **sweep)
-    added = [r for r in extra.measured if r.keep_fp32]
-    if not added:
-        result.notes.append(f"rescued {base.label} not measured: budget spent")
-        return {}
-    for row in added:
-        result.add(row)
-    metrics: dict[str, Any] = {
-        k: v for k, v in verdict.fix_metrics.items() if k in CandidateCheck.__dataclass_fields__
-    }
-    fixed = replace(
-        verdict, **metrics, candidate=rescued[0].numerics, verdict=Status.PASS, reason=verdict.fix_note
-    )
-    return {fixed.candidate: fixed}
-
-
-def _remeasure_tie(
-    workload: Workload,
-    result: BenchResult,
-    rec: Recommendation,
-    sweep: dict[str, Any],
-    deadline: float,
-    say: Progress,
-    notes: list[str],
-) -> bool:
-    """Time the recommended row and the one it tied with (or could not be separated from) again,
-    twice as long, and fold the new paired rounds into both rows. False when the budget cannot
-    pay for it."""
-    rows = {r.candidate: r for r in result.rows if r.status == Status.OK and not r.baseline_repeat}
-    chosen, rival = rows[rec.candidate], rows[rec.tied_with or rec.noisy_with]  # type: ignore[index]
-    base = result.baseline
-    steps = 2 * sweep["steps"]
-    # bench measures fp32 first as well: pay for it too
-    cost = sum(
-        (sweep["warmup"] + steps) * (r.step_time_ms.median_ms / 1e3)
-        for r in (chosen, rival, base)
-        if r is not None and r.step_time_ms
-    )
-    if time.perf_counter() + 1.5 * cost > deadline:
-        notes.append(f"{chosen.label} and {rival.label} tie within noise; no budget left to re-measure them")
-        return False
-    say(f"re-measuring {chosen.label} and {rival.label}: within noise of each other")
-    again = bench(
-        workload,
-        candidates=[chosen.candidate, rival.candidate],
-        deadline=deadline,
-        **{**sweep, "steps": steps},
-    )
-    extra = {r.candidate: r for r in again.measured if r.status == Status.OK}
-    redone = [row for row in (chosen, rival) if row.candidate in extra]
-    for row in redone:
-        new = extra[row.candidate]
-        merged = replace(
-            row,
-            step_times_ms=row.step_times_ms + new.step_times_ms,
-            paired_ratios=row.paired_ratios + new.paired_ratios,
-        )
-        result.update(merged)
-    if not redone:
-        notes.append("re-measurement of the tie stopped by the budget")
-        return False
-    notes.append(
-        f"{' and '.join(r.label for r in redone)} re-measured with {steps} more steps each: "
-        f"{chosen.label} and {rival.label} were within noise"
-    )
-    return True
 
 
 def _lint(
