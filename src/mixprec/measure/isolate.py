@@ -53,6 +53,29 @@ def _context() -> Any:
     return _CONTEXT
 
 
+def preload(*modules: str) -> None:
+    """Have the fork server import ``modules`` too (e.g. tensorflow for Keras candidates), so each
+    child does not import them again; no effect once the server has started."""
+    for module in modules:
+        if module not in _PRELOAD:
+            _PRELOAD.append(module)
+    if _CONTEXT is not None:
+        _CONTEXT.set_forkserver_preload(_PRELOAD)
+
+
+def build_torch_session(spec: dict[str, Any], candidate: Candidate, settings: BenchSettings) -> Any:
+    """A child's torch :class:`TrainingSession`, its workload rebuilt from ``spec``."""
+    from mixprec.workload.loader import workload_from_spec
+
+    workload = workload_from_spec(WorkloadSpec(spec["kind"], spec["target"], tuple(spec["sizes"].items())))
+    return TrainingSession(workload, candidate, settings)
+
+
+# (spec dict, candidate, settings) -> a session with warm_up/step/finish (TrainingSession's interface);
+# a module-level function, so it pickles by name into the child.
+SessionBuilder = Callable[[dict[str, Any], Candidate, BenchSettings], Any]
+
+
 def _error_event(exc: BaseException) -> dict[str, Any]:
     return {
         "event": "error",
@@ -66,16 +89,17 @@ def _failure_status(error_type: str) -> str:
     return "oom" if "OutOfMemory" in error_type else "error"
 
 
-def _child(conn: Any, spec: dict[str, Any], candidate: Candidate, settings: BenchSettings) -> None:
+def _child(
+    conn: Any,
+    spec: dict[str, Any],
+    candidate: Candidate,
+    settings: BenchSettings,
+    build: SessionBuilder = build_torch_session,
+) -> None:
     """Child process body: build the session, then obey commands; errors are sent, never raised."""
     try:
-        from mixprec.workload.loader import workload_from_spec
-
         rss_before = current_rss_bytes()
-        workload = workload_from_spec(
-            WorkloadSpec(spec["kind"], spec["target"], tuple(spec["sizes"].items()))
-        )
-        session = TrainingSession(workload, candidate, settings)
+        session = build(spec, candidate, settings)
         conn.send({"event": "ready"})
         while True:
             command = conn.recv()
@@ -115,6 +139,7 @@ class ChildSession:
         *,
         should_stop: Callable[[], bool] = lambda: False,
         start_timeout_s: float = 600.0,
+        build: SessionBuilder = build_torch_session,
     ) -> None:
         self.candidate = candidate
         self.should_stop = should_stop
@@ -122,7 +147,7 @@ class ChildSession:
         ctx = _context()
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
-            target=_child, args=(child_conn, spec.to_dict(), candidate, settings), daemon=True
+            target=_child, args=(child_conn, spec.to_dict(), candidate, settings, build), daemon=True
         )
         with main_module_hidden():
             self._proc.start()
@@ -227,12 +252,14 @@ class LocalSession:
         batches: list | None = None,
         *,
         should_stop: Callable[[], bool] = lambda: False,
+        factory: Callable[[], Any] | None = None,
     ) -> None:
+        """``factory`` builds another framework's session (same interface as TrainingSession)."""
         self.candidate = candidate
         self.should_stop = should_stop
         self.steps_seen: list[float] = []
         try:
-            self._session = TrainingSession(workload, candidate, settings, batches)
+            self._session = factory() if factory else TrainingSession(workload, candidate, settings, batches)
         except Exception as exc:
             raise SessionEnded(
                 _failure_status(type(exc).__name__), f"{type(exc).__name__}: {_first_line(exc)}"

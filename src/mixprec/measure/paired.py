@@ -57,7 +57,12 @@ Progress = Callable[[dict[str, Any]], None]
 
 
 class PairedSweep:
-    """The baseline session and the measurement of one candidate after another against it."""
+    """The baseline session and the measurement of one candidate after another against it.
+
+    Another framework subclasses it: its strict-fp32 ``baseline_candidate`` and an ``_open`` that
+    starts its own sessions (:mod:`mixprec.keras.sweep`)."""
+
+    baseline_candidate: Candidate = BASELINE
 
     def __init__(
         self,
@@ -86,7 +91,7 @@ class PairedSweep:
     def _open(self, candidate: Candidate, settings: BenchSettings) -> Session:
         # The baseline is never stopped mid-step: every row already measured was timed against it,
         # and it must finish to give its own row (a deadline ends the sweep between candidates).
-        stop = self.should_stop if candidate != BASELINE else (lambda: False)
+        stop = self.should_stop if candidate != self.baseline_candidate else (lambda: False)
         if self.isolate:
             return ChildSession(self.workload.spec, candidate, settings, should_stop=stop)  # type: ignore[arg-type]
         return LocalSession(self.workload, candidate, settings, self.batches, should_stop=stop)
@@ -102,14 +107,15 @@ class PairedSweep:
         """Open, warm up and time the baseline; its row so far (it keeps running for the pairs)."""
         wall = time.perf_counter()
         settings = replace(self.settings, count_flops=count_flops)
-        self.baseline = self._open(BASELINE, settings)
+        base = self.baseline_candidate
+        self.baseline = self._open(base, settings)
         no_limit = lambda index, timed: BASELINE_LIMIT_S  # noqa: E731
-        warm = self.baseline.warm_up(no_limit, self._emit(BASELINE))
+        warm = self.baseline.warm_up(no_limit, self._emit(base))
         self.baseline_cold = warm[0] if warm else None
-        self.baseline_times += self.baseline.steps(self.settings.steps, no_limit, self._emit(BASELINE))
+        self.baseline_times += self.baseline.steps(self.settings.steps, no_limit, self._emit(base))
         self.baseline_wall = time.perf_counter() - wall
         return self._row(
-            BASELINE, step_times_ms=_ms(self.baseline_times), first_step_ms=_ms1(self.baseline_cold)
+            base, step_times_ms=_ms(self.baseline_times), first_step_ms=_ms1(self.baseline_cold)
         )
 
     def finish_baseline(self) -> BenchRow:
@@ -118,7 +124,9 @@ class PairedSweep:
         measurement = self.baseline.finish()
         self.baseline = None
         row = self._row(
-            BASELINE, step_times_ms=_ms(self.baseline_times), first_step_ms=_ms1(self.baseline_cold)
+            self.baseline_candidate,
+            step_times_ms=_ms(self.baseline_times),
+            first_step_ms=_ms1(self.baseline_cold),
         )
         return _with(row, measurement, wall_s=self.baseline_wall)
 
@@ -259,6 +267,8 @@ def _with(row: BenchRow, m: Measurement, **extra: Any) -> BenchRow:
         compute_share=m.compute_share,
         **extra,
     )
+    if m.trace_s is not None and out.first_step_ms is not None:  # what the first step cost a user
+        out = replace(out, first_step_ms=out.first_step_ms + m.trace_s * 1e3)
     if out.first_loss is not None and out.first_loss != out.first_loss:  # NaN
         out = replace(out, status=Status.ERROR, reason=f"non-finite first loss {out.first_loss}")
     return out

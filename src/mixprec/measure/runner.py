@@ -84,6 +84,9 @@ class Measurement:
     recompiles: int | None = None
     # share of one profiled step's operator time spent in matmuls and convolutions
     compute_share: float | None = None
+    # seconds spent building the compiled step before the first step ran (TensorFlow traces its
+    # tf.function then); part of the first step's cost, kept out of the cold step pruning compares
+    trace_s: float | None = None
 
 
 Emit = Callable[[dict[str, Any]], bool]  # returns False to stop the candidate (pruned)

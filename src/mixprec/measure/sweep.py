@@ -296,7 +296,34 @@ def _sweep_paired(
         should_stop=stop_requested,
         batches=batches,
     )
-    progress({"event": "candidate", "label": BASELINE.label, "index": 0, "count": len(plan)})
+    run_paired(
+        sweep,
+        plan,
+        todo,
+        result,
+        record,
+        stop_requested,
+        progress,
+        refuse=lambda cand: _refused(cand, label, settings, info, workload, batches),
+    )
+
+
+def run_paired(
+    sweep: PairedSweep,
+    plan: list[Candidate],
+    todo: list[tuple[int, Candidate]],
+    result: BenchResult,
+    record: Callable[..., None],
+    stop_requested: Callable[[], bool],
+    progress: Progress,
+    refuse: Callable[[Candidate], BenchRow | None],
+) -> None:
+    """The baseline, then each candidate of ``todo`` (index in ``plan``, candidate) paired with it
+    (or the row ``refuse`` gives instead of measuring it), the pruned ones retried once, and the
+    baseline's final row. Every framework's sweep runs this loop; ``sweep`` opens its sessions."""
+    baseline_cand = sweep.baseline_candidate
+    label, device, bs = result.workload, sweep.settings.device, sweep.settings.batch_size
+    progress({"event": "candidate", "label": baseline_cand.label, "index": 0, "count": len(plan)})
     try:
         try:
             record(sweep.start_baseline(count_flops=result.flops_per_step is None), 0)
@@ -305,20 +332,20 @@ def _sweep_paired(
                 result.stopped = "stopped by the deadline before strict fp32 was measured"
                 return
             row = BenchRow(
-                label, BASELINE, device, bs, Status(ended.status), f"strict fp32 failed: {ended.reason}"
+                label, baseline_cand, device, bs, Status(ended.status), f"strict fp32 failed: {ended.reason}"
             )
             for i, cand in todo:
                 record(replace(row, candidate=cand), i)
             return
         pruned: list[tuple[int, BenchRow]] = []
         for i, cand in todo:
-            if cand == BASELINE:
+            if cand == baseline_cand:
                 continue
             if stop_requested():
                 result.stopped = f"stopped by the deadline before {cand.label}"
                 break
             progress({"event": "candidate", "label": cand.label, "index": i, "count": len(plan)})
-            refused = _refused(cand, label, settings, info, workload, batches)
+            refused = refuse(cand)
             if refused is not None:
                 row = refused
             else:

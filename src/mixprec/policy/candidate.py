@@ -10,9 +10,11 @@ from mixprec.policy.registry import PolicySpec, canonical_name, spec_of
 
 # Formats `check` can emulate on hardware without them (mixprec.numerics.emulate).
 EMULATABLE: tuple[str, ...] = ("tf32", "bf16", "fp8_e4m3", "fp8_e5m2")
-FRAMEWORKS: tuple[str, ...] = ("torch",)
+FRAMEWORKS: tuple[str, ...] = ("torch", "tensorflow")
 # torch.compile modes; "reduce-overhead" (CUDA graphs) only on CUDA.
 COMPILE_MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
+# TensorFlow's own fast path: the train step's tf.function with jit_compile=True (XLA).
+TF_COMPILE_MODES: tuple[str, ...] = ("xla",)
 # How a torch.optim optimizer applies its update: a Python loop per parameter, multi-tensor
 # (foreach) kernels, or one fused kernel (Adam, AdamW, SGD on CPU and CUDA).
 OPTIMIZER_IMPLS: tuple[str, ...] = ("for-loop", "foreach", "fused")
@@ -30,10 +32,13 @@ class Candidate:
         emulate: `check` only: run strict fp32 under this format's emulated rounding
             (one of :data:`EMULATABLE`) to predict hardware the machine lacks.
         compile: ``torch.compile`` mode the model runs under (one of :data:`COMPILE_MODES`), None
-            for eager.
+            for eager; for TensorFlow "xla" (:data:`TF_COMPILE_MODES`), None for the plain
+            ``tf.function`` train step.
         optimizer: the optimizer's implementation (one of :data:`OPTIMIZER_IMPLS`), None for the
             workload's optimizer as written.
-        framework: the training framework the candidate runs in.
+        framework: the training framework the candidate runs in: "torch" or "tensorflow" (Keras 3,
+            :mod:`mixprec.keras`; Keras is NHWC already, so no channels_last, and its optimizers have
+            no implementation switch).
     """
 
     policy: str
@@ -62,7 +67,11 @@ class Candidate:
                 f"Cannot emulate {self.emulate!r}; valid: {', '.join(EMULATABLE)}. "
                 "fp16 runs natively on every CPU: check fp16-mixed instead."
             )
-        if self.compile is not None and self.compile not in COMPILE_MODES:
+        if self.framework not in FRAMEWORKS:
+            raise PolicyError(f"Unknown framework {self.framework!r}; valid: {', '.join(FRAMEWORKS)}.")
+        if self.framework == "tensorflow":
+            self._check_tensorflow()
+        elif self.compile is not None and self.compile not in COMPILE_MODES:
             raise PolicyError(
                 f"Unknown torch.compile mode {self.compile!r}; valid: {', '.join(COMPILE_MODES)} "
                 "(or None: eager)."
@@ -72,8 +81,23 @@ class Candidate:
                 f"Unknown optimizer implementation {self.optimizer!r}; valid: {', '.join(OPTIMIZER_IMPLS)} "
                 "(or None: as the workload builds it)."
             )
-        if self.framework not in FRAMEWORKS:
-            raise PolicyError(f"Unknown framework {self.framework!r}; valid: {', '.join(FRAMEWORKS)}.")
+
+    def _check_tensorflow(self) -> None:
+        if self.compile is not None and self.compile not in TF_COMPILE_MODES:
+            raise PolicyError(
+                f"Unknown TensorFlow compile mode {self.compile!r}; valid: {', '.join(TF_COMPILE_MODES)} "
+                "(or None: the tf.function train step without XLA)."
+            )
+        if self.channels_last:
+            raise PolicyError(
+                "channels_last does not apply to TensorFlow candidates: Keras models are NHWC already; "
+                "drop channels_last (or --channels-last off)."
+            )
+        if self.optimizer is not None or self.emulate is not None:
+            raise PolicyError(
+                f"TensorFlow candidates take no optimizer implementation or emulated format, got "
+                f"optimizer={self.optimizer!r}, emulate={self.emulate!r}; drop them."
+            )
 
     @property
     def spec(self) -> PolicySpec:
@@ -86,7 +110,9 @@ class Candidate:
             return f"{self.emulate} (emulated)"
         islands = f"+fp32[{','.join(self.keep_fp32)}]" if self.keep_fp32 else ""
         compiled = ""
-        if self.compile:
+        if self.compile in TF_COMPILE_MODES:
+            compiled = f"+{self.compile}"
+        elif self.compile:
             compiled = "+compile" if self.compile == "default" else f"+compile:{self.compile}"
         optimizer = f"+{self.optimizer}" if self.optimizer else ""
         return self.policy + ("+cl" if self.channels_last else "") + islands + compiled + optimizer

@@ -75,6 +75,8 @@ class PolicySpec:
         autocast_dtype: *-mixed: fp32 weights, autocast to this dtype.
         param_dtype: *-true: weights stored in this dtype, no fp32 master copy.
         loss_scaling: a dynamic loss scaler is part of the policy (fp16).
+        keras: the Keras 3 dtype policy that expresses it (``keras.mixed_precision.set_global_policy``),
+            None where Keras has none (bf32 and newer formats: TensorFlow refuses the candidate).
     """
 
     name: str
@@ -92,6 +94,7 @@ class PolicySpec:
     autocast_dtype: torch.dtype | None = None
     param_dtype: torch.dtype | None = None
     loss_scaling: bool = False
+    keras: str | None = None
 
     @property
     def low_precision_dtype(self) -> torch.dtype | None:
@@ -129,6 +132,7 @@ POLICIES: dict[str, PolicySpec] = {
             lightning="32-true",
             accelerate="no",
             deepspeed=None,
+            keras="float32",
         ),
         PolicySpec(
             "tf32",
@@ -143,6 +147,7 @@ POLICIES: dict[str, PolicySpec] = {
             lightning="32-true",
             accelerate="no",
             deepspeed=None,
+            keras="float32",
         ),
         PolicySpec(
             "bf32",
@@ -171,6 +176,7 @@ POLICIES: dict[str, PolicySpec] = {
             lightning="bf16-mixed",
             accelerate="bf16",
             deepspeed="torch_autocast",
+            keras="mixed_bfloat16",
             autocast_dtype=torch.bfloat16,
         ),
         PolicySpec(
@@ -186,6 +192,7 @@ POLICIES: dict[str, PolicySpec] = {
             lightning="16-mixed",
             accelerate="fp16",
             deepspeed="torch_autocast",
+            keras="mixed_float16",
             autocast_dtype=torch.float16,
             loss_scaling=True,
         ),
@@ -202,6 +209,7 @@ POLICIES: dict[str, PolicySpec] = {
             lightning="bf16-true",
             accelerate=None,
             deepspeed=None,
+            keras="bfloat16",
             param_dtype=torch.bfloat16,
         ),
         PolicySpec(
@@ -217,6 +225,7 @@ POLICIES: dict[str, PolicySpec] = {
             lightning="16-true",
             accelerate=None,
             deepspeed=None,
+            keras="float16",
             param_dtype=torch.float16,
             loss_scaling=True,
         ),
