@@ -51,10 +51,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="train each candidate on N DDP ranks (gloo on CPU, nccl on CUDA); --batch-size is per rank",
     )
+    p.add_argument(
+        "--xla",
+        choices=("off", "on", "both"),
+        default="off",
+        help="--framework tensorflow: the train step with jit_compile=True (XLA) too (default off)",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    if args.framework == "tensorflow":
+        from mixprec.cli.tensorflow import run_bench
+
+        return run_bench(args, out, err)
     if args.resume and not args.json:
         raise UsageError("--resume continues the rows in the .jsonl next to --json FILE; pass --json too.")
     on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")

@@ -37,6 +37,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    if args.framework == "tensorflow":
+        from mixprec.cli.tensorflow import run_check
+
+        return run_check(args, out, err)
     workload = workload_from_args(args, DEFAULTS)
     is_default = not args.workload and args.model in (None, "resnet50")
     policies = [p for p in args.policies.split(",") if p.strip()]

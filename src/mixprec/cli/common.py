@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mixprec.policy.candidate import FRAMEWORKS
 from mixprec.workload.loader import load_workload
 from mixprec.workload.zoo import ZOO_NAMES
 
@@ -55,6 +56,13 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=positive_int, help="sequence length for the language model")
     p.add_argument("--batch-size", type=positive_int)
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
+    p.add_argument(
+        "--framework",
+        choices=FRAMEWORKS,
+        default="torch",
+        help="torch (default) or tensorflow: Keras 3 models (--model resnet50|vgg19|densenet121|mlp, or "
+        "--workload file.py:fn returning a mixprec.keras.KerasWorkload); needs mixprec[tensorflow]",
+    )
 
 
 def workload_from_args(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:

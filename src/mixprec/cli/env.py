@@ -16,6 +16,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("env", help="versions, device capabilities, precision state, supported policies")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.add_argument(
+        "--framework", choices=("torch", "tensorflow"), default="torch", help="tensorflow: add TensorFlow's facts"
+    )
     p.set_defaults(run=run)
 
 
@@ -23,6 +26,13 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     env = environment.collect(args.device, full=True)
     policies = support_table(detect(args.device))
     out.print(env_report(env, policies))
+    if args.framework == "tensorflow":
+        from mixprec.cli.tensorflow import env_section
+
+        env["tensorflow"] = env_section(args.device)
+        out.print("TensorFlow:")
+        for key, value in env["tensorflow"].items():
+            out.print(f"  {key}: {value}", highlight=False)
     if args.json:
         path = write_json(args.json, "env", env, {"policies": policies})
         err.print(f"wrote {path}")
