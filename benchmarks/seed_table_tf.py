@@ -57,7 +57,9 @@ def seed_rows(model: str, result: BenchResult) -> list[list[str]]:
 
 
 def _ok(result: BenchResult, policy: str) -> BenchRow | None:
-    return next((r for r in result.rows if r.policy == policy and r.status == "ok" and not r.channels_last), None)
+    return next(
+        (r for r in result.rows if r.policy == policy and r.status == "ok" and not r.channels_last), None
+    )
 
 
 def comparison(model: str, tf: BenchResult, pt: BenchResult | None, policies: list[str]) -> list[list[str]]:
@@ -81,14 +83,22 @@ def comparison(model: str, tf: BenchResult, pt: BenchResult | None, policies: li
 
 
 def table(header: tuple[str, ...] | list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--policies", default=None, help="default: fp32,bf16-mixed,fp16-mixed on CPU, + tf32 on GPU")
+    parser.add_argument(
+        "--policies", default=None, help="default: fp32,bf16-mixed,fp16-mixed on CPU, + tf32 on GPU"
+    )
     parser.add_argument("--image-size", type=int, default=None, help="default: 64 on CPU, 224 on GPU")
     parser.add_argument("--batch-size", type=int, default=None, help="default: 8 on CPU, 256 on GPU")
     parser.add_argument("--steps", type=int, default=4)
@@ -97,26 +107,31 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<device>-<short name>")
     args = parser.parse_args()
     gpu = args.device.startswith("cuda")
-    policies = (args.policies or ("fp32,tf32,fp16-mixed,bf16-mixed" if gpu else "fp32,bf16-mixed,fp16-mixed")).split(",")
+    policies = (
+        args.policies or ("fp32,tf32,fp16-mixed,bf16-mixed" if gpu else "fp32,bf16-mixed,fp16-mixed")
+    ).split(",")
     size = args.image_size or (224 if gpu else 64)
     batch = args.batch_size or (256 if gpu else 8)
     info = mixprec.detect(args.device)
-    short = re.sub(r"[^a-z0-9]+", "-", (info.name if gpu else platform.processor() or info.name).lower()).strip("-")
+    short = re.sub(
+        r"[^a-z0-9]+", "-", (info.name if gpu else platform.processor() or info.name).lower()
+    ).strip("-")
     slug = ("cpu-" if not gpu else "") + re.sub(r"-?(r|tm)-?", "-", short).strip("-")[:40]
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / slug
     out.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/seed_table_tf.py " + " ".join(sys.argv[1:])
     env = tf_collect(args.device, full=True)
+    tf_env = env["tensorflow"]
     meta = {
         "command": f"`{command}`",
         "device": info.name,
-        "cpu": env.get("system", {}).get("cpu_info", "").splitlines()[0:1] and info.name,
-        "tensorflow / keras": f"{env['tensorflow']['tensorflow_version']} / {env['tensorflow']['keras_version']}",
+        "tensorflow / keras": f"{tf_env['tensorflow_version']} / {tf_env['keras_version']}",
         "torch": env["torch_version"],
         "threads": str(env["threads"]),
         "image size / batch": f"{size} px / {batch}",
         "steps": f"{args.warmup} warm-up (more until steady) + at least {args.steps} paired rounds",
-        "pairing": "within a framework: every candidate paired with strict fp32 (ABBA rounds, own processes); "
+        "pairing": "within a framework: every candidate paired with strict fp32 (ABBA rounds, own "
+        "processes); "
         "TensorFlow vs PyTorch: sequential per model, unpaired",
     }
     results: list[dict[str, Any]] = []
@@ -146,7 +161,13 @@ def main() -> int:
             )
             seed_pt += seed_rows(model, pt_result)
         side += comparison(model, tf_result, pt_result, policies)
-        results.append({"model": model, "tensorflow": tf_result.to_dict(), "torch": pt_result.to_dict() if pt_result else None})
+        results.append(
+            {
+                "model": model,
+                "tensorflow": tf_result.to_dict(),
+                "torch": pt_result.to_dict() if pt_result else None,
+            }
+        )
         for line in table(SEED_HEADER, seed_rows(model, tf_result)):
             print(line, flush=True)
         lines = [
@@ -165,19 +186,34 @@ def main() -> int:
             "## Side by side",
             "",
             *table(
-                ["Model", "Policy", "Keras img/s", "Keras speedup", "PyTorch img/s", "PyTorch speedup", "Keras / PyTorch"],
+                [
+                    "Model",
+                    "Policy",
+                    "Keras img/s",
+                    "Keras speedup",
+                    "PyTorch img/s",
+                    "PyTorch speedup",
+                    "Keras / PyTorch",
+                ],
                 side,
             ),
             "",
             "Speedups are paired within each framework (median paired ratio against that framework's strict "
             "fp32). Keras / PyTorch is a ratio of throughputs measured one after the other (unpaired). The "
             "seed's own A100 figures (TensorFlow 2.6): "
-            + "; ".join(f"{m}: " + ", ".join(f"{p} {v}" for p, v in d.items()) for m, d in SEED_A100_TF26.items())
+            + "; ".join(
+                f"{m}: " + ", ".join(f"{p} {v}" for p, v in d.items()) for m, d in SEED_A100_TF26.items()
+            )
             + " img/s.",
             "",
         ]
         (out / "seed_table_tf.md").write_text("\n".join(lines), encoding="utf-8")
-        write_json(out / "seed_table_tf.json", "seed_table_tf", env, {"command": command, "meta": meta, "results": results})
+        write_json(
+            out / "seed_table_tf.json",
+            "seed_table_tf",
+            env,
+            {"command": command, "meta": meta, "results": results},
+        )
     print(f"wrote {out / 'seed_table_tf.md'} and {out / 'seed_table_tf.json'}", file=sys.stderr)
     return 0
 

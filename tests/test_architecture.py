@@ -24,6 +24,7 @@ LAYERS = {
     "numerics": 5,
     "linting": 5,
     "tuning": 6,
+    "keras": 6,
     "report": 7,
     "cli": 8,
     "__init__": 9,

@@ -17,7 +17,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     p.add_argument(
-        "--framework", choices=("torch", "tensorflow"), default="torch", help="tensorflow: add TensorFlow's facts"
+        "--framework",
+        choices=("torch", "tensorflow"),
+        default="torch",
+        help="tensorflow: add TensorFlow's facts",
     )
     p.set_defaults(run=run)
 

@@ -17,7 +17,13 @@ from mixprec.report.jsonio import write_json
 # resnet50 at 64 px and batch 16: about 0.7 s per fp32 step on a 2-core CPU, so the default sweep
 # and `tune` (tf.function tracing costs ~15 s per candidate) end within a few minutes.
 CPU_DEFAULTS: dict[str, Any] = {"image_size": 64, "batch_size": 16, "steps": 4, "warmup": 1, "min_time": 1.0}
-CUDA_DEFAULTS: dict[str, Any] = {"image_size": 224, "batch_size": 256, "steps": 20, "warmup": 5, "min_time": 2.0}
+CUDA_DEFAULTS: dict[str, Any] = {
+    "image_size": 224,
+    "batch_size": 256,
+    "steps": 20,
+    "warmup": 5,
+    "min_time": 2.0,
+}
 _CNNS = ("resnet50", "vgg19", "densenet121")
 
 

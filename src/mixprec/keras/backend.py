@@ -8,6 +8,7 @@ Keras 3 runs on several backends; mixprec measures TensorFlow's, so ``KERAS_BACK
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from typing import Any
@@ -61,10 +62,8 @@ def set_threads(threads: int | None) -> None:
     config = tf().config.threading
     if config.get_intra_op_parallelism_threads() == threads:
         return
-    try:
+    with contextlib.suppress(RuntimeError):  # the runtime is already initialised in this process
         config.set_intra_op_parallelism_threads(threads)
-    except RuntimeError:  # the runtime is already initialised in this process
-        pass
 
 
 def device_name(device: str) -> str:
@@ -77,8 +76,8 @@ def device_name(device: str) -> str:
         n = int(index or 0)
         if n >= len(gpus):
             raise UnsupportedError(
-                f"device {device!r}: TensorFlow sees {len(gpus)} GPU(s) here; use --device cpu or a visible GPU "
-                "(TensorFlow's pip wheel needs 'tensorflow[and-cuda]' for CUDA)."
+                f"device {device!r}: TensorFlow sees {len(gpus)} GPU(s) here; use --device cpu or a "
+                "visible GPU (TensorFlow's pip wheel needs 'tensorflow[and-cuda]' for CUDA)."
             )
         return f"/GPU:{n}"
     raise UsageError(f"Unknown device {device!r} for TensorFlow; valid: cpu, cuda[:N].")

@@ -30,7 +30,13 @@ from mixprec.keras.workload import KerasWorkload, workload_label
 from mixprec.numerics.compare import Trajectory, compare
 from mixprec.numerics.limits import FORMATS
 from mixprec.numerics.results import CandidateCheck, CheckResult
-from mixprec.numerics.verdict import CHAOS_PERTURBATION, Floor, allowed_rel_loss_diff, default_thresholds, judge
+from mixprec.numerics.verdict import (
+    CHAOS_PERTURBATION,
+    Floor,
+    allowed_rel_loss_diff,
+    default_thresholds,
+    judge,
+)
 from mixprec.policy import Candidate, Thresholds
 from mixprec.status import Status
 
@@ -134,7 +140,11 @@ class KerasChecker:
         )
 
     def trajectory(
-        self, trainer: KerasTrainer, label: str, weights: Sequence[Any] | None = None, steps: int | None = None
+        self,
+        trainer: KerasTrainer,
+        label: str,
+        weights: Sequence[Any] | None = None,
+        steps: int | None = None,
     ) -> Trajectory:
         """Probe the first step, then train ``steps`` steps from ``weights`` (default: the reference's)."""
         traj = Trajectory(label)
@@ -165,20 +175,24 @@ class KerasChecker:
     def run(self, cand: Candidate, keep_fp32: Sequence[str] = (), steps: int | None = None) -> tuple:
         steps = steps or self.steps
         trial = replace(cand, keep_fp32=(*cand.keep_fp32, *keep_fp32))
+        trainer: KerasTrainer | None = None
         try:
             trainer = KerasTrainer(self.workload, trial, self.device, self.batches[0], self.weights)
-        except Exception as exc:
+        except Exception as exc:  # a candidate that cannot even be built fails its check
             traj = Trajectory(trial.label, error=f"{type(exc).__name__}: {exc}")
-            trainer = None
         else:
             traj = self.trajectory(trainer, trial.label, steps=steps)
         ref = replace(self.reference, losses=self.reference.losses[:steps])
         cmp = compare(ref, traj)
         floor = replace(
             self.floor,
-            rel_loss_diff=compare(ref, replace(self.chaos, losses=self.chaos.losses[:steps])).max_rel_loss_diff,
+            rel_loss_diff=compare(
+                ref, replace(self.chaos, losses=self.chaos.losses[:steps])
+            ).max_rel_loss_diff,
         )
-        passed, reason = judge(cmp, traj, self.thresholds[cand.policy], steps, floor, cand.spec.rounding_format)
+        passed, reason = judge(
+            cmp, traj, self.thresholds[cand.policy], steps, floor, cand.spec.rounding_format
+        )
         return passed, reason, cmp, traj, trainer
 
     def check(self, cand: Candidate, fix: bool) -> CandidateCheck:
@@ -199,7 +213,9 @@ class KerasChecker:
             scaler_warmup_skips=traj.warmup_skips,
             stalled_update_fraction=traj.stalled_update_fraction,
             allowed_rel_loss_diff=allowed_rel_loss_diff(thr, self.floor.rel_loss_diff),
-            required_output_sqnr_db=self.floor.required(thr.min_output_sqnr_db, self.floor.output_sqnr_db, fmt),
+            required_output_sqnr_db=self.floor.required(
+                thr.min_output_sqnr_db, self.floor.output_sqnr_db, fmt
+            ),
             required_grad_sqnr_db=self.floor.required(thr.min_grad_sqnr_db, self.floor.grad_sqnr_db, fmt),
             losses=traj.losses,
             rel_loss_diff=cmp.rel_loss_diff,
@@ -216,8 +232,12 @@ class KerasChecker:
             except Exception as exc:  # ranges are evidence; their failure must not hide the verdict
                 result.fix_note = f"per-layer ranges unavailable: {type(exc).__name__}: {exc}"
         result.worst_layers = [
-            {"layer": r.name, "format": range_fmt, "forward_absmax": r.absmax,
-             "forward_headroom_bits": r.headroom_bits(range_fmt)}
+            {
+                "layer": r.name,
+                "format": range_fmt,
+                "forward_absmax": r.absmax,
+                "forward_headroom_bits": r.headroom_bits(range_fmt),
+            }
             for r in sorted(self.reference_ranges, key=lambda r: r.headroom_bits(range_fmt))[:5]
         ]
         if not passed:
@@ -241,9 +261,10 @@ class KerasChecker:
         """Layers to try in float32, most suspicious first: the first non-finite one, then those
         with the least headroom in the candidate's range format in the fp32 reference."""
         order: list[str] = []
-        for name in [result.first_nonfinite_forward, *(
-            r.name for r in sorted(self.reference_ranges, key=lambda r: r.headroom_bits(fmt))
-        )]:
+        for name in [
+            result.first_nonfinite_forward,
+            *(r.name for r in sorted(self.reference_ranges, key=lambda r: r.headroom_bits(fmt))),
+        ]:
             if name and name not in order:
                 order.append(name)
         return order
@@ -355,7 +376,9 @@ def check(
             cand = replace(cand, framework="tensorflow")
         support = keras_support(cand, info)
         if not support:
-            results.append(CandidateCheck(cand, Status.UNSUPPORTED, support.reason, suggestion=support.suggestion))
+            results.append(
+                CandidateCheck(cand, Status.UNSUPPORTED, support.reason, suggestion=support.suggestion)
+            )
             continue
         KerasPolicy(cand)  # a clear error for a policy Keras cannot express
         results.append(checker.check(cand, fix))
@@ -370,8 +393,11 @@ def check(
         chaos_floor_losses=checker.chaos.losses,
         candidates=results,
         reference_layers=[
-            {"layer": r.name, "forward_absmax": r.absmax, "forward_headroom_bits": {
-                f: r.headroom_bits(f) for f in ("fp16", "bf16")}}
+            {
+                "layer": r.name,
+                "forward_absmax": r.absmax,
+                "forward_headroom_bits": {f: r.headroom_bits(f) for f in ("fp16", "bf16")},
+            }
             for r in checker.reference_ranges
         ],
     )

@@ -29,8 +29,8 @@ def keras_code(candidate: Candidate) -> str:
     if low:
         lines += [
             "# The output layer in float32 (softmax and loss), as the Keras mixed-precision guide requires:",
-            "# build it with dtype=\"float32\", e.g. keras.layers.Dense(classes, activation=\"softmax\", "
-            "dtype=\"float32\"),",
+            '# build it with dtype="float32", e.g. keras.layers.Dense(classes, activation="softmax", '
+            'dtype="float32"),',
             "# or, for a built functional model (as mixprec measured):",
             "for tensor in model.outputs:",
             '    tensor._keras_history[0].dtype_policy = "float32"',
@@ -38,7 +38,7 @@ def keras_code(candidate: Candidate) -> str:
     if candidate.keep_fp32:
         names = ", ".join(repr(n) for n in candidate.keep_fp32)
         lines += [
-            f"# fp32 islands: construct these layers with dtype=\"float32\" in build_model(): {names}",
+            f'# fp32 islands: construct these layers with dtype="float32" in build_model(): {names}',
             "# (layer names, glob patterns as mixprec matched them)",
         ]
     optimizer = "keras.optimizers.SGD(learning_rate=0.01, momentum=0.9)  # yours"

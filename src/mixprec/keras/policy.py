@@ -42,7 +42,9 @@ def keras_support(candidate: Candidate, info: DeviceInfo) -> Support:
     if spec.name == "tf32":
         if not info.tf32:
             return Support(False, "TF32 needs an NVIDIA GPU with compute capability >= 8.0", "fp32", False)
-        return Support(True, "TF32 tensor cores (TensorFlow ignores NVIDIA_TF32_OVERRIDE; mixprec sets TF32 itself)")
+        return Support(
+            True, "TF32 tensor cores (TensorFlow ignores NVIDIA_TF32_OVERRIDE; mixprec sets TF32 itself)"
+        )
     if info.type == "cuda":
         if spec.compute_format == "bf16" and not info.native_bf16:
             return Support(True, "bf16 needs compute capability >= 8.0: emulated here", "fp16-mixed", False)

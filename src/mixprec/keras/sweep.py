@@ -42,7 +42,9 @@ class KerasPairedSweep(PairedSweep):
         workload = cast(KerasWorkload, self.workload)
         if self.isolate:
             assert workload.spec is not None
-            return ChildSession(workload.spec, candidate, settings, should_stop=stop, build=build_keras_session)
+            return ChildSession(
+                workload.spec, candidate, settings, should_stop=stop, build=build_keras_session
+            )
         return LocalSession(
             cast(Any, workload),
             candidate,
@@ -54,7 +56,8 @@ class KerasPairedSweep(PairedSweep):
 
 def plan_candidates(policies: Sequence[str], xla: str) -> list[Candidate]:
     """Strict fp32 first (the baseline), then each policy with the plain tf.function step and/or XLA."""
-    modes = {"off": [None], "on": ["xla"], "both": [None, "xla"]}[xla]
+    xla_modes: dict[str, list[str | None]] = {"off": [None], "on": ["xla"], "both": [None, "xla"]}
+    modes = xla_modes[xla]
     cands = [Candidate(p, compile=m, framework="tensorflow") for p in policies for m in modes]
     return [BASELINE, *[c for c in cands if c != BASELINE]]
 
@@ -159,7 +162,9 @@ def bench(
         progress({"event": "row", "row": shown, "index": index, "count": len(plan), "resumed": resumed})
 
     def stop_requested() -> bool:
-        return (deadline is not None and time.perf_counter() > deadline) or bool(should_stop and should_stop())
+        return (deadline is not None and time.perf_counter() > deadline) or bool(
+            should_stop and should_stop()
+        )
 
     todo = [(i, c) for i, c in enumerate(plan) if (label, c, device, bs, False) not in done or c == BASELINE]
     for i, cand in enumerate(plan):

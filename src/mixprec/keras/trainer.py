@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from fnmatch import fnmatch
 from typing import Any
 
 import numpy as np
@@ -83,9 +84,12 @@ class KerasTrainer:
             self.optimizer.build(self.variables)
             self._initial_optimizer = [v.numpy() for v in self.optimizer.variables]
         # fp32 islands and the float32 output layer compute in float32 on purpose: not probed
-        skip = set()
-        if self.policy.compute_dtype != "float32":
-            skip = {layer.name for layer in self.model._flatten_layers() if layer.compute_dtype == "float32"}
+        skip = {layer.name for layer in output_layers(self.model)}
+        skip |= {
+            layer.name
+            for layer in self.model._flatten_layers(include_self=False)
+            if any(fnmatch(layer.name, p) for p in candidate.keep_fp32)
+        }
         probe = _DtypeProbe(compute_layers(self.model, tuple(skip)))
         jit = candidate.compile == "xla"
         self._step = tf.function(self._train_step, jit_compile=jit)
@@ -106,7 +110,8 @@ class KerasTrainer:
         if self.observed_layer is not None and self.observed_dtype != expected:
             raise HonestyError(
                 f"labelled {self.candidate.label} but the first Dense/Conv layer {self.observed_layer!r} "
-                f"computed in {self.observed_dtype} instead of {expected}: the dtype policy did not take effect"
+                f"computed in {self.observed_dtype} instead of {expected}: the dtype policy did not take "
+                "effect"
             )
 
     # --------------------------------------------------------------------------- compiled functions
@@ -141,7 +146,9 @@ class KerasTrainer:
             loss, finite = self._step(*batch)
         return float(loss), bool(finite)
 
-    def first_step_probe(self, batch: tuple[Any, Any]) -> tuple[np.ndarray, dict[str, np.ndarray], float | None]:
+    def first_step_probe(
+        self, batch: tuple[Any, Any]
+    ) -> tuple[np.ndarray, dict[str, np.ndarray], float | None]:
         """Output and unscaled gradients of one forward/backward from the current weights. Loss-scaled
         policies start at the optimizer's initial scale and halve it until the gradients are finite,
         as the loss-scale optimizer would over skipped steps; returns that scale too."""
@@ -156,7 +163,9 @@ class KerasTrainer:
                 scale *= 0.5
         names = variable_names(self.variables)
         grad_arrays = {
-            name: g.numpy().astype(np.float32) / scale for name, g in zip(names, grads, strict=True) if g is not None
+            name: g.numpy().astype(np.float32) / scale
+            for name, g in zip(names, grads, strict=True)
+            if g is not None
         }
         first = tf.nest.flatten(out)[0]
         return first.numpy().astype(np.float32), grad_arrays, scale if self.policy.loss_scaling else None

@@ -136,7 +136,9 @@ def tune(
     )
     best_pass: BenchRow | None = None
     for row in faster:
-        if best_pass is not None and not within_noise(speed(row), speed(best_pass), noise_band(row, best_pass, noise)):
+        if best_pass is not None and not within_noise(
+            speed(row), speed(best_pass), noise_band(row, best_pass, noise)
+        ):
             break
         if time_left() <= 0:
             notes.append(f"numerics of {row.label} not checked: budget spent")
@@ -148,20 +150,30 @@ def tune(
             rescued = replace(row.candidate, keep_fp32=(*row.candidate.keep_fp32, *verdict.fix_keep_fp32))
             say(f"measuring rescued {row.label} with keep_fp32={verdict.fix_keep_fp32}")
             if add(measure([rescued], deadline - RESERVE_S).measured):
-                metrics = {k: v for k, v in verdict.fix_metrics.items() if k in CandidateCheck.__dataclass_fields__}
+                metrics: dict[str, Any] = {
+                    k: v for k, v in verdict.fix_metrics.items() if k in CandidateCheck.__dataclass_fields__
+                }
                 verdicts[rescued.numerics] = replace(
-                    verdict, **metrics, candidate=rescued.numerics, verdict=Status.PASS, reason=verdict.fix_note
+                    verdict,
+                    **metrics,
+                    candidate=rescued.numerics,
+                    verdict=Status.PASS,
+                    reason=verdict.fix_note,
                 )
 
     # 3. XLA on the best passing candidates
     rec, ranked = decide(result.rows, verdicts, noise=noise, train_steps=train_steps)
     if xla and rec is not None:
         passing = [
-            r for r in result.rows
-            if r.status == Status.OK and not r.candidate.compile
+            r
+            for r in result.rows
+            if r.status == Status.OK
+            and not r.candidate.compile
             and (r.policy == "fp32" or (verdicts.get(r.candidate.numerics) or _FAIL).passed)
         ]
-        todo = [replace(r.candidate, compile="xla") for r in sorted(passing, key=speed, reverse=True)[:XLA_TOP]]
+        todo = [
+            replace(r.candidate, compile="xla") for r in sorted(passing, key=speed, reverse=True)[:XLA_TOP]
+        ]
         if todo and time_left() > 30:
             say(f"compiling {', '.join(c.label for c in todo)} with XLA")
             for row in add(measure(todo, deadline - RESERVE_S).measured):

@@ -114,9 +114,7 @@ class PairedSweep:
         self.baseline_cold = warm[0] if warm else None
         self.baseline_times += self.baseline.steps(self.settings.steps, no_limit, self._emit(base))
         self.baseline_wall = time.perf_counter() - wall
-        return self._row(
-            base, step_times_ms=_ms(self.baseline_times), first_step_ms=_ms1(self.baseline_cold)
-        )
+        return self._row(base, step_times_ms=_ms(self.baseline_times), first_step_ms=_ms1(self.baseline_cold))
 
     def finish_baseline(self) -> BenchRow:
         """Close the baseline session; its row over every step it timed during the sweep."""

@@ -1,0 +1,263 @@
+"""Keras workloads on TensorFlow (the tensorflow extra): policies against plain Keras, the dtype
+honesty probe, fp32 islands, check on a planted fp16 overflow, paired bench rows, tune and exports.
+Tiny models only; the keras.applications models run in benchmarks/seed_table_tf.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+if os.environ.get("MIXPREC_REQUIRE_FRAMEWORKS") == "1":
+    import tensorflow  # noqa: F401  (make test installs the extra: a missing one is a failure)
+else:
+    pytest.importorskip("tensorflow", reason="tensorflow is not installed: pip install -e '.[tensorflow]'")
+
+import keras
+import tensorflow as tf
+
+from mixprec.errors import UsageError
+from mixprec.keras import KerasWorkload, load_keras_workload
+from mixprec.keras.trainer import KerasTrainer, make_batches
+from mixprec.measure.runner import HonestyError
+from mixprec.policy import Candidate
+
+pytestmark = pytest.mark.tensorflow
+OVERFLOW = str(Path(__file__).parent / "keras_workloads" / "overflow.py") + ":make_workload"
+
+
+def tf_cand(policy: str, **kw) -> Candidate:
+    return Candidate(policy, framework="tensorflow", **kw)
+
+
+@pytest.fixture(autouse=True)
+def _keras_state_unchanged():
+    """Every test leaves Keras' global dtype policy and TensorFlow's TF32 switch as found."""
+    policy = keras.mixed_precision.global_policy().name
+    tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
+    yield
+    assert keras.mixed_precision.global_policy().name == policy
+    assert tf.config.experimental.tensor_float_32_execution_enabled() == tf32
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return load_keras_workload("mlp")
+
+
+@pytest.fixture(scope="module")
+def batches(mlp):
+    return make_batches(mlp, 16, 0, 2, "cpu")
+
+
+def plain_keras_step(workload, dtype_policy, batch, loss_scale):
+    """One step as a Keras user writes it: global policy, float32 output layer, compile, train_on_batch."""
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_global_policy(dtype_policy)
+    try:
+        model = workload.make_model()
+        model.layers[-1].dtype_policy = "float32"
+        optimizer = keras.optimizers.SGD(0.01, momentum=0.9)
+        if loss_scale:
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        model.compile(optimizer=optimizer, loss=keras.losses.CategoricalCrossentropy(), jit_compile=False)
+        loss = float(model.train_on_batch(batch[0], batch[1]))
+        return loss, [w.astype(np.float32) for w in model.get_weights()]
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize(
+    ("policy", "dtype_policy", "tol"),
+    [
+        ("fp32", "float32", 1e-6),
+        ("bf16-mixed", "mixed_bfloat16", 1e-6),
+        ("fp16-mixed", "mixed_float16", 1e-6),
+    ],
+)
+def test_policy_trains_like_plain_keras(mlp, batches, policy, dtype_policy, tol):
+    trainer = KerasTrainer(mlp, tf_cand(policy), "cpu", batches[0])
+    loss, applied = trainer.step(batches[0])
+    expected_loss, expected_weights = plain_keras_step(mlp, dtype_policy, batches[0], policy == "fp16-mixed")
+    assert applied and loss == pytest.approx(expected_loss, rel=tol)
+    for ours, theirs in zip(trainer.model.get_weights(), expected_weights, strict=True):
+        np.testing.assert_allclose(ours.astype(np.float32), theirs, rtol=1e-5, atol=1e-6)
+    assert (
+        trainer.observed_dtype
+        == {"fp32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[policy]
+    )
+    assert trainer.model.layers[-1].compute_dtype == "float32"  # the softmax output in float32
+    assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer) == (policy == "fp16-mixed")
+
+
+def test_true_policies_store_half_weights_copied_from_fp32(mlp, batches):
+    fp32 = KerasTrainer(mlp, tf_cand("fp32"), "cpu", batches[0])
+    from mixprec.keras.trainer import reference_weights
+
+    true = KerasTrainer(
+        mlp, tf_cand("bf16-true"), "cpu", batches[0], reference_weights(mlp, tf_cand("bf16-true"), "cpu")
+    )
+    kernel = true.model.get_layer("fc1").kernel
+    assert kernel.dtype == "bfloat16" and true.observed_dtype == "bfloat16"
+    expected = tf.cast(tf.cast(fp32.model.get_layer("fc1").kernel, tf.bfloat16), tf.float32).numpy()
+    np.testing.assert_array_equal(tf.cast(kernel, tf.float32).numpy(), expected)
+
+
+def test_keep_fp32_builds_named_layers_in_float32(mlp, batches):
+    trainer = KerasTrainer(mlp, tf_cand("bf16-true", keep_fp32=("fc1",)), "cpu", batches[0])
+    fc1, fc2 = trainer.model.get_layer("fc1"), trainer.model.get_layer("fc2")
+    assert fc1.compute_dtype == "float32" and fc1.kernel.dtype == "float32"
+    assert fc2.compute_dtype == "bfloat16" and fc2.kernel.dtype == "bfloat16"
+    assert trainer.observed_layer == "fc2"  # the island is skipped by the honesty probe
+    with pytest.raises(UsageError, match=r"match no layer.*fc1"):
+        KerasTrainer(mlp, tf_cand("bf16-mixed", keep_fp32=("nope*",)), "cpu", batches[0])
+
+
+def test_honesty_probe_catches_a_policy_that_did_not_apply(batches):
+    def make_model():  # every layer pinned to float32: the global policy cannot reach them
+        inputs = keras.Input((64,))
+        x = keras.layers.Dense(32, activation="relu", dtype="float32", name="pinned")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(10, activation="softmax", dtype="float32")(x))
+
+    pinned = KerasWorkload(make_model, lambda b: batches[0], keras.losses.CategoricalCrossentropy())
+    with pytest.raises(HonestyError, match=r"'pinned' computed in float32 instead of bfloat16"):
+        KerasTrainer(pinned, tf_cand("bf16-mixed"), "cpu", batches[0])
+
+
+def test_scope_sets_and_restores_dtype_policy_and_tf32():
+    from mixprec.keras.policy import KerasPolicy
+
+    with KerasPolicy(tf_cand("fp16-mixed")).scope():
+        assert keras.mixed_precision.global_policy().name == "mixed_float16"
+        assert not tf.config.experimental.tensor_float_32_execution_enabled()
+    with KerasPolicy(tf_cand("tf32")).scope():
+        assert tf.config.experimental.tensor_float_32_execution_enabled()
+
+
+def test_check_names_the_overflowing_layer_and_verifies_the_float32_fix():
+    from mixprec.keras.check import check
+
+    result = check(
+        load_keras_workload(OVERFLOW), policies=["fp16-mixed", "bf16-mixed"], steps=4, device="cpu", fix=True
+    )
+    fp16, bf16 = result.candidates
+    assert fp16.verdict == "fail" and "non-finite" in fp16.reason and "'energy'" in fp16.reason
+    assert fp16.first_nonfinite_forward == "energy"
+    assert fp16.fix_keep_fp32 == ["energy"] and fp16.fix_verified
+    assert bf16.verdict == "pass", bf16.reason  # bf16 has fp32's range: no overflow
+    assert fp16.candidate.framework == "tensorflow"
+
+
+def test_check_reports_sqnr_scale_and_stalled_updates(mlp):
+    from mixprec.keras.check import check
+
+    result = check(mlp, policies=["fp16-mixed", "bf16-true"], steps=3, device="cpu")
+    fp16, bf16_true = result.candidates
+    assert fp16.output_sqnr_db > 30 and fp16.total_grad_sqnr_db > 20
+    assert fp16.scales == [32768.0] * 3 and fp16.skipped_steps == 0
+    assert bf16_true.stalled_update_fraction is not None and bf16_true.stalled_update_fraction > 0.05
+    assert json.loads(json.dumps(result.to_dict()))["candidates"][0]["candidate"]["framework"] == "tensorflow"
+
+
+@pytest.mark.slow
+def test_bench_pairs_keras_candidates_in_their_own_processes(mlp, tmp_path):
+    from mixprec.keras.sweep import bench
+    from mixprec.measure.results import BenchResult
+
+    result = bench(
+        mlp,
+        policies="fp32,bf16-mixed,tf32",
+        xla="both",
+        steps=2,
+        warmup=1,
+        device="cpu",
+        jsonl=tmp_path / "r.jsonl",
+    )
+    rows = {r.label: r for r in result.rows}
+    assert rows["bf16-mixed"].status == "ok" and rows["bf16-mixed"].observed_dtype == "bfloat16"
+    assert rows["bf16-mixed"].paired_ratios and rows["bf16-mixed"].peak_memory_bytes
+    assert rows["bf16-mixed+xla"].status == "ok" and rows["tf32"].status == "unsupported"
+    assert rows["fp32"].first_loss == pytest.approx(rows["bf16-mixed"].first_loss, rel=1e-2)
+    again = BenchResult.from_dict(json.loads(json.dumps(result.to_dict())))
+    assert {r.candidate for r in again.rows} == {r.candidate for r in result.rows}
+    assert all(r.candidate.framework == "tensorflow" for r in again.rows)
+    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == len(result.rows)
+
+
+@pytest.mark.slow
+def test_tune_recommends_a_measured_passing_candidate_with_keras_code(mlp, tmp_path):
+    from mixprec.keras.tune import tune
+    from mixprec.report.html import write_report
+    from mixprec.tuning import TuneResult
+
+    result = tune(mlp, budget_s=60, steps=2, check_steps=3, device="cpu", xla=False)
+    rec = result.recommendation
+    assert rec is not None and rec.candidate.framework == "tensorflow"
+    ranked = {r.candidate: r for r in result.ranked}
+    assert ranked[rec.candidate].status == "recommended"
+    code = result.exports["keras"]
+    assert "set_global_policy" in code and "enable_tensor_float_32_execution(False)" in code
+    compile(code, "keras_export.py", "exec")
+    again = TuneResult.from_dict(json.loads(json.dumps(result.to_dict())))
+    assert again.recommendation.candidate == rec.candidate
+    assert (write_report(again, tmp_path)["html"]).exists()
+
+
+def test_keras_code_per_policy():
+    from mixprec.keras.export import keras_code
+
+    fp16 = keras_code(tf_cand("fp16-mixed", keep_fp32=("energy",)))
+    assert (
+        'set_global_policy("mixed_float16")' in fp16 and "LossScaleOptimizer(" in fp16 and "'energy'" in fp16
+    )
+    assert "MirroredStrategy" in fp16 and 'dtype_policy = "float32"' in fp16
+    assert "LossScaleOptimizer(" not in keras_code(tf_cand("bf16-mixed"))
+    assert "jit_compile=True" in keras_code(tf_cand("fp32", compile="xla"))
+    assert "enable_tensor_float_32_execution(True)" in keras_code(tf_cand("tf32"))
+
+
+def test_cli_bench_and_errors(tmp_path, capsys):
+    from mixprec.cli import main
+
+    out = tmp_path / "b.json"
+    code = main(
+        [
+            "bench",
+            "--framework",
+            "tensorflow",
+            "--model",
+            "mlp",
+            "--policies",
+            "fp32,bf16-mixed",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--min-time",
+            "0",
+            "--in-process",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["label"] for r in rows] == ["fp32", "bf16-mixed"] and rows[1]["framework"] == "tensorflow"
+    assert main(["bench", "--framework", "tensorflow", "--model", "mlp", "--nproc", "2"]) == 2
+    assert "torch only" in capsys.readouterr().err
+    assert main(["bench", "--framework", "tensorflow", "--model", "gpt2"]) == 2
+    assert "Keras zoo model (resnet50, vgg19, densenet121, mlp)" in capsys.readouterr().err
+
+
+def test_env_states_the_tf32_override_caveat(monkeypatch):
+    from mixprec.keras.environment import tensorflow_facts
+
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
+    facts = tensorflow_facts("cpu")
+    assert facts["nvidia_tf32_override"] == "0" and facts["nvidia_tf32_override_honoured"] is False
+    assert "ignores NVIDIA_TF32_OVERRIDE" in facts["tf32_note"]
+    assert facts["tensorflow_version"].startswith("2.21")
