@@ -116,7 +116,7 @@ def main() -> int:
     short = re.sub(
         r"[^a-z0-9]+", "-", (info.name if gpu else platform.processor() or info.name).lower()
     ).strip("-")
-    slug = ("cpu-" if not gpu else "") + re.sub(r"-?(r|tm)-?", "-", short).strip("-")[:40]
+    slug = ("cpu-" if not gpu else "") + re.sub(r"-(r|tm)(?=-|$)", "", short).strip("-")[:40]
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / slug
     out.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/seed_table_tf.py " + " ".join(sys.argv[1:])

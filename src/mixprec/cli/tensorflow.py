@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -139,8 +140,8 @@ def run_check(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 4 if result.failed else 0
 
 
-def run_tune(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from mixprec.cli.tune import summary
+def run_tune(args: argparse.Namespace, out: Console, err: Console, summary: Callable[[dict], Any]) -> int:
+    """``summary`` renders the tune result (cli.tune's, passed in: no import cycle between the two)."""
     from mixprec.keras.tune import tune
 
     device, defaults = _defaults(args.device)

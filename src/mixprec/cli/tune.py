@@ -168,7 +168,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.framework == "tensorflow":
         from mixprec.cli.tensorflow import run_tune
 
-        return run_tune(args, out, err)
+        return run_tune(args, out, err, summary)
     from mixprec.tuning import tune
 
     on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
