@@ -10,7 +10,7 @@ import torch
 
 import mixprec
 from mixprec.cli import main
-from mixprec.measure.results import BenchRow, read_csv, read_jsonl, write_csv
+from mixprec.measure.results import BenchResult, BenchRow, read_csv, read_jsonl, write_csv
 from mixprec.measure.sweep import bench, parse_channels_last, parse_policies
 from mixprec.policy import Candidate
 from mixprec.schema import SCHEMA_VERSION
@@ -134,6 +134,7 @@ def test_failing_candidate_does_not_stop_the_sweep(factory_file):
     labels = _by_label(result)
     assert labels["fp16-mixed"].status == "error"
     assert "planted failure" in labels["fp16-mixed"].reason
+    assert "in loss_fn" in labels["fp16-mixed"].error_traceback
     assert labels["bf16-mixed"].status == "ok"  # measured after the failure
 
 
@@ -151,6 +152,9 @@ def test_failing_candidate_in_child_process(factory_file):
     labels = _by_label(result)
     assert result.settings["isolate"] is True
     assert labels["fp16-mixed"].status == "error" and "planted failure" in labels["fp16-mixed"].reason
+    # the child's traceback comes back with the row (the reason keeps one line) and survives JSON
+    failed = _by_label(BenchResult.from_dict(result.to_dict()))["fp16-mixed"]
+    assert "in loss_fn" in failed.error_traceback and "planted failure" in failed.error_traceback
     # isolated CPU memory is measured, never a silent 0
     assert labels["fp32"].peak_memory_bytes and labels["fp32"].peak_memory_bytes > 0
     assert "isolated" in labels["fp32"].memory_method

@@ -128,6 +128,28 @@ def test_honesty_probe_catches_a_policy_that_did_not_apply(batches):
         KerasTrainer(pinned, tf_cand("bf16-mixed"), "cpu", batches[0])
 
 
+def test_train_step_is_traced_from_the_imported_code_not_the_file_on_disk(mlp, batches, tmp_path):
+    """Regression: AutoGraph re-read the train step's source file when each candidate process traced
+    it; a file edited during a run (line numbers shifted) made it convert other lines, and the
+    step failed with "The truth value of an array ... is ambiguous". The module is loaded from a
+    copy whose lines then move, as an edit during a sweep moves them."""
+    import importlib.util
+
+    import mixprec.keras.trainer as trainer_module
+
+    copy = tmp_path / "trainer_copy.py"
+    source = Path(trainer_module.__file__).read_text(encoding="utf-8")
+    copy.write_text(source, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("_mixprec_trainer_copy", copy)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    copy.write_text(source.replace("SEED = 0\n", "SEED = 0\n" + "# edited\n" * 5, 1), encoding="utf-8")
+    for policy in ("fp32", "fp16-mixed"):
+        trainer = module.KerasTrainer(mlp, tf_cand(policy), "cpu", batches[0])
+        loss, _ = trainer.step(batches[0])
+        assert np.isfinite(loss)
+
+
 def test_scope_sets_and_restores_dtype_policy_and_tf32():
     from mixprec.keras.policy import KerasPolicy
 

@@ -20,7 +20,7 @@ from mixprec.cli.common import (
 from mixprec.errors import UsageError
 from mixprec.measure.results import write_csv
 from mixprec.measure.sweep import CHANNELS_LAST_CHOICES, bench
-from mixprec.report.bench import bench_table, plot, write_markdown
+from mixprec.report.bench import bench_table, error_tracebacks, plot, write_markdown
 from mixprec.report.jsonio import write_json
 
 
@@ -121,6 +121,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
             raise
 
     out.print(bench_table(result))
+    if getattr(args, "debug", False) and error_tracebacks(result):
+        err.print(error_tracebacks(result), highlight=False, markup=False)
     written = []
     if args.json:
         written.append(write_json(args.json, "bench", result.env, result.to_dict()))

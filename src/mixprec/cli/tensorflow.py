@@ -58,7 +58,7 @@ def _batch_size(args: argparse.Namespace, defaults: dict[str, Any]) -> int | Non
 def run_bench(args: argparse.Namespace, out: Console, err: Console) -> int:
     from mixprec.keras.sweep import bench
     from mixprec.measure.results import write_csv
-    from mixprec.report.bench import bench_table, plot, write_markdown
+    from mixprec.report.bench import bench_table, error_tracebacks, plot, write_markdown
 
     if args.nproc != 1:
         raise UsageError("--nproc (DDP ranks) is torch only; drop it with --framework tensorflow.")
@@ -95,6 +95,8 @@ def run_bench(args: argparse.Namespace, out: Console, err: Console) -> int:
             progress=progress,
         )
     out.print(bench_table(result))
+    if getattr(args, "debug", False) and error_tracebacks(result):
+        err.print(error_tracebacks(result), highlight=False, markup=False)
     written = []
     if args.json:
         written.append(write_json(args.json, "bench", result.env, result.to_dict()))

@@ -72,7 +72,7 @@ class KerasTrainer:
         example: tuple[Any, Any],
         reference_weights: Sequence[Any] | None = None,
     ) -> None:
-        tf = self._tf = backend.tf()  # traced methods use self._tf: autograph leaves attributes alone
+        tf = self._tf = backend.tf()
         self.workload, self.candidate = workload, candidate
         self.policy = KerasPolicy(candidate)
         self.device = backend.device_name(device)
@@ -92,8 +92,11 @@ class KerasTrainer:
         }
         probe = _DtypeProbe(compute_layers(self.model, tuple(skip)))
         jit = candidate.compile == "xla"
-        self._step = tf.function(self._train_step, jit_compile=jit)
-        self._probe_fn = tf.function(self._grads, jit_compile=jit)
+        # autograph=False, as Keras' own model.fit step (do_not_convert): the step has no
+        # tensor-dependent Python control flow, and AutoGraph would re-read this file's source when
+        # each candidate process traces it: a file edited during a sweep made it convert other lines.
+        self._step = tf.function(self._train_step, jit_compile=jit, autograph=False)
+        self._probe_fn = tf.function(self._grads, jit_compile=jit, autograph=False)
         specs = [tf.TensorSpec.from_tensor(tf.convert_to_tensor(t)) for t in example]
         start = time.perf_counter()
         try:

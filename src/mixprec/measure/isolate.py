@@ -31,6 +31,7 @@ from mixprec.workload import Workload, WorkloadSpec
 _PRELOAD = ["torch", "torchvision", "mixprec.measure.runner", "mixprec.workload.loader"]
 _CONTEXT: Any = None
 _POLL_S = 0.2  # how often a wait looks at should_stop
+TRACEBACK_FRAMES = 12  # innermost frames a failed session's traceback keeps
 
 StepLimit = Callable[[int, bool], float | None]  # (step index, timed) -> seconds allowed, None = no limit
 OnStep = Callable[[dict[str, Any]], None]
@@ -39,9 +40,12 @@ OnStep = Callable[[dict[str, Any]], None]
 class SessionEnded(Exception):
     """The session stopped before it was finished; ``status`` is pruned, oom, error or stopped."""
 
-    def __init__(self, status: str, reason: str, steps: list[float] | None = None) -> None:
+    def __init__(
+        self, status: str, reason: str, steps: list[float] | None = None, traceback: str = ""
+    ) -> None:
         super().__init__(reason)
         self.status, self.reason, self.steps = status, reason, steps or []
+        self.traceback = traceback  # where a failure happened (a child's is otherwise lost)
 
 
 def _context() -> Any:
@@ -81,7 +85,8 @@ def _error_event(exc: BaseException) -> dict[str, Any]:
         "event": "error",
         "type": type(exc).__name__,
         "message": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-        "traceback": traceback.format_exc(limit=8),
+        # the innermost frames: where it failed, not how the child's command loop got there
+        "traceback": _format(exc),
     }
 
 
@@ -186,6 +191,7 @@ class ChildSession:
                         _failure_status(event["type"]),
                         f"{event['type']}: {event['message']}",
                         self.steps_seen,
+                        event.get("traceback", ""),
                     )
                 return event
             if not self._proc.is_alive() and not self._conn.poll():
@@ -262,7 +268,9 @@ class LocalSession:
             self._session = factory() if factory else TrainingSession(workload, candidate, settings, batches)
         except Exception as exc:
             raise SessionEnded(
-                _failure_status(type(exc).__name__), f"{type(exc).__name__}: {_first_line(exc)}"
+                _failure_status(type(exc).__name__),
+                f"{type(exc).__name__}: {_first_line(exc)}",
+                traceback=_format(exc),
             ) from exc
 
     def _step(self, timed: bool, limit: StepLimit, on_step: OnStep) -> dict[str, Any]:
@@ -276,6 +284,7 @@ class LocalSession:
                 _failure_status(type(exc).__name__),
                 f"{type(exc).__name__}: {_first_line(exc)}",
                 self.steps_seen,
+                _format(exc),
             ) from exc
         self.steps_seen.append(event["seconds"])
         on_step(event)
@@ -305,6 +314,10 @@ class LocalSession:
 
     def close(self) -> None:
         pass
+
+
+def _format(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc, limit=-TRACEBACK_FRAMES))
 
 
 def _first_line(exc: BaseException) -> str:

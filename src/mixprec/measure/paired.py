@@ -216,6 +216,7 @@ class PairedSweep:
                 paired_ratios=tuple(ratios) if status == Status.PRUNED else (),
                 first_step_ms=_ms1(cold[0] if cold else (ended.steps[0] if ended.steps else None)),
                 wall_s=time.perf_counter() - wall,
+                error_traceback=ended.traceback,
             )
         median_ratio = statistics.median(ratios)
         self.best_ratio = max(self.best_ratio, median_ratio)

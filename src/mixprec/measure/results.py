@@ -75,6 +75,8 @@ class BenchRow:
         compute_share: share of one profiled step's operator time spent in matmuls, convolutions
             and attention (low: the next gain is in fusion or the input pipeline, not precision).
         notes: what happened to this row beyond its status (e.g. measured on a retry).
+        error_traceback: an error row's traceback (its innermost frames), from the candidate's
+            own process where it ran in one; kept in JSON, shown by ``--debug``.
         speedup_vs_fp32, speedup_ci, achieved_tflops, mfu, mfu_note, peak_flops,
             peak_flops_source: derived by :func:`assemble` from the sweep; never set them by hand.
     """
@@ -103,6 +105,7 @@ class BenchRow:
     recompiles: int | None = None
     compute_share: float | None = None
     notes: tuple[str, ...] = ()
+    error_traceback: str = ""
     # derived (assemble)
     speedup_vs_fp32: float | None = None
     speedup_ci: tuple[float, float] | None = None

@@ -332,7 +332,13 @@ def run_paired(
                 result.stopped = "stopped by the deadline before strict fp32 was measured"
                 return
             row = BenchRow(
-                label, baseline_cand, device, bs, Status(ended.status), f"strict fp32 failed: {ended.reason}"
+                label,
+                baseline_cand,
+                device,
+                bs,
+                Status(ended.status),
+                f"strict fp32 failed: {ended.reason}",
+                error_traceback=ended.traceback,
             )
             for i, cand in todo:
                 record(replace(row, candidate=cand), i)

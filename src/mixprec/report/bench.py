@@ -78,6 +78,13 @@ def bench_table(result: BenchResult) -> Group:
     return Group(*parts)
 
 
+def error_tracebacks(result: BenchResult) -> str:
+    """The tracebacks of the rows that failed with an error (what ``--debug`` adds under the table)."""
+    return "\n".join(
+        f"{row.label}: {row.reason}\n{row.error_traceback}" for row in result.rows if row.error_traceback
+    )
+
+
 def drift_text(drift: float | None) -> str:
     """The baseline's drift in words: which way, how much, from when to when."""
     if drift is None:
