@@ -29,6 +29,7 @@ from mixprec.measure.sweep import bench, has_4d_weights
 from mixprec.numerics.check import check, make_checker
 from mixprec.numerics.results import CandidateCheck, CheckResult
 from mixprec.policy import POLICY_NAMES, Candidate, check_support
+from mixprec.policy.support import fp8_predictable
 from mixprec.status import Status
 from mixprec.tuning.decide import Recommendation, decide, noise_band, speed, within_noise
 from mixprec.tuning.result import TuneResult
@@ -188,6 +189,33 @@ class _Search:
             verdict, **metrics, candidate=rescued[0].numerics, verdict=Status.PASS, reason=verdict.fix_note
         )
         self.verdicts[fixed.candidate] = fixed
+
+    def predict_fp8(self, info: DeviceInfo) -> None:
+        """On a device without fp8 tensor cores, compute the fp8 policies' numerics anyway (torchao's
+        recipe runs everywhere, slowly) and say whether they would pass on an fp8 GPU: a labelled
+        prediction, never a measured speed."""
+        from mixprec.policy.fp8 import fp8_layers
+
+        names = [n for n in POLICY_NAMES if fp8_predictable(n, info)]
+        if not names:
+            return
+        converted, left = fp8_layers(self.workload.model)
+        if not converted:
+            self.notes.append(
+                f"fp8 would convert none of this model's Linear layers ({len(left)} have a dimension not "
+                "divisible by 16, which torch._scaled_mm needs): nothing to predict"
+            )
+            return
+        for name in names:
+            if self.time_left() < 15:
+                self.notes.append(f"{name} numerics not predicted: budget spent")
+                return
+            verdict = self.check(Candidate(name))
+            outcome = "would pass" if verdict.passed else "would fail"
+            self.notes.append(
+                f"{name} {outcome} the numerics check on an fp8 GPU ({verdict.reason}); predicted here with "
+                f"torchao's recipe on {len(converted)} Linear layers, speed not measured"
+            )
 
     # ------------------------------------------------------------------ 3. beyond eager
     def try_compile(self, modes: Sequence[str]) -> None:
@@ -367,6 +395,7 @@ def tune(
     )
     search.measure_speed(info, start + SPEED_SHARE * budget_s)
     search.check_faster()
+    search.predict_fp8(info)
     search.try_compile([m for m in modes if m is not None])
     rec, ranked = search.decide()
     if rec is not None and optimizers:
