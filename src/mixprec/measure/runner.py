@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -272,6 +273,9 @@ class TrainingSession:
         convolutions (the rest is elementwise work, normalisation, the optimizer: what fusion saves)."""
         from torch.profiler import ProfilerActivity, profile
 
+        # Kineto logs every profiler start/stop (and, on a CUDA build without a GPU, an error) to
+        # stderr; level 6 keeps it quiet. Read once, when the first profiler starts.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             loss = self._train_step(batch)

@@ -118,6 +118,16 @@ class _Search:
         return added
 
     # ------------------------------------------------------------------ 2. numerics
+    def check_cost_s(self) -> float:
+        """About what checking one more candidate costs: its training run and first-step probe,
+        plus the fp32 reference and chaos-floor runs when no check has run yet, each a little
+        slower than a measured fp32 step (deep copies, hooks)."""
+        assert self.result is not None
+        base = self.result.baseline
+        step_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
+        runs = 1 if self._checker is not None else 3
+        return 2.0 * runs * (self.check_steps + 2) * step_s
+
     def check(self, candidate: Candidate) -> CandidateCheck:
         if self._checker is None:
             self._checker = make_checker(
@@ -159,8 +169,10 @@ class _Search:
                 speed(top), speed(best_pass), noise_band(top, best_pass, self.noise)
             ):
                 break  # slower than a passing candidate by more than the noise: cannot win
-            if self.time_left() <= 0:
-                self.notes.append(f"numerics of {numerics.label} not checked: budget spent")
+            if self.time_left() < self.check_cost_s():
+                self.notes.append(
+                    f"numerics of {numerics.label} not checked: budget spent (--budget raises it)"
+                )
                 break
             verdict = self.check(numerics)
             if verdict.passed and (best_pass is None or speed(top) > speed(best_pass)):
@@ -207,8 +219,8 @@ class _Search:
             )
             return
         for name in names:
-            if self.time_left() < 15:
-                self.notes.append(f"{name} numerics not predicted: budget spent")
+            if self.time_left() < self.check_cost_s():
+                self.notes.append(f"{name} numerics not predicted: budget spent (--budget raises it)")
                 return
             verdict = self.check(Candidate(name))
             outcome = "would pass" if verdict.passed else "would fail"
@@ -395,7 +407,6 @@ def tune(
     )
     search.measure_speed(info, start + SPEED_SHARE * budget_s)
     search.check_faster()
-    search.predict_fp8(info)
     search.try_compile([m for m in modes if m is not None])
     rec, ranked = search.decide()
     if rec is not None and optimizers:
@@ -403,6 +414,7 @@ def tune(
         rec, ranked = search.decide()
     if rec is not None and (rec.tied_with or rec.noisy_with) and search.remeasure(rec):
         rec, ranked = search.decide()
+    search.predict_fp8(info)  # a note for fp8 GPUs; it cannot change the pick here
     result = search.result
     assert result is not None
     if rec is not None:
@@ -417,6 +429,12 @@ def tune(
         if rec
         else {}
     )
+    elapsed = time.perf_counter() - start
+    if elapsed > budget_s * 1.05:
+        search.notes.append(
+            f"tune took {elapsed:.0f} s of its {budget_s:.0f} s budget: a step under way when the budget "
+            "ran out was finished, not thrown away"
+        )
     return TuneResult(
         workload=result.workload,
         description=workload.description,
@@ -427,7 +445,7 @@ def tune(
         check=search.checked,
         lint=findings,
         budget_s=budget_s,
-        elapsed_s=time.perf_counter() - start,
+        elapsed_s=elapsed,
         env=result.env or environment.collect(dev),
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         notes=search.notes,
