@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -77,3 +78,43 @@ def test_tensorflow_missing_is_a_clear_unsupported_error(monkeypatch):
     monkeypatch.setenv("KERAS_BACKEND", "jax")
     with pytest.raises(UnsupportedError, match="KERAS_BACKEND='jax'"):
         backend.tf()
+
+
+def test_lint_with_the_tensorflow_framework_is_one_line_and_exit_2(capsys):
+    """lint's rules read PyTorch modules: a Keras workload gets a clear usage error, not a torch lint."""
+    from mixprec.cli import main
+
+    assert main(["lint", "--framework", "tensorflow", "--model", "resnet50"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "lint is torch-only for now" in err and "check --framework tensorflow" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_tensorflow_start_up_chatter_is_silenced():
+    """TensorFlow's import and first device query print absl/oneDNN/CUDA lines on stderr; a mixprec
+    command shows none of them (unless the user set TF_CPP_MIN_LOG_LEVEL)."""
+    from mixprec.keras import backend
+
+    if backend.missing():
+        pytest.skip(backend.missing())
+    code = (
+        "from mixprec.keras import backend\n"
+        "tf = backend.tf()\n"
+        "tf.config.list_physical_devices()\n"
+        "print(float(tf.reduce_sum(tf.ones((2, 2)))))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "4.0", done.stderr[-2000:]
+    assert done.stderr == ""
+
+
+def test_keras_rows_show_mfu_as_na_with_the_reason():
+    """A Keras row has no FLOP count: its MFU cell says n/a (with why in mfu_note), never blank."""
+    from mixprec.measure.results import BenchRow, assemble
+    from mixprec.report.bench import _cells
+
+    row = BenchRow("mlp", Candidate("fp32", framework="tensorflow"), "cpu", 8, "ok", step_times_ms=(5.0, 6.0))
+    (assembled,) = assemble([row], None, {"fp32": (1e12, "measured")})
+    assert assembled.mfu is None and assembled.mfu_note.startswith("n/a: no FLOP count of a Keras")
+    assert _cells(assembled)["mfu"] == "n/a"

@@ -67,6 +67,11 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.list_rules:
         out.print(rules_table(verbose=args.verbose))
         return 0
+    if args.framework != "torch":
+        raise UsageError(
+            f"lint is torch-only for now (--framework {args.framework}): its rules read PyTorch modules; "
+            "drop --framework, or use 'mixprec check --framework tensorflow' for a Keras workload."
+        )
     ignore = parse_rule_ids(args.ignore)  # a typo fails before the model is built
     if args.steps and not args.measure:
         raise UsageError("--steps applies to --measure; add --measure or drop --steps.")

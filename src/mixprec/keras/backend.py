@@ -1,9 +1,10 @@
 """TensorFlow and Keras, imported on first use: ``import mixprec`` and every torch command never
-import them (``tests/test_keras_import.py`` checks it).
+import them (``tests/test_keras_seam.py`` checks it).
 
 Keras 3 runs on several backends; mixprec measures TensorFlow's, so ``KERAS_BACKEND`` must be
-``tensorflow`` (the default). TensorFlow's C++ start-up chatter is silenced unless the user set
-``TF_CPP_MIN_LOG_LEVEL`` themselves.
+``tensorflow`` (the default). TensorFlow's C++ start-up chatter (oneDNN, CUDA stub and cuInit lines,
+absl's "before InitializeLog" warning) is silenced unless the user set ``TF_CPP_MIN_LOG_LEVEL``
+themselves: errors that matter reach Python as exceptions.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 from mixprec.errors import UnsupportedError, UsageError
@@ -37,11 +40,31 @@ def tf() -> Any:
     reason = missing()
     if reason:
         raise UnsupportedError(f"the TensorFlow framework needs TensorFlow: {reason}.")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    import tensorflow
+    # "3" as well: candidate processes inherit the level this sets and must be quiet too
+    if "tensorflow" in sys.modules or os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3") != "3":
+        import tensorflow
+
+        return tensorflow
+    # absl writes the import's info lines straight to file descriptor 2 before any log level
+    # applies (TF_CPP_MIN_LOG_LEVEL=3 leaves them): only a redirect of the descriptor hides them.
+    with _stderr_to_devnull():
+        import tensorflow
 
     return tensorflow
+
+
+@contextlib.contextmanager
+def _stderr_to_devnull() -> Iterator[None]:
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def keras() -> Any:

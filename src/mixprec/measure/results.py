@@ -220,6 +220,8 @@ def _mfu(
     row: BenchRow, flops: int | None, step_s: float, peak: float | None, source: str
 ) -> tuple[float | None, str]:
     """MFU, or None with the reason when the figure cannot be right (above the peak)."""
+    if flops is None and row.candidate.framework == "tensorflow":
+        return None, "n/a: no FLOP count of a Keras train step (torch.utils.flop_counter is torch's)"
     value = flops_mod.mfu(flops, step_s, peak)
     if value is None or value <= 1.0:
         return value, ""
