@@ -150,6 +150,30 @@ def test_train_step_is_traced_from_the_imported_code_not_the_file_on_disk(mlp, b
         assert np.isfinite(loss)
 
 
+def test_xla_candidate_compiles_up_front_and_starts_from_the_initial_state(mlp, batches, monkeypatch):
+    """An XLA step compiles on its first execution: the trainer runs it while built (timed with the
+    trace, so pruning never sees a compile as a slow step) and then restores weights and optimizer,
+    so its first measured step trains from the same state as the plain tf.function step."""
+    steps_run_before_reset = []
+    original_reset = KerasTrainer.reset
+
+    def reset(self, *args, **kwargs):
+        steps_run_before_reset.append(int(self.optimizer.iterations.numpy()))
+        original_reset(self, *args, **kwargs)
+
+    monkeypatch.setattr(KerasTrainer, "reset", reset)
+    plain = KerasTrainer(mlp, tf_cand("fp32"), "cpu", batches[0])
+    assert steps_run_before_reset == []  # a plain tf.function step is traced only
+    xla = KerasTrainer(mlp, tf_cand("fp32", compile="xla"), "cpu", batches[0])
+    assert steps_run_before_reset == [1]  # one compiling step, then the initial state back
+    assert xla._step.experimental_get_tracing_count() == 1
+    for restored, initial in zip(xla.model.get_weights(), plain.model.get_weights(), strict=True):
+        np.testing.assert_array_equal(restored, initial)
+    assert int(xla.optimizer.iterations.numpy()) == 0
+    for batch in batches[:2]:
+        assert xla.step(batch)[0] == pytest.approx(plain.step(batch)[0], rel=1e-4)
+
+
 def test_scope_sets_and_restores_dtype_policy_and_tf32():
     from mixprec.keras.policy import KerasPolicy
 
@@ -186,7 +210,7 @@ def test_check_reports_sqnr_scale_and_stalled_updates(mlp):
 
 
 @pytest.mark.slow
-def test_bench_pairs_keras_candidates_in_their_own_processes(mlp, tmp_path):
+def test_bench_pairs_keras_candidates_in_their_own_processes(mlp, tmp_path, capfd):
     from mixprec.keras.sweep import bench
     from mixprec.measure.results import BenchResult
 
@@ -213,6 +237,9 @@ def test_bench_pairs_keras_candidates_in_their_own_processes(mlp, tmp_path):
 
     logged = {r.key: r.status for r in read_jsonl(tmp_path / "r.jsonl")}
     assert logged == {r.key: r.status for r in result.rows}
+    # the candidate processes (and their fork server) import TensorFlow as quietly as the parent
+    chatter = capfd.readouterr().err
+    assert "InitializeLog" not in chatter and "oneDNN custom operations" not in chatter, chatter[-2000:]
 
 
 @pytest.mark.slow

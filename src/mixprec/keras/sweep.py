@@ -174,7 +174,7 @@ def bench(
     if len(todo) > 1 or not done:
         if isolate:
             # TensorFlow imported once in the fork server, not again in every candidate's process
-            isolation.preload("tensorflow", "keras", "mixprec.keras.session")
+            isolation.preload("mixprec.keras.preloaded", "mixprec.keras.session")
         sweep = KerasPairedSweep(
             cast(Any, workload),
             settings,

@@ -3,8 +3,9 @@
 The train step is a ``tf.function`` (``jit_compile=True`` for the "xla" candidates): forward under
 a ``GradientTape``, the loss in float32, scaled by the ``LossScaleOptimizer`` for fp16 policies,
 gradients, and ``optimizer.apply`` (which unscales, skips non-finite steps and adapts the scale).
-It is traced once when the trainer is built (timed as ``trace_s``), so the first step measures the
-first execution, comparable across candidates. Every Dense/Conv layer is watched while the step
+It is traced once when the trainer is built (timed as ``trace_s``; XLA candidates also run one
+step there, which compiles, and start again from the initial state), so the first step measures
+the first execution, comparable across candidates. Every Dense/Conv layer is watched while the step
 is traced: the first one records the dtype it really computed in (the honesty probe).
 """
 
@@ -104,9 +105,16 @@ class KerasTrainer:
                 self._step.get_concrete_function(*specs)
         finally:
             probe.remove()
-        self.trace_s = time.perf_counter() - start
         self.observed_layer, self.observed_dtype = probe.name, probe.dtype
         self._check_honesty()
+        if jit:
+            # XLA compiles on the first execution, not when traced: one step on the example batch,
+            # then the initial weights and optimizer state back, so compilation is timed with the
+            # trace (a cold first step of tens of seconds would be pruned as a hopeless candidate)
+            with self.policy.scope(), tf.device(self.device):
+                self._step(*example)
+            self.reset()
+        self.trace_s = time.perf_counter() - start
 
     def _check_honesty(self) -> None:
         expected = self.policy.compute_dtype
