@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -116,5 +117,23 @@ def test_keras_rows_show_mfu_as_na_with_the_reason():
 
     row = BenchRow("mlp", Candidate("fp32", framework="tensorflow"), "cpu", 8, "ok", step_times_ms=(5.0, 6.0))
     (assembled,) = assemble([row], None, {"fp32": (1e12, "measured")})
-    assert assembled.mfu is None and assembled.mfu_note.startswith("n/a: no FLOP count of a Keras")
+    assert assembled.mfu is None and assembled.mfu_note.startswith("MFU n/a: no FLOP count of a Keras")
     assert _cells(assembled)["mfu"] == "n/a"
+    # said once under the table when the whole result carries it, not once per row
+    from rich.console import Console
+
+    from mixprec.measure.results import KERAS_MFU_NOTE, BenchResult
+    from mixprec.report.bench import bench_table
+
+    result = BenchResult(
+        workload="mlp",
+        description="",
+        device="cpu",
+        batch_size=8,
+        settings={},
+        measured=[row, replace(row, batch_size=16)],
+        notes=[KERAS_MFU_NOTE],
+    )
+    console = Console(width=400, record=True)
+    console.print(bench_table(result))
+    assert console.export_text().count("no FLOP count of a Keras") == 1

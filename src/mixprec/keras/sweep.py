@@ -21,7 +21,7 @@ from mixprec.measure import isolate as isolation
 from mixprec.measure import noise
 from mixprec.measure.isolate import ChildSession, LocalSession
 from mixprec.measure.paired import PairedSweep, Session
-from mixprec.measure.results import BenchResult, BenchRow, append_jsonl, read_jsonl
+from mixprec.measure.results import KERAS_MFU_NOTE, BenchResult, BenchRow, append_jsonl, read_jsonl
 from mixprec.measure.runner import BenchSettings
 from mixprec.measure.sweep import _validate, parse_policies, run_paired
 from mixprec.policy import Candidate
@@ -142,7 +142,7 @@ def bench(
             "paired": True,
         },
         env=collect(device),
-        notes=["TensorFlow: MFU not computed (no FLOP count of Keras train steps)"],
+        notes=[KERAS_MFU_NOTE],
     )
     done: dict[tuple, BenchRow] = {}
     if jsonl is not None:

@@ -216,12 +216,16 @@ def median_ci(
     return medians[int(tail * (resamples - 1))], medians[int((1 - tail) * (resamples - 1))]
 
 
+# a Keras row's MFU cell is n/a with this reason (also the Keras sweep's note on the whole result)
+KERAS_MFU_NOTE = "MFU n/a: no FLOP count of a Keras train step (torch.utils.flop_counter counts torch's)"
+
+
 def _mfu(
     row: BenchRow, flops: int | None, step_s: float, peak: float | None, source: str
 ) -> tuple[float | None, str]:
     """MFU, or None with the reason when the figure cannot be right (above the peak)."""
     if flops is None and row.candidate.framework == "tensorflow":
-        return None, "n/a: no FLOP count of a Keras train step (torch.utils.flop_counter is torch's)"
+        return None, KERAS_MFU_NOTE
     value = flops_mod.mfu(flops, step_s, peak)
     if value is None or value <= 1.0:
         return value, ""

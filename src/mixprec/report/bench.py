@@ -64,7 +64,7 @@ def bench_table(result: BenchResult) -> Group:
         if row.reason:
             notes.append(Text(f"  {row.label}: {row.reason}", style=rich_style(row.status)))
         for note in (*row.notes, row.mfu_note):
-            if note:
+            if note and note not in result.notes:  # said once for the whole table
                 notes.append(Text(f"  {row.label}: {note}", style="dim"))
         if row.world_size > 1 and row.rank_step_time_ms:
             spread = ", ".join(f"{t:.1f}" for t in row.rank_step_time_ms)
