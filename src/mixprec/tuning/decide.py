@@ -244,7 +244,10 @@ def decide(
         if row.status != Status.OK:
             table.append(Ranked(row.candidate, row.status, row.reason, row=row))
         elif row.policy == "fp32":
-            why = "the strict fp32 reference" if not row.channels_last else "fp32 numerics (layout only)"
+            # only the baseline row is the reference; fp32 compiled or channels_last is a candidate
+            how = [f"compiled: {row.candidate.compile}"] if row.candidate.compile else []
+            how += ["channels_last"] if row.channels_last else []
+            why = "the strict fp32 reference" if row is fp32 else f"fp32 numerics ({', '.join(how)})"
             table.append(Ranked(row.candidate, Status.PASSED, why, Status.PASS, row))
             passing.append(row)
         elif verdict is None:
