@@ -16,6 +16,7 @@ On a GPU the defaults of the seed apply (224 px, batch 256, fp32/tf32/fp16-mixed
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import re
 import sys
@@ -119,7 +120,7 @@ def main() -> int:
     slug = ("cpu-" if not gpu else "") + re.sub(r"-(r|tm)(?=-|$)", "", short).strip("-")[:40]
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / slug
     out.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/seed_table_tf.py " + " ".join(sys.argv[1:])
+    command = " ".join(["python benchmarks/seed_table_tf.py", *sys.argv[1:]])
     env = tf_collect(args.device, full=True)
     tf_env = env["tensorflow"]
     meta = {
@@ -133,6 +134,9 @@ def main() -> int:
         "pairing": "within a framework: every candidate paired with strict fp32 (ABBA rounds, own "
         "processes); "
         "TensorFlow vs PyTorch: sequential per model, unpaired",
+        # a shared machine is busy with other work: say how busy next to the figures
+        "load average at start (1/5/15 min)": " / ".join(f"{x:.1f}" for x in os.getloadavg())
+        + f" on {os.cpu_count()} CPUs",
     }
     results: list[dict[str, Any]] = []
     seed_tf, seed_pt, side = [], [], []
@@ -170,6 +174,7 @@ def main() -> int:
         )
         for line in table(SEED_HEADER, seed_rows(model, tf_result)):
             print(line, flush=True)
+        meta["load average after the last model"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
         lines = [
             "# The seed's table in TensorFlow/Keras and PyTorch on this machine",
             "",
