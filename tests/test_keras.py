@@ -198,6 +198,34 @@ def test_check_names_the_overflowing_layer_and_verifies_the_float32_fix():
     assert fp16.candidate.framework == "tensorflow"
 
 
+def test_cli_check_of_the_planted_overflow_names_the_layer_and_the_fix(tmp_path, capsys):
+    """The command a Keras user runs: exit 4 (a candidate failed), the overflowing layer and the
+    verified keep_fp32 fix in the text, and the chart drawn from forward-only Keras ranges."""
+    from mixprec.cli import main
+
+    code = main(
+        [
+            "check",
+            "--framework",
+            "tensorflow",
+            "--workload",
+            OVERFLOW,
+            "--policies",
+            "fp16-mixed",
+            "--fix",
+            "--plot",
+            str(tmp_path / "check.png"),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 4, out
+    assert "first non-finite output in 'energy'" in out
+    assert "least fp16 headroom: energy (ScaledDense): forward" in out
+    assert "fix: build the Keras layers ['energy'] with dtype=\"float32\" under fp16-mixed" in out
+    assert "GradScaler" not in out and "get_policy" not in out  # torch's words, not a Keras user's
+    assert (tmp_path / "check.png").stat().st_size > 0
+
+
 def test_check_reports_sqnr_scale_and_stalled_updates(mlp):
     from mixprec.keras.check import check
 

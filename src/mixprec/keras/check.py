@@ -54,6 +54,7 @@ class LayerRange:
     name: str
     absmax: float
     finite: bool
+    type: str = ""  # the Keras layer class
 
     def headroom_bits(self, fmt: str) -> float:
         """log2 of the format's largest finite value over this output's largest magnitude."""
@@ -79,7 +80,7 @@ def forward_ranges(trainer: KerasTrainer, batch: tuple[Any, Any]) -> list[LayerR
                 values = [np.asarray(t, dtype=np.float64) for t in tensors]
                 finite = all(bool(np.isfinite(v).all()) for v in values)
                 absmax = max(float(np.nanmax(np.abs(v), initial=0.0)) for v in values)
-                seen.append(LayerRange(_layer.name, absmax, finite))
+                seen.append(LayerRange(_layer.name, absmax, finite, type(_layer).__name__))
             return out
 
         object.__setattr__(layer, "call", call)
@@ -234,6 +235,7 @@ class KerasChecker:
         result.worst_layers = [
             {
                 "layer": r.name,
+                "type": r.type,
                 "format": range_fmt,
                 "forward_absmax": r.absmax,
                 "forward_headroom_bits": r.headroom_bits(range_fmt),

@@ -17,6 +17,8 @@ from mixprec.report.format import fmt_bits, fmt_db, fmt_pct, rich_style
 
 def fix_snippet(c: CandidateCheck) -> str:
     keep = [*c.candidate.keep_fp32, *c.fix_keep_fp32]
+    if c.candidate.framework == "tensorflow":  # Keras islands are layers built in float32
+        return f'build the Keras layers {keep!r} with dtype="float32" under {c.candidate.policy}'
     return f"mixprec.get_policy({c.candidate.policy!r}, keep_fp32={keep!r})"
 
 
@@ -71,20 +73,24 @@ def check_report(result: CheckResult) -> Group:
         if c.predicted:
             parts.append(Text(f"    {c.predicted}", style="dim"))
         if c.scaler_warmup_skips:
+            scaler = "LossScaleOptimizer" if c.candidate.framework == "tensorflow" else "GradScaler"
             parts.append(
                 Text(
-                    f"    loss scale settled at {c.scales[0] if c.scales else '?'}: GradScaler skips "
+                    f"    loss scale settled at {c.scales[0] if c.scales else '?'}: {scaler} skips "
                     f"{c.scaler_warmup_skips} start-up steps to get there from its initial scale (normal)",
                     style="dim",
                 )
             )
         if c.verdict == "fail":
             for layer in c.worst_layers[:3]:
+                # a Keras check records forward outputs only, without the layer type
+                kind = f" ({layer['type']})" if layer.get("type") else ""
+                backward = layer.get("backward_headroom_bits")
                 parts.append(
                     Text(
-                        f"    least {layer['format']} headroom: {layer['layer']} ({layer['type']}): "
-                        f"forward {fmt_bits(layer['forward_headroom_bits'])}, "
-                        f"backward {fmt_bits(layer['backward_headroom_bits'])}"
+                        f"    least {layer['format']} headroom: {layer['layer']}{kind}: "
+                        f"forward {fmt_bits(layer['forward_headroom_bits'])}"
+                        + (f", backward {fmt_bits(backward)}" if backward is not None else "")
                     )
                 )
             if c.fix_keep_fp32 and c.fix_verified:
@@ -165,7 +171,7 @@ def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
     layers = result.reference_layers
     x = list(range(len(layers)))
     fwd = [_nan(layer["forward_headroom_bits"].get("fp16")) for layer in layers]
-    bwd = [_nan(layer["backward_headroom_bits"].get("fp16")) for layer in layers]
+    bwd = [_nan(layer.get("backward_headroom_bits", {}).get("fp16")) for layer in layers]
     ax_head.plot(x, fwd, "o", color="#d62728", markersize=4, label="activations (forward)")
     ax_head.plot(x, bwd, "x", color="#1f77b4", markersize=4, label="gradients (backward, unscaled)")
     ax_head.axhline(0, color="black", linewidth=1)
