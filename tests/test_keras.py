@@ -223,6 +223,7 @@ def test_cli_check_of_the_planted_overflow_names_the_layer_and_the_fix(tmp_path,
     assert "least fp16 headroom: energy (ScaledDense): forward" in out
     assert "fix: build the Keras layers ['energy'] with dtype=\"float32\" under fp16-mixed" in out
     assert "GradScaler" not in out and "get_policy" not in out  # torch's words, not a Keras user's
+    assert "start-up steps" not in out  # an overflow in the forward pass is no scale warm-up
     assert (tmp_path / "check.png").stat().st_size > 0
 
 

@@ -156,6 +156,8 @@ class KerasChecker:
             traj.first_output = torch.from_numpy(out)
             traj.first_grads = {name: torch.from_numpy(g) for name, g in grads.items()}
             traj.probe_scale = scale
+            if scale is not None and not all(np.isfinite(g).all() for g in grads.values()):
+                scale = None  # no scale made the gradients finite: the scale did not settle, it gave up
             if scale is not None:  # start where the loss-scale optimizer settles, as torch's check does
                 initial = float(trainer.optimizer.initial_scale)
                 traj.warmup_skips = max(0, round(math.log2(initial / scale)))
