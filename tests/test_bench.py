@@ -10,7 +10,8 @@ import torch
 
 import mixprec
 from mixprec.cli import main
-from mixprec.measure.results import BenchRow, read_csv, read_jsonl, write_csv
+from mixprec.measure.results import BenchRow, read_csv, write_csv
+from mixprec.measure.rowstore import read_jsonl
 from mixprec.measure.sweep import bench, parse_channels_last, parse_policies
 from mixprec.policy import Candidate
 from mixprec.schema import SCHEMA_VERSION

@@ -25,7 +25,8 @@ from mixprec.measure import noise
 from mixprec.measure.effect import math_mode_effect
 from mixprec.measure.isolate import SessionEnded
 from mixprec.measure.paired import BASELINE, PairedSweep
-from mixprec.measure.results import BenchResult, BenchRow, Peaks, append_jsonl, read_jsonl
+from mixprec.measure.results import BenchResult, BenchRow, Peaks
+from mixprec.measure.rowstore import RowStore
 from mixprec.measure.runner import BenchSettings, Measurement, distinct_batches, make_batches
 from mixprec.policy import POLICY_NAMES, Candidate, canonical_name, check_support
 from mixprec.status import Status
@@ -111,6 +112,7 @@ def bench(
     device: str | torch.device | None = None,
     jsonl: str | Path | None = None,
     resume: bool = False,
+    resume_anyway: bool = False,
     isolate: bool | None = None,
     prune_factor: float = 5.0,
     progress: Progress | None = None,
@@ -132,7 +134,9 @@ def bench(
         min_time_s: keep timing a candidate until this much timed time has passed (<= 200 steps).
         device: 'cpu', 'cuda[:N]' (default: CUDA when available).
         jsonl: append each finished row to this JSON Lines file at once.
-        resume: keep the finished rows already in ``jsonl`` and measure the rest.
+        resume: keep the finished rows already in ``jsonl`` and measure the rest. Rows measured
+            under other settings (see :func:`resume_key`) are refused with a UsageError naming them.
+        resume_anyway: with ``resume``, keep rows measured under other settings too.
         isolate: each candidate in its own process (default: when the workload has a spec):
             isolated CPU peak memory, crash isolation, hard pruning.
         prune_factor: stop a candidate that many times slower than the best so far (compared
@@ -210,24 +214,86 @@ def bench(
         peaks=_peaks(info, plan),
     )
     done: dict[tuple, BenchRow] = {}
+    store: RowStore | None = None
     if jsonl is not None:
-        if resume:
-            # errors and OOMs may be transient: only finished verdicts are kept, the rest re-run
-            kept = (Status.OK, Status.UNSUPPORTED, Status.PRUNED, Status.NO_EFFECT)
-            done = {r.key: r for r in read_jsonl(jsonl) if r.status in kept}
-        else:
-            Path(jsonl).parent.mkdir(parents=True, exist_ok=True)
-            Path(jsonl).write_text("", encoding="utf-8")
+        key = resume_key(label, settings, prune_factor=prune_factor, isolate=isolate, nproc=nproc)
+        store = RowStore(jsonl, key, resume=resume, resume_anyway=resume_anyway)
+        for note in store.notes:
+            result.notes.append(note)
+            progress({"event": "note", "text": note})
+        # errors and OOMs may be transient: only finished verdicts are kept, the rest re-run
+        kept = (Status.OK, Status.UNSUPPORTED, Status.PRUNED, Status.NO_EFFECT)
+        done = {r.key: r for r in store.rows if r.status in kept}
     result.flops_per_step = next((r.flops_per_step for r in done.values() if r.flops_per_step), None)
 
     def record(row: BenchRow, index: int, resumed: bool = False) -> None:
         result.update(row)
         shown = next(r for r in result.rows if r.key == row.key)
-        if jsonl is not None and not resumed:
-            append_jsonl(jsonl, shown)
+        if store is not None and not resumed:
+            store.append(shown)
         progress({"event": "row", "row": shown, "index": index, "count": len(plan), "resumed": resumed})
 
-    start = noise.snapshot(str(dev))
+    try:
+        _run_sweep(
+            workload,
+            plan,
+            settings,
+            isolate,
+            prune_factor,
+            nproc,
+            info,
+            result,
+            done,
+            record,
+            stop_requested,
+            progress,
+        )
+    finally:
+        if store is not None:
+            store.close()
+    return result
+
+
+def resume_key(
+    label: str, settings: BenchSettings, *, prune_factor: float, isolate: bool, nproc: int
+) -> dict[str, Any]:
+    """Every setting that changes a figure of a row: rows measured under another key are not
+    comparable with this run's (a resumed sweep refuses them)."""
+    from mixprec import __version__
+
+    return {
+        "workload": label,
+        "device": settings.device,
+        "batch_size": settings.batch_size,
+        "steps": settings.steps,
+        "warmup": settings.warmup,
+        "min_time_s": settings.min_time_s,
+        "threads": settings.threads,
+        "cudnn_benchmark": settings.cudnn_benchmark and settings.device.startswith("cuda"),
+        "prune_factor": prune_factor,
+        "isolate": isolate,
+        "nproc": nproc,
+        "torch": torch.__version__,
+        "mixprec": __version__,
+    }
+
+
+def _run_sweep(
+    workload: Workload,
+    plan: list[Candidate],
+    settings: BenchSettings,
+    isolate: bool,
+    prune_factor: float,
+    nproc: int,
+    info: DeviceInfo,
+    result: BenchResult,
+    done: dict[tuple, BenchRow],
+    record: Callable[..., None],
+    stop_requested: Callable[[], bool],
+    progress: Progress,
+) -> None:
+    dev = settings.device
+    start = noise.snapshot(dev)
     if nproc > 1:
         _sweep_data_parallel(
             workload, plan, settings, nproc, info, result, done, record, stop_requested, progress
@@ -249,9 +315,8 @@ def bench(
     order = {cand: i for i, cand in enumerate(plan)}
     result.measured.sort(key=lambda r: order.get(r.candidate, len(plan)))  # resumed rows too, in plan order
     base = result.baseline
-    result.noise = noise.summarize(start, noise.snapshot(str(dev)), base.step_times_ms if base else ())
+    result.noise = noise.summarize(start, noise.snapshot(dev), base.step_times_ms if base else ())
     _revalidate_cpu_peaks(result, info)
-    return result
 
 
 def _sweep_paired(

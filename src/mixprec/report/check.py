@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mixprec.numerics.results import CandidateCheck, CheckResult
+from mixprec.report.figure import save_figure
 from mixprec.report.format import fmt_bits, fmt_db, fmt_pct, rich_style
 
 
@@ -183,11 +184,7 @@ def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
     ax_head.legend(fontsize=7)
     fig.suptitle(f"mixprec check: {result.workload} on {result.device}", fontsize=11)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def _nan(x: float | None) -> float:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import base64
 import html
+import os
 import re
-import shutil
 from collections.abc import Mapping
 from functools import cache
 from importlib import resources
@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import jinja2
 from markupsafe import Markup, escape
 
+from mixprec.errors import UsageError
+from mixprec.files import atomic_write_bytes, atomic_write_text
 from mixprec.report import view as report_view
 from mixprec.report.view_types import ReportView
 
@@ -151,9 +153,27 @@ def _place_charts(charts: Charts, out: Path) -> dict[str, Path]:
             continue
         dest = out / f"{report_view.slug(str(name))}.png"
         if not (dest.exists() and dest.resolve() == src.resolve()):
-            shutil.copyfile(src, dest)
+            atomic_write_bytes(dest, src.read_bytes(), "report chart")
         placed[str(name)] = dest
     return placed
+
+
+# The files write_report puts in its folder (charts only when there is data to draw).
+REPORT_FILES = ("index.html", "report.md", "bench.png", "check.png")
+
+
+def report_folder(out_dir: str | os.PathLike[str], option: str = "report folder") -> Path:
+    """``out_dir`` created if missing; a UsageError when it is a file or cannot be created."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(
+            f"{option} {str(out)!r} is a file, not a folder; pass a folder for index.html and report.md."
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{option} {str(out)!r}: cannot create it ({exc.strerror or exc}).") from None
+    return out
 
 
 def write_report(result: TuneResult, out_dir: str | Path, charts: Charts | None = None) -> dict[str, Path]:
@@ -164,12 +184,11 @@ def write_report(result: TuneResult, out_dir: str | Path, charts: Charts | None 
     charts are drawn from the result. The returned dict maps ``"html"`` and ``"markdown"`` to the
     two reports and each chart name to its PNG in ``out_dir``.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = report_folder(out_dir)
     placed = draw_charts(result, out) if charts is None else _place_charts(charts, out)
     html_path, md_path = out / "index.html", out / "report.md"
-    html_path.write_text(render_html(result, charts=placed), encoding="utf-8")
-    md_path.write_text(
-        render_markdown(result, charts={k: p.name for k, p in placed.items()}), encoding="utf-8"
+    atomic_write_text(html_path, render_html(result, charts=placed), "report file")
+    atomic_write_text(
+        md_path, render_markdown(result, charts={k: p.name for k, p in placed.items()}), "report file"
     )
     return {"html": html_path, "markdown": md_path, **placed}
