@@ -74,6 +74,12 @@ class NonFiniteGradientsError(MixprecError, FloatingPointError):
         self.parameters = parameters
 
 
+class NumericsFailed(MixprecError):
+    """No candidate passed the numerics check (``check`` and ``tune`` exit with it)."""
+
+    exit_code = 4
+
+
 class BudgetExhausted(MixprecError):
     """``tune`` ran out of its time budget before it could decide anything; the message says how
     far it got and how much budget to give it."""

@@ -13,13 +13,15 @@ from mixprec.cli.common import (
     CPU_DEFAULTS,
     CUDA_DEFAULTS,
     add_workload_arguments,
+    first_failure,
     positive_int,
+    require_supported,
     sweep_progress,
     workload_from_args,
 )
 from mixprec.errors import UsageError
 from mixprec.measure.results import write_csv
-from mixprec.measure.sweep import CHANNELS_LAST_CHOICES, bench
+from mixprec.measure.sweep import CHANNELS_LAST_CHOICES, bench, parse_policies
 from mixprec.report.bench import bench_table, plot, write_markdown
 from mixprec.report.jsonio import write_json
 
@@ -43,6 +45,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="FILE.png")
     p.add_argument("--resume", action="store_true", help="keep the rows already in the .jsonl next to --json")
     p.add_argument(
+        "--resume-anyway",
+        action="store_true",
+        help="--resume, keeping rows measured under other settings too (steps, threads, versions, ...)",
+    )
+    p.add_argument(
         "--in-process", action="store_true", help="no child process per candidate (CPU memory: n/a)"
     )
     p.add_argument(
@@ -55,8 +62,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
-    if args.resume and not args.json:
+    resume = args.resume or args.resume_anyway
+    if resume and not args.json:
         raise UsageError("--resume continues the rows in the .jsonl next to --json FILE; pass --json too.")
+    if args.policies != "all":
+        require_supported(parse_policies(args.policies), args.device)
     on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     defaults = CUDA_DEFAULTS if on_cuda else CPU_DEFAULTS
     workload = workload_from_args(args, defaults)
@@ -81,6 +91,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
                 bar.update(
                     task, description=f"{event['label']}: {phase} step {event['index'] + 1}/{event['total']}"
                 )
+            elif kind == "note":
+                bar.console.print(f"note: {event['text']}", highlight=False)
             elif kind == "row":
                 row = event["row"]
                 bar.update(task, completed=event["index"] + 1)
@@ -99,7 +111,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
                 min_time_s=defaults["min_time"] if args.min_time is None else args.min_time,
                 device=args.device,
                 jsonl=jsonl,
-                resume=args.resume,
+                resume=resume,
+                resume_anyway=args.resume_anyway,
                 isolate=False if args.in_process else None,
                 prune_factor=args.prune_factor,
                 progress=progress,
@@ -122,4 +135,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         written.append(plot(args.plot, result))
     for path in written:
         err.print(f"wrote {path}")
+    failure = first_failure(result.rows)
+    if failure is not None:
+        raise failure
     return 0

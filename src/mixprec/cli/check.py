@@ -6,9 +6,10 @@ import argparse
 
 from rich.console import Console
 
-from mixprec.cli.common import add_workload_arguments, positive_int, workload_from_args
+from mixprec.cli.common import add_workload_arguments, positive_int, require_supported, workload_from_args
 from mixprec.errors import UsageError
 from mixprec.hardware.environment import collect
+from mixprec.measure.sweep import parse_policies
 from mixprec.numerics.check import check
 from mixprec.policy.candidate import EMULATABLE
 from mixprec.report.check import check_report, plot
@@ -37,11 +38,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
-    workload = workload_from_args(args, DEFAULTS)
-    is_default = not args.workload and args.model in (None, "resnet50")
     policies = [p for p in args.policies.split(",") if p.strip()]
     if not policies and not args.emulate:
         raise UsageError("--policies is empty and no --emulate given: nothing to check.")
+    require_supported(parse_policies(policies) if policies else [], args.device)
+    workload = workload_from_args(args, DEFAULTS)
+    is_default = not args.workload and args.model in (None, "resnet50")
     with err.status("checking") as status:
         result = check(
             workload,

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mixprec.errors import UnsupportedError, UsageError
+from mixprec.hardware.device import detect
+from mixprec.measure.results import BenchRow
+from mixprec.policy import canonical_name, check_support
+from mixprec.status import Status
 from mixprec.workload.loader import load_workload
 from mixprec.workload.zoo import ZOO_NAMES
 
@@ -67,3 +73,31 @@ def workload_from_args(args: argparse.Namespace, defaults: dict[str, Any]) -> An
     if args.seq_len:
         sizes["seq_len"] = args.seq_len
     return load_workload(target, **sizes)
+
+
+def require_supported(policies: Sequence[str], device: str | None, option: str = "--policies") -> None:
+    """Exit 3 before any work when the user named a policy this device cannot run, as ``lint
+    --policy`` and ``demo --policy`` do (``--policies all`` lists unsupported ones instead)."""
+    info = detect(device)
+    for name in policies:
+        support = check_support(name, info)
+        if not support:
+            hint = f"; try {support.suggestion}" if support.suggestion else ""
+            raise UnsupportedError(
+                f"{option} names {canonical_name(name)!r}, which is not supported on {info.type}: "
+                f"{support.reason}{hint} (drop it, or pass {option} all to list it as unsupported)."
+            )
+
+
+def first_failure(rows: Sequence[BenchRow]) -> UsageError | None:
+    """When no candidate produced a figure (every row an error or an out-of-memory), the error that
+    says so with the first failure; None when anything ran."""
+    measured = [r for r in rows if not r.baseline_repeat]
+    failed = [r for r in measured if r.status in (Status.ERROR, Status.OOM)]
+    if not measured or len(failed) != len(measured):
+        return None
+    first = failed[0]
+    return UsageError(
+        f"every candidate failed ({len(failed)} rows), so nothing was measured; the first, "
+        f"{first.label}: {first.status}: {first.reason}"
+    )

@@ -21,13 +21,14 @@ from mixprec.cli.common import (
     positive_int,
     workload_from_args,
 )
-from mixprec.errors import UsageError
+from mixprec.errors import BudgetExhausted, MixprecError, NumericsFailed, UsageError
 from mixprec.exports import EXPORT_TARGETS
 from mixprec.measure.noise import describe as describe_noise
 from mixprec.policy.candidate import COMPILE_MODES
 from mixprec.report.bench import drift_text
 from mixprec.report.format import fmt_speedup_ci, rich_style
 from mixprec.report.jsonio import write_json
+from mixprec.status import Status
 from mixprec.tuning.search import TRAIN_STEPS
 
 
@@ -126,7 +127,7 @@ def summary(data: dict[str, Any]) -> Group:
     rec = data.get("recommendation")
     parts: list[Any] = [candidate_table(data)]
     if rec is None:
-        parts.append(Text("No candidate passed the numerics check, not even strict fp32.", style="red"))
+        parts.append(Text(no_recommendation(data).args[0], style="red"))
         return Group(*parts)
     head = Text.assemble(("recommended: ", "bold"), (rec["label"], "bold green"))
     if rec.get("speedup_vs_fp32"):
@@ -147,6 +148,27 @@ def summary(data: dict[str, Any]) -> Group:
     if any(measured):
         parts.append(Text("measured: " + "; ".join(m for m in measured if m), style="dim"))
     return Group(*parts)
+
+
+def no_recommendation(data: dict[str, Any]) -> MixprecError:
+    """Why a tune result holds no recommendation, as the error the CLI exits with: the budget ran
+    out first (exit 5), every candidate failed to run (exit 2), or no candidate passed (exit 4)."""
+    bench = data.get("bench") or {}
+    rows = [r for r in bench.get("rows") or [] if isinstance(r, dict) and not r.get("baseline_repeat")]
+    failed = [r for r in rows if r.get("status") in (Status.ERROR, Status.OOM)]
+    if not any(r.get("status") == Status.OK for r in rows) and bench.get("stopped"):
+        return BudgetExhausted(
+            f"budget exhausted: the {data.get('budget_s', 0):g} s budget ran out before strict fp32 was "
+            f"measured ({bench['stopped']}), so nothing was measured or checked; raise --budget "
+            "(default 240 s)."
+        )
+    if rows and len(failed) == len(rows):
+        first = failed[0]
+        return UsageError(
+            f"every candidate failed ({len(rows)} rows), so nothing was checked; the first, "
+            f"{first.get('label')}: {first.get('status')}: {first.get('reason')}"
+        )
+    return NumericsFailed("no candidate passed the numerics check, not even strict fp32.")
 
 
 def export_lines(data: dict[str, Any]) -> list[Text]:
@@ -197,6 +219,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
 
         for path in write_report(result, Path(args.report)).values():
             err.print(f"wrote {path}")
+    if result.recommendation is None:
+        raise no_recommendation(data)
     return 0
 
 

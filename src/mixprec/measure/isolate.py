@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from mixprec.measure.failure import exception_status, failure_status
 from mixprec.measure.process import current_rss_bytes, main_module_hidden
 from mixprec.measure.runner import BenchSettings, Measurement, TrainingSession
 from mixprec.policy import Candidate
@@ -60,10 +61,6 @@ def _error_event(exc: BaseException) -> dict[str, Any]:
         "message": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
         "traceback": traceback.format_exc(limit=8),
     }
-
-
-def _failure_status(error_type: str) -> str:
-    return "oom" if "OutOfMemory" in error_type else "error"
 
 
 def _child(conn: Any, spec: dict[str, Any], candidate: Candidate, settings: BenchSettings) -> None:
@@ -158,7 +155,7 @@ class ChildSession:
                 if event["event"] == "error":
                     self.close()
                     raise SessionEnded(
-                        _failure_status(event["type"]),
+                        failure_status(event["type"], event["message"]),
                         f"{event['type']}: {event['message']}",
                         self.steps_seen,
                     )
@@ -234,9 +231,7 @@ class LocalSession:
         try:
             self._session = TrainingSession(workload, candidate, settings, batches)
         except Exception as exc:
-            raise SessionEnded(
-                _failure_status(type(exc).__name__), f"{type(exc).__name__}: {_first_line(exc)}"
-            ) from exc
+            raise SessionEnded(exception_status(exc), f"{type(exc).__name__}: {_first_line(exc)}") from exc
 
     def _step(self, timed: bool, limit: StepLimit, on_step: OnStep) -> dict[str, Any]:
         if self.should_stop():
@@ -246,7 +241,7 @@ class LocalSession:
             event = self._session.step(timed)
         except Exception as exc:  # one candidate's failure must not stop the sweep
             raise SessionEnded(
-                _failure_status(type(exc).__name__),
+                exception_status(exc),
                 f"{type(exc).__name__}: {_first_line(exc)}",
                 self.steps_seen,
             ) from exc

@@ -23,6 +23,7 @@ from mixprec.hardware.device import DeviceInfo, detect, resolve_device
 from mixprec.hardware.peaks import cpu_peak, peak_flops
 from mixprec.measure import noise
 from mixprec.measure.effect import math_mode_effect
+from mixprec.measure.failure import exception_status, failure_status
 from mixprec.measure.isolate import SessionEnded
 from mixprec.measure.paired import BASELINE, PairedSweep
 from mixprec.measure.results import BenchResult, BenchRow, Peaks
@@ -512,11 +513,10 @@ def _revalidate_cpu_peaks(result: BenchResult, info: DeviceInfo) -> None:
 def _failure(exc: BaseException) -> tuple[Status, str]:
     """(status, reason) of a candidate that raised: 'oom' for out-of-memory, else 'error'."""
     reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    if isinstance(exc, torch.OutOfMemoryError):
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # give the memory back before the next candidate
-        return Status.OOM, reason
-    return Status.ERROR, reason
+    status = exception_status(exc)
+    if status == Status.OOM and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # give the memory back before the next candidate
+    return status, reason
 
 
 def _with_measurement(row: BenchRow, m: Measurement | None, timed_s: list[float], **extra: Any) -> BenchRow:
@@ -543,7 +543,7 @@ def _measure_data_parallel(
     outcome = run_data_parallel(workload.spec, cand, settings, nproc)  # type: ignore[arg-type]
     wall_s = time.perf_counter() - wall
     if outcome.status != Status.OK or not outcome.ranks:
-        status = Status.OOM if "OutOfMemory" in outcome.reason else Status.ERROR
+        status = failure_status(outcome.reason, outcome.reason)  # "OutOfMemoryError: ..."
         return replace(row, status=status, reason=outcome.reason, wall_s=wall_s, world_size=nproc)
     ranks = outcome.ranks
     memories = tuple(m.peak_memory_bytes for m in ranks)

@@ -130,8 +130,13 @@ class _Checker:
         self.batches = make_batches(workload, batch_size, device, 0, steps)
         progress("fp32 reference")
         self.reference = run_trajectory(workload, get_policy("fp32", device=device), self.batches, steps)
-        if self.reference.error:
-            raise UsageError(f"the fp32 reference run of {workload.name!r} failed: {self.reference.error}")
+        broken = _broken_reference(self.reference)
+        if broken:
+            # The user's bug, not a precision verdict: no candidate can be judged against it.
+            raise UsageError(
+                f"the workload itself fails in strict fp32: {broken}; no policy can be judged against "
+                f"it. Fix {workload.name!r} so it trains in fp32 first (mixprec --debug shows where)."
+            )
         self.reference_ranges = _ranges(
             workload, get_policy("fp32", device=device), self.batches[0], None, None
         )
@@ -304,6 +309,19 @@ class _Checker:
             if verified
             else f"passes over {search_steps} steps but not over {self.steps}: {reason}"
         )
+
+
+def _broken_reference(reference: Any) -> str:
+    """Why the strict-fp32 reference cannot serve as one (it raised, or its loss is not finite),
+    or ''."""
+    if reference.error:
+        return reference.error
+    bad = next((i for i, loss in enumerate(reference.losses) if not math.isfinite(loss)), None)
+    if bad is not None:
+        return f"its loss is {reference.losses[bad]} at step {bad}"
+    if not reference.losses:
+        return "it recorded no training step"
+    return ""
 
 
 def _plan(policies: Sequence[str | Candidate], emulate_fmts: Sequence[str]) -> list[Candidate]:
