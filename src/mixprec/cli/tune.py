@@ -224,27 +224,51 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
-def run_report(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from mixprec.report.html import write_report
+def read_tune_result(path: Path) -> Any:
+    """The :class:`TuneResult` in a ``mixprec tune --json`` file; a UsageError naming the problem for
+    anything else (missing, a folder, binary, not JSON, another kind, a malformed result)."""
+    from mixprec.report import view as report_view
     from mixprec.tuning import TuneResult
 
-    path = Path(args.results)
+    name = str(path)
+    fix = "pass the file written by `mixprec tune --json`"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
     except FileNotFoundError:
-        raise UsageError(
-            f"results file {str(path)!r} does not exist; pass the file written by `mixprec tune --json`."
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(
-            f"results file {str(path)!r} is not JSON ({exc}); pass a `mixprec tune --json` file."
-        ) from None
+        raise UsageError(f"results file {name!r} does not exist; {fix}.") from None
+    except IsADirectoryError:
+        raise UsageError(f"results file {name!r} is a folder; {fix}.") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read results file {name!r} ({exc.strerror or exc}); {fix}.") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"results file {name!r} is not text (not UTF-8); {fix}.") from None
+    except (ValueError, RecursionError) as exc:
+        raise UsageError(f"results file {name!r} is not JSON ({str(exc)[:80]}); {fix}.") from None
     if not isinstance(data, dict) or data.get("kind") != "tune":
         kind = data.get("kind") if isinstance(data, dict) else type(data).__name__
         raise UsageError(
-            f"results file {str(path)!r} has kind {kind!r}; `mixprec report` renders kind 'tune' "
+            f"results file {name!r} has kind {kind!r}; `mixprec report` renders kind 'tune' "
             "(written by `mixprec tune --json`)."
         )
-    for written in write_report(TuneResult.from_dict(data), Path(args.out)).values():
+    try:
+        result = TuneResult.from_dict(data)
+        report_view.build(result)  # everything the report reads, read once before writing anything
+    except MixprecError:
+        raise
+    except Exception as exc:  # a hand-edited or truncated result: say what, not where in mixprec
+        raise UsageError(
+            f"results file {name!r} is not a valid tune result ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:100] if str(exc) else 'malformed'}); {fix}."
+        ) from None
+    return result
+
+
+def run_report(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from mixprec.report.html import write_report
+
+    result = read_tune_result(Path(args.results))
+    for written in write_report(result, Path(args.out)).values():
         err.print(f"wrote {written}")
     return 0

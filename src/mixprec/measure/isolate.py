@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import resource
 import signal
 import time
@@ -24,7 +25,7 @@ from dataclasses import asdict
 from typing import Any
 
 from mixprec.measure.failure import exception_status, failure_status
-from mixprec.measure.process import current_rss_bytes, main_module_hidden
+from mixprec.measure.process import current_rss_bytes, die_with_parent, main_module_hidden
 from mixprec.measure.runner import BenchSettings, Measurement, TrainingSession
 from mixprec.policy import Candidate
 from mixprec.workload import Workload, WorkloadSpec
@@ -65,6 +66,7 @@ def _error_event(exc: BaseException) -> dict[str, Any]:
 
 def _child(conn: Any, spec: dict[str, Any], candidate: Candidate, settings: BenchSettings) -> None:
     """Child process body: build the session, then obey commands; errors are sent, never raised."""
+    die_with_parent()
     try:
         from mixprec.workload.loader import workload_from_spec
 
@@ -94,6 +96,10 @@ def _child(conn: Any, spec: dict[str, Any], candidate: Candidate, settings: Benc
                     )
                 conn.send({"event": "done", "measurement": asdict(result)})
                 return
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        # The parent is gone (killed): nobody to report to. Exit now, before interpreter shutdown
+        # flushes streams whose readers may be gone too, so an orphan prints nothing.
+        os._exit(0)
     except BaseException as exc:  # report everything, including OOM and KeyboardInterrupt
         with contextlib.suppress(BrokenPipeError, OSError):  # the parent is gone: nobody to tell
             conn.send(_error_event(exc))

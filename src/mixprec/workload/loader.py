@@ -54,6 +54,11 @@ def load_workload(target: str, **sizes: Any) -> Workload:
     try:
         with _on_sys_path(directory) if directory else nullcontext():
             workload = factory(**kwargs)
+    except SystemExit as exc:
+        raise UsageError(
+            f"workload factory {target!r} called sys.exit({exc.code!r}); a factory must return a "
+            "mixprec.Workload, not exit."
+        ) from None
     except Exception as exc:
         raise UsageError(
             f"workload factory {target!r} raised {type(exc).__name__}: {exc}; fix the factory "
@@ -155,6 +160,11 @@ def _load_file(target: str, path: Path) -> ModuleType:
             spec.loader.exec_module(module)
     except BaseException as exc:
         sys.modules.pop(module_name, None)
+        if isinstance(exc, SystemExit):
+            raise UsageError(
+                f"workload file {str(path)!r} of target {target!r} called sys.exit({exc.code!r}) while "
+                "mixprec imported it; put the script's own code under `if __name__ == '__main__':`."
+            ) from None
         if not isinstance(exc, Exception):
             raise
         raise UsageError(
