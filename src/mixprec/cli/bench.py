@@ -120,7 +120,10 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
             )
         except KeyboardInterrupt:
             if jsonl:
-                err.print(f"interrupted: finished rows are in {jsonl}; rerun with --resume to continue")
+                err.print(
+                    f"interrupted: finished rows are in {jsonl}; rerun with --resume to continue",
+                    soft_wrap=True,
+                )
             raise
 
     out.print(bench_table(result))

@@ -72,7 +72,7 @@ def _prepare_folder(option: str, folder: Path) -> None:
             f"{option}: cannot create folder {str(folder)!r} ({exc.strerror or exc}); "
             "pass a path you can write."
         ) from None
-    probe_folder(folder, f"{option} {str(folder)!r}")
+    probe_folder(folder, option)
 
 
 def check_outputs(args: argparse.Namespace) -> list[Path]:

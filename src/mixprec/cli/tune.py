@@ -135,6 +135,8 @@ def summary(data: dict[str, Any]) -> Group:
     if rec.get("speedup_vs_tf32"):
         head.append(f", {rec['speedup_vs_tf32']:.2f}x tf32")
     parts += [head, Text(rec["reason"])]
+    if data.get("budget_exhausted"):
+        parts.append(Text(budget_exhausted(data).args[0], style="red"))
     for finding in rec.get("lint_worth_fixing") or []:
         parts.append(Text(f"  lint {finding.get('rule')}: {finding.get('message')} -> {finding.get('fix')}"))
     snippet = (data.get("exports") or {}).get("mixprec")
@@ -150,12 +152,18 @@ def summary(data: dict[str, Any]) -> Group:
     return Group(*parts)
 
 
+def budget_exhausted(data: dict[str, Any]) -> BudgetExhausted:
+    return BudgetExhausted(f"budget exhausted: {data['budget_exhausted']}; raise --budget (default 240 s).")
+
+
 def no_recommendation(data: dict[str, Any]) -> MixprecError:
     """Why a tune result holds no recommendation, as the error the CLI exits with: the budget ran
     out first (exit 5), every candidate failed to run (exit 2), or no candidate passed (exit 4)."""
     bench = data.get("bench") or {}
     rows = [r for r in bench.get("rows") or [] if isinstance(r, dict) and not r.get("baseline_repeat")]
     failed = [r for r in rows if r.get("status") in (Status.ERROR, Status.OOM)]
+    if data.get("budget_exhausted"):
+        return budget_exhausted(data)
     if not any(r.get("status") == Status.OK for r in rows) and bench.get("stopped"):
         return BudgetExhausted(
             f"budget exhausted: the {data.get('budget_s', 0):g} s budget ran out before strict fp32 was "
@@ -221,6 +229,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
             err.print(f"wrote {path}")
     if result.recommendation is None:
         raise no_recommendation(data)
+    if result.budget_exhausted:
+        raise budget_exhausted(data)
     return 0
 
 

@@ -77,6 +77,9 @@ class _Search:
         self.check_steps, self.fix, self.noise, self.train_steps = check_steps, fix, noise, train_steps
         self.deadline, self.say = deadline, say
         self.notes: list[str] = []
+        # What the budget cut that could have changed the pick (a candidate not measured or not
+        # checked); a pick of strict fp32 with something cut is "budget exhausted", not a verdict.
+        self.cut: list[str] = []
         self.verdicts: dict[Candidate, CandidateCheck] = {}
         self.checked: CheckResult | None = None
         self._checker: Any = None
@@ -107,6 +110,7 @@ class _Search:
         self.result = self._bench(tune_candidates(info, has_4d_weights(self.workload.model)), deadline)
         if self.result.stopped:
             self.notes.append(f"speed sweep {self.result.stopped}")
+            self.cut.append(f"the speed sweep {self.result.stopped}")
 
     def _add(self, rows: Sequence[BenchRow]) -> list[BenchRow]:
         """Fold rows measured in another (paired) sweep into this one; the non-baseline ones."""
@@ -160,6 +164,7 @@ class _Search:
                 break  # slower than a passing candidate by more than the noise: cannot win
             if self.time_left() <= 0:
                 self.notes.append(f"numerics of {numerics.label} not checked: budget spent")
+                self.cut.append(f"the numerics of {numerics.label} were not checked")
                 break
             verdict = self.check(numerics)
             if verdict.passed and (best_pass is None or speed(top) > speed(best_pass)):
@@ -180,6 +185,7 @@ class _Search:
         added = self._add([r for r in self._bench(rescued, self.deadline).measured if r.keep_fp32])
         if not added:
             self.notes.append(f"rescued {base.label} not measured: budget spent")
+            self.cut.append(f"rescued {base.label} was not measured")
             return
         metrics: dict[str, Any] = {
             k: v for k, v in verdict.fix_metrics.items() if k in CandidateCheck.__dataclass_fields__
@@ -388,7 +394,12 @@ def tune(
         if rec
         else {}
     )
+    exhausted = None
+    if search.cut and (rec is None or rec.candidate.policy == "fp32"):
+        pick = "nothing could be recommended" if rec is None else "only strict fp32 could be recommended"
+        exhausted = f"the {budget_s:g} s budget ran out: {'; '.join(search.cut)}, so {pick}"
     return TuneResult(
+        budget_exhausted=exhausted,
         workload=result.workload,
         description=workload.description,
         device=str(dev),
