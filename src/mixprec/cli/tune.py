@@ -234,10 +234,11 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     return 0
 
 
-def read_tune_result(path: Path) -> Any:
-    """The :class:`TuneResult` in a ``mixprec tune --json`` file; a UsageError naming the problem for
-    anything else (missing, a folder, binary, not JSON, another kind, a malformed result)."""
-    from mixprec.report import view as report_view
+def render_tune_file(path: Path) -> dict[str, tuple[str, bytes]]:
+    """The report files (:func:`mixprec.report.html.render_report`) of a ``mixprec tune --json``
+    file; a UsageError naming the problem for anything else (missing, a folder, binary, not JSON,
+    another kind, a malformed result)."""
+    from mixprec.report.html import render_report
     from mixprec.tuning import TuneResult
 
     name = str(path)
@@ -264,7 +265,7 @@ def read_tune_result(path: Path) -> Any:
         )
     try:
         result = TuneResult.from_dict(data)
-        report_view.build(result)  # everything the report reads, read once before writing anything
+        files = render_report(result)  # rendered in memory: a malformed value fails before any write
     except MixprecError:
         raise
     except Exception as exc:  # a hand-edited or truncated result: say what, not where in mixprec
@@ -272,13 +273,13 @@ def read_tune_result(path: Path) -> Any:
             f"results file {name!r} is not a valid tune result ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:100] if str(exc) else 'malformed'}); {fix}."
         ) from None
-    return result
+    return files
 
 
 def run_report(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from mixprec.report.html import write_report
+    from mixprec.report.html import write_files
 
-    result = read_tune_result(Path(args.results))
-    for written in write_report(result, Path(args.out)).values():
+    files = render_tune_file(Path(args.results))
+    for written in write_files(files, Path(args.out)).values():
         err.print(f"wrote {written}")
     return 0

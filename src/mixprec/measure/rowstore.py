@@ -245,6 +245,14 @@ class RowStore:
         assert self._fd is not None
         found = scan(self._read_all())
         name = str(self.path)
+        stale = self._stale(found)
+        if stale and not resume_anyway:  # refused before anything in the file changes
+            raise UsageError(
+                f"--resume refused: {stale}; rerun with the same settings, or without --resume to "
+                "measure again, or pass --resume-anyway (resume_anyway=True) to keep them."
+            )
+        if stale:
+            self.notes.append(f"resumed anyway: {stale}")
         if found.torn_bytes:
             os.ftruncate(self._fd, found.good_end)
             self.notes.append(
@@ -255,14 +263,6 @@ class RowStore:
             self._write(b"\n")
         if found.skipped:
             self.notes.append(f"{name}: skipped {found.skipped} corrupt line(s) (bad JSON or checksum)")
-        stale = self._stale(found)
-        if stale and not resume_anyway:
-            raise UsageError(
-                f"--resume refused: {stale}; rerun with the same settings, or without --resume "
-                "to measure again, or pass --resume-anyway (resume_anyway=True) to keep them."
-            )
-        if stale:
-            self.notes.append(f"resumed anyway: {stale}")
         if not found.headers or found.headers[-1] != self.settings:
             self._write(self._header())
         self.rows = found.rows

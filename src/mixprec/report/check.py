@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mixprec.numerics.results import CandidateCheck, CheckResult
-from mixprec.report.figure import save_figure
+from mixprec.report.figure import figure_bytes, save_figure
 from mixprec.report.format import fmt_bits, fmt_db, fmt_pct, rich_style
 
 
@@ -95,7 +95,7 @@ def check_report(result: CheckResult) -> Group:
     return Group(*parts)
 
 
-def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
+def figure(result: CheckResult) -> Any:
     """Loss curves over the fp32 reference, their relative difference, and per-layer headroom."""
     import matplotlib
 
@@ -184,7 +184,17 @@ def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
     ax_head.legend(fontsize=7)
     fig.suptitle(f"mixprec check: {result.workload} on {result.device}", fontsize=11)
     fig.tight_layout()
-    return save_figure(fig, path, dpi=110)
+    return fig
+
+
+def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
+    """The chart of :func:`figure`, written to ``path`` (its suffix picks png, svg or pdf)."""
+    return save_figure(figure(result), path, dpi=110)
+
+
+def png(result: CheckResult) -> bytes:
+    """The chart of :func:`figure` as PNG bytes."""
+    return figure_bytes(figure(result), "png", dpi=110)
 
 
 def _nan(x: float | None) -> float:

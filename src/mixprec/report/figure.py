@@ -27,14 +27,23 @@ def plot_format(path: str | os.PathLike[str], option: str = "--plot") -> str:
     return suffix
 
 
-def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int, option: str = "--plot") -> Path:
-    """Render ``fig`` in the format its suffix names, write it atomically and close it."""
+def figure_bytes(fig: Any, fmt: str, *, dpi: int) -> bytes:
+    """``fig`` rendered in ``fmt`` (one of :data:`PLOT_FORMATS`), in memory; the figure is closed."""
     import matplotlib.pyplot as plt
 
     try:
-        fmt = plot_format(path, option)
         buffer = io.BytesIO()
         fig.savefig(buffer, format=fmt, dpi=dpi)
     finally:
         plt.close(fig)
-    return atomic_write_bytes(path, buffer.getvalue(), f"{option} file")
+    return buffer.getvalue()
+
+
+def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int, option: str = "--plot") -> Path:
+    """Render ``fig`` in the format its suffix names and write it atomically; the figure is closed."""
+    try:
+        fmt = plot_format(path, option)
+    except UsageError:
+        figure_bytes(fig, "png", dpi=1)  # closes it
+        raise
+    return atomic_write_bytes(path, figure_bytes(fig, fmt, dpi=dpi), f"{option} file")
