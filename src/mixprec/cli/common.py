@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mixprec.errors import UnsupportedError, UsageError
-from mixprec.hardware.device import detect
+from mixprec.hardware.device import DeviceInfo, detect
 from mixprec.measure.results import BenchRow
 from mixprec.policy import canonical_name, check_support
 from mixprec.status import Status
@@ -75,13 +75,19 @@ def workload_from_args(args: argparse.Namespace, defaults: dict[str, Any]) -> An
     return load_workload(target, **sizes)
 
 
-def require_supported(policies: Sequence[str], device: str | None, option: str = "--policies") -> None:
+def require_supported(
+    policies: Sequence[str],
+    device: str | None,
+    option: str = "--policies",
+    allowed: Callable[[str, DeviceInfo], bool] = lambda name, info: False,
+) -> None:
     """Exit 3 before any work when the user named a policy this device cannot run, as ``lint
-    --policy`` and ``demo --policy`` do (``--policies all`` lists unsupported ones instead)."""
+    --policy`` and ``demo --policy`` do (``--policies all`` lists unsupported ones instead).
+    ``allowed(name, info)`` exempts what the command can still do here (check's fp8 predictions)."""
     info = detect(device)
     for name in policies:
         support = check_support(name, info)
-        if not support:
+        if not support and not allowed(name, info):
             hint = f"; try {support.suggestion}" if support.suggestion else ""
             raise UnsupportedError(
                 f"{option} names {canonical_name(name)!r}, which is not supported on {info.type}: "

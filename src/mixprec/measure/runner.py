@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from mixprec import state
 from mixprec.errors import MixprecError
 from mixprec.measure.flops import count_flops
 from mixprec.policy import Candidate, Policy, get_policy
-from mixprec.policy.policy import is_fp32_island
+from mixprec.policy.islands import is_fp32_island
 from mixprec.workload import Workload
 
 # Layers whose output dtype shows which precision really ran (autocast casts their inputs).
@@ -184,6 +185,10 @@ class TrainingSession:
             self.optimizer = with_implementation(self.optimizer, candidate.optimizer)
         self._compile_counts: dict[str, int] | None = None
         if candidate.compile:
+            # Compile cold, as a training run starts: code dynamo already compiled in this process
+            # (an earlier candidate of the same model class) would otherwise be reused, hiding the
+            # compile time and the graph counts. Inductor's on-disk caches stay, as they would.
+            torch._dynamo.reset()
             self._compile_counts = _dynamo_counts()
             self.trained = cast(nn.Module, torch.compile(self.trained, mode=candidate.compile))
         self.batches = batches or make_batches(
@@ -268,6 +273,9 @@ class TrainingSession:
         convolutions (the rest is elementwise work, normalisation, the optimizer: what fusion saves)."""
         from torch.profiler import ProfilerActivity, profile
 
+        # Kineto logs every profiler start/stop (and, on a CUDA build without a GPU, an error) to
+        # stderr; level 6 keeps it quiet. Read once, when the first profiler starts.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             loss = self._train_step(batch)
