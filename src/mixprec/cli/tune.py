@@ -153,7 +153,7 @@ def summary(data: dict[str, Any]) -> Group:
 
 
 def budget_exhausted(data: dict[str, Any]) -> BudgetExhausted:
-    return BudgetExhausted(f"budget exhausted: {data['budget_exhausted']}; raise --budget (default 240 s).")
+    return BudgetExhausted(f"budget exhausted: {data['budget_exhausted']}; raise --budget.")
 
 
 def no_recommendation(data: dict[str, Any]) -> MixprecError:
@@ -167,8 +167,7 @@ def no_recommendation(data: dict[str, Any]) -> MixprecError:
     if not any(r.get("status") == Status.OK for r in rows) and bench.get("stopped"):
         return BudgetExhausted(
             f"budget exhausted: the {data.get('budget_s', 0):g} s budget ran out before strict fp32 was "
-            f"measured ({bench['stopped']}), so nothing was measured or checked; raise --budget "
-            "(default 240 s)."
+            f"measured ({bench['stopped']}), so nothing was measured or checked; raise --budget."
         )
     if rows and len(failed) == len(rows):
         first = failed[0]
