@@ -403,6 +403,13 @@ def test_report_on_anything_but_a_tune_result_is_one_line(tmp_path, capsys, cont
     assert not (out / "index.html").exists()
 
 
+def test_a_failed_command_leaves_no_output_folder_behind(tmp_path, capsys):
+    out = tmp_path / "new" / "deeper"
+    assert main(["report", str(tmp_path / "missing.json"), "--out", str(out)]) == 2
+    assert "does not exist" in _one_error_line(capsys.readouterr().err)
+    assert list(tmp_path.iterdir()) == []  # the folders made for the outputs were removed again
+
+
 def test_report_on_a_folder_is_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
     assert "is a folder" in _one_error_line(capsys.readouterr().err)

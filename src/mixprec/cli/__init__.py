@@ -92,9 +92,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with warnings.catch_warnings(), _sigterm_raises():
             warnings.showwarning = _one_line_warnings(warnings.showwarning)
-            locks = check_outputs(args)
-            with OutputLock(locks):
-                return int(args.run(args, stdout, stderr) or 0)
+            prepared = check_outputs(args)
+            try:
+                with OutputLock(prepared.locks):
+                    return int(args.run(args, stdout, stderr) or 0)
+            finally:
+                prepared.discard_empty_folders()  # a run that wrote nothing leaves no folder behind
     except MixprecError as exc:
         if args.debug:
             raise

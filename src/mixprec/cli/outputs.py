@@ -11,8 +11,9 @@ stem is held until the command ends.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mixprec.errors import UsageError
@@ -59,12 +60,35 @@ def _identity(path: Path) -> str:
     return os.path.normcase(os.path.join(os.path.realpath(path.parent), path.name))
 
 
-def _prepare_folder(option: str, folder: Path) -> None:
+@dataclass
+class Prepared:
+    """What :func:`check_outputs` set up: the lock files to hold, and the folders it created
+    (shallowest first), removed again when the command leaves them empty."""
+
+    locks: list[Path] = field(default_factory=list)
+    created: list[Path] = field(default_factory=list)
+
+    def discard_empty_folders(self) -> None:
+        for folder in reversed(self.created):
+            with contextlib.suppress(OSError):  # not empty: the command wrote there
+                folder.rmdir()
+
+
+def _folder_problem(option: str, folder: Path) -> None:
+    """A UsageError when ``folder`` or one of its parents is a file (checked before creating anything)."""
+    for part in (folder, *folder.parents):
+        if part.exists() or part.is_symlink():
+            if not part.is_dir():
+                raise UsageError(
+                    f"{option}: cannot create folder {str(folder)!r}: {str(part)!r} is a file; "
+                    "pass a path in a folder."
+                )
+            return
+
+
+def _prepare_folder(option: str, folder: Path, prepared: Prepared) -> None:
     """Create ``folder`` when missing and make sure files can be created in it."""
-    if folder.exists() and not folder.is_dir():
-        raise UsageError(
-            f"{option}: cannot create folder {str(folder)!r}: it is a file; pass a path in a folder."
-        )
+    missing = [p for p in (folder, *folder.parents) if not p.exists()][::-1]
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -72,12 +96,16 @@ def _prepare_folder(option: str, folder: Path) -> None:
             f"{option}: cannot create folder {str(folder)!r} ({exc.strerror or exc}); "
             "pass a path you can write."
         ) from None
+    prepared.created += [p for p in missing if p not in prepared.created]
     probe_folder(folder, option)
 
 
-def check_outputs(args: argparse.Namespace) -> list[Path]:
-    """Validate every output of ``args`` (see the module docstring) and return the lock files to hold."""
+def check_outputs(args: argparse.Namespace) -> Prepared:
+    """Validate every output of ``args`` (see the module docstring), then create the folders they
+    need; return the lock files to hold and the folders created. Nothing is created when a check
+    fails."""
     files: list[tuple[str, Path]] = []
+    folders: list[tuple[str, Path]] = []
     locks: list[Path] = []
     for out in planned_outputs(args):
         if out.folder:
@@ -85,14 +113,17 @@ def check_outputs(args: argparse.Namespace) -> list[Path]:
                 raise UsageError(
                     f"{out.option} {str(out.path)!r} is a file, not a folder; pass a folder for the report."
                 )
-            _prepare_folder(out.option, out.path)
+            _folder_problem(out.option, out.path)
+            folders.append((out.option, out.path))
             files += [(f"{out.option} {str(out.path)!r}", out.path / name) for name in REPORT_FILES]
             locks.append(lock_path(out.path, is_dir=True))
             continue
         check_regular_target(out.path, out.option)
         if out.option == "--plot":
             plot_format(out.path)
-        _prepare_folder(f"{out.option} {str(out.path)!r}", out.path.parent)
+        label = f"{out.option} {str(out.path)!r}"
+        _folder_problem(label, out.path.parent)
+        folders.append((label, out.path.parent))
         files.append((out.option, out.path))
         locks.append(lock_path(out.path))
     for option, path in files:
@@ -112,4 +143,11 @@ def check_outputs(args: argparse.Namespace) -> list[Path]:
                 f"other; pass different paths{hint}."
             )
         seen[key] = option
-    return locks
+    prepared = Prepared(locks=locks)
+    try:
+        for label, folder in folders:
+            _prepare_folder(label, folder, prepared)
+    except BaseException:
+        prepared.discard_empty_folders()
+        raise
+    return prepared
