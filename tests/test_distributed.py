@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -139,7 +140,13 @@ def _entry(rank: int, fn, world: int, store: str, backend: str, out: str) -> Non
     )
     try:
         result = fn(rank, world, Path(out))
-        torch.save(result, Path(out) / f"rank{rank}.pt")
+        partial = Path(out) / f"rank{rank}.pt.partial"
+        torch.save(result, partial)
+        partial.replace(Path(out) / f"rank{rank}.pt")  # a result file is complete or absent
+        # No rank tears gloo down while a peer may still be sending: a peer closing its sockets
+        # early is what made gloo abort in teardown (SIGABRT, "terminate called without an
+        # active exception") once in CI.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -156,16 +163,24 @@ def _spawn(fn, tmp_path: Path, monkeypatch, *, world: int = WORLD, backend: str 
         start_method="spawn",
     )
     deadline = time.monotonic() + SPAWN_DEADLINE_S
+    results = [out / f"rank{r}.pt" for r in range(world)]
     try:
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{fn.__name__} did not finish in {SPAWN_DEADLINE_S} s")
+    except mp.ProcessExitedException as exc:
+        # A crash inside gloo's teardown after every rank wrote its complete result is
+        # torch's, not the code under test: the results are still judged below. A Python
+        # exception, an exit code, or a crash before all results exist still fails here.
+        if exc.signal_name is None or not all(p.exists() for p in results):
+            raise
+        warnings.warn(f"{fn.__name__}: a rank crashed in process-group teardown ({exc})", stacklevel=1)
     finally:
         for proc in ctx.processes:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return [torch.load(p, weights_only=False) for p in results]
 
 
 # ----------------------------------------------------------------------------------- DDP workers
