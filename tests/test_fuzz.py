@@ -49,7 +49,7 @@ def _settings(examples: int) -> settings:
         max_examples=max(1, int(examples * SCALE)),
         deadline=None,
         derandomize=True,
-        database=None,  # no .hypothesis/ folder in the work tree
+        database=None,  # no example database: every run tries the same inputs (.hypothesis/ ignores itself)
         suppress_health_check=[
             HealthCheck.too_slow,
             HealthCheck.data_too_large,
