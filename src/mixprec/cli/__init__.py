@@ -64,6 +64,15 @@ def check_outputs(args: argparse.Namespace) -> None:
             )
 
 
+def list_models(pattern: str, out: Console) -> int:
+    """``--list-models [PATTERN]``: the models loadable by name with this install."""
+    from mixprec.report.console import models_report
+    from mixprec.workload.models import list_models as available
+
+    out.print(models_report(available(pattern or None), pattern or None))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -73,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stdout = Console(width=140)
     stderr = Console(stderr=True)
     try:
+        if getattr(args, "list_models", None) is not None:
+            return list_models(args.list_models, stdout)
         check_outputs(args)
         return int(args.run(args, stdout, stderr) or 0)
     except MixprecError as exc:

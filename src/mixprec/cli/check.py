@@ -6,7 +6,7 @@ import argparse
 
 from rich.console import Console
 
-from mixprec.cli.common import add_workload_arguments, positive_int, workload_from_args
+from mixprec.cli.common import CandidateProgress, add_workload_arguments, positive_int, workload_from_args
 from mixprec.errors import UsageError
 from mixprec.hardware.environment import collect
 from mixprec.numerics.check import check
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     policies = [p for p in args.policies.split(",") if p.strip()]
     if not policies and not args.emulate:
         raise UsageError("--policies is empty and no --emulate given: nothing to check.")
-    with err.status("checking") as status:
+    with CandidateProgress(err, "checking", verbose=args.verbose) as shown:
         result = check(
             workload,
             policies=policies,
@@ -51,7 +51,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
             batch_size=args.batch_size or (DEFAULTS["batch_size"] if is_default else None),
             device=args.device,
             fix=args.fix,
-            progress=lambda msg: status.update(f"checking {msg}"),
+            progress=lambda msg: shown.status(f"checking {msg}"),
+            events=shown.bench_event,
         )
     out.print(check_report(result))
     if args.json:

@@ -17,6 +17,7 @@ from rich.text import Text
 from mixprec.cli.common import (
     CPU_DEFAULTS,
     CUDA_DEFAULTS,
+    CandidateProgress,
     add_workload_arguments,
     positive_int,
     workload_from_args,
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     defaults = CUDA_DEFAULTS if on_cuda else CPU_DEFAULTS
     workload = workload_from_args(args, defaults)
     is_default = not args.workload and args.model in (None, "resnet50")
-    with err.status("tuning") as status:
+    with CandidateProgress(err, "tuning", verbose=args.verbose, budget_s=args.budget) as shown:
         result = tune(
             workload,
             budget_s=args.budget,
@@ -185,7 +186,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
             compile_modes=() if args.no_compile else args.compile,
             optimizers=not args.no_optimizers,
             train_steps=args.train_steps,
-            progress=lambda msg: status.update(msg),
+            progress=shown.status,
+            events=shown.bench_event,
         )
     result.command = "mixprec " + " ".join(sys.argv[1:])
     data = result.to_dict()

@@ -7,9 +7,11 @@ status) is the sweep's job.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
+import multiprocessing
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from mixprec.measure.flops import count_flops
 from mixprec.policy import Candidate, Policy, get_policy
 from mixprec.policy.policy import is_fp32_island
 from mixprec.workload import Workload
+from mixprec.workload.output import captured_fds
 
 # Layers whose output dtype shows which precision really ran (autocast casts their inputs).
 _COMPUTE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Bilinear)
@@ -179,7 +182,7 @@ class TrainingSession:
         self.model = self.policy.prepare(copy.deepcopy(workload.model))
         self.model.train()
         self.trained = wrap_model(self.model, self.policy) if wrap_model is not None else self.model
-        self.optimizer = workload.make_optimizer(self.model.parameters())
+        self.optimizer = workload.make_optimizer(self.model)
         if candidate.optimizer:
             self.optimizer = with_implementation(self.optimizer, candidate.optimizer)
         self._compile_counts: dict[str, int] | None = None
@@ -269,10 +272,14 @@ class TrainingSession:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            loss = self._train_step(batch)
-            _sync(self.device)
-        self.result.compute_share = compute_share(prof.key_averages(), self.device.type == "cuda")
+        # The profiler's backend logs its start and stop on stderr; in a candidate's own process
+        # that would be two lines per candidate (this process's own output is the user's).
+        in_child = multiprocessing.parent_process() is not None
+        with captured_fds() if in_child else contextlib.nullcontext():
+            with profile(activities=activities) as prof:
+                loss = self._train_step(batch)
+                _sync(self.device)
+            self.result.compute_share = compute_share(prof.key_averages(), self.device.type == "cuda")
         return loss
 
     def warm_up(self, emit: Emit) -> bool:

@@ -29,7 +29,7 @@ from mixprec.measure.results import BenchResult, BenchRow, Peaks, append_jsonl, 
 from mixprec.measure.runner import BenchSettings, Measurement, distinct_batches, make_batches
 from mixprec.policy import POLICY_NAMES, Candidate, canonical_name, check_support
 from mixprec.status import Status
-from mixprec.workload import Workload
+from mixprec.workload import Workload, validate_workload
 
 Progress = Callable[[dict[str, Any]], None]
 CHANNELS_LAST_CHOICES = ("off", "on", "both")
@@ -176,6 +176,9 @@ def bench(
     progress = progress or (lambda event: None)
     label = workload_label(workload)
     bs = batch_size or workload.default_batch_size
+    # One strict-fp32 step here first: a broken make_batch / loss_fn / optimizer_fn is one clear
+    # error now, not the same failure in every row.
+    validate_workload(workload, device=dev, batch_size=bs)
     plan = plan_candidates(names, layouts) if candidates is None else [BASELINE]
     plan += [c for c in (candidates or []) if c not in plan]
     settings = BenchSettings(

@@ -32,9 +32,10 @@ from mixprec.numerics.verdict import (
 )
 from mixprec.policy import Candidate, Policy, Thresholds, check_support, get_policy
 from mixprec.status import Status
-from mixprec.workload import Workload
+from mixprec.workload import Workload, validate_workload
 
 Progress = Callable[[str], None]
+Events = Callable[[dict[str, Any]], None]
 
 
 def _emulation_context(fmt: str | None) -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
@@ -329,6 +330,7 @@ def make_checker(
     dev = resolve_device(device)
     merged = {**default_thresholds(), **(thresholds or {})}
     bs = batch_size or workload.default_batch_size
+    validate_workload(workload, device=dev, batch_size=bs)
     return _Checker(workload, dev, bs, steps, merged, progress or (lambda msg: None), deadline)
 
 
@@ -345,12 +347,15 @@ def check(
     progress: Progress | None = None,
     deadline: float = math.inf,
     checker: _Checker | None = None,
+    events: Events | None = None,
 ) -> CheckResult:
     """Check each policy (and each emulated format) against an fp32 reference on ``workload``.
 
     ``deadline`` (a ``time.perf_counter()`` value) stops keep-fp32 searches once passed.
     ``checker`` (from :func:`make_checker`) reuses an fp32 reference, its ranges and the chaos
-    floor across calls, e.g. when candidates are checked one at a time.
+    floor across calls, e.g. when candidates are checked one at a time. ``events`` receives
+    ``{"event": "verdict", "check": CandidateCheck, "index": i, "count": n}`` as each candidate
+    is judged. The workload is validated first (:func:`mixprec.workload.validate_workload`).
     """
     if checker is None:
         checker = make_checker(
@@ -366,14 +371,16 @@ def check(
     info = detect(dev)
     cands = _plan(policies, emulate)
     results = []
-    for cand in cands:
+    for index, cand in enumerate(cands):
         support = check_support(cand.policy, info)
-        if not support:
+        if support:
+            results.append(checker.check(cand, fix))
+        else:
             results.append(
                 CandidateCheck(cand, Status.UNSUPPORTED, support.reason, suggestion=support.suggestion)
             )
-            continue
-        results.append(checker.check(cand, fix))
+        if events is not None:
+            events({"event": "verdict", "check": results[-1], "index": index, "count": len(cands)})
     return CheckResult(
         workload=str(workload.name),
         device=str(dev),
