@@ -58,6 +58,11 @@ def load_workload(target: str, **sizes: Any) -> Workload:
             f"workload target {target!r} is malformed; expected 'path/to/file.py:function' or "
             "'package.module:function' with a function name after the last ':'."
         )
+    if _misspelt_source(module_part):
+        raise UsageError(
+            f"unknown model source {module_part!r} in {target!r} (and no module of that name to import); "
+            f"valid sources: {', '.join(SOURCES)}.{did_you_mean(module_part, list(SOURCES))}"
+        )
     module, directory = _load_module(target, module_part)
     factory = _get_factory(target, module, func_name)
     kwargs = _factory_kwargs(target, factory, sizes)
@@ -106,6 +111,16 @@ def workload_from_spec(spec: WorkloadSpec) -> Workload:
 def _type_name(value: Any) -> str:
     cls = type(value)
     return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _misspelt_source(module_part: str) -> bool:
+    """'tim' in 'tim:convnext_atto': close to a model source and not an importable module."""
+    if _is_file_target(module_part) or "." in module_part or not did_you_mean(module_part, list(SOURCES)):
+        return False
+    try:
+        return importlib.util.find_spec(module_part) is None
+    except (ImportError, ValueError):
+        return True
 
 
 def _is_file_target(module_part: str) -> bool:

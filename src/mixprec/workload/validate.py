@@ -122,8 +122,8 @@ def _call(what: str, fn: Callable[..., Any], *call_args: Any, args: str, own: bo
         raise
     except Exception as exc:
         message = str(exc).splitlines()[0] if str(exc) else ""
-        name = getattr(fn, "__qualname__", "") if own else ""
-        shown = f"{what} ({name})" if name and name not in (what, "<lambda>") else what
+        name = getattr(fn, "__name__", "") if own else ""
+        shown = f"{what}={name}" if name and name not in (what, "<lambda>") else what
         raise UsageError(f"{shown}{args} raised {type(exc).__name__}: {message}; fix it {_DEBUG}.") from exc
 
 

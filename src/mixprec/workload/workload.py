@@ -46,8 +46,14 @@ def optimizer_takes_module(fn: Callable[..., Any]) -> bool:
     ``functools.partial`` of one) gets ``model.parameters()``.
     """
     try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # a builtin without a signature: the old form
+        signature = inspect.signature(fn, eval_str=True)  # resolves "nn.Module" and subclasses
+    except (NameError, SyntaxError, AttributeError, TypeError):
+        signature = None
+    except ValueError:  # a builtin without a signature: the old form
+        return False
+    try:
+        params = list((signature or inspect.signature(fn)).parameters.values())
+    except (TypeError, ValueError):
         return False
     positional = [
         p
@@ -58,9 +64,8 @@ def optimizer_takes_module(fn: Callable[..., Any]) -> bool:
         return False
     first = positional[0]
     annotation = first.annotation
-    if isinstance(annotation, str):  # `from __future__ import annotations`
-        tail = annotation.rsplit(".", 1)[-1]
-        if tail in ("Module", "nn.Module") or annotation.endswith("nn.Module"):
+    if isinstance(annotation, str):  # an annotation that did not resolve: read its text
+        if annotation.strip("'\" ").rsplit(".", 1)[-1] == "Module":
             return True
     elif inspect.isclass(annotation) and issubclass(annotation, nn.Module):
         return True
