@@ -42,14 +42,15 @@ def validate_workload(
     ``make_batch`` must return tensors on ``device``; ``loss_fn`` a finite scalar floating-point
     tensor with a gradient path to the model it is given; ``optimizer_fn`` an optimizer over that
     model's parameters that steps. Raises :class:`UsageError` for the first part that does not.
-    The workload's model, its RNG and the caller's RNG are left as they were; a (device, batch
-    size) that passed once is not run again.
+    The workload's model, its RNG and the caller's RNG are left as they were; the same workload
+    parts at the same device and batch size that passed once are not run again.
     """
     if not isinstance(workload, Workload):
         raise UsageError(f"validate_workload() takes a mixprec.Workload, got {type(workload).__name__}.")
     dev = resolve_device(device)
     bs = batch_size or workload.default_batch_size
-    key = (str(dev), int(bs))
+    parts = (workload.model, workload.make_batch, workload.loss_fn, workload.optimizer_fn)
+    key = (str(dev), int(bs), *(id(part) for part in parts))
     if key in workload._validated:
         return
     try:

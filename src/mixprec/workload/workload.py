@@ -108,8 +108,9 @@ class Workload:
     default_batch_size: int = 32
     spec: WorkloadSpec | None = field(default=None, repr=False)
     description: str = ""  # one line for reports, e.g. 'resnet50, 3x128x128 images'
-    # (device, batch size) pairs already validated by mixprec.workload.validate in this process.
-    _validated: set[tuple[str, int]] = field(default_factory=set, init=False, repr=False, compare=False)
+    # What mixprec.workload.validate_workload already checked in this process: device, batch size
+    # and the identity of each part (a part replaced since is checked again).
+    _validated: set[tuple[Any, ...]] = field(default_factory=set, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
