@@ -69,6 +69,11 @@ def test_torchvision_input_size_comes_from_the_recipe():
     assert "3x299x299" in w.description and "10 classes" in w.description
     with pytest.raises(UsageError, match=r"image_size=32 for model 'torchvision:inception_v3'.*>= 75"):
         load_workload("torchvision:inception_v3", image_size=32)
+    # a CPU-sized cap applies where the model takes it, and the spec records the size used
+    capped = load_workload("torchvision:mobilenet_v3_small", max_image_size=64)
+    assert "3x64x64" in capped.description and dict(capped.spec.sizes) == {"image_size": 64}
+    kept = load_workload("torchvision:inception_v3", max_image_size=64, num_classes=10)
+    assert "3x299x299" in kept.description and "image_size" not in dict(kept.spec.sizes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -94,6 +99,9 @@ def test_timm_model_is_timms_own_with_timms_optimizer():
 
 def test_timm_options_and_names():
     require("timm", "timm")
+    assert "3x64x64" in load_workload("timm:convnext_atto", max_image_size=64).description
+    vit = load_workload("timm:vit_tiny_patch16_224", max_image_size=64)  # a fixed input size
+    assert "3x224x224" in vit.description and "image_size" not in dict(vit.spec.sizes)
     assert load_workload("timm:convnext_atto", num_classes=10, image_size=32).model.num_classes == 10
     with pytest.raises(UsageError, match=r"unknown timm model 'convnext_atoo'.*Close matches: convnext_atto"):
         load_workload("timm:convnext_atoo")
@@ -223,6 +231,23 @@ def test_parse_model_config():
     for bad, fragment in (("n_layer", "not key=value"), ("a=1,a=2", "twice"), ("=3", "not key=value")):
         with pytest.raises(UsageError, match=fragment):
             parse_model_config(bad)
+
+
+def test_vision_models_by_name_are_cpu_sized_like_the_default_model():
+    from mixprec.cli import build_parser
+    from mixprec.cli.common import CPU_DEFAULTS, CUDA_DEFAULTS, default_batch_size, workload_from_args
+
+    args = build_parser().parse_args(["tune", "--model", "torchvision:mobilenet_v3_small"])
+    assert dict(workload_from_args(args, CPU_DEFAULTS).spec.sizes) == {"image_size": 128}
+    assert default_batch_size(args, CPU_DEFAULTS) == 16
+    assert "image_size" not in dict(workload_from_args(args, CUDA_DEFAULTS).spec.sizes)
+    assert default_batch_size(args, CUDA_DEFAULTS) is None  # the workload's own
+    explicit = build_parser().parse_args(
+        ["tune", "--model", "torchvision:mobilenet_v3_small", "--image-size", "96"]
+    )
+    assert dict(workload_from_args(explicit, CPU_DEFAULTS).spec.sizes) == {"image_size": 96}
+    text = build_parser().parse_args(["tune", "--model", "gpt2", "--seq-len", "16"])
+    assert default_batch_size(text, CPU_DEFAULTS) is None
 
 
 def test_model_config_reaches_the_builtin_gpt2_and_conflicts_are_refused(capsys):

@@ -13,6 +13,7 @@ from mixprec.cli.common import (
     CUDA_DEFAULTS,
     CandidateProgress,
     add_workload_arguments,
+    default_batch_size,
     positive_int,
     workload_from_args,
 )
@@ -59,8 +60,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     defaults = CUDA_DEFAULTS if on_cuda else CPU_DEFAULTS
     workload = workload_from_args(args, defaults)
-    is_default_model = not args.workload and (args.model in (None, "resnet50"))
-    batch_size = args.batch_size or (defaults["batch_size"] if is_default_model else None)
+    batch_size = default_batch_size(args, defaults)
     jsonl = Path(args.json).with_suffix(".jsonl") if args.json else None
 
     with CandidateProgress(err, "starting", verbose=args.verbose) as shown:

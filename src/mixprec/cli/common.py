@@ -8,7 +8,7 @@ from typing import Any
 from mixprec.cli.progress import CandidateProgress, sweep_progress
 from mixprec.errors import UsageError
 from mixprec.workload.loader import load_workload
-from mixprec.workload.models import SOURCES, parse_model_config
+from mixprec.workload.models import SOURCES, parse_model_config, source_of
 from mixprec.workload.workload import Workload
 from mixprec.workload.zoo import ZOO_NAMES
 
@@ -17,6 +17,7 @@ __all__ = [
     "CUDA_DEFAULTS",
     "CandidateProgress",
     "add_workload_arguments",
+    "default_batch_size",
     "positive_int",
     "sweep_progress",
     "workload_from_args",
@@ -25,7 +26,16 @@ __all__ = [
 # Sized so the default sweep (resnet50, every CPU policy, both layouts) ends in about two
 # minutes on a 2-core CPU, at a size where compute (not per-op overhead) dominates so the
 # ranking means something; on CUDA the seed's setup: 224 px and a batch that fills the GPU.
-CPU_DEFAULTS: dict[str, Any] = {"image_size": 128, "batch_size": 16, "steps": 4, "warmup": 1, "min_time": 1.0}
+# A vision model by name gets the same on a CPU: at most 128 px (where the model takes smaller
+# inputs than its recipe's) and batch 16.
+CPU_DEFAULTS: dict[str, Any] = {
+    "image_size": 128,
+    "max_image_size": 128,
+    "batch_size": 16,
+    "steps": 4,
+    "warmup": 1,
+    "min_time": 1.0,
+}
 CUDA_DEFAULTS: dict[str, Any] = {
     "image_size": 224,
     "batch_size": 256,
@@ -81,6 +91,23 @@ def add_workload_arguments(p: argparse.ArgumentParser, *, verbose: bool = True) 
         )
 
 
+def _sized_by_defaults(args: argparse.Namespace, defaults: dict[str, Any]) -> bool:
+    """The default model, or a vision model by name where the defaults cap the image size (CPU)."""
+    if args.workload:
+        return False
+    if args.model in (None, "resnet50"):
+        return True
+    source = source_of(args.model)
+    return source is not None and "image_size" in source.sizes and "max_image_size" in defaults
+
+
+def default_batch_size(args: argparse.Namespace, defaults: dict[str, Any]) -> int | None:
+    """--batch-size, else the defaults' batch for the models they size (None: the workload's)."""
+    if args.batch_size:
+        return int(args.batch_size)
+    return defaults.get("batch_size") if _sized_by_defaults(args, defaults) else None
+
+
 def workload_from_args(args: argparse.Namespace, defaults: dict[str, Any]) -> Workload:
     sizes: dict[str, Any] = {}
     target = args.workload or args.model or "resnet50"
@@ -88,6 +115,8 @@ def workload_from_args(args: argparse.Namespace, defaults: dict[str, Any]) -> Wo
         sizes["image_size"] = args.image_size
     elif target == "resnet50" and not args.workload and "image_size" in defaults:
         sizes["image_size"] = defaults["image_size"]
+    elif _sized_by_defaults(args, defaults):
+        sizes["max_image_size"] = defaults["max_image_size"]
     if args.seq_len:
         sizes["seq_len"] = args.seq_len
     config = parse_model_config(getattr(args, "model_config", None))

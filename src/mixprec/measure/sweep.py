@@ -137,7 +137,8 @@ def bench(
             isolated CPU peak memory, crash isolation, hard pruning.
         prune_factor: stop a candidate that many times slower than the best so far (compared
             like with like, retried once at the end; see :mod:`mixprec.measure.paired`).
-        progress: receives 'candidate', 'step' and 'row' events.
+        progress: receives 'candidate', 'step' and 'row' events, and 'output' (what rebuilding
+            the workload printed in a candidate's process, already shown once by this one).
         candidates: replaces the ``policies`` x ``channels_last`` grid (e.g. a keep_fp32
             rescue); strict fp32 is always measured too, as the baseline.
         nproc: train every candidate data-parallel on that many DDP ranks (needs a spec); these
@@ -146,6 +147,10 @@ def bench(
             training scripts do (the warm-up steps absorb the tuning).
         deadline: a ``time.perf_counter()`` value; the sweep stops there and returns what it has.
         should_stop: polled between steps; True stops the sweep the same way.
+
+    Before measuring, one strict-fp32 step in this process validates the workload
+    (:func:`mixprec.workload.validate_workload`): a broken ``make_batch``, ``loss_fn`` or
+    ``optimizer_fn`` raises one :class:`UsageError` instead of failing every row alike.
     """
     if not isinstance(workload, Workload):
         raise UsageError(f"bench() takes a mixprec.Workload, got {type(workload).__name__}.")

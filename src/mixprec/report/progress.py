@@ -13,7 +13,7 @@ def bench_row_line(row: Any) -> tuple[str, str, str]:
     if row.throughput:
         figure = f"{fmt_throughput(row.throughput)} samples/s"
         speedup = fmt_speedup(row.speedup_vs_fp32)
-        if speedup and row.policy != "fp32":
+        if speedup and row.label != "fp32":  # every row but the baseline itself
             figure += f", {speedup} fp32"
     else:
         figure = row.reason

@@ -5,6 +5,10 @@ are seeded random images at the model's own input size (the crop size of its ref
 with random labels, and the loss is cross-entropy, as the libraries' training scripts compute it.
 The optimizer is the library's reference recipe: torchvision's SGD (momentum 0.9, weight decay
 1e-4, none on norms and biases), timm's ``create_optimizer_v2(model, "adamw", ...)``.
+
+Options: ``image_size`` (exact), or ``max_image_size``, a cap honoured where the model takes
+smaller inputs (not a ViT with a fixed input size): what a CPU-sized run asks for. The spec
+records the size used, so another process rebuilds the same workload.
 """
 
 from __future__ import annotations
@@ -113,8 +117,13 @@ def build_torchvision(name: str, options: dict[str, Any]) -> Workload:
     target = f"torchvision:{name}"
     config = dict(options)
     image_size = config.pop("image_size", None)
+    cap = config.pop("max_image_size", None)
     default_size, min_size = _torchvision_sizes(name)
     size = default_size
+    if image_size is None and cap is not None and not name.startswith("vit_"):
+        cap = check_positive_int("max_image_size", cap, target)
+        if min_size <= cap < default_size:
+            image_size = cap
     if image_size is not None:
         size = check_positive_int("image_size", image_size, target, max(min_size, 16))
         if size != default_size and name.startswith("vit_"):
@@ -132,7 +141,7 @@ def build_torchvision(name: str, options: dict[str, Any]) -> Workload:
         ) from None
     except ValueError as exc:
         raise UsageError(f"{target} rejected {_options(config)}: {exc}; fix --model-config.") from None
-    return image_classification(
+    workload = image_classification(
         model=model,
         name=name,
         target=target,
@@ -143,6 +152,7 @@ def build_torchvision(name: str, options: dict[str, Any]) -> Workload:
         optimizer_fn=_torchvision_optimizer,
         what="torchvision",
     )
+    return _recorded(workload, options, image_size)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -170,10 +180,18 @@ def _timm_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 def build_timm(name: str, options: dict[str, Any]) -> Workload:
     import timm
+    from timm.models import get_pretrained_cfg
 
     target = f"timm:{name}"
     config = dict(options)
     image_size = config.pop("image_size", None)
+    cap = config.pop("max_image_size", None)
+    recipe: Any = get_pretrained_cfg(name)
+    native = int(recipe.input_size[-1]) if recipe is not None else 224
+    if image_size is None and cap is not None:
+        cap = check_positive_int("max_image_size", cap, target)
+        if cap < native and not (recipe is not None and recipe.fixed_input_size):
+            image_size = cap
     try:
         model = seeded_model(lambda: timm.create_model(name, pretrained=False, **config))
     except TypeError as exc:
@@ -188,7 +206,7 @@ def build_timm(name: str, options: dict[str, Any]) -> Workload:
     size = int(height)
     if image_size is not None:
         size = check_positive_int("image_size", image_size, target, 16)
-    return image_classification(
+    workload = image_classification(
         model=model,
         name=name,
         target=target,
@@ -199,6 +217,7 @@ def build_timm(name: str, options: dict[str, Any]) -> Workload:
         optimizer_fn=_timm_optimizer,
         what=f"timm {timm.__version__}",
     )
+    return _recorded(workload, options, image_size)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -206,6 +225,15 @@ def build_timm(name: str, options: dict[str, Any]) -> Workload:
 
 def _options(config: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in config.items()) or "(none)"
+
+
+def _recorded(workload: Workload, options: dict[str, Any], image_size: int | None) -> Workload:
+    """The workload with a spec that names the image size used instead of the cap."""
+    recorded = {k: v for k, v in options.items() if k != "max_image_size"}
+    if image_size is not None:
+        recorded["image_size"] = image_size
+    workload.spec = WorkloadSpec("model", str(workload.name), tuple(sorted(recorded.items())))
+    return workload
 
 
 def close_matches(name: str, names: list[str]) -> str:
