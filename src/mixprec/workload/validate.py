@@ -96,24 +96,20 @@ def _one_step(workload: Workload, dev: torch.device, bs: int) -> None:
 
 def _make_optimizer(workload: Workload, model: nn.Module) -> torch.optim.Optimizer:
     takes_module = workload.optimizer_takes_module
-    try:
-        return _call(
-            "optimizer_fn",
-            workload.make_optimizer,
-            model,
-            args="(model)" if takes_module else "(model.parameters())",
-            own=False,
-        )
-    except UsageError as exc:
-        if takes_module or workload.optimizer_fn is None or "raised" not in str(exc):
-            raise
-        raise UsageError(
-            f"{exc} It was given model.parameters(), the older form: to receive the module, name its "
-            "first parameter `model` (or annotate it `nn.Module`)."
-        ) from exc
+    older_form = workload.optimizer_fn is not None and not takes_module
+    hint = (
+        " It was given model.parameters(), the older form: to receive the module, name its first "
+        "parameter `model` (or annotate it `nn.Module`)."
+        if older_form
+        else ""
+    )
+    args = "(model)" if takes_module else "(model.parameters())"
+    return _call("optimizer_fn", workload.make_optimizer, model, args=args, own=False, hint=hint)
 
 
-def _call(what: str, fn: Callable[..., Any], *call_args: Any, args: str, own: bool = True) -> Any:
+def _call(
+    what: str, fn: Callable[..., Any], *call_args: Any, args: str, own: bool = True, hint: str = ""
+) -> Any:
     """``fn(*call_args)``; its exception as one line naming ``what`` (out of memory: skipped)."""
     try:
         return fn(*call_args)
@@ -125,7 +121,9 @@ def _call(what: str, fn: Callable[..., Any], *call_args: Any, args: str, own: bo
         message = str(exc).splitlines()[0] if str(exc) else ""
         name = getattr(fn, "__name__", "") if own else ""
         shown = f"{what}={name}" if name and name not in (what, "<lambda>") else what
-        raise UsageError(f"{shown}{args} raised {type(exc).__name__}: {message}; fix it {_DEBUG}.") from exc
+        raise UsageError(
+            f"{shown}{args} raised {type(exc).__name__}: {message}; fix it {_DEBUG}.{hint}"
+        ) from exc
 
 
 def type_name(value: Any) -> str:
