@@ -63,7 +63,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     batch_size = default_batch_size(args, defaults)
     jsonl = Path(args.json).with_suffix(".jsonl") if args.json else None
 
-    with CandidateProgress(err, "starting", verbose=args.verbose) as shown:
+    with CandidateProgress(err, "checking the workload: one strict-fp32 step", verbose=args.verbose) as shown:
         try:
             result = bench(
                 workload,

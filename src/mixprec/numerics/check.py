@@ -330,6 +330,7 @@ def make_checker(
     dev = resolve_device(device)
     merged = {**default_thresholds(), **(thresholds or {})}
     bs = batch_size or workload.default_batch_size
+    (progress or (lambda msg: None))("the workload: one strict-fp32 step")
     validate_workload(workload, device=dev, batch_size=bs)
     return _Checker(workload, dev, bs, steps, merged, progress or (lambda msg: None), deadline)
 

@@ -368,6 +368,8 @@ def tune(
     start = time.perf_counter()
     dev = resolve_device(device)
     info = detect(dev)
+    say = progress or (lambda msg: None)
+    say("checking the workload: one strict-fp32 step")
     validate_workload(workload, device=dev, batch_size=batch_size or workload.default_batch_size)
     search = _Search(
         workload,
@@ -378,7 +380,7 @@ def tune(
         noise=noise,
         train_steps=train_steps,
         deadline=start + budget_s,
-        say=progress or (lambda msg: None),
+        say=say,
         events=events or (lambda event: None),
     )
     search.measure_speed(info, start + SPEED_SHARE * budget_s)
