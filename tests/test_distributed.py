@@ -478,6 +478,9 @@ def test_support_reasons():
     for name, policy in cpu.items():
         for wrapper in WRAPPERS:
             verdict = support(policy, wrapper, "gloo")
+            if wrapper == "fsdp2" and policy.spec.fp8_recipe:  # not applied or checked yet: says so
+                assert not verdict and "fully_shard" in verdict.reason and verdict.suggestion
+                continue
             assert verdict and verdict.reason, (name, wrapper)
             refused = support(policy, wrapper, "nccl")
             assert not refused and "CUDA" in refused.reason and "gloo" in refused.suggestion

@@ -236,6 +236,13 @@ CASES = [
     Case("MP107", lambda: tokens(TinyLM(), seq=30), lambda: tokens(TinyLM(), seq=32), CUDA),
     Case("MP108", lambda: tokens(TinyLM(dim=48, heads=4)), lambda: tokens(TinyLM(dim=64, heads=4)), CUDA),
     Case(
+        "MP109",
+        lambda: vectors(mlp(64, 104, 16)),  # 104: aligned for bf16 (8), not for fp8 (16)
+        lambda: vectors(mlp(64, 112, 16)),
+        {"policy": "fp8-rowwise", "target": "cuda"},
+        modules={"0", "2"},
+    ),
+    Case(
         "MP201",
         lambda: images(cnn(32, 32)),
         lambda: images(cnn(32, 32)),

@@ -153,10 +153,10 @@ def test_candidates_table_with_the_recommended_row_marked(result):
 
     md = report_html.render_markdown(result).splitlines()
     columns = "candidate | status | samples/s | speedup vs fp32 | step ms median ± IQR | peak memory | MFU"
-    head = md.index(f"| {columns} | numerics | why |")
-    assert md[head + 1] == "|---|---|---:|---:|---:|---:|---:|---|---|"
+    head = md.index(f"| {columns} | compile | matmul/conv share of step | numerics | why |")
+    assert md[head + 1] == "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|"
     body = md[head + 2 : head + 2 + len(result.ranked)]
-    assert [line.count(" | ") for line in body] == [8] * len(result.ranked)
+    assert [line.count(" | ") for line in body] == [10] * len(result.ranked)
     assert [line for line in body if "★" in line] == [
         next(line for line in body if line.startswith(f"| **{report_html.md(rec.label)}** ★ | recommended |"))
     ]
@@ -230,7 +230,7 @@ def test_user_text_is_escaped(result):
     md = report_html.render_markdown(evil)
     assert EVIL not in md and "<i>" not in md and "&lt;script&gt;" in md
     row = next(line for line in md.splitlines() if "alert" in line and line.startswith("| "))
-    assert "\\| cell break |" in row and row.count(" | ") == 8  # the pipe cannot split the cell
+    assert "\\| cell break |" in row and row.count(" | ") == 10  # the pipe cannot split the cell
     assert "x = '</pre>'" in md  # code blocks are verbatim
 
 

@@ -8,9 +8,12 @@ import pytest
 
 import mixprec
 from mixprec import DeviceInfo
+from mixprec.policy.fp8 import torchao_available
 
 ALL = set(mixprec.POLICY_NAMES)
 HALF = {"bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true"}
+# fp8 runs through torchao (the fp8 extra, installed by `make test`)
+FP8 = {"fp8-rowwise", "fp8-tensorwise"} if torchao_available() else set()
 
 DEVICES = {
     "P100": DeviceInfo(type="cuda", name="P100", capability=(6, 0)),
@@ -30,8 +33,8 @@ SUPPORTED = {
     "V100": {"fp32", "fp16-mixed", "fp16-true"},
     "T4": {"fp32", "fp16-mixed", "fp16-true"},
     "A100": {"fp32", "tf32", *HALF},
-    "L4": {"fp32", "tf32", *HALF},
-    "H100": {"fp32", "tf32", *HALF},
+    "L4": {"fp32", "tf32", *HALF, *FP8},
+    "H100": {"fp32", "tf32", *HALF, *FP8},
     "cpu-avx512bf16": {"fp32", "bf32", *HALF},
     "cpu-amx": {"fp32", "bf32", *HALF},
     "cpu-avx512fp16": {"fp32", *HALF},
@@ -64,6 +67,15 @@ def test_support_table(device, name):
         word, suggestion = SLOW[(device, name)]
         assert word in support.reason
         assert support.suggestion == suggestion
+
+
+@pytest.mark.parametrize("name", ["fp8-rowwise", "fp8-tensorwise"])
+def test_fp8_needs_compute_capability_8_9_and_says_what_a_cpu_can_do(name):
+    a100 = mixprec.check_support(name, DEVICES["A100"])
+    assert not a100 and "compute capability >= 8.9, this GPU has compute capability 8.0" in a100.reason
+    assert a100.suggestion == "bf16-mixed"
+    cpu = mixprec.check_support(name, DEVICES["cpu-avx512bf16"])
+    assert not cpu and "predicts its numerics here" in cpu.reason
 
 
 @pytest.mark.parametrize("device", ["V100", "T4", "P100"])

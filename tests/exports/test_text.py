@@ -34,7 +34,7 @@ from mixprec.exports import (
     split_sections,
 )
 from mixprec.policy import PolicyConfig, ScalerOptions, get_policy
-from mixprec.policy.policy import island_names
+from mixprec.policy.islands import island_names
 
 ROOT = Path(__file__).parents[2]
 GOLDEN_DIR = ROOT / "tests" / "golden" / "export"

@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "tune", help="find the fastest policy that trains like fp32, with evidence and exports"
     )
     add_workload_arguments(p)
-    p.add_argument("--budget", type=float, default=240.0, help="seconds for the whole search (default 240)")
+    p.add_argument("--budget", type=float, default=300.0, help="seconds for the whole search (default 300)")
     p.add_argument("--steps", type=positive_int, help="timed steps per candidate")
     p.add_argument("--check-steps", type=positive_int, default=6, help="training steps compared with fp32")
     p.add_argument(

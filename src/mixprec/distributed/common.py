@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from mixprec.errors import PolicyError, UsageError, did_you_mean
-from mixprec.policy.policy import Policy, island_names
+from mixprec.policy.islands import island_names
+from mixprec.policy.policy import Policy
 from mixprec.policy.registry import PolicySpec, spec_of
 from mixprec.policy.support import Support
 

@@ -21,6 +21,11 @@ from mixprec.policy.support import Support
 def ddp_reason(spec: PolicySpec) -> str:
     """What DistributedDataParallel does with a policy, from the policy's facts."""
     fmt = spec.compute_format
+    if spec.fp8_recipe is not None:
+        return (
+            "fp32 params and fp32 gradient all-reduce; each rank converts its replica's Linear layers to "
+            "torchao Float8Linear and runs bf16 autocast around them"
+        )
     if spec.is_math_mode:
         return (
             f"fp32 params and fp32 gradient all-reduce; the {spec.name} fp32 math mode is set per rank by "
@@ -102,6 +107,13 @@ def support(policy: Policy | str, wrapper: Wrapper | str, backend: str | None = 
                 "plain GradScaler could skip on some ranks only; it needs "
                 "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler",
                 "bf16-mixed, or torch >= 2.5",
+            )
+        if spec.fp8_recipe is not None:
+            return Support(
+                False,
+                "torchao's Float8Linear under fully_shard needs torchao's FSDP2 float8 settings "
+                "(fp8 all-gather, precomputed scales), which mixprec does not apply or check yet",
+                f"{spec.name} under ddp, or bf16-mixed under fsdp2",
             )
         if isinstance(policy, Policy) and policy.config.channels_last:
             return Support(

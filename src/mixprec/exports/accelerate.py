@@ -44,6 +44,7 @@ class AccelerateTarget(PyTorchTarget):
 
     name = "accelerate"
     writes_compile = False  # not written yet: refused with the reason
+    writes_fp8 = False  # its own fp8 path (if any) is not what mixprec measures: refused
     title = "HF Accelerate"
     aliases: ClassVar[tuple[str, ...]] = ()  # not the plain-PyTorch target's
     package = "accelerate"

@@ -106,6 +106,11 @@ class Facts:
         return self.config.name
 
     @property
+    def fp8_recipe(self) -> str | None:
+        """The torchao.float8 recipe of an fp8 policy."""
+        return self.spec.fp8_recipe
+
+    @property
     def mixed(self) -> torch.dtype | None:
         """The autocast dtype of a *-mixed policy."""
         return self.spec.autocast_dtype
@@ -214,7 +219,13 @@ _DEVICE_ONLY = {
         "'fp32', or 'tf32' on a GPU with compute capability >= 8.0",
     ),
 }
-_DEVICE_OF = {"tf32": "cuda", "bf32": "cpu"}
+_FP8_ON_CPU = Refusal(
+    "fp8 training needs fp8 tensor cores (an NVIDIA GPU with compute capability >= 8.9); on a CPU it runs "
+    "torch._scaled_mm's slow reference kernels: mixprec only predicts its numerics there",
+    "export for device='cuda' on an fp8 GPU, or 'bf16-mixed' on this CPU",
+)
+_DEVICE_ONLY["fp8-rowwise"] = _DEVICE_ONLY["fp8-tensorwise"] = _FP8_ON_CPU
+_DEVICE_OF = {"tf32": "cuda", "bf32": "cpu", "fp8-rowwise": "cuda", "fp8-tensorwise": "cuda"}
 
 
 @dataclass
@@ -246,11 +257,20 @@ class ExportTarget:
     verified: ClassVar[str] = ""
     # Whether the export writes torch.compile and the optimizer's implementation flag.
     writes_compile: ClassVar[bool] = False
+    # Whether the export converts the model's Linear layers with torchao.float8 (the fp8 policies).
+    writes_fp8: ClassVar[bool] = False
 
     def refusal(self, facts: Facts) -> Refusal | None:
         """None when this target expresses the policy faithfully on the device, else why not."""
         if facts.name in _DEVICE_OF and facts.device_type != _DEVICE_OF[facts.name]:
             return _DEVICE_ONLY[facts.name]
+        if facts.fp8_recipe and not self.writes_fp8:
+            return Refusal(
+                "mixprec's fp8 policies are torchao.float8 Linear layers under bf16 autocast; the "
+                f"{self.title} export has no such path mixprec has checked (Lightning's fp8 is "
+                "Transformer Engine, Accelerate's and DeepSpeed's need their own fp8 recipe objects)",
+                "the 'mixprec' or 'pytorch' export (they convert the model with torchao), or bf16-mixed here",
+            )
         if (facts.compile or facts.optimizer) and not self.writes_compile:
             return Refusal(
                 f"the {self.title} export does not write torch.compile or the optimizer's implementation "
@@ -429,6 +449,8 @@ def prepare_lines(
     lines = ["model = model.to(device_type)"] if move else []
     if facts.keep:
         lines.append(f"islands = fp32_islands(model, {py(facts.keep)})  # keep_fp32: module-name patterns")
+    if facts.fp8_recipe:
+        lines += fp8_lines(facts)
     if facts.true is not None and casts:
         lines.append(
             f"model = model.to({DTYPE_CODE[facts.true]})  # {DTYPE_SHORT[facts.true]} weights, no fp32"
@@ -455,6 +477,31 @@ def prepare_lines(
     if facts.channels_last and channels_last:
         lines.append("model.register_forward_pre_hook(channels_last_inputs, with_kwargs=True)")
     return lines
+
+
+def fp8_lines(facts: Facts) -> list[str]:
+    """torchao's conversion of the Linear layers whose dimensions torch._scaled_mm takes (both
+    divisible by 16), fp32 islands left out: what Policy.prepare() converts."""
+    island = [
+        '    if any(name == k or name.startswith(k + ".") for k in islands):',
+        "        return False  # fp32 islands stay fp32",
+    ]
+    return [
+        "",
+        "",
+        "def fp8_eligible(module, name):",
+        "    if type(module) is not torch.nn.Linear:",
+        "        return False",
+        *(island if facts.keep else []),
+        "    return module.in_features % 16 == 0 and module.out_features % 16 == 0  # torch._scaled_mm",
+        "",
+        "",
+        "convert_to_float8_training(",
+        "    model,",
+        f"    config=Float8LinearConfig.from_recipe_name({py(facts.fp8_recipe)}),",
+        "    module_filter_fn=fp8_eligible,",
+        ")  # Linear layers -> torchao Float8Linear: fp8 matmuls with dynamic scales",
+    ]
 
 
 def loss_lines(facts: Facts, model: str = "model", autocast: str | None = None) -> list[str]:

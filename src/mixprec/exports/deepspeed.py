@@ -52,6 +52,7 @@ class DeepSpeedTarget(PyTorchTarget):
 
     name = "deepspeed"
     writes_compile = False  # not written yet: refused with the reason
+    writes_fp8 = False  # its own fp8 path (if any) is not what mixprec measures: refused
     title = "DeepSpeed"
     aliases: ClassVar[tuple[str, ...]] = ("ds",)
     package = "deepspeed"

@@ -38,6 +38,7 @@ class HFTarget(PyTorchTarget):
 
     name = "hf"
     writes_compile = False  # not written yet: refused with the reason
+    writes_fp8 = False  # its own fp8 path (if any) is not what mixprec measures: refused
     title = "HF Trainer"
     aliases = ("transformers", "huggingface")
     package = "transformers"

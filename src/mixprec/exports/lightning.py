@@ -74,6 +74,7 @@ class LightningTarget(ExportTarget):
     @staticmethod
     def precision(facts: Facts) -> str:
         """The Trainer's precision string (the policy spec's Lightning name)."""
+        assert facts.spec.lightning is not None, "refusal() turns away policies Lightning cannot name"
         return facts.spec.lightning
 
     def contract(self, facts: Facts) -> Contract:

@@ -13,6 +13,7 @@ class MixprecTarget(ExportTarget):
     name = "mixprec"
     title = "mixprec"
     writes_compile = True
+    writes_fp8 = True
 
     def contract(self, facts: Facts) -> Contract:
         return Contract(

@@ -37,6 +37,7 @@ class PyTorchTarget(ExportTarget):
 
     name = "pytorch"
     writes_compile = True
+    writes_fp8 = True
     title = "plain PyTorch"
     aliases: ClassVar[tuple[str, ...]] = ("torch", "plain")
     optimizer_after: ClassVar[str] = "the casts"  # what the optimizer line says to build it after
@@ -52,6 +53,11 @@ class PyTorchTarget(ExportTarget):
         runs = []
         if facts.mixed is not None:
             runs.append(f"torch.autocast({DTYPE_SHORT[facts.mixed]}) around forward and loss; fp32 weights.")
+        if facts.fp8_recipe:
+            runs.append(
+                f"torchao.float8 ({facts.fp8_recipe} scales) on every Linear with both dimensions divisible"
+                " by 16: e4m3 forward, e5m2 gradients, fp32 accumulation; the rest under bf16 autocast."
+            )
         if facts.true is not None:
             runs.append(
                 f"{DTYPE_SHORT[facts.true]} weights (no fp32 master copy), {DTYPE_SHORT[facts.true]} inputs"
@@ -74,7 +80,8 @@ class PyTorchTarget(ExportTarget):
         return runs
 
     def third_party(self, facts: Facts) -> list[str]:
-        return ["import torch"]
+        fp8 = ["from torchao.float8 import Float8LinearConfig, convert_to_float8_training"]
+        return ["import torch", *(fp8 if facts.fp8_recipe else [])]
 
     def snippet_names(self, facts: Facts) -> list[str]:
         return helper_names(facts) + loop_helper_names(facts)

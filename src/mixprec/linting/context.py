@@ -12,7 +12,7 @@ from torch import nn
 from mixprec.hardware.device import DeviceInfo
 from mixprec.linting.trace import COMPUTE_TYPES, ModuleRecord, Trace
 from mixprec.policy import Policy
-from mixprec.policy.policy import is_fp32_island
+from mixprec.policy.islands import is_fp32_island
 from mixprec.workload import Workload
 
 # A layer doing at least this share of the model's matmul/conv FLOPs is worth a warning.
@@ -20,7 +20,8 @@ WARNING_SHARE = 0.01
 # The image stem: the first convolution, when it takes at most this many channels.
 STEM_CHANNELS = 4
 # Elements per 16 bytes, what tensor cores read at once, per compute format.
-_ALIGNMENT = {"fp16": 8, "bf16": 8, "tf32": 4, "fp8": 16}
+# fp8 policies run only eligible Linear layers in fp8 (MP109 judges those); the rest is bf16.
+_ALIGNMENT = {"fp16": 8, "bf16": 8, "tf32": 4, "fp8": 8}
 
 
 @dataclass

@@ -205,7 +205,7 @@ def run_lint(
     notes: list[str] = []
     if ctx.alignment is None:
         notes.append(
-            f"tensor-core shape rules (MP101-MP108) judge nothing under {pol.name}: it computes in "
+            f"tensor-core shape rules (MP101-MP109) judge nothing under {pol.name}: it computes in "
             f"{ctx.dtype}, which runs on no tensor core; lint with --policy bf16-mixed or tf32 to "
             "check shapes for them."
         )

@@ -7,11 +7,10 @@ status) is the sweep's job.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import math
-import multiprocessing
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,9 +23,8 @@ from mixprec import state
 from mixprec.errors import MixprecError
 from mixprec.measure.flops import count_flops
 from mixprec.policy import Candidate, Policy, get_policy
-from mixprec.policy.policy import is_fp32_island
+from mixprec.policy.islands import is_fp32_island
 from mixprec.workload import Workload
-from mixprec.workload.output import captured_fds
 
 # Layers whose output dtype shows which precision really ran (autocast casts their inputs).
 _COMPUTE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Bilinear)
@@ -187,6 +185,10 @@ class TrainingSession:
             self.optimizer = with_implementation(self.optimizer, candidate.optimizer)
         self._compile_counts: dict[str, int] | None = None
         if candidate.compile:
+            # Compile cold, as a training run starts: code dynamo already compiled in this process
+            # (an earlier candidate of the same model class) would otherwise be reused, hiding the
+            # compile time and the graph counts. Inductor's on-disk caches stay, as they would.
+            torch._dynamo.reset()
             self._compile_counts = _dynamo_counts()
             self.trained = cast(nn.Module, torch.compile(self.trained, mode=candidate.compile))
         self.batches = batches or make_batches(
@@ -271,15 +273,14 @@ class TrainingSession:
         convolutions (the rest is elementwise work, normalisation, the optimizer: what fusion saves)."""
         from torch.profiler import ProfilerActivity, profile
 
+        # Kineto logs every profiler start/stop (and, on a CUDA build without a GPU, an error) to
+        # stderr; level 6 keeps it quiet. Read once, when the first profiler starts.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        # The profiler's backend logs its start and stop on stderr; in a candidate's own process
-        # that would be two lines per candidate (this process's own output is the user's).
-        in_child = multiprocessing.parent_process() is not None
-        with captured_fds() if in_child else contextlib.nullcontext():
-            with profile(activities=activities) as prof:
-                loss = self._train_step(batch)
-                _sync(self.device)
-            self.result.compute_share = compute_share(prof.key_averages(), self.device.type == "cuda")
+        with profile(activities=activities) as prof:
+            loss = self._train_step(batch)
+            _sync(self.device)
+        self.result.compute_share = compute_share(prof.key_averages(), self.device.type == "cuda")
         return loss
 
     def warm_up(self, emit: Emit) -> bool:

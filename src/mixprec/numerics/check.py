@@ -31,6 +31,7 @@ from mixprec.numerics.verdict import (
     judge,
 )
 from mixprec.policy import Candidate, Policy, Thresholds, check_support, get_policy
+from mixprec.policy.support import fp8_predictable
 from mixprec.status import Status
 from mixprec.workload import Workload, validate_workload
 
@@ -150,7 +151,8 @@ class _Checker:
     def policy(self, cand: Candidate, keep_fp32: Sequence[str] = ()) -> Policy:
         keep = [*cand.keep_fp32, *keep_fp32]
         options: dict[str, Any] = {"keep_fp32": keep} if keep else {}
-        return get_policy(cand.policy, device=self.device, **options)
+        # check() decided it may run here (supported, or an fp8 prediction)
+        return get_policy(cand.policy, device=self.device, check=False, **options)
 
     def run(self, cand: Candidate, keep_fp32: Sequence[str] = (), steps: int | None = None) -> tuple:
         steps = steps or self.steps
@@ -376,6 +378,14 @@ def check(
         support = check_support(cand.policy, info)
         if support:
             results.append(checker.check(cand, fix))
+        elif fp8_predictable(cand.policy, info):
+            predicted = checker.check(cand, fix)
+            predicted.predicted = (
+                f"numerics predicted on {dev.type}: torchao's {cand.spec.fp8_recipe} fp8 recipe run here "
+                "with the scales and fp8 casts an fp8 GPU applies (torch._scaled_mm reference kernels); "
+                f"speed is not measurable here ({support.reason.split(';')[0]})"
+            )
+            results.append(predicted)
         else:
             results.append(
                 CandidateCheck(cand, Status.UNSUPPORTED, support.reason, suggestion=support.suggestion)

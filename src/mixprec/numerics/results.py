@@ -39,6 +39,8 @@ class CandidateCheck:
         worst_layers: the five layers with the least headroom in the candidate's range format.
         grad_underflow_fp16: share of fp16 gradients that underflow with and without scaling.
         thresholds: the thresholds the verdict used.
+        predicted: set when the candidate cannot run fast on this device and its numerics were
+            computed here as a prediction (fp8 on a CPU): says how.
     """
 
     candidate: Candidate
@@ -69,6 +71,7 @@ class CandidateCheck:
     worst_layers: list[dict[str, Any]] = field(default_factory=list)
     grad_underflow_fp16: dict[str, float] = field(default_factory=dict)
     thresholds: dict[str, float] = field(default_factory=dict)
+    predicted: str | None = None
 
     @property
     def label(self) -> str:

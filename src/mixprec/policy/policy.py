@@ -60,20 +60,6 @@ class PolicyConfig:
         }
 
 
-def is_fp32_island(name: str, patterns: Iterable[str]) -> bool:
-    """True when module ``name`` matches a keep_fp32 pattern or sits inside a module that does:
-    its forward runs outside autocast, in fp32."""
-    return bool(name) and any(
-        fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, p + ".*") for p in patterns
-    )
-
-
-def island_names(model: nn.Module, patterns: Iterable[str]) -> list[str]:
-    """The modules ``prepare`` wraps as fp32 islands: every named module matching a pattern."""
-    patterns = list(patterns)
-    return [n for n, _ in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-
-
 def _as_optimizers(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> list:
     opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
     if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
@@ -112,6 +98,7 @@ class Policy:
             )
         self.stats = StepStats()
         self._param_names: dict[int, str] = {}
+        self.fp8_layers: list[str] = []  # fp8 policies: the Linear layers prepare() converted
 
     # ------------------------------------------------------------------ description
     @property
@@ -136,7 +123,8 @@ class Policy:
 
     # ------------------------------------------------------------------ model
     def prepare(self, model: nn.Module) -> nn.Module:
-        """Move ``model`` to the device and apply casts, channels_last and fp32 islands, in place."""
+        """Move ``model`` to the device and apply casts, channels_last and fp32 islands, in place
+        (fp8 policies: convert its eligible Linear layers to torchao's Float8Linear)."""
         if not isinstance(model, nn.Module):
             raise PolicyError(
                 f"prepare() takes a torch.nn.Module, got {type(model).__name__}; "
@@ -152,6 +140,10 @@ class Policy:
                 )
         islands = self._keep_fp32_modules(model)
         model.to(self.device)
+        if self.spec.fp8_recipe is not None:
+            from mixprec.policy import fp8
+
+            self.fp8_layers = fp8.convert(model, self.spec.fp8_recipe, self.config.keep_fp32)
         if self.spec.param_dtype is not None:
             model.to(self.spec.param_dtype)
             for module in islands.values():

@@ -18,7 +18,9 @@ from mixprec.state import PrecisionSettings
 _STRICT = PrecisionSettings(cuda_matmul="ieee", cudnn="ieee", mkldnn="ieee")
 
 # Formats the numerics facts name (mixprec.numerics.limits.FORMATS has their limits).
-COMPUTE_FORMATS = ("fp32", "tf32", "bf32", "bf16", "fp16")
+COMPUTE_FORMATS = ("fp32", "tf32", "bf32", "bf16", "fp16", "fp8")
+# torchao.float8 recipes the fp8 policies use (Float8LinearConfig.from_recipe_name).
+FP8_RECIPES = ("tensorwise", "rowwise")
 PEAK_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
 
@@ -66,7 +68,7 @@ class PolicySpec:
         safety_rank: tie-break order, lower is simpler/safer: fp32 master weights beat
             half-precision storage, no loss scaling beats loss scaling.
         thresholds: the numerics gate's default limits, calibrated in docs/check.md.
-        lightning: ``Trainer(precision=...)`` for this policy.
+        lightning: ``Trainer(precision=...)`` for this policy; None where Lightning has no such mode.
         accelerate: ``Accelerator(mixed_precision=...)``; None where Accelerate has no such mode.
         deepspeed: the DeepSpeed config section that expresses it ("torch_autocast" for *-mixed: fp32
             parameters, autocast), None where every precision section stays off (fp32 math modes, and
@@ -75,6 +77,8 @@ class PolicySpec:
         autocast_dtype: *-mixed: fp32 weights, autocast to this dtype.
         param_dtype: *-true: weights stored in this dtype, no fp32 master copy.
         loss_scaling: a dynamic loss scaler is part of the policy (fp16).
+        fp8_recipe: fp8 policies: the torchao.float8 recipe (:data:`FP8_RECIPES`) their Linear
+            layers are converted with; everything else runs under bf16 autocast.
     """
 
     name: str
@@ -86,12 +90,13 @@ class PolicySpec:
     range_format: str
     safety_rank: int
     thresholds: Thresholds
-    lightning: str
+    lightning: str | None
     accelerate: str | None
     deepspeed: str | None
     autocast_dtype: torch.dtype | None = None
     param_dtype: torch.dtype | None = None
     loss_scaling: bool = False
+    fp8_recipe: str | None = None
 
     @property
     def low_precision_dtype(self) -> torch.dtype | None:
@@ -219,6 +224,29 @@ POLICIES: dict[str, PolicySpec] = {
             deepspeed=None,
             param_dtype=torch.float16,
             loss_scaling=True,
+        ),
+        # fp8 training as torchao does it: Linear matmuls in fp8 (e4m3 operands forward, e5m2
+        # gradients, fp32 accumulation, dynamic scales), the rest under bf16 autocast, fp32 master
+        # weights. Lightning's fp8 mode is Transformer Engine and Accelerate's needs its own recipe
+        # objects: neither is what mixprec measures, so those exports refuse.
+        *(
+            PolicySpec(
+                f"fp8-{recipe}",
+                f"fp32 weights, bf16 autocast, Linear layers in fp8 via torchao.float8 ({recipe} scales)",
+                _STRICT,
+                compute_format="fp8",
+                peak_key="fp8",
+                rounding_format="fp8_e4m3",
+                range_format="bf16",
+                safety_rank=7 + i,
+                thresholds=Thresholds(1e-1, 3.0, 0.0),
+                lightning=None,
+                accelerate=None,
+                deepspeed=None,
+                autocast_dtype=torch.bfloat16,
+                fp8_recipe=recipe,
+            )
+            for i, recipe in enumerate(("rowwise", "tensorwise"))
         ),
     )
 }

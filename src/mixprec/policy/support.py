@@ -43,6 +43,8 @@ _FALLBACKS: dict[str, tuple[str, ...]] = {
     "fp16-mixed": ("bf16-mixed", "tf32", "bf32", "fp32"),
     "bf16-true": ("fp16-mixed", "bf16-mixed", "fp32"),
     "fp16-true": ("bf16-mixed", "bf16-true", "fp32"),
+    "fp8-rowwise": ("fp8-tensorwise", "bf16-mixed", "fp16-mixed", "tf32", "bf32", "fp32"),
+    "fp8-tensorwise": ("fp8-rowwise", "bf16-mixed", "fp16-mixed", "tf32", "bf32", "fp32"),
 }
 
 # Where a newcomer should start on a device before measuring anything, most preferred first:
@@ -76,6 +78,8 @@ def _assess(spec: PolicySpec, info: DeviceInfo) -> tuple[bool, bool, str]:
                 "NVIDIA_TF32_OVERRIDE=0 is set: the CUDA libraries refuse TF32 in this process",
             )
         return True, True, f"TF32 tensor cores ({cc})"
+    if spec.fp8_recipe is not None:
+        return _assess_fp8(info, cc)
     if spec.name == "bf32":
         if info.type != "cpu":
             return False, False, "bf32 is a oneDNN (CPU) math mode; cuBLAS has no bf16 fp32-mode"
@@ -117,6 +121,32 @@ def _assess(spec: PolicySpec, info: DeviceInfo) -> tuple[bool, bool, str]:
         False,
         "no native fp16 on this CPU (AVX512-FP16/AMX-FP16): runs, but often far slower than fp32",
     )
+
+
+def _assess_fp8(info: DeviceInfo, cc: str) -> tuple[bool, bool, str]:
+    from mixprec.policy.fp8 import torchao_available
+
+    if info.type != "cuda":
+        return (
+            False,
+            False,
+            "fp8 training needs an NVIDIA GPU with compute capability >= 8.9 (fp8 tensor cores); this "
+            "device is a CPU (`mixprec check` still predicts its numerics here with torchao's recipe)",
+        )
+    if not info.fp8:  # fp8 tensor cores: Ada (8.9), Hopper (9.0) and later
+        return False, False, f"fp8 tensor cores need compute capability >= 8.9, this GPU has {cc}"
+    if not torchao_available():
+        return False, False, "fp8 training runs through torchao.float8: pip install 'mixprec[fp8]'"
+    return True, True, f"fp8 tensor cores ({cc}) via torchao.float8"
+
+
+def fp8_predictable(name: str, info: DeviceInfo) -> bool:
+    """An fp8 policy that cannot run fast here but whose numerics can be computed here: torchao's
+    recipe runs on any device (torch._scaled_mm has reference kernels), only slowly."""
+    spec = POLICIES[canonical_name(name)]
+    from mixprec.policy.fp8 import torchao_available
+
+    return spec.fp8_recipe is not None and not _assess(spec, info)[0] and torchao_available()
 
 
 def check_support(name: str, info: DeviceInfo) -> Support:

@@ -48,7 +48,7 @@ def check_report(result: CheckResult) -> Group:
         )
         table.add_row(
             c.label,
-            Text(c.verdict, style=rich_style(c.verdict)),
+            Text(c.verdict + (" (predicted)" if c.predicted else ""), style=rich_style(c.verdict)),
             fmt_pct(c.max_rel_loss_diff, 2),
             fmt_db(c.output_sqnr_db, unit=False),
             fmt_db(c.total_grad_sqnr_db, unit=False),
@@ -68,6 +68,8 @@ def check_report(result: CheckResult) -> Group:
         )
     for c in result.candidates:
         parts.append(Text(f"{c.label}: {c.reason}", style=rich_style(c.verdict)))
+        if c.predicted:
+            parts.append(Text(f"    {c.predicted}", style="dim"))
         if c.scaler_warmup_skips:
             parts.append(
                 Text(

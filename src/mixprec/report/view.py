@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from mixprec import __version__
 from mixprec.measure.noise import describe as describe_noise
+from mixprec.measure.results import BenchRow
 from mixprec.report.bench import drift_text
 from mixprec.report.format import (
     fmt_bytes,
@@ -228,10 +229,29 @@ def candidate_row(ranked: Ranked) -> Row:
         Cell(fmt_ms(st.median_ms, st.iqr_ms) if st else "", "num"),
         Cell(fmt_bytes(row.peak_memory_bytes if row else None), "num"),
         Cell(fmt_pct(mfu) if mfu else ("n/a" if row and row.mfu_note else ""), "num"),
+        Cell(compile_text(row), "num"),
+        share_cell(row),
         _badge(ranked.verdict),
         Cell(_why(ranked), "why"),
     )
     return Row(cells, marked=ranked.status == Status.RECOMMENDED)
+
+
+def compile_text(row: BenchRow | None) -> str:
+    """'41 s, 2 breaks' for a compiled candidate: its compile time and how cleanly it traced."""
+    if row is None or not row.candidate.compile or row.compile_s is None:
+        return ""
+    breaks = "" if row.graph_breaks is None else f", {row.graph_breaks} break{'s' * (row.graph_breaks != 1)}"
+    recompiles = f", {row.recompiles} recompiles" if row.recompiles else ""
+    return f"{row.compile_s:.0f} s{breaks}{recompiles}"
+
+
+def share_cell(row: BenchRow | None) -> Cell:
+    """How much of the profiled step the tensor-core ops take: the part lower precision speeds up."""
+    share = row.compute_share if row else None
+    if share is None:
+        return Cell("")
+    return Cell(fmt_pct(share, 0), "bar", fraction=max(0.0, min(1.0, share)))
 
 
 def _why(ranked: Ranked) -> str:

@@ -22,13 +22,15 @@ class Pair:
 @dataclass(frozen=True)
 class Cell:
     """One table cell. ``kind`` says how to lay it out: text, mono, num, badge (with ``tone``),
-    severity (with ``tone``), why (a muted explanation), candidate, or gain (``lines``, the first
-    emphasised); ``text`` is always the whole content on one line."""
+    severity (with ``tone``), why (a muted explanation), candidate, gain (``lines``, the first
+    emphasised), or bar (``fraction`` in [0, 1] drawn as a bar next to the text); ``text`` is always
+    the whole content on one line."""
 
     text: str
     kind: str = "text"
     tone: str = ""
     lines: tuple[str, ...] = ()
+    fraction: float | None = None
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,8 @@ CANDIDATE_COLUMNS = (
     Column("step ms\nmedian ± IQR", True),
     Column("peak\nmemory", True),
     Column("MFU", True),
+    Column("compile", True),
+    Column("matmul/conv\nshare of step"),
     Column("numerics"),
     Column("why"),
 )

@@ -29,6 +29,7 @@ from mixprec.measure.sweep import bench, has_4d_weights
 from mixprec.numerics.check import check, make_checker
 from mixprec.numerics.results import CandidateCheck, CheckResult
 from mixprec.policy import POLICY_NAMES, Candidate, check_support
+from mixprec.policy.support import fp8_predictable
 from mixprec.status import Status
 from mixprec.tuning.decide import Recommendation, decide, noise_band, speed, within_noise
 from mixprec.tuning.result import TuneResult
@@ -42,6 +43,9 @@ SPEED_SHARE = 0.45
 RESERVE_S = 10.0
 # How many of the best eager candidates are measured again under torch.compile.
 COMPILE_TOP = 2
+# What a compile is assumed to cost before the first one was timed (ResNet-50 and a small GPT
+# took 18-45 s each on a 2-core CPU).
+MIN_COMPILE_S = 20.0
 # More graph breaks than this and a compiled candidate's row says so.
 GRAPH_BREAKS_NOTED = 0
 # Below this share of step time in matmul/conv/attention, precision is not where the time goes.
@@ -121,6 +125,16 @@ class _Search:
         return added
 
     # ------------------------------------------------------------------ 2. numerics
+    def check_cost_s(self) -> float:
+        """About what checking one more candidate costs: its training run and first-step probe,
+        plus the fp32 reference and chaos-floor runs when no check has run yet, each a little
+        slower than a measured fp32 step (deep copies, hooks)."""
+        assert self.result is not None
+        base = self.result.baseline
+        step_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
+        runs = 1 if self._checker is not None else 3
+        return 2.0 * runs * (self.check_steps + 2) * step_s
+
     def check(self, candidate: Candidate) -> CandidateCheck:
         if self._checker is None:
             self._checker = make_checker(
@@ -164,8 +178,10 @@ class _Search:
                 speed(top), speed(best_pass), noise_band(top, best_pass, self.noise)
             ):
                 break  # slower than a passing candidate by more than the noise: cannot win
-            if self.time_left() <= 0:
-                self.notes.append(f"numerics of {numerics.label} not checked: budget spent")
+            if self.time_left() < self.check_cost_s():
+                self.notes.append(
+                    f"numerics of {numerics.label} not checked: budget spent (--budget raises it)"
+                )
                 break
             verdict = self.check(numerics)
             if verdict.passed and (best_pass is None or speed(top) > speed(best_pass)):
@@ -195,9 +211,38 @@ class _Search:
         )
         self.verdicts[fixed.candidate] = fixed
 
+    def predict_fp8(self, info: DeviceInfo) -> None:
+        """On a device without fp8 tensor cores, compute the fp8 policies' numerics anyway (torchao's
+        recipe runs everywhere, slowly) and say whether they would pass on an fp8 GPU: a labelled
+        prediction, never a measured speed."""
+        from mixprec.policy.fp8 import fp8_layers
+
+        names = [n for n in POLICY_NAMES if fp8_predictable(n, info)]
+        if not names:
+            return
+        converted, left = fp8_layers(self.workload.model)
+        if not converted:
+            self.notes.append(
+                f"fp8 would convert none of this model's Linear layers ({len(left)} have a dimension not "
+                "divisible by 16, which torch._scaled_mm needs): nothing to predict"
+            )
+            return
+        for name in names:
+            if self.time_left() < self.check_cost_s():
+                self.notes.append(f"{name} numerics not predicted: budget spent (--budget raises it)")
+                return
+            verdict = self.check(Candidate(name))
+            outcome = "would pass" if verdict.passed else "would fail"
+            self.notes.append(
+                f"{name} {outcome} the numerics check on an fp8 GPU ({verdict.reason}); predicted here with "
+                f"torchao's recipe on {len(converted)} Linear layers, speed not measured"
+            )
+
     # ------------------------------------------------------------------ 3. beyond eager
     def try_compile(self, modes: Sequence[str]) -> None:
-        """The best passing eager candidates again under torch.compile, and their numerics."""
+        """The best passing eager candidates again under torch.compile, one at a time, fastest
+        first, each followed by its numerics check; stops when the budget cannot pay for the next
+        (estimated from the compile time seen so far)."""
         assert self.result is not None
         rec, _ = self.decide()
         if rec is None or not modes:
@@ -213,29 +258,29 @@ class _Search:
         best = sorted(passing, key=speed, reverse=True)[:COMPILE_TOP]
         todo = [replace(r.candidate, compile=mode) for r in best for mode in modes]
         todo = [c for c in todo if not any(r.candidate == c for r in self.result.rows)]
-        if not todo:
-            return
-        if self.time_left() < 30:
-            self.notes.append("torch.compile candidates not tried: budget spent (--budget raises it)")
-            return
-        self.say(f"compiling {', '.join(c.label for c in todo)}")
-        measured = self._add(self._bench(todo, self.deadline - RESERVE_S).measured)
-        for row in measured:
-            if (
-                row.status == Status.OK
-                and row.candidate.numerics not in self.verdicts
-                and self.time_left() > 0
-            ):
-                self.check(row.candidate.numerics)
-        for row in measured:
+        compile_s = MIN_COMPILE_S
+        for n, candidate in enumerate(todo):
+            # measuring it compiles once, checking it compiles again: pay for both
+            if self.time_left() < 2 * compile_s + self.check_cost_s():
+                skipped = ", ".join(c.label for c in todo[n:])
+                self.notes.append(f"not compiled within the budget: {skipped} (--budget raises it)")
+                return
+            self.say(f"compiling {candidate.label}")
+            measured = self._add(self._bench([candidate], self.deadline - RESERVE_S).measured)
+            row = next((r for r in measured if r.candidate == candidate), None)
+            if row is None:
+                self.notes.append(f"{candidate.label}: not measured within the budget")
+                return
+            if row.status != Status.OK:
+                continue
+            compile_s = max(compile_s, row.compile_s or 0.0)
             if row.graph_breaks and row.graph_breaks > GRAPH_BREAKS_NOTED:
                 self.notes.append(
                     f"{row.label}: {row.graph_breaks} graph breaks; each one splits the compiled graph and "
                     "stops fusion across it (torch._dynamo.explain(model)(batch) lists where and why)"
                 )
-        missing = [c.label for c in todo if not any(r.candidate == c for r in measured)]
-        if missing:
-            self.notes.append(f"not measured within the budget: {', '.join(missing)}")
+            if candidate.numerics not in self.verdicts and self.time_left() > compile_s + self.check_cost_s():
+                self.check(candidate.numerics)
 
     def try_optimizers(self, rec: Recommendation) -> None:
         """The pick with its optimizer's other implementations (for-loop / foreach / fused): same
@@ -317,7 +362,7 @@ _FAIL = CandidateCheck(Candidate("fp32"), Status.FAIL, "")
 def tune(
     workload: Workload,
     *,
-    budget_s: float = 240.0,
+    budget_s: float = 300.0,
     device: str | torch.device | None = None,
     batch_size: int | None = None,
     steps: int = 4,
@@ -392,6 +437,7 @@ def tune(
         rec, ranked = search.decide()
     if rec is not None and (rec.tied_with or rec.noisy_with) and search.remeasure(rec):
         rec, ranked = search.decide()
+    search.predict_fp8(info)  # a note for fp8 GPUs; it cannot change the pick here
     result = search.result
     assert result is not None
     if rec is not None:
@@ -406,6 +452,12 @@ def tune(
         if rec
         else {}
     )
+    elapsed = time.perf_counter() - start
+    if elapsed > budget_s * 1.05:
+        search.notes.append(
+            f"tune took {elapsed:.0f} s of its {budget_s:.0f} s budget: a step under way when the budget "
+            "ran out was finished, not thrown away"
+        )
     return TuneResult(
         workload=result.workload,
         description=workload.description,
@@ -416,7 +468,7 @@ def tune(
         check=search.checked,
         lint=findings,
         budget_s=budget_s,
-        elapsed_s=time.perf_counter() - start,
+        elapsed_s=elapsed,
         env=result.env or environment.collect(dev),
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         notes=search.notes,

@@ -17,6 +17,7 @@ from mixprec.linting.context import LintContext
 from mixprec.linting.model import Finding, Remedy, Rule, define_rule
 from mixprec.linting.rules.text import CPU_NOTE, conv_desc, dims, layer_shape
 from mixprec.linting.trace import ATTENTION, FunctionCall, ModuleRecord
+from mixprec.policy.fp8 import FP8_DIVISOR
 
 SHAPE_RULES: dict[str, Rule] = {}
 _rule = partial(define_rule, SHAPE_RULES)
@@ -261,6 +262,8 @@ def _grouped_conv(ctx: LintContext) -> Iterator[Finding]:
 )
 def _linear_features(ctx: LintContext) -> Iterator[Finding]:
     rule = SHAPE_RULES["MP104"]
+    if ctx.dtype == "fp8":
+        return  # MP109 judges Linear layers under fp8: the consequence there is no fp8 at all
     for rec in ctx.linears:
         m = rec.module
         a = ctx.alignment_for(rec.name)
@@ -494,6 +497,52 @@ def _attention_head_dim(ctx: LintContext) -> Iterator[Finding]:
             f"choose embed_dim / num_heads = {target} (e.g. change the number of heads)",
             shape=f"{call.name} on " + ", ".join(dims(t.shape) for t in call.args[:3]),
             details={"head_dim": d},
+        )
+
+
+@_rule(
+    "MP109",
+    "fp8-linear-dims",
+    "warning",
+    summary="Under fp8, a Linear layer runs in fp8 only when in and out features are multiples of 16.",
+    rationale=(
+        "torch._scaled_mm, the fp8 matmul torchao's Float8Linear calls, needs both dimensions of "
+        "every GEMM divisible by 16, so mixprec's fp8 policies convert only those Linear layers; "
+        "any other stays in bf16 and gains nothing from fp8. Warning from 1% of the model's "
+        "FLOPs, info below; fp32 islands are not judged." + CPU_NOTE
+    ),
+    source=(
+        "torchao float8 README (dimensions divisible by 16); pytorch aten/src/ATen/native/cuda/Blas.cpp "
+        "(_scaled_mm shape checks)"
+    ),
+    tensor_core=True,
+    mechanical=True,
+)
+def _fp8_linear_dims(ctx: LintContext) -> Iterator[Finding]:
+    if ctx.dtype != "fp8":
+        return
+    rule = SHAPE_RULES["MP109"]
+    for rec in ctx.linears:
+        m = rec.module
+        if ctx.alignment_for(rec.name) is None:
+            continue  # an fp32 island
+        bad = (m.in_features % FP8_DIVISOR != 0, m.out_features % FP8_DIVISOR != 0)
+        if not any(bad):
+            continue
+        sizes = (m.in_features, m.out_features)
+        to = (_up(sizes[0], FP8_DIVISOR) if bad[0] else None, _up(sizes[1], FP8_DIVISOR) if bad[1] else None)
+        what, pad, remedy = _pad_plan(rec.name, "features", sizes, to)
+        share = ctx.share(rec.flops)
+        yield rule.finding(
+            ctx.share_severity(share),
+            rec.name,
+            f"{what} not a multiple of {FP8_DIVISOR}: this Linear stays in bf16 under {ctx.policy.name}",
+            "pad " + pad,
+            remedy=remedy,
+            shape=layer_shape(rec, f"Linear({m.in_features}, {m.out_features})"),
+            flops_share=share,
+            order=rec.order,
+            details={"in_features": m.in_features, "out_features": m.out_features, "alignment": FP8_DIVISOR},
         )
 
 

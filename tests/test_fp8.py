@@ -1,0 +1,148 @@
+"""fp8 policies (torchao.float8): what they convert, that the plain-PyTorch export trains exactly as
+the policy does, that a CPU refuses to time them but predicts their numerics, and that tune says so."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.exports import export
+from mixprec.numerics.check import check
+from mixprec.policy import PolicyConfig
+from mixprec.workload import Workload
+
+pytest.importorskip("torchao", reason="fp8 policies need torchao: pip install -e '.[fp8]' (make test does)")
+
+from torchao.float8.float8_linear import Float8Linear
+
+STEPS = 3
+
+
+class Net(nn.Module):
+    """Two fp8-eligible Linear layers, one that is not (30 features), and a head (an fp32 island)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.mid = nn.Linear(64, 64)
+        self.odd = nn.Linear(64, 30)
+        self.head = nn.Linear(30, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.up(x))
+        h = torch.relu(self.mid(h))
+        return self.head(torch.relu(self.odd(h)))
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(16, 32, generator=g), torch.randint(0, 16, (16,), generator=g)) for _ in range(STEPS)
+    ]
+
+
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def fresh() -> nn.Module:
+    torch.manual_seed(0)
+    return Net()
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_prepare_converts_exactly_the_eligible_linear_layers(recipe):
+    policy = mixprec.get_policy(f"fp8-{recipe}", device="cpu", check=False, keep_fp32=["head"])
+    model = policy.prepare(fresh())
+    assert policy.fp8_layers == ["up", "mid"]
+    assert isinstance(model.up, Float8Linear) and isinstance(model.mid, Float8Linear)
+    assert type(model.odd) is nn.Linear  # 30 features: torch._scaled_mm refuses it
+    assert type(model.head) is nn.Linear  # the fp32 island
+    with policy.autocast():
+        out = model(batches()[0][0])
+    assert out.dtype == torch.float32  # the head ran in fp32, outside autocast
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_plain_pytorch_export_trains_bit_for_bit_like_the_policy(recipe):
+    """The export is written for an fp8 GPU; run on this CPU (device_type swapped), it must train
+    the very weights Policy.prepare/autocast/step train."""
+    config = PolicyConfig(name=f"fp8-{recipe}", device="cuda", keep_fp32=("head",))
+    text = export(config, "pytorch").replace('device_type = "cuda"', 'device_type = "cpu"')
+    namespace = {"__name__": "exported", "model": fresh(), "loader": batches(), "loss_fn": loss_fn}
+    before = mixprec.state.snapshot()  # the export sets the fp32 math mode for good, as a script would
+    try:
+        exec(compile(text, "<fp8 export>", "exec"), namespace)
+    finally:
+        mixprec.state.restore(before)
+    exported = namespace["model"]
+
+    policy = mixprec.get_policy(f"fp8-{recipe}", device="cpu", check=False, keep_fp32=["head"])
+    model = policy.prepare(fresh())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1000)
+    with policy.precision_scope():
+        for batch in batches():
+            with policy.autocast():
+                loss = loss_fn(model, batch)
+            policy.backward(loss)
+            if policy.step(optimizer, clip_grad_norm=1.0):
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+    assert isinstance(exported.up, Float8Linear) and type(exported.odd) is nn.Linear
+    for (name, a), (_, b) in zip(exported.state_dict().items(), model.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_fp8_is_not_timed_on_a_cpu_and_says_why():
+    with pytest.raises(mixprec.UnsupportedError, match=r"compute capability >= 8\.9.*try bf16-mixed"):
+        mixprec.get_policy("fp8-rowwise", device="cpu")
+    for target in ("pytorch", "lightning"):
+        status = mixprec.export_status(PolicyConfig(name="fp8-rowwise", device="cpu"), target)
+        assert not status.faithful and "fp8 tensor cores" in status.reason
+
+
+def test_only_mixprec_and_pytorch_export_fp8():
+    config = PolicyConfig(name="fp8-tensorwise", device="cuda")
+    faithful = {t for t in mixprec.EXPORT_TARGETS if mixprec.export_status(config, t).faithful}
+    assert faithful == {"mixprec", "pytorch"}
+
+
+def _workload() -> Workload:
+    return Workload(
+        model=fresh(),
+        make_batch=lambda bs, dev: (torch.randn(bs, 32, device=dev), torch.randint(0, 16, (bs,), device=dev)),
+        loss_fn=loss_fn,
+        name="fp8net",
+        default_batch_size=16,
+    )
+
+
+def test_check_on_a_cpu_predicts_fp8_numerics_with_the_real_recipe(single_thread):
+    res = check(_workload(), policies=["fp8-rowwise", "bf16-mixed"], steps=4, device="cpu")
+    fp8, bf16 = res.candidates
+    assert fp8.predicted and "predicted on cpu" in fp8.predicted and bf16.predicted is None
+    assert fp8.verdict in ("pass", "fail") and fp8.output_sqnr_db is not None
+    # e4m3 keeps 3 mantissa bits to bf16's 7: about 24 dB less signal-to-noise if fp8 really ran
+    assert fp8.output_sqnr_db < bf16.output_sqnr_db - 10
+
+
+def test_tune_on_a_cpu_reports_the_fp8_prediction_never_a_speed(single_thread):
+    result = mixprec.tune(
+        _workload(), budget_s=60, compile_modes=(), optimizers=False, lint=False, device="cpu"
+    )
+    rows = {r.label: r for r in result.ranked}
+    assert rows["fp8-rowwise"].status == "unsupported" and rows["fp8-rowwise"].row.throughput is None
+    notes = " ".join(result.notes)
+    assert "fp8-rowwise would pass the numerics check on an fp8 GPU" in notes
+    assert "predicted here with torchao's recipe on 2 Linear layers, speed not measured" in notes
+
+
+def test_deepcopy_of_a_converted_model_keeps_fp8():
+    policy = mixprec.get_policy("fp8-rowwise", device="cpu", check=False)
+    model = copy.deepcopy(policy.prepare(fresh()))
+    assert isinstance(model.up, Float8Linear)
