@@ -119,3 +119,30 @@ def test_timm_example_measures_with_timms_optimizer():
     groups = [(g["weight_decay"], len(g["params"])) for g in w.make_optimizer(w.model).param_groups]
     assert groups == [(g["weight_decay"], len(g["params"])) for g in reference.param_groups]
     assert _bench(w, "fp32,bf16-mixed") == {"fp32": "ok", "bf16-mixed": "ok"}
+
+
+HF_MISTAKE = """
+import sys
+sys.path.insert(0, {examples!r})
+import dataclasses
+import hf_model
+
+def make_workload():
+    w = hf_model.make_workload(hidden_size=32, num_hidden_layers=1, seq_len=8)
+    return dataclasses.replace(w, loss_fn=lambda model, batch: model(**batch))  # not `.loss`
+"""
+
+
+def test_hf_output_instead_of_loss_is_the_only_line_on_stderr(tmp_path):
+    """As a user meets it, in a fresh process: importing transformers (and torchao, when the fp8
+    extra is installed) says nothing, the one line says what to fix, exit 2."""
+    require("transformers", "hf")
+    path = tmp_path / "mistake.py"
+    path.write_text(HF_MISTAKE.format(examples=str(EXAMPLES)), encoding="utf-8")
+    run = _run_cli("check", "--workload", f"{path}:make_workload", "--device", "cpu")
+    assert (run.returncode, run.stdout, run.stderr) == (
+        2,
+        "",
+        "mixprec: error: loss_fn returned transformers.modeling_outputs.SequenceClassifierOutput; "
+        "return a scalar tensor, e.g. `out.loss`.\n",
+    )

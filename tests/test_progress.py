@@ -17,7 +17,8 @@ from mixprec.cli.progress import CandidateProgress
 from mixprec.report.progress import clock, progress_line
 
 LINE = re.compile(
-    r"^(\[\d+/\d+\] )?(numerics of )?[\w+\-=(),\[\]' ]+: \S+.*  \(elapsed \d+:\d\d(, .*eta \d+:\d\d.*)?\)$"
+    r"^(\[\d+/\d+\] )?(numerics of )?[\w+\-=(),\[\]' ]+: \S+.*"
+    r"  \(elapsed \d+:\d\d(, (eta|at most) \d+:\d\d.*)?\)$"
 )
 
 
@@ -26,7 +27,7 @@ def test_line_format():
     line = progress_line("bf16-mixed", "ok", "1.5 samples/s", elapsed_s=42, eta_s=90, position=(2, 3))
     assert line == "[2/3] bf16-mixed: ok 1.5 samples/s  (elapsed 0:42, eta 1:30)"
     budget = progress_line("fp32", "pass", "", elapsed_s=61, eta_s=10, eta_is_budget=True)
-    assert budget == "fp32: pass  (elapsed 1:01, at most eta 0:10 (budget))"
+    assert budget == "fp32: pass  (elapsed 1:01, at most 0:10 left (budget))"
 
 
 @pytest.mark.usefixtures("single_thread")

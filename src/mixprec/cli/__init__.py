@@ -16,6 +16,7 @@ from typing import NoReturn
 from rich.console import Console
 
 from mixprec.cli import bench, check, demo, env, lint, tune
+from mixprec.cli.quiet import quiet_known_noise
 from mixprec.errors import MixprecError, UsageError
 
 SUBCOMMANDS = (env, demo, bench, check, lint, tune)
@@ -81,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not stdout.is_terminal:
         stdout = Console(width=140)
     stderr = Console(stderr=True)
+    quiet_known_noise()
     try:
         if getattr(args, "list_models", None) is not None:
             return list_models(args.list_models, stdout)

@@ -56,9 +56,8 @@ def progress_line(
     head = f"[{position[0]}/{position[1]}] " if position else ""
     timing = f"elapsed {clock(elapsed_s)}"
     if eta_s is not None:
-        timing += f", {'at most ' if eta_is_budget else ''}eta {clock(eta_s)}"
-        if eta_is_budget:
-            timing += " (budget)"
+        # tune ends within its budget: what is left of it bounds the time left, it does not estimate it
+        timing += f", at most {clock(eta_s)} left (budget)" if eta_is_budget else f", eta {clock(eta_s)}"
     text = f"{head}{label}: {status}"
     if figure:
         text += f" {figure}"
