@@ -9,7 +9,7 @@ per candidate. The default size is nanoGPT's Shakespeare-char "baby GPT"; the da
 tokens (nothing is downloaded):
 
     mixprec tune --workload examples/nanogpt.py:make_workload
-    mixprec bench --workload examples/nanogpt.py:make_workload --model-config n_layer=2,n_embd=128
+    mixprec bench --workload examples/nanogpt.py:make_workload --model-config n_layer=2,n_head=4,n_embd=128
 """
 
 from __future__ import annotations
