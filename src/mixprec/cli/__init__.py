@@ -21,6 +21,7 @@ from rich.console import Console
 
 from mixprec.cli import bench, check, demo, env, lint, tune
 from mixprec.cli.outputs import check_outputs
+from mixprec.cli.quiet import quiet_known_noise
 from mixprec.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, MixprecError, MixprecWarning, UsageError
 from mixprec.files import OutputLock
 
@@ -80,6 +81,15 @@ def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
     return showwarning
 
 
+def list_models(pattern: str, out: Console) -> int:
+    """``--list-models [PATTERN]``: the models loadable by name with this install."""
+    from mixprec.report.console import models_report
+    from mixprec.workload.models import list_models as available
+
+    out.print(models_report(available(pattern or None), pattern or None))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; errors become one line on stderr and an exit code (docs/cli.md)."""
     parser = build_parser()
@@ -89,7 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not stdout.is_terminal:
         stdout = Console(width=140)
     stderr = Console(stderr=True)
+    quiet_known_noise()
     try:
+        if getattr(args, "list_models", None) is not None:
+            return list_models(args.list_models, stdout)
         with warnings.catch_warnings(), _sigterm_raises():
             warnings.showwarning = _one_line_warnings(warnings.showwarning)
             prepared = check_outputs(args)

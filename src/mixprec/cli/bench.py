@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 import torch
 from rich.console import Console
@@ -12,11 +11,12 @@ from rich.console import Console
 from mixprec.cli.common import (
     CPU_DEFAULTS,
     CUDA_DEFAULTS,
+    CandidateProgress,
     add_workload_arguments,
+    default_batch_size,
     first_failure,
     positive_int,
     require_supported,
-    sweep_progress,
     workload_from_args,
 )
 from mixprec.errors import UsageError
@@ -70,36 +70,10 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     defaults = CUDA_DEFAULTS if on_cuda else CPU_DEFAULTS
     workload = workload_from_args(args, defaults)
-    is_default_model = not args.workload and (args.model in (None, "resnet50"))
-    batch_size = args.batch_size or (defaults["batch_size"] if is_default_model else None)
+    batch_size = default_batch_size(args, defaults)
     jsonl = Path(args.json).with_suffix(".jsonl") if args.json else None
 
-    with sweep_progress(err) as bar:
-        task = bar.add_task("starting", total=None)
-
-        def progress(event: dict[str, Any]) -> None:
-            kind = event["event"]
-            if kind == "candidate":
-                bar.update(
-                    task,
-                    total=event["count"],
-                    completed=event["index"],
-                    description=f"{event['label']}: starting",
-                )
-            elif kind == "step":
-                phase = "timed" if event["timed"] else "warm-up"
-                bar.update(
-                    task, description=f"{event['label']}: {phase} step {event['index'] + 1}/{event['total']}"
-                )
-            elif kind == "note":
-                bar.console.print(f"note: {event['text']}", highlight=False)
-            elif kind == "row":
-                row = event["row"]
-                bar.update(task, completed=event["index"] + 1)
-                figure = f"{row.throughput:.1f} samples/s" if row.throughput else row.reason
-                resumed = " (resumed)" if event.get("resumed") else ""
-                bar.console.print(f"{row.label}: {row.status}{resumed} {figure}", highlight=False)
-
+    with CandidateProgress(err, "checking the workload: one strict-fp32 step", verbose=args.verbose) as shown:
         try:
             result = bench(
                 workload,
@@ -115,7 +89,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
                 resume_anyway=args.resume_anyway,
                 isolate=False if args.in_process else None,
                 prune_factor=args.prune_factor,
-                progress=progress,
+                progress=shown.bench_event,
                 nproc=args.nproc,
             )
         except KeyboardInterrupt:

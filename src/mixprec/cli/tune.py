@@ -17,7 +17,9 @@ from rich.text import Text
 from mixprec.cli.common import (
     CPU_DEFAULTS,
     CUDA_DEFAULTS,
+    CandidateProgress,
     add_workload_arguments,
+    default_batch_size,
     positive_int,
     workload_from_args,
 )
@@ -199,13 +201,12 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     defaults = CUDA_DEFAULTS if on_cuda else CPU_DEFAULTS
     workload = workload_from_args(args, defaults)
-    is_default = not args.workload and args.model in (None, "resnet50")
-    with err.status("tuning") as status:
+    with CandidateProgress(err, "tuning", verbose=args.verbose, budget_s=args.budget) as shown:
         result = tune(
             workload,
             budget_s=args.budget,
             device=args.device,
-            batch_size=args.batch_size or (defaults["batch_size"] if is_default else None),
+            batch_size=default_batch_size(args, defaults),
             steps=args.steps or defaults["steps"],
             warmup=defaults["warmup"],
             check_steps=args.check_steps,
@@ -214,7 +215,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
             compile_modes=() if args.no_compile else args.compile,
             optimizers=not args.no_optimizers,
             train_steps=args.train_steps,
-            progress=lambda msg: status.update(msg),
+            progress=shown.status,
+            events=shown.bench_event,
         )
     result.command = "mixprec " + " ".join(sys.argv[1:])
     data = result.to_dict()

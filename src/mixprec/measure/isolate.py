@@ -7,8 +7,11 @@ step that runs far too long can be killed); a :class:`LocalSession` runs in this
 spec needed; a slow step is judged only when it ends). Both raise :class:`SessionEnded` when a
 session stops early: pruned at a step limit, out of memory, crashed, or told to stop.
 
-Children come from a ``forkserver`` that imported torch once, so each starts in about a tenth of
-a second instead of re-importing torch, and no OpenMP thread pool is forked.
+Children come from a ``forkserver`` that imported torch (and the workload's model library:
+transformers, timm) once, so each starts in about a tenth of a second instead of re-importing
+them, and no OpenMP thread pool is forked. What the workload's factory prints while a child
+rebuilds it is captured and handed to the parent (``ChildSession.build_output``), never
+repeated on the terminal once per candidate.
 """
 
 from __future__ import annotations
@@ -24,13 +27,22 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from mixprec.measure import preload
 from mixprec.measure.failure import exception_status, failure_status
 from mixprec.measure.process import current_rss_bytes, die_with_parent, main_module_hidden
 from mixprec.measure.runner import BenchSettings, Measurement, TrainingSession
 from mixprec.policy import Candidate
 from mixprec.workload import Workload, WorkloadSpec
+from mixprec.workload.models import preload_modules
+from mixprec.workload.output import captured_fds
 
-_PRELOAD = ["torch", "torchvision", "mixprec.measure.runner", "mixprec.workload.loader"]
+_PRELOAD = [
+    "torch",
+    "torchvision",
+    "mixprec.measure.runner",
+    "mixprec.workload.loader",
+    "mixprec.measure.preload",  # last: it imports what the workload's model library needs
+]
 _CONTEXT: Any = None
 _POLL_S = 0.2  # how often a wait looks at should_stop
 
@@ -46,11 +58,26 @@ class SessionEnded(Exception):
         self.status, self.reason, self.steps = status, reason, steps or []
 
 
-def _context() -> Any:
+def _context(spec: WorkloadSpec | None = None) -> Any:
+    """The fork server's context, started on first use with the modules ``spec``'s model library
+    needs preloaded (a later spec that needs others imports them in its children)."""
     global _CONTEXT
     if _CONTEXT is None:
+        from multiprocessing import forkserver
+
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
+        extra = preload_modules(spec.target) if spec is not None else ()
+        before = os.environ.get(preload.ENV)
+        os.environ[preload.ENV] = ",".join(extra)
+        try:
+            with main_module_hidden():
+                forkserver.ensure_running()
+        finally:
+            if before is None:
+                os.environ.pop(preload.ENV, None)
+            else:
+                os.environ[preload.ENV] = before
         _CONTEXT = ctx
     return _CONTEXT
 
@@ -71,11 +98,13 @@ def _child(conn: Any, spec: dict[str, Any], candidate: Candidate, settings: Benc
         from mixprec.workload.loader import workload_from_spec
 
         rss_before = current_rss_bytes()
-        workload = workload_from_spec(
-            WorkloadSpec(spec["kind"], spec["target"], tuple(spec["sizes"].items()))
-        )
-        session = TrainingSession(workload, candidate, settings)
-        conn.send({"event": "ready"})
+        # The factory (and the optimizer factory) already ran, and printed, in the parent.
+        with captured_fds() as build:
+            workload = workload_from_spec(
+                WorkloadSpec(spec["kind"], spec["target"], tuple(spec["sizes"].items()))
+            )
+            session = TrainingSession(workload, candidate, settings)
+        conn.send({"event": "ready", "output": build.text})
         while True:
             command = conn.recv()
             if command["cmd"] == "warmup":
@@ -122,7 +151,8 @@ class ChildSession:
         self.candidate = candidate
         self.should_stop = should_stop
         self.steps_seen: list[float] = []
-        ctx = _context()
+        self.build_output = ""  # what rebuilding the workload printed in the child
+        ctx = _context(spec)
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
             target=_child, args=(child_conn, spec.to_dict(), candidate, settings), daemon=True
@@ -134,6 +164,7 @@ class ChildSession:
         event = self._wait(lambda: start_timeout_s, "building the workload")
         if event["event"] != "ready":
             raise SessionEnded("error", f"unexpected {event['event']!r} while building the workload")
+        self.build_output = event.get("output", "")
 
     def _wait(self, limit: Callable[[], float | None], what: str) -> dict[str, Any]:
         """The next event from the child; :class:`SessionEnded` when it dies, errs, is stopped or
@@ -234,6 +265,7 @@ class LocalSession:
         self.candidate = candidate
         self.should_stop = should_stop
         self.steps_seen: list[float] = []
+        self.build_output = ""  # nothing is rebuilt in this process
         try:
             self._session = TrainingSession(workload, candidate, settings, batches)
         except Exception as exc:

@@ -31,7 +31,7 @@ from mixprec.measure.rowstore import RowStore
 from mixprec.measure.runner import BenchSettings, Measurement, distinct_batches, make_batches
 from mixprec.policy import POLICY_NAMES, Candidate, canonical_name, check_support
 from mixprec.status import Status
-from mixprec.workload import Workload
+from mixprec.workload import Workload, validate_workload
 
 Progress = Callable[[dict[str, Any]], None]
 CHANNELS_LAST_CHOICES = ("off", "on", "both")
@@ -142,7 +142,8 @@ def bench(
             isolated CPU peak memory, crash isolation, hard pruning.
         prune_factor: stop a candidate that many times slower than the best so far (compared
             like with like, retried once at the end; see :mod:`mixprec.measure.paired`).
-        progress: receives 'candidate', 'step' and 'row' events.
+        progress: receives 'candidate', 'step' and 'row' events, and 'output' (what rebuilding
+            the workload printed in a candidate's process, already shown once by this one).
         candidates: replaces the ``policies`` x ``channels_last`` grid (e.g. a keep_fp32
             rescue); strict fp32 is always measured too, as the baseline.
         nproc: train every candidate data-parallel on that many DDP ranks (needs a spec); these
@@ -151,6 +152,10 @@ def bench(
             training scripts do (the warm-up steps absorb the tuning).
         deadline: a ``time.perf_counter()`` value; the sweep stops there and returns what it has.
         should_stop: polled between steps; True stops the sweep the same way.
+
+    Before measuring, one strict-fp32 step in this process validates the workload
+    (:func:`mixprec.workload.validate_workload`): a broken ``make_batch``, ``loss_fn`` or
+    ``optimizer_fn`` raises one :class:`UsageError` instead of failing every row alike.
     """
     if not isinstance(workload, Workload):
         raise UsageError(f"bench() takes a mixprec.Workload, got {type(workload).__name__}.")
@@ -181,6 +186,9 @@ def bench(
     progress = progress or (lambda event: None)
     label = workload_label(workload)
     bs = batch_size or workload.default_batch_size
+    # One strict-fp32 step here first: a broken make_batch / loss_fn / optimizer_fn is one clear
+    # error now, not the same failure in every row.
+    validate_workload(workload, device=dev, batch_size=bs)
     plan = plan_candidates(names, layouts) if candidates is None else [BASELINE]
     plan += [c for c in (candidates or []) if c not in plan]
     settings = BenchSettings(
