@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet "setuptools>=77"
 	DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(BIN)/pip install --quiet --no-build-isolation --no-cache-dir \
 		"deepspeed>=0.19,<0.20"
-	$(BIN)/pip install --quiet -e ".[dev,frameworks,fp8,tensorflow]"
+	$(BIN)/pip install --quiet -e ".[dev,frameworks,fp8,timm,hf,tensorflow]"
 	$(BIN)/pip check
 	touch $(STAMP)
 

@@ -14,6 +14,7 @@ LAYERS = {
     "state": 0,
     "status": 0,
     "schema": 0,
+    "files": 0,
     "hardware": 1,
     "policy": 2,
     "workload": 3,

@@ -10,7 +10,8 @@ import torch
 
 import mixprec
 from mixprec.cli import main
-from mixprec.measure.results import BenchResult, BenchRow, read_csv, read_jsonl, write_csv
+from mixprec.measure.results import BenchResult, BenchRow, read_csv, write_csv
+from mixprec.measure.rowstore import read_jsonl
 from mixprec.measure.sweep import bench, parse_channels_last, parse_policies
 from mixprec.policy import Candidate
 from mixprec.schema import SCHEMA_VERSION
@@ -66,9 +67,10 @@ FACTORY = textwrap.dedent(
     def defeats_autocast():
         return _workload(ce, model=NoAutocast())
 
-    def nan_loss():
+    def nan_loss_under_bf16():
         def loss_fn(model, batch):
-            return ce(model, batch) * float("nan")
+            loss = ce(model, batch)
+            return loss * float("nan") if _autocast_dtype() == torch.bfloat16 else loss
         return _workload(loss_fn)
     """
 )
@@ -199,17 +201,23 @@ def test_autocast_defeated_is_an_error_row_not_a_mislabelled_number(factory_file
 
 
 def test_nonfinite_loss_is_an_error_row(factory_file):
-    w = load_workload(f"{factory_file}:nan_loss")
+    w = load_workload(f"{factory_file}:nan_loss_under_bf16")
     result = bench(
         w,
-        policies="fp32",
+        policies="fp32,bf16-mixed",
         channels_last="off",
         steps=1,
         warmup=1,
         isolate=False,
         device="cpu",
     )
-    assert result.rows[0].status == "error" and "non-finite loss" in result.rows[0].reason
+    rows = _by_label(result)
+    assert rows["fp32"].status == "ok"
+    assert rows["bf16-mixed"].status == "error" and "non-finite loss" in rows["bf16-mixed"].reason
+    # non-finite already in strict fp32 is the workload's bug: one line before any measuring
+    w.loss_fn = lambda model, batch: model(batch[0]).sum() * float("nan")
+    with pytest.raises(mixprec.UsageError, match="loss_fn returned nan at the first strict-fp32 step"):
+        bench(w, policies="fp32", channels_last="off", steps=1, warmup=1, isolate=False, device="cpu")
 
 
 def test_interrupted_sweep_resumes_without_rerunning_finished_rows(tmp_path):

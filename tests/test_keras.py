@@ -262,7 +262,7 @@ def test_bench_pairs_keras_candidates_in_their_own_processes(mlp, tmp_path, capf
     assert all(r.candidate.framework == "tensorflow" for r in again.rows)
     # the JSON Lines log is append-only (strict fp32 is written when first measured and again when
     # its paired repeats are done): the last line of each row is the row
-    from mixprec.measure.results import read_jsonl
+    from mixprec.measure.rowstore import read_jsonl
 
     logged = {r.key: r.status for r in read_jsonl(tmp_path / "r.jsonl")}
     assert logged == {r.key: r.status for r in result.rows}

@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from mixprec.errors import UsageError
+from mixprec.errors import CacheWarning, UsageError
 from mixprec.hardware import peaks
 from mixprec.hardware.device import DeviceInfo
 from mixprec.hardware.peaks import (
@@ -228,7 +228,8 @@ def test_cpu_peak_is_cached(tmp_path, fake_measure):
 def test_corrupt_cache_is_ignored_and_rewritten(tmp_path, fake_measure, content):
     path = tmp_path / "cpu_peaks.json"
     path.write_text(content, encoding="latin-1")
-    assert cpu_peak("fp32", FAKE_CPU, cache_dir=tmp_path)[0] == 1.0e11
+    with pytest.warns(CacheWarning, match="cpu_peaks.json"):  # a miss, said in one line
+        assert cpu_peak("fp32", FAKE_CPU, cache_dir=tmp_path)[0] == 1.0e11
     assert fake_measure == ["fp32"]
     data = json.loads(path.read_text())
     assert len(data["entries"]) == 1

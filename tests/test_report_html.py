@@ -191,7 +191,11 @@ def test_refused_exports_show_why(result):
 
 
 def test_exports_present_and_equal_to_the_result(result, written):
-    assert len(result.exports) == 7
+    # 7 targets, each faithful or refused: a compiled or fused pick (tune may make one on a noisy
+    # machine) is refused by the targets that cannot write torch.compile or the optimizer flag
+    assert len(result.exports) + len(result.export_refusals) == 7 and {"mixprec", "pytorch"} <= set(
+        result.exports
+    )
     page = written["html"].read_text(encoding="utf-8")
     blocks = dict(
         re.findall(r'<pre id="export-([a-z0-9-]+)"><code[^>]*>(.*?)</code></pre>', page, flags=re.S)

@@ -221,7 +221,7 @@ def test_autotune_caches_its_decision(tmp_path, monkeypatch):
     assert len(calls) == 1  # the second call read the cache
     autotune(mixprec.load_workload("mlp", hidden=128), **opts)  # another model: tuned again
     assert len(calls) == 2
-    assert len(json.loads(cache.read_text())) == 2
+    assert len(json.loads(cache.read_text())["entries"]) == 2
 
 
 def test_report_command_errors(tmp_path, capsys):

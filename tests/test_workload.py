@@ -68,20 +68,26 @@ def test_zoo_model_builds_and_trains_one_step(name):
     grads = [p.grad for p in w.model.parameters() if p.requires_grad]
     assert grads and all(g is not None for g in grads)
     if name in ("gpt2", "mlp"):  # an optimizer step on the 144M-parameter vgg19 is slow on a CPU
-        w.make_optimizer(w.model.parameters()).step()
+        w.make_optimizer(w.model).step()
 
 
 def test_default_batch_sizes_and_optimizers():
     gpt = build_zoo_workload("gpt2", **TINY_GPT)
     assert gpt.default_batch_size == 8
-    opt = gpt.make_optimizer(gpt.model.parameters())
+    opt = gpt.make_optimizer(gpt.model)
     assert isinstance(opt, torch.optim.AdamW)
-    assert opt.defaults["lr"] == 3e-4 and opt.defaults["weight_decay"] == 0.1
+    # nanoGPT's configure_optimizers: matrices and embeddings decay, biases and LayerNorms do not
+    decay, no_decay = opt.param_groups
+    assert opt.defaults["lr"] == 6e-4 and opt.defaults["betas"] == (0.9, 0.95)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert {id(p) for p in decay["params"]} == {id(p) for p in gpt.model.parameters() if p.dim() >= 2}
+    assert {id(p) for p in no_decay["params"]} == {id(p) for p in gpt.model.parameters() if p.dim() < 2}
+    assert any(p is gpt.model.transformer.wte.weight for p in decay["params"])
 
     mlp = build_zoo_workload("mlp")
     assert mlp.default_batch_size == 64
     assert mlp.optimizer_fn is None  # SGD with momentum
-    assert isinstance(mlp.make_optimizer(mlp.model.parameters()), torch.optim.SGD)
+    assert isinstance(mlp.make_optimizer(mlp.model), torch.optim.SGD)
 
 
 def test_gpt2_default_config_is_gpt2_small():

@@ -5,6 +5,10 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+# Exit codes of the CLI beyond those of the errors below (docs/cli.md has the table).
+EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT)
+EXIT_TERMINATED = 143  # SIGTERM
+
 
 class MixprecError(Exception):
     """Base class of every error mixprec raises on purpose."""
@@ -56,6 +60,39 @@ class ScaleCollapseError(MixprecError, FloatingPointError):
     def __init__(self, message: str, parameters: list[str]) -> None:
         super().__init__(message)
         self.parameters = parameters
+
+
+class NonFiniteGradientsError(MixprecError, FloatingPointError):
+    """A policy without a loss scaler (``finite_check=True``) skipped this many optimizer steps in a
+    row on non-finite gradients: training is not recovering, it only skips. The counterpart of
+    :class:`ScaleCollapseError` for bf16 and the other unscaled policies."""
+
+    exit_code = 4
+
+    def __init__(self, message: str, parameters: list[str]) -> None:
+        super().__init__(message)
+        self.parameters = parameters
+
+
+class NumericsFailed(MixprecError):
+    """No candidate passed the numerics check (``check`` and ``tune`` exit with it)."""
+
+    exit_code = 4
+
+
+class BudgetExhausted(MixprecError):
+    """``tune`` ran out of its time budget before it could decide anything; the message says how
+    far it got and how much budget to give it."""
+
+    exit_code = 5
+
+
+class MixprecWarning(UserWarning):
+    """Base class of mixprec's warnings; the CLI prints them as one line."""
+
+
+class CacheWarning(MixprecWarning):
+    """A cache file could not be read or written; it is treated as a miss, nothing is lost."""
 
 
 def did_you_mean(value: str, valid: Iterable[str]) -> str:

@@ -1,22 +1,29 @@
 """Command-line interface: the only layer that prints or exits.
 
-Errors become one line on stderr and an exit code (2 usage, 3 unsupported, 4 numerics
-failed); ``--debug`` shows the traceback.
+Errors become one line on stderr and an exit code (the table is in docs/cli.md: 2 usage or a
+workload that fails in strict fp32, 3 unsupported, 4 numerics failed, 5 budget exhausted, 130
+interrupted, 143 terminated); ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
+import signal
 import sys
-from collections.abc import Sequence
-from pathlib import Path
-from typing import NoReturn
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
+from typing import Any, NoReturn
 
 from rich.console import Console
 
 from mixprec.cli import bench, check, demo, env, lint, tune
-from mixprec.errors import MixprecError, UsageError
+from mixprec.cli.outputs import check_outputs
+from mixprec.cli.quiet import quiet_known_noise
+from mixprec.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, MixprecError, MixprecWarning, UsageError
+from mixprec.files import OutputLock
 
 SUBCOMMANDS = (env, demo, bench, check, lint, tune)
 
@@ -40,31 +47,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Arguments naming files (or, for --report, a folder) that a command writes at its end.
-_OUTPUT_ARGS = ("json", "csv", "markdown", "plot", "report")
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, so cleanups and the resume hint run as for Ctrl-C."""
 
 
-def check_outputs(args: argparse.Namespace) -> None:
-    """Fail before measuring, not after: every output location must be creatable and writable."""
-    for name in _OUTPUT_ARGS:
-        value = getattr(args, name, None)
-        if not value:
-            continue
-        path = Path(value)
-        folder = path if name == "report" else path.parent
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(
-                f"--{name} {value!r}: cannot create folder {str(folder)!r} ({exc.strerror})."
-            ) from None
-        if not os.access(folder, os.W_OK) or (path.exists() and path.is_dir() and name != "report"):
-            raise UsageError(
-                f"--{name} {value!r}: not a writable file location; pass a file path you can write."
-            )
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While a command runs, SIGTERM unwinds like Ctrl-C (children closed, rows kept, a hint)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
+    """A ``warnings.showwarning`` that prints mixprec's own warnings (e.g. an unreadable cache)
+    as one line on stderr and hands the others to ``show``."""
+
+    def showwarning(message: Any, category: type[Warning], *rest: Any, **kwargs: Any) -> None:
+        if issubclass(category, MixprecWarning):
+            print(f"mixprec: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, *rest, **kwargs)
+
+    return showwarning
+
+
+def list_models(pattern: str, out: Console) -> int:
+    """``--list-models [PATTERN]``: the models loadable by name with this install."""
+    from mixprec.report.console import models_report
+    from mixprec.workload.models import list_models as available
+
+    out.print(models_report(available(pattern or None), pattern or None))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; errors become one line on stderr and an exit code (docs/cli.md)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     # Piped output (CI logs, files) gets a wide fixed width instead of rich's 80 columns.
@@ -72,17 +99,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not stdout.is_terminal:
         stdout = Console(width=140)
     stderr = Console(stderr=True)
+    quiet_known_noise()
     try:
-        check_outputs(args)
-        return int(args.run(args, stdout, stderr) or 0)
+        if getattr(args, "list_models", None) is not None:
+            return list_models(args.list_models, stdout)
+        with warnings.catch_warnings(), _sigterm_raises():
+            warnings.showwarning = _one_line_warnings(warnings.showwarning)
+            prepared = check_outputs(args)
+            try:
+                with OutputLock(prepared.locks):
+                    return int(args.run(args, stdout, stderr) or 0)
+            finally:
+                prepared.discard_empty_folders()  # a run that wrote nothing leaves no folder behind
     except MixprecError as exc:
         if args.debug:
             raise
         print(f"mixprec: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Terminated:
+        print("mixprec: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print("mixprec: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except SystemExit as exc:  # argparse exits before this block; this is user code calling exit()
+        if args.debug:
+            raise
+        print(
+            f"mixprec: error: the workload called sys.exit({exc.code!r}) while mixprec ran it; a workload "
+            "must not exit: put a script's own code under `if __name__ == '__main__':`.",
+            file=sys.stderr,
+        )
+        return UsageError.exit_code
 
 
 if __name__ == "__main__":  # pragma: no cover

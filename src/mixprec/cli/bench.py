@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 import torch
 from rich.console import Console
@@ -12,14 +11,17 @@ from rich.console import Console
 from mixprec.cli.common import (
     CPU_DEFAULTS,
     CUDA_DEFAULTS,
+    CandidateProgress,
     add_workload_arguments,
+    default_batch_size,
+    first_failure,
     positive_int,
-    sweep_progress,
+    require_supported,
     workload_from_args,
 )
 from mixprec.errors import UsageError
 from mixprec.measure.results import write_csv
-from mixprec.measure.sweep import CHANNELS_LAST_CHOICES, bench
+from mixprec.measure.sweep import CHANNELS_LAST_CHOICES, bench, parse_policies
 from mixprec.report.bench import bench_table, error_tracebacks, plot, write_markdown
 from mixprec.report.jsonio import write_json
 
@@ -43,6 +45,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", metavar="FILE.png")
     p.add_argument("--resume", action="store_true", help="keep the rows already in the .jsonl next to --json")
     p.add_argument(
+        "--resume-anyway",
+        action="store_true",
+        help="--resume, keeping rows measured under other settings too (steps, threads, versions, ...)",
+    )
+    p.add_argument(
         "--in-process", action="store_true", help="no child process per candidate (CPU memory: n/a)"
     )
     p.add_argument(
@@ -65,39 +72,18 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         from mixprec.cli.tensorflow import run_bench
 
         return run_bench(args, out, err)
-    if args.resume and not args.json:
+    resume = args.resume or args.resume_anyway
+    if resume and not args.json:
         raise UsageError("--resume continues the rows in the .jsonl next to --json FILE; pass --json too.")
+    if args.policies != "all":
+        require_supported(parse_policies(args.policies), args.device)
     on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     defaults = CUDA_DEFAULTS if on_cuda else CPU_DEFAULTS
     workload = workload_from_args(args, defaults)
-    is_default_model = not args.workload and (args.model in (None, "resnet50"))
-    batch_size = args.batch_size or (defaults["batch_size"] if is_default_model else None)
+    batch_size = default_batch_size(args, defaults)
     jsonl = Path(args.json).with_suffix(".jsonl") if args.json else None
 
-    with sweep_progress(err) as bar:
-        task = bar.add_task("starting", total=None)
-
-        def progress(event: dict[str, Any]) -> None:
-            kind = event["event"]
-            if kind == "candidate":
-                bar.update(
-                    task,
-                    total=event["count"],
-                    completed=event["index"],
-                    description=f"{event['label']}: starting",
-                )
-            elif kind == "step":
-                phase = "timed" if event["timed"] else "warm-up"
-                bar.update(
-                    task, description=f"{event['label']}: {phase} step {event['index'] + 1}/{event['total']}"
-                )
-            elif kind == "row":
-                row = event["row"]
-                bar.update(task, completed=event["index"] + 1)
-                figure = f"{row.throughput:.1f} samples/s" if row.throughput else row.reason
-                resumed = " (resumed)" if event.get("resumed") else ""
-                bar.console.print(f"{row.label}: {row.status}{resumed} {figure}", highlight=False)
-
+    with CandidateProgress(err, "checking the workload: one strict-fp32 step", verbose=args.verbose) as shown:
         try:
             result = bench(
                 workload,
@@ -109,15 +95,19 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
                 min_time_s=defaults["min_time"] if args.min_time is None else args.min_time,
                 device=args.device,
                 jsonl=jsonl,
-                resume=args.resume,
+                resume=resume,
+                resume_anyway=args.resume_anyway,
                 isolate=False if args.in_process else None,
                 prune_factor=args.prune_factor,
-                progress=progress,
+                progress=shown.bench_event,
                 nproc=args.nproc,
             )
         except KeyboardInterrupt:
             if jsonl:
-                err.print(f"interrupted: finished rows are in {jsonl}; rerun with --resume to continue")
+                err.print(
+                    f"interrupted: finished rows are in {jsonl}; rerun with --resume to continue",
+                    soft_wrap=True,
+                )
             raise
 
     out.print(bench_table(result))
@@ -134,4 +124,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         written.append(plot(args.plot, result))
     for path in written:
         err.print(f"wrote {path}")
+    failure = first_failure(result.rows)
+    if failure is not None:
+        raise failure
     return 0

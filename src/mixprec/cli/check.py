@@ -6,16 +6,25 @@ import argparse
 
 from rich.console import Console
 
-from mixprec.cli.common import add_workload_arguments, positive_int, workload_from_args
+from mixprec.cli.common import (
+    CandidateProgress,
+    add_workload_arguments,
+    default_batch_size,
+    positive_int,
+    require_supported,
+    workload_from_args,
+)
 from mixprec.errors import UsageError
 from mixprec.hardware.environment import collect
+from mixprec.measure.sweep import parse_policies
 from mixprec.numerics.check import check
 from mixprec.policy.candidate import EMULATABLE
+from mixprec.policy.support import fp8_predictable
 from mixprec.report.check import check_report, plot
 from mixprec.report.jsonio import write_json
 
-# Small enough for a CPU: the default model at a small image size and batch.
-DEFAULTS = {"image_size": 64, "batch_size": 8}
+# Small enough for a CPU: the default model (and vision models by name) at a small image size and batch.
+DEFAULTS = {"image_size": 64, "max_image_size": 64, "batch_size": 8}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,21 +50,23 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         from mixprec.cli.tensorflow import run_check
 
         return run_check(args, out, err)
-    workload = workload_from_args(args, DEFAULTS)
-    is_default = not args.workload and args.model in (None, "resnet50")
     policies = [p for p in args.policies.split(",") if p.strip()]
     if not policies and not args.emulate:
         raise UsageError("--policies is empty and no --emulate given: nothing to check.")
-    with err.status("checking") as status:
+    # fp8 on a device without it is still checked: its numerics are predicted here
+    require_supported(parse_policies(policies) if policies else [], args.device, allowed=fp8_predictable)
+    workload = workload_from_args(args, DEFAULTS)
+    with CandidateProgress(err, "checking", verbose=args.verbose) as shown:
         result = check(
             workload,
             policies=policies,
             emulate=args.emulate,
             steps=args.steps,
-            batch_size=args.batch_size or (DEFAULTS["batch_size"] if is_default else None),
+            batch_size=default_batch_size(args, DEFAULTS),
             device=args.device,
             fix=args.fix,
-            progress=lambda msg: status.update(f"checking {msg}"),
+            progress=lambda msg: shown.status(f"checking {msg}"),
+            events=shown.bench_event,
         )
     out.print(check_report(result))
     if args.json:

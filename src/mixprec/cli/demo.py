@@ -6,6 +6,7 @@ import argparse
 
 from rich.console import Console
 
+from mixprec.cli.common import positive_int
 from mixprec.demo import run_demo
 from mixprec.hardware import detect
 from mixprec.policy import get_policy, starting_policy
@@ -16,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="train a small built-in model under the best supported policy")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
     p.add_argument("--policy", default=None, help="policy name (default: the best supported one here)")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=positive_int, default=30)
     p.set_defaults(run=run)
 
 

@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "On a CPU the tensor-core rules report at info; --target cuda judges them for a GPU."
         ),
     )
-    add_workload_arguments(p)
+    add_workload_arguments(p, verbose=False)
     p.add_argument("--policy", help="policy to judge against (default: the best default for the device)")
     p.add_argument(
         "--channels-last",

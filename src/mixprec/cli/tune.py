@@ -17,17 +17,20 @@ from rich.text import Text
 from mixprec.cli.common import (
     CPU_DEFAULTS,
     CUDA_DEFAULTS,
+    CandidateProgress,
     add_workload_arguments,
+    default_batch_size,
     positive_int,
     workload_from_args,
 )
-from mixprec.errors import UsageError
+from mixprec.errors import BudgetExhausted, MixprecError, NumericsFailed, UsageError
 from mixprec.exports import EXPORT_TARGETS
 from mixprec.measure.noise import describe as describe_noise
 from mixprec.policy.candidate import COMPILE_MODES
 from mixprec.report.bench import drift_text
 from mixprec.report.format import fmt_speedup_ci, rich_style
 from mixprec.report.jsonio import write_json
+from mixprec.status import Status
 from mixprec.tuning.search import TRAIN_STEPS
 
 
@@ -126,7 +129,7 @@ def summary(data: dict[str, Any]) -> Group:
     rec = data.get("recommendation")
     parts: list[Any] = [candidate_table(data)]
     if rec is None:
-        parts.append(Text("No candidate passed the numerics check, not even strict fp32.", style="red"))
+        parts.append(Text(no_recommendation(data).args[0], style="red"))
         return Group(*parts)
     head = Text.assemble(("recommended: ", "bold"), (rec["label"], "bold green"))
     if rec.get("speedup_vs_fp32"):
@@ -134,6 +137,8 @@ def summary(data: dict[str, Any]) -> Group:
     if rec.get("speedup_vs_tf32"):
         head.append(f", {rec['speedup_vs_tf32']:.2f}x tf32")
     parts += [head, Text(rec["reason"])]
+    if data.get("budget_exhausted"):
+        parts.append(Text(budget_exhausted(data).args[0], style="red"))
     for finding in rec.get("lint_worth_fixing") or []:
         parts.append(Text(f"  lint {finding.get('rule')}: {finding.get('message')} -> {finding.get('fix')}"))
     snippet = (data.get("exports") or {}).get("mixprec")
@@ -147,6 +152,32 @@ def summary(data: dict[str, Any]) -> Group:
     if any(measured):
         parts.append(Text("measured: " + "; ".join(m for m in measured if m), style="dim"))
     return Group(*parts)
+
+
+def budget_exhausted(data: dict[str, Any]) -> BudgetExhausted:
+    return BudgetExhausted(f"budget exhausted: {data['budget_exhausted']}; raise --budget.")
+
+
+def no_recommendation(data: dict[str, Any]) -> MixprecError:
+    """Why a tune result holds no recommendation, as the error the CLI exits with: the budget ran
+    out first (exit 5), every candidate failed to run (exit 2), or no candidate passed (exit 4)."""
+    bench = data.get("bench") or {}
+    rows = [r for r in bench.get("rows") or [] if isinstance(r, dict) and not r.get("baseline_repeat")]
+    failed = [r for r in rows if r.get("status") in (Status.ERROR, Status.OOM)]
+    if data.get("budget_exhausted"):
+        return budget_exhausted(data)
+    if not any(r.get("status") == Status.OK for r in rows) and bench.get("stopped"):
+        return BudgetExhausted(
+            f"budget exhausted: the {data.get('budget_s', 0):g} s budget ran out before strict fp32 was "
+            f"measured ({bench['stopped']}), so nothing was measured or checked; raise --budget."
+        )
+    if rows and len(failed) == len(rows):
+        first = failed[0]
+        return UsageError(
+            f"every candidate failed ({len(rows)} rows), so nothing was checked; the first, "
+            f"{first.get('label')}: {first.get('status')}: {first.get('reason')}"
+        )
+    return NumericsFailed("no candidate passed the numerics check, not even strict fp32.")
 
 
 def export_lines(data: dict[str, Any]) -> list[Text]:
@@ -174,13 +205,12 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     defaults = CUDA_DEFAULTS if on_cuda else CPU_DEFAULTS
     workload = workload_from_args(args, defaults)
-    is_default = not args.workload and args.model in (None, "resnet50")
-    with err.status("tuning") as status:
+    with CandidateProgress(err, "tuning", verbose=args.verbose, budget_s=args.budget) as shown:
         result = tune(
             workload,
             budget_s=args.budget,
             device=args.device,
-            batch_size=args.batch_size or (defaults["batch_size"] if is_default else None),
+            batch_size=default_batch_size(args, defaults),
             steps=args.steps or defaults["steps"],
             warmup=defaults["warmup"],
             check_steps=args.check_steps,
@@ -189,7 +219,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
             compile_modes=() if args.no_compile else args.compile,
             optimizers=not args.no_optimizers,
             train_steps=args.train_steps,
-            progress=lambda msg: status.update(msg),
+            progress=shown.status,
+            events=shown.bench_event,
         )
     result.command = "mixprec " + " ".join(sys.argv[1:])
     data = result.to_dict()
@@ -201,30 +232,59 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
 
         for path in write_report(result, Path(args.report)).values():
             err.print(f"wrote {path}")
+    if result.recommendation is None:
+        raise no_recommendation(data)
+    if result.budget_exhausted:
+        raise budget_exhausted(data)
     return 0
 
 
-def run_report(args: argparse.Namespace, out: Console, err: Console) -> int:
-    from mixprec.report.html import write_report
+def render_tune_file(path: Path) -> dict[str, tuple[str, bytes]]:
+    """The report files (:func:`mixprec.report.html.render_report`) of a ``mixprec tune --json``
+    file; a UsageError naming the problem for anything else (missing, a folder, binary, not JSON,
+    another kind, a malformed result)."""
+    from mixprec.report.html import render_report
     from mixprec.tuning import TuneResult
 
-    path = Path(args.results)
+    name = str(path)
+    fix = "pass the file written by `mixprec tune --json`"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
     except FileNotFoundError:
-        raise UsageError(
-            f"results file {str(path)!r} does not exist; pass the file written by `mixprec tune --json`."
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(
-            f"results file {str(path)!r} is not JSON ({exc}); pass a `mixprec tune --json` file."
-        ) from None
+        raise UsageError(f"results file {name!r} does not exist; {fix}.") from None
+    except IsADirectoryError:
+        raise UsageError(f"results file {name!r} is a folder; {fix}.") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read results file {name!r} ({exc.strerror or exc}); {fix}.") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"results file {name!r} is not text (not UTF-8); {fix}.") from None
+    except (ValueError, RecursionError) as exc:
+        raise UsageError(f"results file {name!r} is not JSON ({str(exc)[:80]}); {fix}.") from None
     if not isinstance(data, dict) or data.get("kind") != "tune":
         kind = data.get("kind") if isinstance(data, dict) else type(data).__name__
         raise UsageError(
-            f"results file {str(path)!r} has kind {kind!r}; `mixprec report` renders kind 'tune' "
+            f"results file {name!r} has kind {kind!r}; `mixprec report` renders kind 'tune' "
             "(written by `mixprec tune --json`)."
         )
-    for written in write_report(TuneResult.from_dict(data), Path(args.out)).values():
+    try:
+        result = TuneResult.from_dict(data)
+        files = render_report(result)  # rendered in memory: a malformed value fails before any write
+    except MixprecError:
+        raise
+    except Exception as exc:  # a hand-edited or truncated result: say what, not where in mixprec
+        raise UsageError(
+            f"results file {name!r} is not a valid tune result ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:100] if str(exc) else 'malformed'}); {fix}."
+        ) from None
+    return files
+
+
+def run_report(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from mixprec.report.html import write_files
+
+    files = render_tune_file(Path(args.results))
+    for written in write_files(files, Path(args.out)).values():
         err.print(f"wrote {written}")
     return 0

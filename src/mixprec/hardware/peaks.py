@@ -8,19 +8,19 @@ and does not initialise CUDA.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import re
-import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mixprec.errors import UsageError
+from mixprec.errors import CacheWarning, UsageError
+from mixprec.files import atomic_write_text
 from mixprec.hardware.device import DeviceInfo
 
 DTYPE_KEYS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -363,14 +363,29 @@ def _cache_key(measure_key: str, info: DeviceInfo) -> str:
     )
 
 
+_CACHE_VERSION = 1
+
+
 def _read_cache(path: Path) -> dict[str, dict[str, object]]:
-    """Valid entries of the cache file; a missing, unreadable or corrupt file reads as empty."""
+    """Valid entries of the cache file; a missing one reads as empty, an unreadable or corrupt
+    one (or one of another version) as empty with a one-line :class:`CacheWarning`."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, RecursionError) as exc:
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        warnings.warn(
+            f"CPU peak cache {str(path)!r} is unreadable ({why}); measuring again.", CacheWarning, 3
+        )
         return {}
     entries = data.get("entries") if isinstance(data, dict) else None
-    if not isinstance(entries, dict):
+    if not isinstance(entries, dict) or data.get("version") != _CACHE_VERSION:
+        warnings.warn(
+            f"CPU peak cache {str(path)!r} is not a version-{_CACHE_VERSION} cache; measuring again.",
+            CacheWarning,
+            3,
+        )
         return {}
     good: dict[str, dict[str, object]] = {}
     for key, entry in entries.items():
@@ -389,19 +404,9 @@ def _read_cache(path: Path) -> dict[str, dict[str, object]]:
 
 
 def _write_cache(path: Path, entries: dict[str, dict[str, object]]) -> None:
-    """Atomically replace the cache file (temp file in the same folder, then os.replace)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"version": 1, "entries": entries}, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Atomically replace the cache file (:func:`mixprec.files.atomic_write_text`)."""
+    text = json.dumps({"version": _CACHE_VERSION, "entries": entries}, indent=2, sort_keys=True)
+    atomic_write_text(path, text, "CPU peak cache")
 
 
 def cpu_peak(
@@ -435,8 +440,8 @@ def cpu_peak(
     entries[key] = {"flops": flops, "source": source}
     try:
         _write_cache(path, entries)
-    except OSError as exc:
-        source = source.replace(f"cached in {path}", f"not cached ({path}: {exc.strerror or exc})")
+    except UsageError as exc:
+        source = source.replace(f"cached in {path}", f"not cached ({exc})")
     return flops, source
 
 

@@ -21,9 +21,10 @@ from mixprec.measure import isolate as isolation
 from mixprec.measure import noise
 from mixprec.measure.isolate import ChildSession, LocalSession
 from mixprec.measure.paired import PairedSweep, Session
-from mixprec.measure.results import KERAS_MFU_NOTE, BenchResult, BenchRow, append_jsonl, read_jsonl
+from mixprec.measure.results import KERAS_MFU_NOTE, BenchResult, BenchRow
+from mixprec.measure.rowstore import RowStore
 from mixprec.measure.runner import BenchSettings
-from mixprec.measure.sweep import _validate, parse_policies, run_paired
+from mixprec.measure.sweep import _validate, parse_policies, resume_key, run_paired
 from mixprec.policy import Candidate
 from mixprec.status import Status
 
@@ -145,21 +146,65 @@ def bench(
         notes=[KERAS_MFU_NOTE],
     )
     done: dict[tuple, BenchRow] = {}
-    if jsonl is not None:
-        if resume:
-            kept = (Status.OK, Status.UNSUPPORTED, Status.PRUNED, Status.NO_EFFECT)
-            done = {r.key: r for r in read_jsonl(jsonl) if r.status in kept}
-        else:
-            Path(jsonl).parent.mkdir(parents=True, exist_ok=True)
-            Path(jsonl).write_text("", encoding="utf-8")
     progress = progress or (lambda event: None)
+    store: RowStore | None = None
+    if jsonl is not None:
+        key = resume_key(label, settings, prune_factor=prune_factor, isolate=isolate, nproc=1)
+        store = RowStore(jsonl, {**key, "framework": "tensorflow"}, resume=resume)
+        for note in store.notes:
+            result.notes.append(note)
+            progress({"event": "note", "text": note})
+        kept = (Status.OK, Status.UNSUPPORTED, Status.PRUNED, Status.NO_EFFECT)
+        done = {r.key: r for r in store.rows if r.status in kept}
 
     def record(row: BenchRow, index: int, resumed: bool = False) -> None:
         result.update(row)
         shown = next(r for r in result.rows if r.key == row.key)
-        if jsonl is not None and not resumed:
-            append_jsonl(jsonl, shown)
+        if store is not None and not resumed:
+            store.append(shown)
         progress({"event": "row", "row": shown, "index": index, "count": len(plan), "resumed": resumed})
+
+    try:
+        _sweep(
+            workload,
+            plan,
+            settings,
+            label,
+            device,
+            bs,
+            isolate,
+            prune_factor,
+            info,
+            result,
+            done,
+            record,
+            progress,
+            deadline,
+            should_stop,
+        )
+    finally:
+        if store is not None:
+            store.close()
+    return result
+
+
+def _sweep(
+    workload: KerasWorkload,
+    plan: list[Candidate],
+    settings: BenchSettings,
+    label: str,
+    device: str,
+    bs: int,
+    isolate: bool,
+    prune_factor: float,
+    info: Any,
+    result: BenchResult,
+    done: dict[tuple, BenchRow],
+    record: Callable[..., None],
+    progress: Progress,
+    deadline: float | None,
+    should_stop: Callable[[], bool] | None,
+) -> None:
 
     def stop_requested() -> bool:
         return (deadline is not None and time.perf_counter() > deadline) or bool(
@@ -174,7 +219,7 @@ def bench(
     if len(todo) > 1 or not done:
         if isolate:
             # TensorFlow imported once in the fork server, not again in every candidate's process
-            isolation.preload("mixprec.keras.preloaded", "mixprec.keras.session")
+            isolation.preload_also("mixprec.keras.preloaded", "mixprec.keras.session")
         sweep = KerasPairedSweep(
             cast(Any, workload),
             settings,
@@ -198,7 +243,6 @@ def bench(
     result.measured.sort(key=lambda r: order.get(r.candidate, len(plan)))
     base = result.baseline
     result.noise = noise.summarize(start, noise.snapshot(device), base.step_times_ms if base else ())
-    return result
 
 
 def _torch_threads() -> int:

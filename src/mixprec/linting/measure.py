@@ -35,7 +35,7 @@ from mixprec.linting.model import Finding, LintResult, MeasuredGain, Remedy
 from mixprec.linting.trace import ModuleRecord, TensorInfo, memory_format_of
 from mixprec.measure.runner import BenchSettings, distinct_batches, make_batches, run_candidate
 from mixprec.policy import Candidate, Policy
-from mixprec.workload import Workload
+from mixprec.workload import Workload, validate_workload
 
 Progress = Callable[[dict[str, Any]], None]
 _LAYOUT_LAYERS = 3  # a layout fix is timed on this many of the largest affected convolutions
@@ -284,6 +284,7 @@ def measure_findings(
     policy = result.policy_obj
     if policy is None or result.trace is None:
         raise UsageError("measure_findings() needs the result of run_lint() on the same workload.")
+    validate_workload(workload, device=policy.device, batch_size=result.batch_size)
     emit = progress or (lambda event: None)
     on_cuda = policy.device.type == "cuda"
     steps = steps or (10 if on_cuda else 3)

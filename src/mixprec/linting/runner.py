@@ -131,7 +131,7 @@ def find_grad_scalers(workload: Workload) -> tuple[Any, ...]:
 
 def _build_optimizer(workload: Workload) -> tuple[torch.optim.Optimizer | None, str]:
     try:
-        return workload.make_optimizer(workload.model.parameters()), ""
+        return workload.make_optimizer(workload.model), ""
     except Exception as exc:  # a user's optimizer factory may refuse CPU/meta params, etc.
         return None, f"optimizer rules skipped: building the optimizer raised {type(exc).__name__}: {exc}"
 

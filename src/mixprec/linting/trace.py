@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from mixprec.errors import UsageError
 from mixprec.workload import Workload
+from mixprec.workload.validate import check_loss, checked_batch
 
 _CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 COMPUTE_TYPES = (nn.Linear, *_CONV_TYPES)
@@ -429,18 +430,19 @@ def _run(
     *,
     channels_last: bool,
     meta: bool,
-) -> _Recorder:
+) -> tuple[_Recorder, Any]:
+    """The recorder of one forward pass, and what ``loss_fn`` returned."""
     recorder = _Recorder(model, originals, fix_conv_format=meta)
     try:
         with torch.no_grad(), recorder:
             if channels_last:
                 with _channels_last_inputs(model):
-                    workload.loss_fn(model, batch)
+                    loss = workload.loss_fn(model, batch)
             else:
-                workload.loss_fn(model, batch)
+                loss = workload.loss_fn(model, batch)
     finally:
         recorder.remove()
-    return recorder
+    return recorder, loss
 
 
 def trace_workload(workload: Workload, batch_size: int, *, channels_last: bool = False) -> Trace:
@@ -456,7 +458,7 @@ def trace_workload(workload: Workload, batch_size: int, *, channels_last: bool =
     except StopIteration:
         device = torch.device("cpu")
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        batch = workload.make_batch(batch_size, device)
+        batch = checked_batch(workload, batch_size, device)
         half = _half_param_dtype(model)
         if half is not None:  # a model already cast to half: feed it half inputs, as a *-true policy would
             batch = _map_tensors(batch, lambda t: t.to(half) if t.is_floating_point() else t)
@@ -466,7 +468,7 @@ def trace_workload(workload: Workload, batch_size: int, *, channels_last: bool =
             traced = meta_copy(model)
             if channels_last:
                 traced.to(memory_format=torch.channels_last)
-            recorder = _run(
+            recorder, loss = _run(
                 traced,
                 originals,
                 workload,
@@ -480,13 +482,16 @@ def trace_workload(workload: Workload, batch_size: int, *, channels_last: bool =
                 traced = copy.deepcopy(model)
                 if channels_last:
                     traced.to(memory_format=torch.channels_last)
-                recorder = _run(traced, originals, workload, batch, channels_last=channels_last, meta=False)
+                recorder, loss = _run(
+                    traced, originals, workload, batch, channels_last=channels_last, meta=False
+                )
             except Exception as exc2:
                 raise UsageError(
                     f"lint could not run one forward pass of workload {workload.name!r}: "
                     f"{type(exc2).__name__}: {exc2}. Check that loss_fn(model, make_batch({batch_size}, "
                     f"{str(device)!r})) runs (use --debug for the traceback)."
                 ) from exc2
+    check_loss(loss, values=False)  # its type and shape; values and gradients are not traced
     return Trace(
         batch_size=batch_size,
         modules=recorder.records,

@@ -21,6 +21,7 @@ from mixprec.measure.process import current_rss_bytes, main_module_hidden
 from mixprec.measure.runner import BenchSettings, Measurement
 from mixprec.policy import Candidate
 from mixprec.workload import WorkloadSpec
+from mixprec.workload.output import captured_fds
 
 
 @dataclass
@@ -57,9 +58,10 @@ def _rank_main(
         )
         try:
             rss_before = current_rss_bytes()
-            workload = workload_from_spec(
-                WorkloadSpec(spec["kind"], spec["target"], tuple(spec["sizes"].items()))
-            )
+            with captured_fds():  # the factory's prints: shown once by the parent, not once per rank
+                workload = workload_from_spec(
+                    WorkloadSpec(spec["kind"], spec["target"], tuple(spec["sizes"].items()))
+                )
             from mixprec.measure.runner import run_candidate
 
             # every rank must run the same steps for the collectives: fixed counts, no time target

@@ -7,14 +7,18 @@ step that runs far too long can be killed); a :class:`LocalSession` runs in this
 spec needed; a slow step is judged only when it ends). Both raise :class:`SessionEnded` when a
 session stops early: pruned at a step limit, out of memory, crashed, or told to stop.
 
-Children come from a ``forkserver`` that imported torch once, so each starts in about a tenth of
-a second instead of re-importing torch, and no OpenMP thread pool is forked.
+Children come from a ``forkserver`` that imported torch (and the workload's model library:
+transformers, timm) once, so each starts in about a tenth of a second instead of re-importing
+them, and no OpenMP thread pool is forked. What the workload's factory prints while a child
+rebuilds it is captured and handed to the parent (``ChildSession.build_output``), never
+repeated on the terminal once per candidate.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import resource
 import signal
 import time
@@ -23,12 +27,22 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from mixprec.measure.process import current_rss_bytes, main_module_hidden
+from mixprec.measure import preload
+from mixprec.measure.failure import exception_status, failure_status
+from mixprec.measure.process import current_rss_bytes, die_with_parent, main_module_hidden
 from mixprec.measure.runner import BenchSettings, Measurement, TrainingSession
 from mixprec.policy import Candidate
 from mixprec.workload import Workload, WorkloadSpec
+from mixprec.workload.models import preload_modules
+from mixprec.workload.output import captured_fds
 
-_PRELOAD = ["torch", "torchvision", "mixprec.measure.runner", "mixprec.workload.loader"]
+_PRELOAD = [
+    "torch",
+    "torchvision",
+    "mixprec.measure.runner",
+    "mixprec.workload.loader",
+    "mixprec.measure.preload",  # last: it imports what the workload's model library needs
+]
 _CONTEXT: Any = None
 _POLL_S = 0.2  # how often a wait looks at should_stop
 TRACEBACK_FRAMES = 12  # innermost frames a failed session's traceback keeps
@@ -48,16 +62,31 @@ class SessionEnded(Exception):
         self.traceback = traceback  # where a failure happened (a child's is otherwise lost)
 
 
-def _context() -> Any:
+def _context(spec: WorkloadSpec | None = None) -> Any:
+    """The fork server's context, started on first use with the modules ``spec``'s model library
+    needs preloaded (a later spec that needs others imports them in its children)."""
     global _CONTEXT
     if _CONTEXT is None:
+        from multiprocessing import forkserver
+
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
+        extra = preload_modules(spec.target) if spec is not None else ()
+        before = os.environ.get(preload.ENV)
+        os.environ[preload.ENV] = ",".join(extra)
+        try:
+            with main_module_hidden():
+                forkserver.ensure_running()
+        finally:
+            if before is None:
+                os.environ.pop(preload.ENV, None)
+            else:
+                os.environ[preload.ENV] = before
         _CONTEXT = ctx
     return _CONTEXT
 
 
-def preload(*modules: str) -> None:
+def preload_also(*modules: str) -> None:
     """Have the fork server import ``modules`` too (e.g. tensorflow for Keras candidates), so each
     child does not import them again; no effect once the server has started."""
     for module in modules:
@@ -90,10 +119,6 @@ def _error_event(exc: BaseException) -> dict[str, Any]:
     }
 
 
-def _failure_status(error_type: str) -> str:
-    return "oom" if "OutOfMemory" in error_type else "error"
-
-
 def _child(
     conn: Any,
     spec: dict[str, Any],
@@ -102,10 +127,13 @@ def _child(
     build: SessionBuilder = build_torch_session,
 ) -> None:
     """Child process body: build the session, then obey commands; errors are sent, never raised."""
+    die_with_parent()
     try:
         rss_before = current_rss_bytes()
-        session = build(spec, candidate, settings)
-        conn.send({"event": "ready"})
+        # The factory (and the optimizer factory) already ran, and printed, in the parent.
+        with captured_fds() as output:
+            session = build(spec, candidate, settings)
+        conn.send({"event": "ready", "output": output.text})
         while True:
             command = conn.recv()
             if command["cmd"] == "warmup":
@@ -126,6 +154,10 @@ def _child(
                     )
                 conn.send({"event": "done", "measurement": asdict(result)})
                 return
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        # The parent is gone (killed): nobody to report to. Exit now, before interpreter shutdown
+        # flushes streams whose readers may be gone too, so an orphan prints nothing.
+        os._exit(0)
     except BaseException as exc:  # report everything, including OOM and KeyboardInterrupt
         with contextlib.suppress(BrokenPipeError, OSError):  # the parent is gone: nobody to tell
             conn.send(_error_event(exc))
@@ -149,7 +181,8 @@ class ChildSession:
         self.candidate = candidate
         self.should_stop = should_stop
         self.steps_seen: list[float] = []
-        ctx = _context()
+        self.build_output = ""  # what rebuilding the workload printed in the child
+        ctx = _context(spec)
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
             target=_child, args=(child_conn, spec.to_dict(), candidate, settings, build), daemon=True
@@ -161,6 +194,7 @@ class ChildSession:
         event = self._wait(lambda: start_timeout_s, "building the workload")
         if event["event"] != "ready":
             raise SessionEnded("error", f"unexpected {event['event']!r} while building the workload")
+        self.build_output = event.get("output", "")
 
     def _wait(self, limit: Callable[[], float | None], what: str) -> dict[str, Any]:
         """The next event from the child; :class:`SessionEnded` when it dies, errs, is stopped or
@@ -188,7 +222,7 @@ class ChildSession:
                 if event["event"] == "error":
                     self.close()
                     raise SessionEnded(
-                        _failure_status(event["type"]),
+                        failure_status(event["type"], event["message"]),
                         f"{event['type']}: {event['message']}",
                         self.steps_seen,
                         event.get("traceback", ""),
@@ -264,11 +298,12 @@ class LocalSession:
         self.candidate = candidate
         self.should_stop = should_stop
         self.steps_seen: list[float] = []
+        self.build_output = ""  # nothing is rebuilt in this process
         try:
             self._session = factory() if factory else TrainingSession(workload, candidate, settings, batches)
         except Exception as exc:
             raise SessionEnded(
-                _failure_status(type(exc).__name__),
+                exception_status(exc),
                 f"{type(exc).__name__}: {_first_line(exc)}",
                 traceback=_format(exc),
             ) from exc
@@ -281,7 +316,7 @@ class LocalSession:
             event = self._session.step(timed)
         except Exception as exc:  # one candidate's failure must not stop the sweep
             raise SessionEnded(
-                _failure_status(type(exc).__name__),
+                exception_status(exc),
                 f"{type(exc).__name__}: {_first_line(exc)}",
                 self.steps_seen,
                 _format(exc),

@@ -92,9 +92,12 @@ class PairedSweep:
         # The baseline is never stopped mid-step: every row already measured was timed against it,
         # and it must finish to give its own row (a deadline ends the sweep between candidates).
         stop = self.should_stop if candidate != self.baseline_candidate else (lambda: False)
-        if self.isolate:
-            return ChildSession(self.workload.spec, candidate, settings, should_stop=stop)  # type: ignore[arg-type]
-        return LocalSession(self.workload, candidate, settings, self.batches, should_stop=stop)
+        if not self.isolate:
+            return LocalSession(self.workload, candidate, settings, self.batches, should_stop=stop)
+        session = ChildSession(self.workload.spec, candidate, settings, should_stop=stop)  # type: ignore[arg-type]
+        if session.build_output:  # the factory's prints, already shown once by this process
+            self.progress({"event": "output", "label": candidate.label, "text": session.build_output})
+        return session
 
     def _row(
         self, candidate: Candidate, status: str = Status.OK, reason: str = "", **fields: Any

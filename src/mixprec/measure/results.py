@@ -1,4 +1,5 @@
-"""Bench results: immutable rows, the sweep's result, and their JSON / JSON Lines / CSV forms.
+"""Bench results: immutable rows, the sweep's result, and their JSON / CSV forms (the JSON Lines
+row stream is :mod:`mixprec.measure.rowstore`).
 
 A :class:`BenchRow` holds what one candidate's run measured (raw step times, memory, loss).
 The figures that follow from them and from the rest of the sweep (speedup against the strict
@@ -9,7 +10,7 @@ fp32 baseline, achieved FLOP/s, MFU) are computed in one place, :func:`assemble`
 from __future__ import annotations
 
 import csv
-import json
+import io
 import os
 import random
 import statistics
@@ -19,6 +20,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from mixprec.files import atomic_write_text
 from mixprec.measure import flops as flops_mod
 from mixprec.policy import Candidate
 from mixprec.schema import SCHEMA_VERSION, check_version, known_fields
@@ -383,32 +385,6 @@ class BenchResult:
         )
 
 
-def append_jsonl(path: str | os.PathLike[str], row: BenchRow) -> None:
-    """Append one row and fsync, so a crash or Ctrl-C right after loses nothing."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(row.to_dict()) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def read_jsonl(path: str | os.PathLike[str]) -> list[BenchRow]:
-    """Rows of a JSON Lines file; a torn last line (killed mid-write) is ignored."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        try:
-            rows.append(BenchRow.from_dict(json.loads(line)))
-        except (json.JSONDecodeError, TypeError, KeyError, ValueError):
-            continue
-    return rows
-
-
 CSV_COLUMNS = (
     "workload",
     "policy",
@@ -434,22 +410,21 @@ CSV_COLUMNS = (
 
 
 def write_csv(path: str | os.PathLike[str], rows: list[BenchRow]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            d = row.to_dict()
-            st = row.step_time_ms
-            d.update(
-                keep_fp32=";".join(row.keep_fp32),
-                step_time_median_ms=st.median_ms if st else None,
-                step_time_iqr_ms=st.iqr_ms if st else None,
-                step_time_n=st.n if st else None,
-            )
-            writer.writerow({k: d.get(k) for k in CSV_COLUMNS})
-    return path
+    """The rows as CSV, written atomically (see :mod:`mixprec.files`)."""
+    buffer = io.StringIO(newline="")
+    writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS)
+    writer.writeheader()
+    for row in rows:
+        d = row.to_dict()
+        st = row.step_time_ms
+        d.update(
+            keep_fp32=";".join(row.keep_fp32),
+            step_time_median_ms=st.median_ms if st else None,
+            step_time_iqr_ms=st.iqr_ms if st else None,
+            step_time_n=st.n if st else None,
+        )
+        writer.writerow({k: d.get(k) for k in CSV_COLUMNS})
+    return atomic_write_text(path, buffer.getvalue(), "--csv file")
 
 
 def read_csv(path: str | os.PathLike[str]) -> list[dict[str, str]]:

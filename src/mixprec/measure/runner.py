@@ -183,7 +183,7 @@ class TrainingSession:
         self.model = self.policy.prepare(copy.deepcopy(workload.model))
         self.model.train()
         self.trained = wrap_model(self.model, self.policy) if wrap_model is not None else self.model
-        self.optimizer = workload.make_optimizer(self.model.parameters())
+        self.optimizer = workload.make_optimizer(self.model)
         if candidate.optimizer:
             self.optimizer = with_implementation(self.optimizer, candidate.optimizer)
         self._compile_counts: dict[str, int] | None = None

@@ -23,13 +23,15 @@ from mixprec.hardware.device import DeviceInfo, detect, resolve_device
 from mixprec.hardware.peaks import cpu_peak, peak_flops
 from mixprec.measure import noise
 from mixprec.measure.effect import math_mode_effect
+from mixprec.measure.failure import exception_status, failure_status
 from mixprec.measure.isolate import SessionEnded
 from mixprec.measure.paired import BASELINE, PairedSweep
-from mixprec.measure.results import BenchResult, BenchRow, Peaks, append_jsonl, read_jsonl
+from mixprec.measure.results import BenchResult, BenchRow, Peaks
+from mixprec.measure.rowstore import RowStore
 from mixprec.measure.runner import BenchSettings, Measurement, distinct_batches, make_batches
 from mixprec.policy import POLICY_NAMES, Candidate, canonical_name, check_support
 from mixprec.status import Status
-from mixprec.workload import Workload
+from mixprec.workload import Workload, validate_workload
 
 Progress = Callable[[dict[str, Any]], None]
 CHANNELS_LAST_CHOICES = ("off", "on", "both")
@@ -111,6 +113,7 @@ def bench(
     device: str | torch.device | None = None,
     jsonl: str | Path | None = None,
     resume: bool = False,
+    resume_anyway: bool = False,
     isolate: bool | None = None,
     prune_factor: float = 5.0,
     progress: Progress | None = None,
@@ -132,12 +135,15 @@ def bench(
         min_time_s: keep timing a candidate until this much timed time has passed (<= 200 steps).
         device: 'cpu', 'cuda[:N]' (default: CUDA when available).
         jsonl: append each finished row to this JSON Lines file at once.
-        resume: keep the finished rows already in ``jsonl`` and measure the rest.
+        resume: keep the finished rows already in ``jsonl`` and measure the rest. Rows measured
+            under other settings (see :func:`resume_key`) are refused with a UsageError naming them.
+        resume_anyway: with ``resume``, keep rows measured under other settings too.
         isolate: each candidate in its own process (default: when the workload has a spec):
             isolated CPU peak memory, crash isolation, hard pruning.
         prune_factor: stop a candidate that many times slower than the best so far (compared
             like with like, retried once at the end; see :mod:`mixprec.measure.paired`).
-        progress: receives 'candidate', 'step' and 'row' events.
+        progress: receives 'candidate', 'step' and 'row' events, and 'output' (what rebuilding
+            the workload printed in a candidate's process, already shown once by this one).
         candidates: replaces the ``policies`` x ``channels_last`` grid (e.g. a keep_fp32
             rescue); strict fp32 is always measured too, as the baseline.
         nproc: train every candidate data-parallel on that many DDP ranks (needs a spec); these
@@ -146,6 +152,10 @@ def bench(
             training scripts do (the warm-up steps absorb the tuning).
         deadline: a ``time.perf_counter()`` value; the sweep stops there and returns what it has.
         should_stop: polled between steps; True stops the sweep the same way.
+
+    Before measuring, one strict-fp32 step in this process validates the workload
+    (:func:`mixprec.workload.validate_workload`): a broken ``make_batch``, ``loss_fn`` or
+    ``optimizer_fn`` raises one :class:`UsageError` instead of failing every row alike.
     """
     if not isinstance(workload, Workload):
         raise UsageError(f"bench() takes a mixprec.Workload, got {type(workload).__name__}.")
@@ -176,6 +186,9 @@ def bench(
     progress = progress or (lambda event: None)
     label = workload_label(workload)
     bs = batch_size or workload.default_batch_size
+    # One strict-fp32 step here first: a broken make_batch / loss_fn / optimizer_fn is one clear
+    # error now, not the same failure in every row.
+    validate_workload(workload, device=dev, batch_size=bs)
     plan = plan_candidates(names, layouts) if candidates is None else [BASELINE]
     plan += [c for c in (candidates or []) if c not in plan]
     settings = BenchSettings(
@@ -210,24 +223,86 @@ def bench(
         peaks=_peaks(info, plan),
     )
     done: dict[tuple, BenchRow] = {}
+    store: RowStore | None = None
     if jsonl is not None:
-        if resume:
-            # errors and OOMs may be transient: only finished verdicts are kept, the rest re-run
-            kept = (Status.OK, Status.UNSUPPORTED, Status.PRUNED, Status.NO_EFFECT)
-            done = {r.key: r for r in read_jsonl(jsonl) if r.status in kept}
-        else:
-            Path(jsonl).parent.mkdir(parents=True, exist_ok=True)
-            Path(jsonl).write_text("", encoding="utf-8")
+        key = resume_key(label, settings, prune_factor=prune_factor, isolate=isolate, nproc=nproc)
+        store = RowStore(jsonl, key, resume=resume, resume_anyway=resume_anyway)
+        for note in store.notes:
+            result.notes.append(note)
+            progress({"event": "note", "text": note})
+        # errors and OOMs may be transient: only finished verdicts are kept, the rest re-run
+        kept = (Status.OK, Status.UNSUPPORTED, Status.PRUNED, Status.NO_EFFECT)
+        done = {r.key: r for r in store.rows if r.status in kept}
     result.flops_per_step = next((r.flops_per_step for r in done.values() if r.flops_per_step), None)
 
     def record(row: BenchRow, index: int, resumed: bool = False) -> None:
         result.update(row)
         shown = next(r for r in result.rows if r.key == row.key)
-        if jsonl is not None and not resumed:
-            append_jsonl(jsonl, shown)
+        if store is not None and not resumed:
+            store.append(shown)
         progress({"event": "row", "row": shown, "index": index, "count": len(plan), "resumed": resumed})
 
-    start = noise.snapshot(str(dev))
+    try:
+        _run_sweep(
+            workload,
+            plan,
+            settings,
+            isolate,
+            prune_factor,
+            nproc,
+            info,
+            result,
+            done,
+            record,
+            stop_requested,
+            progress,
+        )
+    finally:
+        if store is not None:
+            store.close()
+    return result
+
+
+def resume_key(
+    label: str, settings: BenchSettings, *, prune_factor: float, isolate: bool, nproc: int
+) -> dict[str, Any]:
+    """Every setting that changes a figure of a row: rows measured under another key are not
+    comparable with this run's (a resumed sweep refuses them)."""
+    from mixprec import __version__
+
+    return {
+        "workload": label,
+        "device": settings.device,
+        "batch_size": settings.batch_size,
+        "steps": settings.steps,
+        "warmup": settings.warmup,
+        "min_time_s": settings.min_time_s,
+        "threads": settings.threads,
+        "cudnn_benchmark": settings.cudnn_benchmark and settings.device.startswith("cuda"),
+        "prune_factor": prune_factor,
+        "isolate": isolate,
+        "nproc": nproc,
+        "torch": torch.__version__,
+        "mixprec": __version__,
+    }
+
+
+def _run_sweep(
+    workload: Workload,
+    plan: list[Candidate],
+    settings: BenchSettings,
+    isolate: bool,
+    prune_factor: float,
+    nproc: int,
+    info: DeviceInfo,
+    result: BenchResult,
+    done: dict[tuple, BenchRow],
+    record: Callable[..., None],
+    stop_requested: Callable[[], bool],
+    progress: Progress,
+) -> None:
+    dev = settings.device
+    start = noise.snapshot(dev)
     if nproc > 1:
         _sweep_data_parallel(
             workload, plan, settings, nproc, info, result, done, record, stop_requested, progress
@@ -249,9 +324,8 @@ def bench(
     order = {cand: i for i, cand in enumerate(plan)}
     result.measured.sort(key=lambda r: order.get(r.candidate, len(plan)))  # resumed rows too, in plan order
     base = result.baseline
-    result.noise = noise.summarize(start, noise.snapshot(str(dev)), base.step_times_ms if base else ())
+    result.noise = noise.summarize(start, noise.snapshot(dev), base.step_times_ms if base else ())
     _revalidate_cpu_peaks(result, info)
-    return result
 
 
 def _sweep_paired(
@@ -480,11 +554,10 @@ def _revalidate_cpu_peaks(result: BenchResult, info: DeviceInfo) -> None:
 def _failure(exc: BaseException) -> tuple[Status, str]:
     """(status, reason) of a candidate that raised: 'oom' for out-of-memory, else 'error'."""
     reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    if isinstance(exc, torch.OutOfMemoryError):
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # give the memory back before the next candidate
-        return Status.OOM, reason
-    return Status.ERROR, reason
+    status = exception_status(exc)
+    if status == Status.OOM and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # give the memory back before the next candidate
+    return status, reason
 
 
 def _with_measurement(row: BenchRow, m: Measurement | None, timed_s: list[float], **extra: Any) -> BenchRow:
@@ -511,7 +584,7 @@ def _measure_data_parallel(
     outcome = run_data_parallel(workload.spec, cand, settings, nproc)  # type: ignore[arg-type]
     wall_s = time.perf_counter() - wall
     if outcome.status != Status.OK or not outcome.ranks:
-        status = Status.OOM if "OutOfMemory" in outcome.reason else Status.ERROR
+        status = failure_status(outcome.reason, outcome.reason)  # "OutOfMemoryError: ..."
         return replace(row, status=status, reason=outcome.reason, wall_s=wall_s, world_size=nproc)
     ranks = outcome.ranks
     memories = tuple(m.peak_memory_bytes for m in ranks)

@@ -33,9 +33,10 @@ from mixprec.numerics.verdict import (
 from mixprec.policy import Candidate, Policy, Thresholds, check_support, get_policy
 from mixprec.policy.support import fp8_predictable
 from mixprec.status import Status
-from mixprec.workload import Workload
+from mixprec.workload import Workload, validate_workload
 
 Progress = Callable[[str], None]
+Events = Callable[[dict[str, Any]], None]
 
 
 def _emulation_context(fmt: str | None) -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
@@ -131,8 +132,13 @@ class _Checker:
         self.batches = make_batches(workload, batch_size, device, 0, steps)
         progress("fp32 reference")
         self.reference = run_trajectory(workload, get_policy("fp32", device=device), self.batches, steps)
-        if self.reference.error:
-            raise UsageError(f"the fp32 reference run of {workload.name!r} failed: {self.reference.error}")
+        broken = _broken_reference(self.reference)
+        if broken:
+            # The user's bug, not a precision verdict: no candidate can be judged against it.
+            raise UsageError(
+                f"the workload itself fails in strict fp32: {broken}; no policy can be judged against "
+                f"it. Fix {workload.name!r} so it trains in fp32 first (mixprec --debug shows where)."
+            )
         self.reference_ranges = _ranges(
             workload, get_policy("fp32", device=device), self.batches[0], None, None
         )
@@ -308,6 +314,19 @@ class _Checker:
         )
 
 
+def _broken_reference(reference: Any) -> str:
+    """Why the strict-fp32 reference cannot serve as one (it raised, or its loss is not finite),
+    or ''."""
+    if reference.error:
+        return reference.error
+    bad = next((i for i, loss in enumerate(reference.losses) if not math.isfinite(loss)), None)
+    if bad is not None:
+        return f"its loss is {reference.losses[bad]} at step {bad}"
+    if not reference.losses:
+        return "it recorded no training step"
+    return ""
+
+
 def _plan(policies: Sequence[str | Candidate], emulate_fmts: Sequence[str]) -> list[Candidate]:
     cands = [p if isinstance(p, Candidate) else Candidate(p) for p in policies]
     return cands + [Candidate("fp32", emulate=fmt) for fmt in emulate_fmts]
@@ -331,6 +350,8 @@ def make_checker(
     dev = resolve_device(device)
     merged = {**default_thresholds(), **(thresholds or {})}
     bs = batch_size or workload.default_batch_size
+    (progress or (lambda msg: None))("the workload: one strict-fp32 step")
+    validate_workload(workload, device=dev, batch_size=bs)
     return _Checker(workload, dev, bs, steps, merged, progress or (lambda msg: None), deadline)
 
 
@@ -347,12 +368,15 @@ def check(
     progress: Progress | None = None,
     deadline: float = math.inf,
     checker: _Checker | None = None,
+    events: Events | None = None,
 ) -> CheckResult:
     """Check each policy (and each emulated format) against an fp32 reference on ``workload``.
 
     ``deadline`` (a ``time.perf_counter()`` value) stops keep-fp32 searches once passed.
     ``checker`` (from :func:`make_checker`) reuses an fp32 reference, its ranges and the chaos
-    floor across calls, e.g. when candidates are checked one at a time.
+    floor across calls, e.g. when candidates are checked one at a time. ``events`` receives
+    ``{"event": "verdict", "check": CandidateCheck, "index": i, "count": n}`` as each candidate
+    is judged. The workload is validated first (:func:`mixprec.workload.validate_workload`).
     """
     if checker is None:
         checker = make_checker(
@@ -368,9 +392,11 @@ def check(
     info = detect(dev)
     cands = _plan(policies, emulate)
     results = []
-    for cand in cands:
+    for index, cand in enumerate(cands):
         support = check_support(cand.policy, info)
-        if not support and fp8_predictable(cand.policy, info):
+        if support:
+            results.append(checker.check(cand, fix))
+        elif fp8_predictable(cand.policy, info):
             predicted = checker.check(cand, fix)
             predicted.predicted = (
                 f"numerics predicted on {dev.type}: torchao's {cand.spec.fp8_recipe} fp8 recipe run here "
@@ -378,13 +404,12 @@ def check(
                 f"speed is not measurable here ({support.reason.split(';')[0]})"
             )
             results.append(predicted)
-            continue
-        if not support:
+        else:
             results.append(
                 CandidateCheck(cand, Status.UNSUPPORTED, support.reason, suggestion=support.suggestion)
             )
-            continue
-        results.append(checker.check(cand, fix))
+        if events is not None:
+            events({"event": "verdict", "check": results[-1], "index": index, "count": len(cands)})
     return CheckResult(
         workload=str(workload.name),
         device=str(dev),

@@ -226,7 +226,7 @@ def _train(
         torch.manual_seed(0)
         model = _prepared_copy(workload, policy, perturb)
         run = _run_model(model, compile_mode)
-        optimizer = workload.make_optimizer(model.parameters())
+        optimizer = workload.make_optimizer(model)
         with policy.precision_scope():
             for i in range(steps):
                 batch = batches[i % len(batches)]

@@ -21,8 +21,10 @@ from mixprec.policy.scaler import (
     ScalerOptions,
     StepStats,
     _GradScaler,
+    check_persistent_skips,
     check_scale_collapse,
     nonfinite_parameter_names,
+    scaler_state_problem,
 )
 from mixprec.policy.support import Support, check_support
 
@@ -61,7 +63,12 @@ class PolicyConfig:
 
 
 def _as_optimizers(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> list:
-    opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+    if isinstance(optimizers, torch.optim.Optimizer):
+        opts = [optimizers]
+    elif isinstance(optimizers, (list, tuple)):
+        opts = list(optimizers)
+    else:
+        opts = []
     if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
         raise PolicyError(f"step() takes a torch.optim.Optimizer or a list of them, got {optimizers!r}.")
     return opts
@@ -281,11 +288,15 @@ class Policy:
         self.stats.steps += 1
         if skipped:
             self.stats.skipped_steps += 1
+            self.stats.consecutive_skips += 1
             self.stats.last_skipped_step = self.stats.steps - 1
             if scale_before is not None:
                 check_scale_collapse(self.stats, self.config.scaler, scale_before)  # type: ignore[arg-type]
+            if self._scaler is None:
+                check_persistent_skips(self.stats)
         else:
             self.stats.skips_at_min_scale = 0
+            self.stats.consecutive_skips = 0
         return not skipped
 
     def _find_nonfinite(self, opts: list) -> list[torch.Tensor | bool]:
@@ -321,14 +332,33 @@ class Policy:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = state_dict.get("policy", {}).get("name")
+        """Load what :meth:`state_dict` returned. Everything is validated first (the policy's name,
+        the scaler's and the statistics' keys, types and ranges), then loaded: a bad checkpoint
+        raises :class:`PolicyError` and leaves this policy as it was."""
+        if not isinstance(state_dict, dict):
+            raise PolicyError(
+                f"load_state_dict() takes the dict Policy.state_dict() returned, got "
+                f"{type(state_dict).__name__}; pass checkpoint['policy'] as saved."
+            )
+        config = state_dict.get("policy")
+        saved = config.get("name") if isinstance(config, dict) else None
         if saved != self.name:
             raise PolicyError(
                 f"Checkpoint was written by policy {saved!r}, this policy is {self.name!r}; "
                 f"build the policy with get_policy({saved!r}) to resume it."
+                if isinstance(saved, str)
+                else f"Invalid policy state: 'policy' must be the dict with the policy's 'name' "
+                f"({self.name!r}), got {config!r}; pass the dict Policy.state_dict() returned."
             )
-        if self._scaler is not None and state_dict.get("scaler"):
-            self._scaler.load_state_dict(state_dict["scaler"])
+        scaler_state = state_dict.get("scaler")
+        problem = ""
+        if self._scaler is not None and scaler_state:
+            problem = scaler_state_problem(scaler_state)
+        problem = problem or StepStats.state_problem(state_dict.get("stats"))
+        if problem:
+            raise PolicyError(f"Invalid policy state: {problem}; nothing was loaded.")
+        if self._scaler is not None and scaler_state:
+            self._scaler.load_state_dict(scaler_state)
         self.stats.load_state_dict(state_dict["stats"])
 
 
@@ -392,7 +422,7 @@ def get_policy(
     keep = options.get("keep_fp32", ())
     if isinstance(keep, str):
         keep = (keep,)
-    if not all(isinstance(p, str) and p for p in keep):
+    if not isinstance(keep, (list, tuple)) or not all(isinstance(p, str) and p for p in keep):
         raise PolicyError(f"keep_fp32 must be a list of module-name patterns (strings), got {keep!r}.")
     if keep and canonical in ("fp32", "tf32", "bf32"):
         raise PolicyError(

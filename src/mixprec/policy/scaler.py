@@ -3,7 +3,9 @@
 The scale arithmetic is GradScaler's own (we subclass it), so a loop through mixprec leaves
 bitwise the same weights and scale as a loop written with GradScaler directly. On top:
 skip statistics, a bounded scale history, the names of the parameters that overflowed, and a
-``min_scale`` floor that raises :class:`ScaleCollapseError` instead of skipping forever.
+``min_scale`` floor that raises :class:`ScaleCollapseError` instead of skipping forever (for
+policies without a scaler, ``finite_check`` raises :class:`NonFiniteGradientsError` after
+:data:`MAX_CONSECUTIVE_SKIPS` skipped steps in a row).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mixprec.errors import PolicyError, ScaleCollapseError
+from mixprec.errors import NonFiniteGradientsError, PolicyError, ScaleCollapseError
 
 
 @dataclass(frozen=True)
@@ -34,30 +36,60 @@ class ScalerOptions:
         def bad(option: str, value: object, rule: str) -> PolicyError:
             return PolicyError(f"Invalid loss-scaler option {option}={value!r}: {rule}.")
 
-        if not (
-            isinstance(self.init_scale, (int, float))
-            and math.isfinite(self.init_scale)
-            and self.init_scale > 0
-        ):
+        if not (_is_number(self.init_scale) and math.isfinite(self.init_scale) and self.init_scale > 0):
             raise bad("init_scale", self.init_scale, "must be a finite number > 0, e.g. 65536.0")
-        if not (isinstance(self.growth_factor, (int, float)) and self.growth_factor > 1.0):
-            raise bad("growth_factor", self.growth_factor, "must be > 1.0, e.g. 2.0")
-        if not (isinstance(self.backoff_factor, (int, float)) and 0.0 < self.backoff_factor < 1.0):
-            raise bad("backoff_factor", self.backoff_factor, "must be in (0, 1), e.g. 0.5")
         if not (
-            isinstance(self.growth_interval, int)
-            and not isinstance(self.growth_interval, bool)
-            and self.growth_interval >= 1
+            _is_number(self.growth_factor) and math.isfinite(self.growth_factor) and self.growth_factor > 1.0
         ):
+            raise bad("growth_factor", self.growth_factor, "must be a finite number > 1.0, e.g. 2.0")
+        if not (_is_number(self.backoff_factor) and 0.0 < self.backoff_factor < 1.0):
+            raise bad("backoff_factor", self.backoff_factor, "must be a number in (0, 1), e.g. 0.5")
+        if not (_is_int(self.growth_interval) and self.growth_interval >= 1):
             raise bad("growth_interval", self.growth_interval, "must be an integer >= 1, e.g. 2000")
         if self.min_scale is not None and not (
-            isinstance(self.min_scale, (int, float)) and 0 < self.min_scale <= self.init_scale
+            _is_number(self.min_scale) and 0 < self.min_scale <= self.init_scale
         ):
             raise bad(
                 "min_scale", self.min_scale, f"must be None or a number in (0, init_scale={self.init_scale}]"
             )
-        if not (isinstance(self.max_skips_at_min_scale, int) and self.max_skips_at_min_scale >= 1):
-            raise bad("max_skips_at_min_scale", self.max_skips_at_min_scale, "must be an integer >= 1")
+        if not (_is_int(self.max_skips_at_min_scale) and self.max_skips_at_min_scale >= 1):
+            raise bad(
+                "max_skips_at_min_scale", self.max_skips_at_min_scale, "must be an integer >= 1, e.g. 3"
+            )
+
+
+# Policies without a loss scaler but with finite_check=True raise NonFiniteGradientsError after
+# this many consecutive skipped steps: a transient spike skips a step or two, a model whose
+# gradients stay non-finite would otherwise skip forever without training.
+MAX_CONSECUTIVE_SKIPS = 20
+
+
+def _is_number(value: object) -> bool:
+    """An int or float, and not a bool (True is 1 to Python, never a scale or a factor here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def scaler_state_problem(state: object) -> str:
+    """What is wrong with a GradScaler ``state_dict`` (types and ranges), or '' when it is valid."""
+    if not isinstance(state, dict):
+        return f"'scaler' must be a dict (GradScaler.state_dict()), got {type(state).__name__}"
+    rules: dict[str, tuple[Any, str]] = {
+        "scale": (lambda v: _is_number(v) and math.isfinite(v) and v > 0, "a finite number > 0"),
+        "growth_factor": (lambda v: _is_number(v) and math.isfinite(v) and v > 1, "a finite number > 1"),
+        "backoff_factor": (lambda v: _is_number(v) and 0 < v < 1, "a number in (0, 1)"),
+        "growth_interval": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+        "_growth_tracker": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    }
+    for key, (ok, rule) in rules.items():
+        if key not in state:
+            return f"scaler state lacks {key!r}"
+        if not ok(state[key]):
+            return f"scaler {key}={state[key]!r} must be {rule}"
+    return ""
 
 
 class _GradScaler(torch.amp.GradScaler):
@@ -94,6 +126,7 @@ class StepStats:
     last_skipped_step: int | None = None
     last_nonfinite_params: list[str] = field(default_factory=list)
     skips_at_min_scale: int = 0  # consecutive
+    consecutive_skips: int = 0  # skipped steps since the last one that stepped
     _scale_history: deque = field(default_factory=deque, repr=False)
     _scale_source: object = field(default=None, repr=False)
 
@@ -126,6 +159,7 @@ class StepStats:
             "last_skipped_step": self.last_skipped_step,
             "last_nonfinite_params": list(self.last_nonfinite_params),
             "skips_at_min_scale": self.skips_at_min_scale,
+            "consecutive_skips": self.consecutive_skips,
             "scale_history": self.scale_history,
         }
 
@@ -136,17 +170,54 @@ class StepStats:
             "last_skipped_step": self.last_skipped_step,
             "last_nonfinite_params": list(self.last_nonfinite_params),
             "skips_at_min_scale": self.skips_at_min_scale,
+            "consecutive_skips": self.consecutive_skips,
             "scale_history": self.scale_history,
         }
 
+    @staticmethod
+    def state_problem(state: object) -> str:
+        """What is wrong with a :meth:`state_dict` (keys, types, ranges), or '' when it is valid."""
+        if not isinstance(state, dict):
+            return f"'stats' must be a dict (StepStats.state_dict()), got {type(state).__name__}"
+        for key in ("steps", "skipped_steps", "skips_at_min_scale", "consecutive_skips"):
+            if key not in state and key != "consecutive_skips":  # absent in older checkpoints
+                return f"stats lack {key!r}"
+            value = state.get(key, 0)
+            if not (_is_int(value) and value >= 0):
+                return f"stats {key}={value!r} must be an integer >= 0"
+        if state["skipped_steps"] > state["steps"]:
+            return f"stats skipped_steps={state['skipped_steps']} exceeds steps={state['steps']}"
+        last = state.get("last_skipped_step")
+        if last is not None and not (_is_int(last) and 0 <= last < state["steps"]):
+            return f"stats last_skipped_step={last!r} must be None or a step index below steps"
+        names = state.get("last_nonfinite_params", [])
+        if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            return f"stats last_nonfinite_params={names!r} must be a list of parameter names"
+        history = state.get("scale_history", [])
+        if not isinstance(history, list) or not all(
+            isinstance(e, (list, tuple))
+            and len(e) == 2
+            and _is_int(e[0])
+            and _is_number(e[1])
+            and math.isfinite(e[1])
+            for e in history
+        ):
+            return "stats scale_history must be a list of (step, finite scale) pairs"
+        return ""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`; validated first, so a bad one raises and loads nothing."""
+        problem = self.state_problem(state)
+        if problem:
+            raise PolicyError(f"Invalid policy state: {problem}.")
         self.steps = int(state["steps"])
         self.skipped_steps = int(state["skipped_steps"])
-        self.last_skipped_step = state["last_skipped_step"]
-        self.last_nonfinite_params = list(state["last_nonfinite_params"])
+        self.last_skipped_step = state.get("last_skipped_step")
+        self.last_nonfinite_params = list(state.get("last_nonfinite_params", []))
         self.skips_at_min_scale = int(state["skips_at_min_scale"])
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
         self._scale_history.clear()
-        for step, scale in state["scale_history"]:
+        for step, scale in state.get("scale_history", []):
             self._scale_history.append((int(step), torch.tensor(float(scale))))
 
 
@@ -165,6 +236,21 @@ def nonfinite_parameter_names(params: Sequence[torch.nn.Parameter], names: dict[
         for i, p in enumerate(params)
         if p.grad is not None and _has_nonfinite(p.grad)
     ]
+
+
+def check_persistent_skips(stats: StepStats, limit: int = MAX_CONSECUTIVE_SKIPS) -> None:
+    """Raise when a policy without a scaler (finite_check) has skipped ``limit`` steps in a row."""
+    if stats.consecutive_skips < limit:
+        return
+    shown = ", ".join(stats.last_nonfinite_params[:8]) or "(none recorded)"
+    more = len(stats.last_nonfinite_params) - 8
+    raise NonFiniteGradientsError(
+        f"{stats.consecutive_skips} consecutive optimizer steps skipped on non-finite gradients "
+        f"(finite_check=True): training is not recovering; non-finite gradients in: {shown}"
+        f"{f' (+{more} more)' if more > 0 else ''}. Look for the first NaN/inf (mixprec check locates "
+        "it), lower the learning rate, or keep those modules in fp32 (keep_fp32=[...]).",
+        parameters=list(stats.last_nonfinite_params),
+    )
 
 
 def check_scale_collapse(stats: StepStats, options: ScalerOptions, scale_before: float) -> None:

@@ -10,8 +10,10 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from mixprec.files import atomic_write_text
 from mixprec.measure.noise import describe as describe_noise
 from mixprec.measure.results import BenchResult, BenchRow
+from mixprec.report.figure import figure_bytes, save_figure
 from mixprec.report.format import fmt_bytes, fmt_ms, fmt_speedup_ci, rich_style
 
 
@@ -132,13 +134,10 @@ def markdown_table(result: BenchResult) -> str:
 
 
 def write_markdown(path: str | os.PathLike[str], result: BenchResult) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(markdown_table(result), encoding="utf-8")
-    return path
+    return atomic_write_text(path, markdown_table(result), "--markdown file")
 
 
-def plot(path: str | os.PathLike[str], result: BenchResult) -> Path:
+def figure(result: BenchResult) -> Any:
     """Throughput and peak memory per candidate, speedup labels on the bars."""
     import matplotlib
 
@@ -195,8 +194,14 @@ def plot(path: str | os.PathLike[str], result: BenchResult) -> Path:
             0.01, 0.01, "not shown (unsupported here): " + ", ".join(hidden), fontsize=7, color="#666666"
         )
     fig.tight_layout(rect=(0, 0.04 if hidden else 0, 1, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def plot(path: str | os.PathLike[str], result: BenchResult) -> Path:
+    """The chart of :func:`figure`, written to ``path`` (its suffix picks png, svg or pdf)."""
+    return save_figure(figure(result), path, dpi=120)
+
+
+def png(result: BenchResult) -> bytes:
+    """The chart of :func:`figure` as PNG bytes."""
+    return figure_bytes(figure(result), "png", dpi=120)

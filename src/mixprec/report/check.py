@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mixprec.numerics.results import CandidateCheck, CheckResult
+from mixprec.report.figure import figure_bytes, save_figure
 from mixprec.report.format import fmt_bits, fmt_db, fmt_pct, rich_style
 
 
@@ -102,7 +103,7 @@ def check_report(result: CheckResult) -> Group:
     return Group(*parts)
 
 
-def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
+def figure(result: CheckResult) -> Any:
     """Loss curves over the fp32 reference, their relative difference, and per-layer headroom."""
     import matplotlib
 
@@ -191,11 +192,17 @@ def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
     ax_head.legend(fontsize=7)
     fig.suptitle(f"mixprec check: {result.workload} on {result.device}", fontsize=11)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
+    """The chart of :func:`figure`, written to ``path`` (its suffix picks png, svg or pdf)."""
+    return save_figure(figure(result), path, dpi=110)
+
+
+def png(result: CheckResult) -> bytes:
+    """The chart of :func:`figure` as PNG bytes."""
+    return figure_bytes(figure(result), "png", dpi=110)
 
 
 def _nan(x: float | None) -> float:

@@ -96,3 +96,39 @@ def demo_report(result: Any, baseline: Any, *, chosen_automatically: bool) -> Gr
         "`mixprec env` lists every policy with the reason it is or is not supported."
     )
     return Group(head, table, tail)
+
+
+# Sources with more names than this list a sample unless a pattern narrows them down.
+MODEL_SAMPLE = 24
+
+
+def models_report(listings: list[Any], pattern: str | None = None) -> Group:
+    """What ``--list-models`` shows: per source, its models (``SOURCE:NAME``) or why it is missing."""
+    parts: list[Any] = []
+    for listing in listings:
+        title = listing.title if not listing.prefix else f"{listing.prefix}: {listing.title}"
+        if listing.missing:
+            parts.append(Text.assemble((title, "bold"), ("  not available: ", "yellow"), listing.missing))
+            continue
+        names = [f"{listing.prefix}:{n}" if listing.prefix else n for n in listing.names]
+        count = f"{len(names)} of {listing.total}" if pattern else str(listing.total)
+        parts.append(Text.assemble((title, "bold"), f"  ({count})"))
+        shown = names if pattern or len(names) <= MODEL_SAMPLE else names[:MODEL_SAMPLE]
+        if shown:
+            parts.append(Text("  " + ", ".join(shown)))
+        if len(shown) < len(names):
+            parts.append(
+                Text(
+                    f"  ... and {len(names) - len(shown)} more: --list-models '{listing.prefix}:PATTERN' "
+                    "lists the ones matching a glob",
+                    style="dim",
+                )
+            )
+    parts.append(
+        Text(
+            "--model NAME builds one with random weights and synthetic data (nothing is downloaded); "
+            "--model-config key=value,... overrides its config.",
+            style="dim",
+        )
+    )
+    return Group(*parts)

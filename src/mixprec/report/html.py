@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import base64
 import html
+import os
 import re
-import shutil
 from collections.abc import Mapping
 from functools import cache
 from importlib import resources
@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import jinja2
 from markupsafe import Markup, escape
 
+from mixprec.errors import UsageError
+from mixprec.files import atomic_write_bytes
 from mixprec.report import view as report_view
 from mixprec.report.view_types import ReportView
 
@@ -92,13 +94,17 @@ def _static(name: str) -> str:
 # Rendering
 
 
+def png_uri(raw: bytes) -> str:
+    """PNG bytes as a base64 ``data:`` URI."""
+    return "data:image/png;base64," + base64.b64encode(raw).decode("ascii")
+
+
 def data_uri(path: str | Path) -> str | None:
     """A PNG file as a base64 ``data:`` URI; None when it cannot be read."""
     try:
-        raw = Path(path).read_bytes()
+        return png_uri(Path(path).read_bytes())
     except OSError:
         return None
-    return "data:image/png;base64," + base64.b64encode(raw).decode("ascii")
 
 
 def render_view(view: ReportView, kind: str) -> str:
@@ -127,33 +133,56 @@ def render_markdown(result: TuneResult, *, charts: Charts | None = None) -> str:
 # Files
 
 
-def draw_charts(result: TuneResult, out_dir: str | Path) -> dict[str, Path]:
-    """Draw the bench chart (throughput, memory) and the check chart (losses, headroom) into
-    ``out_dir`` as ``bench.png`` and ``check.png``; one without data to draw is left out."""
+def chart_images(result: TuneResult) -> dict[str, bytes]:
+    """The bench chart (throughput, memory) and the check chart (losses, headroom) as PNG bytes;
+    one without data to draw is left out."""
     from mixprec.report import bench as bench_report
     from mixprec.report import check as check_report
 
-    out = Path(out_dir)
-    charts: dict[str, Path] = {}
+    images: dict[str, bytes] = {}
     if result.bench.rows:
-        charts["bench"] = bench_report.plot(out / "bench.png", result.bench)
+        images["bench"] = bench_report.png(result.bench)
     if result.check is not None and result.check.candidates:
-        charts["check"] = check_report.plot(out / "check.png", result.check)
-    return charts
+        images["check"] = check_report.png(result.check)
+    return images
 
 
-def _place_charts(charts: Charts, out: Path) -> dict[str, Path]:
-    """Copy existing chart files into ``out`` as ``<name>.png``; missing ones are left out."""
-    placed = {}
-    for name, src in charts.items():
-        src = Path(src)
-        if not src.is_file():
-            continue
-        dest = out / f"{report_view.slug(str(name))}.png"
-        if not (dest.exists() and dest.resolve() == src.resolve()):
-            shutil.copyfile(src, dest)
-        placed[str(name)] = dest
-    return placed
+def render_report(result: TuneResult, charts: Charts | None = None) -> dict[str, tuple[str, bytes]]:
+    """Every file of the report, in memory: role ('html', 'markdown', a chart name) -> (file name,
+    bytes). ``charts`` (name -> existing PNG) replaces drawing them; a missing one is left out."""
+    if charts is None:
+        images = chart_images(result)
+    else:
+        images = {str(n): Path(src).read_bytes() for n, src in charts.items() if Path(src).is_file()}
+    names = {name: f"{report_view.slug(name)}.png" for name in images}
+    uris = {
+        name: "data:image/png;base64," + base64.b64encode(raw).decode("ascii") for name, raw in images.items()
+    }
+    html_text = render_view(report_view.build(result, uris), "html")
+    md_text = render_markdown(result, charts=names)
+    return {
+        "html": ("index.html", html_text.encode("utf-8")),
+        "markdown": ("report.md", md_text.encode("utf-8")),
+        **{name: (names[name], raw) for name, raw in images.items()},
+    }
+
+
+# The files write_report puts in its folder (charts only when there is data to draw).
+REPORT_FILES = ("index.html", "report.md", "bench.png", "check.png")
+
+
+def report_folder(out_dir: str | os.PathLike[str], option: str = "report folder") -> Path:
+    """``out_dir`` created if missing; a UsageError when it is a file or cannot be created."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(
+            f"{option} {str(out)!r} is a file, not a folder; pass a folder for index.html and report.md."
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{option} {str(out)!r}: cannot create it ({exc.strerror or exc}).") from None
+    return out
 
 
 def write_report(result: TuneResult, out_dir: str | Path, charts: Charts | None = None) -> dict[str, Path]:
@@ -164,12 +193,10 @@ def write_report(result: TuneResult, out_dir: str | Path, charts: Charts | None 
     charts are drawn from the result. The returned dict maps ``"html"`` and ``"markdown"`` to the
     two reports and each chart name to its PNG in ``out_dir``.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    placed = draw_charts(result, out) if charts is None else _place_charts(charts, out)
-    html_path, md_path = out / "index.html", out / "report.md"
-    html_path.write_text(render_html(result, charts=placed), encoding="utf-8")
-    md_path.write_text(
-        render_markdown(result, charts={k: p.name for k, p in placed.items()}), encoding="utf-8"
-    )
-    return {"html": html_path, "markdown": md_path, **placed}
+    return write_files(render_report(result, charts), out_dir)
+
+
+def write_files(files: Mapping[str, tuple[str, bytes]], out_dir: str | Path) -> dict[str, Path]:
+    """Write what :func:`render_report` rendered into ``out_dir``; role -> path written."""
+    out = report_folder(out_dir)
+    return {role: atomic_write_bytes(out / name, raw, "report file") for role, (name, raw) in files.items()}

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from mixprec.files import atomic_write_text
 from mixprec.schema import SCHEMA_VERSION
 
 
@@ -41,11 +42,6 @@ def dumps(payload: dict[str, Any]) -> str:
 
 
 def write_json(path: str | os.PathLike[str], kind: str, env: dict[str, Any], data: dict[str, Any]) -> Path:
-    """Write ``{"schema_version", "kind", "env", **data}`` atomically (temp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``{"schema_version", "kind", "env", **data}`` atomically (see :mod:`mixprec.files`)."""
     payload = {"schema_version": SCHEMA_VERSION, "kind": kind, "env": env, **data}
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(dumps(payload) + "\n", encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return atomic_write_text(path, dumps(payload) + "\n", "--json file")

@@ -1,19 +1,31 @@
-"""`autotune`: tune once, then read the decision from a cache file."""
+"""`autotune`: tune once, then read the decision from a cache file.
+
+The cache is ``{"schema_version": 1, "entries": {key: {"config": ..., ...}}}``. It is validated
+on read: a file that is missing is a miss; one that cannot be read (a directory, binary, not
+JSON, another schema) or an entry that does not rebuild a policy is a miss plus one
+:class:`~mixprec.errors.CacheWarning`. A cache that cannot be written is a warning too: the
+tune's decision is still returned.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mixprec.errors import CacheWarning, MixprecError
+from mixprec.files import atomic_write_text
 from mixprec.hardware.device import detect, resolve_device
 from mixprec.policy import Policy, get_policy, policy_from_config
 from mixprec.tuning.search import tune
 from mixprec.workload import Workload
+
+CACHE_SCHEMA_VERSION = 1
 
 
 def _cache_file() -> Path:
@@ -39,6 +51,58 @@ def autotune_key(workload: Workload, device: torch.device, batch_size: int | Non
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
+def _valid_entry(entry: Any) -> bool:
+    if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
+        return False
+    try:
+        policy_from_config(entry["config"])
+    except (MixprecError, TypeError, KeyError, ValueError, AttributeError):
+        return False
+    return True
+
+
+def read_cache(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """The valid entries of the cache file at ``path``; never raises (see the module docstring)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, RecursionError) as exc:  # a folder, unreadable, binary, not JSON
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        warnings.warn(f"autotune cache {str(path)!r} is unreadable ({why}); tuning again.", CacheWarning, 3)
+        return {}
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    entries = data.get("entries") if isinstance(data, dict) else None
+    if version != CACHE_SCHEMA_VERSION or not isinstance(entries, dict):
+        warnings.warn(
+            f"autotune cache {str(path)!r} is not a schema-{CACHE_SCHEMA_VERSION} cache "
+            f"(schema_version {version!r}); tuning again and replacing it.",
+            CacheWarning,
+            3,
+        )
+        return {}
+    good = {k: v for k, v in entries.items() if isinstance(k, str) and _valid_entry(v)}
+    if len(good) < len(entries):
+        warnings.warn(
+            f"autotune cache {str(path)!r}: {len(entries) - len(good)} invalid entries ignored.",
+            CacheWarning,
+            3,
+        )
+    return good
+
+
+def write_cache(path: str | os.PathLike[str], entries: dict[str, dict[str, Any]]) -> bool:
+    """Replace the cache file atomically; False (and a warning) when it cannot be written."""
+    text = json.dumps({"schema_version": CACHE_SCHEMA_VERSION, "entries": entries}, indent=2)
+    try:
+        atomic_write_text(path, text + "\n", "autotune cache")
+    except MixprecError as exc:
+        warnings.warn(f"{exc} The decision is not cached.", CacheWarning, 3)
+        return False
+    return True
+
+
 def autotune(
     workload: Workload,
     *,
@@ -53,15 +117,13 @@ def autotune(
     The cache (``~/.cache/mixprec/autotune.json`` or ``$MIXPREC_CACHE_DIR``) is keyed by the
     model's parameter shapes, the device, the batch size and the torch/mixprec versions, so a
     changed model or machine is tuned again. ``refresh=True`` ignores the cached decision.
+    A cache that cannot be read or written is a miss with a :class:`~mixprec.errors.CacheWarning`.
     ``tune_options`` go to :func:`mixprec.tune` (e.g. ``budget_s``).
     """
     dev = resolve_device(device)
     path = Path(cache_path) if cache_path else _cache_file()
     key = autotune_key(workload, dev, batch_size)
-    try:
-        cache = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    except (OSError, json.JSONDecodeError):
-        cache = {}  # a corrupt cache is a miss, not an error
+    cache = read_cache(path)
     if not refresh and key in cache:
         return policy_from_config(cache[key]["config"])
     result = tune(workload, device=dev, batch_size=batch_size, **tune_options)
@@ -73,8 +135,5 @@ def autotune(
         "reason": rec.reason if rec else "nothing passed: fp32",
         "created": result.created,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cache, indent=2), encoding="utf-8")
-    tmp.replace(path)
+    write_cache(path, cache)
     return policy_from_config(config)

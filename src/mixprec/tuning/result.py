@@ -31,6 +31,8 @@ class TuneResult:
         created: UTC timestamp.
         notes: what the search skipped or adjusted, and why.
         command: the command line that produced it, when run from the CLI.
+        budget_exhausted: when the budget cut candidates short and so the pick is strict fp32 or
+            nothing, what it cut (the CLI exits 5); None when the pick stands on its own.
     """
 
     workload: str
@@ -49,6 +51,7 @@ class TuneResult:
     exports: dict[str, str] = field(default_factory=dict)
     export_refusals: dict[str, str] = field(default_factory=dict)
     command: str | None = None
+    budget_exhausted: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         rec = self.recommendation
@@ -62,6 +65,7 @@ class TuneResult:
             "budget_s": self.budget_s,
             "elapsed_s": self.elapsed_s,
             "notes": self.notes,
+            "budget_exhausted": self.budget_exhausted,
             "bench": self.bench.to_dict(),
             "check": self.check.to_dict() if self.check else None,
             "lint": {"findings": self.lint} if self.lint is not None else None,
@@ -108,4 +112,5 @@ class TuneResult:
             exports=dict(data.get("exports") or {}),
             export_refusals=dict(data.get("export_refusals") or {}),
             command=data.get("command"),
+            budget_exhausted=data.get("budget_exhausted"),
         )

@@ -33,9 +33,10 @@ from mixprec.policy.support import fp8_predictable
 from mixprec.status import Status
 from mixprec.tuning.decide import Recommendation, decide, noise_band, speed, within_noise
 from mixprec.tuning.result import TuneResult
-from mixprec.workload import Workload
+from mixprec.workload import Workload, validate_workload
 
 Progress = Callable[[str], None]
+Events = Callable[[dict[str, Any]], None]
 # Share of the budget the eager speed sweep may use; numerics, compile and rescues get the rest.
 SPEED_SHARE = 0.45
 # Seconds kept back at the end for deciding, linting and writing.
@@ -76,11 +77,15 @@ class _Search:
         train_steps: int,
         deadline: float,
         say: Progress,
+        events: Events,
     ) -> None:
         self.workload, self.device, self.sweep = workload, device, sweep
         self.check_steps, self.fix, self.noise, self.train_steps = check_steps, fix, noise, train_steps
-        self.deadline, self.say = deadline, say
+        self.deadline, self.say, self.events = deadline, say, events
         self.notes: list[str] = []
+        # What the budget cut that could have changed the pick (a candidate not measured or not
+        # checked); a pick of strict fp32 with something cut is "budget exhausted", not a verdict.
+        self.cut: list[str] = []
         self.verdicts: dict[Candidate, CandidateCheck] = {}
         self.checked: CheckResult | None = None
         self._checker: Any = None
@@ -97,6 +102,8 @@ class _Search:
         def on_bench(event: dict[str, Any]) -> None:
             if event["event"] == "candidate":
                 self.say(f"measuring {event['label']} ({event['index'] + 1}/{event['count']})")
+            if event["event"] in ("row", "output"):
+                self.events(event)
 
         return bench(
             self.workload,
@@ -111,6 +118,7 @@ class _Search:
         self.result = self._bench(tune_candidates(info, has_4d_weights(self.workload.model)), deadline)
         if self.result.stopped:
             self.notes.append(f"speed sweep {self.result.stopped}")
+            self.cut.append(f"the speed sweep {self.result.stopped}")
 
     def _add(self, rows: Sequence[BenchRow]) -> list[BenchRow]:
         """Fold rows measured in another (paired) sweep into this one; the non-baseline ones."""
@@ -142,7 +150,9 @@ class _Search:
                 deadline=self.deadline - RESERVE_S,
             )
         self.say(f"checking numerics of {candidate.label}")
-        res = check(self.workload, policies=[candidate], fix=self.fix, checker=self._checker)
+        res = check(
+            self.workload, policies=[candidate], fix=self.fix, checker=self._checker, events=self.events
+        )
         if self.checked is None:
             self.checked = res
         else:
@@ -176,6 +186,7 @@ class _Search:
                 self.notes.append(
                     f"numerics of {numerics.label} not checked: budget spent (--budget raises it)"
                 )
+                self.cut.append(f"the numerics of {numerics.label} were not checked")
                 break
             verdict = self.check(numerics)
             if verdict.passed and (best_pass is None or speed(top) > speed(best_pass)):
@@ -196,6 +207,7 @@ class _Search:
         added = self._add([r for r in self._bench(rescued, self.deadline).measured if r.keep_fp32])
         if not added:
             self.notes.append(f"rescued {base.label} not measured: budget spent")
+            self.cut.append(f"rescued {base.label} was not measured")
             return
         metrics: dict[str, Any] = {
             k: v for k, v in verdict.fix_metrics.items() if k in CandidateCheck.__dataclass_fields__
@@ -282,7 +294,8 @@ class _Search:
         assert self.result is not None
         if rec.candidate.optimizer or self.time_left() < 10:
             return
-        probe = self.workload.make_optimizer([torch.nn.Parameter(torch.zeros(1))])
+        # the optimizer's class, from the factory as written (it may need the module itself)
+        probe = self.workload.make_optimizer(self.workload.model)
         import inspect
 
         accepted = inspect.signature(type(probe).__init__).parameters
@@ -368,6 +381,7 @@ def tune(
     optimizers: bool = True,
     train_steps: int = TRAIN_STEPS,
     progress: Progress | None = None,
+    events: Events | None = None,
 ) -> TuneResult:
     """Find the fastest configuration that trains like fp32 on ``workload`` within ``budget_s`` seconds.
 
@@ -386,6 +400,12 @@ def tune(
         train_steps: the length of the training run compile time is amortised over: a compile
             that costs 90 s to save 5 ms per step is not recommended for a 100-step job.
         progress: receives one line per stage.
+        events: receives each finished candidate as it comes: the sweeps' ``row`` events (see
+            :func:`mixprec.bench`), ``output`` (what rebuilding the workload printed in a
+            candidate's process) and the numerics checks' ``verdict`` events.
+
+    The workload is validated first, by one strict-fp32 step in this process
+    (:func:`mixprec.workload.validate_workload`).
     """
     from mixprec.exports import export_all
 
@@ -399,6 +419,9 @@ def tune(
     start = time.perf_counter()
     dev = resolve_device(device)
     info = detect(dev)
+    say = progress or (lambda msg: None)
+    say("checking the workload: one strict-fp32 step")
+    validate_workload(workload, device=dev, batch_size=batch_size or workload.default_batch_size)
     search = _Search(
         workload,
         dev,
@@ -408,7 +431,8 @@ def tune(
         noise=noise,
         train_steps=train_steps,
         deadline=start + budget_s,
-        say=progress or (lambda msg: None),
+        say=say,
+        events=events or (lambda event: None),
     )
     search.measure_speed(info, start + SPEED_SHARE * budget_s)
     search.check_faster()
@@ -440,7 +464,12 @@ def tune(
             f"tune took {elapsed:.0f} s of its {budget_s:.0f} s budget: a step under way when the budget "
             "ran out was finished, not thrown away"
         )
+    exhausted = None
+    if search.cut and (rec is None or rec.candidate.policy == "fp32"):
+        pick = "nothing could be recommended" if rec is None else "only strict fp32 could be recommended"
+        exhausted = f"the {budget_s:g} s budget ran out: {'; '.join(search.cut)}, so {pick}"
     return TuneResult(
+        budget_exhausted=exhausted,
         workload=result.workload,
         description=workload.description,
         device=str(dev),

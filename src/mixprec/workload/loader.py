@@ -1,9 +1,11 @@
-"""Turn a target string (zoo name, ``path/to/file.py:function``, ``package.module:function``) into a Workload.
+"""Turn a target string into a Workload: a model by name (a built-in such as ``resnet50``, or
+``torchvision:NAME``, ``timm:NAME``, ``hf:ARCH``; see :mod:`mixprec.workload.models`), or a
+factory, ``path/to/file.py:function`` / ``package.module:function``.
 
-The function is a factory that returns a :class:`~mixprec.workload.Workload`. It takes no
-arguments, or keyword sizes (e.g. ``image_size``) when its signature names them. The returned
-workload carries a :class:`~mixprec.workload.WorkloadSpec`, so another process rebuilds the
-same workload with ``workload_from_spec(spec)``.
+A factory returns a :class:`~mixprec.workload.Workload`. It takes no arguments, or keyword
+options (``image_size``, ``seq_len``, ``--model-config`` keys) when its signature names them.
+The returned workload carries a :class:`~mixprec.workload.WorkloadSpec`, so another process
+rebuilds the same workload with ``workload_from_spec(spec)``.
 """
 
 from __future__ import annotations
@@ -20,14 +22,19 @@ from types import ModuleType
 from typing import Any
 
 from mixprec.errors import UsageError, did_you_mean
-from mixprec.workload.workload import Workload, WorkloadSpec
+from mixprec.workload.models import SOURCES, build_named, is_model_name
+from mixprec.workload.workload import SPEC_KINDS, Workload, WorkloadSpec
 from mixprec.workload.zoo import ZOO_NAMES, build_zoo_workload
 
-_FORMS = "a zoo name, 'path/to/file.py:function' or 'package.module:function'"
+_FORMS = (
+    "a model name (a built-in, or torchvision:NAME, timm:NAME, hf:ARCH), "
+    "'path/to/file.py:function' or 'package.module:function'"
+)
 
 
 def load_workload(target: str, **sizes: Any) -> Workload:
-    """Build the workload that ``target`` names, passing ``sizes`` to the zoo model or factory."""
+    """Build the workload that ``target`` names, passing ``sizes`` (image_size, seq_len, config
+    overrides) to the model or the factory."""
     if not isinstance(target, str) or not target.strip():
         raise UsageError(
             f"workload target {target!r} is empty or not a string; pass {_FORMS} "
@@ -36,11 +43,14 @@ def load_workload(target: str, **sizes: Any) -> Workload:
     target = target.strip()
     if target in ZOO_NAMES:
         return build_zoo_workload(target, **sizes)
+    if is_model_name(target):
+        return build_named(target, sizes)
     if ":" not in target:
         hint = f" Add the factory's name: '{target}:make_workload'." if _is_file_target(target) else ""
         raise UsageError(
             f"workload target {target!r} is neither a zoo model nor 'module:function'; pass {_FORMS}. "
-            f"Zoo names: {', '.join(ZOO_NAMES)}.{did_you_mean(target, ZOO_NAMES)}{hint}"
+            f"Zoo names: {', '.join(ZOO_NAMES)}; sources: {', '.join(f'{s}:NAME' for s in SOURCES)}."
+            f"{did_you_mean(target, ZOO_NAMES)}{hint}"
         )
     module_part, _, func_name = target.rpartition(":")
     if not module_part or not func_name.isidentifier():
@@ -48,12 +58,22 @@ def load_workload(target: str, **sizes: Any) -> Workload:
             f"workload target {target!r} is malformed; expected 'path/to/file.py:function' or "
             "'package.module:function' with a function name after the last ':'."
         )
+    if _misspelt_source(module_part):
+        raise UsageError(
+            f"unknown model source {module_part!r} in {target!r} (and no module of that name to import); "
+            f"valid sources: {', '.join(SOURCES)}.{did_you_mean(module_part, list(SOURCES))}"
+        )
     module, directory = _load_module(target, module_part)
     factory = _get_factory(target, module, func_name)
     kwargs = _factory_kwargs(target, factory, sizes)
     try:
         with _on_sys_path(directory) if directory else nullcontext():
             workload = factory(**kwargs)
+    except SystemExit as exc:
+        raise UsageError(
+            f"workload factory {target!r} called sys.exit({exc.code!r}); a factory must return a "
+            "mixprec.Workload, not exit."
+        ) from None
     except Exception as exc:
         raise UsageError(
             f"workload factory {target!r} raised {type(exc).__name__}: {exc}; fix the factory "
@@ -78,13 +98,15 @@ def workload_from_spec(spec: WorkloadSpec) -> Workload:
             f"workload_from_spec expects a WorkloadSpec, got {type(spec).__name__}; "
             "pass workload.spec or WorkloadSpec(kind, target, sizes)."
         )
-    if spec.kind not in ("zoo", "factory"):
+    if spec.kind not in SPEC_KINDS:
         raise UsageError(
-            f"WorkloadSpec.kind {spec.kind!r} is invalid; valid kinds: zoo, factory."
-            + did_you_mean(spec.kind, ("zoo", "factory"))
+            f"WorkloadSpec.kind {spec.kind!r} is invalid; valid kinds: {', '.join(SPEC_KINDS)}."
+            + did_you_mean(spec.kind, SPEC_KINDS)
         )
     if spec.kind == "zoo":
         return build_zoo_workload(spec.target, **dict(spec.sizes))
+    if spec.kind == "model":
+        return build_named(spec.target, dict(spec.sizes))
     return load_workload(spec.target, **dict(spec.sizes))
 
 
@@ -94,6 +116,16 @@ def workload_from_spec(spec: WorkloadSpec) -> Workload:
 def _type_name(value: Any) -> str:
     cls = type(value)
     return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _misspelt_source(module_part: str) -> bool:
+    """'tim' in 'tim:convnext_atto': close to a model source and not an importable module."""
+    if _is_file_target(module_part) or "." in module_part or not did_you_mean(module_part, list(SOURCES)):
+        return False
+    try:
+        return importlib.util.find_spec(module_part) is None
+    except (ImportError, ValueError):
+        return True
 
 
 def _is_file_target(module_part: str) -> bool:
@@ -155,6 +187,11 @@ def _load_file(target: str, path: Path) -> ModuleType:
             spec.loader.exec_module(module)
     except BaseException as exc:
         sys.modules.pop(module_name, None)
+        if isinstance(exc, SystemExit):
+            raise UsageError(
+                f"workload file {str(path)!r} of target {target!r} called sys.exit({exc.code!r}) while "
+                "mixprec imported it; put the script's own code under `if __name__ == '__main__':`."
+            ) from None
         if not isinstance(exc, Exception):
             raise
         raise UsageError(

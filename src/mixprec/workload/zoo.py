@@ -8,9 +8,7 @@ workload sees the same weights and the same sequence of batches.
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -19,13 +17,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import UsageError, did_you_mean
+from mixprec.workload.optimizers import adamw
+from mixprec.workload.synthetic import BATCH_SEED as _BATCH_SEED
+from mixprec.workload.synthetic import as_device as _device
+from mixprec.workload.synthetic import batch_generators as _batch_generators
+from mixprec.workload.synthetic import check_batch_size as _check_batch_size
+from mixprec.workload.synthetic import check_positive_int as _check_positive_int
+from mixprec.workload.synthetic import param_millions as _param_millions
+from mixprec.workload.synthetic import reject_unknown as _reject_unknown
+from mixprec.workload.synthetic import seeded_model as _seeded_model
 from mixprec.workload.workload import Workload, WorkloadSpec
 
 ZOO_NAMES: tuple[str, ...] = ("resnet50", "vgg19", "densenet121", "gpt2", "mlp")
 
 _CNN_NAMES = ("resnet50", "vgg19", "densenet121")
-_MODEL_SEED = 0
-_BATCH_SEED = 1234
 _NUM_CLASSES = 1000
 _DEFAULT_IMAGE_SIZE = 224
 _MIN_IMAGE_SIZE = 32  # vgg19 halves the image five times
@@ -151,56 +156,6 @@ class GPT(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------------
-# Helpers
-
-
-def _seeded_model(build: Callable[[], nn.Module]) -> nn.Module:
-    """Build under a fixed CPU seed, leaving the caller's RNG state as it was."""
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(_MODEL_SEED)
-        return build()
-
-
-def _batch_generators() -> Iterator[torch.Generator]:
-    """One freshly seeded CPU generator per call: the n-th batch is the same in every process."""
-    for n in itertools.count():
-        yield torch.Generator().manual_seed(_BATCH_SEED + n)
-
-
-def _check_batch_size(batch_size: Any, name: str) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise UsageError(
-            f"batch_size {batch_size!r} for workload {name!r} is invalid; pass a positive integer."
-        )
-    return batch_size
-
-
-def _check_positive_int(key: str, value: Any, name: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UsageError(f"{key}={value!r} for zoo model {name!r} is invalid; pass an integer >= {minimum}.")
-    return value
-
-
-def _reject_unknown(name: str, config: dict[str, Any], valid: tuple[str, ...], size_option: str = "") -> None:
-    options = (size_option, *valid) if size_option else valid
-    for key in config:
-        if key not in valid:
-            raise UsageError(
-                f"unknown option {key!r} for zoo model {name!r}; valid options: {', '.join(options)}."
-                + did_you_mean(key, options)
-                + " Remove it or use one of those."
-            )
-
-
-def _device(device: Any) -> torch.device:
-    return device if isinstance(device, torch.device) else torch.device(device)
-
-
-def _param_millions(model: nn.Module) -> float:
-    return sum(p.numel() for p in model.parameters()) / 1e6
-
-
-# --------------------------------------------------------------------------------------------------
 # Builders
 
 
@@ -243,8 +198,10 @@ def _build_cnn(name: str, image_size: int | None, config: dict[str, Any]) -> Wor
     )
 
 
-def _gpt_optimizer(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1)
+def _gpt_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """nanoGPT's recipe: AdamW, lr 6e-4, betas (0.9, 0.95), weight decay 0.1 on matrices and
+    embeddings only (``configure_optimizers``: every parameter with ``dim() >= 2`` decays)."""
+    return adamw(model, lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95))
 
 
 def _build_gpt2(seq_len: int | None, config: dict[str, Any]) -> Workload:

@@ -1,0 +1,246 @@
+"""Image classifiers by name: ``torchvision:NAME`` and ``timm:NAME``, random init, synthetic images.
+
+Every model is built with ``weights=None`` / ``pretrained=False`` under a fixed seed; batches
+are seeded random images at the model's own input size (the crop size of its reference recipe)
+with random labels, and the loss is cross-entropy, as the libraries' training scripts compute it.
+The optimizer is the library's reference recipe: torchvision's SGD (momentum 0.9, weight decay
+1e-4, none on norms and biases), timm's ``create_optimizer_v2(model, "adamw", ...)``.
+
+Options: ``image_size`` (exact), or ``max_image_size``, a cap honoured where the model takes
+smaller inputs (not a ViT with a fixed input size): what a CPU-sized run asks for. The spec
+records the size used, so another process rebuilds the same workload.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.errors import UsageError, did_you_mean
+from mixprec.workload.optimizers import sgd
+from mixprec.workload.synthetic import (
+    as_device,
+    batch_generators,
+    check_batch_size,
+    check_positive_int,
+    param_millions,
+    seeded_model,
+)
+from mixprec.workload.workload import Workload, WorkloadSpec
+
+VISION_BATCH_SIZE = 32
+# torchvision's Inception and GoogLeNet return (logits, aux logits) in training unless told not to.
+_NO_AUX = ("googlenet", "inception_v3")
+
+
+def image_classification(
+    *,
+    model: nn.Module,
+    name: str,
+    target: str,
+    options: dict[str, Any],
+    channels: int,
+    image_size: int,
+    num_classes: int,
+    optimizer_fn: Callable[[nn.Module], torch.optim.Optimizer],
+    what: str,
+) -> Workload:
+    """A workload around an image classifier: seeded random images and labels, cross-entropy."""
+    generators = batch_generators()
+
+    def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        b = check_batch_size(batch_size, name)
+        gen = next(generators)
+        images = torch.randn(b, channels, image_size, image_size, generator=gen)
+        labels = torch.randint(0, num_classes, (b,), generator=gen)
+        dev = as_device(device)
+        return images.to(dev), labels.to(dev)
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        images, labels = batch
+        return F.cross_entropy(model(images), labels)
+
+    return Workload(
+        model=model,
+        make_batch=make_batch,
+        loss_fn=loss_fn,
+        optimizer_fn=optimizer_fn,
+        name=target,
+        default_batch_size=VISION_BATCH_SIZE,
+        spec=WorkloadSpec("model", target, tuple(sorted(options.items()))),
+        description=(
+            f"{target} ({what}, random init, {param_millions(model):.1f}M params), "
+            f"{channels}x{image_size}x{image_size} synthetic images, {num_classes} classes"
+        ),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# torchvision
+
+
+def torchvision_names() -> list[str]:
+    """torchvision's image classification models (not detection, segmentation, video, ...)."""
+    import torchvision.models as tvm
+
+    return sorted(tvm.list_models(module=tvm))
+
+
+def _torchvision_sizes(name: str) -> tuple[int, int]:
+    """(input size of the reference recipe, smallest input the model accepts) from the weights'
+    metadata: the enum, never the weights themselves."""
+    import torchvision.models as tvm
+
+    try:
+        weights: Any = tvm.get_model_weights(name).DEFAULT
+    except Exception:  # a model without published weights: the ImageNet default
+        return 224, 32
+    crop = int(getattr(weights.transforms, "keywords", {}).get("crop_size", 224))
+    minimum = int(min(weights.meta.get("min_size", (32, 32))))
+    return crop, minimum
+
+
+def _torchvision_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """torchvision's classification recipe (references/classification/train.py): SGD, lr 0.1,
+    momentum 0.9, weight decay 1e-4, ``--norm-weight-decay 0.0`` (no decay on norms, biases)."""
+    return sgd(model, lr=0.1, momentum=0.9, weight_decay=1e-4)
+
+
+def build_torchvision(name: str, options: dict[str, Any]) -> Workload:
+    import torchvision.models as tvm
+
+    target = f"torchvision:{name}"
+    config = dict(options)
+    image_size = config.pop("image_size", None)
+    cap = config.pop("max_image_size", None)
+    default_size, min_size = _torchvision_sizes(name)
+    size = default_size
+    if image_size is None and cap is not None and not name.startswith("vit_"):
+        cap = check_positive_int("max_image_size", cap, target)
+        if min_size <= cap < default_size:
+            image_size = cap
+    if image_size is not None:
+        size = check_positive_int("image_size", image_size, target, max(min_size, 16))
+        if size != default_size and name.startswith("vit_"):
+            config["image_size"] = size  # a ViT's position embeddings are built for one input size
+    if name in _NO_AUX:
+        config.setdefault("aux_logits", False)
+        config.setdefault("init_weights", True)
+    num_classes = config.setdefault("num_classes", 1000)
+    try:
+        model = seeded_model(lambda: tvm.get_model(name, weights=None, **config))
+    except TypeError as exc:
+        raise UsageError(
+            f"{target} does not accept the option(s) {_options(config)}: {exc}; fix --model-config "
+            "(its options are the keyword arguments of the model's class in torchvision)."
+        ) from None
+    except ValueError as exc:
+        raise UsageError(f"{target} rejected {_options(config)}: {exc}; fix --model-config.") from None
+    workload = image_classification(
+        model=model,
+        name=name,
+        target=target,
+        options=options,
+        channels=3,
+        image_size=size,
+        num_classes=int(num_classes),
+        optimizer_fn=_torchvision_optimizer,
+        what="torchvision",
+    )
+    return _recorded(workload, options, image_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# timm
+
+
+def timm_available() -> bool:
+    return importlib.util.find_spec("timm") is not None
+
+
+def timm_names() -> list[str]:
+    import timm
+
+    return list(timm.list_models())
+
+
+def _timm_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """timm's train.py defaults for AdamW: ``create_optimizer_v2(model, "adamw", ...)``, which
+    exempts biases, norm weights and ``model.no_weight_decay()`` from the weight decay; lr 1e-3 and
+    weight decay 0.05 as in the ConvNeXt / DeiT recipes."""
+    from timm.optim import create_optimizer_v2
+
+    return create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05)
+
+
+def build_timm(name: str, options: dict[str, Any]) -> Workload:
+    import timm
+    from timm.models import get_pretrained_cfg
+
+    target = f"timm:{name}"
+    config = dict(options)
+    image_size = config.pop("image_size", None)
+    cap = config.pop("max_image_size", None)
+    recipe: Any = get_pretrained_cfg(name)
+    native = int(recipe.input_size[-1]) if recipe is not None else 224
+    if image_size is None and cap is not None:
+        cap = check_positive_int("max_image_size", cap, target)
+        if cap < native and not (recipe is not None and recipe.fixed_input_size):
+            image_size = cap
+    try:
+        model = seeded_model(lambda: timm.create_model(name, pretrained=False, **config))
+    except TypeError as exc:
+        raise UsageError(
+            f"{target} does not accept the option(s) {_options(config)}: {exc}; fix --model-config "
+            "(its options are the keyword arguments of the model's class in timm)."
+        ) from None
+    except (RuntimeError, ValueError, AssertionError) as exc:
+        raise UsageError(f"{target} rejected {_options(config)}: {exc}; fix --model-config.") from None
+    pretrained_cfg: Any = getattr(model, "pretrained_cfg", None) or {}
+    channels, height, _ = pretrained_cfg.get("input_size", (3, 224, 224))
+    size = int(height)
+    if image_size is not None:
+        size = check_positive_int("image_size", image_size, target, 16)
+    workload = image_classification(
+        model=model,
+        name=name,
+        target=target,
+        options=options,
+        channels=int(channels),
+        image_size=size,
+        num_classes=int(getattr(model, "num_classes", 1000)),
+        optimizer_fn=_timm_optimizer,
+        what=f"timm {timm.__version__}",
+    )
+    return _recorded(workload, options, image_size)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _options(config: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in config.items()) or "(none)"
+
+
+def _recorded(workload: Workload, options: dict[str, Any], image_size: int | None) -> Workload:
+    """The workload with a spec that names the image size used instead of the cap."""
+    recorded = {k: v for k, v in options.items() if k != "max_image_size"}
+    if image_size is not None:
+        recorded["image_size"] = image_size
+    workload.spec = WorkloadSpec("model", str(workload.name), tuple(sorted(recorded.items())))
+    return workload
+
+
+def close_matches(name: str, names: list[str]) -> str:
+    """' Close matches: a, b, c.' for a misspelt model name, else ''."""
+    import difflib
+
+    matches = difflib.get_close_matches(name, names, n=5, cutoff=0.6)
+    if not matches:
+        return did_you_mean(name, names)
+    return f" Close matches: {', '.join(matches)}."
