@@ -15,6 +15,7 @@ LAYERS = {
     "status": 0,
     "schema": 0,
     "files": 0,
+    "quiet": 0,
     "hardware": 1,
     "policy": 2,
     "workload": 3,

@@ -85,3 +85,18 @@ def test_a_captured_tune_prints_one_line_per_candidate(capsys, tmp_path):
     checked = [c["label"] for c in (data["check"] or {}).get("candidates", [])]
     verdicts = [label.removeprefix("numerics of ") for label in labels if label.startswith("numerics")]
     assert verdicts == checked
+
+
+def test_known_third_party_noise_is_dropped_and_other_lines_kept(caplog):
+    """A compiling candidate on a CPU machine used to print cpp_extension's "No CUDA runtime" line
+    once per candidate process (isolate's child calls quiet_known_noise too)."""
+    import logging
+
+    from mixprec.quiet import quiet_known_noise
+
+    quiet_known_noise()
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    with caplog.at_level(logging.WARNING, logger="torch.utils.cpp_extension"):
+        logger.warning("No CUDA runtime is found, using CUDA_HOME='/usr/local'")
+        logger.warning("something else worth seeing")
+    assert [r.getMessage() for r in caplog.records] == ["something else worth seeing"]

@@ -32,6 +32,7 @@ from mixprec.measure.failure import exception_status, failure_status
 from mixprec.measure.process import current_rss_bytes, die_with_parent, main_module_hidden
 from mixprec.measure.runner import BenchSettings, Measurement, TrainingSession
 from mixprec.policy import Candidate
+from mixprec.quiet import quiet_known_noise
 from mixprec.workload import Workload, WorkloadSpec
 from mixprec.workload.models import preload_modules
 from mixprec.workload.output import captured_fds
@@ -128,6 +129,7 @@ def _child(
 ) -> None:
     """Child process body: build the session, then obey commands; errors are sent, never raised."""
     die_with_parent()
+    quiet_known_noise()  # e.g. a compiling candidate's "No CUDA runtime" line on a CPU machine
     try:
         rss_before = current_rss_bytes()
         # The factory (and the optimizer factory) already ran, and printed, in the parent.

@@ -1,9 +1,12 @@
-"""Third-party log lines that say nothing to a mixprec user, dropped from the CLI's output.
+"""Third-party log lines that say nothing to a mixprec user, dropped from mixprec's output (the
+CLI's process and every candidate process).
 
 Importing transformers imports torchao when it is installed (the ``fp8`` extra), and torchao
 0.18 registers two Enums as pytree constants, which torch 2.14 answers with a deprecation
 warning per Enum on stderr: two ``W... torch/utils/_pytree.py`` lines before anything mixprec
-says (a one-line error included), about code that is neither the user's nor mixprec's.
+says (a one-line error included), about code that is neither the user's nor mixprec's. And on a
+machine without CUDA, every process that compiles (each torch.compile candidate) logs that
+cpp_extension found no CUDA runtime, the expected state of a CPU run, once per candidate.
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ from __future__ import annotations
 import logging
 
 # (logger, a phrase of the message) pairs that are dropped; anything else from the logger shows
-KNOWN_NOISE = (("torch.utils._pytree", "is an Enum subclass and is now natively supported"),)
+KNOWN_NOISE = (
+    ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),
+    ("torch.utils.cpp_extension", "No CUDA runtime is found"),
+)
 
 
 class _DropPhrase(logging.Filter):
