@@ -241,3 +241,42 @@ def test_only_the_baseline_row_is_called_the_strict_fp32_reference():
     assert why["fp32"] == "the strict fp32 reference"
     assert why[compiled.candidate.label] == "fp32 numerics (compiled: default)"
     assert why["fp32+cl"] == "fp32 numerics (channels_last)"
+
+
+@pytest.mark.slow
+def test_a_speed_sweep_cut_by_its_share_is_finished_with_the_time_left(monkeypatch):
+    """The speed sweep's share of the budget is what it may take first, not a cap: candidates it did
+    not reach are measured once the numerics checks are done, when the budget still allows (it
+    used to end with those candidates unmeasured and 'budget exhausted' at a third of the budget)."""
+    import mixprec.tuning.search as search_module
+    from mixprec.hardware.device import detect
+
+    real_bench = search_module.bench
+    calls: list[list[str]] = []
+
+    def first_sweep_cut_at_its_third_candidate(workload, **kwargs):
+        calls.append([c.label for c in kwargs["candidates"]])
+        if len(calls) == 1:
+            started: list[str] = []
+            forward = kwargs["progress"]
+
+            def progress(event):
+                if event["event"] == "candidate":
+                    started.append(event["label"])
+                forward(event)
+
+            kwargs = {**kwargs, "progress": progress, "should_stop": lambda: len(started) >= 3}
+        return real_bench(workload, **kwargs)
+
+    monkeypatch.setattr(search_module, "bench", first_sweep_cut_at_its_third_candidate)
+    workload = mixprec.load_workload("mlp")
+    result = mixprec.tune(
+        workload, budget_s=120, steps=2, warmup=1, check_steps=3, device="cpu", lint=False,
+        compile_modes=(), optimizers=False,
+    )  # fmt: skip
+    everything = [c.label for c in search_module.tune_candidates(detect("cpu"), False)]
+    assert calls[0] == everything and len(calls) >= 2
+    assert set(calls[1]) < set(everything) and "fp32" not in calls[1]  # only what was not reached
+    assert {r.label for r in result.bench.rows if not r.baseline_repeat} >= set(everything)
+    assert result.budget_exhausted is None and result.bench.stopped is None
+    assert any("measured after the numerics checks" in n for n in result.notes)
