@@ -1,7 +1,8 @@
 """`tune`: the fastest configuration that trains correctly, with the evidence.
 
 1. Speed: every supported policy x layout, eager, paired with strict fp32 (hopeless ones pruned),
-   within ``SPEED_SHARE`` of the budget.
+   first within ``SPEED_SHARE`` of the budget; what that share did not reach is measured after
+   the numerics checks with the time they left.
 2. Numerics: the candidates that beat strict fp32, fastest first; a failing one may be rescued by
    a keep_fp32 set, which is then measured at its real cost.
 3. Beyond eager: the best passing candidates again under ``torch.compile`` (and their numerics,
@@ -37,7 +38,8 @@ from mixprec.workload import Workload, validate_workload
 
 Progress = Callable[[str], None]
 Events = Callable[[dict[str, Any]], None]
-# Share of the budget the eager speed sweep may use; numerics, compile and rescues get the rest.
+# Share of the budget the eager speed sweep takes first; numerics, compile and rescues get the
+# rest, and what the sweep did not reach is measured after the numerics checks if time is left.
 SPEED_SHARE = 0.45
 # Seconds kept back at the end for deciding, linting and writing.
 RESERVE_S = 10.0
@@ -124,22 +126,25 @@ class _Search:
         """The candidates the speed sweep's share of the budget did not reach, measured with the
         time the numerics checks left: the share is what the sweep may take first, not a cap."""
         assert self.result is not None
-        if not self.result.stopped:
-            return
-        cut = f"the speed sweep {self.result.stopped}"
+        if not self.result.stopped or self.result.baseline is None:
+            return  # without its strict-fp32 row nothing measured later has a reference
+        first = f"speed sweep {self.result.stopped}"
         seen = {r.candidate for r in self.result.rows}
         todo = [c for c in tune_candidates(info, has_4d_weights(self.workload.model)) if c not in seen]
         if not todo or self.time_left() <= 0:
             return
         more = self._bench(todo, self.deadline - RESERVE_S)
-        self._add(more.measured)
+        added = self._add(more.measured)
+        self.notes.remove(first)
+        self.cut.remove(f"the {first}")
+        late = [r.label for r in added if r.status not in (Status.UNSUPPORTED, Status.ERROR)]
+        what = f"; {', '.join(late)} measured later with the time the numerics checks left" if late else ""
         if more.stopped:
-            self.notes.append(f"the rest of the speed sweep {more.stopped}")
+            self.notes.append(f"{first}{what}; the rest of the sweep {more.stopped}")
+            self.cut.append(f"the speed sweep {more.stopped}")
             return
         self.result.stopped = None
-        self.cut.remove(cut)
-        late = ", ".join(c.label for c in todo)
-        self.notes.append(f"{late}: measured after the numerics checks, with the time they left")
+        self.notes.append(f"{first}{what}")
 
     def _add(self, rows: Sequence[BenchRow]) -> list[BenchRow]:
         """Fold rows measured in another (paired) sweep into this one; the non-baseline ones."""
@@ -194,7 +199,8 @@ class _Search:
             ),
             key=lambda r: -speed(r),
         )
-        best_pass: BenchRow | None = None
+        passed = [r for r in faster if (v := self.verdicts.get(r.candidate.numerics)) and v.passed]
+        best_pass: BenchRow | None = max(passed, key=speed) if passed else None  # from a first round
         for numerics in dict.fromkeys(r.candidate.numerics for r in faster):
             if numerics in self.verdicts:
                 continue
