@@ -236,11 +236,13 @@ def test_report_command_errors(tmp_path, capsys):
 def test_only_the_baseline_row_is_called_the_strict_fp32_reference():
     """A compiled (or channels_last) fp32 row passes on fp32 numerics, but is not the reference."""
     compiled = replace(row("fp32", 80), candidate=Candidate("fp32", compile="default"))
-    _, table = decide(rows(row("fp32", 100), compiled, row("fp32", 90, cl=True)), {})
+    fused = replace(row("fp32", 85), candidate=Candidate("fp32", optimizer="fused"))
+    _, table = decide(rows(row("fp32", 100), compiled, row("fp32", 90, cl=True), fused), {})
     why = {c.label: c.reason for c in table}
     assert why["fp32"] == "the strict fp32 reference"
     assert why[compiled.candidate.label] == "fp32 numerics (compiled: default)"
     assert why["fp32+cl"] == "fp32 numerics (channels_last)"
+    assert why[fused.candidate.label] == "fp32 numerics (fused optimizer)"  # was "fp32 numerics ()"
 
 
 @pytest.mark.slow

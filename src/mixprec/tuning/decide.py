@@ -247,6 +247,7 @@ def decide(
             # only the baseline row is the reference; fp32 compiled or channels_last is a candidate
             how = [f"compiled: {row.candidate.compile}"] if row.candidate.compile else []
             how += ["channels_last"] if row.channels_last else []
+            how += [f"{row.candidate.optimizer} optimizer"] if row.candidate.optimizer else []
             why = "the strict fp32 reference" if row is fp32 else f"fp32 numerics ({', '.join(how)})"
             table.append(Ranked(row.candidate, Status.PASSED, why, Status.PASS, row))
             passing.append(row)
