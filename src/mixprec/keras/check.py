@@ -28,6 +28,7 @@ from mixprec.keras.policy import KerasPolicy, keras_support
 from mixprec.keras.trainer import KerasTrainer, make_batches
 from mixprec.keras.workload import KerasWorkload, workload_label
 from mixprec.numerics.compare import Trajectory, compare
+from mixprec.numerics.fix import search_keep_fp32
 from mixprec.numerics.limits import FORMATS
 from mixprec.numerics.results import CandidateCheck, CheckResult
 from mixprec.numerics.verdict import (
@@ -276,43 +277,17 @@ class KerasChecker:
     def _search_fix(self, cand: Candidate, result: CandidateCheck, fmt: str) -> None:
         """Grow a keep_fp32 set of layer names until the candidate passes, drop what is not needed,
         then verify over every checked step."""
-        order = self._search_space(result, fmt)[:_MAX_SET]
-        search_steps = min(self.steps, _SEARCH_STEPS)
-        chosen: list[str] = []
-        passed = False
-        for name in order:
-            if time.perf_counter() > self.deadline:
-                break
-            chosen.append(name)
-            self.progress(f"{cand.label}: trying keep_fp32={chosen}")
-            passed = self.run(cand, chosen, search_steps)[0]
-            if passed:
-                break
-        if not passed:
-            result.fix_note = (
-                f"no set of up to {_MAX_SET} float32 layers makes {cand.label} pass "
-                f"(tried {', '.join(order) or 'none'}); {result.suggestion}"
-            )
-            return
-        for name in list(chosen):
-            trial = [n for n in chosen if n != name]
-            if trial and time.perf_counter() < self.deadline and self.run(cand, trial, search_steps)[0]:
-                chosen = trial
-        self.progress(f"{cand.label}: verifying keep_fp32={chosen}")
-        verified, reason, cmp, *_ = self.run(cand, chosen)
-        result.fix_keep_fp32 = chosen
-        result.fix_verified = verified
-        result.fix_metrics = {
-            "max_rel_loss_diff": cmp.max_rel_loss_diff,
-            "output_sqnr_db": cmp.output_sqnr_db,
-            "total_grad_sqnr_db": cmp.total_grad_sqnr_db,
-            "min_grad_sqnr_db": cmp.min_grad_sqnr_db,
-            "skipped_steps": cmp.skipped_steps,
-        }
-        result.fix_note = (
-            f"verified over {self.steps} steps: {reason}"
-            if verified
-            else f"passes over {search_steps} steps but not over {self.steps}: {reason}"
+        search_keep_fp32(
+            self.run,
+            cand,
+            result,
+            self._search_space(result, fmt),
+            _MAX_SET,
+            steps=self.steps,
+            search_steps=min(self.steps, _SEARCH_STEPS),
+            deadline=self.deadline,
+            progress=self.progress,
+            kind="float32 layers",
         )
 
 

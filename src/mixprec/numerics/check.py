@@ -22,6 +22,7 @@ from mixprec.errors import UsageError
 from mixprec.hardware.device import detect, resolve_device
 from mixprec.measure.runner import make_batches
 from mixprec.numerics.compare import compare, run_trajectory
+from mixprec.numerics.fix import search_keep_fp32
 from mixprec.numerics.results import CandidateCheck, CheckResult
 from mixprec.numerics.verdict import (
     CHAOS_PERTURBATION,
@@ -270,47 +271,16 @@ class _Checker:
 
     def _search_fix(self, cand: Candidate, result: CandidateCheck, fmt: str, max_set: int = 8) -> None:
         """Grow a keep_fp32 set from the evidence until the candidate passes, then shrink it."""
-        order = self._search_space(result, fmt)
-        search_steps = min(self.steps, 4)
-        chosen: list[str] = []
-        passed = False
-        for name in order[:max_set]:
-            if time.perf_counter() > self.deadline:
-                break
-            chosen.append(name)
-            self.progress(f"{cand.label}: trying keep_fp32={chosen}")
-            passed = self.run(cand, chosen, search_steps)[0]
-            if passed:
-                break
-        if not passed:
-            alt = result.suggestion or "another format"
-            result.fix_note = (
-                f"no set of up to {max_set} fp32 modules makes {cand.label} pass "
-                f"(tried {', '.join(order[:max_set]) or 'none'}); {alt}"
-            )
-            return
-        # Delta-debugging-style minimisation: drop every module the candidate passes without.
-        for name in list(chosen):
-            if time.perf_counter() > self.deadline:
-                break
-            trial = [n for n in chosen if n != name]
-            if trial and self.run(cand, trial, search_steps)[0]:
-                chosen = trial
-        self.progress(f"{cand.label}: verifying keep_fp32={chosen}")
-        verified, reason, cmp, *_ = self.run(cand, chosen)
-        result.fix_keep_fp32 = chosen
-        result.fix_verified = verified
-        result.fix_metrics = {
-            "max_rel_loss_diff": cmp.max_rel_loss_diff,
-            "output_sqnr_db": cmp.output_sqnr_db,
-            "total_grad_sqnr_db": cmp.total_grad_sqnr_db,
-            "min_grad_sqnr_db": cmp.min_grad_sqnr_db,
-            "skipped_steps": cmp.skipped_steps,
-        }
-        result.fix_note = (
-            f"verified over {self.steps} steps: {reason}"
-            if verified
-            else f"passes over {search_steps} steps but not over {self.steps}: {reason}"
+        search_keep_fp32(
+            self.run,
+            cand,
+            result,
+            self._search_space(result, fmt),
+            max_set,
+            steps=self.steps,
+            search_steps=min(self.steps, 4),
+            deadline=self.deadline,
+            progress=self.progress,
         )
 
 
