@@ -22,9 +22,8 @@ from mixprec.measure import noise
 from mixprec.measure.isolate import ChildSession, LocalSession
 from mixprec.measure.paired import PairedSweep, Session
 from mixprec.measure.results import KERAS_MFU_NOTE, BenchResult, BenchRow
-from mixprec.measure.rowstore import RowStore
 from mixprec.measure.runner import BenchSettings
-from mixprec.measure.sweep import _validate, parse_policies, resume_key, run_paired
+from mixprec.measure.sweep import RowRecorder, _validate, parse_policies, resume_key, run_paired
 from mixprec.policy import Candidate
 from mixprec.status import Status
 
@@ -145,25 +144,10 @@ def bench(
         env=collect(device),
         notes=[KERAS_MFU_NOTE],
     )
-    done: dict[tuple, BenchRow] = {}
     progress = progress or (lambda event: None)
-    store: RowStore | None = None
-    if jsonl is not None:
-        key = resume_key(label, settings, prune_factor=prune_factor, isolate=isolate, nproc=1)
-        store = RowStore(jsonl, {**key, "framework": "tensorflow"}, resume=resume)
-        for note in store.notes:
-            result.notes.append(note)
-            progress({"event": "note", "text": note})
-        kept = (Status.OK, Status.UNSUPPORTED, Status.PRUNED, Status.NO_EFFECT)
-        done = {r.key: r for r in store.rows if r.status in kept}
-
-    def record(row: BenchRow, index: int, resumed: bool = False) -> None:
-        result.update(row)
-        shown = next(r for r in result.rows if r.key == row.key)
-        if store is not None and not resumed:
-            store.append(shown)
-        progress({"event": "row", "row": shown, "index": index, "count": len(plan), "resumed": resumed})
-
+    key = resume_key(label, settings, prune_factor=prune_factor, isolate=isolate, nproc=1)
+    rows = RowRecorder(result, progress, len(plan), jsonl, {**key, "framework": "tensorflow"}, resume=resume)
+    done, record = rows.done, rows.record
     try:
         _sweep(
             workload,
@@ -183,8 +167,7 @@ def bench(
             should_stop,
         )
     finally:
-        if store is not None:
-            store.close()
+        rows.close()
     return result
 
 

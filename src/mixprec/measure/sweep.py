@@ -222,26 +222,10 @@ def bench(
         notes=notes,
         peaks=_peaks(info, plan),
     )
-    done: dict[tuple, BenchRow] = {}
-    store: RowStore | None = None
-    if jsonl is not None:
-        key = resume_key(label, settings, prune_factor=prune_factor, isolate=isolate, nproc=nproc)
-        store = RowStore(jsonl, key, resume=resume, resume_anyway=resume_anyway)
-        for note in store.notes:
-            result.notes.append(note)
-            progress({"event": "note", "text": note})
-        # errors and OOMs may be transient: only finished verdicts are kept, the rest re-run
-        kept = (Status.OK, Status.UNSUPPORTED, Status.PRUNED, Status.NO_EFFECT)
-        done = {r.key: r for r in store.rows if r.status in kept}
+    key = resume_key(label, settings, prune_factor=prune_factor, isolate=isolate, nproc=nproc)
+    rows = RowRecorder(result, progress, len(plan), jsonl, key, resume=resume, resume_anyway=resume_anyway)
+    done, record = rows.done, rows.record
     result.flops_per_step = next((r.flops_per_step for r in done.values() if r.flops_per_step), None)
-
-    def record(row: BenchRow, index: int, resumed: bool = False) -> None:
-        result.update(row)
-        shown = next(r for r in result.rows if r.key == row.key)
-        if store is not None and not resumed:
-            store.append(shown)
-        progress({"event": "row", "row": shown, "index": index, "count": len(plan), "resumed": resumed})
-
     try:
         _run_sweep(
             workload,
@@ -258,9 +242,48 @@ def bench(
             progress,
         )
     finally:
-        if store is not None:
-            store.close()
+        rows.close()
     return result
+
+
+class RowRecorder:
+    """Where a sweep's finished rows go: into the result (derived figures recomputed), onto the
+    row stream when there is one, and to ``progress``. ``done`` holds the finished rows a resumed
+    stream already had; errors and OOMs may be transient, so those rows are measured again."""
+
+    KEPT = (Status.OK, Status.UNSUPPORTED, Status.PRUNED, Status.NO_EFFECT)
+
+    def __init__(
+        self,
+        result: BenchResult,
+        progress: Progress,
+        count: int,
+        jsonl: str | Path | None,
+        key: dict[str, Any],
+        *,
+        resume: bool,
+        resume_anyway: bool = False,
+    ) -> None:
+        self.result, self.progress, self.count = result, progress, count
+        self.store: RowStore | None = None
+        self.done: dict[tuple, BenchRow] = {}
+        if jsonl is not None:
+            self.store = RowStore(jsonl, key, resume=resume, resume_anyway=resume_anyway)
+            for note in self.store.notes:
+                result.notes.append(note)
+                progress({"event": "note", "text": note})
+            self.done = {r.key: r for r in self.store.rows if r.status in self.KEPT}
+
+    def record(self, row: BenchRow, index: int, resumed: bool = False) -> None:
+        self.result.update(row)
+        shown = next(r for r in self.result.rows if r.key == row.key)
+        if self.store is not None and not resumed:
+            self.store.append(shown)
+        self.progress({"event": "row", "row": shown, "index": index, "count": self.count, "resumed": resumed})
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
 
 
 def resume_key(
