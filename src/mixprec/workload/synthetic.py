@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import UsageError, did_you_mean
@@ -67,3 +68,28 @@ def as_device(device: Any) -> torch.device:
 
 def param_millions(model: nn.Module) -> float:
     return sum(p.numel() for p in model.parameters()) / 1e6
+
+
+ImageBatch = tuple[torch.Tensor, torch.Tensor]
+
+
+def image_classification_task(
+    name: str, channels: int, image_size: int, num_classes: int
+) -> tuple[Callable[[int, torch.device], ImageBatch], Callable[[nn.Module, ImageBatch], torch.Tensor]]:
+    """``make_batch`` (seeded random images and labels, the same for every candidate) and a
+    cross-entropy ``loss_fn`` for an image classifier, as the zoo CNNs and models by name use."""
+    generators = batch_generators()
+
+    def make_batch(batch_size: int, device: torch.device) -> ImageBatch:
+        b = check_batch_size(batch_size, name)
+        gen = next(generators)
+        images = torch.randn(b, channels, image_size, image_size, generator=gen)
+        labels = torch.randint(0, num_classes, (b,), generator=gen)
+        dev = as_device(device)
+        return images.to(dev), labels.to(dev)
+
+    def loss_fn(model: nn.Module, batch: ImageBatch) -> torch.Tensor:
+        images, labels = batch
+        return F.cross_entropy(model(images), labels)
+
+    return make_batch, loss_fn

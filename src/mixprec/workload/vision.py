@@ -18,16 +18,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import UsageError, did_you_mean
 from mixprec.workload.optimizers import sgd
 from mixprec.workload.synthetic import (
-    as_device,
-    batch_generators,
-    check_batch_size,
     check_positive_int,
+    image_classification_task,
     param_millions,
     seeded_model,
 )
@@ -51,20 +48,7 @@ def image_classification(
     what: str,
 ) -> Workload:
     """A workload around an image classifier: seeded random images and labels, cross-entropy."""
-    generators = batch_generators()
-
-    def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        b = check_batch_size(batch_size, name)
-        gen = next(generators)
-        images = torch.randn(b, channels, image_size, image_size, generator=gen)
-        labels = torch.randint(0, num_classes, (b,), generator=gen)
-        dev = as_device(device)
-        return images.to(dev), labels.to(dev)
-
-    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        images, labels = batch
-        return F.cross_entropy(model(images), labels)
-
+    make_batch, loss_fn = image_classification_task(name, channels, image_size, num_classes)
     return Workload(
         model=model,
         make_batch=make_batch,

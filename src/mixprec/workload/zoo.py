@@ -23,6 +23,7 @@ from mixprec.workload.synthetic import as_device as _device
 from mixprec.workload.synthetic import batch_generators as _batch_generators
 from mixprec.workload.synthetic import check_batch_size as _check_batch_size
 from mixprec.workload.synthetic import check_positive_int as _check_positive_int
+from mixprec.workload.synthetic import image_classification_task
 from mixprec.workload.synthetic import param_millions as _param_millions
 from mixprec.workload.synthetic import reject_unknown as _reject_unknown
 from mixprec.workload.synthetic import seeded_model as _seeded_model
@@ -170,19 +171,7 @@ def _build_cnn(name: str, image_size: int | None, config: dict[str, Any]) -> Wor
 
     constructor = getattr(tvm, name)
     model = _seeded_model(lambda: constructor(weights=None, num_classes=_NUM_CLASSES))
-    generators = _batch_generators()
-
-    def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        b = _check_batch_size(batch_size, name)
-        gen = next(generators)
-        images = torch.randn(b, 3, size, size, generator=gen)
-        labels = torch.randint(0, _NUM_CLASSES, (b,), generator=gen)
-        dev = _device(device)
-        return images.to(dev), labels.to(dev)
-
-    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        images, labels = batch
-        return F.cross_entropy(model(images), labels)
+    make_batch, loss_fn = image_classification_task(name, 3, size, _NUM_CLASSES)
 
     return Workload(
         model=model,
