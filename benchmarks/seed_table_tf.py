@@ -25,9 +25,8 @@ from typing import Any
 
 import mixprec
 import mixprec.hardware.environment
+from mixprec.frameworks.keras.environment import collect as tf_collect
 from mixprec.keras import load_keras_workload
-from mixprec.keras.environment import collect as tf_collect
-from mixprec.keras.sweep import bench as keras_bench
 from mixprec.measure.results import BenchResult, BenchRow
 from mixprec.report.jsonio import write_json
 
@@ -141,7 +140,7 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     seed_tf, seed_pt, side = [], [], []
     for model in args.models.split(","):
-        tf_result = keras_bench(
+        tf_result = mixprec.bench(
             load_keras_workload(model, image_size=size),
             policies=policies,
             batch_size=batch,

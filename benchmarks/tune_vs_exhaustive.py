@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import mixprec
+from mixprec.checking.check import check
+from mixprec.frameworks import framework_of
 from mixprec.hardware.device import detect
 from mixprec.hardware.environment import collect
-from mixprec.numerics.check import check
 from mixprec.policy import Candidate
-from mixprec.tuning.search import tune_candidates
 
 
 def _rows(result: Any) -> list[dict[str, Any]]:
@@ -78,9 +78,10 @@ def main() -> None:
         return Candidate.from_dict(row["candidate"]).numerics in passed
 
     started = time.perf_counter()
+    workload = load()
     eager = mixprec.bench(
-        load(),
-        candidates=tune_candidates(detect("cpu"), True),
+        workload,
+        candidates=framework_of(workload).tune_candidates(workload, detect("cpu")),
         batch_size=args.batch_size,
         steps=args.steps,
         device="cpu",

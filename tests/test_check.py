@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import mixprec
+from mixprec.checking.check import check
 from mixprec.cli import main
-from mixprec.measure.runner import make_batches
-from mixprec.numerics.check import check
-from mixprec.numerics.compare import run_trajectory
+from mixprec.frameworks.torch.session import make_batches
+from mixprec.frameworks.torch.trajectory import run_trajectory
 from mixprec.schema import SCHEMA_VERSION
 
 EXAMPLE = str(Path(__file__).parents[1] / "examples" / "planted_overflow.py") + ":workload"

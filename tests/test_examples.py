@@ -15,7 +15,8 @@ import torch
 
 import mixprec
 from extras import require
-from mixprec.measure.runner import BenchSettings, TrainingSession, make_batches
+from mixprec.frameworks.session import BenchSettings
+from mixprec.frameworks.torch.session import TrainingSession, make_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

@@ -180,7 +180,7 @@ def test_an_allocation_beyond_the_card_is_an_oom_row():
 
 
 def test_planted_fp16_overflow_fails_on_cuda_and_the_fix_holds():
-    from mixprec.numerics.check import check
+    from mixprec.checking.check import check
 
     workload = mixprec.load_workload(f"{EXAMPLES / 'planted_overflow.py'}:workload")
     result = check(workload, policies=("fp16-mixed", "bf16-mixed"), steps=6, device="cuda", fix=True)

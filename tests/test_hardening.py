@@ -224,7 +224,7 @@ def _sweep(jsonl, progress=None, **overrides):
         jsonl=jsonl,
     )
     options.update(overrides)
-    return bench(load_workload("mlp"), progress=progress, **options)
+    return bench(load_workload("mlp"), events=progress, **options)
 
 
 def _latest_by_key(path):

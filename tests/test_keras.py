@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import mixprec
+
 if os.environ.get("MIXPREC_REQUIRE_FRAMEWORKS") == "1":
     import tensorflow  # noqa: F401  (make test installs the extra: a missing one is a failure)
 else:
@@ -20,9 +22,9 @@ import keras
 import tensorflow as tf
 
 from mixprec.errors import UsageError
+from mixprec.frameworks.keras.trainer import KerasTrainer, make_batches
+from mixprec.frameworks.session import HonestyError
 from mixprec.keras import KerasWorkload, load_keras_workload
-from mixprec.keras.trainer import KerasTrainer, make_batches
-from mixprec.measure.runner import HonestyError
 from mixprec.policy import Candidate
 
 pytestmark = pytest.mark.tensorflow
@@ -50,7 +52,7 @@ def mlp():
 
 @pytest.fixture(scope="module")
 def batches(mlp):
-    return make_batches(mlp, 16, 0, 2, "cpu")
+    return make_batches(mlp, 16, "cpu", 0, 2)
 
 
 def plain_keras_step(workload, dtype_policy, batch, loss_scale):
@@ -96,7 +98,7 @@ def test_policy_trains_like_plain_keras(mlp, batches, policy, dtype_policy, tol)
 
 def test_true_policies_store_half_weights_copied_from_fp32(mlp, batches):
     fp32 = KerasTrainer(mlp, tf_cand("fp32"), "cpu", batches[0])
-    from mixprec.keras.trainer import reference_weights
+    from mixprec.frameworks.keras.trainer import reference_weights
 
     true = KerasTrainer(
         mlp, tf_cand("bf16-true"), "cpu", batches[0], reference_weights(mlp, tf_cand("bf16-true"), "cpu")
@@ -135,7 +137,7 @@ def test_train_step_is_traced_from_the_imported_code_not_the_file_on_disk(mlp, b
     copy whose lines then move, as an edit during a sweep moves them."""
     import importlib.util
 
-    import mixprec.keras.trainer as trainer_module
+    import mixprec.frameworks.keras.trainer as trainer_module
 
     copy = tmp_path / "trainer_copy.py"
     source = Path(trainer_module.__file__).read_text(encoding="utf-8")
@@ -175,7 +177,7 @@ def test_xla_candidate_compiles_up_front_and_starts_from_the_initial_state(mlp, 
 
 
 def test_scope_sets_and_restores_dtype_policy_and_tf32():
-    from mixprec.keras.policy import KerasPolicy
+    from mixprec.frameworks.keras.policy import KerasPolicy
 
     with KerasPolicy(tf_cand("fp16-mixed")).scope():
         assert keras.mixed_precision.global_policy().name == "mixed_float16"
@@ -185,9 +187,7 @@ def test_scope_sets_and_restores_dtype_policy_and_tf32():
 
 
 def test_check_names_the_overflowing_layer_and_verifies_the_float32_fix():
-    from mixprec.keras.check import check
-
-    result = check(
+    result = mixprec.check(
         load_keras_workload(OVERFLOW), policies=["fp16-mixed", "bf16-mixed"], steps=4, device="cpu", fix=True
     )
     fp16, bf16 = result.candidates
@@ -228,9 +228,7 @@ def test_cli_check_of_the_planted_overflow_names_the_layer_and_the_fix(tmp_path,
 
 
 def test_check_reports_sqnr_scale_and_stalled_updates(mlp):
-    from mixprec.keras.check import check
-
-    result = check(mlp, policies=["fp16-mixed", "bf16-true"], steps=3, device="cpu")
+    result = mixprec.check(mlp, policies=["fp16-mixed", "bf16-true"], steps=3, device="cpu")
     fp16, bf16_true = result.candidates
     assert fp16.output_sqnr_db > 30 and fp16.total_grad_sqnr_db > 20
     assert fp16.scales == [32768.0] * 3 and fp16.skipped_steps == 0
@@ -240,13 +238,12 @@ def test_check_reports_sqnr_scale_and_stalled_updates(mlp):
 
 @pytest.mark.slow
 def test_bench_pairs_keras_candidates_in_their_own_processes(mlp, tmp_path, capfd):
-    from mixprec.keras.sweep import bench
     from mixprec.measure.results import BenchResult
 
-    result = bench(
+    result = mixprec.bench(
         mlp,
         policies="fp32,bf16-mixed,tf32",
-        xla="both",
+        compile="both",
         steps=2,
         warmup=1,
         device="cpu",
@@ -273,11 +270,10 @@ def test_bench_pairs_keras_candidates_in_their_own_processes(mlp, tmp_path, capf
 
 @pytest.mark.slow
 def test_tune_recommends_a_measured_passing_candidate_with_keras_code(mlp, tmp_path):
-    from mixprec.keras.tune import tune
     from mixprec.report.html import write_report
     from mixprec.tuning import TuneResult
 
-    result = tune(mlp, budget_s=60, steps=2, check_steps=3, device="cpu", xla=False)
+    result = mixprec.tune(mlp, budget_s=60, steps=2, check_steps=3, device="cpu", compile_modes=())
     rec = result.recommendation
     assert rec is not None and rec.candidate.framework == "tensorflow"
     ranked = {r.candidate: r for r in result.ranked}
@@ -291,7 +287,7 @@ def test_tune_recommends_a_measured_passing_candidate_with_keras_code(mlp, tmp_p
 
 
 def test_keras_code_per_policy():
-    from mixprec.keras.export import keras_code
+    from mixprec.frameworks.keras.export import keras_code
 
     fp16 = keras_code(tf_cand("fp16-mixed", keep_fp32=("energy",)))
     assert (
@@ -331,13 +327,16 @@ def test_cli_bench_and_errors(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [r["label"] for r in rows] == ["fp32", "bf16-mixed"] and rows[1]["framework"] == "tensorflow"
     assert main(["bench", "--framework", "tensorflow", "--model", "mlp", "--nproc", "2"]) == 2
-    assert "torch only" in capsys.readouterr().err
+    assert (
+        "nproc > 1 (data-parallel ranks) is not available for Keras 3 on TensorFlow"
+        in capsys.readouterr().err
+    )
     assert main(["bench", "--framework", "tensorflow", "--model", "gpt2"]) == 2
     assert "Keras zoo model (resnet50, vgg19, densenet121, mlp)" in capsys.readouterr().err
 
 
 def test_env_states_the_tf32_override_caveat(monkeypatch):
-    from mixprec.keras.environment import tensorflow_facts
+    from mixprec.frameworks.keras.environment import tensorflow_facts
 
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
     facts = tensorflow_facts("cpu")

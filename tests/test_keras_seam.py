@@ -15,23 +15,29 @@ from mixprec.policy import Candidate
 
 
 def test_tensorflow_candidates_take_xla_and_refuse_torch_axes():
-    cand = Candidate("bf16-mixed", compile="xla", framework="tensorflow")
+    """The Keras backend states its axes: XLA as the compile mode, no channels_last, no optimizer
+    implementations; torch's refuses XLA; an unknown framework lists the known ones."""
+    from mixprec.errors import UsageError
+    from mixprec.frameworks import framework_named
+
+    keras, torch = framework_named("tensorflow"), framework_named("torch")
+    cand = keras.candidate("bf16-mixed", compile="xla")
     assert cand.label == "bf16-mixed+xla" and Candidate.from_dict(cand.to_dict()) == cand
     assert cand != Candidate("bf16-mixed", compile=None, framework="tensorflow")
     with pytest.raises(PolicyError, match="valid: xla"):
-        Candidate("fp32", compile="default", framework="tensorflow")
-    with pytest.raises(PolicyError, match="NHWC already"):
-        Candidate("fp32", channels_last=True, framework="tensorflow")
+        keras.candidate("fp32", compile="default")
+    with pytest.raises(PolicyError, match="channels_last does not apply to Keras 3 on TensorFlow"):
+        keras.candidate("fp32", channels_last=True)
     with pytest.raises(PolicyError, match="optimizer implementation"):
-        Candidate("fp32", optimizer="fused", framework="tensorflow")
-    with pytest.raises(PolicyError, match=r"torch\.compile mode"):
-        Candidate("fp32", compile="xla")  # xla is TensorFlow's
-    with pytest.raises(PolicyError, match="valid: torch, tensorflow"):
-        Candidate("fp32", framework="jax")
+        keras.candidate("fp32", optimizer="fused")
+    with pytest.raises(PolicyError, match=r"PyTorch compile mode 'xla'; valid: default"):
+        torch.validate(Candidate("fp32", compile="xla"))  # xla is TensorFlow's
+    with pytest.raises(UsageError, match="Unknown framework 'jax'; valid: torch, tensorflow"):
+        framework_named("jax")
 
 
 def test_keras_support_on_a_cpu():
-    from mixprec.keras.policy import keras_support
+    from mixprec.frameworks.keras.policy import keras_support
 
     bf16_cpu = DeviceInfo("cpu", "cpu", cpu_flags=frozenset({"avx512_bf16"}))
     plain_cpu = DeviceInfo("cpu", "cpu")
@@ -57,11 +63,11 @@ def test_every_policy_states_its_keras_dtype_policy():
 
 
 def test_mixprec_and_torch_commands_never_import_tensorflow():
-    """`import mixprec`, the package mixprec.keras, the CLI parser and a torch command leave
+    """`import mixprec`, the package mixprec.frameworks.keras, the CLI parser and a torch command leave
     TensorFlow unimported (it is imported on first use by a TensorFlow command only)."""
     code = (
         "import sys\n"
-        "import mixprec, mixprec.keras, mixprec.cli\n"
+        "import mixprec, mixprec.keras, mixprec.frameworks.keras, mixprec.cli\n"
         "from mixprec.cli import build_parser, main\n"
         "build_parser().parse_args(['bench', '--framework', 'tensorflow'])\n"
         "assert main(['env']) == 0\n"
@@ -74,7 +80,7 @@ def test_mixprec_and_torch_commands_never_import_tensorflow():
 
 def test_tensorflow_missing_is_a_clear_unsupported_error(monkeypatch):
     from mixprec.errors import UnsupportedError
-    from mixprec.keras import backend
+    from mixprec.frameworks.keras import backend
 
     monkeypatch.setenv("KERAS_BACKEND", "jax")
     with pytest.raises(UnsupportedError, match="KERAS_BACKEND='jax'"):
@@ -87,19 +93,21 @@ def test_lint_with_the_tensorflow_framework_is_one_line_and_exit_2(capsys):
 
     assert main(["lint", "--framework", "tensorflow", "--model", "resnet50"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "lint is torch-only for now" in err and "check --framework tensorflow" in err
+    assert (
+        "lint has no rules for Keras 3 on TensorFlow models" in err and "check --framework tensorflow" in err
+    )
     assert len(err.splitlines()) == 1
 
 
 def test_tensorflow_start_up_chatter_is_silenced():
     """TensorFlow's import and first device query print absl/oneDNN/CUDA lines on stderr; a mixprec
     command shows none of them (unless the user set TF_CPP_MIN_LOG_LEVEL)."""
-    from mixprec.keras import backend
+    from mixprec.frameworks.keras import backend
 
     if backend.missing():
         pytest.skip(backend.missing())
     code = (
-        "from mixprec.keras import backend\n"
+        "from mixprec.frameworks.keras import backend\n"
         "tf = backend.tf()\n"
         "tf.config.list_physical_devices()\n"
         "print(float(tf.reduce_sum(tf.ones((2, 2)))))\n"
@@ -117,12 +125,12 @@ def test_keras_rows_show_mfu_as_na_with_the_reason():
 
     row = BenchRow("mlp", Candidate("fp32", framework="tensorflow"), "cpu", 8, "ok", step_times_ms=(5.0, 6.0))
     (assembled,) = assemble([row], None, {"fp32": (1e12, "measured")})
-    assert assembled.mfu is None and assembled.mfu_note.startswith("MFU n/a: no FLOP count of a Keras")
+    assert assembled.mfu is None and assembled.mfu_note.startswith("MFU n/a: no FLOP count")
     assert _cells(assembled)["mfu"] == "n/a"
     # said once under the table when the whole result carries it, not once per row
     from rich.console import Console
 
-    from mixprec.measure.results import KERAS_MFU_NOTE, BenchResult
+    from mixprec.measure.results import NO_FLOPS_NOTE, BenchResult
     from mixprec.report.bench import bench_table
 
     result = BenchResult(
@@ -132,8 +140,8 @@ def test_keras_rows_show_mfu_as_na_with_the_reason():
         batch_size=8,
         settings={},
         measured=[row, replace(row, batch_size=16)],
-        notes=[KERAS_MFU_NOTE],
+        notes=[NO_FLOPS_NOTE],
     )
     console = Console(width=400, record=True)
     console.print(bench_table(result))
-    assert console.export_text().count("no FLOP count of a Keras") == 1
+    assert console.export_text().count("no FLOP count") == 1

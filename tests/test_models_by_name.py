@@ -235,29 +235,35 @@ def test_parse_model_config():
 
 def test_vision_models_by_name_are_cpu_sized_like_the_default_model():
     from mixprec.cli import build_parser
-    from mixprec.cli.common import CPU_DEFAULTS, CUDA_DEFAULTS, default_batch_size, workload_from_args
+    from mixprec.cli.common import Defaults, workload_from_args
+
+    def defaults(args, device):
+        chosen = Defaults(args, "tune")
+        chosen.values = chosen.framework.cli_defaults(device, "tune")  # as on that device
+        return chosen
 
     args = build_parser().parse_args(["tune", "--model", "torchvision:mobilenet_v3_small"])
-    assert dict(workload_from_args(args, CPU_DEFAULTS).spec.sizes) == {"image_size": 128}
-    assert default_batch_size(args, CPU_DEFAULTS) == 16
-    assert "image_size" not in dict(workload_from_args(args, CUDA_DEFAULTS).spec.sizes)
-    assert default_batch_size(args, CUDA_DEFAULTS) is None  # the workload's own
+    cpu, cuda = defaults(args, "cpu"), defaults(args, "cuda")
+    assert dict(workload_from_args(args, cpu).spec.sizes) == {"image_size": 128}
+    assert cpu.batch_size() == 16
+    assert "image_size" not in dict(workload_from_args(args, cuda).spec.sizes)
+    assert cuda.batch_size() is None  # the workload's own
     explicit = build_parser().parse_args(
         ["tune", "--model", "torchvision:mobilenet_v3_small", "--image-size", "96"]
     )
-    assert dict(workload_from_args(explicit, CPU_DEFAULTS).spec.sizes) == {"image_size": 96}
+    assert dict(workload_from_args(explicit, defaults(explicit, "cpu")).spec.sizes) == {"image_size": 96}
     text = build_parser().parse_args(["tune", "--model", "gpt2", "--seq-len", "16"])
-    assert default_batch_size(text, CPU_DEFAULTS) is None
+    assert defaults(text, "cpu").batch_size() is None
 
 
 def test_model_config_reaches_the_builtin_gpt2_and_conflicts_are_refused(capsys):
     from mixprec.cli import build_parser
-    from mixprec.cli.common import workload_from_args
+    from mixprec.cli.common import Defaults, workload_from_args
 
     args = build_parser().parse_args(
         ["bench", "--model", "gpt2", "--model-config", "n_layer=1,n_embd=64,n_head=2", "--seq-len", "16"]
     )
-    w = workload_from_args(args, {})
+    w = workload_from_args(args, Defaults(args, "bench"))
     assert len(w.model.transformer.h) == 1 and dict(w.spec.sizes)["n_embd"] == 64
     assert main(["bench", "--model", "gpt2", "--seq-len", "16", "--model-config", "seq_len=8"]) == 2
     assert "sets seq_len and so does --seq-len" in capsys.readouterr().err

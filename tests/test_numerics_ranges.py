@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixprec.frameworks.torch.ranges import collect_ranges
 from mixprec.numerics.limits import FORMATS
-from mixprec.numerics.ranges import RangeReport, TensorRange, collect_ranges
+from mixprec.numerics.ranges import RangeReport, TensorRange
 
 FP16_MAX = FORMATS["fp16"].max_finite
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mixprec.errors import CacheWarning, UsageError
+from mixprec.frameworks.torch.flops import count_flops
 from mixprec.hardware import peaks
 from mixprec.hardware.device import DeviceInfo
 from mixprec.hardware.peaks import (
@@ -21,7 +22,7 @@ from mixprec.hardware.peaks import (
     measure_cpu_peak,
     peak_flops,
 )
-from mixprec.measure.flops import achieved_tflops, count_flops, mfu
+from mixprec.measure.mfu import achieved_tflops, mfu
 from mixprec.policy import POLICY_NAMES, spec_of
 
 FAKE_CPU = DeviceInfo(type="cpu", name="Fake CPU 9000", cpu_flags=frozenset({"avx2", "avx512f"}))

@@ -45,7 +45,7 @@ def test_bench_events_become_one_line_per_candidate(terminal):
             warmup=1,
             isolate=False,
             device="cpu",
-            progress=shown.bench_event,
+            events=shown.event,
         )
     text = buffer.getvalue()
     if terminal:  # the lines are printed above the live bar: strip its control sequences

@@ -63,7 +63,7 @@ def test_fastest_passing_candidate_wins():
     )
     rec, table = decide(measured, verdicts(verdict("bf16-mixed"), verdict("bf32")))
     assert rec.label == "bf16-mixed" and rec.speedup_vs_fp32 == pytest.approx(2.5)
-    assert {c.label: c.status for c in table}["bf32"] == "passed"
+    assert {c.label: c.status for c in table}["bf32"] == "pass"
     assert "bf16-mixed is 2.50x faster than strict fp32" in rec.reason
 
 
@@ -75,7 +75,7 @@ def test_failing_fast_candidate_is_rejected_with_its_reason():
     rec, table = decide(measured, checks)
     assert rec.candidate.policy == "bf16-mixed"
     status = {c.label: (c.status, c.reason) for c in table}
-    assert status["fp16-mixed"] == ("rejected", "loss became non-finite at step 0")
+    assert status["fp16-mixed"] == ("fail", "loss became non-finite at step 0")
     assert "fp16-mixed rejected: loss became non-finite" in rec.reason
 
 
@@ -188,7 +188,7 @@ def test_tune_end_to_end_on_the_tiny_mlp(tmp_path):
     assert chosen.verdict == "pass"
     # nothing that passed is meaningfully faster than the recommendation
     faster = [
-        c for c in result.ranked if c.status == "passed" and c.row.throughput > chosen.row.throughput * 1.5
+        c for c in result.ranked if c.status == "pass" and c.row.throughput > chosen.row.throughput * 1.5
     ]
     assert not faster
     data = result.to_dict()
@@ -251,6 +251,7 @@ def test_a_speed_sweep_cut_by_its_share_is_finished_with_the_time_left(monkeypat
     not reach are measured once the numerics checks are done, when the budget still allows (it
     used to end with those candidates unmeasured and 'budget exhausted' at a third of the budget)."""
     import mixprec.tuning.search as search_module
+    from mixprec.frameworks import framework_named
     from mixprec.hardware.device import detect
 
     real_bench = search_module.bench
@@ -260,14 +261,15 @@ def test_a_speed_sweep_cut_by_its_share_is_finished_with_the_time_left(monkeypat
         calls.append([c.label for c in kwargs["candidates"]])
         if len(calls) == 1:
             started: list[str] = []
-            forward = kwargs["progress"]
+            forward = kwargs["events"]
 
-            def progress(event):
+            def events(event):
                 if event["event"] == "candidate":
                     started.append(event["label"])
                 forward(event)
 
-            kwargs = {**kwargs, "progress": progress, "should_stop": lambda: len(started) >= 3}
+            budget = replace(kwargs["budget"], stop=lambda: len(started) >= 3)
+            kwargs = {**kwargs, "events": events, "budget": budget}
         return real_bench(workload, **kwargs)
 
     monkeypatch.setattr(search_module, "bench", first_sweep_cut_at_its_third_candidate)
@@ -276,7 +278,7 @@ def test_a_speed_sweep_cut_by_its_share_is_finished_with_the_time_left(monkeypat
         workload, budget_s=120, steps=2, warmup=1, check_steps=3, device="cpu", lint=False,
         compile_modes=(), optimizers=False,
     )  # fmt: skip
-    everything = [c.label for c in search_module.tune_candidates(detect("cpu"), False)]
+    everything = [c.label for c in framework_named("torch").tune_candidates(workload, detect("cpu"))]
     assert calls[0] == everything and len(calls) >= 2
     # exactly what the first sweep did not finish (the candidate it was stopped in onwards), in order
     assert calls[1] and calls[1] == everything[-len(calls[1]) :] and len(calls[1]) >= len(everything) - 3

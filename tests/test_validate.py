@@ -17,7 +17,8 @@ import mixprec
 from extras import require
 from mixprec.cli import main
 from mixprec.errors import UsageError
-from mixprec.measure.runner import BenchSettings, TrainingSession
+from mixprec.frameworks.session import BenchSettings
+from mixprec.frameworks.torch.session import TrainingSession
 from mixprec.policy import Candidate
 from mixprec.workload import Workload, optimizer_takes_module, validate_workload
 

@@ -7,13 +7,13 @@ checking commands (:func:`bench`, :func:`check`, :func:`lint`), the decision (:f
 changes no global torch flag.
 """
 
+from mixprec.checking.check import check
 from mixprec.errors import MixprecError, PolicyError, ScaleCollapseError, UnsupportedError, UsageError
 from mixprec.exports import EXPORT_TARGETS, export, export_all, export_status
 from mixprec.hardware import DeviceInfo, detect
 from mixprec.linting import lint
 from mixprec.measure.results import BenchResult, BenchRow
 from mixprec.measure.sweep import bench
-from mixprec.numerics.check import check
 from mixprec.numerics.results import CandidateCheck, CheckResult
 from mixprec.policy import (
     POLICY_NAMES,

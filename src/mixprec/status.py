@@ -1,10 +1,11 @@
 """The one status vocabulary of mixprec's results, and the tone every report shows it in.
 
 Bench rows end ``ok``, ``unsupported``, ``oom``, ``error``, ``pruned`` or ``no-effect`` (a math
-mode that computes what strict fp32 computes on this workload); checks ``pass`` or
-``fail`` (or ``unsupported``); tune's decision table adds ``recommended``, ``passed``,
-``rejected``, ``slower`` and ``unchecked``. Statuses are strings (``StrEnum``), so JSON
-written by older versions and comparisons with plain strings keep working.
+mode that computes what strict fp32 computes on this workload); checks ``pass`` or ``fail`` (or
+``unsupported``); tune's decision table uses the checks' words for what passed and failed and adds
+``recommended``, ``slower`` and ``unchecked``. Statuses are strings (``StrEnum``), so comparisons
+with plain strings keep working, and JSON written by older versions loads: their ``passed`` and
+``rejected`` read as ``pass`` and ``fail``.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ class Status(StrEnum):
     PASS = "pass"
     FAIL = "fail"
     RECOMMENDED = "recommended"
-    PASSED = "passed"
-    REJECTED = "rejected"
     SLOWER = "slower"
     UNCHECKED = "unchecked"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Status | None:
+        """Older files' decision-table words: 'passed' and 'rejected' are 'pass' and 'fail'."""
+        return {"passed": cls.PASS, "rejected": cls.FAIL}.get(str(value).lower())
 
 
 # good: it works; best: the pick; bad: it failed; warn: it stopped short or was not judged;
@@ -33,10 +37,8 @@ class Status(StrEnum):
 TONES: dict[Status, str] = {
     Status.OK: "good",
     Status.PASS: "good",
-    Status.PASSED: "good",
     Status.RECOMMENDED: "best",
     Status.FAIL: "bad",
-    Status.REJECTED: "bad",
     Status.ERROR: "bad",
     Status.OOM: "bad",
     Status.PRUNED: "warn",
@@ -45,6 +47,15 @@ TONES: dict[Status, str] = {
     Status.SLOWER: "muted",
     Status.NO_EFFECT: "muted",
 }
+
+
+def read_status(value: object) -> str:
+    """A status read from a file: the :class:`Status` it names (older words included), or the text
+    as it is when it names none (a newer file's)."""
+    try:
+        return Status(str(value))
+    except ValueError:
+        return str(value)
 
 
 def tone(status: str) -> str:

@@ -3,9 +3,10 @@
 One tiny CNN (:class:`Net`: two conv blocks in ``.layers``, a ``.head`` of Flatten + Linear that is
 the fp32 island when ``keep_fp32=("head",)``), one batch stream, one loss. Each ``run_*`` function
 executes the exported text verbatim with the names the export says the user fills in, and returns a
-:class:`Run`: the hook records, the trained parameters, the framework's loss scaler. :func:`check_run`
-compares them with what the policy promises (:class:`mixprec.policy.PolicySpec`), so every target is
-judged by the same expectations.
+:class:`Run`: the hook records, the trained parameters, the framework's loss scaler, the optimizer
+it stepped and whether the module it ran is compiled. :func:`check_run` compares them with what the
+candidate promises (:class:`mixprec.policy.PolicySpec`, its compile mode and optimizer
+implementation), so every target is judged by the same expectations.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 
 from mixprec import state
 from mixprec.exports import export, split_sections
-from mixprec.policy import PolicyConfig, ScalerOptions
+from mixprec.policy import Candidate, PolicyConfig, ScalerOptions
 
 STEPS = 4
 BATCH = 8
@@ -141,6 +142,7 @@ class Probe:
                 module.register_forward_hook(self._hook(name))
 
     def _hook(self, name: str) -> Callable:
+        @torch._dynamo.disable  # under torch.compile too, record what ran, eagerly
         def record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
             x, w = args[0], module.weight
             four_d = x.dim() == 4
@@ -163,13 +165,19 @@ class Probe:
 PROBE = Probe()
 
 
+Source = Candidate | PolicyConfig  # what a case exports: a candidate, or a config with scaler options
+
+
 @dataclass
 class Run:
-    """A finished run: the module whose parameters trained, and the framework's loss scaler."""
+    """A finished run: the module whose parameters trained, the framework's loss scaler, the optimizer
+    it stepped, and whether the module it ran is compiled (the framework's own record of it)."""
 
     model: nn.Module
     scaler: Any
     namespace: dict[str, Any]
+    optimizer: Any = None
+    compiled: bool = False
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -202,53 +210,63 @@ def python_part(text: str, target: str) -> str:
     return split_sections(text).get("train.py") or text
 
 
-def run_plain(config: PolicyConfig, target: str) -> Run:
+def loss_scaling(source: Source) -> bool:
+    return source.spec.loss_scaling
+
+
+def run_plain(source: Source, target: str) -> Run:
     """The ``mixprec`` and ``pytorch`` exports."""
-    fp16 = config.spec.loss_scaling
     model = fresh_model()
-    ns = execute(export(config, target), {"model": model, "loader": batches(fp16), "loss_fn": loss_fn})
+    ns = execute(
+        export(source, target, device="cpu"),
+        {"model": model, "loader": batches(loss_scaling(source)), "loss_fn": loss_fn},
+    )
     scaler = ns["policy"].scaler if target == "mixprec" else ns.get("scaler")
-    return Run(ns["model"], scaler, ns)
+    trained = getattr(ns["model"], "_orig_mod", ns["model"])  # torch.compile's wrapper: the module inside
+    return Run(trained, scaler, ns, ns["optimizer"], is_compiled(ns["model"]))
 
 
-def run_accelerate(config: PolicyConfig) -> Run:
+def run_accelerate(source: Source) -> Run:
     from accelerate.state import AcceleratorState
 
-    fp16 = config.spec.loss_scaling
     model = fresh_model()
-    text = python_part(export(config, "accelerate"), "accelerate")
+    text = python_part(export(source, "accelerate", device="cpu"), "accelerate")
     try:
-        ns = execute(text, {"model": model, "loader": data_loader(fp16), "loss_fn": loss_fn})
+        ns = execute(text, {"model": model, "loader": data_loader(loss_scaling(source)), "loss_fn": loss_fn})
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
-    return Run(model, ns["accelerator"].scaler, ns)
+    return Run(model, ns["accelerator"].scaler, ns, ns["optimizer"].optimizer, is_compiled(ns["model"]))
 
 
-def run_deepspeed(config: PolicyConfig, workdir: Path) -> Run:
-    fp16 = config.spec.loss_scaling
+def run_deepspeed(source: Source, workdir: Path) -> Run:
     model = fresh_model()
-    sections = split_sections(export(config, "deepspeed"))
+    sections = split_sections(export(source, "deepspeed", device="cpu"))
     (workdir / "ds_config.json").write_text(sections["ds_config.json"])
     cwd = os.getcwd()
     os.chdir(workdir)
     try:
-        ns = execute(sections["train.py"], {"model": model, "loader": batches(fp16), "loss_fn": loss_fn})
+        ns = execute(
+            sections["train.py"],
+            {"model": model, "loader": batches(loss_scaling(source)), "loss_fn": loss_fn},
+        )
     finally:
         os.chdir(cwd)
-    return Run(model, ns["model_engine"].torch_autocast_z0_gradscaler, ns)
+    engine = ns["model_engine"]
+    return Run(model, engine.torch_autocast_z0_gradscaler, ns, engine.optimizer, engine.is_compiled)
 
 
-def run_fsdp2(config: PolicyConfig) -> Run:
-    fp16 = config.spec.loss_scaling
+def run_fsdp2(source: Source) -> Run:
     model = fresh_model()
-    ns = execute(export(config, "fsdp2"), {"model": model, "loader": batches(fp16), "loss_fn": loss_fn})
-    return Run(model, ns.get("scaler"), ns)
+    ns = execute(
+        export(source, "fsdp2", device="cpu"),
+        {"model": model, "loader": batches(loss_scaling(source)), "loss_fn": loss_fn},
+    )
+    return Run(model, ns.get("scaler"), ns, ns["optimizer"], is_compiled(ns["model"]))
 
 
-def run_hf(config: PolicyConfig, workdir: Path) -> Run:
+def run_hf(source: Source, workdir: Path) -> Run:
     from accelerate.state import AcceleratorState
 
-    fp16 = config.spec.loss_scaling
     model = fresh_model(HFNet)
     args = {
         "output_dir": str(workdir / "hf-out"),
@@ -263,11 +281,16 @@ def run_hf(config: PolicyConfig, workdir: Path) -> Run:
     }
     try:
         ns = execute(
-            export(config, "hf"), {"model": model, "train_dataset": DictDataset(fp16), "training_args": args}
+            export(source, "hf", device="cpu"),
+            {"model": model, "train_dataset": DictDataset(loss_scaling(source)), "training_args": args},
         )
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
-    return Run(model, ns["trainer"].accelerator.scaler, ns)
+    trainer = ns["trainer"]
+    stepped = trainer.optimizer.optimizer  # inside Accelerate's wrapper
+    if "optimizer" in ns:  # the export's own optimizer (Trainer(optimizers=...)), not the Trainer's default
+        assert stepped is ns["optimizer"], "the Trainer stepped an optimizer of its own"
+    return Run(model, trainer.accelerator.scaler, ns, stepped, is_compiled(trainer.model_wrapped))
 
 
 def lightning_module_class() -> type:
@@ -294,8 +317,7 @@ def lightning_module_class() -> type:
     return LitNet
 
 
-def run_lightning(config: PolicyConfig, workdir: Path) -> Run:
-    fp16 = config.spec.loss_scaling
+def run_lightning(source: Source, workdir: Path) -> Run:
     PROBE.__init__()  # type: ignore[misc]
     options = {
         "max_steps": STEPS,
@@ -306,15 +328,24 @@ def run_lightning(config: PolicyConfig, workdir: Path) -> Run:
         "default_root_dir": str(workdir),
     }
     ns = execute(
-        export(config, "lightning"),
+        export(source, "lightning", device="cpu"),
         {
             "YourLightningModule": lightning_module_class(),
-            "loader": data_loader(fp16),
+            "loader": data_loader(loss_scaling(source)),
             "trainer_options": options,
         },
     )
     trainer = ns["trainer"]
-    return Run(trainer.lightning_module, getattr(trainer.precision_plugin, "scaler", None), ns)
+    module = trainer.lightning_module
+    compiled = (module._compiler_ctx or {}).get("compiler") == "dynamo"  # what trainer.fit made of it
+    return Run(module, getattr(trainer.precision_plugin, "scaler", None), ns, trainer.optimizers[0], compiled)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """torch.compile's wrapper (an OptimizedModule) or a module compiled in place (Module.compile)."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule) or (
+        getattr(module, "_compiled_call_impl", None) is not None
+    )
 
 
 # ------------------------------------------------------------------------------------------ checking
@@ -322,11 +353,11 @@ def island(name: str) -> bool:
     return name == ISLAND or name.startswith(ISLAND + ".")
 
 
-def check_run(config: PolicyConfig, run: Run, *, target: str, scale: float | None = None) -> None:
-    """Assert that what ran is what ``config``'s policy promises; ``scale``: the loss scale mixprec's own
-    Policy ends with on the same batches (fp16 policies)."""
-    spec = config.spec
-    keep = bool(config.keep_fp32)
+def check_run(source: Source, run: Run, *, target: str, scale: float | None = None) -> None:
+    """Assert that what ran is what ``source`` promises; ``scale``: the loss scale mixprec's own Policy
+    ends with on the same batches (fp16 policies)."""
+    spec = source.spec
+    keep = bool(source.keep_fp32)
     calls = PROBE.calls
     assert calls, "no conv/linear forward was recorded"
     assert {c.name for c in calls} == {"layers.0.0", "layers.1.0", "head.1"}
@@ -353,9 +384,9 @@ def check_run(config: PolicyConfig, run: Run, *, target: str, scale: float | Non
             f"{where}: default dtype {c.default_dtype}"
         )
         if c.input_cl is not None:
-            assert c.input_cl == config.channels_last, f"{where}: channels_last input is {c.input_cl}"
+            assert c.input_cl == source.channels_last, f"{where}: channels_last input is {c.input_cl}"
         if c.weight_cl is not None:
-            assert c.weight_cl == config.channels_last, f"{where}: channels_last weight is {c.weight_cl}"
+            assert c.weight_cl == source.channels_last, f"{where}: channels_last weight is {c.weight_cl}"
     # The loss (or the model's own loss) saw fp32 targets: no export rounds them to the half dtype.
     assert PROBE.labels and all(d == torch.float32 for d in PROBE.labels), f"{target}: targets {PROBE.labels}"
 
@@ -373,16 +404,39 @@ def check_run(config: PolicyConfig, run: Run, *, target: str, scale: float | Non
         assert isinstance(run.scaler, torch.amp.GradScaler), f"{target}: no GradScaler ({run.scaler!r})"
         assert run.scaler.is_enabled()
         assert run.scaler.get_scale() == scale, f"{target}: scale {run.scaler.get_scale()}, mixprec's {scale}"
-        if spec.autocast_dtype is not None:  # fp16-mixed: exactly the planted overflow was skipped
+        planted = isinstance(source, PolicyConfig) and source.scaler == SCALER
+        if spec.autocast_dtype is not None and planted:  # fp16-mixed: exactly the planted overflow skipped
             assert scale == SCALE_AFTER
     else:
         assert run.scaler is None or not run.scaler.is_enabled(), (
             f"{target}: unexpected scaler {run.scaler!r}"
         )
+    check_loop_axes(source, run, target)
+
+
+def check_loop_axes(source: Source, run: Run, target: str) -> None:
+    """A compiled candidate ran compiled (the framework's module is, and dynamo compiled frames since
+    :func:`run_case` reset its counters); the optimizer the framework stepped has the measured
+    implementation. A config (or an eager candidate) ran eager."""
+    from torch._dynamo.utils import counters
+
+    mode = source.compile if isinstance(source, Candidate) else None
+    assert run.compiled == bool(mode), f"{target}: compiled={run.compiled}, candidate compile={mode!r}"
+    if mode:
+        assert counters["frames"]["ok"] > 0, (
+            f"{target}: dynamo compiled no frame ({dict(counters['frames'])})"
+        )
+    impl = source.optimizer if isinstance(source, Candidate) else None
+    if impl is None:
+        return  # the optimizer as written (the HF Trainer's default is fused AdamW on torch >= 2.8)
+    group = run.optimizer.param_groups[0]
+    flags = {"fused": bool(group.get("fused")), "foreach": bool(group.get("foreach"))}
+    want = {"fused": impl == "fused", "foreach": impl == "foreach"}
+    assert flags == want, f"{target}: the stepped {type(run.optimizer).__name__} has {flags}, want {impl}"
 
 
 def cases() -> dict[str, PolicyConfig]:
-    """target-independent CPU configs: {fp32, bf16-mixed, fp16-mixed, bf16-true} x channels_last x keep_fp32,
+    """Target-independent CPU configs: {fp32, bf16-mixed, fp16-mixed, bf16-true} x channels_last x keep_fp32,
     plus bf32 and fp16-true (base) and tf32 (refused on a CPU everywhere)."""
     out: dict[str, PolicyConfig] = {}
     for name in ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true"):
@@ -399,7 +453,16 @@ def cases() -> dict[str, PolicyConfig]:
     return out
 
 
-CASES = cases()
+# Candidates with the loop axes, exported for the CPU: compiled with the fused optimizer (one
+# inductor compile per target each), and fp16-mixed with the fused optimizer under its GradScaler.
+LOOP_CASES: dict[str, Candidate] = {
+    "bf16-mixed+compile+fused": Candidate("bf16-mixed", compile="default", optimizer="fused"),
+    "fp32+compile+fused": Candidate("fp32", compile="default", optimizer="fused"),
+    "fp16-mixed+fused": Candidate("fp16-mixed", optimizer="fused"),
+}
+
+
+CASES: dict[str, Source] = {**cases(), **LOOP_CASES}
 
 
 def require(package: str) -> None:
@@ -423,7 +486,7 @@ def installed_version(package: str) -> str:
     return version(package)
 
 
-def run_case(target: str, case: str, refused: set[str], runner: Callable[[PolicyConfig], Run]) -> None:
+def run_case(target: str, case: str, refused: set[str], runner: Callable[[Source], Run]) -> None:
     """The tier's one test body: a refused case raises ExportRefused (and only the expected ones are
     refused); a faithful one trains and :func:`check_run` confirms the promise with the hooks."""
     import pytest
@@ -433,19 +496,21 @@ def run_case(target: str, case: str, refused: set[str], runner: Callable[[Policy
     from mixprec.hardware import detect
     from mixprec.policy import check_support
 
-    config = CASES[case]
-    faithful, reason = export_status(config, target)
+    source = CASES[case]
+    faithful, reason = export_status(source, target, device="cpu")
     if case in refused:
         assert not faithful, f"{target} {case}: expected a refusal"
         with pytest.raises(ExportRefused, match="Nearest faithful alternative") as info:
-            export(config, target)
+            export(source, target, device="cpu")
         assert info.value.reason in reason and info.value.alternative in reason
         return
     assert faithful, f"{target} {case}: unexpected refusal: {reason}"
-    if not check_support(config.name, detect(torch.device("cpu"))):
-        pytest.skip(f"{config.name} does not run on this CPU")
+    if not check_support(source.spec.name, detect(torch.device("cpu"))):
+        pytest.skip(f"{source.spec.name} does not run on this CPU")
     scale = None
-    if config.spec.loss_scaling:  # mixprec's own policy on the same batches: the reference scale
-        scale = run_plain(config, "mixprec").namespace["policy"].stats.scale
-    run = runner(config)
-    check_run(config, run, target=target, scale=scale)
+    if source.spec.loss_scaling:  # mixprec's own policy on the same batches: the reference scale
+        scale = run_plain(source, "mixprec").namespace["policy"].stats.scale
+    torch._dynamo.reset()  # a fresh compile per run, and counters that count this run only
+    torch._dynamo.utils.counters.clear()
+    run = runner(source)
+    check_run(source, run, target=target, scale=scale)

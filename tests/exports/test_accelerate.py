@@ -17,7 +17,7 @@ from accelerate.commands.config.config_args import load_config_from_file  # noqa
 from accelerate.state import AcceleratorState  # noqa: E402
 
 from mixprec.exports import export, split_sections  # noqa: E402
-from mixprec.policy import PolicyConfig  # noqa: E402
+from mixprec.policy import Candidate, PolicyConfig  # noqa: E402
 
 pytestmark = pytest.mark.frameworks
 
@@ -43,6 +43,28 @@ def test_fp16_on_a_cpu_trains_in_plain_fp32_without_a_warning():
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
+@pytest.mark.parametrize(("impl", "skipped"), [("foreach", True), ("fused", False)])
+def test_an_overflowing_fused_step_is_not_seen_as_skipped(impl, skipped):
+    """Why fp16-mixed with a fused optimizer is refused for Accelerate and the HF Trainer: GradScaler
+    runs a fused optimizer's step even on inf gradients (its kernel skips the update), so
+    Accelerate's step_was_skipped, which decides whether the prepared scheduler steps, stays False."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, **{impl: True})
+    try:
+        Accelerator(cpu=True)  # the state AcceleratedOptimizer reads
+        scaler = torch.amp.GradScaler("cpu")
+        wrapped = AcceleratedOptimizer(optimizer, scaler=scaler)
+        weight = model.weight.detach().clone()
+        scaler.scale(model(torch.full((1, 2), float("inf"))).sum()).backward()
+        wrapped.step()
+        assert torch.equal(model.weight, weight)  # the update was skipped either way
+        assert wrapped.step_was_skipped is skipped
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_yaml_is_a_valid_launch_config(device, tmp_path):
     config = PolicyConfig("bf16-mixed", device)
@@ -51,6 +73,11 @@ def test_yaml_is_a_valid_launch_config(device, tmp_path):
     loaded = load_config_from_file(str(path))
     assert loaded.distributed_type == "NO" and loaded.num_processes == 1
     assert loaded.mixed_precision == "bf16" and loaded.use_cpu == (device == "cpu")
+    assert loaded.dynamo_config == {}
+    compiled = Candidate("bf16-mixed", compile="max-autotune-no-cudagraphs")
+    path.write_text(split_sections(export(compiled, "accelerate", device=device))["default_config.yaml"])
+    loaded = load_config_from_file(str(path))
+    assert loaded.dynamo_config == {"dynamo_backend": "INDUCTOR", "dynamo_mode": "max-autotune-no-cudagraphs"}
 
 
 def test_accelerate_launch_runs_the_export(tmp_path):

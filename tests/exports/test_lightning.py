@@ -9,7 +9,7 @@ from harness import CASES, require, run_case, run_lightning
 require("lightning")
 
 import lightning as L  # noqa: E402
-from lightning.pytorch.plugins.precision import HalfPrecision  # noqa: E402
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision  # noqa: E402
 
 pytestmark = [
     pytest.mark.frameworks,
@@ -46,3 +46,14 @@ def test_stock_bf16_true_rounds_float_targets_and_the_exported_plugin_does_not()
     assert plugin.convert_input(batch)[1].dtype == torch.float32
     with plugin.forward_context():
         assert torch.get_default_dtype() == torch.bfloat16  # the rest of bf16-true stays
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_refuses_to_clip_a_fused_optimizer(precision):
+    """Why a fused optimizer under *-mixed clips in configure_gradient_clipping(): Lightning's
+    MixedPrecision raises on gradient_clip_val, bf16 (no scaler) included."""
+    params = [torch.nn.Parameter(torch.ones(2))]
+    plugin = MixedPrecision(precision, "cpu")
+    with pytest.raises(RuntimeError, match="fused"):
+        plugin.clip_gradients(torch.optim.AdamW(params, fused=True), clip_val=1.0)
+    plugin.clip_gradients(torch.optim.AdamW(params, foreach=True), clip_val=1.0)

@@ -12,7 +12,9 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -27,13 +29,17 @@ from mixprec.exports import (
     EXPORT_TARGETS,
     FRAMEWORKS,
     ExportResult,
+    ExportStatus,
+    base,
     export,
     export_all,
     export_status,
     snippets,
     split_sections,
 )
-from mixprec.policy import PolicyConfig, ScalerOptions, get_policy
+from mixprec.hardware.device import resolve_device
+from mixprec.policy import Candidate, PolicyConfig, PolicySpec, ScalerOptions, get_policy
+from mixprec.policy.candidate import OPTIMIZER_IMPLS
 from mixprec.policy.islands import island_names
 
 ROOT = Path(__file__).parents[2]
@@ -41,30 +47,71 @@ GOLDEN_DIR = ROOT / "tests" / "golden" / "export"
 UPDATE_GOLDEN = os.environ.get("MIXPREC_UPDATE_GOLDEN") == "1"
 
 
-def _configs() -> dict[str, PolicyConfig]:
-    """Every policy on both devices with default options, and the options that change the text."""
-    out = {
+class Case(NamedTuple):
+    """What a golden case exports: a candidate or a config, for a device."""
+
+    source: Candidate | PolicyConfig
+    device: str
+
+    @property
+    def spec(self) -> PolicySpec:
+        return self.source.spec
+
+    def export(self, target: str) -> str:
+        return export(self.source, target, device=self.device)
+
+    def status(self, target: str) -> ExportStatus:
+        return export_status(self.source, target, device=self.device)
+
+    def export_all(self) -> dict[str, ExportResult]:
+        return export_all(self.source, device=self.device)
+
+
+def _cases() -> dict[str, Case]:
+    """Every policy on both devices with default options, the options that change the text, and
+    candidates with the loop axes (compile mode, optimizer implementation)."""
+    configs = {
         f"{name}-{device}": PolicyConfig(name, device)
         for name in mixprec.POLICY_NAMES
         for device in ("cpu", "cuda")
     }
-    out["bf16-mixed-cuda+cl+head"] = PolicyConfig("bf16-mixed", "cuda", True, ("head",))
-    out["bf16-mixed-cpu+cl+head"] = PolicyConfig("bf16-mixed", "cpu", True, ("head",))
-    out["bf16-true-cpu+cl+head"] = PolicyConfig("bf16-true", "cpu", True, ("head",))
-    out["fp16-mixed-cuda+head+scaler"] = PolicyConfig(
+    configs["bf16-mixed-cuda+cl+head"] = PolicyConfig("bf16-mixed", "cuda", True, ("head",))
+    configs["bf16-mixed-cpu+cl+head"] = PolicyConfig("bf16-mixed", "cpu", True, ("head",))
+    configs["bf16-true-cpu+cl+head"] = PolicyConfig("bf16-true", "cpu", True, ("head",))
+    configs["fp16-mixed-cuda+head+scaler"] = PolicyConfig(
         "fp16-mixed",
         "cuda",
         keep_fp32=("head",),
         scaler=ScalerOptions(init_scale=1024.0, growth_interval=100),
     )
-    out["fp16-mixed-cuda+odd-scaler"] = PolicyConfig(
+    configs["fp16-mixed-cuda+odd-scaler"] = PolicyConfig(
         "fp16-mixed", "cuda", scaler=ScalerOptions(init_scale=1000.0, growth_factor=4.0, min_scale=None)
     )
-    out["bf16-mixed-cpu+finite_check"] = PolicyConfig("bf16-mixed", "cpu", finite_check=True)
+    configs["bf16-mixed-cpu+finite_check"] = PolicyConfig("bf16-mixed", "cpu", finite_check=True)
+    out = {case: Case(config, config.device) for case, config in configs.items()}
+    compiled_fused = Candidate("bf16-mixed", compile="default", optimizer="fused")
+    out["bf16-mixed-cpu+compile+fused"] = Case(compiled_fused, "cpu")
+    out["bf16-mixed-cuda+compile+fused"] = Case(compiled_fused, "cuda")
+    out["fp32-cuda+max-autotune+foreach"] = Case(
+        Candidate("fp32", compile="max-autotune", optimizer="foreach"), "cuda"
+    )
+    out["fp16-mixed-cuda+head+fused"] = Case(
+        Candidate("fp16-mixed", keep_fp32=("head",), optimizer="fused"), "cuda"
+    )
+    out["bf16-true-cpu+cl+head+no-cudagraphs+for-loop"] = Case(
+        Candidate(
+            "bf16-true",
+            channels_last=True,
+            keep_fp32=("head",),
+            compile="max-autotune-no-cudagraphs",
+            optimizer="for-loop",
+        ),
+        "cpu",
+    )
     return out
 
 
-CONFIGS = _configs()
+CASES = _cases()
 PYTHON_SECTION = {"accelerate": "train.py", "deepspeed": "train.py"}
 # Calls and assignments that carry configuration; helper bodies (the snippets) are left out.
 SETTING_CALLS = {
@@ -88,7 +135,10 @@ SETTING_CALLS = {
     "to",
     "float",
     "step",
+    "compile",
 }
+# An optimizer line that carries an implementation flag (fused=True, foreach=...) locks it.
+OPTIMIZER_FLAGS = {"fused", "foreach"}
 HELPERS = {*snippets._SNIPPETS, "HalfPrecisionKeepBatch"}
 
 
@@ -109,9 +159,7 @@ def settings(text: str, target: str) -> dict[str, object]:
     if "ds_config.json" in sections:
         out["ds_config.json"] = json.loads(sections["ds_config.json"])
     if "default_config.yaml" in sections:
-        out["default_config.yaml"] = dict(
-            line.split(": ", 1) for line in sections["default_config.yaml"].split("\n") if line
-        )
+        out["default_config.yaml"] = _yaml(sections["default_config.yaml"])
     tree = ast.parse(python_part(text, target))
     out["helpers"] = sorted(
         n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name in HELPERS
@@ -126,7 +174,9 @@ def settings(text: str, target: str) -> dict[str, object]:
         ):
             found.append(ast.unparse(node))
             return
-        if isinstance(node, ast.Call) and _callee(node) in SETTING_CALLS:
+        if isinstance(node, ast.Call) and (
+            _callee(node) in SETTING_CALLS or {kw.arg for kw in node.keywords} & OPTIMIZER_FLAGS
+        ):
             found.append(ast.unparse(node))
             return
         for child in ast.iter_child_nodes(node):
@@ -137,14 +187,29 @@ def settings(text: str, target: str) -> dict[str, object]:
     return out
 
 
+def _yaml(text: str) -> dict[str, object]:
+    """The launch config's ``key: value`` lines, a ``key:`` line holding the indented ones below it."""
+    out: dict[str, object] = {}
+    parent: dict[str, object] = out
+    for line in text.splitlines():
+        key, _, value = line.strip().partition(":")
+        if not line.startswith(" "):
+            parent = out
+        if value.strip():
+            parent[key] = value.strip()
+        elif line:
+            parent = out[key] = {}
+    return out
+
+
 # ------------------------------------------------------------------------------------------ golden files
 @pytest.mark.parametrize("target", EXPORT_TARGETS)
 def test_golden_settings(target):
     """One JSON per target: per config, the refusal or the settings (not every comment word)."""
     got: dict[str, object] = {}
-    for case, config in CONFIGS.items():
-        faithful, reason = export_status(config, target)
-        got[case] = settings(export(config, target), target) if faithful else {"refused": reason}
+    for case, item in CASES.items():
+        faithful, reason = item.status(target)
+        got[case] = settings(item.export(target), target) if faithful else {"refused": reason}
     path = GOLDEN_DIR / f"{target}.json"
     if UPDATE_GOLDEN:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +217,7 @@ def test_golden_settings(target):
         return
     assert path.exists(), f"missing {path}; create it with MIXPREC_UPDATE_GOLDEN=1 pytest {__file__}"
     want = json.loads(path.read_text())
-    for case in CONFIGS:
+    for case in CASES:
         assert got[case] == want.get(case), (
             f"{target} {case}: the exported settings differ from {path.name}; if intended, regenerate with "
             "MIXPREC_UPDATE_GOLDEN=1 and review the diff"
@@ -166,8 +231,8 @@ def test_no_stale_golden_files():
 
 # ------------------------------------------------------------------------------------------ syntax
 def _faithful_texts():
-    for case, config in CONFIGS.items():
-        for target, result in export_all(config).items():
+    for case, item in CASES.items():
+        for target, result in item.export_all().items():
             if result.text is not None:
                 yield case, target, result.text
 
@@ -177,7 +242,7 @@ def test_every_python_part_parses_and_states_its_contract():
         compile(python_part(text, target), f"<export {case} {target}>", "exec", flags=ast.PyCF_ONLY_AST)
         assert text.endswith("\n") and not text.endswith("\n\n")
         head = split_sections(text)[""] if target in PYTHON_SECTION else text
-        assert head.startswith(f"# mixprec export: policy '{CONFIGS[case].name}' on ")
+        assert head.startswith(f"# mixprec export: policy '{CASES[case].spec.name}' on {CASES[case].device}")
         assert "# You fill in: " in head
 
 
@@ -224,16 +289,16 @@ def test_fill_ins_are_listed_in_the_header():
 
 
 # ------------------------------------------------------------------------------------------ content
-@pytest.mark.parametrize("case", CONFIGS)
+@pytest.mark.parametrize("case", CASES)
 def test_precision_knobs_follow_the_policy_settings(case):
-    config = CONFIGS[case]
-    libraries = ("cuda", "cudnn") if config.device == "cuda" else ("mkldnn",)
+    item = CASES[case]
+    libraries = ("cuda", "cudnn") if item.device == "cuda" else ("mkldnn",)
     wanted = {
         f"{backend}.{op}": value
-        for (backend, op), value in config.spec.precision.per_knob().items()
+        for (backend, op), value in item.spec.precision.per_knob().items()
         if backend in libraries
     }
-    for target, result in export_all(config).items():
+    for target, result in item.export_all().items():
         if result.text is None or target == "mixprec":
             continue
         text = result.text
@@ -244,13 +309,13 @@ def test_precision_knobs_follow_the_policy_settings(case):
 
 
 def test_deepspeed_config_per_policy():
-    for case, config in CONFIGS.items():
-        if not export_status(config, "deepspeed").faithful:
+    for case, item in CASES.items():
+        if not item.status("deepspeed").faithful:
             continue
-        ds = json.loads(split_sections(export(config, "deepspeed"))["ds_config.json"])
+        ds = json.loads(split_sections(item.export("deepspeed"))["ds_config.json"])
         assert ds["train_micro_batch_size_per_gpu"] >= 1 and ds["gradient_clipping"] == 1.0
         assert ds["fp16"] == {"enabled": False} and ds["bf16"] == {"enabled": False}, case
-        dtype = config.spec.autocast_dtype
+        dtype = item.spec.autocast_dtype
         if dtype is None:
             assert "torch_autocast" not in ds, case
         else:
@@ -259,7 +324,7 @@ def test_deepspeed_config_per_policy():
 
 
 def test_odd_scaler_options_are_expressed_or_refused():
-    odd = CONFIGS["fp16-mixed-cuda+odd-scaler"]
+    odd = CASES["fp16-mixed-cuda+odd-scaler"].source
     assert "growth_factor=4.0," in export(odd, "pytorch") and "growth_factor=4.0," in export(odd, "deepspeed")
     assert "growth_factor=4.0," in export(odd, "accelerate") and "growth_factor=4.0," in export(
         odd, "lightning"
@@ -326,6 +391,74 @@ def test_export_all_records_refusals():
     refused = {t for t, r in results.items() if not r.faithful}
     assert refused == {"accelerate", "hf", "fsdp2"}
     assert "non-contiguous" in results["fsdp2"].refused
+
+
+def test_a_fused_optimizer_under_a_loss_scaler_is_refused_where_the_scheduler_would_miss_skips():
+    """Accelerate and the HF Trainer tell a skipped step by whether optimizer.step() ran (see
+    test_accelerate); the other stacks take fp16-mixed with a fused optimizer."""
+    fused = Candidate("fp16-mixed", optimizer="fused")
+    for target in EXPORT_TARGETS:
+        faithful, reason = export_status(fused, target, device="cuda")
+        if target in ("accelerate", "hf"):
+            assert not faithful and "always runs a fused optimizer's step" in reason, target
+            assert "instead: optimizer='foreach'" in reason, target
+        else:
+            assert faithful, (target, reason)
+    for impl in ("foreach", "for-loop"):
+        assert export_status(Candidate("fp16-mixed", optimizer=impl), "accelerate", device="cuda").faithful
+    assert export_status(Candidate("bf16-mixed", optimizer="fused"), "hf", device="cuda").faithful
+
+
+@pytest.mark.parametrize("target", ["accelerate", "hf"])
+def test_compiled_exports_set_the_fp32_knobs_after_the_stack_touches_tf32(target):
+    """On a GPU, Accelerator(dynamo_backend, mixed_precision="no") sets the legacy allow_tf32 flag and
+    TrainingArguments(torch_compile=True) TF32 as the global fp32 precision: the knobs come after."""
+    text = python_part(export(Candidate("fp32", compile="default"), target, device="cuda"), target)
+    code = [line for line in text.splitlines() if not line.startswith("#")]
+    made = next(i for i, line in enumerate(code) if line.startswith(("accelerator = ", "trainer = ")))
+    knobs = [i for i, line in enumerate(code) if ".fp32_precision = " in line]
+    assert knobs and min(knobs) > made
+    eager = python_part(export(Candidate("fp32"), target, device="cuda"), target)
+    assert eager.index(".fp32_precision = ") < eager.index(
+        "Accelerator(" if target == "accelerate" else "Trainer("
+    )
+
+
+def test_every_optimizer_implementation_has_its_flag():
+    assert set(base.OPTIMIZER_FLAGS) == set(OPTIMIZER_IMPLS)
+    for impl, flag in base.OPTIMIZER_FLAGS.items():  # each flag builds that implementation
+        group = eval(f"torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))], {flag})").param_groups[0]
+        assert (bool(group["fused"]), bool(group["foreach"])) == (impl == "fused", impl == "foreach")
+
+
+def test_loop_axes_are_written_the_way_each_stack_runs_them():
+    candidate = Candidate("bf16-mixed", compile="max-autotune", optimizer="fused")
+    texts = {t: r.text for t, r in export_all(candidate, device="cuda").items()}
+    assert all(texts.values()), [t for t, text in texts.items() if text is None]
+    for target in ("mixprec", "pytorch", "fsdp2"):
+        assert 'model = torch.compile(model, mode="max-autotune")' in texts[target], target
+        assert "lr=1e-3, fused=True)" in texts[target], target
+    fsdp2 = texts["fsdp2"]
+    assert fsdp2.index("fully_shard(model, mp_policy=mp_policy)") < fsdp2.index("model = torch.compile(model")
+    lightning = texts["lightning"].splitlines()
+    compiled = lightning.index(next(line for line in lightning if line.startswith("model = torch.compile(")))
+    assert lightning[compiled + 1].startswith("trainer.fit(model, ")  # a compiled LightningModule goes in
+    assert "torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)" in texts["lightning"]
+    assert "def configure_gradient_clipping(" in texts["lightning"]  # MixedPrecision refuses fused clipping
+    assert 'TorchDynamoPlugin(backend="inductor", mode="max-autotune")' in texts["accelerate"]
+    assert "dynamo_mode: max-autotune" in split_sections(texts["accelerate"])["default_config.yaml"]
+    assert 'torch_compile=True,\n    torch_compile_mode="max-autotune",' in texts["hf"]
+    assert "optimizers=(optimizer, None)" in texts["hf"]
+    assert 'model_engine.compile(compile_kwargs={"mode": "max-autotune"})' in texts["deepspeed"]
+    for target, text in texts.items():
+        assert text.startswith(
+            '# mixprec export: policy \'bf16-mixed\' on cuda (compile="max-autotune", optimizer="fused")'
+        ), target
+    eager = export_all(Candidate("bf16-mixed"), device="cuda")
+    assert not any("torch.compile" in r.text or "fused=True" in r.text for r in eager.values() if r.text)
+    assert "def configure_gradient_clipping(" not in export(
+        Candidate("fp32", optimizer="fused"), "lightning", device="cuda"
+    )  # the 32-true plugin clips a fused optimizer's gradients itself
 
 
 @pytest.mark.parametrize(("name", "device"), [("tf32", "cpu"), ("bf32", "cuda")])
@@ -417,7 +550,7 @@ def test_default_dtype_in_forward_restores_on_errors():
 # ------------------------------------------------------------------------------------------ API
 def test_unknown_target_lists_the_valid_ones():
     with pytest.raises(UsageError) as info:
-        export(CONFIGS["fp32-cpu"], "lightnin")
+        export(CASES["fp32-cpu"].source, "lightnin")
     message = str(info.value)
     assert "'lightnin'" in message and all(t in message for t in EXPORT_TARGETS)
     assert "Did you mean 'lightning'?" in message
@@ -425,30 +558,63 @@ def test_unknown_target_lists_the_valid_ones():
 
 
 def test_aliases_and_policy_objects_are_accepted():
-    config = CONFIGS["bf16-mixed-cuda+cl+head"]
+    config = CASES["bf16-mixed-cuda+cl+head"].source
     assert export(config, "transformers") == export(config, "hf")
     assert export(config, "DS") == export(config, "deepspeed")
-    assert export(CONFIGS["bf16-mixed-cuda"], "FSDP") == export(CONFIGS["bf16-mixed-cuda"], "fsdp2")
+    bf16 = CASES["bf16-mixed-cuda"].source
+    assert export(bf16, "FSDP") == export(bf16, "fsdp2")
     policy = get_policy("bf16", device="cpu", check=False)
     assert export(policy, "mixprec") == export(policy.config, "mixprec")
     aliased = PolicyConfig("16-mixed", "cuda")
     assert export(aliased, "mixprec") == export(PolicyConfig("fp16-mixed", "cuda"), "mixprec")
 
 
+def test_a_candidate_exports_as_its_policy_config_does():
+    """A Candidate becomes its config through get_policy; without loop axes the texts are the config's."""
+    candidate = Candidate("bf16", channels_last=True, keep_fp32=["head"])
+    config = PolicyConfig("bf16-mixed", "cuda", True, ("head",))
+    assert export_all(candidate, device="cuda") == export_all(config)
+    assert export_status(candidate, "fsdp2", device="cuda") == export_status(config, "fsdp2")
+    here = str(resolve_device(None))
+    assert export(candidate, "pytorch") == export(
+        replace(config, device=here), "pytorch"
+    )  # mixprec's default
+    fp16 = export(Candidate("fp16-mixed"), "pytorch", device="cuda")
+    assert "init_scale=65536.0," in fp16 and export(PolicyConfig("fp16-mixed", "cuda"), "pytorch") == fp16
+
+
+def test_a_config_exports_eager_for_its_device_unless_one_is_given():
+    policy = get_policy("bf16-mixed", device="cpu", check=False)
+    assert 'device="cpu"' in export(policy, "mixprec")
+    assert 'device="cuda"' in export(policy, "mixprec", device="cuda")
+    assert export(policy, "mixprec", device="cuda") == export(PolicyConfig("bf16-mixed", "cuda"), "mixprec")
+    for side in ({"compile": "default"}, {"optimizer": "fused"}):  # the candidate's axes, not side arguments
+        with pytest.raises(TypeError):
+            export(policy, "pytorch", **side)
+        with pytest.raises(TypeError):
+            export_all(policy, **side)
+
+
 @pytest.mark.parametrize(
-    ("config", "fragment"),
+    ("source", "device", "fragment"),
     [
-        ("bf16-mixed", "PolicyConfig or Policy"),
-        (PolicyConfig("bf16-mix", "cpu"), "Did you mean 'bf16-mixed'"),
-        (PolicyConfig("fp32", "not-a-device"), "invalid device"),
-        (PolicyConfig("fp32", "meta"), "mixprec policies run on cuda, cpu"),
+        ("bf16-mixed", None, "takes a mixprec Candidate, PolicyConfig or Policy, got str 'bf16-mixed'"),
+        (PolicyConfig("bf16-mix", "cpu"), None, "Did you mean 'bf16-mixed'"),
+        (PolicyConfig("fp32", "not-a-device"), None, "invalid device 'not-a-device'"),
+        (PolicyConfig("fp32", "meta"), None, "mixprec policies run on cuda, cpu"),
+        (Candidate("fp32"), "meta", "Cannot export for device 'meta'; mixprec policies run on cuda, cpu"),
+        (Candidate("fp32"), "not-a-device", "valid: cuda, cpu"),
+        (Candidate("bf16-mixed", framework="tensorflow"), None, "a 'tensorflow' candidate"),
+        (Candidate("fp32", emulate="bf16"), None, "emulates bf16 rounding for `check`"),
     ],
 )
-def test_bad_configs_raise_usage_errors(config, fragment):
+def test_bad_input_raises_usage_errors_naming_it(source, device, fragment):
     with pytest.raises(UsageError, match=re.escape(fragment)):
-        export(config, "pytorch")
+        export(source, "pytorch", device=device)
     with pytest.raises(UsageError, match=re.escape(fragment)):
-        export_status(config, "pytorch")
+        export_status(source, "pytorch", device=device)
+    with pytest.raises(UsageError, match=re.escape(fragment)):
+        export_all(source, device=device)
 
 
 def test_split_sections():
@@ -460,8 +626,8 @@ def test_split_sections():
 def test_exporting_touches_no_global_state_and_imports_no_framework():
     before = state.snapshot()
     modules = set(sys.modules)
-    for config in CONFIGS.values():
-        export_all(config)
+    for item in CASES.values():
+        item.export_all()
     assert state.snapshot() == before
     assert not {m.split(".")[0] for m in set(sys.modules) - modules} & {
         "lightning",
@@ -504,7 +670,12 @@ OPTION_CASES = {
     "keep_fp32": {"keep_fp32": ("head",)},
     "finite_check=True": {"finite_check": True},
     "non-default GradScaler options": {"scaler": ScalerOptions(init_scale=1024.0)},
+    # The candidate's loop axes (a Candidate's fields, exported with device=...).
+    "compile='max-autotune'": {"compile": "max-autotune"},
+    "optimizer='fused'": {"optimizer": "fused"},
+    "optimizer='foreach'": {"optimizer": "foreach"},
 }
+LOOP_OPTIONS = {"compile", "optimizer"}
 
 
 def matrix_markdown() -> str:
@@ -539,7 +710,10 @@ def matrix_markdown() -> str:
                         continue
                     if "keep_fp32" in options and config.spec.low_precision_dtype is None:
                         continue
-                    faithful, reason = export_status(PolicyConfig(name, device, **options), target)
+                    if LOOP_OPTIONS & set(options):
+                        faithful, reason = export_status(Candidate(name, **options), target, device=device)
+                    else:
+                        faithful, reason = export_status(PolicyConfig(name, device, **options), target)
                     if not faithful:
                         hit.setdefault(target, ([], reason))[0].append(f"{name} on {device}")
         if not hit:

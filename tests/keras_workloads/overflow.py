@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mixprec.keras import KerasWorkload
+from mixprec.frameworks.keras import KerasWorkload
 
 
 def make_workload() -> KerasWorkload:

@@ -5,15 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
 from rich.console import Console
 
 from mixprec.cli.common import (
-    CPU_DEFAULTS,
-    CUDA_DEFAULTS,
     CandidateProgress,
+    Defaults,
     add_workload_arguments,
-    default_batch_size,
     first_failure,
     positive_int,
     require_supported,
@@ -21,7 +18,7 @@ from mixprec.cli.common import (
 )
 from mixprec.errors import UsageError
 from mixprec.measure.results import write_csv
-from mixprec.measure.sweep import CHANNELS_LAST_CHOICES, bench, parse_policies
+from mixprec.measure.sweep import CHOICES, bench, parse_policies
 from mixprec.report.bench import bench_table, error_tracebacks, plot, write_markdown
 from mixprec.report.jsonio import write_json
 
@@ -30,7 +27,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure every policy on the real training step")
     add_workload_arguments(p)
     p.add_argument("--policies", default="all", help="comma-separated policy names, or all (default)")
-    p.add_argument("--channels-last", choices=CHANNELS_LAST_CHOICES, default="both")
+    p.add_argument(
+        "--channels-last",
+        choices=CHOICES,
+        default="both",
+        help="NCHW and/or NHWC tensors (torch; default both)",
+    )
+    p.add_argument(
+        "--compile",
+        choices=CHOICES,
+        default="off",
+        help="each candidate eager and/or compiled: torch.compile (torch), XLA (tensorflow); default off",
+    )
     p.add_argument("--steps", type=positive_int, help="timed steps per candidate (at least)")
     p.add_argument("--warmup", type=positive_int, help="untimed warm-up steps per candidate")
     p.add_argument(
@@ -60,27 +68,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--xla",
-        choices=("off", "on", "both"),
-        default="off",
-        help="--framework tensorflow: the train step with jit_compile=True (XLA) too (default off)",
+        choices=CHOICES,
+        dest="compile",
+        default=argparse.SUPPRESS,
+        help="--compile, by the name Keras users know",
     )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
-    if args.framework == "tensorflow":
-        from mixprec.cli.tensorflow import run_bench
-
-        return run_bench(args, out, err)
     resume = args.resume or args.resume_anyway
     if resume and not args.json:
         raise UsageError("--resume continues the rows in the .jsonl next to --json FILE; pass --json too.")
+    defaults = Defaults(args, "bench")
+    if not defaults.framework.layouts and args.channels_last == "on":
+        raise UsageError(f"--channels-last on does not apply to {defaults.framework.title}; drop it.")
     if args.policies != "all":
-        require_supported(parse_policies(args.policies), args.device)
-    on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    defaults = CUDA_DEFAULTS if on_cuda else CPU_DEFAULTS
+        require_supported(parse_policies(args.policies), defaults)
     workload = workload_from_args(args, defaults)
-    batch_size = default_batch_size(args, defaults)
     jsonl = Path(args.json).with_suffix(".jsonl") if args.json else None
 
     with CandidateProgress(err, "checking the workload: one strict-fp32 step", verbose=args.verbose) as shown:
@@ -89,17 +94,18 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
                 workload,
                 policies=args.policies,
                 channels_last=args.channels_last,
-                batch_size=batch_size,
+                compile=args.compile,
+                batch_size=defaults.batch_size(),
                 steps=args.steps or defaults["steps"],
                 warmup=args.warmup or defaults["warmup"],
                 min_time_s=defaults["min_time"] if args.min_time is None else args.min_time,
-                device=args.device,
+                device=defaults.device,
                 jsonl=jsonl,
                 resume=resume,
                 resume_anyway=args.resume_anyway,
                 isolate=False if args.in_process else None,
                 prune_factor=args.prune_factor,
-                progress=shown.bench_event,
+                events=shown.event,
                 nproc=args.nproc,
             )
         except KeyboardInterrupt:

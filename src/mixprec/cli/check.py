@@ -6,20 +6,18 @@ import argparse
 
 from rich.console import Console
 
+from mixprec.checking.check import check
 from mixprec.cli.common import (
     CandidateProgress,
+    Defaults,
     add_workload_arguments,
-    default_batch_size,
     positive_int,
     require_supported,
     workload_from_args,
 )
 from mixprec.errors import UsageError
-from mixprec.hardware.environment import collect
 from mixprec.measure.sweep import parse_policies
-from mixprec.numerics.check import check
 from mixprec.policy.candidate import EMULATABLE
-from mixprec.policy.support import fp8_predictable
 from mixprec.report.check import check_report, plot
 from mixprec.report.jsonio import write_json
 
@@ -46,31 +44,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
-    if args.framework == "tensorflow":
-        from mixprec.cli.tensorflow import run_check
-
-        return run_check(args, out, err)
     policies = [p for p in args.policies.split(",") if p.strip()]
     if not policies and not args.emulate:
         raise UsageError("--policies is empty and no --emulate given: nothing to check.")
+    defaults = Defaults(args, "check")
+    framework = defaults.framework
     # fp8 on a device without it is still checked: its numerics are predicted here
-    require_supported(parse_policies(policies) if policies else [], args.device, allowed=fp8_predictable)
-    workload = workload_from_args(args, DEFAULTS)
+    require_supported(
+        parse_policies(policies) if policies else [],
+        defaults,
+        allowed=lambda cand, info: framework.predictable(cand, info) is not None,
+    )
+    workload = workload_from_args(args, defaults)
     with CandidateProgress(err, "checking", verbose=args.verbose) as shown:
         result = check(
             workload,
             policies=policies,
             emulate=args.emulate,
             steps=args.steps,
-            batch_size=default_batch_size(args, DEFAULTS),
-            device=args.device,
+            batch_size=defaults.batch_size(),
+            device=defaults.device,
             fix=args.fix,
-            progress=lambda msg: shown.status(f"checking {msg}"),
-            events=shown.bench_event,
+            events=shown.event,
         )
     out.print(check_report(result))
     if args.json:
-        err.print(f"wrote {write_json(args.json, 'check', collect(args.device), result.to_dict())}")
+        env = framework.environment(defaults.device)
+        err.print(f"wrote {write_json(args.json, 'check', env, result.to_dict())}")
     if args.plot:
         err.print(f"wrote {plot(args.plot, result)}")
     return 4 if result.failed else 0

@@ -1,4 +1,4 @@
-"""What the commands that train a workload share: its arguments, defaults and progress."""
+"""What the commands that train a workload share: its arguments, framework, defaults and progress."""
 
 from __future__ import annotations
 
@@ -8,49 +8,24 @@ from typing import Any
 
 from mixprec.cli.progress import CandidateProgress, sweep_progress
 from mixprec.errors import UnsupportedError, UsageError
+from mixprec.frameworks import Framework, framework_named, framework_names
 from mixprec.hardware.device import DeviceInfo, detect
 from mixprec.measure.results import BenchRow
-from mixprec.policy import canonical_name, check_support
-from mixprec.policy.candidate import FRAMEWORKS
+from mixprec.policy import Candidate, canonical_name
 from mixprec.status import Status
-from mixprec.workload.loader import load_workload
-from mixprec.workload.models import SOURCES, parse_model_config, source_of
-from mixprec.workload.workload import Workload
+from mixprec.workload.models import SOURCES, parse_model_config
 from mixprec.workload.zoo import ZOO_NAMES
 
 __all__ = [
-    "CPU_DEFAULTS",
-    "CUDA_DEFAULTS",
     "CandidateProgress",
+    "Defaults",
     "add_workload_arguments",
-    "default_batch_size",
     "first_failure",
     "positive_int",
     "require_supported",
     "sweep_progress",
     "workload_from_args",
 ]
-
-# Sized so the default sweep (resnet50, every CPU policy, both layouts) ends in about two
-# minutes on a 2-core CPU, at a size where compute (not per-op overhead) dominates so the
-# ranking means something; on CUDA the seed's setup: 224 px and a batch that fills the GPU.
-# A vision model by name gets the same on a CPU: at most 128 px (where the model takes smaller
-# inputs than its recipe's) and batch 16.
-CPU_DEFAULTS: dict[str, Any] = {
-    "image_size": 128,
-    "max_image_size": 128,
-    "batch_size": 16,
-    "steps": 4,
-    "warmup": 1,
-    "min_time": 1.0,
-}
-CUDA_DEFAULTS: dict[str, Any] = {
-    "image_size": 224,
-    "batch_size": 256,
-    "steps": 20,
-    "warmup": 5,
-    "min_time": 2.0,
-}
 
 
 def positive_int(text: str) -> int:
@@ -64,8 +39,8 @@ def positive_int(text: str) -> int:
 
 
 def add_workload_arguments(p: argparse.ArgumentParser, *, verbose: bool = True) -> None:
-    """--model / --workload, --model-config, --list-models and the size options, shared by the
-    commands that train a workload (``verbose``: also --verbose, for what child processes print)."""
+    """--model / --workload, --model-config, --list-models, the size options and --framework, shared
+    by the commands that train a workload (``verbose``: also --verbose, for what child processes print)."""
     group = p.add_mutually_exclusive_group()
     sources = ", ".join(f"{s}:NAME" for s in SOURCES)
     group.add_argument(
@@ -92,7 +67,7 @@ def add_workload_arguments(p: argparse.ArgumentParser, *, verbose: bool = True) 
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
     p.add_argument(
         "--framework",
-        choices=FRAMEWORKS,
+        choices=framework_names(),
         default="torch",
         help="torch (default) or tensorflow: Keras 3 models (--model resnet50|vgg19|densenet121|mlp, or "
         "--workload file.py:fn returning a mixprec.keras.KerasWorkload); needs mixprec[tensorflow]",
@@ -106,54 +81,64 @@ def add_workload_arguments(p: argparse.ArgumentParser, *, verbose: bool = True) 
         )
 
 
-def _sized_by_defaults(args: argparse.Namespace, defaults: dict[str, Any]) -> bool:
-    """The default model, or a vision model by name where the defaults cap the image size (CPU)."""
-    if args.workload:
-        return False
-    if args.model in (None, "resnet50"):
-        return True
-    source = source_of(args.model)
-    return source is not None and "image_size" in source.sizes and "max_image_size" in defaults
+class Defaults:
+    """The framework, device and default sizes of one command: the backend's defaults for the
+    command on the device (``Framework.cli_defaults``)."""
+
+    def __init__(self, args: argparse.Namespace, command: str) -> None:
+        self.args = args
+        self.framework: Framework = framework_named(args.framework)
+        self.device = self.framework.resolve_device(args.device)
+        self.values = self.framework.cli_defaults(self.device, command)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    def _sized(self) -> str | None:
+        """Which size option the defaults set for the model named ('image_size', 'max_image_size')."""
+        args = self.args
+        return self.framework.sized_by_defaults(args.model, bool(args.workload), self.values)
+
+    def batch_size(self) -> int | None:
+        """--batch-size, else the defaults' batch for the models they size (None: the workload's)."""
+        if self.args.batch_size:
+            return int(self.args.batch_size)
+        return self.values.get("batch_size") if self._sized() else None
 
 
-def default_batch_size(args: argparse.Namespace, defaults: dict[str, Any]) -> int | None:
-    """--batch-size, else the defaults' batch for the models they size (None: the workload's)."""
-    if args.batch_size:
-        return int(args.batch_size)
-    return defaults.get("batch_size") if _sized_by_defaults(args, defaults) else None
-
-
-def workload_from_args(args: argparse.Namespace, defaults: dict[str, Any]) -> Workload:
+def workload_from_args(args: argparse.Namespace, defaults: Defaults) -> Any:
+    """The workload --model / --workload names, in --framework's terms, with the size options."""
     sizes: dict[str, Any] = {}
     target = args.workload or args.model or "resnet50"
+    sized = defaults._sized()
     if args.image_size:
         sizes["image_size"] = args.image_size
-    elif target == "resnet50" and not args.workload and "image_size" in defaults:
-        sizes["image_size"] = defaults["image_size"]
-    elif _sized_by_defaults(args, defaults):
-        sizes["max_image_size"] = defaults["max_image_size"]
+    elif sized:
+        sizes[sized] = defaults.values[sized]
     if args.seq_len:
         sizes["seq_len"] = args.seq_len
     config = parse_model_config(getattr(args, "model_config", None))
     for key in set(config) & set(sizes):
-        option = "--" + key.replace("_", "-")
+        option = "--" + key.replace("_", "-").removeprefix("max-")
         raise UsageError(f"--model-config sets {key} and so does {option}; keep one of them.")
-    return load_workload(target, **sizes, **config)
+    return defaults.framework.load_workload(target, **sizes, **config)
 
 
 def require_supported(
     policies: Sequence[str],
-    device: str | None,
+    defaults: Defaults,
     option: str = "--policies",
-    allowed: Callable[[str, DeviceInfo], bool] = lambda name, info: False,
+    allowed: Callable[[Candidate, DeviceInfo], bool] = lambda cand, info: False,
 ) -> None:
     """Exit 3 before any work when the user named a policy this device cannot run, as ``lint
     --policy`` and ``demo --policy`` do (``--policies all`` lists unsupported ones instead).
-    ``allowed(name, info)`` exempts what the command can still do here (check's fp8 predictions)."""
-    info = detect(device)
+    ``allowed(candidate, info)`` exempts what the command can still do here (check's fp8 predictions)."""
+    framework = defaults.framework
+    info = detect(defaults.device)
     for name in policies:
-        support = check_support(name, info)
-        if not support and not allowed(name, info):
+        cand = Candidate(name, framework=framework.name)
+        support = framework.support(cand, info)
+        if not support and not allowed(cand, info):
             hint = f"; try {support.suggestion}" if support.suggestion else ""
             raise UnsupportedError(
                 f"{option} names {canonical_name(name)!r}, which is not supported on {info.type}: "

@@ -6,7 +6,8 @@ import argparse
 
 from rich.console import Console
 
-from mixprec.hardware import detect, environment
+from mixprec.frameworks import framework_named, framework_names
+from mixprec.hardware import detect
 from mixprec.policy.support import support_table
 from mixprec.report.console import env_report
 from mixprec.report.jsonio import write_json
@@ -18,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     p.add_argument(
         "--framework",
-        choices=("torch", "tensorflow"),
+        choices=framework_names(),
         default="torch",
         help="tensorflow: add TensorFlow's facts",
     )
@@ -26,15 +27,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
-    env = environment.collect(args.device, full=True)
+    framework = framework_named(args.framework)
+    env = framework.environment(args.device, full=True)
     policies = support_table(detect(args.device))
     out.print(env_report(env, policies))
-    if args.framework == "tensorflow":
-        from mixprec.cli.tensorflow import env_section
-
-        env["tensorflow"] = env_section(args.device)
-        out.print("TensorFlow:")
-        for key, value in env["tensorflow"].items():
+    section = env.get(framework.name)  # a backend's own facts (TensorFlow's), beside torch's
+    if isinstance(section, dict):
+        out.print(f"{framework.title}:")
+        for key, value in section.items():
             out.print(f"  {key}: {value}", highlight=False)
     if args.json:
         path = write_json(args.json, "env", env, {"policies": policies})

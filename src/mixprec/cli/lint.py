@@ -7,8 +7,15 @@ from typing import Any
 
 from rich.console import Console
 
-from mixprec.cli.common import add_workload_arguments, positive_int, sweep_progress, workload_from_args
+from mixprec.cli.common import (
+    Defaults,
+    add_workload_arguments,
+    positive_int,
+    sweep_progress,
+    workload_from_args,
+)
 from mixprec.errors import UsageError
+from mixprec.frameworks import framework_named
 from mixprec.hardware import environment
 from mixprec.linting import TARGETS, measure_findings, parse_rule_ids, run_lint
 from mixprec.report.jsonio import write_json
@@ -67,15 +74,16 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.list_rules:
         out.print(rules_table(verbose=args.verbose))
         return 0
-    if args.framework != "torch":
+    framework = framework_named(args.framework)
+    if not framework.linter:
         raise UsageError(
-            f"lint is torch-only for now (--framework {args.framework}): its rules read PyTorch modules; "
-            "drop --framework, or use 'mixprec check --framework tensorflow' for a Keras workload."
+            f"lint has no rules for {framework.title} models (--framework {args.framework}): its rules read "
+            f"PyTorch modules; drop --framework, or use 'mixprec check --framework {args.framework}'."
         )
     ignore = parse_rule_ids(args.ignore)  # a typo fails before the model is built
     if args.steps and not args.measure:
         raise UsageError("--steps applies to --measure; add --measure or drop --steps.")
-    workload = workload_from_args(args, {})
+    workload = workload_from_args(args, Defaults(args, "lint"))
     channels_last = None if args.channels_last is None else args.channels_last == "on"
     result = run_lint(
         workload,

@@ -106,11 +106,13 @@ class CandidateProgress:
             for line in text.rstrip().splitlines():
                 self._line(f"  | {line}")
 
-    # ---------------------------------------------------------------- event adapters
-    def bench_event(self, event: dict[str, Any]) -> None:
-        """A :func:`mixprec.bench` progress event (also forwarded by tune)."""
+    # ---------------------------------------------------------------- the event stream
+    def event(self, event: dict[str, Any]) -> None:
+        """One event of bench's, check's or tune's stream (:mod:`mixprec.events`)."""
         kind = event["event"]
-        if kind == "candidate":
+        if kind == "stage":
+            self.status(event["text"])
+        elif kind == "candidate":
             self.status(
                 f"{event['label']}: starting",
                 completed=None if self.budget_s is not None else event["index"],

@@ -16,7 +16,6 @@ from mixprec.policy.support import Support
 WRAPPERS: tuple[str, ...] = ("ddp", "fsdp2")
 Wrapper = Literal["ddp", "fsdp2"]
 
-FP32_STORAGE = ("fp32", "tf32", "bf32")
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 COMPRESS_ALIASES: dict[str, torch.dtype] = {
     "fp16": torch.float16,

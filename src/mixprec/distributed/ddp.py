@@ -11,7 +11,6 @@ from torch import nn
 
 from mixprec.distributed.common import (
     COMPRESS_ALIASES,
-    FP32_STORAGE,
     HOOKS,
     backend_support,
     check_prepared,
@@ -69,7 +68,7 @@ def _compress_dtype(spec: PolicySpec, compress_grads: bool | str | torch.dtype) 
     if compress_grads is False or compress_grads is None:
         return None
     if compress_grads is True:
-        if spec.name in FP32_STORAGE:
+        if spec.is_math_mode:  # fp32 storage: fp32 gradients
             raise PolicyError(
                 f"compress_grads=True has no low-precision dtype to use under {spec.name!r}, which keeps "
                 "gradients in fp32; pass compress_grads=torch.bfloat16 or torch.float16 to compress its "

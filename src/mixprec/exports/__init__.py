@@ -1,4 +1,5 @@
-"""Export a precision policy as ready-to-paste code or configuration for other training stacks.
+"""Export a candidate (a precision policy with its loop axes) as ready-to-paste code or
+configuration for other training stacks.
 
 One module per target, each an :class:`~mixprec.exports.base.ExportTarget` that states what it
 cannot express faithfully:
@@ -7,6 +8,10 @@ cannot express faithfully:
 - ``pytorch`` (:mod:`.pytorch`): plain PyTorch without mixprec, everything Policy does written out.
 - ``lightning``, ``accelerate``, ``deepspeed``, ``fsdp2``, ``hf``: that stack's own settings where they
   mean the policy, code where they do not, and a refusal where the stack cannot run the policy.
+
+Each writes the candidate's ``torch.compile`` mode and optimizer implementation the way its stack
+runs them (Lightning compiles the LightningModule, Accelerate and the HF Trainer take a dynamo
+backend, DeepSpeed ``engine.compile()``, FSDP2 compiles after ``fully_shard``).
 
 Every text starts with its contract (what runs, what the stack cannot express and what is done
 instead, what the user fills in). Texts that hold more than one file (``accelerate``: YAML +
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
+
 from mixprec.errors import ExportRefused, UsageError, did_you_mean
 from mixprec.exports.accelerate import AccelerateTarget
 from mixprec.exports.base import SECTION_PREFIX, SECTION_SUFFIX, ExportTarget, Facts
@@ -34,6 +41,7 @@ from mixprec.exports.hf import HFTarget
 from mixprec.exports.lightning import LightningTarget
 from mixprec.exports.native import MixprecTarget
 from mixprec.exports.pytorch import PyTorchTarget
+from mixprec.policy.candidate import Candidate
 from mixprec.policy.policy import Policy, PolicyConfig
 
 __all__ = [
@@ -86,36 +94,40 @@ class ExportResult(NamedTuple):
 
 
 def export(
-    config: PolicyConfig | Policy, target: str, *, compile: str | None = None, optimizer: str | None = None
+    candidate: Candidate | PolicyConfig | Policy, target: str, *, device: str | torch.device | None = None
 ) -> str:
-    """Ready-to-paste text that applies ``config``'s policy with ``target`` (one of :data:`EXPORT_TARGETS`).
+    """Ready-to-paste text that trains ``candidate`` with ``target`` (one of :data:`EXPORT_TARGETS`).
 
-    ``config`` is a :class:`PolicyConfig` (e.g. a recommendation's) or a :class:`Policy`. Raises
-    :class:`UsageError` for an unknown target, or a config that names no known policy or device, and
-    :class:`ExportRefused` (a UsageError) where the target cannot express the policy faithfully.
-    ``compile`` (a torch.compile mode) and ``optimizer`` (for-loop / foreach / fused) are the
-    candidate's other axes, as :class:`mixprec.Candidate` names them.
+    ``candidate`` is a :class:`~mixprec.Candidate` (a recommendation's ``.candidate``: policy,
+    channels_last, keep_fp32, compile mode, optimizer implementation), exported for ``device``
+    (default: mixprec's, CUDA when available, else CPU). A :class:`PolicyConfig` or :class:`Policy`
+    works too (it also carries finite_check and the scaler options): exported eager, with the
+    optimizer as written, for its own device unless ``device`` is given. Raises
+    :class:`UsageError` for an unknown target, another object, a non-torch candidate, or a policy or
+    device mixprec does not know, and :class:`ExportRefused` (a UsageError) where the target cannot
+    train the candidate faithfully.
     """
-    return TARGETS[_check_target(target)].export(Facts.of(config, compile=compile, optimizer=optimizer))
+    target_obj = TARGETS[_check_target(target)]
+    return target_obj.export(Facts.of(candidate, device))
 
 
 def export_status(
-    config: PolicyConfig | Policy, target: str, *, compile: str | None = None, optimizer: str | None = None
+    candidate: Candidate | PolicyConfig | Policy, target: str, *, device: str | torch.device | None = None
 ) -> ExportStatus:
-    """``(faithful, reason)`` for ``export(config, target)`` without building or raising a refusal."""
-    facts = Facts.of(config, compile=compile, optimizer=optimizer)
+    """``(faithful, reason)`` for ``export(candidate, target, device=device)``, without raising a refusal."""
     target_obj = TARGETS[_check_target(target)]
-    refused = target_obj.refusal(facts)
-    if refused is None:
+    facts = Facts.of(candidate, device)
+    if target_obj.refusal(facts) is None:
         return ExportStatus(True, "")
     return ExportStatus(False, _refusal_text(target_obj, facts))
 
 
 def export_all(
-    config: PolicyConfig | Policy, *, compile: str | None = None, optimizer: str | None = None
+    candidate: Candidate | PolicyConfig | Policy, *, device: str | torch.device | None = None
 ) -> dict[str, ExportResult]:
-    """An :class:`ExportResult` for every target of :data:`EXPORT_TARGETS`, in that order."""
-    facts = Facts.of(config, compile=compile, optimizer=optimizer)
+    """An :class:`ExportResult` for every target of :data:`EXPORT_TARGETS`, in that order; the
+    arguments are :func:`export`'s."""
+    facts = Facts.of(candidate, device)
     results = {}
     for name, target in TARGETS.items():
         try:

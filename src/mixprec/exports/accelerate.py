@@ -8,6 +8,13 @@ Checked in accelerate 1.15's source and run by the frameworks tier:
 - ``mixed_precision="bf16"`` on a CPU is native autocast: ``prepare()`` wraps the model's forward in
   it (and casts its outputs to fp32), ``accelerator.autocast()`` covers the loss.
 - ``accelerate launch --config_file`` needs ``distributed_type`` (``load_config_from_file``).
+- ``Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode=...))``: ``prepare_model``
+  calls ``torch.compile`` last, around its autocast wrapper (``dynamo_config`` is the YAML's
+  spelling). With a dynamo backend, ``mixed_precision="no"`` and a CUDA device, ``AcceleratorState``
+  sets the legacy ``allow_tf32`` flag: the fp32 knobs are set after ``Accelerator()`` then.
+- A skipped step is one whose ``optimizer.step()`` GradScaler did not call
+  (``AcceleratedOptimizer.step_was_skipped``); GradScaler calls a fused optimizer's step on inf
+  gradients too (the kernel skips the update), so fp16-mixed with a fused optimizer is refused.
 """
 
 from __future__ import annotations
@@ -18,12 +25,12 @@ import torch
 
 from mixprec.exports.base import (
     DTYPE_SHORT,
-    OPTIMIZER,
     SCALER_ARGS,
     SCHEDULER,
     Contract,
     Facts,
     Refusal,
+    call_lines,
     helper_lines,
     helper_names,
     helpers,
@@ -43,7 +50,6 @@ class AccelerateTarget(PyTorchTarget):
     """HF Accelerate: the plain-PyTorch preparation, Accelerator(mixed_precision=...) for the loop."""
 
     name = "accelerate"
-    writes_compile = False  # not written yet: refused with the reason
     writes_fp8 = False  # its own fp8 path (if any) is not what mixprec measures: refused
     title = "HF Accelerate"
     aliases: ClassVar[tuple[str, ...]] = ()  # not the plain-PyTorch target's
@@ -60,6 +66,14 @@ class AccelerateTarget(PyTorchTarget):
                 " cpu=True)"
                 " trains in plain fp32, with no GradScaler and no warning",
                 "bf16-mixed with Accelerate, or the 'pytorch' or 'mixprec' export for fp16-mixed on a CPU",
+            )
+        if facts.scaler is not None and facts.optimizer == "fused":
+            return Refusal(
+                "Accelerate tells a skipped step by whether optimizer.step() ran, and GradScaler always runs"
+                " a fused optimizer's step (the kernel skips an overflowing update itself): the prepared"
+                " scheduler would step after every overflow, which the policy skips",
+                f"optimizer='foreach' with Accelerate, or the 'pytorch' or 'mixprec' export for {facts.name}"
+                " with the fused optimizer",
             )
         if facts.true == torch.float16:
             return Refusal(
@@ -113,6 +127,16 @@ class AccelerateTarget(PyTorchTarget):
             contract.instead.append(
                 f"min_scale={py(facts.min_scale)}: GradScalerKwargs has no floor and no collapse alarm."
             )
+        contract.runs += facts.loop_runs(
+            'TorchDynamoPlugin(backend="inductor") (dynamo_config in the YAML): accelerator.prepare()'
+            " compiles the model last, after its autocast wrapper"
+        )
+        if facts.compile:
+            contract.instead.append(
+                "The fp32 math knobs are set after Accelerator(): with a dynamo backend and"
+                ' mixed_precision="no" on a GPU it turns on the legacy allow_tf32 flag, which would make'
+                " fp32 matmuls TF32."
+            )
         if facts.name == "bf32":
             contract.instead.append("bf32: no Accelerate flag; the oneDNN knobs below make it bf32.")
         contract.fill_in = (
@@ -133,9 +157,17 @@ class AccelerateTarget(PyTorchTarget):
             f"use_cpu: {'true' if cpu else 'false'}",
         ]
         kwargs = [f'mixed_precision="{mode}"', *(["cpu=True"] if cpu else [])]
-        third = ["import torch", "from accelerate import Accelerator"]
+        utils = []
+        if facts.compile:
+            yaml += ["dynamo_config:", "  dynamo_backend: INDUCTOR", f"  dynamo_mode: {facts.compile}"]
+            kwargs.append(f'dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode={py(facts.compile)})')
+            utils.append("TorchDynamoPlugin")
         if facts.scaler is not None:
-            third.append("from accelerate.utils import GradScalerKwargs")
+            utils.insert(0, "GradScalerKwargs")
+        third = ["import torch", "from accelerate import Accelerator"]
+        if utils:
+            third.append(f"from accelerate.utils import {', '.join(utils)}")
+        if facts.scaler is not None:
             opts = facts.scaler
             accelerator = [
                 "accelerator = Accelerator(",
@@ -148,7 +180,7 @@ class AccelerateTarget(PyTorchTarget):
                 ")",
             ]
         else:
-            accelerator = [f"accelerator = Accelerator({', '.join(kwargs)})"]
+            accelerator = call_lines("accelerator = Accelerator", kwargs)
         blocks = helpers(helper_names(facts) + loop_helper_names(facts))
         fp16 = facts.scaler is not None
         loop = [
@@ -173,6 +205,11 @@ class AccelerateTarget(PyTorchTarget):
                 sched += "  # a prepared scheduler does not step after a skipped step"
             loop += [step, sched]
         loop.append("    optimizer.zero_grad(set_to_none=True)")
+        accelerator.append("# (the Accelerator arguments win over default_config.yaml when both are given)")
+        if facts.compile:  # the knobs after Accelerator(): it may set the legacy allow_tf32 flag
+            setup = [*helper_lines(blocks), *accelerator, *precision_lines(facts)]
+        else:
+            setup = [*precision_lines(facts), *helper_lines(blocks), *accelerator]
         return [
             section("default_config.yaml"),
             *yaml,
@@ -181,13 +218,10 @@ class AccelerateTarget(PyTorchTarget):
             "",
             f"device_type = {py(facts.device_type)}",
             "",
-            *precision_lines(facts),
-            *helper_lines(blocks),
-            *accelerator,
-            "# (the Accelerator arguments win over default_config.yaml when both are given)",
+            *setup,
             *prepare_lines(facts, move=False),
             "",
-            OPTIMIZER.format(after="the casts"),
+            facts.optimizer_line(after="the casts"),
             SCHEDULER,
             "model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)",
             *loop,

@@ -19,7 +19,9 @@ import torch
 
 from mixprec.errors import ExportRefused, MixprecError, UsageError
 from mixprec.exports import snippets
-from mixprec.policy.policy import Policy, PolicyConfig
+from mixprec.hardware.device import resolve_device
+from mixprec.policy.candidate import Candidate
+from mixprec.policy.policy import Policy, PolicyConfig, get_policy
 from mixprec.policy.registry import PolicySpec, canonical_name
 from mixprec.policy.scaler import ScalerOptions
 
@@ -36,6 +38,8 @@ DTYPE_CODE = {
 }
 DTYPE_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 SCALER_ARGS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+# The optimizer keyword that selects each implementation of mixprec.policy.candidate.OPTIMIZER_IMPLS.
+OPTIMIZER_FLAGS = {"fused": "fused=True", "foreach": "foreach=True", "for-loop": "foreach=False"}
 OPTIMIZER = "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # yours; build it after {after}"
 SCHEDULER = "scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1000)  # yours"
 
@@ -43,34 +47,49 @@ SCHEDULER = "scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T
 # ------------------------------------------------------------------------------------------ facts
 @dataclass(frozen=True)
 class Facts:
-    """The facts about one policy config that the exporters need (all derived from its PolicySpec)."""
+    """What an export writes, all derived from one PolicySpec: the policy config (policy, device,
+    channels_last, keep_fp32, finite_check, scaler options) and the candidate's loop axes.
+
+    Attributes:
+        config: the policy's config, its name canonical.
+        spec: the policy's :class:`~mixprec.policy.registry.PolicySpec`.
+        device_type: "cpu" or "cuda": which fp32-math knobs matter and where the stack runs.
+        compile: the ``torch.compile`` mode the model ran under when mixprec measured it (one of
+            :data:`mixprec.policy.candidate.COMPILE_MODES`); None: eager.
+        optimizer: the optimizer implementation mixprec measured (for-loop, foreach or fused, see
+            :data:`OPTIMIZER_FLAGS`); None: the user's optimizer as written.
+    """
 
     config: PolicyConfig
     spec: PolicySpec
     device_type: str
-    compile: str | None = None  # torch.compile mode the model runs under, None: eager
-    optimizer: str | None = None  # the optimizer implementation measured: for-loop, foreach or fused
+    compile: str | None = None
+    optimizer: str | None = None
 
     @classmethod
-    def of(
-        cls, config: PolicyConfig | Policy, *, compile: str | None = None, optimizer: str | None = None
-    ) -> Facts:
-        """Validate ``config`` (a PolicyConfig or a Policy); raises :class:`UsageError` when it names no
-        known policy or device. ``compile`` and ``optimizer`` are the candidate's other axes."""
-        from mixprec.policy.candidate import COMPILE_MODES, OPTIMIZER_IMPLS
+    def of(cls, source: Candidate | PolicyConfig | Policy, device: str | torch.device | None = None) -> Facts:
+        """The facts of what ``source`` trains, converted once for every target.
 
-        if compile is not None and compile not in COMPILE_MODES:
-            raise UsageError(f"Unknown torch.compile mode {compile!r}; valid: {', '.join(COMPILE_MODES)}.")
-        if optimizer is not None and optimizer not in OPTIMIZER_IMPLS:
+        ``source`` is a :class:`~mixprec.Candidate` (policy, channels_last, keep_fp32, compile,
+        optimizer), on ``device`` (default: mixprec's, CUDA when available, else CPU), or a
+        :class:`PolicyConfig` / :class:`Policy`, which also carry finite_check and the scaler options,
+        on its own device unless ``device`` is given; those export eager, with the optimizer as
+        written. Raises :class:`UsageError` for anything else, a candidate of another framework or an
+        emulated one, and a policy or device mixprec does not know.
+        """
+        compile_mode = optimizer = None
+        if isinstance(source, Candidate):
+            config = _candidate_config(source, device)
+            compile_mode, optimizer = source.compile, source.optimizer
+        elif isinstance(source, (PolicyConfig, Policy)):
+            config = source.config if isinstance(source, Policy) else source
+            if device is not None:
+                config = replace(config, device=str(device))
+        else:
             raise UsageError(
-                f"Unknown optimizer implementation {optimizer!r}; valid: {', '.join(OPTIMIZER_IMPLS)}."
-            )
-        if isinstance(config, Policy):
-            config = config.config
-        if not isinstance(config, PolicyConfig):
-            raise UsageError(
-                f"export() takes a mixprec PolicyConfig or Policy, got {type(config).__name__}; "
-                "e.g. mixprec.get_policy('bf16-mixed').config."
+                f"export() takes a mixprec Candidate, PolicyConfig or Policy, got {type(source).__name__} "
+                f"{source!r}; e.g. mixprec.Candidate('bf16-mixed', compile='default', optimizer='fused'), or "
+                "a recommendation's .candidate."
             )
         try:
             name = canonical_name(config.name)
@@ -79,27 +98,54 @@ class Facts:
         try:
             device_type = torch.device(config.device).type
         except (RuntimeError, TypeError) as exc:
-            raise UsageError(f"Policy config has an invalid device {config.device!r}: {exc}") from exc
+            raise UsageError(
+                f"Cannot export for the invalid device {config.device!r} ({exc}); valid: "
+                f"{', '.join(LIBRARIES)}, optionally with an index ('cuda:1')."
+            ) from exc
         if device_type not in LIBRARIES:
             raise UsageError(
                 f"Cannot export for device {config.device!r}; mixprec policies run on {', '.join(LIBRARIES)}."
             )
         config = replace(config, name=name)
-        return cls(config, config.spec, device_type, compile, optimizer)
+        return cls(config, config.spec, device_type, compile_mode, optimizer)
 
     def compile_lines(self, model: str = "model") -> list[str]:
         """``model = torch.compile(model)`` (with the measured mode), or nothing for eager."""
         if not self.compile:
             return []
-        mode = "" if self.compile == "default" else f", mode={py(self.compile)}"
-        return [f"{model} = torch.compile({model}{mode})  # measured compiled: the first step compiles"]
+        call = f"{model} = torch.compile({model}{self.compile_mode_arg})"
+        return [f"{call}  # measured compiled: the first step compiles"]
+
+    @property
+    def compile_mode_arg(self) -> str:
+        """``, mode="..."`` for torch.compile, empty for its default mode."""
+        return "" if self.compile in (None, "default") else f", mode={py(self.compile)}"
+
+    @property
+    def optimizer_flag(self) -> str:
+        """The optimizer keyword that selects the measured implementation (``fused=True``), or ""."""
+        return OPTIMIZER_FLAGS[self.optimizer] if self.optimizer else ""
 
     def optimizer_line(self, after: str) -> str:
         """The optimizer line, with the implementation flag that was measured."""
-        flag = {"fused": ", fused=True", "foreach": ", foreach=True", "for-loop": ", foreach=False"}.get(
-            self.optimizer or "", ""
-        )
+        flag = f", {self.optimizer_flag}" if self.optimizer else ""
         return OPTIMIZER.replace("lr=1e-3)", f"lr=1e-3{flag})").format(after=after)
+
+    def loop_runs(self, compiled: str) -> list[str]:
+        """The contract's lines for the candidate's loop axes; ``compiled`` says what compiles the
+        model in this stack (e.g. "torch.compile(model) after fully_shard")."""
+        runs = []
+        if self.compile:
+            runs.append(
+                f"{compiled}, mode {py(self.compile)}: the model compiled as mixprec measured it; the first"
+                " steps compile (graph breaks run eagerly)."
+            )
+        if self.optimizer:
+            runs.append(
+                f"{self.optimizer_flag} on the optimizer: the {self.optimizer} implementation mixprec"
+                " measured; keep the flag on yours."
+            )
+        return runs
 
     @property
     def name(self) -> str:
@@ -196,7 +242,33 @@ class Facts:
         if self.finite_check:
             extras.append("finite_check")
         extras += [f"{k}={py(v)}" for k, v in self.scaler_changes().items()]
+        if self.compile:
+            extras.append(f"compile={py(self.compile)}")
+        if self.optimizer:
+            extras.append(f"optimizer={py(self.optimizer)}")
         return f"{self.name!r} on {self.device_type}" + (f" ({', '.join(extras)})" if extras else "")
+
+
+def _candidate_config(candidate: Candidate, device: str | torch.device | None) -> PolicyConfig:
+    """The policy config of a torch candidate on ``device`` (default: mixprec's)."""
+    if candidate.framework != "torch":
+        raise UsageError(
+            f"Cannot export {candidate.label!r}: it is a {candidate.framework!r} candidate and the export "
+            "targets write PyTorch code (valid: framework='torch'); a Keras pick is exported as Keras code "
+            "by `mixprec tune --framework tensorflow`."
+        )
+    if candidate.emulate is not None:
+        raise UsageError(
+            f"Cannot export {candidate.label!r}: it emulates {candidate.emulate} rounding for `check` and "
+            "trains nothing to export; export the policy it stands for, e.g. Candidate('bf16-mixed')."
+        )
+    try:
+        # Options checked and defaults filled where every Candidate becomes a Policy; built for the
+        # CPU, as exporting for a GPU needs none here, then given the device the export is for.
+        config = get_policy(candidate, device="cpu", check=False).config
+    except MixprecError as exc:
+        raise UsageError(str(exc)) from exc
+    return replace(config, device=str(resolve_device(None) if device is None else device))
 
 
 # ------------------------------------------------------------------------------------------ contract
@@ -206,26 +278,6 @@ class Refusal:
 
     reason: str
     alternative: str
-
-
-# Policies that exist on one device type only: elsewhere their knobs would silently mean fp32.
-_DEVICE_ONLY = {
-    "tf32": Refusal(
-        "TF32 is a cuBLAS/cuDNN math mode; on a CPU its knobs change nothing, it would train in plain fp32",
-        "'fp32', or 'bf32' (oneDNN's reduced-precision fp32 math) on a CPU with native bf16",
-    ),
-    "bf32": Refusal(
-        "bf32 is a oneDNN (CPU) math mode; on a GPU its knob changes nothing, it would train in plain fp32",
-        "'fp32', or 'tf32' on a GPU with compute capability >= 8.0",
-    ),
-}
-_FP8_ON_CPU = Refusal(
-    "fp8 training needs fp8 tensor cores (an NVIDIA GPU with compute capability >= 8.9); on a CPU it runs "
-    "torch._scaled_mm's slow reference kernels: mixprec only predicts its numerics there",
-    "export for device='cuda' on an fp8 GPU, or 'bf16-mixed' on this CPU",
-)
-_DEVICE_ONLY["fp8-rowwise"] = _DEVICE_ONLY["fp8-tensorwise"] = _FP8_ON_CPU
-_DEVICE_OF = {"tf32": "cuda", "bf32": "cpu", "fp8-rowwise": "cuda", "fp8-tensorwise": "cuda"}
 
 
 @dataclass
@@ -255,28 +307,20 @@ class ExportTarget:
     # (mixprec's `frameworks` test tier runs every export against them); None: torch only.
     package: ClassVar[str | None] = None
     verified: ClassVar[str] = ""
-    # Whether the export writes torch.compile and the optimizer's implementation flag.
-    writes_compile: ClassVar[bool] = False
     # Whether the export converts the model's Linear layers with torchao.float8 (the fp8 policies).
     writes_fp8: ClassVar[bool] = False
 
     def refusal(self, facts: Facts) -> Refusal | None:
         """None when this target expresses the policy faithfully on the device, else why not."""
-        if facts.name in _DEVICE_OF and facts.device_type != _DEVICE_OF[facts.name]:
-            return _DEVICE_ONLY[facts.name]
+        only = facts.spec.device_only
+        if only is not None and facts.device_type != only.device_type:
+            return Refusal(only.reason, only.alternative)
         if facts.fp8_recipe and not self.writes_fp8:
             return Refusal(
                 "mixprec's fp8 policies are torchao.float8 Linear layers under bf16 autocast; the "
                 f"{self.title} export has no such path mixprec has checked (Lightning's fp8 is "
                 "Transformer Engine, Accelerate's and DeepSpeed's need their own fp8 recipe objects)",
                 "the 'mixprec' or 'pytorch' export (they convert the model with torchao), or bf16-mixed here",
-            )
-        if (facts.compile or facts.optimizer) and not self.writes_compile:
-            return Refusal(
-                f"the {self.title} export does not write torch.compile or the optimizer's implementation "
-                "flag yet, and without them it would not run what mixprec measured",
-                "the 'mixprec' or 'pytorch' export (they compile the model and set the flag), or this "
-                "target for the same policy without compile",
             )
         return None
 

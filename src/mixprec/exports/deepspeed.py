@@ -13,6 +13,10 @@ Checked in deepspeed 0.19's source and run by the frameworks tier (CPU accelerat
   parameters with the user's optimizer (no master copy), as the policy says.
 - ``_broadcast_model`` views every parameter as bytes, which fails for channels_last parameters:
   channels_last is applied to the model after ``initialize``.
+- ``engine.compile(compile_kwargs=...)`` compiles ``engine.module`` in place (``Module.compile``,
+  the accelerator's backend: inductor on CPU and CUDA) inside the engine's autocast. Without ZeRO
+  and precision sections the client optimizer is stepped as built, fused or not, through the
+  GradScaler for fp16.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import torch
 
 from mixprec.exports.base import (
     DTYPE_SHORT,
-    OPTIMIZER,
     SCHEDULER,
     Contract,
     Facts,
@@ -51,7 +54,6 @@ class DeepSpeedTarget(PyTorchTarget):
     """DeepSpeed (ZeRO off): torch_autocast for *-mixed, the plain-PyTorch preparation for the rest."""
 
     name = "deepspeed"
-    writes_compile = False  # not written yet: refused with the reason
     writes_fp8 = False  # its own fp8 path (if any) is not what mixprec measures: refused
     title = "DeepSpeed"
     aliases: ClassVar[tuple[str, ...]] = ("ds",)
@@ -141,6 +143,10 @@ class DeepSpeedTarget(PyTorchTarget):
             )
         if facts.low is None:
             contract.runs.append("No precision section: fp32 parameters and math.")
+        contract.runs += facts.loop_runs(
+            "model_engine.compile(): DeepSpeed compiles its module in place (torch.compile, backend"
+            " inductor), inside the engine's autocast"
+        )
         if facts.channels_last:
             contract.runs.append(
                 "channels_last weights and 4-D inputs, applied after initialize(): its parameter broadcast"
@@ -177,7 +183,7 @@ class DeepSpeedTarget(PyTorchTarget):
             *helper_lines(blocks),
             *prepare_lines(facts, move=False, channels_last=False),
             "",
-            OPTIMIZER.format(after="the casts"),
+            facts.optimizer_line(after="the casts"),
             SCHEDULER,
             "model_engine, optimizer, _, _ = deepspeed.initialize(",
             '    model=model, optimizer=optimizer, config="ds_config.json"',
@@ -188,6 +194,14 @@ class DeepSpeedTarget(PyTorchTarget):
                 "model.to(memory_format=torch.channels_last)  # after initialize(): model_engine.module is"
                 " model",
                 "model.register_forward_pre_hook(channels_last_inputs, with_kwargs=True)",
+            ]
+        if facts.compile:
+            mode = (
+                "" if facts.compile == "default" else f"compile_kwargs={{{py('mode')}: {py(facts.compile)}}}"
+            )
+            lines += [
+                "# measured compiled: DeepSpeed compiles its module in place; the first step compiles",
+                f"model_engine.compile({mode})",
             ]
         opts = facts.scaler
         if opts is not None:

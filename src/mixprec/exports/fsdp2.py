@@ -4,7 +4,8 @@ The same plan as :func:`mixprec.distributed.shard_model` (run by the frameworks 
 rank): each repeated block and the root sharded with :func:`mixprec.distributed.fsdp_mp_policy`'s
 dtypes, each fp32 island in a group of its own with an fp32 policy. ``fully_shard`` refuses
 non-contiguous parameters (``FSDP does not support non-contiguous parameters``), so channels_last
-is refused.
+is refused. ``torch.compile`` wraps the model after ``fully_shard``, and torch's fused and foreach
+optimizers step the DTensor shards (DTensor has sharding rules for ``_fused_adam(w)_``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ class FSDP2Target(PyTorchTarget):
     """FSDP2: the plain-PyTorch export with fully_shard between preparation and optimizer."""
 
     name = "fsdp2"
-    writes_compile = False  # not written yet: refused with the reason
     writes_fp8 = False  # torchao float8 with FSDP2 (fp8 all-gather) is not checked yet: refused
     title = "FSDP2 (fully_shard)"
     aliases = ("fsdp", "fully_shard")
@@ -79,6 +79,11 @@ class FSDP2Target(PyTorchTarget):
             contract.runs.append(
                 "fp32 islands: a fully_shard group of their own with an fp32 policy (else the enclosing group"
                 " would all-gather their parameters in low precision)."
+            )
+        if facts.optimizer in ("fused", "foreach"):
+            contract.runs.append(
+                f"The {facts.optimizer} optimizer kernels step each rank's DTensor shards (DTensor shards"
+                " them as the parameters are)."
             )
         contract.fill_in += " model.layers: your repeated blocks (transformer layers, ResNet stages, ...)."
         launch = 'torch.distributed.init_process_group("gloo")'

@@ -7,6 +7,13 @@ Checked in transformers 5.23's source and run by the frameworks tier:
   on a CPU is refused, and so is a GradScaler with non-default options (no flag for them).
 - The Trainer calls ``model(**inputs)``: the input conversions are keyword-aware, and the bf16-true
   cast leaves ``labels`` alone (the model computes its loss from them).
+- ``torch_compile=True, torch_compile_mode=...`` become the Accelerator's ``TorchDynamoPlugin``
+  (backend inductor); on an Ampere GPU ``TrainingArguments`` then sets TF32 as the global fp32
+  precision, so the fp32 knobs are set after ``Trainer(...)``. ``optim`` picks the class as well as
+  the implementation (``adamw_torch_fused`` is AdamW, and the default on torch >= 2.8), so the
+  measured implementation comes as the user's optimizer through ``optimizers=(optimizer, None)``.
+  The scheduler steps unless Accelerate saw a skipped step: fp16-mixed with a fused optimizer is
+  refused, as for Accelerate.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from mixprec.exports.base import (
     Contract,
     Facts,
     Refusal,
+    call_lines,
     helper_lines,
     helper_names,
     helpers,
@@ -37,7 +45,6 @@ class HFTarget(PyTorchTarget):
     """The HF Trainer: TrainingArguments(bf16/fp16) plus the plain-PyTorch model preparation."""
 
     name = "hf"
-    writes_compile = False  # not written yet: refused with the reason
     writes_fp8 = False  # its own fp8 path (if any) is not what mixprec measures: refused
     title = "HF Trainer"
     aliases = ("transformers", "huggingface")
@@ -61,6 +68,14 @@ class HFTarget(PyTorchTarget):
                 "the HF Trainer's fp16=True is autocast + GradScaler over fp32 weights and its GradScaler"
                 " refuses fp16 gradients; fp16-true needs fp16 weights with loss scaling",
                 "fp16-mixed with the HF Trainer, or the 'pytorch' or 'mixprec' export for fp16-true",
+            )
+        if facts.scaler is not None and facts.optimizer == "fused":
+            return Refusal(
+                "the HF Trainer steps its scheduler unless Accelerate saw a skipped step, which it tells by"
+                " whether optimizer.step() ran, and GradScaler always runs a fused optimizer's step (the"
+                " kernel skips an overflowing update itself): the scheduler would step after every overflow",
+                "optimizer='foreach' with the HF Trainer, or the 'pytorch' or 'mixprec' export for"
+                f" {facts.name} with the fused optimizer",
             )
         changed = {k: v for k, v in facts.scaler_changes().items() if k in SCALER_ARGS}
         if changed:
@@ -86,6 +101,8 @@ class HFTarget(PyTorchTarget):
             flags.append(f"{facts.spec.accelerate}=True")
         if facts.device_type == "cpu":
             flags.append("use_cpu=True")
+        if facts.compile:
+            flags += ["torch_compile=True", f"torch_compile_mode={py(facts.compile)}"]
         return [*flags, "max_grad_norm=1.0"]
 
     def contract(self, facts: Facts) -> Contract:
@@ -124,7 +141,23 @@ class HFTarget(PyTorchTarget):
                 f"min_scale={py(facts.min_scale)}: the Trainer's GradScaler has no floor and no collapse"
                 " alarm."
             )
-        if facts.name in ("tf32", "bf32"):
+        contract.runs += facts.loop_runs(
+            "torch_compile=True: the Trainer's Accelerator compiles the model (backend inductor) after its"
+            " autocast wrapper"
+        )
+        if facts.optimizer:
+            contract.runs.append(
+                "optimizers=(optimizer, None): the Trainer steps your optimizer (its optim, learning_rate,"
+                " weight_decay and adam_* arguments no longer apply) and builds its learning-rate scheduler"
+                ' around it. optim="adamw_torch_fused" would mean AdamW, fused; here it is yours.'
+            )
+        if facts.compile:
+            contract.instead.append(
+                "The fp32 math knobs are set after Trainer(...): with torch_compile on an Ampere GPU,"
+                " TrainingArguments sets TF32 as torch's global fp32 precision, and the Trainer's Accelerator"
+                " the legacy allow_tf32 flag when neither bf16 nor fp16 is on."
+            )
+        if facts.spec.is_math_mode and facts.spec.compute_format != "fp32":
             contract.instead.append(
                 f"{facts.name}: set by the fp32_precision knobs below. TrainingArguments(tf32=...) stays"
                 " unset:"
@@ -143,17 +176,23 @@ class HFTarget(PyTorchTarget):
         if facts.true is not None:
             names.append("default_dtype_in_forward")
         blocks = helpers(names)
-        prepare = prepare_lines(facts, move=False, keep_kwargs=LABELS)
+        # With the user's optimizer the model is on its device first, as Trainer(optimizers=...) wants.
+        prepare = prepare_lines(facts, move=bool(facts.optimizer), keep_kwargs=LABELS)
         if facts.true is not None:
             prepare.append(
                 f"default_dtype_in_forward(model, {DTYPE_CODE[facts.true]})  # tensors forward creates"
             )
+        trainer = ["model=model", "args=args", "train_dataset=train_dataset"]
+        if facts.optimizer:
+            prepare += ["", facts.optimizer_line(after="the casts")]
+            trainer.append("optimizers=(optimizer, None)")
+        knobs = precision_lines(facts)
         return [
             *imports("import torch", "from transformers import Trainer, TrainingArguments", helpers=blocks),
             "",
             f"device_type = {py(facts.device_type)}",
             "",
-            *precision_lines(facts),
+            *([] if facts.compile else knobs),
             *helper_lines(blocks),
             *prepare,
             "",
@@ -161,6 +200,7 @@ class HFTarget(PyTorchTarget):
             *(f"    {flag}," for flag in self.flags(facts)),
             "    **training_args,  # yours: output_dir, learning_rate, batch size, max_steps, ...",
             ")",
-            "trainer = Trainer(model=model, args=args, train_dataset=train_dataset)",
+            *call_lines("trainer = Trainer", trainer),
+            *(knobs if facts.compile else []),  # after Trainer(...): it may set TF32 (see the notes)
             "trainer.train()",
         ]

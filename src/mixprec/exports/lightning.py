@@ -11,6 +11,12 @@ Checked in lightning 2.6's source and run by the frameworks tier:
   uses a subclass that leaves the batch alone and casts the model's inputs with a pre-hook, as
   mixprec does (:mod:`mixprec.exports.snippets_lightning`).
 - ``16-true`` has no loss scaler: fp16-true is refused.
+- ``trainer.fit(torch.compile(module))`` unwraps the ``OptimizedModule`` and compiles the module's
+  ``forward`` and ``training_step`` (``lightning.pytorch.utilities.compile.from_compiled``). The
+  optimizer flag goes into ``configure_optimizers``; ``MixedPrecision.clip_gradients`` raises for an
+  optimizer that unscales in its step (``_step_supports_amp_scaling``: the fused ones), bf16 too, so
+  a fused optimizer under *-mixed clips in ``configure_gradient_clipping`` (after ``unscale_`` for
+  fp16, which Lightning skips for such optimizers).
 """
 
 from __future__ import annotations
@@ -122,15 +128,36 @@ class LightningTarget(ExportTarget):
                 + (" (after Lightning's conversion, in on_fit_start())." if facts.true is not None else ".")
             )
             contract.instead.append(_RELATIVE + ".")
+        contract.runs += facts.loop_runs(
+            "torch.compile(LitModel()) before trainer.fit: Lightning unwraps it and compiles forward and"
+            " training_step"
+        )
+        if self.clips_in_hook(facts):
+            contract.instead.append(
+                "Lightning's MixedPrecision refuses gradient_clip_val with a fused optimizer (it expects the"
+                " fused step to unscale); configure_gradient_clipping() below clips at gradient_clip_val"
+                + (", after unscaling the fp16 gradients." if facts.scaler is not None else ".")
+            )
         fill = (
             "YourLightningModule (your LightningModule class: LitModel adds the hooks to it, calling yours"
             " first), loader, trainer_options (your other Trainer arguments: max_epochs, logger, ...), and"
             " LitModel's constructor arguments."
         )
+        if facts.optimizer:
+            fill += (
+                f" configure_optimizers() replaces yours: put your optimizer and scheduler there, keeping"
+                f" {facts.optimizer_flag}."
+            )
         if facts.true is not None:
             fill += " training_step must call self(...): the input cast is a pre-hook on the LightningModule."
         contract.fill_in = fill
         return contract
+
+    @staticmethod
+    def clips_in_hook(facts: Facts) -> bool:
+        """Whether gradients are clipped in configure_gradient_clipping(): Lightning's MixedPrecision
+        raises on gradient_clip_val when the optimizer is fused (``_step_supports_amp_scaling``)."""
+        return facts.optimizer == "fused" and facts.mixed is not None
 
     def body(self, facts: Facts) -> list[str]:
         device = py(facts.device_type)
@@ -201,6 +228,27 @@ class LightningTarget(ExportTarget):
                 "    def on_after_batch_transfer(self, batch, dataloader_idx):",
                 "        return to_channels_last(super().on_after_batch_transfer(batch, dataloader_idx))",
             ]
+        if facts.optimizer:
+            flag = facts.optimizer_flag
+            lines += [
+                "",
+                "    def configure_optimizers(self):  # yours, with the implementation mixprec measured",
+                f"        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, {flag})  # yours",
+                "        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, 1000)  # yours",
+                '        return {"optimizer": optimizer, "lr_scheduler": scheduler}',
+            ]
+        if self.clips_in_hook(facts):
+            lines += [
+                "",
+                "    def configure_gradient_clipping(self, optimizer, gradient_clip_val,"
+                " gradient_clip_algorithm):",
+                "        # MixedPrecision.clip_gradients refuses a fused optimizer: clip here",
+            ]
+            if facts.scaler is not None:
+                lines.append(
+                    "        self.trainer.precision_plugin.scaler.unscale_(optimizer)  # true gradients first"
+                )
+            lines.append("        torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)")
         lines += ["", ""]
         accelerator = "gpu" if facts.device_type == "cuda" else "cpu"
         args = [f'accelerator="{accelerator}"']
@@ -215,7 +263,14 @@ class LightningTarget(ExportTarget):
         else:
             args.append(f'precision="{precision}"')
         lines += call_lines("trainer = L.Trainer", [*args, "gradient_clip_val=1.0", "**trainer_options"])
-        lines.append(
-            "trainer.fit(LitModel(), train_dataloaders=loader)  # LitModel(your constructor arguments)"
-        )
-        return lines
+        if not facts.compile:
+            lines.append(
+                "trainer.fit(LitModel(), train_dataloaders=loader)  # LitModel(your constructor arguments)"
+            )
+            return lines
+        return [
+            *lines,
+            "model = LitModel()  # LitModel(your constructor arguments)",
+            *facts.compile_lines(),
+            "trainer.fit(model, train_dataloaders=loader)  # Lightning compiles forward and training_step",
+        ]

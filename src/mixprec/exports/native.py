@@ -12,14 +12,14 @@ class MixprecTarget(ExportTarget):
 
     name = "mixprec"
     title = "mixprec"
-    writes_compile = True
     writes_fp8 = True
 
     def contract(self, facts: Facts) -> Contract:
         return Contract(
             runs=[
                 "Policy.prepare(), autocast(), backward() and step(): the policy exactly as mixprec"
-                " verified it."
+                " verified it.",
+                *facts.loop_runs("torch.compile(model) after prepare()"),
             ],
             fill_in=f"{EXPECTS}; the optimizer and scheduler lines.",
         )

@@ -36,7 +36,6 @@ class PyTorchTarget(ExportTarget):
     """Plain PyTorch: every policy is expressible."""
 
     name = "pytorch"
-    writes_compile = True
     writes_fp8 = True
     title = "plain PyTorch"
     aliases: ClassVar[tuple[str, ...]] = ("torch", "plain")
@@ -45,6 +44,7 @@ class PyTorchTarget(ExportTarget):
     def contract(self, facts: Facts) -> Contract:
         contract = super().contract(facts)
         contract.runs += self.policy_runs(facts)
+        contract.runs += facts.loop_runs(f"torch.compile(model) after {self.optimizer_after}")
         contract.fill_in = f"{EXPECTS}; the optimizer and scheduler lines."
         return contract
 

@@ -8,7 +8,7 @@ For every finding with a :class:`~mixprec.linting.model.Remedy`:
   architecture used the aligned size; a layout fix times the largest affected convolutions
   in both memory formats.
 * the **training step**: the whole step (forward, backward, optimizer) of the original model
-  and of a fixed copy, with the bench runner (:func:`mixprec.measure.runner.run_candidate`)
+  and of a fixed copy, with the bench runner (:func:`mixprec.frameworks.torch.session.run_candidate`)
   on the same batches. The fixed copy is a *drop-in* fix: zero-padded weights, its input
   padded with zeros and its output sliced back, so the model computes exactly what it did
   before; those extra pad/slice copies are part of the figure. The baseline is timed before
@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import UsageError
+from mixprec.frameworks.session import BenchSettings, distinct_batches
+from mixprec.frameworks.torch.session import make_batches, run_candidate
 from mixprec.linting.model import Finding, LintResult, MeasuredGain, Remedy
 from mixprec.linting.trace import ModuleRecord, TensorInfo, memory_format_of
-from mixprec.measure.runner import BenchSettings, distinct_batches, make_batches, run_candidate
 from mixprec.policy import Candidate, Policy
 from mixprec.workload import Workload, validate_workload
 

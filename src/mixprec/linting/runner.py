@@ -16,7 +16,7 @@ from mixprec.linting.measure import measure_findings
 from mixprec.linting.model import SEVERITY_RANK, Finding, LintResult
 from mixprec.linting.rules import RULES
 from mixprec.linting.trace import trace_workload
-from mixprec.policy import Policy, check_support, get_policy, starting_policy
+from mixprec.policy import Candidate, Policy, check_support, get_policy, starting_policy
 from mixprec.workload import Workload
 
 TARGETS = ("cpu", "cuda")
@@ -51,8 +51,18 @@ def parse_rule_ids(ignore: str | Iterable[str] | None) -> tuple[str, ...]:
 
 
 def _resolve_policy(
-    policy: str | Policy | None, device: Any, device_info: DeviceInfo | None, channels_last: bool | None
+    policy: str | Candidate | Policy | None,
+    device: Any,
+    device_info: DeviceInfo | None,
+    channels_last: bool | None,
 ) -> tuple[Policy, DeviceInfo, bool]:
+    if isinstance(policy, Candidate):  # whole: its layout and fp32 islands are what is judged
+        if channels_last is not None:
+            raise UsageError(
+                f"channels_last was given both as an argument and by the candidate {policy.label!r}; "
+                "pass the candidate only."
+            )
+        policy = get_policy(policy, device=resolve_device(device), check=False)
     if isinstance(policy, Policy):
         if device is not None and resolve_device(device) != policy.device:
             raise UsageError(
@@ -67,8 +77,9 @@ def _resolve_policy(
         return policy, device_info or detect(policy.device), False
     if policy is not None and not isinstance(policy, str):
         raise UsageError(
-            f"policy must be a policy name or a mixprec.Policy, got {type(policy).__name__}; "
-            "e.g. policy='bf16-mixed' or policy=mixprec.get_policy('bf16-mixed')."
+            f"policy must be a policy name, a mixprec.Candidate or a mixprec.Policy, got "
+            f"{type(policy).__name__}; e.g. policy='bf16-mixed' or mixprec.Candidate('bf16-mixed', "
+            "channels_last=True)."
         )
     dev = resolve_device(device)
     info = device_info or detect(dev)
@@ -142,7 +153,7 @@ def _sort_key(f: Finding) -> tuple:
 
 def run_lint(
     workload: Workload,
-    policy: str | Policy | None = None,
+    policy: str | Candidate | Policy | None = None,
     *,
     device: str | torch.device | None = None,
     batch_size: int | None = None,
@@ -247,7 +258,7 @@ def run_lint(
 
 def lint(
     workload: Workload,
-    policy: str | Policy | None = None,
+    policy: str | Candidate | Policy | None = None,
     *,
     device: str | torch.device | None = None,
     batch_size: int | None = None,
@@ -258,7 +269,9 @@ def lint(
 ) -> list[Finding]:
     """Lint ``workload`` for tensor-core-unfriendly shapes and precision mistakes.
 
-    ``channels_last`` sets that option of a policy given by name. Returns the active
+    ``policy`` is a policy name, a :class:`mixprec.Candidate` (judged whole: its layout and fp32
+    islands) or a :class:`mixprec.Policy`; ``channels_last`` sets that option of a policy given by
+    name. Returns the active
     findings, most important first (suppressed unavoidable cases are in
     :func:`run_lint`'s result). With ``measure=True`` the mechanical fixes are built and timed
     (:func:`mixprec.linting.measure_findings`) and the findings are ranked by measured gain.

@@ -27,23 +27,16 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from mixprec.frameworks.base import SessionBuilder
+from mixprec.frameworks.session import BenchSettings, Measurement, Session
 from mixprec.measure import preload
 from mixprec.measure.failure import exception_status, failure_status
-from mixprec.measure.process import current_rss_bytes, die_with_parent, main_module_hidden
-from mixprec.measure.runner import BenchSettings, Measurement, TrainingSession
 from mixprec.policy import Candidate
+from mixprec.process import current_rss_bytes, die_with_parent, main_module_hidden
 from mixprec.quiet import quiet_known_noise
-from mixprec.workload import Workload, WorkloadSpec
-from mixprec.workload.models import preload_modules
+from mixprec.workload import WorkloadSpec
 from mixprec.workload.output import captured_fds
 
-_PRELOAD = [
-    "torch",
-    "torchvision",
-    "mixprec.measure.runner",
-    "mixprec.workload.loader",
-    "mixprec.measure.preload",  # last: it imports what the workload's model library needs
-]
 _CONTEXT: Any = None
 _POLL_S = 0.2  # how often a wait looks at should_stop
 TRACEBACK_FRAMES = 12  # innermost frames a failed session's traceback keeps
@@ -63,18 +56,19 @@ class SessionEnded(Exception):
         self.traceback = traceback  # where a failure happened (a child's is otherwise lost)
 
 
-def _context(spec: WorkloadSpec | None = None) -> Any:
-    """The fork server's context, started on first use with the modules ``spec``'s model library
-    needs preloaded (a later spec that needs others imports them in its children)."""
+def _context(modules: tuple[str, ...] = ()) -> Any:
+    """The fork server's context, started on first use with ``modules`` imported once (the
+    framework, the model's library: ``Framework.preload``); a later sweep that needs others imports
+    them in its children."""
     global _CONTEXT
     if _CONTEXT is None:
         from multiprocessing import forkserver
 
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
-        extra = preload_modules(spec.target) if spec is not None else ()
+        # measure.preload imports the slow ones quietly (what they print was shown by this process)
+        ctx.set_forkserver_preload(["mixprec.measure.preload"])
         before = os.environ.get(preload.ENV)
-        os.environ[preload.ENV] = ",".join(extra)
+        os.environ[preload.ENV] = ",".join(modules)
         try:
             with main_module_hidden():
                 forkserver.ensure_running()
@@ -85,29 +79,6 @@ def _context(spec: WorkloadSpec | None = None) -> Any:
                 os.environ[preload.ENV] = before
         _CONTEXT = ctx
     return _CONTEXT
-
-
-def preload_also(*modules: str) -> None:
-    """Have the fork server import ``modules`` too (e.g. tensorflow for Keras candidates), so each
-    child does not import them again; no effect once the server has started."""
-    for module in modules:
-        if module not in _PRELOAD:
-            _PRELOAD.append(module)
-    if _CONTEXT is not None:
-        _CONTEXT.set_forkserver_preload(_PRELOAD)
-
-
-def build_torch_session(spec: dict[str, Any], candidate: Candidate, settings: BenchSettings) -> Any:
-    """A child's torch :class:`TrainingSession`, its workload rebuilt from ``spec``."""
-    from mixprec.workload.loader import workload_from_spec
-
-    workload = workload_from_spec(WorkloadSpec(spec["kind"], spec["target"], tuple(spec["sizes"].items())))
-    return TrainingSession(workload, candidate, settings)
-
-
-# (spec dict, candidate, settings) -> a session with warm_up/step/finish (TrainingSession's interface);
-# a module-level function, so it pickles by name into the child.
-SessionBuilder = Callable[[dict[str, Any], Candidate, BenchSettings], Any]
 
 
 def _error_event(exc: BaseException) -> dict[str, Any]:
@@ -125,7 +96,7 @@ def _child(
     spec: dict[str, Any],
     candidate: Candidate,
     settings: BenchSettings,
-    build: SessionBuilder = build_torch_session,
+    build: SessionBuilder,
 ) -> None:
     """Child process body: build the session, then obey commands; errors are sent, never raised."""
     die_with_parent()
@@ -176,15 +147,18 @@ class ChildSession:
         candidate: Candidate,
         settings: BenchSettings,
         *,
+        build: SessionBuilder,
+        preload: tuple[str, ...] = (),
         should_stop: Callable[[], bool] = lambda: False,
         start_timeout_s: float = 600.0,
-        build: SessionBuilder = build_torch_session,
     ) -> None:
+        """``build`` makes the session in the child (the backend's ``session_builder``); ``preload``
+        names the modules the fork server imports once (``Framework.preload``)."""
         self.candidate = candidate
         self.should_stop = should_stop
         self.steps_seen: list[float] = []
         self.build_output = ""  # what rebuilding the workload printed in the child
-        ctx = _context(spec)
+        ctx = _context(preload)
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
             target=_child, args=(child_conn, spec.to_dict(), candidate, settings, build), daemon=True
@@ -288,21 +262,18 @@ class LocalSession:
 
     def __init__(
         self,
-        workload: Workload,
         candidate: Candidate,
-        settings: BenchSettings,
-        batches: list | None = None,
+        build: Callable[[], Session],
         *,
         should_stop: Callable[[], bool] = lambda: False,
-        factory: Callable[[], Any] | None = None,
     ) -> None:
-        """``factory`` builds another framework's session (same interface as TrainingSession)."""
+        """``build`` makes the framework's session (``Framework.session``)."""
         self.candidate = candidate
         self.should_stop = should_stop
         self.steps_seen: list[float] = []
         self.build_output = ""  # nothing is rebuilt in this process
         try:
-            self._session = factory() if factory else TrainingSession(workload, candidate, settings, batches)
+            self._session = build()
         except Exception as exc:
             raise SessionEnded(
                 exception_status(exc),

@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 
+from mixprec.events import Events
+from mixprec.frameworks.base import Framework
+from mixprec.frameworks.session import BenchSettings, Measurement
 from mixprec.measure.isolate import ChildSession, LocalSession, SessionEnded
 from mixprec.measure.results import BenchRow
-from mixprec.measure.runner import BenchSettings, Measurement
 from mixprec.policy import Candidate
 from mixprec.status import Status
-from mixprec.workload import Workload
 
-BASELINE = Candidate("fp32")
 # Below a second a "hopeless" verdict is process noise, not a measurement.
 PRUNE_FLOOR_S = 1.0
 # CUDA warm-up steps cost what cuDNN autotuning and lazy kernel loading need (8 to 69 s for
@@ -52,35 +52,32 @@ BASELINE_LIMIT_S = 600.0
 ROUND_S = 0.2
 MAX_ROUND_STEPS = 500
 
-Session = ChildSession | LocalSession
-Progress = Callable[[dict[str, Any]], None]
+SessionHandle = ChildSession | LocalSession
 
 
 class PairedSweep:
-    """The baseline session and the measurement of one candidate after another against it.
-
-    Another framework subclasses it: its strict-fp32 ``baseline_candidate`` and an ``_open`` that
-    starts its own sessions (:mod:`mixprec.keras.sweep`)."""
-
-    baseline_candidate: Candidate = BASELINE
+    """The baseline session and the measurement of one candidate after another against it; the
+    workload's framework backend builds the sessions (in child processes or in this one)."""
 
     def __init__(
         self,
-        workload: Workload,
+        framework: Framework,
+        workload: Any,
         settings: BenchSettings,
         *,
         label: str,
         isolate: bool,
         prune_factor: float,
-        progress: Progress,
+        events: Events,
         should_stop: Callable[[], bool],
         batches: list | None = None,
     ) -> None:
-        self.workload, self.settings, self.label = workload, settings, label
+        self.framework, self.workload, self.settings, self.label = framework, workload, settings, label
+        self.baseline_candidate = framework.baseline
         self.isolate, self.prune_factor = isolate, prune_factor
-        self.progress, self.should_stop, self.batches = progress, should_stop, batches
+        self.events, self.should_stop, self.batches = events, should_stop, batches
         self.on_cuda = settings.device.startswith("cuda")
-        self.baseline: Session | None = None
+        self.baseline: SessionHandle | None = None
         self.baseline_times: list[float] = []  # every timed baseline step, in order (seconds)
         self.baseline_cold: float | None = None
         self.compiling = False  # the candidate being measured runs under torch.compile
@@ -88,15 +85,29 @@ class PairedSweep:
         self.best_ratio = 1.0  # the best median paired ratio so far (the baseline itself is 1)
 
     # ------------------------------------------------------------------ sessions
-    def _open(self, candidate: Candidate, settings: BenchSettings) -> Session:
+    def _open(self, candidate: Candidate, settings: BenchSettings) -> SessionHandle:
         # The baseline is never stopped mid-step: every row already measured was timed against it,
         # and it must finish to give its own row (a deadline ends the sweep between candidates).
         stop = self.should_stop if candidate != self.baseline_candidate else (lambda: False)
+        framework = self.framework
         if not self.isolate:
-            return LocalSession(self.workload, candidate, settings, self.batches, should_stop=stop)
-        session = ChildSession(self.workload.spec, candidate, settings, should_stop=stop)  # type: ignore[arg-type]
+            return LocalSession(
+                candidate,
+                lambda: framework.session(self.workload, candidate, settings, self.batches),
+                should_stop=stop,
+            )
+        build = framework.session_builder()
+        assert build is not None, f"{framework.title} has no candidate processes (bench refuses isolate)"
+        session = ChildSession(
+            self.workload.spec,
+            candidate,
+            settings,
+            build=build,
+            preload=framework.preload(self.workload.spec),
+            should_stop=stop,
+        )
         if session.build_output:  # the factory's prints, already shown once by this process
-            self.progress({"event": "output", "label": candidate.label, "text": session.build_output})
+            self.events({"event": "output", "label": candidate.label, "text": session.build_output})
         return session
 
     def _row(
@@ -144,7 +155,7 @@ class PairedSweep:
 
     def _emit(self, candidate: Candidate) -> Callable[[dict[str, Any]], None]:
         total = self.settings.warmup + self.settings.steps
-        return lambda event: self.progress(
+        return lambda event: self.events(
             {**event, "label": candidate.label, "total": max(total, event["index"] + 1)}
         )
 
@@ -166,7 +177,7 @@ class PairedSweep:
         the candidate's own failures (they become the row's status). :class:`SessionEnded` with
         status 'stopped' propagates: the sweep ends there."""
         wall = time.perf_counter()
-        session: Session | None = None
+        session: SessionHandle | None = None
         times: list[float] = []
         ratios: list[float] = []
         cold: list[float] = []

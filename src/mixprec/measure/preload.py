@@ -1,9 +1,9 @@
 """Imported by the candidates' fork server before it forks any child.
 
 The slow imports a workload needs (transformers, timm: seconds each) are named in
-``MIXPREC_PRELOAD`` by :func:`mixprec.measure.isolate.start_children` and imported here once, so
-every candidate's child starts with them loaded. Whatever they print while importing is dropped:
-the parent process, which imported them too, has already shown it.
+``MIXPREC_PRELOAD`` by the sweep (``Framework.preload``; :mod:`mixprec.measure.isolate`) and
+imported here once, so every candidate's child starts with them loaded. Whatever they print
+while importing is dropped: the parent process, which imported them too, has already shown it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.files import atomic_write_text
-from mixprec.measure import flops as flops_mod
+from mixprec.measure.mfu import achieved_tflops, mfu
 from mixprec.policy import Candidate
 from mixprec.schema import SCHEMA_VERSION, check_version, known_fields
 from mixprec.status import Status
@@ -218,20 +218,18 @@ def median_ci(
     return medians[int(tail * (resamples - 1))], medians[int((1 - tail) * (resamples - 1))]
 
 
-# a Keras row's MFU cell is n/a with this reason (also the Keras sweep's note on the whole result)
-KERAS_MFU_NOTE = "MFU n/a: no FLOP count of a Keras train step (torch.utils.flop_counter counts torch's)"
+# Why the MFU of a row without a FLOP count is n/a (said once per result, not once per row).
+NO_FLOPS_NOTE = "MFU n/a: no FLOP count of this train step (torch.utils.flop_counter counts torch's)"
 
 
-def _mfu(
-    row: BenchRow, flops: int | None, step_s: float, peak: float | None, source: str
-) -> tuple[float | None, str]:
-    """MFU, or None with the reason when the figure cannot be right (above the peak)."""
-    if flops is None and row.candidate.framework == "tensorflow":
-        return None, KERAS_MFU_NOTE
-    value = flops_mod.mfu(flops, step_s, peak)
+def _mfu(flops: int | None, step_s: float, peak: float | None, source: str) -> tuple[float | None, str]:
+    """MFU, or None with the reason when the figure cannot be right (above the peak) or is missing."""
+    if flops is None:
+        return None, NO_FLOPS_NOTE
+    value = mfu(flops, step_s, peak)
     if value is None or value <= 1.0:
         return value, ""
-    achieved = flops_mod.achieved_tflops(flops, step_s)
+    achieved = achieved_tflops(flops, step_s)
     why = (
         "the measured CPU peak is too low (the machine was busy when it was measured)"
         if source.startswith("measured")
@@ -262,11 +260,11 @@ def assemble(rows: Iterable[BenchRow], flops_per_step: int | None, peaks: Peaks)
             flops = row.flops_per_step or flops_per_step
             peak, source = peaks.get(row.candidate.spec.peak_key, (None, ""))
             step_s = st.median_ms / 1e3
-            mfu, note = _mfu(row, flops, step_s, peak, source)
+            utilisation, note = _mfu(flops, step_s, peak, source)
             derived.update(
                 flops_per_step=flops,
-                achieved_tflops=flops_mod.achieved_tflops(flops, step_s),
-                mfu=mfu,
+                achieved_tflops=achieved_tflops(flops, step_s),
+                mfu=utilisation,
                 mfu_note=note,
                 peak_flops=peak,
                 peak_flops_source=source,

@@ -24,7 +24,7 @@ def search_keep_fp32(
     steps: int,
     search_steps: int,
     deadline: float,
-    progress: Callable[[str], None],
+    stage: Callable[[str], None],
     kind: str = "fp32 modules",
 ) -> None:
     """Fill ``result``'s fix fields from a search over the first ``max_set`` names of ``order``;
@@ -36,7 +36,7 @@ def search_keep_fp32(
         if time.perf_counter() > deadline:
             break
         chosen.append(name)
-        progress(f"{cand.label}: trying keep_fp32={chosen}")
+        stage(f"{cand.label}: trying keep_fp32={chosen}")
         passed = run(cand, chosen, search_steps)[0]
         if passed:
             break
@@ -53,7 +53,7 @@ def search_keep_fp32(
         trial = [n for n in chosen if n != name]
         if trial and run(cand, trial, search_steps)[0]:
             chosen = trial
-    progress(f"{cand.label}: verifying keep_fp32={chosen}")
+    stage(f"{cand.label}: verifying keep_fp32={chosen}")
     verified, reason, cmp, *_ = run(cand, chosen, None)
     result.fix_keep_fp32 = chosen
     result.fix_verified = verified

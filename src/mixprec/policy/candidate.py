@@ -10,11 +10,9 @@ from mixprec.policy.registry import PolicySpec, canonical_name, spec_of
 
 # Formats `check` can emulate on hardware without them (mixprec.numerics.emulate).
 EMULATABLE: tuple[str, ...] = ("tf32", "bf16", "fp8_e4m3", "fp8_e5m2")
-FRAMEWORKS: tuple[str, ...] = ("torch", "tensorflow")
-# torch.compile modes; "reduce-overhead" (CUDA graphs) only on CUDA.
+# torch.compile modes; "reduce-overhead" (CUDA graphs) only on CUDA. Other frameworks name their own
+# (mixprec.frameworks.Framework.compile_modes: "xla" for Keras on TensorFlow).
 COMPILE_MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
-# TensorFlow's own fast path: the train step's tf.function with jit_compile=True (XLA).
-TF_COMPILE_MODES: tuple[str, ...] = ("xla",)
 # How a torch.optim optimizer applies its update: a Python loop per parameter, multi-tensor
 # (foreach) kernels, or one fused kernel (Adam, AdamW, SGD on CPU and CUDA).
 OPTIMIZER_IMPLS: tuple[str, ...] = ("for-loop", "foreach", "fused")
@@ -31,14 +29,15 @@ class Candidate:
         keep_fp32: module-name glob patterns that run outside autocast in fp32 ("fp32 islands").
         emulate: `check` only: run strict fp32 under this format's emulated rounding
             (one of :data:`EMULATABLE`) to predict hardware the machine lacks.
-        compile: ``torch.compile`` mode the model runs under (one of :data:`COMPILE_MODES`), None
-            for eager; for TensorFlow "xla" (:data:`TF_COMPILE_MODES`), None for the plain
-            ``tf.function`` train step.
+        compile: the compile mode the step runs under, None for eager: a ``torch.compile`` mode
+            (:data:`COMPILE_MODES`) for torch, "xla" for TensorFlow.
         optimizer: the optimizer's implementation (one of :data:`OPTIMIZER_IMPLS`), None for the
             workload's optimizer as written.
-        framework: the training framework the candidate runs in: "torch" or "tensorflow" (Keras 3,
-            :mod:`mixprec.keras`; Keras is NHWC already, so no channels_last, and its optimizers have
-            no implementation switch).
+        framework: the training framework the candidate runs in (a registered
+            :class:`mixprec.frameworks.Framework`: "torch", or "tensorflow" for Keras 3). Which axes
+            apply is the framework's to say (:meth:`~mixprec.frameworks.Framework.validate`: Keras
+            is NHWC already, so no channels_last); a candidate is checked against them where it
+            enters bench, check, tune or an export.
     """
 
     policy: str
@@ -67,36 +66,16 @@ class Candidate:
                 f"Cannot emulate {self.emulate!r}; valid: {', '.join(EMULATABLE)}. "
                 "fp16 runs natively on every CPU: check fp16-mixed instead."
             )
-        if self.framework not in FRAMEWORKS:
-            raise PolicyError(f"Unknown framework {self.framework!r}; valid: {', '.join(FRAMEWORKS)}.")
-        if self.framework == "tensorflow":
-            self._check_tensorflow()
-        elif self.compile is not None and self.compile not in COMPILE_MODES:
+        if not isinstance(self.framework, str) or not self.framework:
+            raise PolicyError(f"framework must be a framework name such as 'torch', got {self.framework!r}.")
+        if self.compile is not None and (not isinstance(self.compile, str) or not self.compile):
             raise PolicyError(
-                f"Unknown torch.compile mode {self.compile!r}; valid: {', '.join(COMPILE_MODES)} "
-                "(or None: eager)."
+                f"compile must be a compile mode such as 'default' (or None: eager), got {self.compile!r}."
             )
         if self.optimizer is not None and self.optimizer not in OPTIMIZER_IMPLS:
             raise PolicyError(
                 f"Unknown optimizer implementation {self.optimizer!r}; valid: {', '.join(OPTIMIZER_IMPLS)} "
                 "(or None: as the workload builds it)."
-            )
-
-    def _check_tensorflow(self) -> None:
-        if self.compile is not None and self.compile not in TF_COMPILE_MODES:
-            raise PolicyError(
-                f"Unknown TensorFlow compile mode {self.compile!r}; valid: {', '.join(TF_COMPILE_MODES)} "
-                "(or None: the tf.function train step without XLA)."
-            )
-        if self.channels_last:
-            raise PolicyError(
-                "channels_last does not apply to TensorFlow candidates: Keras models are NHWC already; "
-                "drop channels_last (or --channels-last off)."
-            )
-        if self.optimizer is not None or self.emulate is not None:
-            raise PolicyError(
-                f"TensorFlow candidates take no optimizer implementation or emulated format, got "
-                f"optimizer={self.optimizer!r}, emulate={self.emulate!r}; drop them."
             )
 
     @property
@@ -110,10 +89,12 @@ class Candidate:
             return f"{self.emulate} (emulated)"
         islands = f"+fp32[{','.join(self.keep_fp32)}]" if self.keep_fp32 else ""
         compiled = ""
-        if self.compile in TF_COMPILE_MODES:
+        if self.compile == "default":
+            compiled = "+compile"
+        elif self.compile in COMPILE_MODES:
+            compiled = f"+compile:{self.compile}"
+        elif self.compile:  # another framework's own mode, e.g. "+xla"
             compiled = f"+{self.compile}"
-        elif self.compile:
-            compiled = "+compile" if self.compile == "default" else f"+compile:{self.compile}"
         optimizer = f"+{self.optimizer}" if self.optimizer else ""
         return self.policy + ("+cl" if self.channels_last else "") + islands + compiled + optimizer
 

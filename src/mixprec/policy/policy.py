@@ -15,6 +15,7 @@ from torch import nn
 from mixprec import state
 from mixprec.errors import PolicyError, UnsupportedError, did_you_mean
 from mixprec.hardware.device import DeviceInfo, detect, resolve_device
+from mixprec.policy.candidate import Candidate
 from mixprec.policy.hooks import cast_inputs, channels_last_inputs, default_dtype, keep_in_fp32
 from mixprec.policy.registry import POLICIES, PolicySpec, canonical_name
 from mixprec.policy.scaler import (
@@ -386,7 +387,7 @@ _OPTION_NAMES = ("channels_last", "keep_fp32", "finite_check", *_SCALER_OPTION_N
 
 
 def get_policy(
-    name: str,
+    name: str | Candidate,
     *,
     device: str | torch.device | None = None,
     check: bool = True,
@@ -394,12 +395,29 @@ def get_policy(
 ) -> Policy:
     """Build a :class:`Policy` by name (or alias) for ``device`` (default: CUDA if available, else CPU).
 
+    ``name`` may be a :class:`~mixprec.Candidate`: its policy, channels_last and keep_fp32 (the one
+    place a Candidate becomes a Policy; its compile mode and optimizer implementation are the
+    training loop's, not the policy's). ``options`` then add to the candidate's own.
+
     Options: ``channels_last``, ``keep_fp32`` (module-name glob patterns run outside autocast
     in fp32), ``finite_check`` (skip steps with non-finite gradients on policies without a
     scaler) and, for fp16 policies, ``init_scale, growth_factor, backoff_factor,
     growth_interval, min_scale, max_skips_at_min_scale``. Raises :class:`UnsupportedError`
     when the policy cannot run on the device (``check=False`` builds it anyway).
     """
+    if isinstance(name, Candidate):
+        if name.framework != "torch":
+            raise PolicyError(
+                f"{name.label} is a {name.framework} candidate; get_policy builds torch policies "
+                "(its framework backend builds its own)."
+            )
+        clash = sorted(set(options) & set(name.policy_options()))
+        if clash:
+            raise PolicyError(
+                f"{clash[0]} was given both by the candidate {name.label!r} and as an option; pass it once."
+            )
+        options = {**name.policy_options(), **options}
+        name = name.policy
     canonical = canonical_name(name)
     spec = POLICIES[canonical]
     dev = resolve_device(device)
@@ -424,7 +442,7 @@ def get_policy(
         keep = (keep,)
     if not isinstance(keep, (list, tuple)) or not all(isinstance(p, str) and p for p in keep):
         raise PolicyError(f"keep_fp32 must be a list of module-name patterns (strings), got {keep!r}.")
-    if keep and canonical in ("fp32", "tf32", "bf32"):
+    if keep and spec.is_math_mode:
         raise PolicyError(
             f"keep_fp32 has no effect under {canonical!r}, which already stores and computes in "
             "fp32; it applies to the *-mixed and *-true policies."

@@ -22,6 +22,8 @@ COMPUTE_FORMATS = ("fp32", "tf32", "bf32", "bf16", "fp16", "fp8")
 # torchao.float8 recipes the fp8 policies use (Float8LinearConfig.from_recipe_name).
 FP8_RECIPES = ("tensorwise", "rowwise")
 PEAK_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+# Device types mixprec policies run on (torch.device(...).type).
+DEVICE_TYPES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,23 @@ class Thresholds:
 
 
 @dataclass(frozen=True)
+class DeviceOnly:
+    """A policy whose name holds on one device type only: elsewhere its setting reaches no library
+    (tf32 on a CPU, bf32 on a GPU: plain fp32 under another name) or only reference kernels (fp8
+    on a CPU). The exports refuse it elsewhere with these words.
+
+    Attributes:
+        device_type: the device type (one of :data:`DEVICE_TYPES`) the policy means what it says on.
+        reason: what it would do on the other device type, one clause a user can act on.
+        alternative: the nearest faithful alternative there.
+    """
+
+    device_type: str
+    reason: str
+    alternative: str
+
+
+@dataclass(frozen=True)
 class PolicySpec:
     """What a policy name means. ``autocast_dtype`` and ``param_dtype`` are mutually exclusive.
 
@@ -81,6 +100,8 @@ class PolicySpec:
             None where Keras has none (bf32 and newer formats: TensorFlow refuses the candidate).
         fp8_recipe: fp8 policies: the torchao.float8 recipe (:data:`FP8_RECIPES`) their Linear
             layers are converted with; everything else runs under bf16 autocast.
+
+    The facts from ``fallbacks`` on are documented under each field.
     """
 
     name: str
@@ -95,11 +116,27 @@ class PolicySpec:
     lightning: str | None
     accelerate: str | None
     deepspeed: str | None
+    fallbacks: tuple[str, ...]
+    """What to suggest where the policy is unsupported or only emulated: the first of these policies
+    that runs natively on the device (:func:`mixprec.policy.support.check_support`'s suggestion).
+    Closest numerics first; fp32 runs everywhere, so every chain but fp32's own ends with it."""
     autocast_dtype: torch.dtype | None = None
     param_dtype: torch.dtype | None = None
     loss_scaling: bool = False
     keras: str | None = None
     fp8_recipe: str | None = None
+    device_only: DeviceOnly | None = None
+    """The one device type the policy means what it says on, with why not elsewhere and what to use
+    there instead; None where it holds on every device type mixprec supports."""
+    starting_rank: int | None = None
+    """Where a newcomer starts before measuring anything
+    (:func:`mixprec.policy.support.starting_policy`): on a device type of ``starting_devices``, the
+    natively supported policy of lowest rank. Autocast before a math mode (tf32 and bf32 only change
+    matmul internals), bf16 before fp16 (no loss scaler), fp32 last as it always runs. None: never a
+    starting point."""
+    starting_devices: tuple[str, ...] = ()
+    """The device types (of :data:`DEVICE_TYPES`) on which ``starting_rank`` applies. fp16-mixed is a
+    GPU default only: on a CPU without native fp16 it is far slower than fp32."""
 
     @property
     def low_precision_dtype(self) -> torch.dtype | None:
@@ -121,6 +158,13 @@ class PolicySpec:
         return self.low_precision_dtype is None
 
 
+_FP8_ON_CPU = DeviceOnly(
+    "cuda",
+    "fp8 training needs fp8 tensor cores (an NVIDIA GPU with compute capability >= 8.9); on a CPU it runs "
+    "torch._scaled_mm's slow reference kernels: mixprec only predicts its numerics there",
+    "export for device='cuda' on an fp8 GPU, or 'bf16-mixed' on this CPU",
+)
+
 POLICIES: dict[str, PolicySpec] = {
     spec.name: spec
     for spec in (
@@ -137,6 +181,9 @@ POLICIES: dict[str, PolicySpec] = {
             lightning="32-true",
             accelerate="no",
             deepspeed=None,
+            fallbacks=(),
+            starting_rank=4,
+            starting_devices=("cpu", "cuda"),
             keras="float32",
         ),
         PolicySpec(
@@ -152,6 +199,15 @@ POLICIES: dict[str, PolicySpec] = {
             lightning="32-true",
             accelerate="no",
             deepspeed=None,
+            fallbacks=("bf32", "bf16-mixed", "fp16-mixed", "fp32"),
+            device_only=DeviceOnly(
+                "cuda",
+                "TF32 is a cuBLAS/cuDNN math mode; on a CPU its knobs change nothing, it would train in plain"
+                " fp32",
+                "'fp32', or 'bf32' (oneDNN's reduced-precision fp32 math) on a CPU with native bf16",
+            ),
+            starting_rank=2,
+            starting_devices=("cuda",),
             keras="float32",
         ),
         PolicySpec(
@@ -167,6 +223,15 @@ POLICIES: dict[str, PolicySpec] = {
             lightning="32-true",
             accelerate="no",
             deepspeed=None,
+            fallbacks=("tf32", "bf16-mixed", "fp32"),
+            device_only=DeviceOnly(
+                "cpu",
+                "bf32 is a oneDNN (CPU) math mode; on a GPU its knob changes nothing, it would train in plain"
+                " fp32",
+                "'fp32', or 'tf32' on a GPU with compute capability >= 8.0",
+            ),
+            starting_rank=3,
+            starting_devices=("cpu",),
         ),
         PolicySpec(
             "bf16-mixed",
@@ -181,6 +246,9 @@ POLICIES: dict[str, PolicySpec] = {
             lightning="bf16-mixed",
             accelerate="bf16",
             deepspeed="torch_autocast",
+            fallbacks=("fp16-mixed", "tf32", "bf32", "fp32"),
+            starting_rank=0,
+            starting_devices=("cpu", "cuda"),
             keras="mixed_bfloat16",
             autocast_dtype=torch.bfloat16,
         ),
@@ -197,6 +265,9 @@ POLICIES: dict[str, PolicySpec] = {
             lightning="16-mixed",
             accelerate="fp16",
             deepspeed="torch_autocast",
+            fallbacks=("bf16-mixed", "tf32", "bf32", "fp32"),
+            starting_rank=1,
+            starting_devices=("cuda",),
             keras="mixed_float16",
             autocast_dtype=torch.float16,
             loss_scaling=True,
@@ -214,6 +285,7 @@ POLICIES: dict[str, PolicySpec] = {
             lightning="bf16-true",
             accelerate=None,
             deepspeed=None,
+            fallbacks=("fp16-mixed", "bf16-mixed", "fp32"),
             keras="bfloat16",
             param_dtype=torch.bfloat16,
         ),
@@ -230,6 +302,7 @@ POLICIES: dict[str, PolicySpec] = {
             lightning="16-true",
             accelerate=None,
             deepspeed=None,
+            fallbacks=("bf16-mixed", "bf16-true", "fp32"),
             keras="float16",
             param_dtype=torch.float16,
             loss_scaling=True,
@@ -252,15 +325,19 @@ POLICIES: dict[str, PolicySpec] = {
                 lightning=None,
                 accelerate=None,
                 deepspeed=None,
+                fallbacks=(f"fp8-{other}", "bf16-mixed", "fp16-mixed", "tf32", "bf32", "fp32"),
                 autocast_dtype=torch.bfloat16,
                 fp8_recipe=recipe,
+                device_only=_FP8_ON_CPU,
             )
-            for i, recipe in enumerate(("rowwise", "tensorwise"))
+            for i, (recipe, other) in enumerate((("rowwise", "tensorwise"), ("tensorwise", "rowwise")))
         ),
     )
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+# What `check` judges when no policy is named: the two autocast policies most users choose between.
+CHECK_DEFAULT: tuple[str, ...] = ("bf16-mixed", "fp16-mixed")
 
 # Short names and Lightning's precision strings, so configs can be pasted between tools.
 ALIASES: dict[str, str] = {

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.hardware.device import DeviceInfo
-from mixprec.policy.registry import POLICIES, PolicySpec, canonical_name
+from mixprec.policy.registry import DEVICE_TYPES, POLICIES, PolicySpec, canonical_name
 
 
 @dataclass(frozen=True)
@@ -31,29 +31,6 @@ class Support:
 
     def __bool__(self) -> bool:
         return self.supported
-
-
-# What to suggest instead of a policy that is unsupported (or slow) here: the first of these
-# that runs natively on the device. fp32 always does, so every chain ends there.
-_FALLBACKS: dict[str, tuple[str, ...]] = {
-    "fp32": (),
-    "tf32": ("bf32", "bf16-mixed", "fp16-mixed", "fp32"),
-    "bf32": ("tf32", "bf16-mixed", "fp32"),
-    "bf16-mixed": ("fp16-mixed", "tf32", "bf32", "fp32"),
-    "fp16-mixed": ("bf16-mixed", "tf32", "bf32", "fp32"),
-    "bf16-true": ("fp16-mixed", "bf16-mixed", "fp32"),
-    "fp16-true": ("bf16-mixed", "bf16-true", "fp32"),
-    "fp8-rowwise": ("fp8-tensorwise", "bf16-mixed", "fp16-mixed", "tf32", "bf32", "fp32"),
-    "fp8-tensorwise": ("fp8-rowwise", "bf16-mixed", "fp16-mixed", "tf32", "bf32", "fp32"),
-}
-
-# Where a newcomer should start on a device before measuring anything, most preferred first:
-# autocast before a math mode (tf32/bf32 only change matmul internals); fp16 on a CPU without
-# native fp16 is far slower than fp32, so it is never a CPU default.
-_STARTING_POINTS: dict[str, tuple[str, ...]] = {
-    "cuda": ("bf16-mixed", "fp16-mixed", "tf32", "fp32"),
-    "cpu": ("bf16-mixed", "bf32", "fp32"),
-}
 
 
 def _assess(spec: PolicySpec, info: DeviceInfo) -> tuple[bool, bool, str]:
@@ -156,21 +133,23 @@ def check_support(name: str, info: DeviceInfo) -> Support:
     of its fallback chain that runs natively on this device.
     """
     spec = POLICIES[canonical_name(name)]
-    if info.type not in ("cpu", "cuda"):
+    if info.type not in DEVICE_TYPES:
         return Support(False, f"device type {info.type!r} is not supported", "fp32 on cpu or cuda", False)
     supported, native, reason = _assess(spec, info)
     if native:
         return Support(supported, reason)
-    suggestion = next((alt for alt in _FALLBACKS[spec.name] if _assess(POLICIES[alt], info)[1]), "fp32")
+    suggestion = next((alt for alt in spec.fallbacks if _assess(POLICIES[alt], info)[1]), "fp32")
     return Support(supported, reason, suggestion, native=False)
 
 
 def starting_policy(info: DeviceInfo) -> str:
-    """The policy a newcomer should start from on this device, before measuring anything."""
-    for name in _STARTING_POINTS.get(info.type, ("fp32",)):
-        support = check_support(name, info)
+    """The policy a newcomer should start from on this device, before measuring anything: the
+    natively supported starting point of lowest ``starting_rank`` (see :class:`PolicySpec`)."""
+    starts = [s for s in POLICIES.values() if s.starting_rank is not None and info.type in s.starting_devices]
+    for spec in sorted(starts, key=lambda s: s.starting_rank or 0):
+        support = check_support(spec.name, info)
         if support and support.native:
-            return name
+            return spec.name
     return "fp32"
 
 

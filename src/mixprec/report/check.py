@@ -11,6 +11,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from mixprec.frameworks import Framework, known_framework
 from mixprec.numerics.results import CandidateCheck, CheckResult
 from mixprec.report.figure import figure_bytes, save_figure
 from mixprec.report.format import fmt_bits, fmt_db, fmt_pct, rich_style
@@ -18,9 +19,8 @@ from mixprec.report.format import fmt_bits, fmt_db, fmt_pct, rich_style
 
 def fix_snippet(c: CandidateCheck) -> str:
     keep = [*c.candidate.keep_fp32, *c.fix_keep_fp32]
-    if c.candidate.framework == "tensorflow":  # Keras islands are layers built in float32
-        return f'build the Keras layers {keep!r} with dtype="float32" under {c.candidate.policy}'
-    return f"mixprec.get_policy({c.candidate.policy!r}, keep_fp32={keep!r})"
+    framework = known_framework(c.candidate.framework) or Framework()
+    return framework.fix_snippet(c.candidate, keep)
 
 
 def check_report(result: CheckResult) -> Group:
@@ -74,7 +74,7 @@ def check_report(result: CheckResult) -> Group:
         if c.predicted:
             parts.append(Text(f"    {c.predicted}", style="dim"))
         if c.scaler_warmup_skips:
-            scaler = "LossScaleOptimizer" if c.candidate.framework == "tensorflow" else "GradScaler"
+            scaler = (known_framework(c.candidate.framework) or Framework).scaler_name
             parts.append(
                 Text(
                     f"    loss scale settled at {c.scales[0] if c.scales else '?'}: {scaler} skips "

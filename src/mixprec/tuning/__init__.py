@@ -8,7 +8,7 @@ machine.
 from mixprec.tuning.cache import autotune, autotune_key
 from mixprec.tuning.decide import Ranked, Recommendation, decide
 from mixprec.tuning.result import TuneResult
-from mixprec.tuning.search import tune, tune_candidates
+from mixprec.tuning.run import tune
 
 __all__ = [
     "Ranked",
@@ -18,5 +18,4 @@ __all__ = [
     "autotune_key",
     "decide",
     "tune",
-    "tune_candidates",
 ]

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from mixprec.errors import CacheWarning, MixprecError
+from mixprec.errors import CacheWarning, MixprecError, UsageError
 from mixprec.files import atomic_write_text
 from mixprec.hardware.device import detect, resolve_device
 from mixprec.policy import Policy, get_policy, policy_from_config
-from mixprec.tuning.search import tune
+from mixprec.tuning.run import tune
 from mixprec.workload import Workload
 
 CACHE_SCHEMA_VERSION = 1
@@ -120,6 +120,11 @@ def autotune(
     A cache that cannot be read or written is a miss with a :class:`~mixprec.errors.CacheWarning`.
     ``tune_options`` go to :func:`mixprec.tune` (e.g. ``budget_s``).
     """
+    if not isinstance(workload, Workload):
+        raise UsageError(
+            f"autotune() returns a torch mixprec.Policy and takes a mixprec.Workload, got "
+            f"{type(workload).__name__}; use mixprec.tune() for other frameworks."
+        )
     dev = resolve_device(device)
     path = Path(cache_path) if cache_path else _cache_file()
     key = autotune_key(workload, dev, batch_size)

@@ -104,9 +104,7 @@ class Recommendation:
 
     def config(self, device: str) -> PolicyConfig:
         """The policy configuration that reproduces the pick on ``device``."""
-        return get_policy(
-            self.candidate.policy, device=device, check=False, **self.candidate.policy_options()
-        ).config
+        return get_policy(self.candidate, device=device, check=False).config
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -249,7 +247,7 @@ def decide(
             how += ["channels_last"] if row.channels_last else []
             how += [f"{row.candidate.optimizer} optimizer"] if row.candidate.optimizer else []
             why = "the strict fp32 reference" if row is fp32 else f"fp32 numerics ({', '.join(how)})"
-            table.append(Ranked(row.candidate, Status.PASSED, why, Status.PASS, row))
+            table.append(Ranked(row.candidate, Status.PASS, why, Status.PASS, row))
             passing.append(row)
         elif verdict is None:
             slower = fp32 is not None and effective(row) <= 1.0
@@ -268,7 +266,7 @@ def decide(
             table.append(
                 Ranked(
                     row.candidate,
-                    Status.PASSED if ok else Status.REJECTED,
+                    Status.PASS if ok else Status.FAIL,
                     verdict.reason,
                     verdict.verdict,
                     row,
@@ -349,7 +347,7 @@ def _reason(
     fp32: BenchRow | None = None,
     train_steps: int | None = None,
 ) -> str:
-    parts = [f"{r.label} rejected: {r.reason}" for r in table if r.status == Status.REJECTED]
+    parts = [f"{r.label} rejected: {r.reason}" for r in table if r.status == Status.FAIL]
     pruned = [r.label for r in table if r.status == Status.PRUNED]
     if pruned:
         parts.append(f"{', '.join(pruned)} pruned as far slower than the best")

@@ -9,6 +9,7 @@ from mixprec.measure.results import BenchResult
 from mixprec.numerics.results import CheckResult
 from mixprec.policy import Candidate
 from mixprec.schema import SCHEMA_VERSION, check_version
+from mixprec.status import read_status
 from mixprec.tuning.decide import Ranked, Recommendation
 
 
@@ -87,7 +88,7 @@ class TuneResult:
             ranked.append(
                 Ranked(
                     cand,
-                    entry.get("status", ""),
+                    read_status(entry.get("status", "")),
                     entry.get("reason", ""),
                     entry.get("verdict"),
                     rows.get((cand, False)),

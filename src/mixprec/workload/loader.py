@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 from mixprec.errors import UsageError, did_you_mean
 from mixprec.workload.models import SOURCES, build_named, is_model_name
@@ -63,6 +63,17 @@ def load_workload(target: str, **sizes: Any) -> Workload:
             f"unknown model source {module_part!r} in {target!r} (and no module of that name to import); "
             f"valid sources: {', '.join(SOURCES)}.{did_you_mean(module_part, list(SOURCES))}"
         )
+    return call_factory(
+        target, sizes, Workload, "a mixprec.Workload; return Workload(model=..., make_batch=..., loss_fn=...)"
+    )
+
+
+def call_factory(target: str, sizes: dict[str, Any], kind: type, expected: str) -> Any:
+    """The workload the factory ``target`` ('path/to/file.py:fn' or 'package.module:fn') returns,
+    called with the ``sizes`` it accepts; a :class:`UsageError` when it raises, exits or returns
+    anything but a ``kind`` (``expected`` says what, in the user's terms). Its spec names the
+    factory, by an absolute path for a file, so a child process started elsewhere rebuilds it."""
+    module_part, _, func_name = target.rpartition(":")
     module, directory = _load_module(target, module_part)
     factory = _get_factory(target, module, func_name)
     kwargs = _factory_kwargs(target, factory, sizes)
@@ -71,21 +82,18 @@ def load_workload(target: str, **sizes: Any) -> Workload:
             workload = factory(**kwargs)
     except SystemExit as exc:
         raise UsageError(
-            f"workload factory {target!r} called sys.exit({exc.code!r}); a factory must return a "
-            "mixprec.Workload, not exit."
+            f"workload factory {target!r} called sys.exit({exc.code!r}); a factory must return "
+            f"{expected.split(';')[0]}, not exit."
         ) from None
     except Exception as exc:
         raise UsageError(
             f"workload factory {target!r} raised {type(exc).__name__}: {exc}; fix the factory "
             "(run it directly to see the traceback, or use 'mixprec --debug')."
         ) from exc
-    if not isinstance(workload, Workload):
-        raise UsageError(
-            f"workload factory {target!r} returned {_type_name(workload)}, "
-            "expected a mixprec.Workload; return Workload(model=..., make_batch=..., loss_fn=...)."
-        )
+    if not isinstance(workload, kind):
+        raise UsageError(f"workload factory {target!r} returned {_type_name(workload)}, expected {expected}.")
+    workload = cast(Any, workload)
     if workload.spec is None:
-        # An absolute file path, so a child process started elsewhere rebuilds the same workload.
         spec_target = f"{Path(module_part).resolve()}:{func_name}" if directory else target
         workload.spec = WorkloadSpec("factory", spec_target, tuple(sorted(sizes.items())))
     return workload

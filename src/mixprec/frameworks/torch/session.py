@@ -1,8 +1,8 @@
-"""Measure one candidate on the real training step (in this process or in an isolated child).
+"""torch's training session: one candidate's model, optimizer and batches, stepped and timed.
 
-The runner reports each step through ``emit`` so the caller can show progress and prune a
-hopeless candidate; it returns the raw measurement. Turning it into a row (speedups, MFU,
-status) is the sweep's job.
+The session reports each step as an event so the sweep can show progress and prune a hopeless
+candidate; it returns the raw :class:`~mixprec.frameworks.session.Measurement`. Turning it into a
+row (speedups, MFU, status) is the sweep's job.
 """
 
 from __future__ import annotations
@@ -13,84 +13,29 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from mixprec import state
-from mixprec.errors import MixprecError
-from mixprec.measure.flops import count_flops
+from mixprec.frameworks.session import (
+    BenchSettings,
+    Emit,
+    HonestyError,
+    Measurement,
+    NonFiniteLossError,
+    distinct_batches,
+    run_warm_up,
+    steady,
+)
+from mixprec.frameworks.torch.flops import count_flops
 from mixprec.policy import Candidate, Policy, get_policy
 from mixprec.policy.islands import is_fp32_island
 from mixprec.workload import Workload
 
 # Layers whose output dtype shows which precision really ran (autocast casts their inputs).
 _COMPUTE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Bilinear)
-# How many distinct batches to cycle through: same data for every candidate, bounded memory.
-_DISTINCT_BATCHES = 4
-# Warm-up is steady when the last two step times differ by at most this share; never more steps.
-STEADY_TOLERANCE = 0.10
-MAX_WARMUP = 8
-
-
-class HonestyError(MixprecError):
-    """What ran is not what the row would claim (e.g. autocast silently did nothing)."""
-
-
-class NonFiniteLossError(MixprecError, FloatingPointError):
-    """The training loss became inf/NaN."""
-
-
-@dataclass(frozen=True)
-class BenchSettings:
-    device: str
-    batch_size: int
-    steps: int = 10
-    warmup: int = 2
-    count_flops: bool = False
-    # Profile one warm-up step for the share of time in matmuls/convolutions (the roofline view).
-    profile: bool = True
-    seed: int = 0
-    # Keep timing past ``steps`` until this much timed time has passed (small models need
-    # many steps for a stable median, big ones few), but never beyond ``max_steps``.
-    min_time_s: float = 0.0
-    max_steps: int = 200
-    threads: int | None = None
-    # Warm-up runs at least ``warmup`` steps and, when adaptive, more until steady (this many seconds
-    # at most). Data-parallel ranks must run the same steps, so they use fixed counts.
-    max_warmup_s: float = 30.0
-    adaptive_warmup: bool = True
-    # cuDNN autotuning on CUDA (the warm-up steps absorb its first-call cost); no effect on CPU.
-    cudnn_benchmark: bool = True
-
-
-@dataclass
-class Measurement:
-    step_times_s: list[float] = field(default_factory=list)  # timed steps only
-    warmup_times_s: list[float] = field(default_factory=list)
-    first_loss: float | None = None
-    last_loss: float | None = None
-    flops_per_step: int | None = None
-    observed_dtype: str | None = None
-    observed_layer: str | None = None
-    peak_memory_bytes: int | None = None
-    memory_method: str = ""
-    stopped_early: bool = False
-    skipped_steps: int = 0
-    # torch.compile: graph breaks, graphs compiled, and graphs compiled after the first step
-    graph_breaks: int | None = None
-    graphs: int | None = None
-    recompiles: int | None = None
-    # share of one profiled step's operator time spent in matmuls and convolutions
-    compute_share: float | None = None
-    # seconds spent building the compiled step before the first step ran (TensorFlow traces its
-    # tf.function then); part of the first step's cost, kept out of the cold step pruning compares
-    trace_s: float | None = None
-
-
-Emit = Callable[[dict[str, Any]], bool]  # returns False to stop the candidate (pruned)
 
 
 def _sync(device: torch.device) -> None:
@@ -106,10 +51,6 @@ def make_batches(workload: Workload, batch_size: int, device: torch.device, seed
             torch.manual_seed(seed + i)
             batches.append(workload.make_batch(batch_size, device))
     return batches
-
-
-def distinct_batches(settings: BenchSettings) -> int:
-    return min(_DISTINCT_BATCHES, settings.warmup + settings.steps)
 
 
 class _FirstComputeLayer:
@@ -177,7 +118,7 @@ class TrainingSession:
         self.device = torch.device(settings.device)
         if settings.threads:
             torch.set_num_threads(settings.threads)
-        self.policy = get_policy(candidate.policy, device=self.device, **candidate.policy_options())
+        self.policy = get_policy(candidate, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.model = self.policy.prepare(copy.deepcopy(workload.model))
@@ -291,26 +232,14 @@ class TrainingSession:
         while the last two differ by over ``STEADY_TOLERANCE`` (oneDNN creates its primitives and
         allocators settle over the first steps), at most ``MAX_WARMUP`` or ``max_warmup_s``.
         False when ``emit`` stopped it."""
-        while True:
-            event = self.step(timed=False)
-            if not emit({**event, "total": self.settings.warmup + self.settings.steps}):
-                return False
-            if self.warm_enough(self.result.warmup_times_s):
-                return True
+        return run_warm_up(self, emit)
 
     def warm_enough(self, times: list[float]) -> bool:
         """Whether warm-up steps taking ``times`` seconds are enough (see :meth:`warm_up`); the
         instrumented steps (FLOP counting, profiling) are run but not judged for steadiness."""
-        settings = self.settings
-        if len(times) < settings.warmup:
-            return False
-        if not settings.adaptive_warmup:
-            return True
-        if settings.profile and len(times) < 3:
+        if self.settings.adaptive_warmup and self.settings.profile and len(times) < 3:
             return False  # the profiled warm-up step has not run yet
-        clean = self._clean_warmup
-        steady = len(clean) >= 2 and abs(clean[-1] - clean[-2]) <= STEADY_TOLERANCE * min(clean[-2:])
-        return steady or len(times) >= max(settings.warmup, MAX_WARMUP) or sum(times) >= settings.max_warmup_s
+        return steady(self.settings, times, self._clean_warmup)
 
     def finish(self) -> Measurement:
         """The measurement so far, with the peak memory (CUDA), skipped steps and, for compiled
@@ -423,3 +352,12 @@ def run_candidate(
             result.stopped_early = True
             break
     return session.finish()
+
+
+def build_session(spec: dict[str, Any], candidate: Candidate, settings: BenchSettings) -> TrainingSession:
+    """A candidate process's session (``Framework.session_builder``), its workload rebuilt from ``spec``."""
+    from mixprec.workload import WorkloadSpec
+    from mixprec.workload.loader import workload_from_spec
+
+    workload = workload_from_spec(WorkloadSpec(spec["kind"], spec["target"], tuple(spec["sizes"].items())))
+    return TrainingSession(workload, candidate, settings)

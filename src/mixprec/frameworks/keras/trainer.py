@@ -18,16 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from mixprec.keras import backend
-from mixprec.keras.policy import KerasPolicy, compute_layers, output_layers
-from mixprec.keras.workload import KerasWorkload
-from mixprec.measure.runner import HonestyError
+from mixprec.frameworks.keras import backend
+from mixprec.frameworks.keras.policy import KerasPolicy, compute_layers, output_layers
+from mixprec.frameworks.keras.workload import KerasWorkload
+from mixprec.frameworks.session import HonestyError
 from mixprec.policy import Candidate
 
 SEED = 0
 
 
-def make_batches(workload: KerasWorkload, batch_size: int, seed: int, n: int, device: str) -> list[tuple]:
+def make_batches(workload: KerasWorkload, batch_size: int, device: str, seed: int, n: int) -> list[tuple]:
     """The same ``n`` batches for every candidate, as float32 tensors on ``device``."""
     tf = backend.tf()
     batches = []
@@ -196,10 +196,13 @@ class KerasTrainer:
             self.optimizer.dynamic_scale.assign(scale)
 
 
-def reference_weights(workload: KerasWorkload, candidate: Candidate, device: str) -> list[Any] | None:
+def reference_weights(
+    workload: KerasWorkload, candidate: Candidate, device: str, *, always: bool = False
+) -> list[Any] | None:
     """The fp32 model's initial weights for a candidate with half-precision variables (*-true:
-    their initialisers draw other values), None where seeded building gives the same weights."""
-    if candidate.spec.param_dtype is None:
+    their initialisers draw other values), None where seeded building gives the same weights
+    (unless ``always``)."""
+    if candidate.spec.param_dtype is None and not always:
         return None
     tf = backend.tf()
     fp32 = KerasPolicy(Candidate("fp32", framework="tensorflow"))

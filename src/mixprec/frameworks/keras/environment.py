@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from mixprec.frameworks.keras import backend
 from mixprec.hardware import environment
 from mixprec.hardware.device import detect
-from mixprec.keras import backend
 
 
 def tensorflow_facts(device: str | None = None) -> dict[str, Any]:

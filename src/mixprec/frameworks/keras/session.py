@@ -1,6 +1,6 @@
-"""A Keras candidate's training session, with the interface of :class:`mixprec.measure.runner.TrainingSession`
-(``warm_up``, ``step``, ``warm_enough``, ``finish``), so the paired sweep, its child processes and
-its pruning drive TensorFlow candidates exactly as torch ones.
+"""A Keras candidate's training session, with the :class:`~mixprec.frameworks.session.Session`
+interface (``warm_up``, ``step``, ``warm_enough``, ``finish``), so the paired sweep, its child
+processes and its pruning drive TensorFlow candidates exactly as torch ones.
 """
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ import math
 import time
 from typing import Any
 
-from mixprec.keras import backend
-from mixprec.keras.trainer import KerasTrainer, make_batches, reference_weights
-from mixprec.keras.workload import KerasWorkload, keras_workload_from_spec
-from mixprec.measure.runner import (
-    MAX_WARMUP,
-    STEADY_TOLERANCE,
+from mixprec.frameworks.keras import backend
+from mixprec.frameworks.keras.trainer import KerasTrainer, make_batches, reference_weights
+from mixprec.frameworks.keras.workload import KerasWorkload, keras_workload_from_spec
+from mixprec.frameworks.session import (
     BenchSettings,
     Emit,
     Measurement,
     NonFiniteLossError,
     distinct_batches,
+    run_warm_up,
+    steady,
 )
 from mixprec.policy import Candidate
 
@@ -37,7 +37,7 @@ class KerasSession:
         backend.set_threads(settings.threads)
         self.candidate, self.settings = candidate, settings
         self.batches = batches or make_batches(
-            workload, settings.batch_size, settings.seed, distinct_batches(settings), settings.device
+            workload, settings.batch_size, settings.device, settings.seed, distinct_batches(settings)
         )
         self.trainer = KerasTrainer(
             workload,
@@ -69,23 +69,10 @@ class KerasSession:
         return {"event": "step", "index": i, "seconds": seconds, "timed": timed, "loss": loss}
 
     def warm_enough(self, times: list[float]) -> bool:
-        """At least ``settings.warmup`` steps, then more until two in a row agree within
-        ``STEADY_TOLERANCE`` (oneDNN and XLA settle over the first executions), within the caps."""
-        settings = self.settings
-        if len(times) < settings.warmup:
-            return False
-        if not settings.adaptive_warmup:
-            return True
-        steady = len(times) >= 2 and abs(times[-1] - times[-2]) <= STEADY_TOLERANCE * min(times[-2:])
-        return steady or len(times) >= max(settings.warmup, MAX_WARMUP) or sum(times) >= settings.max_warmup_s
+        return steady(self.settings, times)
 
     def warm_up(self, emit: Emit) -> bool:
-        while True:
-            event = self.step(timed=False)
-            if not emit({**event, "total": self.settings.warmup + self.settings.steps}):
-                return False
-            if self.warm_enough(self.result.warmup_times_s):
-                return True
+        return run_warm_up(self, emit)
 
     def finish(self) -> Measurement:
         if self.trainer.device.startswith("/GPU"):

@@ -24,8 +24,8 @@ from fnmatch import fnmatch
 from typing import Any
 
 from mixprec.errors import UnsupportedError, UsageError
+from mixprec.frameworks.keras import backend
 from mixprec.hardware.device import DeviceInfo
-from mixprec.keras import backend
 from mixprec.policy import Candidate, Support
 
 # Keras layers whose output dtype shows which precision really ran (they autocast their inputs).

@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from mixprec.errors import UsageError, did_you_mean
-from mixprec.keras import backend
-from mixprec.workload.loader import _factory_kwargs, _get_factory, _load_module, _on_sys_path
+from mixprec.frameworks.keras import backend
+from mixprec.workload.loader import call_factory
 from mixprec.workload.workload import WorkloadSpec
 
 KERAS_ZOO: tuple[str, ...] = ("resnet50", "vgg19", "densenet121", "mlp")
@@ -191,31 +191,12 @@ def load_keras_workload(target: str, **sizes: Any) -> KerasWorkload:
             f"Keras workload target {target!r} is neither a Keras zoo model ({', '.join(KERAS_ZOO)}) nor "
             f"'file.py:function' / 'module:function'.{did_you_mean(target, KERAS_ZOO)}"
         )
-    module_part, _, func_name = target.rpartition(":")
-    module, directory = _load_module(target, module_part)
-    factory = _get_factory(target, module, func_name)
-    kwargs = _factory_kwargs(target, factory, sizes)
-    try:
-        if directory:
-            with _on_sys_path(directory):
-                workload = factory(**kwargs)
-        else:
-            workload = factory(**kwargs)
-    except Exception as exc:
-        raise UsageError(
-            f"Keras workload factory {target!r} raised {type(exc).__name__}: {exc}; fix the factory."
-        ) from exc
-    if not isinstance(workload, KerasWorkload):
-        raise UsageError(
-            f"Keras workload factory {target!r} returned {type(workload).__name__}, expected a "
-            "mixprec.keras.KerasWorkload(make_model=..., make_batch=..., loss=...)."
-        )
-    if workload.spec is None:
-        from pathlib import Path
-
-        spec_target = f"{Path(module_part).resolve()}:{func_name}" if directory else target
-        workload.spec = WorkloadSpec("factory", spec_target, tuple(sorted(sizes.items())))
-    return workload
+    return call_factory(
+        target,
+        sizes,
+        KerasWorkload,
+        "a mixprec.keras.KerasWorkload(make_model=..., make_batch=..., loss=...)",
+    )
 
 
 def keras_workload_from_spec(spec: dict[str, Any]) -> KerasWorkload:

@@ -1,4 +1,4 @@
-"""FLOPs of one training step, and the throughput / MFU figures derived from them."""
+"""FLOPs of one torch training step (torch.utils.flop_counter, the convolution backward counted right)."""
 
 from __future__ import annotations
 
@@ -50,25 +50,3 @@ def count_flops(fn: Callable[[], object]) -> int:
     with FlopCounterMode(display=False, custom_mapping=_CORRECTED) as counter:
         fn()
     return int(counter.get_total_flops())
-
-
-def _usable(value: float | None) -> bool:
-    return value is not None and value > 0
-
-
-def achieved_tflops(flops_per_step: int | None, step_time_s: float | None) -> float | None:
-    """Achieved TFLOP/s, or ``None`` when either input is missing or zero."""
-    if not (_usable(flops_per_step) and _usable(step_time_s)):
-        return None
-    return flops_per_step / step_time_s / 1e12  # type: ignore[operator]
-
-
-def mfu(flops_per_step: int | None, step_time_s: float | None, peak_flops: float | None) -> float | None:
-    """Model FLOPs utilisation: achieved FLOP/s over peak FLOP/s (above 1 means the peak or the
-    FLOP count is wrong for this run: :func:`mixprec.measure.results.assemble` refuses to show it).
-
-    ``None`` when any input is missing or zero.
-    """
-    if not (_usable(flops_per_step) and _usable(step_time_s) and _usable(peak_flops)):
-        return None
-    return flops_per_step / step_time_s / peak_flops  # type: ignore[operator]

@@ -1,0 +1,91 @@
+"""The clock of one command: how long it may take, what is left, and what running out cut.
+
+``bench``, ``check`` and ``tune`` take one :class:`Budget`. A stage that may take only part of it
+gets a :meth:`~Budget.share` (the same clock, an earlier end); work that costs a known amount asks
+:meth:`~Budget.can_pay` first; what the budget prevented is recorded with :meth:`~Budget.cut` (and
+taken back with :meth:`~Budget.restore` when it is done after all), so a pick made without it can
+say so. ``reserve_s`` is kept back at the end (deciding, linting, writing) by every share.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mixprec.errors import UsageError
+
+
+@dataclass
+class Budget:
+    """Seconds for a command, counted from ``start`` (a ``time.perf_counter()`` value).
+
+    Attributes:
+        seconds: the whole budget; ``math.inf`` for none.
+        reserve_s: kept back at the end: :meth:`left` and :meth:`expired` stop that much early.
+        start: when the clock started.
+        stop: polled by :meth:`expired` too: True stops the work as if the time were up (a signal).
+        cuts: what running out of time prevented, in order (shared by every share of this budget).
+        end: when this budget (or share) ends; by default ``start + seconds``.
+    """
+
+    seconds: float = math.inf
+    reserve_s: float = 0.0
+    start: float = field(default_factory=time.perf_counter)
+    stop: Callable[[], bool] | None = None
+    cuts: list[str] = field(default_factory=list)
+    end: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seconds, bool) or not (
+            isinstance(self.seconds, (int, float)) and self.seconds > 0
+        ):
+            raise UsageError(f"budget must be a number of seconds > 0, got {self.seconds!r}.")
+        if self.end is None:
+            self.end = self.start + self.seconds
+
+    @classmethod
+    def unlimited(cls) -> Budget:
+        return cls()
+
+    @property
+    def deadline(self) -> float:
+        """The ``time.perf_counter()`` value at which work stops (the end minus the reserve)."""
+        assert self.end is not None
+        return self.end - self.reserve_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        """Seconds left before the deadline (negative once past it)."""
+        return self.deadline - time.perf_counter()
+
+    def expired(self) -> bool:
+        """The deadline has passed, or ``stop`` asks to stop."""
+        return self.left() <= 0 or bool(self.stop and self.stop())
+
+    def can_pay(self, cost_s: float) -> bool:
+        """Whether work that costs about ``cost_s`` seconds fits in what is left."""
+        return not self.expired() and self.left() >= cost_s
+
+    def share(self, fraction: float) -> Budget:
+        """The same clock ending at ``fraction`` of the whole budget (never after this one's end):
+        what a stage may take first. Cuts recorded in the share are this budget's."""
+        end = min(self.end or math.inf, self.start + fraction * self.seconds + self.reserve_s)
+        return Budget(self.seconds, self.reserve_s, self.start, self.stop, self.cuts, end)
+
+    def whole(self) -> Budget:
+        """This budget to its end (a share taken back to the full length)."""
+        return Budget(self.seconds, self.reserve_s, self.start, self.stop, self.cuts)
+
+    def cut(self, what: str) -> None:
+        """Record that running out of time prevented ``what`` (e.g. "the numerics of fp16-mixed")."""
+        if what not in self.cuts:
+            self.cuts.append(what)
+
+    def restore(self, what: str) -> None:
+        """``what`` was done after all: it no longer counts as cut."""
+        if what in self.cuts:
+            self.cuts.remove(what)

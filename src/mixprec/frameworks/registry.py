@@ -1,0 +1,60 @@
+"""The frameworks mixprec knows, by name: ``--framework NAME``, ``Candidate.framework`` and the
+backend of a workload all resolve here. The built-in torch and Keras backends are registered by
+:mod:`mixprec.frameworks`; another backend registers itself with :func:`register_framework`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mixprec.errors import UsageError, did_you_mean
+from mixprec.frameworks.base import Framework, check_name
+
+_FRAMEWORKS: dict[str, Framework] = {}
+
+
+def register_framework(framework: Framework) -> Framework:
+    """Make ``framework`` available under its ``name`` (replacing one of the same name); returns it."""
+    if not isinstance(framework, Framework):
+        raise UsageError(
+            "register_framework() takes a mixprec.frameworks.Framework instance, got "
+            f"{type(framework).__name__}."
+        )
+    _FRAMEWORKS[check_name(framework.name)] = framework
+    return framework
+
+
+def unregister_framework(name: str) -> None:
+    """Forget the framework ``name`` (tests register toy backends and remove them again)."""
+    _FRAMEWORKS.pop(name, None)
+
+
+def framework_names() -> tuple[str, ...]:
+    return tuple(_FRAMEWORKS)
+
+
+def framework_named(name: str) -> Framework:
+    """The framework registered as ``name``; a :class:`UsageError` listing the known ones otherwise."""
+    try:
+        return _FRAMEWORKS[name]
+    except (KeyError, TypeError):
+        names = ", ".join(_FRAMEWORKS)
+        raise UsageError(
+            f"Unknown framework {name!r}; valid: {names}.{did_you_mean(str(name), list(_FRAMEWORKS))}"
+        ) from None
+
+
+def known_framework(name: str) -> Framework | None:
+    """The framework registered as ``name``, or None (e.g. a result file of a backend not loaded)."""
+    return _FRAMEWORKS.get(name)
+
+
+def framework_of(workload: Any) -> Framework:
+    """The backend that owns ``workload`` (a :class:`mixprec.Workload`, a Keras workload, ...)."""
+    for framework in _FRAMEWORKS.values():
+        if framework.owns(workload):
+            return framework
+    kinds = ", ".join(f.workload_name for f in _FRAMEWORKS.values())
+    raise UsageError(
+        f"{type(workload).__name__} is no workload mixprec can train; pass one of: {kinds} "
+        "(e.g. mixprec.load_workload('resnet50'))."
+    )

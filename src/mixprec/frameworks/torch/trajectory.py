@@ -1,0 +1,212 @@
+"""torch's differential training run: the first-step probe and the training trajectory of one
+candidate (``Framework.trajectory`` for torch workloads).
+
+Both runs of a comparison start from the same weights (deep copies) and see the same batches; the
+probe measures the output and the unscaled gradients at the loss scale GradScaler settles on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.numerics.compare import Trajectory
+from mixprec.policy import Policy
+from mixprec.workload import Workload
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    """The model output to compare: the tensor itself, or the first tensor inside a container."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+Context = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+def _prepared_copy(workload: Workload, policy: Policy, perturb: float = 0.0) -> nn.Module:
+    """A fresh prepared copy; ``perturb`` multiplies every weight by ``1 + perturb * N(0, 1)``
+    with a fixed seed (the same perturbation for the probe and the training run)."""
+    model = policy.prepare(copy.deepcopy(workload.model))
+    model.train()
+    if perturb:
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                noise = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
+                p.mul_(1 + perturb * noise)
+    return model
+
+
+def _run_model(model: nn.Module, compile_mode: str | None) -> nn.Module:
+    """``model`` as the candidate runs it: compiled with ``torch.compile`` (fused kernels round
+    differently from eager ones) or as it is."""
+    return torch.compile(model, mode=compile_mode) if compile_mode else model  # type: ignore[return-value]
+
+
+def probe_first_step(
+    workload: Workload,
+    policy: Policy,
+    batch: Any,
+    traj: Trajectory,
+    context: Context | None = None,
+    perturb: float = 0.0,
+    compile_mode: str | None = None,
+) -> None:
+    """Model output and unscaled parameter gradients of one forward/backward from the initial weights.
+
+    For loss-scaled policies the scale starts at the scaler's initial value and is halved
+    until the gradients are finite, as GradScaler would after skipped steps, so the SQNR
+    measures precision rather than an overflow the scaler recovers from by itself.
+    """
+    model = _prepared_copy(workload, policy, perturb)
+    names = {id(p): n for n, p in model.named_parameters()}
+    ctx = context or contextlib.nullcontext
+    scale = policy.scaler.get_scale() if policy.scaler is not None else 1.0
+    outputs: list[torch.Tensor | None] = []
+    hook = model.register_forward_hook(lambda m, a, out: outputs.append(_first_tensor(out)))
+    run = _run_model(model, compile_mode)
+    try:
+        with policy.precision_scope():
+            for _ in range(40):
+                outputs.clear()
+                model.zero_grad(set_to_none=True)
+                with ctx():
+                    with policy.autocast():
+                        loss = workload.loss_fn(run, batch)
+                    (loss * scale).backward()
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                finite = all(bool(torch.isfinite(g).all()) for g in grads)
+                if finite or policy.scaler is None:
+                    break
+                scale *= 0.5
+    finally:
+        hook.remove()
+    if outputs and outputs[0] is not None:
+        traj.first_output = outputs[0].detach().float().cpu().clone()
+    traj.first_grads = {
+        names[id(p)]: (p.grad.detach().float() / scale).cpu().clone()
+        for p in model.parameters()
+        if p.grad is not None
+    }
+    traj.probe_scale = scale if policy.scaler is not None else None
+
+
+def _settled(policy: Policy, traj: Trajectory) -> Policy:
+    """The same policy whose scaler starts at the scale the first-step probe needed."""
+    from mixprec.policy import policy_from_config
+
+    config = policy.config.to_dict()
+    init = config["scaler"]["init_scale"]
+    floor = config["scaler"]["min_scale"] or 0.0
+    settled = max(float(traj.probe_scale), floor)  # type: ignore[arg-type]
+    if settled >= init:
+        return policy
+    traj.warmup_skips = round(math.log(init / settled, 1 / config["scaler"]["backoff_factor"]))
+    config["scaler"] = {**config["scaler"], "init_scale": settled}
+    return policy_from_config(config)
+
+
+def run_trajectory(
+    workload: Workload,
+    policy: Policy,
+    batches: Sequence[Any],
+    steps: int,
+    *,
+    label: str | None = None,
+    context: Context | None = None,
+    perturb: float = 0.0,
+    settle_scale: bool = True,
+    compile_mode: str | None = None,
+) -> Trajectory:
+    """Probe the first step, then train a fresh copy for ``steps`` steps under ``policy``.
+
+    ``context`` wraps every forward and backward (used for emulation). ``perturb`` multiplies
+    every initial weight by ``1 + perturb * N(0, 1)`` (the chaos-floor run). With
+    ``settle_scale`` a loss-scaled policy starts at the scale its probe found finite, i.e.
+    the steady state GradScaler reaches after ``warmup_skips`` skipped start-up steps, so the
+    comparison measures numerics rather than the scaler's start-up. ``compile_mode`` runs the
+    model under ``torch.compile``. Exceptions inside the run are recorded in ``error`` so one
+    broken candidate does not end a check.
+    """
+    traj = Trajectory(label or policy.config.label)
+    ctx = context or contextlib.nullcontext
+    # Every run draws the same random numbers (dropout masks, ...): differences between runs
+    # are then the format's, not the RNG's. The caller's RNG state is left as it was.
+    cuda = [policy.device] if policy.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(0)
+        _train(workload, policy, batches, steps, traj, ctx, context, perturb, settle_scale, compile_mode)
+    return traj
+
+
+# Steps on which half-precision weights are watched for updates that rounding swallowed.
+_STALL_STEPS = 2
+
+
+def _count_stalls(
+    traj: Trajectory, before: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+) -> None:
+    """Weights with a non-zero gradient that the optimizer step left bit-identical: the update
+    was smaller than half an ulp of the weight (bf16(1.0) - bf16(1e-3) == 1.0). Without fp32
+    master weights such updates are lost for good."""
+    for p, old, had_grad in before:
+        unchanged = p.detach() == old
+        traj.stall_counts[0] += int((unchanged & had_grad).sum())
+        traj.stall_counts[1] += int(had_grad.sum())
+
+
+def _train(
+    workload: Workload,
+    policy: Policy,
+    batches: Sequence[Any],
+    steps: int,
+    traj: Trajectory,
+    ctx: Context,
+    context: Context | None,
+    perturb: float,
+    settle_scale: bool,
+    compile_mode: str | None = None,
+) -> None:
+    try:
+        probe_first_step(workload, policy, batches[0], traj, context, perturb, compile_mode)
+        if settle_scale and policy.scaler is not None and traj.probe_scale is not None:
+            policy = _settled(policy, traj)
+        torch.manual_seed(0)
+        model = _prepared_copy(workload, policy, perturb)
+        run = _run_model(model, compile_mode)
+        optimizer = workload.make_optimizer(model)
+        with policy.precision_scope():
+            for i in range(steps):
+                batch = batches[i % len(batches)]
+                with ctx():
+                    with policy.autocast():
+                        loss = workload.loss_fn(run, batch)
+                    policy.backward(loss)
+                traj.losses.append(float(loss.detach().float()))
+                watch = policy.spec.param_dtype is not None and i < _STALL_STEPS
+                before = [
+                    (p, p.detach().clone(), p.grad != 0) for p in model.parameters() if p.grad is not None
+                ]
+                stepped = policy.step(optimizer)
+                traj.stepped.append(stepped)
+                if watch and stepped:
+                    _count_stalls(traj, before)
+                traj.scales.append(policy.stats.scale)
+                optimizer.zero_grad(set_to_none=True)
+    except Exception as exc:  # a candidate that crashes is a failed candidate, not a crashed check
+        traj.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -1,0 +1,70 @@
+"""A third framework, written in one file (``toy.py``) and registered at run time, goes through
+bench, check, tune and the CLI with no change to mixprec: the seam is the Framework interface."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import mixprec
+from mixprec.cli import main
+from mixprec.frameworks import framework_named, framework_of, register_framework, unregister_framework
+
+from .toy import ToyFramework, ToyWorkload
+
+
+@pytest.fixture(autouse=True)
+def toy():
+    register_framework(ToyFramework())
+    yield
+    unregister_framework("toy")
+
+
+def test_the_registry_finds_the_backend_of_a_toy_workload():
+    assert framework_of(ToyWorkload()) is framework_named("toy")
+    with pytest.raises(mixprec.UsageError, match=r"tests\.frameworks\.toy\.ToyWorkload"):
+        framework_of(object())
+
+
+def test_bench_pairs_the_toy_candidates_and_says_why_the_rest_cannot_run():
+    result = mixprec.bench(ToyWorkload(), policies="fp32,fp16-true,bf16-mixed", steps=2, warmup=1)
+    rows = {r.label: r for r in result.rows}
+    assert rows["fp32"].status == "ok" and rows["fp16-true"].status == "ok"
+    assert rows["fp16-true"].paired_ratios and rows["fp16-true"].observed_dtype == "float16"
+    assert (
+        rows["bf16-mixed"].status == "unsupported" and "NumPy has no bf16-mixed" in rows["bf16-mixed"].reason
+    )
+    assert all(r.candidate.framework == "toy" for r in result.rows)
+    assert result.settings["framework"] == "toy" and "no FLOP count" in " ".join(result.notes)
+
+
+def test_check_judges_the_toy_against_its_fp32_reference():
+    with np.errstate(over="ignore", invalid="ignore"):
+        calm = mixprec.check(ToyWorkload(), policies=["fp16-true"], steps=4)
+        loud = mixprec.check(ToyWorkload(scale=3000.0), policies=["fp16-true"], steps=4)
+    assert calm.candidates[0].verdict == "pass", calm.candidates[0].reason
+    assert loud.candidates[0].verdict == "fail" and "non-finite" in loud.candidates[0].reason
+    assert loud.candidates[0].worst_layers[0]["layer"] == "linear"
+
+
+def test_tune_recommends_and_exports_in_the_toy_framework():
+    result = mixprec.tune(ToyWorkload(), budget_s=30, steps=2, warmup=1, check_steps=3)
+    rec = result.recommendation
+    assert (
+        rec is not None and rec.candidate.framework == "toy" and rec.candidate.policy in ("fp32", "fp16-true")
+    )
+    assert result.exports["numpy"].startswith("w = w.astype(np.float")
+    assert result.lint is None  # no linter for this framework
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["recommendation"]["candidate"]["framework"] == "toy"
+
+
+def test_the_cli_takes_the_toy_framework(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    code = main(
+        ["bench", "--framework", "toy", "--policies", "fp32,fp16-true", "--steps", "1", "--json", str(out)]
+    )
+    assert code == 0, capsys.readouterr().err
+    assert [r["label"] for r in json.loads(out.read_text())["rows"]] == ["fp32", "fp16-true"]

@@ -1,0 +1,65 @@
+"""Candidate sessions in their own process and in this one: the same interface, failures as a
+status (never a crash of the sweep), limits and stops."""
+
+from __future__ import annotations
+
+import pytest
+
+from mixprec.frameworks import framework_named
+from mixprec.frameworks.session import BenchSettings
+from mixprec.measure.isolate import ChildSession, LocalSession, SessionEnded
+from mixprec.policy import Candidate
+from mixprec.workload import load_workload
+
+SETTINGS = BenchSettings(device="cpu", batch_size=8, steps=2, warmup=1, threads=1, profile=False)
+TORCH = framework_named("torch")
+
+
+def child(candidate: Candidate, **kwargs) -> ChildSession:
+    spec = load_workload("mlp").spec
+    return ChildSession(
+        spec, candidate, SETTINGS, build=TORCH.session_builder(), preload=TORCH.preload(spec), **kwargs
+    )
+
+
+def no_limit(index: int, timed: bool) -> None:
+    return None
+
+
+def test_a_child_session_warms_up_steps_and_reports_its_isolated_memory():
+    session = child(Candidate("bf16-mixed"))
+    seen: list[dict] = []
+    warm = session.warm_up(no_limit, seen.append)
+    timed = session.steps(2, no_limit, seen.append)
+    measurement = session.finish()
+    assert warm and len(timed) == 2 and [e["timed"] for e in seen][-2:] == [True, True]
+    assert measurement.observed_dtype == "bfloat16" and measurement.step_times_s == timed
+    assert measurement.peak_memory_bytes and "isolated candidate process" in measurement.memory_method
+
+
+def test_a_child_step_over_its_limit_is_pruned_and_a_stop_is_a_stop():
+    session = child(Candidate("fp32"))
+    with pytest.raises(SessionEnded) as ended:
+        session.warm_up(lambda index, timed: 1e-9, lambda event: None)  # no step can be that fast
+    assert ended.value.status == "pruned" and "still running after" in ended.value.reason
+    with pytest.raises(SessionEnded) as ended:  # told to stop while the child builds the workload
+        child(Candidate("fp32"), should_stop=lambda: True)
+    assert ended.value.status == "stopped"
+
+
+def test_a_local_session_turns_a_failing_build_or_step_into_a_status():
+    def broken():
+        raise MemoryError("planted")
+
+    with pytest.raises(SessionEnded) as ended:
+        LocalSession(Candidate("fp32"), broken)
+    assert ended.value.status == "oom" and "MemoryError: planted" in ended.value.reason
+
+    workload = load_workload("mlp")
+    session = LocalSession(
+        Candidate("fp32"), lambda: TORCH.session(workload, Candidate("fp32"), SETTINGS, None)
+    )
+    session._session.step = lambda timed: (_ for _ in ()).throw(RuntimeError("step broke"))  # type: ignore[method-assign]
+    with pytest.raises(SessionEnded) as ended:
+        session.steps(1, no_limit, lambda event: None)
+    assert ended.value.status == "error" and "RuntimeError: step broke" in ended.value.reason
