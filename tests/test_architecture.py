@@ -110,3 +110,13 @@ def test_no_import_cycles():
         if node not in state:
             visit(node)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_tests_mirror_the_source():
+    """tests/<package>/ holds the tests of src/mixprec/<package>/ (data folders aside); tests of
+    what crosses packages (the CLI's exit codes end to end, the README, the fuzz tier) stay at the top."""
+    tests = Path(__file__).resolve().parent
+    data = {"golden", "keras_workloads", "__pycache__"}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name not in data}
+    packages = {p.name for p in SRC.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders - packages == set(), f"test folders without a source package: {sorted(folders - packages)}"

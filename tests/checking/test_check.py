@@ -18,7 +18,7 @@ from mixprec.frameworks.torch.session import make_batches
 from mixprec.frameworks.torch.trajectory import run_trajectory
 from mixprec.schema import SCHEMA_VERSION
 
-EXAMPLE = str(Path(__file__).parents[1] / "examples" / "planted_overflow.py") + ":workload"
+EXAMPLE = str(Path(__file__).parents[2] / "examples" / "planted_overflow.py") + ":workload"
 REQUIRED_KEYS = {
     "policy",
     "verdict",

@@ -22,7 +22,7 @@ from mixprec.report.jsonio import write_json
 from mixprec.status import Status, tone
 from mixprec.tuning import TuneResult
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OLD_FILE = ROOT / "benchmarks" / "results" / "tune-resnet50-cpu.json"
 HEADINGS = ["Recommendation", "Candidates", "Charts", "Lint findings", "Exports", "Environment"]
 EVIL = '<script>alert("x")</script>'

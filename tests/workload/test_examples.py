@@ -18,7 +18,7 @@ from extras import require
 from mixprec.frameworks.session import BenchSettings
 from mixprec.frameworks.torch.session import TrainingSession, make_batches
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 TINY_GPT = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16}
 

@@ -4,12 +4,12 @@ refusals: the behaviour pinned here is what the tables they replaced gave."""
 from __future__ import annotations
 
 import pytest
+from test_support import DEVICES
 
 import mixprec
 from mixprec import DeviceInfo
 from mixprec.exports import EXPORT_TARGETS, export_status
 from mixprec.policy import POLICIES, PolicyConfig, starting_policy
-from test_support import DEVICES
 
 STARTS = {
     "P100": "fp32",

@@ -1,0 +1,49 @@
+"""What every export target shares (exports/base.py): the facts of a Candidate or a config,
+converted once, and clear errors for what cannot be exported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixprec
+from mixprec.exports.base import Facts
+from mixprec.policy import Candidate
+
+
+def test_a_candidate_is_converted_whole_on_the_device_asked_for():
+    facts = Facts.of(
+        Candidate(
+            "fp16-mixed", channels_last=True, keep_fp32=("head",), compile="max-autotune", optimizer="fused"
+        ),
+        device="cpu",
+    )
+    assert facts.name == "fp16-mixed" and facts.device_type == "cpu"
+    assert facts.channels_last and facts.keep == ["head"] and facts.mixed == torch.float16
+    assert facts.scaler is not None and facts.min_scale == 1.0  # loss scaling, mixprec's defaults
+    assert facts.compile_lines() == [
+        'model = torch.compile(model, mode="max-autotune")  # measured compiled: the first step compiles'
+    ]
+    assert facts.optimizer_flag == "fused=True"
+    cuda = Facts.of(Candidate("tf32"), device="cuda:1")  # exportable for a GPU from a CPU machine
+    assert cuda.device_type == "cuda" and {value for _, _, value in cuda.knobs()} == {"tf32"}
+
+
+def test_a_config_keeps_its_scaler_options_and_its_device():
+    config = mixprec.get_policy("fp16-mixed", device="cpu", init_scale=1024.0).config
+    facts = Facts.of(config)
+    assert facts.scaler_changes() == {"init_scale": 1024.0} and facts.compile is None
+    assert Facts.of(config, device="cuda").device_type == "cuda"
+
+
+@pytest.mark.parametrize(
+    ("source", "device", "fragment"),
+    [
+        ("bf16-mixed", None, "takes a mixprec Candidate, PolicyConfig or Policy, got str"),
+        (Candidate("bf16-mixed", framework="tensorflow"), "cpu", "tensorflow"),
+        (Candidate("bf16-mixed"), "tpu", "Cannot export for"),
+    ],
+)
+def test_what_cannot_be_exported_is_one_clear_error(source, device, fragment):
+    with pytest.raises(mixprec.UsageError, match=fragment):
+        Facts.of(source, device=device)
