@@ -5,16 +5,18 @@ the fp32 island when ``keep_fp32=("head",)``), one batch stream, one loss. Each 
 executes the exported text verbatim with the names the export says the user fills in, and returns a
 :class:`Run`: the hook records, the trained parameters, the framework's loss scaler, the optimizer
 it stepped and whether the module it ran is compiled. :func:`check_run` compares them with what the
-candidate promises (:class:`mixprec.policy.PolicySpec`, its compile mode and optimizer
-implementation), so every target is judged by the same expectations.
+candidate promises (:class:`mixprec.policy.PolicySpec`, its compile mode and scope and optimizer
+implementation), so every target is judged by the same expectations. A candidate compiled at step
+scope is also run eager through the same target: the compiled step must train the same losses.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +85,17 @@ def batches(overflow: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
-    PROBE.labels.append(y.dtype)
-    return F.mse_loss(model(x).float(), y)
+    loss = F.mse_loss(model(x).float(), y)
+    record_loss(y.dtype, loss)
+    return loss
+
+
+@torch._dynamo.disable
+def record_loss(target_dtype: torch.dtype, loss: torch.Tensor) -> None:
+    """Record eagerly, also inside a compiled step: traced, the appends would make dynamo guard on the
+    lists' lengths and recompile the step every step."""
+    PROBE.labels.append(target_dtype)
+    PROBE.losses.append(loss.item())
 
 
 def data_loader(overflow: bool) -> torch.utils.data.DataLoader:
@@ -129,10 +140,12 @@ class Call:
 
 @dataclass
 class Probe:
-    """What ran: one :class:`Call` per leaf forward, the dtypes the loss saw for its targets."""
+    """What ran: one :class:`Call` per leaf forward, the dtypes the loss saw for its targets, the
+    losses :func:`loss_fn` computed."""
 
     calls: list[Call] = field(default_factory=list)
     labels: list[torch.dtype | None] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
     initial: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def attach(self, model: nn.Module) -> None:
@@ -416,16 +429,21 @@ def check_run(source: Source, run: Run, *, target: str, scale: float | None = No
 
 def check_loop_axes(source: Source, run: Run, target: str) -> None:
     """A compiled candidate ran compiled (the framework's module is, and dynamo compiled frames since
-    :func:`run_case` reset its counters); the optimizer the framework stepped has the measured
-    implementation. A config (or an eager candidate) ran eager."""
+    :func:`run_case` reset its counters); at step scope the step function is compiled instead and
+    the optimizer's step ran inside it (:func:`check_step_compiled`). The optimizer the framework
+    stepped has the measured implementation. A config (or an eager candidate) ran eager."""
     from torch._dynamo.utils import counters
 
     mode = source.compile if isinstance(source, Candidate) else None
-    assert run.compiled == bool(mode), f"{target}: compiled={run.compiled}, candidate compile={mode!r}"
+    step_scope = is_step(source)
+    module = bool(mode) and not step_scope  # at step scope the model is compiled inside the step
+    assert run.compiled == module, f"{target}: module compiled={run.compiled}, candidate {source!r}"
     if mode:
         assert counters["frames"]["ok"] > 0, (
             f"{target}: dynamo compiled no frame ({dict(counters['frames'])})"
         )
+    if step_scope:
+        check_step_compiled(run, target)
     impl = source.optimizer if isinstance(source, Candidate) else None
     if impl is None:
         return  # the optimizer as written (the HF Trainer's default is fused AdamW on torch >= 2.8)
@@ -433,6 +451,59 @@ def check_loop_axes(source: Source, run: Run, target: str) -> None:
     flags = {"fused": bool(group.get("fused")), "foreach": bool(group.get("foreach"))}
     want = {"fused": impl == "fused", "foreach": impl == "foreach"}
     assert flags == want, f"{target}: the stepped {type(run.optimizer).__name__} has {flags}, want {impl}"
+
+
+def check_step_compiled(run: Run, target: str) -> None:
+    """The export's ``train_step`` is a ``torch.compile``'d function, dynamo made at least two graphs
+    of it (forward + loss, the optimizer step: it breaks at ``.backward()``), and among the frames it
+    compiled is the stepped optimizer's own ``step`` function, with the update's ops in its graph.
+
+    Inside a compiled step the optimizer's step is a frame of its own: ``torch.optim``'s
+    ``_use_grad`` wrapper breaks the graph on purpose, and an LR scheduler's wrapper (in
+    ``lr_scheduler.py``, which dynamo skips) or ``GradScaler.step`` (``torch.amp``, skipped) calls it
+    from eager code; dynamo compiles it all the same, and an eager step would leave no such frame.
+    """
+    from torch._dynamo.utils import counters, get_compilation_metrics
+
+    step = run.namespace.get("train_step")
+    assert step is not None and hasattr(step, "_torchdynamo_orig_callable"), (
+        f"{target}: train_step is not a torch.compile'd function ({step!r})"
+    )
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 2, f"{target}: dynamo made {graphs} graph(s) of the step, want forward + optimizer"
+    code = inspect.unwrap(type(run.optimizer).step).__code__
+    compiled = [
+        m
+        for m in get_compilation_metrics()
+        if (m.co_filename, m.co_firstlineno) == (code.co_filename, code.co_firstlineno) and m.graph_op_count
+    ]
+    assert compiled, f"{target}: {type(run.optimizer).__name__}.step was not compiled by dynamo"
+
+
+# torch.testing.assert_close's default (rtol, atol) per dtype, from its documentation.
+TOLERANCES = {torch.float32: (1.3e-6, 1e-5), torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (1e-3, 1e-5)}
+
+
+def check_same_losses(source: Candidate, compiled: list[float], eager: list[float], target: str) -> None:
+    """The compiled step trains the losses of the same step run eagerly (same target, same batches).
+
+    Tolerance: torch.testing's default for the dtype matmuls and convolutions compute in (fp32: rtol
+    1.3e-6, bf16: 1.6e-2, fp16: 1e-3; atol 1e-5), i.e. about one rounding of that dtype. Both runs
+    do the same arithmetic in the same formats; inductor only reorders fp32 reductions and fuses
+    elementwise ops, keeping their intermediates in fp32 where eager rounds each op's output to the
+    compute dtype. Over STEPS AdamW steps (each moves a weight by about lr, whatever its gradient)
+    that does not grow past one rounding. The planted fp16 overflow is non-finite in both runs.
+    """
+    assert len(compiled) == len(eager) == STEPS, f"{target}: losses {compiled} vs eager {eager}"
+    rtol, atol = TOLERANCES[source.spec.compute_dtype]
+    torch.testing.assert_close(
+        torch.tensor(compiled),
+        torch.tensor(eager),
+        rtol=rtol,
+        atol=atol,
+        equal_nan=True,
+        msg=lambda m: f"{target}: compiled step losses {compiled} vs eager {eager}: {m}",
+    )
 
 
 def cases() -> dict[str, PolicyConfig]:
@@ -454,12 +525,18 @@ def cases() -> dict[str, PolicyConfig]:
 
 
 # Candidates with the loop axes, exported for the CPU: compiled with the fused optimizer (one
-# inductor compile per target each), and fp16-mixed with the fused optimizer under its GradScaler.
+# inductor compile per target each), fp16-mixed with the fused optimizer under its GradScaler, and
+# the whole step compiled (the optimizer as written: the step scope compiles its update itself), fp16
+# with its planted overflow skipped by the GradScaler inside the compiled step.
 LOOP_CASES: dict[str, Candidate] = {
     "bf16-mixed+compile+fused": Candidate("bf16-mixed", compile="default", optimizer="fused"),
     "fp32+compile+fused": Candidate("fp32", compile="default", optimizer="fused"),
     "fp16-mixed+fused": Candidate("fp16-mixed", optimizer="fused"),
+    "bf16-mixed+compile-step": Candidate("bf16-mixed", compile="default", compile_scope="step"),
+    "fp32+compile-step": Candidate("fp32", compile="default", compile_scope="step"),
+    "fp16-mixed+compile-step": Candidate("fp16-mixed", compile="default", compile_scope="step"),
 }
+STEP_CASES = [case for case, c in LOOP_CASES.items() if c.compile_scope == "step"]
 
 
 CASES: dict[str, Source] = {**cases(), **LOOP_CASES}
@@ -509,8 +586,20 @@ def run_case(target: str, case: str, refused: set[str], runner: Callable[[Source
         pytest.skip(f"{source.spec.name} does not run on this CPU")
     scale = None
     if source.spec.loss_scaling:  # mixprec's own policy on the same batches: the reference scale
-        scale = run_plain(source, "mixprec").namespace["policy"].stats.scale
+        eager_source = replace(source, compile=None, compile_scope=None) if is_step(source) else source
+        scale = run_plain(eager_source, "mixprec").namespace["policy"].stats.scale
     torch._dynamo.reset()  # a fresh compile per run, and counters that count this run only
     torch._dynamo.utils.counters.clear()
+    torch._dynamo.utils.clear_compilation_metrics()
     run = runner(source)
     check_run(source, run, target=target, scale=scale)
+    if is_step(source):
+        assert isinstance(source, Candidate)
+        compiled = list(PROBE.losses)
+        runner(replace(source, compile=None, compile_scope=None))
+        check_same_losses(source, compiled, PROBE.losses, target)
+
+
+def is_step(source: Source) -> bool:
+    """A candidate compiled at step scope."""
+    return isinstance(source, Candidate) and source.compile_scope == "step"

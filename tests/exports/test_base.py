@@ -29,6 +29,24 @@ def test_a_candidate_is_converted_whole_on_the_device_asked_for():
     assert cuda.device_type == "cuda" and {value for _, _, value in cuda.knobs()} == {"tf32"}
 
 
+def test_the_step_scope_is_carried_from_the_candidate_and_a_config_has_none():
+    step = Facts.of(Candidate("fp16-mixed", compile="max-autotune", compile_scope="step"), device="cpu")
+    assert step.compile_scope == "step" and step.compiles_step and not step.compiles_model
+    assert step.compile_lines() == []  # the model is compiled inside the step, not on its own
+    assert step.step_compile_lines() == [
+        "# compiled: forward + loss, their backward, the optimizer step; GradScaler runs eagerly",
+        'train_step = torch.compile(train_step, mode="max-autotune")',
+    ]
+    assert step.optimizer_line("prepare()").startswith(
+        "optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)"
+    )
+    assert step.describe() == '\'fp16-mixed\' on cpu (compile="max-autotune", compile_scope="step")'
+    model = Facts.of(Candidate("bf16-mixed", compile="default", compile_scope="model"), device="cpu")
+    assert model.compile_scope is None and model.compiles_model and model.step_compile_lines() == []
+    config = Facts.of(mixprec.get_policy("bf16-mixed", device="cpu").config)
+    assert config.compile_scope is None and not config.compiles_step and not config.compiles_model
+
+
 def test_a_config_keeps_its_scaler_options_and_its_device():
     config = mixprec.get_policy("fp16-mixed", device="cpu", init_scale=1024.0).config
     facts = Facts.of(config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import CASES, Net, require, run_case, run_deepspeed
+from harness import CASES, STEP_CASES, Net, require, run_case, run_deepspeed
 
 require("deepspeed")
 
@@ -14,8 +14,8 @@ import deepspeed  # noqa: E402
 pytestmark = [pytest.mark.frameworks, pytest.mark.usefixtures("one_rank")]
 
 # tf32: a CUDA math mode. fp16-true: DeepSpeed's loss scaler needs its fp16 section (fp32 master
-# weights) or torch_autocast (fp32 parameters).
-REFUSED = {"tf32", "fp16-true"}
+# weights) or torch_autocast (fp32 parameters). The step scope: engine.step() is DeepSpeed's own.
+REFUSED = {"tf32", "fp16-true", *STEP_CASES}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -47,3 +47,24 @@ def test_the_bf16_section_is_not_bf16_mixed():
     engine = _initialize(model, {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}})
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert not engine.torch_autocast_enabled()
+
+
+def test_a_compiled_step_cannot_trace_the_engine():
+    """Why the step scope is refused: wrapped in torch.compile, the engine's backward enters
+    threading locks dynamo cannot enter, so those frames fall back to eager."""
+    from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
+
+    torch._dynamo.reset()
+    clear_compilation_metrics()
+    engine = _initialize(torch.nn.Linear(2, 2), {"train_micro_batch_size_per_gpu": 1})
+
+    @torch.compile
+    def train_step(x: torch.Tensor) -> None:
+        engine.backward(engine(x).square().mean())
+        engine.step()
+
+    train_step(torch.ones(4, 2))
+    failed = [
+        m for m in get_compilation_metrics() if m.fail_type and m.co_filename.endswith("runtime/engine.py")
+    ]
+    assert any("`lock` context manager" in (m.fail_reason or "") for m in failed), [m.co_name for m in failed]

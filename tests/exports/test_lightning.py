@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import CASES, require, run_case, run_lightning
+from harness import CASES, STEP_CASES, require, run_case, run_lightning
 
 require("lightning")
 
@@ -16,8 +16,9 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated"),
 ]
 
-# tf32: a CUDA math mode. fp16-true: Lightning's 16-true has no loss scaler.
-REFUSED = {"tf32", "fp16-true"}
+# tf32: a CUDA math mode. fp16-true: Lightning's 16-true has no loss scaler. The step scope: Lightning's
+# automatic optimization owns the optimizer step.
+REFUSED = {"tf32", "fp16-true", *STEP_CASES}
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -3,6 +3,8 @@ same weights bit for bit (the plain text is everything Policy does, written out)
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from harness import CASES, STEPS, run_case, run_plain
@@ -34,3 +36,40 @@ def test_plain_and_mixprec_train_identically(case):
         assert plain.scaler.get_scale() == stats.scale
         if config.spec.autocast_dtype is not None:
             assert stats.skipped_steps == 1  # the planted overflow (fp16-true's AdamW makes NaN weights)
+
+
+def _optimizer_step_compiles(steps: int) -> int:
+    """How often dynamo compiles the optimizer's step inside a compiled train step over ``steps``
+    steps, with a scheduler changing the (float) learning rate after every step."""
+    from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
+
+    torch._dynamo.reset()
+    clear_compilation_metrics()
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1000)
+
+    @torch.compile
+    def train_step(x: torch.Tensor) -> None:
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(steps):
+        train_step(torch.ones(4, 2))
+        scheduler.step()
+    code = inspect.unwrap(type(optimizer).step).__code__
+    where = (code.co_filename, code.co_firstlineno)
+    return sum(
+        1
+        for m in get_compilation_metrics()
+        if (m.co_filename, m.co_firstlineno) == where and m.graph_op_count
+    )
+
+
+def test_a_scheduler_recompiles_the_compiled_optimizer_step_once():
+    """Why the step-scope exports keep your optimizer's float lr: the compiled step specializes on
+    it, the scheduler's first change recompiles it once with the lr as a dynamic value, and no later
+    change does, so dynamo's recompile limit (past which the step would run eagerly) is never reached.
+    PyTorch's compiled-optimizer recipe wraps the lr in a tensor for that; torch 2.14 does not need it."""
+    assert _optimizer_step_compiles(steps=6) == 2

@@ -69,7 +69,7 @@ class Case(NamedTuple):
 
 def _cases() -> dict[str, Case]:
     """Every policy on both devices with default options, the options that change the text, and
-    candidates with the loop axes (compile mode, optimizer implementation)."""
+    candidates with the loop axes (compile mode and scope, optimizer implementation)."""
     configs = {
         f"{name}-{device}": PolicyConfig(name, device)
         for name in mixprec.POLICY_NAMES
@@ -105,6 +105,25 @@ def _cases() -> dict[str, Case]:
             keep_fp32=("head",),
             compile="max-autotune-no-cudagraphs",
             optimizer="for-loop",
+        ),
+        "cpu",
+    )
+    out["bf16-mixed-cpu+compile-step"] = Case(
+        Candidate("bf16-mixed", compile="default", compile_scope="step"), "cpu"
+    )
+    out["fp32-cuda+compile-step:max-autotune"] = Case(
+        Candidate("fp32", compile="max-autotune", compile_scope="step"), "cuda"
+    )
+    out["fp16-mixed-cuda+compile-step"] = Case(
+        Candidate("fp16-mixed", compile="default", compile_scope="step"), "cuda"
+    )
+    out["bf16-true-cpu+cl+head+compile-step:no-cudagraphs"] = Case(
+        Candidate(
+            "bf16-true",
+            channels_last=True,
+            keep_fp32=("head",),
+            compile="max-autotune-no-cudagraphs",
+            compile_scope="step",
         ),
         "cpu",
     )
@@ -461,6 +480,105 @@ def test_loop_axes_are_written_the_way_each_stack_runs_them():
     )  # the 32-true plugin clips a fused optimizer's gradients itself
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_step_scope_is_one_compiled_train_step(device):
+    """The targets that write the loop compile its body whole, as mixprec's TrainingSession does: no
+    model-level compile, the mode on torch.compile, the scheduler outside, the optimizer as written."""
+    candidate = Candidate("bf16-mixed", compile="max-autotune", compile_scope="step")
+    texts = {t: r.text for t, r in export_all(candidate, device=device).items() if r.text}
+    assert set(texts) == {"mixprec", "pytorch", "accelerate", "fsdp2"}
+    for target, text in texts.items():
+        assert text.startswith(
+            "# mixprec export: policy 'bf16-mixed' on "
+            f'{device} (compile="max-autotune", compile_scope="step")'
+        ), target
+        code = python_part(text, target)
+        assert code.count("\ndef train_step(batch):\n") == 1, target
+        assert 'train_step = torch.compile(train_step, mode="max-autotune")\n' in code, target
+        assert "model = torch.compile(" not in code and "TorchDynamoPlugin" not in code, target
+        assert "AdamW(model.parameters(), lr=1e-3)  # yours" in code, target
+        body = code.split("def train_step(batch):", 1)[1].split("\n\n", 1)[0]
+        assert "scheduler" not in body and "zero_grad(set_to_none=True)" in body, target
+        assert "loss_fn(model, batch)" in body and "step(" in body, target
+    assert "dynamo_config" not in split_sections(texts["accelerate"])["default_config.yaml"]
+    assert "    stepped = policy.step(optimizer, clip_grad_norm=1.0)" in texts["mixprec"]
+    assert "        if stepped:\n            scheduler.step()" in texts["mixprec"]
+    assert texts["fsdp2"].index("fully_shard(model,") < texts["fsdp2"].index("def train_step(")
+    fp16 = export(Candidate("fp16-mixed", compile="default", compile_scope="step"), "pytorch", device=device)
+    step = fp16.split("def train_step(batch):", 1)[1]
+    assert step.index("scaler.scale(loss).backward()") < step.index("return loss, skipped")
+    assert "    loss, skipped = train_step(batch)\n    if not skipped:\n        scheduler.step()" in fp16
+    assert "GradScaler's methods (scale, unscale_, step, update) run eagerly" in " ".join(
+        line[2:].strip() for line in fp16.splitlines() if line.startswith("#")
+    )
+
+
+def test_the_model_scope_is_todays_text():
+    """compile_scope='model' is the default scope, spelled None: the text of a compiled model."""
+    model = Candidate("bf16-mixed", compile="default", compile_scope="model")
+    assert model.compile_scope is None
+    assert export_all(model, device="cuda") == export_all(
+        Candidate("bf16-mixed", compile="default"), device="cuda"
+    )
+
+
+# The stacks that own the optimizer step, and what the refusal names as the reason.
+STEP_OWNERS = {
+    "lightning": "Lightning's automatic optimization owns the optimizer step",
+    "hf": "the HF Trainer owns its loop",
+    "deepspeed": "DeepSpeed's engine.step() is its own",
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_step_scope_is_refused_where_the_stack_owns_the_step(device):
+    step = Candidate(
+        "fp32", compile="reduce-overhead" if device == "cuda" else "default", compile_scope="step"
+    )
+    model_scope = replace(step, compile_scope=None)
+    for target, why in STEP_OWNERS.items():
+        faithful, reason = export_status(step, target, device=device)
+        assert not faithful and reason.startswith(why), (target, reason)
+        assert f"instead: the same candidate at model scope (compile={step.compile!r} without" in reason
+        assert "or the 'pytorch' or 'mixprec' export, which compile the whole step" in reason
+        assert export_status(model_scope, target, device=device).faithful, target  # the alternative
+        with pytest.raises(ExportRefused, match=re.escape(why)):
+            export(step, target, device=device)
+    for target in ("mixprec", "pytorch", "accelerate", "fsdp2"):
+        assert export_status(step, target, device=device).faithful, target
+
+
+def test_accelerate_refuses_the_step_scope_with_its_fp16_scaler():
+    """Accelerate's fp16 exists only off the CPU, where mixprec has not run it compiled."""
+    step = Candidate("fp16-mixed", compile="default", compile_scope="step")
+    faithful, reason = export_status(step, "accelerate", device="cuda")
+    assert not faithful and "mixprec has not run that inside a compiled step" in reason
+    assert "with Accelerate, which compiles the model (TorchDynamoPlugin)" in reason
+    assert export_status(replace(step, compile_scope=None), "accelerate", device="cuda").faithful
+    assert export_status(step, "pytorch", device="cuda").faithful
+    assert export_status(
+        Candidate("bf16-mixed", compile="default", compile_scope="step"), "accelerate"
+    ).faithful
+
+
+@pytest.mark.parametrize(
+    ("candidate", "fragment"),
+    [
+        (
+            Candidate("bf16-mixed", compile="default", compile_scope="step", optimizer="fused"),
+            "the step scope compiles the optimizer's update itself; drop optimizer='fused'",
+        ),
+        (Candidate("bf16-mixed", compile="default", compile_scope="graph"), "valid: model, step"),
+        (Candidate("bf16-mixed", compile="fast"), "Unknown PyTorch compile mode 'fast'; valid: default"),
+    ],
+)
+def test_loop_axes_mixprec_does_not_run_are_usage_errors(candidate, fragment):
+    """What mixprec's torch backend refuses to measure is not exported either."""
+    for call in (export, export_status):
+        with pytest.raises(UsageError, match=re.escape(fragment)):
+            call(candidate, "pytorch", device="cpu")
+
+
 @pytest.mark.parametrize(("name", "device"), [("tf32", "cpu"), ("bf32", "cuda")])
 def test_a_math_mode_of_the_other_device_is_refused_everywhere(name, device):
     for target in EXPORT_TARGETS:
@@ -672,10 +790,11 @@ OPTION_CASES = {
     "non-default GradScaler options": {"scaler": ScalerOptions(init_scale=1024.0)},
     # The candidate's loop axes (a Candidate's fields, exported with device=...).
     "compile='max-autotune'": {"compile": "max-autotune"},
+    "compile='default', compile_scope='step'": {"compile": "default", "compile_scope": "step"},
     "optimizer='fused'": {"optimizer": "fused"},
     "optimizer='foreach'": {"optimizer": "foreach"},
 }
-LOOP_OPTIONS = {"compile", "optimizer"}
+LOOP_OPTIONS = {"compile", "compile_scope", "optimizer"}
 
 
 def matrix_markdown() -> str:

@@ -194,8 +194,12 @@ def test_hopeless_candidate_is_pruned_with_its_figure(factory_file, isolate):
     )
     row = _by_label(result)["fp16-mixed"]
     assert row.status == "pruned", row.reason
-    # pruned on a step over the limit, and again on its retry: never on one transient
-    assert row.reason.startswith("pruned twice") and ("limit" in row.reason or "still running" in row.reason)
+    assert "limit" in row.reason or "still running" in row.reason
+    if mixprec.check_support("fp16-mixed", mixprec.detect("cpu")).native:
+        # pruned on a step over the limit, and again on its retry: never on one transient
+        assert row.reason.startswith("pruned twice")
+    else:  # fp16 is emulated on this CPU (no AVX512-FP16/AMX-FP16): far slower is expected, no retry
+        assert any(n.startswith("not retried: no native fp16") for n in row.notes), row.notes
     if not isolate:  # in-process the step finishes before the verdict, so its figure is kept
         assert row.step_time_ms is not None and row.step_time_ms.median_ms > 1000
 

@@ -360,3 +360,49 @@ def test_dict_and_tuple_outputs():
     assert report.layer("b").backward.count == 10
     assert report.layers[0].name == "" and report.layers[0].order == 0
     assert isinstance(report, RangeReport)
+
+
+def _brute_force(x: torch.Tensor) -> dict[str, float]:
+    """Every count of TensorRange by its definition, one comparison per count (the slow way)."""
+    from mixprec.numerics.limits import FORMATS, LOW_PRECISION_FORMATS
+
+    a = (x.double() if x.dtype == torch.float64 else x.float()).abs()
+    finite = torch.isfinite(a)
+    nz = finite & (a != 0)
+    out = {"nonfinite": float((~finite).sum()), "zeros": float((a == 0).sum()), "nonzero": float(nz.sum())}
+    for fmt in LOW_PRECISION_FORMATS:
+        lim = FORMATS[fmt]
+        out[f"over {fmt}"] = float((a > lim.max_finite).sum())
+        out[f"under {fmt}"] = float((nz & (a <= lim.smallest_subnormal / 2)).sum())
+        out[f"sub {fmt}"] = float((nz & (a < lim.smallest_normal)).sum())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_one_pass_counts_equal_the_counts_by_definition(dtype):
+    """The single-pass histogram counts exactly what one comparison per count would, at every
+    threshold's edge, for inf, NaN, zeros, subnormals and values just beyond bf16's range."""
+    from mixprec.numerics.limits import FORMATS, LOW_PRECISION_FORMATS
+
+    edges = [0.0, -0.0, math.inf, -math.inf, math.nan, 3.39e38, 3.4e38]
+    for fmt in LOW_PRECISION_FORMATS:
+        lim = FORMATS[fmt]
+        for v in (lim.max_finite, lim.smallest_normal, lim.smallest_subnormal / 2, lim.smallest_subnormal):
+            edges += [v, math.nextafter(v, 0), math.nextafter(v, math.inf), -v]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat(
+        [
+            torch.tensor(edges, dtype=torch.float64),
+            torch.randn(4000, generator=gen, dtype=torch.float64)
+            * 10.0 ** torch.randint(-45, 40, (4000,), generator=gen),
+        ]
+    ).to(dtype)
+    r = TensorRange()
+    r.update(x)
+    want = _brute_force(x)
+    got = {"nonfinite": r.nonfinite, "zeros": r.zeros, "nonzero": r.nonzero}
+    for fmt in LOW_PRECISION_FORMATS:
+        got[f"over {fmt}"] = r.overflow_count[fmt]
+        got[f"under {fmt}"] = r.underflow_count[fmt]
+        got[f"sub {fmt}"] = r.subnormal_count[fmt]
+    assert got == want

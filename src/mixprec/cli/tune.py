@@ -26,7 +26,7 @@ from mixprec.measure.noise import describe as describe_noise
 from mixprec.policy import Candidate
 from mixprec.policy.candidate import COMPILE_MODES
 from mixprec.report.bench import drift_text
-from mixprec.report.format import fmt_speedup_ci, rich_style
+from mixprec.report.format import fmt_phases, fmt_speedup_ci, rich_style, shorten
 from mixprec.report.jsonio import write_json
 from mixprec.status import Status
 from mixprec.tuning.search import TRAIN_STEPS
@@ -115,7 +115,7 @@ def candidate_table(data: dict[str, Any]) -> Table:
         table.add_row(
             *cells,
             c.get("verdict") or "",
-            c.get("reason", "")[:90],
+            shorten(c.get("reason") or "", 90),
         )
     return table
 
@@ -123,9 +123,11 @@ def candidate_table(data: dict[str, Any]) -> Table:
 def summary(data: dict[str, Any]) -> Group:
     rec = data.get("recommendation")
     parts: list[Any] = [candidate_table(data)]
+    spent = fmt_phases(data.get("phases") or {}, data.get("budget_s"))
+    time_line = [Text(f"time: {spent}", style="dim")] if spent else []  # where the budget went
     if rec is None:
         parts.append(Text(no_recommendation(data).args[0], style="red"))
-        return Group(*parts)
+        return Group(*parts, *time_line)
     head = Text.assemble(("recommended: ", "bold"), (rec["label"], "bold green"))
     if rec.get("speedup_vs_fp32"):
         head.append(f"  {rec['speedup_vs_fp32']:.2f}x strict fp32")
@@ -147,7 +149,7 @@ def summary(data: dict[str, Any]) -> Group:
     measured = [drift_text(bench.get("baseline_drift")), describe_noise(bench.get("noise") or {})]
     if any(measured):
         parts.append(Text("measured: " + "; ".join(m for m in measured if m), style="dim"))
-    return Group(*parts)
+    return Group(*parts, *time_line)
 
 
 def budget_exhausted(data: dict[str, Any]) -> BudgetExhausted:

@@ -11,7 +11,11 @@ cannot express faithfully:
 
 Each writes the candidate's ``torch.compile`` mode and optimizer implementation the way its stack
 runs them (Lightning compiles the LightningModule, Accelerate and the HF Trainer take a dynamo
-backend, DeepSpeed ``engine.compile()``, FSDP2 compiles after ``fully_shard``).
+backend, DeepSpeed ``engine.compile()``, FSDP2 compiles after ``fully_shard``). A candidate compiled
+at step scope (``compile_scope="step"``: forward, loss, backward and optimizer step in one compiled
+function) is written as a compiled ``train_step`` where the user writes the loop (``mixprec``,
+``pytorch``, ``accelerate``, ``fsdp2``) and refused where the stack owns the optimizer step
+(Lightning, the HF Trainer, DeepSpeed).
 
 Every text starts with its contract (what runs, what the stack cannot express and what is done
 instead, what the user fills in). Texts that hold more than one file (``accelerate``: YAML +
@@ -99,13 +103,13 @@ def export(
     """Ready-to-paste text that trains ``candidate`` with ``target`` (one of :data:`EXPORT_TARGETS`).
 
     ``candidate`` is a :class:`~mixprec.Candidate` (a recommendation's ``.candidate``: policy,
-    channels_last, keep_fp32, compile mode, optimizer implementation), exported for ``device``
-    (default: mixprec's, CUDA when available, else CPU). A :class:`PolicyConfig` or :class:`Policy`
-    works too (it also carries finite_check and the scaler options): exported eager, with the
-    optimizer as written, for its own device unless ``device`` is given. Raises
-    :class:`UsageError` for an unknown target, another object, a non-torch candidate, or a policy or
-    device mixprec does not know, and :class:`ExportRefused` (a UsageError) where the target cannot
-    train the candidate faithfully.
+    channels_last, keep_fp32, compile mode and scope, optimizer implementation), exported for
+    ``device`` (default: mixprec's, CUDA when available, else CPU). A :class:`PolicyConfig` or
+    :class:`Policy` works too (it also carries finite_check and the scaler options): exported eager,
+    with the optimizer as written, for its own device unless ``device`` is given. Raises
+    :class:`UsageError` for an unknown target, another object, a non-torch candidate, loop axes
+    mixprec's torch backend does not run, or a policy or device mixprec does not know, and
+    :class:`ExportRefused` (a UsageError) where the target cannot train the candidate faithfully.
     """
     target_obj = TARGETS[_check_target(target)]
     return target_obj.export(Facts.of(candidate, device))

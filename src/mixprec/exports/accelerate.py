@@ -15,6 +15,12 @@ Checked in accelerate 1.15's source and run by the frameworks tier:
 - A skipped step is one whose ``optimizer.step()`` GradScaler did not call
   (``AcceleratedOptimizer.step_was_skipped``); GradScaler calls a fused optimizer's step on inf
   gradients too (the kernel skips the update), so fp16-mixed with a fused optimizer is refused.
+- The step scope is the user's loop body as one ``torch.compile``'d function around the prepared
+  model and optimizer (no TorchDynamoPlugin, which compiles the model alone): dynamo traces
+  ``accelerator.backward``, ``clip_grad_norm_`` and ``AcceleratedOptimizer.step`` and compiles the
+  wrapped optimizer's step (run on a CPU by the frameworks tier). Accelerate's fp16 path (GradScaler
+  behind a patched optimizer step) exists only off the CPU, where it has not been run compiled: fp16
+  with the step scope is refused.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from mixprec.exports.base import (
     prepare_lines,
     py,
     section,
+    step_scope_refusal,
 )
 from mixprec.exports.native import EXPECTS
 from mixprec.exports.pytorch import PyTorchTarget
@@ -80,6 +87,14 @@ class AccelerateTarget(PyTorchTarget):
                 'Accelerate\'s mixed_precision="fp16" is autocast + GradScaler over fp32 weights and its'
                 " GradScaler refuses fp16 gradients; fp16-true needs fp16 weights with loss scaling",
                 "fp16-mixed with Accelerate, or the 'pytorch' or 'mixprec' export for fp16-true",
+            )
+        if facts.compiles_step and facts.scaler is not None:
+            return step_scope_refusal(
+                facts,
+                "Accelerate runs fp16 (a GradScaler behind AcceleratedOptimizer's patched step, which"
+                " tells skipped steps to the scheduler) only off the CPU, and mixprec has not run that"
+                " inside a compiled step (compile_scope='step')",
+                "Accelerate, which compiles the model (TorchDynamoPlugin)",
             )
         return None
 
@@ -129,9 +144,11 @@ class AccelerateTarget(PyTorchTarget):
             )
         contract.runs += facts.loop_runs(
             'TorchDynamoPlugin(backend="inductor") (dynamo_config in the YAML): accelerator.prepare()'
-            " compiles the model last, after its autocast wrapper"
+            " compiles the model last, after its autocast wrapper",
+            "torch.compile(train_step) around the prepared model and optimizer (no TorchDynamoPlugin:"
+            " it would compile the model alone)",
         )
-        if facts.compile:
+        if facts.compiles_model:
             contract.instead.append(
                 "The fp32 math knobs are set after Accelerator(): with a dynamo backend and"
                 ' mixed_precision="no" on a GPU it turns on the legacy allow_tf32 flag, which would make'
@@ -158,7 +175,7 @@ class AccelerateTarget(PyTorchTarget):
         ]
         kwargs = [f'mixed_precision="{mode}"', *(["cpu=True"] if cpu else [])]
         utils = []
-        if facts.compile:
+        if facts.compiles_model:
             yaml += ["dynamo_config:", "  dynamo_backend: INDUCTOR", f"  dynamo_mode: {facts.compile}"]
             kwargs.append(f'dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode={py(facts.compile)})')
             utils.append("TorchDynamoPlugin")
@@ -182,6 +199,32 @@ class AccelerateTarget(PyTorchTarget):
         else:
             accelerator = call_lines("accelerator = Accelerator", kwargs)
         blocks = helpers(helper_names(facts) + loop_helper_names(facts))
+        loop = self.step_loop(facts) if facts.compiles_step else self.loop(facts)
+        accelerator.append("# (the Accelerator arguments win over default_config.yaml when both are given)")
+        if facts.compiles_model:  # the knobs after Accelerator(): it may set the legacy allow_tf32 flag
+            setup = [*helper_lines(blocks), *accelerator, *precision_lines(facts)]
+        else:
+            setup = [*precision_lines(facts), *helper_lines(blocks), *accelerator]
+        return [
+            section("default_config.yaml"),
+            *yaml,
+            section("train.py"),
+            *imports(*third, helpers=blocks),
+            "",
+            f"device_type = {py(facts.device_type)}",
+            "",
+            *setup,
+            *prepare_lines(facts, move=False),
+            "",
+            facts.optimizer_line(after="the casts"),
+            SCHEDULER,
+            "model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)",
+            *loop,
+        ]
+
+    @staticmethod
+    def loop(facts: Facts) -> list[str]:
+        """The training loop, eager or around a model that prepare() compiled."""
         fp16 = facts.scaler is not None
         loop = [
             "for batch in loader:",
@@ -205,24 +248,35 @@ class AccelerateTarget(PyTorchTarget):
                 sched += "  # a prepared scheduler does not step after a skipped step"
             loop += [step, sched]
         loop.append("    optimizer.zero_grad(set_to_none=True)")
-        accelerator.append("# (the Accelerator arguments win over default_config.yaml when both are given)")
-        if facts.compile:  # the knobs after Accelerator(): it may set the legacy allow_tf32 flag
-            setup = [*helper_lines(blocks), *accelerator, *precision_lines(facts)]
-        else:
-            setup = [*precision_lines(facts), *helper_lines(blocks), *accelerator]
-        return [
-            section("default_config.yaml"),
-            *yaml,
-            section("train.py"),
-            *imports(*third, helpers=blocks),
-            "",
-            f"device_type = {py(facts.device_type)}",
-            "",
-            *setup,
-            *prepare_lines(facts, move=False),
-            "",
-            facts.optimizer_line(after="the casts"),
-            SCHEDULER,
-            "model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)",
-            *loop,
+        return loop
+
+    @staticmethod
+    def step_loop(facts: Facts) -> list[str]:
+        """The loop under the step scope: its body as ``train_step``, compiled whole; the prepared
+        scheduler steps outside it (dynamo skips torch.optim.lr_scheduler). refusal() keeps loss
+        scaling out, so no step is skipped but by finite_check."""
+        body = [
+            "def train_step(batch):",
+            *loss_lines(facts, autocast="accelerator.autocast()"),
+            "    accelerator.backward(loss)",
+            "    accelerator.clip_grad_norm_(model.parameters(), 1.0)",
         ]
+        loop = ["for batch in loader:"]
+        if facts.finite_check:
+            body += [
+                "    grads = [p.grad for p in model.parameters() if p.grad is not None]",
+                "    skipped = not all(bool(torch.isfinite(g).all()) for g in grads)  # finite_check",
+                "    if not skipped:",
+                "        optimizer.step()",
+                "    optimizer.zero_grad(set_to_none=True)",
+                "    return loss, skipped",
+            ]
+            loop += [
+                "    loss, skipped = train_step(batch)",
+                "    if not skipped:",
+                "        scheduler.step()",
+            ]
+        else:
+            body += ["    optimizer.step()", "    optimizer.zero_grad(set_to_none=True)", "    return loss"]
+            loop += ["    loss = train_step(batch)", "    scheduler.step()"]
+        return ["", "", *body, "", "", *facts.step_compile_lines(), *loop]

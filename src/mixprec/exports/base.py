@@ -20,7 +20,7 @@ import torch
 from mixprec.errors import ExportRefused, MixprecError, UsageError
 from mixprec.exports import snippets
 from mixprec.hardware.device import resolve_device
-from mixprec.policy.candidate import Candidate
+from mixprec.policy.candidate import Candidate, check_torch_axes
 from mixprec.policy.policy import Policy, PolicyConfig, get_policy
 from mixprec.policy.registry import PolicySpec, canonical_name
 from mixprec.policy.scaler import ScalerOptions
@@ -58,6 +58,11 @@ class Facts:
             :data:`mixprec.policy.candidate.COMPILE_MODES`); None: eager.
         optimizer: the optimizer implementation mixprec measured (for-loop, foreach or fused, see
             :data:`OPTIMIZER_FLAGS`); None: the user's optimizer as written.
+        compile_scope: what ``compile`` compiled (:data:`mixprec.policy.candidate.COMPILE_SCOPES`):
+            None or "model" (``torch.compile(model)``), or "step": forward, loss, backward and the
+            optimizer step in one ``torch.compile``'d function, as mixprec's own session runs it. A
+            target that cannot compile the whole step refuses it rather than compile the model only:
+            the compiled optimizer changes both the speed and the rounding that were measured.
     """
 
     config: PolicyConfig
@@ -65,22 +70,24 @@ class Facts:
     device_type: str
     compile: str | None = None
     optimizer: str | None = None
+    compile_scope: str | None = None
 
     @classmethod
     def of(cls, source: Candidate | PolicyConfig | Policy, device: str | torch.device | None = None) -> Facts:
         """The facts of what ``source`` trains, converted once for every target.
 
         ``source`` is a :class:`~mixprec.Candidate` (policy, channels_last, keep_fp32, compile,
-        optimizer), on ``device`` (default: mixprec's, CUDA when available, else CPU), or a
+        compile_scope, optimizer), on ``device`` (default: mixprec's, CUDA when available, else CPU), or a
         :class:`PolicyConfig` / :class:`Policy`, which also carry finite_check and the scaler options,
         on its own device unless ``device`` is given; those export eager, with the optimizer as
         written. Raises :class:`UsageError` for anything else, a candidate of another framework or an
-        emulated one, and a policy or device mixprec does not know.
+        emulated one, loop axes mixprec's torch backend refuses (an unknown compile mode or scope,
+        the step scope with an optimizer implementation), and a policy or device mixprec does not know.
         """
-        compile_mode = optimizer = None
+        compile_mode = optimizer = scope = None
         if isinstance(source, Candidate):
             config = _candidate_config(source, device)
-            compile_mode, optimizer = source.compile, source.optimizer
+            compile_mode, optimizer, scope = source.compile, source.optimizer, source.compile_scope
         elif isinstance(source, (PolicyConfig, Policy)):
             config = source.config if isinstance(source, Policy) else source
             if device is not None:
@@ -107,14 +114,36 @@ class Facts:
                 f"Cannot export for device {config.device!r}; mixprec policies run on {', '.join(LIBRARIES)}."
             )
         config = replace(config, name=name)
-        return cls(config, config.spec, device_type, compile_mode, optimizer)
+        return cls(config, config.spec, device_type, compile_mode, optimizer, scope)
+
+    @property
+    def compiles_model(self) -> bool:
+        """Whether the model alone is compiled (``torch.compile(model)``, the default scope)."""
+        return bool(self.compile) and self.compile_scope != "step"
+
+    @property
+    def compiles_step(self) -> bool:
+        """Whether the whole training step is one compiled function (``compile_scope="step"``)."""
+        return bool(self.compile) and self.compile_scope == "step"
 
     def compile_lines(self, model: str = "model") -> list[str]:
-        """``model = torch.compile(model)`` (with the measured mode), or nothing for eager."""
-        if not self.compile:
+        """``model = torch.compile(model)`` (with the measured mode), or nothing for eager and for the
+        step scope (there the model is compiled as part of the step, see :meth:`step_compile_lines`)."""
+        if not self.compiles_model:
             return []
         call = f"{model} = torch.compile({model}{self.compile_mode_arg})"
         return [f"{call}  # measured compiled: the first step compiles"]
+
+    def step_compile_lines(self, step: str = "train_step") -> list[str]:
+        """``step = torch.compile(step)`` with the measured mode, under a one-line comment of what
+        runs compiled (the contract has the details); nothing unless the step scope was measured."""
+        if not self.compiles_step:
+            return []
+        then = "GradScaler runs eagerly" if self.scaler is not None else "the first step compiles"
+        return [
+            f"# compiled: forward + loss, their backward, the optimizer step; {then}",
+            f"{step} = torch.compile({step}{self.compile_mode_arg})",
+        ]
 
     @property
     def compile_mode_arg(self) -> str:
@@ -131,15 +160,32 @@ class Facts:
         flag = f", {self.optimizer_flag}" if self.optimizer else ""
         return OPTIMIZER.replace("lr=1e-3)", f"lr=1e-3{flag})").format(after=after)
 
-    def loop_runs(self, compiled: str) -> list[str]:
+    def loop_runs(self, compiled: str, step: str = "torch.compile(train_step)") -> list[str]:
         """The contract's lines for the candidate's loop axes; ``compiled`` says what compiles the
-        model in this stack (e.g. "torch.compile(model) after fully_shard")."""
+        model in this stack (e.g. "torch.compile(model) after fully_shard"), ``step`` what compiles
+        the whole step under the step scope."""
         runs = []
-        if self.compile:
+        if self.compiles_model:
             runs.append(
                 f"{compiled}, mode {py(self.compile)}: the model compiled as mixprec measured it; the first"
                 " steps compile (graph breaks run eagerly)."
             )
+        if self.compiles_step:
+            runs += [
+                f"{step}, mode {py(self.compile)}: the whole step compiled as mixprec measured it"
+                " (PyTorch's compiled optimizer on top of the model's graphs): forward and loss with the"
+                " backward AOTAutograd derives, and the optimizer step; dynamo runs .backward() and"
+                " zero_grad() eagerly between the graphs, and the first steps compile.",
+                "The scheduler steps outside the compiled function (dynamo skips"
+                " torch.optim.lr_scheduler); its first change of the learning rate recompiles the"
+                " optimizer step once, after which dynamo passes the lr in as a dynamic value.",
+            ]
+            if self.scaler is not None:
+                runs.append(
+                    "GradScaler's methods (scale, unscale_, step, update) run eagerly, as dynamo does"
+                    " not trace torch.amp; the optimizer step that scaler.step() calls is still"
+                    " compiled, as a frame of its own."
+                )
         if self.optimizer:
             runs.append(
                 f"{self.optimizer_flag} on the optimizer: the {self.optimizer} implementation mixprec"
@@ -244,6 +290,8 @@ class Facts:
         extras += [f"{k}={py(v)}" for k, v in self.scaler_changes().items()]
         if self.compile:
             extras.append(f"compile={py(self.compile)}")
+        if self.compiles_step:
+            extras.append(f"compile_scope={py(self.compile_scope)}")
         if self.optimizer:
             extras.append(f"optimizer={py(self.optimizer)}")
         return f"{self.name!r} on {self.device_type}" + (f" ({', '.join(extras)})" if extras else "")
@@ -263,6 +311,9 @@ def _candidate_config(candidate: Candidate, device: str | torch.device | None) -
             "trains nothing to export; export the policy it stands for, e.g. Candidate('bf16-mixed')."
         )
     try:
+        # The loop axes as the torch backend runs them (compile mode and scope, the step scope without
+        # an optimizer implementation): what was never measured is not exported either.
+        check_torch_axes(candidate)
         # Options checked and defaults filled where every Candidate becomes a Policy; built for the
         # CPU, as exporting for a GPU needs none here, then given the device the export is for.
         config = get_policy(candidate, device="cpu", check=False).config
@@ -295,6 +346,17 @@ class Contract:
     instead: list[str] = field(default_factory=list)
     fill_in: str = ""
     launch: str = ""
+
+
+def step_scope_refusal(facts: Facts, reason: str, model_scope: str) -> Refusal:
+    """The refusal of ``compile_scope="step"`` by a stack that cannot compile the whole step (it owns
+    the optimizer step, or mixprec has not run the step compiled in it): ``reason`` says why, and
+    ``model_scope`` how the stack compiles the model, which it exports faithfully."""
+    return Refusal(
+        reason,
+        f"the same candidate at model scope (compile={facts.compile!r} without compile_scope='step') with"
+        f" {model_scope}; or the 'pytorch' or 'mixprec' export, which compile the whole step",
+    )
 
 
 class ExportTarget:

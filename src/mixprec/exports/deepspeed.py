@@ -17,6 +17,9 @@ Checked in deepspeed 0.19's source and run by the frameworks tier (CPU accelerat
   the accelerator's backend: inductor on CPU and CUDA) inside the engine's autocast. Without ZeRO
   and precision sections the client optimizer is stepped as built, fused or not, through the
   GradScaler for fp16.
+- No compile setting covers ``engine.step()`` (``deepspeed/compile/config.py``), and dynamo cannot
+  trace the engine around it: ``engine.backward`` and its backward-graph tracker enter
+  ``threading.Lock`` context managers, which dynamo cannot. The step scope is refused.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from mixprec.exports.base import (
     prepare_lines,
     py,
     section,
+    step_scope_refusal,
 )
 from mixprec.exports.native import EXPECTS
 from mixprec.exports.pytorch import PyTorchTarget
@@ -79,6 +83,16 @@ class DeepSpeedTarget(PyTorchTarget):
                 " scaler"
                 " (finite_check=True)",
                 "finite_check=False with DeepSpeed, or the 'pytorch', 'accelerate' or 'mixprec' export",
+            )
+        if facts.compiles_step:
+            return step_scope_refusal(
+                facts,
+                "DeepSpeed's engine.step() is its own (clipping, the loss scaler, the LR scheduler,"
+                " timers) and its compile settings (engine.compile(), DeepCompile) compile engine.module"
+                " only; in a torch.compile'd step dynamo cannot enter the threading locks of"
+                " engine.backward(), so the step runs as many small graphs with eager engine code between"
+                " them, not the forward and optimizer graphs mixprec measured (compile_scope='step')",
+                "DeepSpeed, which compiles its module (model_engine.compile())",
             )
         return None
 

@@ -5,7 +5,10 @@ rank): each repeated block and the root sharded with :func:`mixprec.distributed.
 dtypes, each fp32 island in a group of its own with an fp32 policy. ``fully_shard`` refuses
 non-contiguous parameters (``FSDP does not support non-contiguous parameters``), so channels_last
 is refused. ``torch.compile`` wraps the model after ``fully_shard``, and torch's fused and foreach
-optimizers step the DTensor shards (DTensor has sharding rules for ``_fused_adam(w)_``).
+optimizers step the DTensor shards (DTensor has sharding rules for ``_fused_adam(w)_``). Under the
+step scope the plain-PyTorch ``train_step`` is compiled around the sharded model: FSDP2's hooks are
+``torch._dynamo.disable``'d and run eagerly between the graphs, and the optimizer step compiles over
+the DTensor shards (run on one gloo rank by the tests).
 """
 
 from __future__ import annotations
@@ -79,6 +82,12 @@ class FSDP2Target(PyTorchTarget):
             contract.runs.append(
                 "fp32 islands: a fully_shard group of their own with an fp32 policy (else the enclosing group"
                 " would all-gather their parameters in low precision)."
+            )
+        if facts.compiles_step:
+            contract.runs.append(
+                "FSDP2's hooks (the all-gather before forward, the reduce-scatter after backward) are"
+                " dynamo-disabled in torch.distributed.fsdp: they run eagerly between the compiled"
+                " graphs; the compiled optimizer step updates each rank's DTensor shards."
             )
         if facts.optimizer in ("fused", "foreach"):
             contract.runs.append(

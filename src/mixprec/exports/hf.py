@@ -14,6 +14,8 @@ Checked in transformers 5.23's source and run by the frameworks tier:
   measured implementation comes as the user's optimizer through ``optimizers=(optimizer, None)``.
   The scheduler steps unless Accelerate saw a skipped step: fp16-mixed with a fused optimizer is
   refused, as for Accelerate.
+- The Trainer owns the step (``training_step`` runs forward and backward, ``_inner_training_loop``
+  calls ``optimizer.step()`` and the scheduler): the step scope is refused.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from mixprec.exports.base import (
     precision_lines,
     prepare_lines,
     py,
+    step_scope_refusal,
 )
 from mixprec.exports.pytorch import PyTorchTarget
 
@@ -90,6 +93,15 @@ class HFTarget(PyTorchTarget):
             return Refusal(
                 "the HF Trainer does not skip optimizer steps with non-finite gradients (finite_check=True)",
                 "finite_check=False with the HF Trainer, or the 'pytorch', 'accelerate' or 'mixprec' export",
+            )
+        if facts.compiles_step:
+            return step_scope_refusal(
+                facts,
+                "the HF Trainer owns its loop: Trainer.training_step runs forward and backward, the"
+                " training loop then calls optimizer.step() and the scheduler, and torch_compile=True"
+                " compiles only the model (the Accelerator's TorchDynamoPlugin), so no compiled function"
+                " holds the whole step (compile_scope='step')",
+                "the HF Trainer, which compiles the model (torch_compile=True)",
             )
         return None
 

@@ -13,6 +13,8 @@ Checked in lightning 2.6's source and run by the frameworks tier:
 - ``16-true`` has no loss scaler: fp16-true is refused.
 - ``trainer.fit(torch.compile(module))`` unwraps the ``OptimizedModule`` and compiles the module's
   ``forward`` and ``training_step`` (``lightning.pytorch.utilities.compile.from_compiled``). The
+  optimizer step stays Lightning's (``loops/optimization/automatic.py`` calls
+  ``optimizer.step(closure)`` around training_step and backward): the step scope is refused. The
   optimizer flag goes into ``configure_optimizers``; ``MixedPrecision.clip_gradients`` raises for an
   optimizer that unscales in its step (``_step_supports_amp_scaling``: the fused ones), bf16 too, so
   a fused optimizer under *-mixed clips in ``configure_gradient_clipping`` (after ``unscale_`` for
@@ -41,6 +43,7 @@ from mixprec.exports.base import (
     imports,
     precision_lines,
     py,
+    step_scope_refusal,
 )
 
 _PLUGIN_FILE = str(Path(__file__).with_name("snippets_lightning.py"))
@@ -74,6 +77,15 @@ class LightningTarget(ExportTarget):
             return Refusal(
                 "Lightning does not skip optimizer steps with non-finite gradients (finite_check=True)",
                 "finite_check=False with Lightning, or the 'pytorch', 'accelerate' or 'mixprec' export",
+            )
+        if facts.compiles_step:
+            return step_scope_refusal(
+                facts,
+                "Lightning's automatic optimization owns the optimizer step: the Trainer calls"
+                " optimizer.step(closure) with training_step and backward inside the closure, and"
+                " torch.compile(LitModel()) compiles only forward and training_step, so the optimizer"
+                " step cannot join them in one compiled function (compile_scope='step')",
+                "Lightning, which compiles forward and training_step",
             )
         return None
 

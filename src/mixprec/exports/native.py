@@ -1,4 +1,9 @@
-"""The ``mixprec`` target: the ``get_policy(...)`` call with exactly the non-default options, and the loop."""
+"""The ``mixprec`` target: the ``get_policy(...)`` call with exactly the non-default options, and the loop.
+
+Under the step scope the loop's body is ``train_step``, compiled whole as mixprec's own
+``TrainingSession`` compiles it: ``policy.autocast()``, ``policy.backward()`` and ``policy.step()``
+inside one ``torch.compile``'d function, the scheduler outside it.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ class MixprecTarget(ExportTarget):
             runs=[
                 "Policy.prepare(), autocast(), backward() and step(): the policy exactly as mixprec"
                 " verified it.",
-                *facts.loop_runs("torch.compile(model) after prepare()"),
+                *facts.loop_runs("torch.compile(model) after prepare()", "torch.compile(train_step)"),
             ],
             fill_in=f"{EXPECTS}; the optimizer and scheduler lines.",
         )
@@ -51,17 +56,46 @@ class MixprecTarget(ExportTarget):
             *facts.compile_lines(),
             facts.optimizer_line(after="prepare()"),
             SCHEDULER,
-            "with policy.precision_scope():  # the fp32 math mode (TF32 / bf32 / strict), restored on exit",
-            "    for batch in loader:",
-            "        with policy.autocast():",
-            "            loss = loss_fn(model, batch)",
-            "        policy.backward(loss)  # scaled when the policy scales the loss",
-            "        if policy.step(optimizer, clip_grad_norm=1.0):  # unscale -> clip -> step -> update",
-            "            scheduler.step()  # a skipped (non-finite) step skips the scheduler too",
-            "        optimizer.zero_grad(set_to_none=True)",
+            *(step_loop(facts) if facts.compiles_step else EAGER_LOOP),
         ]
         if facts.scaler is not None or facts.finite_check:
             lines.append(
                 "# policy.stats.as_dict(): steps, skipped_steps, scale history, last non-finite parameters"
             )
         return lines
+
+
+EAGER_LOOP = [
+    "with policy.precision_scope():  # the fp32 math mode (TF32 / bf32 / strict), restored on exit",
+    "    for batch in loader:",
+    "        with policy.autocast():",
+    "            loss = loss_fn(model, batch)",
+    "        policy.backward(loss)  # scaled when the policy scales the loss",
+    "        if policy.step(optimizer, clip_grad_norm=1.0):  # unscale -> clip -> step -> update",
+    "            scheduler.step()  # a skipped (non-finite) step skips the scheduler too",
+    "        optimizer.zero_grad(set_to_none=True)",
+]
+
+
+def step_loop(facts: Facts) -> list[str]:
+    """The loop under the step scope: its body as ``train_step``, compiled whole; the scheduler stays
+    outside (dynamo skips torch.optim.lr_scheduler) and hears whether the step was taken."""
+    return [
+        "",
+        "",
+        "def train_step(batch):",
+        "    with policy.autocast():",
+        "        loss = loss_fn(model, batch)",
+        "    policy.backward(loss)  # scaled when the policy scales the loss",
+        "    stepped = policy.step(optimizer, clip_grad_norm=1.0)  # unscale -> clip -> step -> update",
+        "    optimizer.zero_grad(set_to_none=True)",
+        "    return loss, stepped",
+        "",
+        "",
+        *facts.step_compile_lines(),
+        "with policy.precision_scope():  # the fp32 math mode (TF32 / bf32 / strict), restored on exit",
+        "    for batch in loader:",
+        "        loss, stepped = train_step(batch)",
+        "        if stepped:",
+        "            scheduler.step()  # a skipped (non-finite) step skips the scheduler too",
+    ]

@@ -44,7 +44,9 @@ class PyTorchTarget(ExportTarget):
     def contract(self, facts: Facts) -> Contract:
         contract = super().contract(facts)
         contract.runs += self.policy_runs(facts)
-        contract.runs += facts.loop_runs(f"torch.compile(model) after {self.optimizer_after}")
+        contract.runs += facts.loop_runs(
+            f"torch.compile(model) after {self.optimizer_after}", "torch.compile(train_step)"
+        )
         contract.fill_in = f"{EXPECTS}; the optimizer and scheduler lines."
         return contract
 
@@ -108,29 +110,18 @@ class PyTorchTarget(ExportTarget):
 
 
 def plain_loop(facts: Facts) -> list[str]:
-    """The training loop of the plain-PyTorch and FSDP2 exports."""
+    """The training loop of the plain-PyTorch and FSDP2 exports; under the step scope its body is a
+    ``train_step`` function compiled whole (:func:`step_loop`)."""
     lines: list[str] = []
     opts = facts.scaler
     if opts is not None:
         cls = "HalfGradScaler" if facts.true == torch.float16 else "torch.amp.GradScaler"
         lines += grad_scaler_lines(facts, cls, "device_type")
+    if facts.compiles_step:
+        return [*lines, *step_loop(facts)]
     lines += ["for batch in loader:", *loss_lines(facts)]
     if opts is not None:
-        lines += [
-            "    scaler.scale(loss).backward()",
-            "    scaler.unscale_(optimizer)  # before clipping: the threshold is for the true gradients",
-            "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
-            "    scale = scaler.get_scale()",
-            "    scaler.step(optimizer)  # skipped when the gradients hold inf/NaN",
-            "    scaler.update()",
-            "    skipped = scaler.get_scale() < scale  # it backs off exactly when it skipped the step",
-        ]
-        if opts.min_scale is not None:
-            floor = py(opts.min_scale)
-            lines += [
-                f"    if scaler.get_scale() < {floor}:",
-                f"        scaler.update({floor})  # min_scale floor: GradScaler has none",
-            ]
+        lines += scaled_update_lines(facts)
         lines += ["    if not skipped:", "        scheduler.step()  # a skipped step skips the scheduler too"]
     elif facts.finite_check:
         lines += [
@@ -149,9 +140,74 @@ def plain_loop(facts: Facts) -> list[str]:
             "    scheduler.step()",
         ]
     lines.append("    optimizer.zero_grad(set_to_none=True)")
-    if opts is not None and opts.min_scale is not None:
-        lines += comment(
-            f"mixprec also raises ScaleCollapseError after {opts.max_skips_at_min_scale} overflowing steps"
-            " in a row at the floor; add such a check if you want that alarm."
-        )
+    return lines + collapse_note(facts)
+
+
+def step_loop(facts: Facts) -> list[str]:
+    """The loop's body as ``train_step``, compiled whole as mixprec measured the step scope; the
+    scheduler steps outside it (dynamo skips torch.optim.lr_scheduler) unless the step was skipped,
+    which the function returns where a step can be skipped (loss scaling, finite_check)."""
+    body = ["def train_step(batch):", *loss_lines(facts)]
+    if facts.scaler is not None:
+        body += scaled_update_lines(facts)
+    elif facts.finite_check:
+        body += [
+            "    loss.backward()",
+            "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+            "    grads = [p.grad for p in model.parameters() if p.grad is not None]",
+            "    skipped = not all(bool(torch.isfinite(g).all()) for g in grads)  # finite_check",
+            "    if not skipped:",
+            "        optimizer.step()",
+        ]
+    else:
+        body += [
+            "    loss.backward()",
+            "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+            "    optimizer.step()",
+        ]
+    body.append("    optimizer.zero_grad(set_to_none=True)")
+    if facts.scaler is None and not facts.finite_check:
+        body.append("    return loss")
+        loop = ["for batch in loader:", "    loss = train_step(batch)", "    scheduler.step()"]
+    else:
+        body.append("    return loss, skipped")
+        loop = [
+            "for batch in loader:",
+            "    loss, skipped = train_step(batch)",
+            "    if not skipped:",
+            "        scheduler.step()  # a skipped step skips the scheduler too",
+        ]
+    return ["", "", *body, "", "", *facts.step_compile_lines(), *loop, *collapse_note(facts)]
+
+
+def scaled_update_lines(facts: Facts) -> list[str]:
+    """Backward, clipping and step through the GradScaler, with ``skipped`` set and the min_scale floor."""
+    opts = facts.scaler
+    assert opts is not None
+    lines = [
+        "    scaler.scale(loss).backward()",
+        "    scaler.unscale_(optimizer)  # before clipping: the threshold is for the true gradients",
+        "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+        "    scale = scaler.get_scale()",
+        "    scaler.step(optimizer)  # skipped when the gradients hold inf/NaN",
+        "    scaler.update()",
+        "    skipped = scaler.get_scale() < scale  # it backs off exactly when it skipped the step",
+    ]
+    if opts.min_scale is not None:
+        floor = py(opts.min_scale)
+        lines += [
+            f"    if scaler.get_scale() < {floor}:",
+            f"        scaler.update({floor})  # min_scale floor: GradScaler has none",
+        ]
     return lines
+
+
+def collapse_note(facts: Facts) -> list[str]:
+    """The note on mixprec's ScaleCollapseError, which plain GradScaler code does not raise."""
+    opts = facts.scaler
+    if opts is None or opts.min_scale is None:
+        return []
+    return comment(
+        f"mixprec also raises ScaleCollapseError after {opts.max_skips_at_min_scale} overflowing steps"
+        " in a row at the floor; add such a check if you want that alarm."
+    )

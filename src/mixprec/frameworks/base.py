@@ -53,6 +53,7 @@ class Framework:
         workload_name: how users import that class ("mixprec.Workload"), for errors.
         layouts: the channels_last axis applies (NCHW vs NHWC tensors).
         compile_modes: what ``Candidate.compile`` may name here; the first is what tune compiles with.
+        compile_scopes: what ``Candidate.compile_scope`` may name here (None, the default, always).
         optimizer_impls: what ``Candidate.optimizer`` may name here (foreach, fused, ...).
         emulation: ``Candidate.emulate`` (a format emulated in fp32) is available.
         island_kind: what a keep_fp32 pattern keeps in fp32, in words ("fp32 modules").
@@ -69,6 +70,7 @@ class Framework:
     workload_name: ClassVar[str]
     layouts: ClassVar[bool] = False
     compile_modes: ClassVar[tuple[str, ...]] = ()
+    compile_scopes: ClassVar[tuple[str, ...]] = ()
     optimizer_impls: ClassVar[tuple[str, ...]] = ()
     emulation: ClassVar[bool] = False
     island_kind: ClassVar[str] = "fp32 layers"
@@ -147,6 +149,11 @@ class Framework:
         if candidate.compile is not None and candidate.compile not in self.compile_modes:
             valid = ", ".join(self.compile_modes) or "none here"
             raise PolicyError(f"Unknown {self.title} compile mode {candidate.compile!r}; valid: {valid}.")
+        if candidate.compile_scope is not None and candidate.compile_scope not in self.compile_scopes:
+            valid = ", ".join(self.compile_scopes) or "none here (its compile mode sets what is compiled)"
+            raise PolicyError(
+                f"Unknown {self.title} compile scope {candidate.compile_scope!r}; valid: {valid}."
+            )
         if candidate.optimizer is not None and candidate.optimizer not in self.optimizer_impls:
             valid = ", ".join(self.optimizer_impls) or "none here"
             raise PolicyError(

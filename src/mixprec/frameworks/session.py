@@ -71,6 +71,8 @@ class Measurement:
     recompiles: int | None = None
     # share of one profiled step's operator time spent in matmuls and convolutions
     compute_share: float | None = None
+    # share of it inside the optimizer's step (eager steps only): what a compiled step can fuse too
+    optimizer_share: float | None = None
     # seconds spent building the compiled step before the first step ran (TensorFlow traces its
     # tf.function then); part of the first step's cost, kept out of the cold step pruning compares
     trace_s: float | None = None

@@ -71,9 +71,12 @@ class PairedSweep:
         events: Events,
         should_stop: Callable[[], bool],
         batches: list | None = None,
+        reference: Candidate | None = None,
     ) -> None:
+        """``reference``: what every candidate is paired with (default: strict fp32, the baseline of
+        every speedup); a race pairs finalists with the leader instead."""
         self.framework, self.workload, self.settings, self.label = framework, workload, settings, label
-        self.baseline_candidate = framework.baseline
+        self.baseline_candidate = reference or framework.baseline
         self.isolate, self.prune_factor = isolate, prune_factor
         self.events, self.should_stop, self.batches = events, should_stop, batches
         self.on_cuda = settings.device.startswith("cuda")
@@ -278,6 +281,7 @@ def _with(row: BenchRow, m: Measurement, **extra: Any) -> BenchRow:
         graphs=m.graphs,
         recompiles=m.recompiles,
         compute_share=m.compute_share,
+        optimizer_share=m.optimizer_share,
         **extra,
     )
     if m.trace_s is not None and out.first_step_ms is not None:  # what the first step cost a user

@@ -76,6 +76,8 @@ class BenchRow:
             compiled, and graphs compiled after the first step.
         compute_share: share of one profiled step's operator time spent in matmuls, convolutions
             and attention (low: the next gain is in fusion or the input pipeline, not precision).
+        optimizer_share: share of it inside the optimizer's step (eager steps): what compiling the
+            whole step can fuse beyond the model's graphs.
         notes: what happened to this row beyond its status (e.g. measured on a retry).
         error_traceback: an error row's traceback (its innermost frames), from the candidate's
             own process where it ran in one; kept in JSON, shown by ``--debug``.
@@ -106,6 +108,7 @@ class BenchRow:
     graphs: int | None = None
     recompiles: int | None = None
     compute_share: float | None = None
+    optimizer_share: float | None = None
     notes: tuple[str, ...] = ()
     error_traceback: str = ""
     # derived (assemble)

@@ -69,7 +69,7 @@ def _is_number(value: Any) -> bool:
 
 def _well_typed(row: BenchRow) -> bool:
     """The fields later arithmetic relies on have the types the writer gives them."""
-    optional_numbers = (row.first_step_ms, row.first_loss, row.wall_s, row.compute_share)
+    optional_numbers = (row.first_step_ms, row.first_loss, row.wall_s, row.compute_share, row.optimizer_share)
     optional_ints = (row.peak_memory_bytes, row.flops_per_step, row.graph_breaks, row.graphs, row.recompiles)
     return (
         isinstance(row.workload, str)

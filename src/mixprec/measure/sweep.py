@@ -414,7 +414,11 @@ class Sweep:
                 result.stopped = f"stopped by the deadline while measuring {cand.label}"
                 break
             if row.status == Status.PRUNED:
-                pruned.append((i, row))
+                support = self.framework.support(cand, self.info)
+                if support.native:
+                    pruned.append((i, row))
+                else:  # a format this device only emulates: far slower is expected, no second attempt
+                    row = replace(row, notes=(*row.notes, f"not retried: {support.reason}"))
             rows.record(row, i)
         # A transient must not prune a candidate for good: one more attempt, when time is left.
         for i, first in pruned:

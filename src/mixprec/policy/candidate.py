@@ -12,6 +12,10 @@ from mixprec.policy.registry import PolicySpec, canonical_name, spec_of
 EMULATABLE: tuple[str, ...] = ("tf32", "bf16", "fp8_e4m3", "fp8_e5m2")
 # torch.compile modes; "reduce-overhead" (CUDA graphs) only on CUDA. Other frameworks name their own
 # (mixprec.frameworks.Framework.compile_modes: "xla" for Keras on TensorFlow).
+# What a torch candidate compiles: the model (torch.compile(model), its forward and the backward
+# AOTAutograd derives), or the whole step (forward, loss, backward and the optimizer step in one
+# torch.compile'd function: PyTorch's compiled-optimizer recipe on top of the model's graphs).
+COMPILE_SCOPES: tuple[str, ...] = ("model", "step")
 COMPILE_MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune")
 # How a torch.optim optimizer applies its update: a Python loop per parameter, multi-tensor
 # (foreach) kernels, or one fused kernel (Adam, AdamW, SGD on CPU and CUDA).
@@ -31,6 +35,9 @@ class Candidate:
             (one of :data:`EMULATABLE`) to predict hardware the machine lacks.
         compile: the compile mode the step runs under, None for eager: a ``torch.compile`` mode
             (:data:`COMPILE_MODES`) for torch, "xla" for TensorFlow.
+        compile_scope: what is compiled, where the framework offers a choice (torch:
+            :data:`COMPILE_SCOPES`); None is the framework's default (torch: the model; XLA always
+            compiles Keras' whole train step).
         optimizer: the optimizer's implementation (one of :data:`OPTIMIZER_IMPLS`), None for the
             workload's optimizer as written.
         framework: the training framework the candidate runs in (a registered
@@ -46,6 +53,7 @@ class Candidate:
     emulate: str | None = None
     compile: str | None = None
     optimizer: str | None = None
+    compile_scope: str | None = None
     framework: str = "torch"
 
     def __post_init__(self) -> None:
@@ -72,6 +80,14 @@ class Candidate:
             raise PolicyError(
                 f"compile must be a compile mode such as 'default' (or None: eager), got {self.compile!r}."
             )
+        scope = self.compile_scope
+        if scope is not None and (self.compile is None or not isinstance(scope, str)):
+            raise PolicyError(
+                f"compile_scope={self.compile_scope!r} without a compile mode: name one (compile='default') "
+                "or drop compile_scope."
+            )
+        if self.compile_scope == "model":
+            object.__setattr__(self, "compile_scope", None)  # the default scope, one spelling
         if self.optimizer is not None and self.optimizer not in OPTIMIZER_IMPLS:
             raise PolicyError(
                 f"Unknown optimizer implementation {self.optimizer!r}; valid: {', '.join(OPTIMIZER_IMPLS)} "
@@ -89,10 +105,11 @@ class Candidate:
             return f"{self.emulate} (emulated)"
         islands = f"+fp32[{','.join(self.keep_fp32)}]" if self.keep_fp32 else ""
         compiled = ""
+        scope = f"-{self.compile_scope}" if self.compile_scope else ""  # +compile-step
         if self.compile == "default":
-            compiled = "+compile"
+            compiled = f"+compile{scope}"
         elif self.compile in COMPILE_MODES:
-            compiled = f"+compile:{self.compile}"
+            compiled = f"+compile{scope}:{self.compile}"
         elif self.compile:  # another framework's own mode, e.g. "+xla"
             compiled = f"+{self.compile}"
         optimizer = f"+{self.optimizer}" if self.optimizer else ""
@@ -125,6 +142,7 @@ class Candidate:
             "keep_fp32": list(self.keep_fp32),
             "emulate": self.emulate,
             "compile": self.compile,
+            "compile_scope": self.compile_scope,
             "optimizer": self.optimizer,
             "framework": self.framework,
         }
@@ -139,6 +157,31 @@ class Candidate:
             keep_fp32=tuple(data.get("keep_fp32") or ()),
             emulate=data.get("emulate"),
             compile=data.get("compile"),
+            compile_scope=data.get("compile_scope"),
             optimizer=data.get("optimizer"),
             framework=data.get("framework", "torch"),
+        )
+
+
+def check_torch_axes(candidate: Candidate) -> None:
+    """The rules torch puts on a candidate's loop axes beyond their vocabulary: an emulated format
+    runs under strict fp32, eager; the step scope compiles the optimizer's update itself, so it takes
+    no optimizer implementation. Raises :class:`PolicyError` naming the clash and the fix."""
+    if candidate.emulate is not None and (candidate.policy != "fp32" or candidate.compile):
+        raise PolicyError(
+            f"An emulated format runs under strict fp32, eager: got {candidate.policy} with "
+            f"emulate={candidate.emulate!r}, compile={candidate.compile!r}."
+        )
+    if candidate.compile_scope == "step" and candidate.optimizer is not None:
+        raise PolicyError(
+            f"{candidate.label}: the step scope compiles the optimizer's update itself; drop "
+            f"optimizer={candidate.optimizer!r} (or compile the model only)."
+        )
+    if candidate.compile is not None and candidate.compile not in COMPILE_MODES:
+        raise PolicyError(
+            f"Unknown PyTorch compile mode {candidate.compile!r}; valid: {', '.join(COMPILE_MODES)}."
+        )
+    if candidate.compile_scope is not None and candidate.compile_scope not in COMPILE_SCOPES:
+        raise PolicyError(
+            f"Unknown PyTorch compile scope {candidate.compile_scope!r}; valid: {', '.join(COMPILE_SCOPES)}."
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from mixprec.status import tone
@@ -158,3 +159,40 @@ def fmt_gain(gain: Any) -> str:
         if finite(before) and finite(after):
             parts.append(f"{what} {before:.2f} → {after:.2f} ms")
     return "; ".join(parts)
+
+
+# tune's stages, in the order they run (TuneResult.phases)
+PHASES = ("speed", "numerics", "compile", "race", "prediction", "other")
+
+
+def phase_seconds(phases: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
+    """``TuneResult.phases`` as (phase, seconds) in :data:`PHASES` order (unknown phases after them,
+    as recorded), leaving out phases that round to 0 s and values that are not numbers."""
+    order = [*(p for p in PHASES if p in phases), *(p for p in phases if p not in PHASES)]
+    out = []
+    for name in order:
+        seconds = num(phases[name])
+        if seconds is not None and math.isfinite(seconds) and seconds >= 0.5:
+            out.append((str(name), seconds))
+    return tuple(out)
+
+
+def fmt_phases(phases: Mapping[str, Any], budget_s: Any = None) -> str:
+    """Where tune's time went, for one line: 'speed 120 s, numerics 80 s, other 5 s of 300 s'
+    (without 'of' when the budget is unknown); empty when no phase was recorded."""
+    text = ", ".join(f"{name} {fmt_seconds(s)}" for name, s in phase_seconds(phases))
+    budget = num(budget_s)
+    return f"{text} of {fmt_seconds(budget)}" if text and finite(budget) and budget else text
+
+
+def shorten(text: str, width: int, placeholder: str = "…") -> str:
+    """``text`` on one line, at most ``width`` characters: cut at the last word boundary that fits,
+    trailing punctuation dropped, ``placeholder`` appended. A first word longer than ``width`` on
+    its own is the one case cut inside a word."""
+    flat = " ".join(text.split())
+    if len(flat) <= width:
+        return flat
+    room = max(0, width - len(placeholder))
+    cut = flat.rfind(" ", 0, room + 1)
+    kept = flat[:cut] if cut > 0 else flat[:room]
+    return kept.rstrip(" ,;:") + placeholder

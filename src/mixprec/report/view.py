@@ -10,6 +10,7 @@ through its ``md`` filter.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ from mixprec.measure.noise import describe as describe_noise
 from mixprec.measure.results import BenchRow
 from mixprec.report.bench import drift_text
 from mixprec.report.format import (
+    finite,
     fmt_bytes,
     fmt_date,
     fmt_db,
@@ -30,6 +32,8 @@ from mixprec.report.format import (
     fmt_speedup_ci,
     fmt_throughput,
     num,
+    phase_seconds,
+    shorten,
 )
 from mixprec.report.view_types import (
     CANDIDATE_COLUMNS,
@@ -38,6 +42,8 @@ from mixprec.report.view_types import (
     EXPORT_TITLES,
     LINT_COLUMNS,
     SEVERITY_TONES,
+    WHY_CHARS,
+    BudgetView,
     CandidatesView,
     Card,
     Cell,
@@ -50,6 +56,7 @@ from mixprec.report.view_types import (
     ReportView,
     Row,
     Section,
+    Segment,
     Table,
 )
 from mixprec.status import Status, tone
@@ -94,6 +101,7 @@ def build(result: TuneResult, charts: Mapping[str, str] | None = None) -> Report
         sections=sections,
         command=result.command or "",
         footer=footer,
+        budget=budget_view(result),
     )
 
 
@@ -118,6 +126,39 @@ def _time_text(result: TuneResult) -> str:
     spent = fmt_seconds(result.elapsed_s) if result.elapsed_s else ""
     budget = fmt_seconds(result.budget_s) if result.budget_s else ""
     return spent + (f" of a {budget} budget" if spent and budget else "")
+
+
+def budget_view(result: TuneResult) -> BudgetView | None:
+    """Where the time went: each phase of the tune, then the budget left unused, as shares of the
+    budget (of the time spent when the budget is unknown); None when the result recorded no
+    phases (files written before tune did)."""
+    phases = phase_seconds(result.phases)
+    if not phases:
+        return None
+    spent = sum(seconds for _, seconds in phases)
+    given = num(result.budget_s)
+    budget = given if given is not None and finite(given) and given > 0 else 0.0
+    base = budget if budget > 0 else spent
+    whole = max(base, spent)  # a run over its budget fills the bar
+    of = f"of the {fmt_seconds(budget)} budget" if budget > 0 else "of the time spent"
+    parts = [(name, f"phase-{slug(name)}", seconds, False) for name, seconds in phases]
+    if base - spent >= 0.5:
+        parts.append(("unused", "unused", base - spent, True))
+    segments = tuple(
+        Segment(
+            name=name,
+            key=key,
+            seconds=fmt_seconds(seconds),
+            share=fmt_pct(seconds / base, 0),
+            width=100 * seconds / whole,
+            title=f"{name}: {fmt_seconds(seconds)}, {fmt_pct(seconds / base, 0)} {of}",
+            unused=unused,
+        )
+        for name, key, seconds, unused in parts
+    )
+    caption = f"Where the {fmt_seconds(budget)} budget went" if budget > 0 else "Where the time went"
+    label = f"{caption}: " + ", ".join(f"{s.name} {s.seconds}" for s in segments)
+    return BudgetView(caption, label, segments)
 
 
 def verdict_line(result: TuneResult) -> tuple[str, str]:
@@ -221,8 +262,10 @@ def candidate_row(ranked: Ranked) -> Row:
     row = ranked.row
     st = row.step_time_ms if row else None
     mfu = row.mfu if row else None
+    why = _why(ranked)
+    short = shorten(why, WHY_CHARS)
     cells = (
-        Cell(ranked.label, "candidate"),
+        Cell(ranked.label, "candidate", parts=label_parts(ranked.label)),
         _badge(ranked.status),
         Cell(fmt_throughput(row.throughput if row else None), "num"),
         Cell(fmt_speedup_ci(row.speedup_vs_fp32, row.speedup_ci) if row else "", "num"),
@@ -232,9 +275,16 @@ def candidate_row(ranked: Ranked) -> Row:
         Cell(compile_text(row), "num"),
         share_cell(row),
         _badge(ranked.verdict),
-        Cell(_why(ranked), "why"),
+        Cell(short, "why", full=why if short != " ".join(why.split()) else ""),
     )
     return Row(cells, marked=ranked.status == Status.RECOMMENDED)
+
+
+def label_parts(label: str) -> tuple[str, ...]:
+    """A candidate label cut after each '+', ',' and ':', where a narrow column may wrap it:
+    'bf16-mixed+cl+compile:max-autotune' -> ('bf16-mixed+', 'cl+', 'compile:', 'max-autotune')."""
+    parts = tuple(p for p in re.split(r"(?<=[+,:])", label) if p)
+    return parts if len(parts) > 1 else ()
 
 
 def compile_text(row: BenchRow | None) -> str:
@@ -287,7 +337,7 @@ def _candidates_section(result: TuneResult) -> Section:
     sid, title = "candidates", "Candidates"
     if not result.ranked:
         return Section(sid, title, empty="No candidates in this result.")
-    table = Table(CANDIDATE_COLUMNS, tuple(candidate_row(r) for r in result.ranked))
+    table = Table(CANDIDATE_COLUMNS, tuple(candidate_row(r) for r in result.ranked), "candidates")
     return Section(sid, title, CandidatesView(table, measurement_notes(result)))
 
 

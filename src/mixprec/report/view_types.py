@@ -23,22 +23,30 @@ class Pair:
 class Cell:
     """One table cell. ``kind`` says how to lay it out: text, mono, num, badge (with ``tone``),
     severity (with ``tone``), why (a muted explanation), candidate, gain (``lines``, the first
-    emphasised), or bar (``fraction`` in [0, 1] drawn as a bar next to the text); ``text`` is always
-    the whole content on one line."""
+    emphasised), or bar (``fraction`` in [0, 1] drawn as a bar next to the text).
+
+    ``text`` is the content on one line; ``full`` is the whole text when ``text`` is shortened
+    for the HTML table (shown on demand there, and in Markdown instead of ``text``). ``parts`` are
+    the pieces of ``text`` where it may wrap (a candidate label cut after each '+'), empty when it
+    wraps only at spaces."""
 
     text: str
     kind: str = "text"
     tone: str = ""
     lines: tuple[str, ...] = ()
     fraction: float | None = None
+    full: str = ""
+    parts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Column:
-    """A table column; ``label`` may hold a line break, ``numeric`` columns align right."""
+    """A table column; ``label`` may hold a line break, ``numeric`` columns align right; ``key``
+    names the column for the stylesheet (its width), empty where the browser sizes it."""
 
     label: str
     numeric: bool = False
+    key: str = ""
 
 
 @dataclass(frozen=True)
@@ -51,10 +59,12 @@ class Row:
 
 @dataclass(frozen=True)
 class Table:
-    """Columns and rows, laid out the same way by both templates."""
+    """Columns and rows, laid out the same way by both templates; ``name`` is the HTML table's
+    class (the candidates table has fixed column widths so it fits the page)."""
 
     columns: tuple[Column, ...]
     rows: tuple[Row, ...]
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -142,8 +152,37 @@ class Section:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """One part of the budget bar: a tune phase, or the budget left over (``unused``).
+
+    ``key`` is its CSS class (its colour), ``seconds`` and ``share`` (of the budget) are the
+    legend's figures, ``width`` is its length in percent of the bar, and ``title`` says all of it
+    in words (the segment's tooltip)."""
+
+    name: str
+    key: str
+    seconds: str
+    share: str
+    width: float
+    title: str
+    unused: bool = False
+
+
+@dataclass(frozen=True)
+class BudgetView:
+    """Where tune's time went: the phases in order, then the unused budget, drawn as one stacked
+    bar with a legend. ``caption`` heads it; ``label`` is the whole bar in words (its text
+    alternative)."""
+
+    caption: str
+    label: str
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
 class ReportView:
-    """The whole report: header, verdict banner, the sections in order, footer."""
+    """The whole report: header (with the budget bar, None for results that did not record their
+    phases), verdict banner, the sections in order, footer."""
 
     title: str
     workload: str
@@ -154,6 +193,7 @@ class ReportView:
     sections: tuple[Section, ...]
     command: str
     footer: str
+    budget: BudgetView | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,18 +217,21 @@ EXPORT_LANGS = {"accelerate": "", "deepspeed": ""}
 SEVERITY_TONES = {"error": "bad", "warning": "warn", "info": "muted"}
 
 CANDIDATE_COLUMNS = (
-    Column("candidate"),
-    Column("status"),
-    Column("samples/s", True),
-    Column("speedup\nvs fp32", True),
-    Column("step ms\nmedian ± IQR", True),
-    Column("peak\nmemory", True),
-    Column("MFU", True),
-    Column("compile", True),
-    Column("matmul/conv\nshare of step"),
-    Column("numerics"),
-    Column("why"),
+    Column("candidate", key="candidate"),
+    Column("status", key="status"),
+    Column("samples/s", True, "throughput"),
+    Column("speedup\nvs fp32", True, "speedup"),
+    Column("step ms\nmedian ± IQR", True, "step"),
+    Column("peak\nmemory", True, "memory"),
+    Column("MFU", True, "mfu"),
+    Column("compile", True, "compile"),
+    Column("matmul/conv\nshare of step", key="share"),
+    Column("numerics", key="numerics"),
+    Column("why", key="why"),
 )
+# The candidates table's "why" cell shows this many characters at most (cut at a word, the
+# whole reason on demand): two lines of its column on a 1400 px wide page.
+WHY_CHARS = 80
 
 LINT_COLUMNS = (
     Column("rule"),

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mixprec.measure.race import Race
 from mixprec.measure.results import BenchRow, baseline_row
 from mixprec.numerics.results import CandidateCheck
 from mixprec.policy import Candidate, PolicyConfig, get_policy
@@ -152,7 +153,7 @@ def safety(row: BenchRow) -> tuple[int, int, int, int, int]:
         c.spec.safety_rank,
         int(c.channels_last),
         len(c.keep_fp32),
-        int(bool(c.compile)),
+        int(bool(c.compile)) + int(c.compile_scope == "step"),  # a compiled step is more to maintain
         int(bool(c.optimizer)),
     )
 
@@ -212,6 +213,7 @@ def decide(
     *,
     noise: float = 0.03,
     train_steps: int | None = None,
+    race: Race | None = None,
 ) -> tuple[Recommendation | None, list[Ranked]]:
     """The fastest candidate whose numerics passed; ties within noise go to the safer one.
 
@@ -222,7 +224,10 @@ def decide(
     When the measurement cannot separate the fastest candidate from a safer one within that
     cap, the recommendation says so (``too_noisy``) rather than calling a tie or a winner.
     With ``train_steps``, a compiled candidate's speedup is its :func:`amortized` one: its
-    compile time is paid once over that many steps.
+    compile time is paid once over that many steps. A ``race`` (:mod:`mixprec.measure.race`) has
+    the last word between the candidates it measured against each other: a resolved duel orders
+    them whatever their fp32-relative figures say, a measured tie goes to the safer one, and only
+    an unresolved duel can leave them "too noisy to separate".
     """
     measured = [r for r in rows if not r.baseline_repeat]
     fp32 = baseline_row(measured)
@@ -277,22 +282,55 @@ def decide(
     if not passing:
         return None, table
     fastest = max(passing, key=effective)
+    if race is not None:
+        fastest = _race_leader(fastest, passing, race, fp32, train_steps)
+
+    def outcome(r: BenchRow) -> str | None:
+        """How ``r`` did against ``fastest`` in a direct race, as seen from ``r``; None: no duel."""
+        duel = race.duel(fastest.candidate, r.candidate) if race is not None else None
+        if duel is None or r is fastest:
+            return None
+        faster = duel.faster()
+        return (
+            "tie"
+            if duel.outcome == "tie"
+            else "open"
+            if faster is None
+            else "faster"
+            if faster == r.candidate
+            else "slower"
+        )
+
     band = [
-        r for r in passing if within_noise(effective(r), effective(fastest), noise_band(r, fastest, noise))
+        r
+        for r in passing
+        if outcome(r) == "tie"
+        or (
+            outcome(r) in (None, "open")
+            and within_noise(effective(r), effective(fastest), noise_band(r, fastest, noise))
+        )
     ]
     chosen = min(band, key=safety)
     tie_break = too_noisy = None
     noisy_with: BenchRow | None = None
     if chosen is not fastest:
-        gap = 1 - effective(chosen) / (effective(fastest) or 1)
-        tie_break = (
-            f"{fastest.label} measured {gap:.1%} faster than {chosen.label}, within measurement noise; "
-            f"{chosen.label} is simpler/safer, so it is preferred"
-        )
+        duel = race.duel(fastest.candidate, chosen.candidate) if race is not None else None
+        if duel is not None and duel.outcome == "tie":
+            tie_break = (
+                f"{fastest.label} and {chosen.label} measured against each other: {duel.describe()}; "
+                f"{chosen.label} is simpler/safer, so it is preferred"
+            )
+        else:
+            gap = 1 - effective(chosen) / (effective(fastest) or 1)
+            tie_break = (
+                f"{fastest.label} measured {gap:.1%} faster than {chosen.label}, within measurement noise; "
+                f"{chosen.label} is simpler/safer, so it is preferred"
+            )
     for r in passing:
         uncertainty = noise_band(r, fastest, noise)
         if (
             r is not fastest
+            and outcome(r) in (None, "open")
             and uncertainty > NOISE_CAP
             and effective(r) < effective(fastest) * (1 - NOISE_CAP)
         ):
@@ -336,6 +374,28 @@ def decide(
         noisy_with=noisy_with.candidate if noisy_with is not None else None,
     )
     return rec, table
+
+
+def _race_leader(
+    fastest: BenchRow, passing: Sequence[BenchRow], race: Race, fp32: BenchRow | None, train_steps: int | None
+) -> BenchRow:
+    """The race's leader among the passing rows when it is one of them (a resolved duel beats the
+    fp32-relative ranking); the fp32-relative fastest otherwise. Compilation is paid once over
+    ``train_steps``: a compiled leader that only wins per step must win amortized too."""
+    leader = next((r for r in passing if r.candidate == race.leader), None)
+    if leader is None or leader is fastest:
+        return fastest
+    duel = race.duel(fastest.candidate, leader.candidate)
+    if duel is None or duel.faster() != leader.candidate or duel.ratio is None:
+        return fastest
+    if not speed(leader) or not speed(fastest):
+        return leader
+    # the race leader's per-step speed over the fastest's, with each one's compile time spread
+    # over the run
+    per_step = duel.ratio if duel.rival == leader.candidate else 1 / duel.ratio
+    spread = amortized(leader, fp32, train_steps) / speed(leader)
+    factor = spread / (amortized(fastest, fp32, train_steps) / speed(fastest))
+    return leader if per_step * factor > 1 else fastest
 
 
 def _reason(

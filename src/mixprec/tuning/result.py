@@ -34,6 +34,10 @@ class TuneResult:
         command: the command line that produced it, when run from the CLI.
         budget_exhausted: when the budget cut candidates short and so the pick is strict fp32 or
             nothing, what it cut (the CLI exits 5); None when the pick stands on its own.
+        phases: where the time went, seconds per stage in order: "speed" (the eager sweep and
+            its late part), "numerics" (checks and rescues), "compile" (compiled candidates and
+            their checks), "race" (the finalists measured against each other), "prediction" (fp8
+            numerics predicted here), "other" (validation, lint, exports).
     """
 
     workload: str
@@ -53,6 +57,7 @@ class TuneResult:
     export_refusals: dict[str, str] = field(default_factory=dict)
     command: str | None = None
     budget_exhausted: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         rec = self.recommendation
@@ -67,6 +72,7 @@ class TuneResult:
             "elapsed_s": self.elapsed_s,
             "notes": self.notes,
             "budget_exhausted": self.budget_exhausted,
+            "phases": self.phases,
             "bench": self.bench.to_dict(),
             "check": self.check.to_dict() if self.check else None,
             "lint": {"findings": self.lint} if self.lint is not None else None,
@@ -114,4 +120,5 @@ class TuneResult:
             export_refusals=dict(data.get("export_refusals") or {}),
             command=data.get("command"),
             budget_exhausted=data.get("budget_exhausted"),
+            phases={str(k): float(v) for k, v in (data.get("phases") or {}).items()},
         )

@@ -90,18 +90,25 @@ def tune(
         budget=budget,
         events=events,
     )
-    search.measure_speed(info)
-    search.check_faster()
-    search.finish_speed(info)
-    search.check_faster()  # the candidates measured late, if any beat strict fp32
-    search.try_compile(modes)
+    with search.phase("speed"):
+        search.measure_speed(info)
+    with search.phase("numerics"):
+        search.check_faster()
+    with search.phase("speed"):
+        search.finish_speed(info)
+    with search.phase("numerics"):
+        search.check_faster()  # the candidates measured late, if any beat strict fp32
+    with search.phase("compile"):
+        search.try_compile(modes)
     rec, ranked = search.decide()
     if rec is not None and optimizers:
-        search.try_optimizers(rec)
-        rec, ranked = search.decide()
-    if rec is not None and (rec.tied_with or rec.noisy_with) and search.remeasure(rec):
-        rec, ranked = search.decide()
-    search.predict(info)  # a note for hardware that runs them; it cannot change the pick here
+        with search.phase("speed"):
+            search.try_optimizers(rec)
+    with search.phase("race"):
+        search.race_finalists()
+    rec, ranked = search.decide()
+    with search.phase("prediction"):
+        search.predict(info)  # a note for hardware that runs them; it cannot change the pick here
     result = search.result
     assert result is not None
     findings = None
@@ -115,6 +122,7 @@ def tune(
                 rec.lint_worth_fixing = [f for f in findings if f.get("severity") in ("warning", "error")][:5]
         exports, refusals = framework.exports(rec.candidate, dev)
     elapsed = budget.elapsed()
+    search.phases["other"] = max(0.0, elapsed - sum(search.phases.values()))
     if elapsed > budget_s * 1.05:
         search.notes.append(
             f"tune took {elapsed:.0f} s of its {budget_s:.0f} s budget: a step under way when the budget "
@@ -141,4 +149,5 @@ def tune(
         notes=search.notes,
         exports=exports,
         export_refusals=refusals,
+        phases={name: round(seconds, 1) for name, seconds in search.phases.items()},
     )

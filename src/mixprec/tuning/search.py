@@ -8,13 +8,15 @@
 3. Beyond eager: the best passing candidates again compiled (``torch.compile``, XLA; and their
    numerics, since fused kernels round differently), and the pick with the optimizer's other
    implementations. Compilation is paid once: candidates are compared over ``train_steps``.
-4. Decide (:func:`mixprec.tuning.decide.decide`); when the pick ties with a faster candidate
-   within noise, or cannot be told apart from it, and budget is left: re-measure both, decide again.
+4. Race the finalists against each other (:mod:`mixprec.measure.race`), then decide
+   (:func:`mixprec.tuning.decide.decide`) with the race's verdicts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -22,32 +24,35 @@ from mixprec.budget import Budget
 from mixprec.checking.check import Checker, check, make_checker
 from mixprec.events import Event, Events
 from mixprec.frameworks import Framework
+from mixprec.frameworks.session import BenchSettings
 from mixprec.hardware.device import DeviceInfo
+from mixprec.measure.race import FIRST_ROUNDS, Race, paired_rounds, race
 from mixprec.measure.results import BenchResult, BenchRow
 from mixprec.measure.sweep import bench
 from mixprec.numerics.results import CandidateCheck, CheckResult
 from mixprec.policy import POLICY_NAMES, Candidate
 from mixprec.status import Status
-from mixprec.tuning.decide import Recommendation, decide, noise_band, speed, within_noise
+from mixprec.tuning import compiling
+from mixprec.tuning.compiling import MIN_COMPILE_S
+from mixprec.tuning.decide import Recommendation, amortized, decide, speed
 
 # Share of the budget the eager speed sweep takes first; numerics, compile and rescues get the
 # rest, and what the sweep did not reach is measured after the numerics checks if time is left.
 SPEED_SHARE = 0.45
 # Seconds kept back at the end for deciding, linting and writing.
 RESERVE_S = 10.0
-# How many of the best eager candidates are measured again compiled.
-COMPILE_TOP = 2
-# What a compile is assumed to cost before the first one was timed (ResNet-50 and a small GPT
-# took 18-45 s each on a 2-core CPU; Keras' XLA about as long).
-MIN_COMPILE_S = 20.0
-# More graph breaks than this and a compiled candidate's row says so.
+# More graph breaks than this and a compiled candidate's row says so: none for a compiled model;
+# a compiled step breaks at backward() (twice in dynamo's count) and at optimizer.zero_grad, and
+# the loss scaler's calls break it again.
 GRAPH_BREAKS_NOTED = 0
+STEP_GRAPH_BREAKS = 8
 # Below this share of step time in matmul/conv/attention, precision is not where the time goes.
 LOW_COMPUTE_SHARE = 0.5
 # The run length compile time is amortised over when the user names none.
 TRAIN_STEPS = 10_000
-# Re-measuring a tie costs what its paired rounds take, times this (warm-up, process start).
-REMEASURE_MARGIN = 1.5
+# The race: the fastest passing candidate and up to this many others within this share of it.
+RACE_RIVALS = 3
+RACE_WINDOW = 0.25
 
 
 class Search:
@@ -76,13 +81,28 @@ class Search:
         self.checked: CheckResult | None = None
         self._checker: Checker | None = None
         self.result: BenchResult | None = None
+        self.calibration = compiling.Calibration()
+        self.race: Race | None = None
+        self.phases: dict[str, float] = {}
+        self.compile_s: dict[str | None, float] = {}  # the longest compile seen, per scope
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Count the time inside against ``name`` (the report shows where the budget went)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
 
     def stage(self, text: str) -> None:
         self.events({"event": "stage", "text": text})
 
     def decide(self) -> tuple[Recommendation | None, list]:
         assert self.result is not None
-        return decide(self.result.rows, self.verdicts, noise=self.noise, train_steps=self.train_steps)
+        return decide(
+            self.result.rows, self.verdicts, noise=self.noise, train_steps=self.train_steps, race=self.race
+        )
 
     def _bench(self, candidates: Sequence[Candidate], budget: Budget, **overrides: Any) -> BenchResult:
         def on_bench(event: Event) -> None:
@@ -199,7 +219,9 @@ class Search:
 
     def check_faster(self) -> None:
         """Check the candidates that beat strict fp32, fastest policy first; stop once one passed
-        and nothing faster is left within noise of it."""
+        and nothing is left within ``RACE_WINDOW`` of it: each figure was divided by its own
+        neighbouring fp32 rounds, so a candidate that close may still win the race (it must pass
+        to run in it)."""
         assert self.result is not None
         faster = sorted(
             (
@@ -215,10 +237,8 @@ class Search:
             if numerics in self.verdicts:
                 continue
             top = max((r for r in faster if r.candidate.numerics == numerics), key=speed)
-            if best_pass is not None and not within_noise(
-                speed(top), speed(best_pass), noise_band(top, best_pass, self.noise)
-            ):
-                break  # slower than a passing candidate by more than the noise: cannot win
+            if best_pass is not None and speed(top) < speed(best_pass) * (1 - RACE_WINDOW):
+                break  # too slow to be a finalist: it cannot win
             if not self.budget.can_pay(self.check_cost_s()):
                 self.notes.append(
                     f"numerics of {numerics.label} not checked: budget spent (--budget raises it)"
@@ -273,52 +293,53 @@ class Search:
 
     # ------------------------------------------------------------------ 3. beyond eager
     def try_compile(self, modes: Sequence[str]) -> None:
-        """The best passing eager candidates again compiled, one at a time, fastest first, each
-        followed by its numerics check; stops when the budget cannot pay for the next (estimated
-        from the compile time seen so far)."""
+        """Compiled variants chosen by what compiling can gain (:mod:`mixprec.tuning.compiling`):
+        one per passing precision family first, most promising first, each followed by its
+        numerics check, then the other scopes while the budget pays; every one the budget cannot
+        pay is named with its predicted figure."""
         assert self.result is not None
-        rec, _ = self.decide()
-        if rec is None or not modes:
+        if not modes or self.decide()[0] is None:
             return
-        passing = [
-            r
-            for r in self.result.rows
-            if r.status == Status.OK
-            and not r.candidate.compile
-            and not r.candidate.optimizer
-            and (
-                r.policy == "fp32"
-                or ((v := self.verdicts.get(r.candidate.numerics)) is not None and v.passed)
-            )
-        ]
-        best = sorted(passing, key=speed, reverse=True)[:COMPILE_TOP]
-        todo = [replace(r.candidate, compile=mode) for r in best for mode in modes]
-        todo = [c for c in todo if not any(r.candidate == c for r in self.result.rows)]
-        compile_s = MIN_COMPILE_S
-        for n, candidate in enumerate(todo):
-            # measuring it compiles once, checking it compiles again: pay for both
-            if not self.budget.can_pay(2 * compile_s + self.check_cost_s()):
-                skipped = ", ".join(c.label for c in todo[n:])
-                self.notes.append(f"not compiled within the budget: {skipped} (--budget raises it)")
-                return
-            self.stage(f"compiling {candidate.label}")
+        passed = {c for c, v in self.verdicts.items() if v.passed}
+        tried = {r.candidate for r in self.result.rows}
+        todo = [a for a in compiling.plan(self.framework, self.result.rows, passed, modes, self.calibration)]
+        todo = [a for a in todo if a.candidate not in tried]
+        skipped: list[str] = []
+        for attempt in todo:
+            candidate = attempt.candidate
+            compile_s = self.compile_s.get(candidate.compile_scope, MIN_COMPILE_S)
+            # measuring it compiles once, checking it compiles again (mostly from inductor's cache)
+            if not self.budget.can_pay(1.5 * compile_s + self.check_cost_s()):
+                skipped.append(f"{candidate.label} (predicted {attempt.speedup:.2f}x: {attempt.basis})")
+                continue
+            self.stage(f"compiling {candidate.label}: predicted {attempt.speedup:.2f}x ({attempt.basis})")
             measured = self._add(self._bench([candidate], self.budget).measured)
             row = next((r for r in measured if r.candidate == candidate), None)
             if row is None:
-                self.notes.append(f"{candidate.label}: not measured within the budget")
-                return
+                skipped.append(f"{candidate.label} (stopped by the budget while compiling)")
+                continue
             if row.status != Status.OK:
                 continue
-            compile_s = max(compile_s, row.compile_s or 0.0)
-            if row.graph_breaks and row.graph_breaks > GRAPH_BREAKS_NOTED:
-                self.notes.append(
-                    f"{row.label}: {row.graph_breaks} graph breaks; each one splits the compiled graph and "
-                    "stops fusion across it (torch._dynamo.explain(model)(batch) lists where and why)"
-                )
-            if candidate.numerics not in self.verdicts and self.budget.can_pay(
-                compile_s + self.check_cost_s()
-            ):
+            self.compile_s[candidate.compile_scope] = max(compile_s, row.compile_s or 0.0)
+            self.calibration.update(attempt, row)
+            self._note_graphs(row)
+            if candidate.numerics not in self.verdicts and self.budget.can_pay(self.check_cost_s()):
                 self.check(candidate.numerics)
+        if skipped:
+            self.notes.append(f"not compiled within the budget: {'; '.join(skipped)} (--budget raises it)")
+            self.budget.cut(f"{len(skipped)} compiled candidate(s) were not measured")
+
+    def _note_graphs(self, row: BenchRow) -> None:
+        """Say when a compiled candidate breaks into more graphs than its scope needs: each break
+        stops fusion across it (a compiled step breaks at backward() and zero_grad by design)."""
+        expected = STEP_GRAPH_BREAKS if row.candidate.compile_scope == "step" else GRAPH_BREAKS_NOTED
+        if row.graph_breaks and row.graph_breaks > expected:
+            scope = "step" if row.candidate.compile_scope == "step" else "model"
+            self.notes.append(
+                f"{row.label}: the {scope} compiles into {row.graphs} graphs with {row.graph_breaks} graph "
+                f"breaks; each one splits the compiled graph and stops fusion across it "
+                "(torch._dynamo.explain(fn)(batch) lists where and why)"
+            )
 
     def try_optimizers(self, rec: Recommendation) -> None:
         """The pick with its optimizer's other implementations (for-loop / foreach / fused): same
@@ -343,48 +364,68 @@ class Search:
                 f"framework overhead{hint}"
             )
 
-    # ------------------------------------------------------------------ 4. ties
-    def remeasure(self, rec: Recommendation) -> bool:
-        """Time the pick and the one it tied with (or could not be separated from) again, twice as
-        long, and fold the new paired rounds into both rows. False when the budget cannot pay."""
+    # ------------------------------------------------------------------ 4. the race
+    def race_finalists(self) -> None:
+        """The finalists measured against each other (:mod:`mixprec.measure.race`): the fastest
+        passing candidate and up to ``RACE_RIVALS`` others within ``RACE_WINDOW`` of it, each
+        paired with the leader itself until their difference is resolved, measured to be a tie
+        within the noise floor, or the budget ends it."""
         assert self.result is not None
-        rows = {r.candidate: r for r in self.result.rows if r.status == Status.OK and not r.baseline_repeat}
-        other = rec.tied_with or rec.noisy_with
-        if other not in rows or rec.candidate not in rows:
-            return False
-        chosen, rival = rows[rec.candidate], rows[other]
+        rec, table = self.decide()
+        if rec is None:
+            return
         base = self.result.baseline
-        steps = 2 * self.sweep["steps"]
-        # bench times fp32 next to every candidate: pay for it too
-        cost = sum(
-            (self.sweep["warmup"] + 2 * steps) * (r.step_time_ms.median_ms / 1e3)
-            for r in (chosen, rival, base)
-            if r is not None and r.step_time_ms
+        passing = [
+            r.row for r in table if r.status in (Status.PASS, Status.RECOMMENDED) and r.row is not None
+        ]
+
+        def effective(row: BenchRow) -> float:
+            return amortized(row, base, self.train_steps)
+
+        passing.sort(key=effective, reverse=True)
+        if len(passing) < 2:
+            return
+        leader = passing[0]
+        rivals = [r for r in passing[1:] if effective(r) >= effective(leader) * (1 - RACE_WINDOW)][
+            :RACE_RIVALS
+        ]
+        if not rivals:
+            return
+        step_s = max(
+            (r.step_time_ms.median_ms / 1e3 for r in [leader, *rivals] if r.step_time_ms), default=1.0
         )
-        if not self.budget.can_pay(REMEASURE_MARGIN * cost):
-            self.notes.append(f"{chosen.label} and {rival.label}: no budget left to re-measure them")
-            return False
-        self.stage(f"re-measuring {chosen.label} and {rival.label}: within noise of each other")
-        again = self._bench([chosen.candidate, rival.candidate], self.budget, steps=steps)
-        extra = {r.candidate: r for r in again.measured if r.status == Status.OK}
-        redone = [row for row in (chosen, rival) if row.candidate in extra]
-        for row in redone:
-            new = extra[row.candidate]
-            self.result.update(
-                replace(
-                    row,
-                    step_times_ms=row.step_times_ms + new.step_times_ms,
-                    paired_ratios=row.paired_ratios + new.paired_ratios,
-                )
-            )
-        if not redone:
-            self.notes.append("re-measurement of the tie stopped by the budget")
-            return False
-        self.notes.append(
-            f"{chosen.label} and {rival.label} were within noise of each other: "
-            f"{' and '.join(r.label for r in redone)} re-measured with {steps} more paired rounds each"
+        warm_up = self.sweep["warmup"]
+
+        def cost_s(n: int, rounds: int) -> float:
+            # the leader and each rival warm up, then every round runs a side each; a compiled
+            # session compiles again (from inductor's cache, about a third of a cold compile)
+            compiled = sum(1 for r in [leader, *rivals[:n]] if r.candidate.compile)
+            return 1.3 * (n + 1) * (warm_up + 2 * rounds) * step_s + compiled * MIN_COMPILE_S / 3
+
+        self.stage(f"racing {', '.join(r.label for r in rivals)} against {leader.label}")
+        settings = BenchSettings(
+            device=self.device,
+            batch_size=self.result.batch_size,
+            steps=FIRST_ROUNDS,
+            warmup=warm_up,
+            threads=self.framework.threads(),
         )
-        return True
+        isolate = self.workload.spec is not None and self.framework.session_builder() is not None
+        measure = paired_rounds(
+            self.framework, self.workload, settings, isolate=isolate, events=self.events, budget=self.budget
+        )
+        self.race = race(
+            leader.candidate,
+            [r.candidate for r in rivals],
+            measure,
+            noise=self.noise,
+            budget=self.budget,
+            cost_s=cost_s,
+        )
+        for duel in self.race.duels:
+            self.notes.append(f"race: {duel.describe()}")
+        if self.race.stopped:
+            self.notes.append(f"race stopped: {self.race.stopped}")
 
     # ------------------------------------------------------------------ after the pick
     def lint(self, rec: Recommendation) -> list[dict[str, Any]] | None:

@@ -11,7 +11,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from mixprec.errors import PolicyError
 from mixprec.frameworks.base import Framework, SessionBuilder
 from mixprec.frameworks.session import BenchSettings, Session
 from mixprec.frameworks.torch import session as torch_session
@@ -21,7 +20,7 @@ from mixprec.hardware.device import DeviceInfo, resolve_device
 from mixprec.numerics.compare import Trajectory
 from mixprec.numerics.ranges import RangeReport
 from mixprec.policy import POLICY_NAMES, Candidate, Policy, Support, check_support, get_policy
-from mixprec.policy.candidate import COMPILE_MODES, OPTIMIZER_IMPLS
+from mixprec.policy.candidate import COMPILE_MODES, COMPILE_SCOPES, OPTIMIZER_IMPLS, check_torch_axes
 from mixprec.policy.support import fp8_predictable
 from mixprec.status import Status
 from mixprec.workload import Workload, WorkloadSpec, load_workload, validate_workload
@@ -78,6 +77,7 @@ class TorchFramework(Framework):
     workload_name: ClassVar[str] = "mixprec.Workload"
     layouts: ClassVar[bool] = True
     compile_modes: ClassVar[tuple[str, ...]] = COMPILE_MODES
+    compile_scopes: ClassVar[tuple[str, ...]] = COMPILE_SCOPES
     optimizer_impls: ClassVar[tuple[str, ...]] = OPTIMIZER_IMPLS
     emulation: ClassVar[bool] = True
     island_kind: ClassVar[str] = "fp32 modules"
@@ -120,11 +120,7 @@ class TorchFramework(Framework):
     # ------------------------------------------------------------------ candidates
     def validate(self, candidate: Candidate) -> Candidate:
         super().validate(candidate)
-        if candidate.emulate is not None and (candidate.policy != "fp32" or candidate.compile):
-            raise PolicyError(
-                f"An emulated format runs under strict fp32, eager: got {candidate.policy} with "
-                f"emulate={candidate.emulate!r}, compile={candidate.compile!r}."
-            )
+        check_torch_axes(candidate)
         return candidate
 
     def support(self, candidate: Candidate, info: DeviceInfo) -> Support:
@@ -235,6 +231,7 @@ class TorchFramework(Framework):
             context=emulation_context(candidate.emulate),
             perturb=perturb,
             compile_mode=candidate.compile,
+            compile_scope=candidate.compile_scope,
         )
 
     def layer_ranges(

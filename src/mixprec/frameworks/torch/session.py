@@ -128,13 +128,17 @@ class TrainingSession:
         if candidate.optimizer:
             self.optimizer = with_implementation(self.optimizer, candidate.optimizer)
         self._compile_counts: dict[str, int] | None = None
+        self._step_fn: Callable[[Any], torch.Tensor] = self._train_step
         if candidate.compile:
             # Compile cold, as a training run starts: code dynamo already compiled in this process
             # (an earlier candidate of the same model class) would otherwise be reused, hiding the
             # compile time and the graph counts. Inductor's on-disk caches stay, as they would.
             torch._dynamo.reset()
             self._compile_counts = _dynamo_counts()
-            self.trained = cast(nn.Module, torch.compile(self.trained, mode=candidate.compile))
+            if candidate.compile_scope == "step":  # forward, loss, backward and optimizer step together
+                self._step_fn = torch.compile(self._train_step, mode=candidate.compile)
+            else:
+                self.trained = cast(nn.Module, torch.compile(self.trained, mode=candidate.compile))
         self.batches = batches or make_batches(
             workload, settings.batch_size, self.device, settings.seed, distinct_batches(settings)
         )
@@ -165,12 +169,12 @@ class TrainingSession:
             instrument = self._instrument(i, timed)
             if instrument == "flops":
                 box: list[torch.Tensor] = []
-                self.result.flops_per_step = count_flops(lambda: box.append(self._train_step(batch)))
+                self.result.flops_per_step = count_flops(lambda: box.append(self._step_fn(batch)))
                 loss = box[0]
             elif instrument == "profile":
                 loss = self._profiled_step(batch)
             else:
-                loss = self._train_step(batch)
+                loss = self._step_fn(batch)
             if device.type == "cuda":
                 end.record()
                 torch.cuda.synchronize(device)
@@ -222,9 +226,11 @@ class TrainingSession:
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
-            loss = self._train_step(batch)
+            loss = self._step_fn(batch)
             _sync(self.device)
-        self.result.compute_share = compute_share(prof.key_averages(), self.device.type == "cuda")
+        events = prof.key_averages()
+        self.result.compute_share = compute_share(events, self.device.type == "cuda")
+        self.result.optimizer_share = optimizer_share(events)
         return loss
 
     def warm_up(self, emit: Emit) -> bool:
@@ -290,6 +296,16 @@ def compute_share(events: Any, on_cuda: bool) -> float | None:
         if any(op in name for op in _COMPUTE_OPS):
             matmul += t
     return matmul / total if total > 0 else None
+
+
+def optimizer_share(events: Any) -> float | None:
+    """Share of the profiled step's CPU time inside the optimizer's ``step`` (torch.optim marks it
+    ``Optimizer.step#<class>.step``): what compiling the step can fuse beyond the model's graphs.
+    CPU time on every device (a GPU step's optimizer is as launch-bound as its CPU side shows);
+    None where no optimizer step ran eagerly (a compiled step inlines it)."""
+    total = sum(event.self_cpu_time_total for event in events)
+    inside = sum(event.cpu_time_total for event in events if event.key.startswith("Optimizer.step#"))
+    return min(1.0, inside / total) if total > 0 and inside > 0 else None
 
 
 def with_implementation(optimizer: torch.optim.Optimizer, implementation: str) -> torch.optim.Optimizer:

@@ -132,6 +132,7 @@ def run_trajectory(
     perturb: float = 0.0,
     settle_scale: bool = True,
     compile_mode: str | None = None,
+    compile_scope: str | None = None,
 ) -> Trajectory:
     """Probe the first step, then train a fresh copy for ``steps`` steps under ``policy``.
 
@@ -140,8 +141,9 @@ def run_trajectory(
     ``settle_scale`` a loss-scaled policy starts at the scale its probe found finite, i.e.
     the steady state GradScaler reaches after ``warmup_skips`` skipped start-up steps, so the
     comparison measures numerics rather than the scaler's start-up. ``compile_mode`` runs the
-    model under ``torch.compile``. Exceptions inside the run are recorded in ``error`` so one
-    broken candidate does not end a check.
+    model under ``torch.compile`` (``compile_scope="step"``: the whole training step, forward to
+    optimizer step, as the candidate trains). Exceptions inside the run are recorded in ``error``
+    so one broken candidate does not end a check.
     """
     traj = Trajectory(label or policy.config.label)
     ctx = context or contextlib.nullcontext
@@ -150,7 +152,19 @@ def run_trajectory(
     cuda = [policy.device] if policy.device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(0)
-        _train(workload, policy, batches, steps, traj, ctx, context, perturb, settle_scale, compile_mode)
+        _train(
+            workload,
+            policy,
+            batches,
+            steps,
+            traj,
+            ctx,
+            context,
+            perturb,
+            settle_scale,
+            compile_mode,
+            compile_scope,
+        )
     return traj
 
 
@@ -158,13 +172,14 @@ def run_trajectory(
 _STALL_STEPS = 2
 
 
-def _count_stalls(
-    traj: Trajectory, before: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-) -> None:
+def _count_stalls(traj: Trajectory, before: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Weights with a non-zero gradient that the optimizer step left bit-identical: the update
     was smaller than half an ulp of the weight (bf16(1.0) - bf16(1e-3) == 1.0). Without fp32
-    master weights such updates are lost for good."""
-    for p, old, had_grad in before:
+    master weights such updates are lost for good. Read after the step, before ``zero_grad``."""
+    for p, old in before:
+        if p.grad is None:
+            continue
+        had_grad = p.grad != 0
         unchanged = p.detach() == old
         traj.stall_counts[0] += int((unchanged & had_grad).sum())
         traj.stall_counts[1] += int(had_grad.sum())
@@ -181,6 +196,7 @@ def _train(
     perturb: float,
     settle_scale: bool,
     compile_mode: str | None = None,
+    compile_scope: str | None = None,
 ) -> None:
     try:
         probe_first_step(workload, policy, batches[0], traj, context, perturb, compile_mode)
@@ -188,21 +204,24 @@ def _train(
             policy = _settled(policy, traj)
         torch.manual_seed(0)
         model = _prepared_copy(workload, policy, perturb)
-        run = _run_model(model, compile_mode)
+        whole_step = compile_mode is not None and compile_scope == "step"
+        run = model if whole_step else _run_model(model, compile_mode)
         optimizer = workload.make_optimizer(model)
+
+        def train_step(batch: Any) -> tuple[torch.Tensor, bool]:
+            with ctx():
+                with policy.autocast():
+                    loss = workload.loss_fn(run, batch)
+                policy.backward(loss)
+            return loss, policy.step(optimizer)
+
+        step = torch.compile(train_step, mode=compile_mode) if whole_step else train_step
         with policy.precision_scope():
             for i in range(steps):
-                batch = batches[i % len(batches)]
-                with ctx():
-                    with policy.autocast():
-                        loss = workload.loss_fn(run, batch)
-                    policy.backward(loss)
-                traj.losses.append(float(loss.detach().float()))
                 watch = policy.spec.param_dtype is not None and i < _STALL_STEPS
-                before = [
-                    (p, p.detach().clone(), p.grad != 0) for p in model.parameters() if p.grad is not None
-                ]
-                stepped = policy.step(optimizer)
+                before = [(p, p.detach().clone()) for p in model.parameters()] if watch else []
+                loss, stepped = step(batches[i % len(batches)])
+                traj.losses.append(float(loss.detach().float()))
                 traj.stepped.append(stepped)
                 if watch and stepped:
                     _count_stalls(traj, before)

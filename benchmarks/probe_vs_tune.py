@@ -1,0 +1,237 @@
+"""Is tune's pick the fastest? `mixprec tune` (its defaults), then a plain-PyTorch interleaved probe
+of every precision x layout x compile scope right after it, and the ratio of the pick to the
+probe's best.
+
+The probe is written the way a user would time it by hand, with no mixprec in the timed loop: each
+variant gets its own copy of the model and optimizer, is built and warmed up (compiled) first,
+then all variants run in ``--rounds`` interleaved rounds (a round runs each variant for about half
+a second of steps); a variant's figure is the median of its per-round medians, its speedup the
+strict-fp32 eager figure over it. Variants:
+
+  precision  fp32 (strict IEEE), bf16 autocast (fp32 weights), bf16 weights (the model cast)
+  layout     NCHW, and channels_last for the CNN
+  compile    eager; torch.compile(model); the whole step (forward, loss, backward and
+             optimizer.step() in one torch.compile'd function)
+
+plus tune's pick when it is not one of them (its optimizer implementation or fp32 islands), built
+with mixprec's Policy in the same plain loop. Models (issue 22):
+
+  gpt       nanoGPT-style GPT-2: 4 layers x 256, 4 heads, seq 128, vocab 50257, batch 8, AdamW
+  resnet50  torchvision ResNet-50, 128 px, batch 16, SGD with momentum
+
+    python benchmarks/probe_vs_tune.py --model gpt [--budget 300] [--rounds 4] --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import mixprec
+from mixprec import state
+from mixprec.hardware.environment import collect
+from mixprec.policy import Candidate
+
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt": {
+        "load": lambda: mixprec.load_workload("gpt2", seq_len=128, n_layer=4, n_head=4, n_embd=256),
+        "batch_size": 8,
+        "cli": ["--model", "gpt2", "--model-config", "n_layer=4,n_head=4,n_embd=256", "--seq-len", "128"],
+        "layouts": (False,),
+    },
+    "resnet50": {
+        "load": lambda: mixprec.load_workload("resnet50", image_size=128),
+        "batch_size": 16,
+        "cli": ["--model", "resnet50", "--image-size", "128"],
+        "layouts": (False, True),
+    },
+}
+PRECISIONS = {
+    "fp32": Candidate("fp32"),
+    "bf16 autocast": Candidate("bf16-mixed"),
+    "bf16 weights": Candidate("bf16-true"),
+}
+SCOPES = {"eager": (None, None), "model": ("default", None), "step": ("default", "step")}
+ROUND_S = 0.5
+
+
+def plain_step(workload: mixprec.Workload, candidate: Candidate) -> Callable[[Any], torch.Tensor]:
+    """A training step for ``candidate`` written in plain PyTorch (mixprec's Policy only where the
+    candidate needs what plain code would spell out at length: fp32 islands, a loss scaler)."""
+    spec = candidate.spec
+    model = copy.deepcopy(workload.model).train()
+    if candidate.keep_fp32 or spec.loss_scaling or (spec.is_math_mode and candidate.policy != "fp32"):
+        policy = mixprec.get_policy(candidate, device="cpu", check=False)
+        model = policy.prepare(model)
+        optimizer = workload.make_optimizer(model)
+
+        def step(batch: Any) -> torch.Tensor:
+            with policy.autocast():
+                loss = workload.loss_fn(run, batch)
+            policy.backward(loss)
+            policy.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+
+    else:
+        if spec.param_dtype is not None:
+            model = model.to(spec.param_dtype)
+        if candidate.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        optimizer = workload.make_optimizer(model)
+        if candidate.optimizer:
+            flag = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+            for group in optimizer.param_groups:
+                group.update(flag[candidate.optimizer])
+        autocast = (
+            (lambda: torch.autocast("cpu", dtype=spec.autocast_dtype)) if spec.autocast_dtype else nullcontext
+        )
+
+        def cast(batch: Any) -> Any:
+            out = []
+            for t in batch:
+                if t.is_floating_point() and spec.param_dtype is not None:
+                    t = t.to(spec.param_dtype)
+                if t.dim() == 4 and candidate.channels_last:
+                    t = t.contiguous(memory_format=torch.channels_last)
+                out.append(t)
+            return tuple(out)
+
+        def step(batch: Any) -> torch.Tensor:
+            with autocast():
+                loss = workload.loss_fn(run, cast(batch))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+
+    run = torch.compile(model) if candidate.compile and candidate.compile_scope != "step" else model
+    return torch.compile(step) if candidate.compile_scope == "step" else step
+
+
+def probe(workload: mixprec.Workload, variants: dict[str, Candidate], batch_size: int, rounds: int) -> dict:
+    batches = [workload.make_batch(batch_size, torch.device("cpu")) for _ in range(2)]
+    steps: dict[str, Callable] = {}
+    build_s: dict[str, float] = {}
+    with state.precision_settings(state.PrecisionSettings(cuda_matmul="ieee", cudnn="ieee", mkldnn="ieee")):
+        for name, cand in variants.items():
+            start = time.perf_counter()
+            torch._dynamo.reset()
+            steps[name] = plain_step(workload, cand)
+            for i in range(3):  # compile (first step, maybe a recompile) and settle
+                steps[name](batches[i % 2])
+            build_s[name] = time.perf_counter() - start
+            print(f"built {name} in {build_s[name]:.0f} s", file=sys.stderr, flush=True)
+        per_round: dict[str, list[float]] = {name: [] for name in variants}
+        for r in range(rounds):
+            for name in variants:
+                times: list[float] = []
+                while sum(times) < ROUND_S or len(times) < 2:
+                    start = time.perf_counter()
+                    steps[name](batches[len(times) % 2])
+                    times.append(time.perf_counter() - start)
+                per_round[name].append(statistics.median(times[1:]))
+            print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+    median = {name: statistics.median(v) for name, v in per_round.items()}
+    base = median["fp32 eager"]
+    return {
+        name: {
+            "candidate": variants[name].to_dict(),
+            "label": variants[name].label,
+            "median_step_ms": median[name] * 1e3,
+            "per_round_ms": [t * 1e3 for t in per_round[name]],
+            "speedup_vs_fp32_eager": base / median[name],
+            "build_and_compile_s": build_s[name],
+        }
+        for name in variants
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=MODELS, required=True)
+    parser.add_argument("--budget", type=float, default=300.0, help="tune's budget (its default: 300)")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    spec = MODELS[args.model]
+    args.out.mkdir(parents=True, exist_ok=True)
+    tune_json = args.out / f"probe_vs_tune-{args.model}.tune.json"
+    command = ["mixprec", "tune", *spec["cli"], "--batch-size", str(spec["batch_size"])]
+    command += ["--budget", str(args.budget), "--json", str(tune_json)]
+    started = time.perf_counter()
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "mixprec", *command[1:]], text=True)
+    tune_wall_s = time.perf_counter() - started
+    tuned = json.loads(tune_json.read_text())
+    rec = tuned.get("recommendation")
+    pick = Candidate.from_dict(rec["candidate"]) if rec else None
+
+    workload = spec["load"]()
+    torch.manual_seed(0)
+    variants = {
+        f"{p} {'cl ' if cl else ''}{s}": Candidate(c.policy, cl, compile=m, compile_scope=scope)
+        for p, c in PRECISIONS.items()
+        for cl in spec["layouts"]
+        for s, (m, scope) in SCOPES.items()
+    }
+    pick_name = next((n for n, c in variants.items() if c == pick), None)
+    if pick is not None and pick_name is None:
+        pick_name = f"tune's pick {pick.label}"
+        variants[pick_name] = pick
+    measured = probe(workload, variants, spec["batch_size"], args.rounds)
+    best = max(measured, key=lambda n: measured[n]["speedup_vs_fp32_eager"])
+    pick_speed = measured[pick_name]["speedup_vs_fp32_eager"] if pick_name else None
+    result = {
+        "model": args.model,
+        "command": "python benchmarks/probe_vs_tune.py " + " ".join(sys.argv[1:]),
+        "tune_command": " ".join(command),
+        "tune_exit_code": done.returncode,
+        "tune_wall_s": tune_wall_s,
+        "tune_phases": tuned.get("phases"),
+        "tune_pick": pick.label if pick else None,
+        "tune_pick_speedup_in_tune": rec.get("speedup_vs_fp32") if rec else None,
+        "tune_compiled": {
+            c["label"]: {
+                "compile_s": c.get("compile_s"),
+                "speedup": c.get("speedup_vs_fp32"),
+                "status": c["status"],
+            }
+            for c in tuned["candidates"]
+            if c.get("candidate", {}).get("compile")
+        },
+        "probe": measured,
+        "probe_best": best,
+        "probe_best_speedup": measured[best]["speedup_vs_fp32_eager"],
+        "pick_in_probe": pick_name,
+        "pick_speedup_in_probe": pick_speed,
+        "pick_over_best": pick_speed / measured[best]["speedup_vs_fp32_eager"] if pick_speed else None,
+        "threads": torch.get_num_threads(),
+        "load_average": os.getloadavg(),
+        "env": collect("cpu"),
+    }
+    out = args.out / f"probe_vs_tune-{args.model}.json"
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(
+        f"{args.model}: tune picked {result['tune_pick']} in {tune_wall_s:.0f} s; the probe's best is "
+        f"{best} at {result['probe_best_speedup']:.2f}x fp32 eager, the pick {pick_speed or 0:.2f}x "
+        f"({(result['pick_over_best'] or 0):.1%} of the best); wrote {out}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""A race among finalists: each rival paired with the leader itself, round after round, until the
+difference is resolved, measured to be a tie, or the budget ends it.
+
+Ranking candidates by their speedups over strict fp32 divides each by its *own* neighbouring fp32
+rounds: when fp32 drifts during a sweep (15% was seen on a shared CPU), two candidates 19% apart
+can look equal, and the two finalists were never compared with each other. Here the leader is the
+reference of a paired sweep (:class:`~mixprec.measure.paired.PairedSweep`), so each round's ratio
+is the leader's step time over the rival's, measured back to back.
+
+Successive halving: every rival gets a first batch of rounds; only those whose interval still
+straddles the noise floor get more (twice as many, up to a cap), so the measuring goes where the
+answer is still open. A rival found faster becomes the leader and the rest race it. A tie is
+declared only when the interval lies within the noise floor, never because the time ran out
+(that is "unresolved").
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from mixprec.budget import Budget
+from mixprec.events import Events
+from mixprec.frameworks import Framework
+from mixprec.frameworks.session import BenchSettings
+from mixprec.measure.isolate import SessionEnded
+from mixprec.measure.paired import PairedSweep
+from mixprec.measure.results import median_ci
+from mixprec.policy import Candidate
+from mixprec.status import Status
+
+FIRST_ROUNDS = 4  # paired rounds every rival gets
+MAX_ROUNDS = 24  # rounds a rival may get in all before its duel is called unresolved
+
+
+@dataclass(frozen=True)
+class Duel:
+    """Two candidates measured against each other.
+
+    Attributes:
+        leader / rival: the pair; ``ratios`` are the leader's step time over the rival's, per paired
+            round (above 1: the rival is faster).
+        noise: the noise floor: a relative difference below it is a tie.
+    """
+
+    leader: Candidate
+    rival: Candidate
+    ratios: tuple[float, ...] = ()
+    noise: float = 0.03
+
+    @property
+    def ratio(self) -> float | None:
+        return statistics.median(self.ratios) if self.ratios else None
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        return median_ci(self.ratios)
+
+    @property
+    def outcome(self) -> str:
+        """'rival faster', 'leader faster', 'tie' (the interval within the noise floor) or 'unresolved'."""
+        ci = self.interval
+        if ci is None:
+            return "unresolved"
+        low, high = ci
+        if low >= 1 - self.noise and high <= 1 + self.noise:
+            return "tie"  # whatever the difference is, it is below the noise floor
+        if low > 1 + self.noise:
+            return "rival faster"
+        if high < 1 - self.noise:
+            return "leader faster"
+        if len(self.ratios) >= MAX_ROUNDS:  # out of rounds: call it where the interval excludes 1
+            return "rival faster" if low > 1 else "leader faster" if high < 1 else "unresolved"
+        return "unresolved"
+
+    @property
+    def resolved(self) -> bool:
+        return self.outcome != "unresolved"
+
+    def faster(self) -> Candidate | None:
+        """The candidate measured faster, None for a tie or an open duel."""
+        return {"rival faster": self.rival, "leader faster": self.leader}.get(self.outcome)
+
+    def describe(self) -> str:
+        """E.g. "bf16-true ran 11.2% faster than bf16-mixed [+9.0% to +13.6%] over 8 paired rounds"."""
+        ratio, ci, n = self.ratio, self.interval, len(self.ratios)
+        if ratio is None:
+            return f"{self.rival.label} vs {self.leader.label}: not measured"
+        outcome = self.outcome
+        if outcome == "leader faster":  # say it from the winner's side
+            fast, slow, gain = self.leader, self.rival, 1 / ratio - 1
+            spread = (1 / ci[1] - 1, 1 / ci[0] - 1) if ci else None
+        else:
+            fast, slow, gain = self.rival, self.leader, ratio - 1
+            spread = (ci[0] - 1, ci[1] - 1) if ci else None
+        interval = f" [{spread[0]:+.1%} to {spread[1]:+.1%}]" if spread else ""
+        rounds = f"over {n} paired rounds (noise floor {self.noise:.0%})"
+        if outcome == "tie":
+            return (
+                f"{fast.label} and {slow.label} tie: {gain:+.1%}{interval}, within the noise floor, {rounds}"
+            )
+        if outcome == "unresolved":
+            return f"{fast.label} vs {slow.label}: {gain:+.1%}{interval}, not resolved {rounds}"
+        return f"{fast.label} ran {gain:.1%} faster than {slow.label}{interval} {rounds}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "leader": self.leader.to_dict(),
+            "rival": self.rival.to_dict(),
+            "ratios": list(self.ratios),
+            "noise": self.noise,
+            "outcome": self.outcome,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Duel:
+        return cls(
+            Candidate.from_dict(data["leader"]),
+            Candidate.from_dict(data["rival"]),
+            tuple(float(r) for r in data.get("ratios") or ()),
+            float(data.get("noise", 0.03)),
+        )
+
+
+@dataclass
+class Race:
+    """The finalists' duels and the leader at the end."""
+
+    leader: Candidate
+    duels: list[Duel] = field(default_factory=list)
+    stopped: str | None = None  # why the race ended before every duel was resolved
+
+    def duel(self, a: Candidate, b: Candidate) -> Duel | None:
+        """The latest duel between ``a`` and ``b`` (either order)."""
+        pair = {a, b}
+        return next((d for d in reversed(self.duels) if {d.leader, d.rival} == pair), None)
+
+
+Measure = Callable[[Candidate, Sequence[Candidate], int], dict[Candidate, tuple[float, ...]]]
+
+
+def race(
+    leader: Candidate,
+    rivals: Sequence[Candidate],
+    measure: Measure,
+    *,
+    noise: float,
+    budget: Budget,
+    cost_s: Callable[[int, int], float],
+) -> Race:
+    """Race ``rivals`` against ``leader`` by successive halving. ``measure(leader, rivals, rounds)``
+    returns each rival's paired ratios against the leader (a missing rival: it could not be
+    measured); ``cost_s(rivals, rounds)`` estimates what a call costs, so no round is started
+    that the budget cannot pay."""
+    result = Race(leader)
+    duels = {r: Duel(leader, r, noise=noise) for r in rivals if r != leader}
+    rounds = FIRST_ROUNDS
+    while duels:
+        open_ = [r for r, d in duels.items() if not d.resolved and len(d.ratios) < MAX_ROUNDS]
+        if not open_:
+            break
+        want = min(rounds, MAX_ROUNDS - min(len(duels[r].ratios) for r in open_))
+        if not budget.can_pay(cost_s(len(open_), want)):
+            result.stopped = "the budget could not pay for more rounds"
+            break
+        measured = measure(result.leader, open_, want)
+        for rival in open_:
+            got = measured.get(rival)
+            if not got:
+                duels.pop(rival)  # pruned, failed or stopped: it is out of the race
+                continue
+            duels[rival] = replace(duels[rival], ratios=duels[rival].ratios + got)
+        faster = [d for d in duels.values() if d.outcome == "rival faster"]
+        if faster:  # a new leader: the others race it (its duel with the old one is resolved)
+            best = max(faster, key=lambda d: d.ratio or 0.0)
+            result.duels += list(duels.values())
+            result.leader = best.rival
+            # rivals slower than the old leader are slower than the new one too: out of the race
+            duels = {
+                r: Duel(result.leader, r, noise=noise)
+                for r, d in duels.items()
+                if r != result.leader and d.outcome != "leader faster"
+            }
+            rounds = FIRST_ROUNDS
+            continue
+        rounds *= 2
+    result.duels += list(duels.values())
+    return result
+
+
+def paired_rounds(
+    framework: Framework,
+    workload: Any,
+    settings: BenchSettings,
+    *,
+    isolate: bool,
+    events: Events,
+    budget: Budget,
+    prune_factor: float = 5.0,
+) -> Measure:
+    """A :data:`Measure` on the real training step: a paired sweep whose reference is the leader."""
+
+    def measure(
+        leader: Candidate, rivals: Sequence[Candidate], rounds: int
+    ) -> dict[Candidate, tuple[float, ...]]:
+        sweep = PairedSweep(
+            framework,
+            workload,
+            replace(settings, steps=rounds, min_time_s=0.0, profile=False, count_flops=False),
+            label=framework.workload_label(workload),
+            isolate=isolate,
+            prune_factor=prune_factor,
+            events=events,
+            should_stop=budget.expired,
+            reference=leader,
+        )
+        got: dict[Candidate, tuple[float, ...]] = {}
+        try:
+            sweep.start_baseline(count_flops=False)
+            for rival in rivals:
+                events(
+                    {
+                        "event": "stage",
+                        "text": f"racing {rival.label} against {leader.label} ({rounds} rounds)",
+                    }
+                )
+                row = sweep.measure(rival)
+                if row.status == Status.OK:
+                    got[rival] = row.paired_ratios
+        except SessionEnded:  # told to stop (the budget): what was measured counts
+            pass
+        finally:
+            sweep.close()
+        return got
+
+    return measure

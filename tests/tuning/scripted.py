@@ -1,0 +1,99 @@
+"""A framework whose candidates take planted step times (with seeded jitter) and train exactly like
+strict fp32: tune's search, race and decision on known answers, with no clock and no noise but the
+planted one."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from mixprec.frameworks import Framework
+from mixprec.frameworks.session import BenchSettings, Measurement
+from mixprec.hardware.device import DeviceInfo
+from mixprec.numerics.compare import Trajectory
+from mixprec.numerics.ranges import LayerRanges, RangeReport
+from mixprec.policy import Candidate, Support
+
+
+@dataclass
+class Planted:
+    """Step seconds per candidate label (e.g. {"fp32": 0.10, "bf16-mixed": 0.05}); unlisted
+    candidates are unsupported. ``jitter``: the relative noise of each step (lognormal)."""
+
+    seconds: dict[str, float]
+    jitter: float = 0.02
+    compile_s: float = 0.0  # what a compiled candidate's first step costs on top
+    name: str = "planted"
+    description: str = "planted step times"
+    default_batch_size: int = 8
+    spec: Any = None
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+
+class PlantedSession:
+    def __init__(self, workload: Planted, candidate: Candidate, settings: BenchSettings) -> None:
+        self.workload, self.candidate, self.settings = workload, candidate, settings
+        self.result, self.index = Measurement(observed_dtype="float32"), 0
+
+    def step(self, timed: bool) -> dict[str, Any]:
+        w = self.workload
+        seconds = w.seconds[self.candidate.label] * math.exp(w.rng.gauss(0, w.jitter))
+        if self.index == 0 and self.candidate.compile:
+            seconds += w.compile_s
+        (self.result.step_times_s if timed else self.result.warmup_times_s).append(seconds)
+        self.result.first_loss = 1.0
+        self.index += 1
+        return {"event": "step", "index": self.index - 1, "seconds": seconds, "timed": timed, "loss": 1.0}
+
+    def warm_enough(self, times: list[float]) -> bool:
+        return len(times) >= self.settings.warmup
+
+    def warm_up(self, emit: Any) -> bool:
+        while not self.warm_enough(self.result.warmup_times_s):
+            emit(self.step(timed=False))
+        return True
+
+    def finish(self) -> Measurement:
+        return self.result
+
+
+class PlantedFramework(Framework):
+    name: ClassVar[str] = "planted"
+    title: ClassVar[str] = "planted"
+    workload_type: ClassVar[type] = Planted
+    workload_name: ClassVar[str] = "Planted"
+    compile_modes: ClassVar[tuple[str, ...]] = ("default",)
+
+    def support(self, candidate: Candidate, info: DeviceInfo) -> Support:
+        planted = any(label.split("+")[0] == candidate.policy for label in self._labels)
+        return Support(planted, "planted" if planted else "not planted", None if planted else "fp32")
+
+    _labels: ClassVar[set[str]] = set()
+
+    def tune_candidates(self, workload: Planted, info: DeviceInfo) -> list[Candidate]:
+        type(self)._labels = set(workload.seconds)
+        return [Candidate(label, framework=self.name) for label in workload.seconds if "+" not in label]
+
+    def make_batches(self, workload, batch_size, device, seed, n):
+        return [None] * n
+
+    def session(self, workload, candidate, settings, batches):
+        return PlantedSession(workload, candidate, settings)
+
+    def trajectory(self, workload, candidate, batches, steps, device, *, perturb=0.0) -> Trajectory:
+        """Every candidate trains exactly like strict fp32 but for a rounding far below any limit."""
+        traj = Trajectory(candidate.label, losses=[1.0 - 0.01 * i for i in range(steps)])
+        traj.stepped, traj.scales = [True] * steps, [None] * steps
+        noise = 1e-6 if candidate.policy != "fp32" or perturb else 0.0
+        traj.first_output = torch.linspace(1, 2, 8) * (1 + noise)
+        traj.first_grads = {"w": torch.linspace(1, 2, 8) * (1 + noise)}
+        return traj
+
+    def layer_ranges(self, workload, candidate, batch, device, loss_scale) -> RangeReport:
+        layer = LayerRanges("w", "Planted", 0)
+        layer.forward.update(torch.linspace(1, 2, 8))
+        return RangeReport([layer])

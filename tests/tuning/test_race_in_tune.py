@@ -1,0 +1,48 @@
+"""Tune's search on planted step times (tests/tuning/scripted.py): the finalists race each other, a
+10% difference between the two best is resolved in favour of the faster, a 1% one is a measured
+tie that goes to the safer candidate, and the report says where the budget went."""
+
+from __future__ import annotations
+
+import pytest
+
+import mixprec
+from mixprec.frameworks import register_framework, unregister_framework
+
+from .scripted import Planted, PlantedFramework
+
+
+@pytest.fixture(autouse=True)
+def planted_framework():
+    register_framework(PlantedFramework())
+    yield
+    unregister_framework("planted")
+
+
+def tune(seconds: dict[str, float], jitter: float = 0.02):
+    return mixprec.tune(
+        Planted(seconds, jitter=jitter), budget_s=60, steps=4, warmup=1, check_steps=2, compile_modes=()
+    )
+
+
+def test_a_planted_10_percent_difference_between_the_two_best_is_resolved():
+    result = tune({"fp32": 0.20, "bf16-mixed": 0.10, "bf16-true": 0.10 / 1.10})
+    assert result.recommendation.candidate.policy == "bf16-true"
+    duel = next(n for n in result.notes if n.startswith("race: ") and "bf16-mixed" in n and "bf16-true" in n)
+    assert duel.startswith("race: bf16-true ran 1") and "faster than bf16-mixed" in duel
+    assert result.recommendation.tie_break is None and result.recommendation.too_noisy is None
+
+
+def test_a_planted_1_percent_difference_is_a_measured_tie_that_the_safer_one_wins():
+    result = tune({"fp32": 0.20, "bf16-mixed": 0.10, "bf16-true": 0.10 / 1.01}, jitter=0.005)
+    rec = result.recommendation
+    assert rec.candidate.policy == "bf16-mixed"  # fp32 master weights: the safer of two equals
+    assert rec.tie_break and "measured against each other" in rec.tie_break
+    assert "tie:" in rec.tie_break and "within the noise floor" in rec.tie_break
+
+
+def test_where_the_budget_went_is_recorded_by_phase():
+    result = tune({"fp32": 0.20, "bf16-mixed": 0.10, "bf16-true": 0.09})
+    assert set(result.phases) >= {"speed", "numerics", "compile", "race", "prediction", "other"}
+    assert sum(result.phases.values()) == pytest.approx(result.elapsed_s, abs=0.5)
+    assert result.to_dict()["phases"] == result.phases
