@@ -83,6 +83,15 @@ class Duel:
         """The candidate measured faster, None for a tie or an open duel."""
         return {"rival faster": self.rival, "leader faster": self.leader}.get(self.outcome)
 
+    def ahead(self) -> Candidate | None:
+        """The candidate ahead: the one measured faster, or in a duel the budget left open, the one
+        its median favours (the best evidence there is); None for a tie or no rounds. Only a tie
+        measured within the noise floor lets the safer candidate win."""
+        faster = self.faster()
+        if faster is not None or self.outcome == "tie" or not self.ratio or self.ratio == 1:
+            return faster
+        return self.rival if self.ratio > 1 else self.leader
+
     def describe(self) -> str:
         """E.g. "bf16-true ran 11.2% faster than bf16-mixed [+9.0% to +13.6%] over 8 paired rounds"."""
         ratio, ci, n = self.ratio, self.interval, len(self.ratios)

@@ -290,16 +290,10 @@ def decide(
         duel = race.duel(fastest.candidate, r.candidate) if race is not None else None
         if duel is None or r is fastest:
             return None
-        faster = duel.faster()
-        return (
-            "tie"
-            if duel.outcome == "tie"
-            else "open"
-            if faster is None
-            else "faster"
-            if faster == r.candidate
-            else "slower"
-        )
+        if duel.outcome == "tie":
+            return "tie"
+        ahead = duel.ahead()
+        return "open" if ahead is None else "faster" if ahead == r.candidate else "slower"
 
     band = [
         r
@@ -333,6 +327,7 @@ def decide(
             and outcome(r) in (None, "open")
             and uncertainty > NOISE_CAP
             and effective(r) < effective(fastest) * (1 - NOISE_CAP)
+            and not _separated(r, fastest)
         ):
             noisy_with = r
             too_noisy = (
@@ -367,13 +362,19 @@ def decide(
         speedup_vs_tf32=effective(chosen) / effective(tf32) if tf32 and effective(tf32) else None,
         memory_saved_bytes=saved,
         margin=margin,
-        reason=_reason(chosen, table, verdict, tie_break, too_noisy, fp32, train_steps),
+        reason=_reason(chosen, table, verdict, tie_break, too_noisy, fp32, train_steps, race),
         tie_break=tie_break,
         tied_with=fastest.candidate if tie_break else None,
         too_noisy=too_noisy,
         noisy_with=noisy_with.candidate if noisy_with is not None else None,
     )
     return rec, table
+
+
+def _separated(slower: BenchRow, faster: BenchRow) -> bool:
+    """The two speedups' 95% intervals do not overlap: measured apart, however wide each is."""
+    a, b = slower.speedup_ci, faster.speedup_ci
+    return a is not None and b is not None and a[1] < b[0]
 
 
 def _race_leader(
@@ -386,7 +387,7 @@ def _race_leader(
     if leader is None or leader is fastest:
         return fastest
     duel = race.duel(fastest.candidate, leader.candidate)
-    if duel is None or duel.faster() != leader.candidate or duel.ratio is None:
+    if duel is None or duel.ahead() != leader.candidate or duel.ratio is None:
         return fastest
     if not speed(leader) or not speed(fastest):
         return leader
@@ -406,6 +407,7 @@ def _reason(
     too_noisy: str | None,
     fp32: BenchRow | None = None,
     train_steps: int | None = None,
+    race: Race | None = None,
 ) -> str:
     parts = [f"{r.label} rejected: {r.reason}" for r in table if r.status == Status.FAIL]
     pruned = [r.label for r in table if r.status == Status.PRUNED]
@@ -433,6 +435,8 @@ def _reason(
         parts.append(f"{chosen.label}{islands} is {how_fast}{match}")
     if tie:
         parts.append(tie)
+    elif race is not None:  # how the pick fared against the finalists, measured head to head
+        parts += [f"raced: {d.describe()}" for d in race.duels if chosen.candidate in (d.leader, d.rival)]
     if too_noisy:
         parts.append(too_noisy)
     return "; ".join(parts) + "."

@@ -100,13 +100,13 @@ def tune(
         search.check_faster()  # the candidates measured late, if any beat strict fp32
     with search.phase("compile"):
         search.try_compile(modes)
-    rec, ranked = search.decide()
-    if rec is not None and optimizers:
-        with search.phase("speed"):
-            search.try_optimizers(rec)
     with search.phase("race"):
         search.race_finalists()
     rec, ranked = search.decide()
+    if rec is not None and optimizers and not rec.candidate.compile_scope:
+        with search.phase("speed"):  # the pick's optimizer implementations: same numerics, maybe faster
+            search.try_optimizers(rec)
+        rec, ranked = search.decide()
     with search.phase("prediction"):
         search.predict(info)  # a note for hardware that runs them; it cannot change the pick here
     result = search.result

@@ -51,8 +51,13 @@ LOW_COMPUTE_SHARE = 0.5
 # The run length compile time is amortised over when the user names none.
 TRAIN_STEPS = 10_000
 # The race: the fastest passing candidate and up to this many others within this share of it.
-RACE_RIVALS = 3
+RACE_RIVALS = 2
 RACE_WINDOW = 0.25
+# The share of the budget compiling leaves to the race (the last word on the pick).
+RACE_SHARE = 0.15
+# Warm-up steps of a racing session: fixed (the first compiles, the second may recompile); the
+# first step of each round is left out of its figure anyway.
+RACE_WARMUP = 3
 
 
 class Search:
@@ -294,40 +299,56 @@ class Search:
     # ------------------------------------------------------------------ 3. beyond eager
     def try_compile(self, modes: Sequence[str]) -> None:
         """Compiled variants chosen by what compiling can gain (:mod:`mixprec.tuning.compiling`):
-        one per passing precision family first, most promising first, each followed by its
-        numerics check, then the other scopes while the budget pays; every one the budget cannot
-        pay is named with its predicted figure."""
+        one per precision family first, most promising first (re-planned after each measurement
+        recalibrates the prediction), each followed by its numerics check, then the other scopes
+        while the budget pays. A family not checked yet is compiled only if its prediction could
+        reach the race; every attempt skipped is named with its predicted figure and why."""
         assert self.result is not None
         if not modes or self.decide()[0] is None:
             return
-        passed = {c for c, v in self.verdicts.items() if v.passed}
-        tried = {r.candidate for r in self.result.rows}
-        todo = [a for a in compiling.plan(self.framework, self.result.rows, passed, modes, self.calibration)]
-        todo = [a for a in todo if a.candidate not in tried]
-        skipped: list[str] = []
-        for attempt in todo:
+        budget = self.budget.share(1 - RACE_SHARE)  # what compiling may take: the race gets the rest
+        skipped: dict[Candidate, str] = {}
+        while True:
+            failed = {c for c, v in self.verdicts.items() if not v.passed}
+            tried = {r.candidate for r in self.result.rows} | set(skipped)
+            todo = compiling.plan(self.framework, self.result.rows, failed, modes, self.calibration)
+            attempt = next((a for a in todo if a.candidate not in tried), None)
+            if attempt is None:
+                break
             candidate = attempt.candidate
             compile_s = self.compile_s.get(candidate.compile_scope, MIN_COMPILE_S)
-            # measuring it compiles once, checking it compiles again (mostly from inductor's cache)
-            if not self.budget.can_pay(1.5 * compile_s + self.check_cost_s()):
-                skipped.append(f"{candidate.label} (predicted {attempt.speedup:.2f}x: {attempt.basis})")
+            best = self.decide()[0]
+            best_speed = (best.speedup_vs_fp32 or 1.0) if best is not None else 1.0
+            predicted = f"predicted {attempt.speedup:.2f}x: {attempt.basis}"
+            unchecked = (
+                attempt.eager.policy != "fp32" and attempt.eager.candidate.numerics not in self.verdicts
+            )
+            if unchecked and attempt.speedup < best_speed * (1 - RACE_WINDOW):
+                skipped[candidate] = (
+                    f"{candidate.label} (too far below the best {best_speed:.2f}x to race; {predicted})"
+                )
                 continue
-            self.stage(f"compiling {candidate.label}: predicted {attempt.speedup:.2f}x ({attempt.basis})")
-            measured = self._add(self._bench([candidate], self.budget).measured)
+            # measuring it compiles once, checking it compiles again (mostly from inductor's cache)
+            if not budget.can_pay(1.5 * compile_s + self.check_cost_s()):
+                skipped[candidate] = f"{candidate.label} (the budget could not pay; {predicted})"
+                continue
+            self.stage(f"compiling {candidate.label}: {predicted}")
+            measured = self._add(self._bench([candidate], budget).measured)
             row = next((r for r in measured if r.candidate == candidate), None)
             if row is None:
-                skipped.append(f"{candidate.label} (stopped by the budget while compiling)")
+                skipped[candidate] = f"{candidate.label} (stopped by the budget while compiling)"
                 continue
             if row.status != Status.OK:
                 continue
             self.compile_s[candidate.compile_scope] = max(compile_s, row.compile_s or 0.0)
             self.calibration.update(attempt, row)
             self._note_graphs(row)
-            if candidate.numerics not in self.verdicts and self.budget.can_pay(self.check_cost_s()):
+            if candidate.numerics not in self.verdicts and budget.can_pay(self.check_cost_s()):
                 self.check(candidate.numerics)
         if skipped:
-            self.notes.append(f"not compiled within the budget: {'; '.join(skipped)} (--budget raises it)")
-            self.budget.cut(f"{len(skipped)} compiled candidate(s) were not measured")
+            self.notes.append(f"not compiled: {'; '.join(skipped.values())} (--budget raises the budget)")
+            if any("budget" in why for why in skipped.values()):
+                self.budget.cut("compiled candidates were not measured")
 
     def _note_graphs(self, row: BenchRow) -> None:
         """Say when a compiled candidate breaks into more graphs than its scope needs: each break
@@ -344,9 +365,22 @@ class Search:
     def try_optimizers(self, rec: Recommendation) -> None:
         """The pick with its optimizer's other implementations (for-loop / foreach / fused): same
         numerics, possibly faster steps. Only the ones the optimizer class offers."""
-        if rec.candidate.optimizer or not self.budget.can_pay(10):
+        if rec.candidate.optimizer:
             return
         todo = self.framework.optimizer_variants(self.workload, rec.candidate)
+        assert self.result is not None
+        base = self.result.baseline
+        step_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
+        # each variant warms up and runs its paired rounds next to strict fp32 (compiled: from cache)
+        cost = len(todo) * (1.3 * (self.sweep["warmup"] + 2 * self.sweep["steps"] + 2) * step_s)
+        if rec.candidate.compile:
+            cost += len(todo) * MIN_COMPILE_S / 3
+        if todo and not self.budget.can_pay(cost):
+            self.notes.append(
+                f"the optimizer's implementations of {rec.label} not measured: budget spent "
+                "(--budget raises it)"
+            )
+            return
         if todo:
             self.stage(f"measuring the optimizer's implementations: {', '.join(c.label for c in todo)}")
             self._add(self._bench(todo, self.budget).measured)
@@ -394,7 +428,7 @@ class Search:
         step_s = max(
             (r.step_time_ms.median_ms / 1e3 for r in [leader, *rivals] if r.step_time_ms), default=1.0
         )
-        warm_up = self.sweep["warmup"]
+        warm_up = RACE_WARMUP
 
         def cost_s(n: int, rounds: int) -> float:
             # the leader and each rival warm up, then every round runs a side each; a compiled
@@ -407,7 +441,8 @@ class Search:
             device=self.device,
             batch_size=self.result.batch_size,
             steps=FIRST_ROUNDS,
-            warmup=warm_up,
+            warmup=RACE_WARMUP,
+            adaptive_warmup=False,
             threads=self.framework.threads(),
         )
         isolate = self.workload.spec is not None and self.framework.session_builder() is not None
