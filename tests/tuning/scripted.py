@@ -27,6 +27,7 @@ class Planted:
     seconds: dict[str, float]
     jitter: float = 0.02
     compile_s: float = 0.0  # what a compiled candidate's first step costs on top
+    emulated: frozenset[str] = frozenset()  # policies the device only emulates (supported, not native)
     name: str = "planted"
     description: str = "planted step times"
     default_batch_size: int = 8
@@ -67,15 +68,19 @@ class PlantedFramework(Framework):
     workload_type: ClassVar[type] = Planted
     workload_name: ClassVar[str] = "Planted"
     compile_modes: ClassVar[tuple[str, ...]] = ("default",)
+    layouts: ClassVar[bool] = True
 
     def support(self, candidate: Candidate, info: DeviceInfo) -> Support:
         planted = any(label.split("+")[0] == candidate.policy for label in self._labels)
+        if candidate.policy in self._emulated:
+            return Support(True, "emulated here", "fp32", native=False)
         return Support(planted, "planted" if planted else "not planted", None if planted else "fp32")
 
     _labels: ClassVar[set[str]] = set()
+    _emulated: ClassVar[frozenset[str]] = frozenset()
 
     def tune_candidates(self, workload: Planted, info: DeviceInfo) -> list[Candidate]:
-        type(self)._labels = set(workload.seconds)
+        type(self)._labels, type(self)._emulated = set(workload.seconds), workload.emulated
         return [Candidate(label, framework=self.name) for label in workload.seconds if "+" not in label]
 
     def make_batches(self, workload, batch_size, device, seed, n):

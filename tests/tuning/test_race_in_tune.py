@@ -46,3 +46,25 @@ def test_where_the_budget_went_is_recorded_by_phase():
     assert set(result.phases) >= {"speed", "numerics", "compile", "race", "prediction", "other"}
     assert sum(result.phases.values()) == pytest.approx(result.elapsed_s, abs=0.5)
     assert result.to_dict()["phases"] == result.phases
+
+
+def test_an_emulated_format_is_pruned_once_not_retried_and_not_measured_again_in_another_layout():
+    """A format the device only emulates is expected to be far slower: pruning it is no transient,
+    so no second attempt, and its other layout costs nothing more."""
+    planted = Planted(
+        {"fp32": 0.10, "fp32+cl": 0.09, "fp16-mixed": 1.5, "fp16-mixed+cl": 1.5},
+        emulated=frozenset({"fp16-mixed"}),
+    )
+    framework = PlantedFramework()
+    framework.tune_candidates(planted, None)  # the planted labels and emulated formats
+    plan = [
+        mixprec.Candidate(label.split("+")[0], "+cl" in label, framework="planted")
+        for label in planted.seconds
+    ]
+    result = mixprec.bench(planted, candidates=plan[1:], steps=2, warmup=1)
+    rows = {r.label: r for r in result.rows}
+    first, second = rows["fp16-mixed"], rows["fp16-mixed+cl"]
+    assert first.status == "pruned" and not first.reason.startswith("pruned twice")
+    assert any(n.startswith("not retried: emulated here") for n in first.notes)
+    assert second.status == "pruned" and second.reason.startswith("not measured: fp16-mixed was pruned")
+    assert not second.step_times_ms  # nothing was run for it

@@ -400,6 +400,7 @@ class Sweep:
                 rows.record(replace(row, candidate=cand), i)
             return
         pruned: list[tuple[int, BenchRow]] = []
+        emulated: dict[str, BenchRow] = {}  # policy -> its pruned row, where the device emulates it
         for i, cand in todo:
             if cand == baseline:
                 continue
@@ -407,7 +408,7 @@ class Sweep:
                 result.stopped = f"stopped by the deadline before {cand.label}"
                 break
             self.events({"event": "candidate", "label": cand.label, "index": i, "count": count})
-            refused = self.refused(cand)
+            refused = self.refused(cand) or self._as_hopeless_as(cand, emulated)
             try:
                 row = refused or sweep.measure(cand)
             except SessionEnded:  # told to stop while measuring it
@@ -418,7 +419,9 @@ class Sweep:
                 if support.native:
                     pruned.append((i, row))
                 else:  # a format this device only emulates: far slower is expected, no second attempt
-                    row = replace(row, notes=(*row.notes, f"not retried: {support.reason}"))
+                    if not row.notes or not row.notes[-1].startswith("not retried"):
+                        row = replace(row, notes=(*row.notes, f"not retried: {support.reason}"))
+                    emulated.setdefault(cand.policy, row)
             rows.record(row, i)
         # A transient must not prune a candidate for good: one more attempt, when time is left.
         for i, first in pruned:
@@ -460,6 +463,19 @@ class Sweep:
             row = measure_data_parallel(self.row(cand, Status.OK), outcome)
             result.flops_per_step = result.flops_per_step or row.flops_per_step
             rows.record(row, i)
+
+    def _as_hopeless_as(self, cand: Candidate, emulated: dict[str, BenchRow]) -> BenchRow | None:
+        """A pruned row, unmeasured, for an eager candidate whose format this device only emulates
+        when another layout of it was already pruned: the emulation, not the layout, is the cost."""
+        first = emulated.get(cand.policy)
+        if first is None or cand.compile:
+            return None
+        return self.row(
+            cand,
+            Status.PRUNED,
+            f"not measured: {first.label} was pruned ({first.reason}) and this device only emulates "
+            f"{cand.policy}'s format",
+        )
 
     def refused(self, cand: Candidate) -> BenchRow | None:
         """The row of a candidate that is not measured: unsupported here, or one the backend need
