@@ -22,6 +22,7 @@ class Status(StrEnum):
     NO_EFFECT = "no-effect"
     PASS = "pass"
     FAIL = "fail"
+    AT_RISK = "at-risk"  # passes the checked steps, but a trend predicts a failure within the run
     RECOMMENDED = "recommended"
     SLOWER = "slower"
     UNCHECKED = "unchecked"
@@ -39,6 +40,7 @@ TONES: dict[Status, str] = {
     Status.PASS: "good",
     Status.RECOMMENDED: "best",
     Status.FAIL: "bad",
+    Status.AT_RISK: "bad",
     Status.ERROR: "bad",
     Status.OOM: "bad",
     Status.PRUNED: "warn",

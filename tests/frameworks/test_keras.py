@@ -198,6 +198,16 @@ def test_check_names_the_overflowing_layer_and_verifies_the_float32_fix():
     assert fp16.candidate.framework == "tensorflow"
 
 
+def test_check_sees_a_late_keras_overflow_coming_through_the_shared_checker():
+    late = str(Path(__file__).parent / "keras_workloads" / "late_overflow.py") + ":make_workload"
+    result = mixprec.check(load_keras_workload(late), policies=["fp16-mixed", "bf16-mixed"], device="cpu")
+    fp16, bf16 = result.candidates
+    assert fp16.verdict == "at-risk", fp16.reason
+    assert "'head'" in fp16.reason and "predicted to overflow fp16" in fp16.reason
+    assert 60 <= fp16.outlook["at_risk"]["step"] <= 300, fp16.outlook
+    assert bf16.verdict == "pass", bf16.reason
+
+
 def test_cli_check_of_the_planted_overflow_names_the_layer_and_the_fix(tmp_path, capsys):
     """The command a Keras user runs: exit 4 (a candidate failed), the overflowing layer and the
     verified keep_fp32 fix in the text, and the chart drawn from forward-only Keras ranges."""
@@ -220,7 +230,7 @@ def test_cli_check_of_the_planted_overflow_names_the_layer_and_the_fix(tmp_path,
     out = capsys.readouterr().out
     assert code == 4, out
     assert "first non-finite output in 'energy'" in out
-    assert "least fp16 headroom: energy (ScaledDense): forward" in out
+    assert "least fp16 headroom over the 8 checked steps: energy (ScaledDense): forward -inf (step 0)" in out
     assert "fix: build the Keras layers ['energy'] with dtype=\"float32\" under fp16-mixed" in out
     assert "GradScaler" not in out and "get_policy" not in out  # torch's words, not a Keras user's
     assert "start-up steps" not in out  # an overflow in the forward pass is no scale warm-up

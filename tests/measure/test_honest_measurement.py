@@ -75,12 +75,24 @@ def test_a_slow_baseline_start_does_not_inflate_the_speedup(single_thread):
     assert busy_row.speedup_vs_fp32 < 3.0, busy_row.speedup_vs_fp32
     lo, hi = calm_row.speedup_ci
     assert lo * 0.75 <= busy_row.speedup_vs_fp32 <= hi * 1.33, (calm_row.speedup_ci, busy_row.speedup_vs_fp32)
-    # and the console says the baseline was slower at the start, when the slow steps reached its
-    # timed steps (warm-up runs until steady and may absorb them all; a busy machine then adds a few
-    # percent either way, as in a CI run that read +3%): never that it got slower at the end
-    assert busy.baseline_drift is not None and busy.baseline_drift < 0.05, busy.baseline_drift
-    if busy.baseline_drift < -0.05:
-        assert "faster at the end" in drift_text(busy.baseline_drift)
+    # Which way the baseline drifted is a timing, left to the machine (a CI run read +14% here with an
+    # 18% spread): the arithmetic and the words are tested on scripted step times below.
+
+
+def test_the_baseline_drift_is_read_from_its_first_and_last_thirds():
+    def drift(times):
+        result = BenchResult(workload="mlp", description="", device="cpu", batch_size=8, settings={})
+        result.add(BenchRow("mlp", Candidate("fp32"), "cpu", 8, "ok", step_times_ms=tuple(times)))
+        return result.baseline_drift
+
+    slow_start = drift([20.0, 20.0, 20.0, 10.0, 10.0, 10.0, 10.0, 10.0, 10.0])
+    assert slow_start == pytest.approx(-0.5)
+    assert "50% faster at the end" in drift_text(slow_start)
+    busier_later = drift([10.0] * 6 + [12.0] * 3)
+    assert busier_later == pytest.approx(0.2)
+    assert "20% slower at the end" in drift_text(busier_later)
+    assert drift([10.0] * 5) is None  # too few steps to split in thirds
+    assert "same speed" in drift_text(drift([10.0] * 9))
 
 
 @pytest.mark.slow

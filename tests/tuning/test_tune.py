@@ -288,3 +288,14 @@ def test_a_speed_sweep_cut_by_its_share_is_finished_with_the_time_left(monkeypat
     assert result.budget_exhausted is None and result.bench.stopped is None
     late = [n for n in result.notes if "measured later with the time the numerics checks left" in n]
     assert len(late) == 1 and late[0].startswith("speed sweep stopped by the deadline")
+
+
+def test_an_at_risk_candidate_is_not_recommended_and_its_row_says_why():
+    measured = rows(row("fp32", 100), row("fp16-mixed", 300), row("bf16-mixed", 250))
+    risk = "at risk: layer 'head': its outputs, predicted to overflow fp16 (|x| > 65504) at about step 133"
+    at_risk = replace(verdict("fp16-mixed", ok=False, reason=risk), verdict="at-risk")
+    rec, table = decide(measured, verdicts(at_risk, verdict("bf16-mixed")))
+    assert rec.candidate.policy == "bf16-mixed"
+    status = {c.label: (c.status, c.reason) for c in table}
+    assert status["fp16-mixed"] == ("at-risk", risk)
+    assert f"fp16-mixed rejected: {risk}" in rec.reason

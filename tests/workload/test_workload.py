@@ -86,8 +86,8 @@ def test_default_batch_sizes_and_optimizers():
 
     mlp = build_zoo_workload("mlp")
     assert mlp.default_batch_size == 64
-    assert mlp.optimizer_fn is None  # SGD with momentum
-    assert isinstance(mlp.make_optimizer(mlp.model), torch.optim.SGD)
+    sgd = mlp.make_optimizer(mlp.model)  # at 0.1: it learns within a check's 8 steps
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["lr"] == 0.1 and sgd.defaults["momentum"] == 0.9
 
 
 def test_gpt2_default_config_is_gpt2_small():

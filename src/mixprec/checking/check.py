@@ -10,13 +10,16 @@ the check (:mod:`mixprec.numerics.fix`).
 
 from __future__ import annotations
 
+import difflib
+import fnmatch
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
 from mixprec.budget import Budget
-from mixprec.errors import UsageError
+from mixprec.errors import PolicyError, UsageError
 from mixprec.events import Events, ignore
 from mixprec.frameworks import Framework, framework_of
 from mixprec.hardware.device import detect
@@ -25,6 +28,15 @@ from mixprec.numerics.fix import search_keep_fp32
 from mixprec.numerics.limits import LOW_PRECISION_FORMATS
 from mixprec.numerics.ranges import RangeReport
 from mixprec.numerics.results import CandidateCheck, CheckResult
+from mixprec.numerics.trend import (
+    BITS_FACTOR,
+    Outlook,
+    Prediction,
+    least_headroom,
+    outlook,
+    predict,
+    theil_sen,
+)
 from mixprec.numerics.verdict import (
     CHAOS_PERTURBATION,
     Floor,
@@ -33,11 +45,48 @@ from mixprec.numerics.verdict import (
     judge,
 )
 from mixprec.policy import Candidate, Thresholds
+from mixprec.policy.islands import is_fp32_island
 from mixprec.policy.registry import CHECK_DEFAULT
 from mixprec.status import Status
 
 MAX_FIX_SET = 8  # the keep-fp32 search tries at most this many layers
 SEARCH_STEPS = 4  # steps of each trial run of the search (the found set is verified over all)
+# A fix for a predicted failure is verified past the predicted step: this much past it, at most
+# this many steps.
+VERIFY_MARGIN = 1.5
+MAX_VERIFY_STEPS = 1000
+# The run length verdicts are about when nobody names one (tune's --train-steps default too).
+TRAIN_STEPS = 10_000
+NEVER_RAN = "nothing was tested"
+# The reference learns when its fitted fall over the checked steps is this many times the median
+# distance of its losses from the fit (batch-to-batch noise).
+LEARNING_MARGIN = 1.0
+
+
+def never_ran(cand: Candidate, traj: Trajectory) -> str:
+    """Why the candidate's format never ran (a float64 model or default dtype, say), or ''."""
+    expected = str(cand.spec.compute_dtype).removeprefix("torch.")
+    if cand.emulate or traj.observed_dtype is None or traj.observed_dtype == expected:
+        return ""
+    return (
+        f"{NEVER_RAN}: the first matmul/conv layer {traj.observed_layer!r} computed in "
+        f"{traj.observed_dtype}, not {expected}, so {cand.label} never ran (a float64 model or "
+        "torch.set_default_dtype(float64)? "
+        "train the model in float32 to check a lower precision)"
+    )
+
+
+def stall_outlook(traj: Trajectory, limit: float, train_steps: int) -> str | None:
+    """A growing share of half-precision updates lost to rounding, predicted to pass ``limit``
+    within the run (torchtune#2254: pure-bf16 updates stall as weights grow against the LR)."""
+    p = predict(traj.stalls, limit, layer="all weights", direction="updates", fmt="storage", start=1)
+    if p is None or p.step is None or p.step > train_steps or not p.trending or not p.within_evidence:
+        return None
+    return (
+        f"{traj.stalls[-1]:.1%} of the weight updates rounded away at the last checked step, growing: "
+        f"predicted to pass {limit:.0%} at about step {p.step} of {train_steps} ({p.points} steps fitted, "
+        f"R^2 {p.r2:.2f}); use the *-mixed policy"
+    )
 
 
 def rounding_format(cand: Candidate) -> str:
@@ -101,7 +150,9 @@ class Checker:
         thresholds: dict[str, Thresholds],
         events: Events,
         budget: Budget,
+        train_steps: int = TRAIN_STEPS,
     ) -> None:
+        self.train_steps = train_steps
         self.workload, self.framework, self.device, self.steps = workload, framework, device, steps
         self.batch_size, self.thresholds, self.events, self.budget = batch_size, thresholds, events, budget
         self.batches = framework.make_batches(workload, batch_size, device, 0, steps)
@@ -134,27 +185,63 @@ class Checker:
     def run(
         self, cand: Candidate, keep_fp32: Sequence[str] = (), steps: int | None = None
     ) -> tuple[bool, str, Comparison, Trajectory]:
-        """Train ``cand`` (with ``keep_fp32`` added) ``steps`` steps next to the reference; the verdict."""
+        """Train ``cand`` (with ``keep_fp32`` added) ``steps`` steps next to the reference; the verdict
+        over those steps and, from their trends, over the run (``train_steps``)."""
         steps = steps or self.steps
         trial = replace(cand, keep_fp32=(*cand.keep_fp32, *keep_fp32))
         traj = self.framework.trajectory(self.workload, trial, self.batches, steps, self.device)
+        if self.reference.dropped_imaginary:  # the model's own cast, in fp32 as well: not the candidate's
+            traj.dropped_imaginary = None
         ref = replace(self.reference, losses=self.reference.losses[:steps])
         cmp = compare(ref, traj)
         chaos = compare(ref, replace(self.chaos, losses=self.chaos.losses[:steps]))
         floor = replace(self.floor, rel_loss_diff=chaos.max_rel_loss_diff)
+        untested = never_ran(cand, traj)
+        if untested:
+            return False, untested, cmp, traj
         passed, reason = judge(
             cmp, traj, self.thresholds[cand.threshold_key], steps, floor, rounding_format(cand)
         )
+        if passed:
+            risk = self.risk(cand, traj, keep_fp32)
+            if risk is not None:
+                return False, risk, cmp, traj
         return passed, reason, cmp, traj
+
+    def outlook(self, cand: Candidate, traj: Trajectory, keep_fp32: Sequence[str] = ()) -> Outlook:
+        """What ``traj``'s ranges predict over ``train_steps`` in the candidate's range format; fp32
+        islands compute in fp32, so their own ranges do not count."""
+        islands = (*cand.keep_fp32, *keep_fp32)
+        series = [s for s in traj.series if not is_fp32_island(s.name, islands)]
+        # from the second step: the first step's values are the initial weights' (the check starts at
+        # the loss scale GradScaler settles on, so no start-up back-off is in the series)
+        return outlook(series, range_format(cand), self.train_steps, start=1)
+
+    def risk(self, cand: Candidate, traj: Trajectory, keep_fp32: Sequence[str] = ()) -> str | None:
+        """Why the run the user will do is predicted to fail where the checked steps passed: a layer
+        predicted to overflow, or half-precision updates predicted to stall; None otherwise."""
+        seen = self.outlook(cand, traj, keep_fp32).at_risk
+        if seen is not None:
+            return f"at risk: {seen.describe(self.train_steps)}"
+        stall = stall_outlook(
+            traj, self.thresholds[cand.threshold_key].max_stalled_update_fraction, self.train_steps
+        )
+        if stall is not None:
+            return f"at risk: {stall}"
+        return None
 
     def check(self, cand: Candidate, fix: bool) -> CandidateCheck:
         self.stage(cand.label)
         passed, reason, cmp, traj = self.run(cand)
         thr = self.thresholds[cand.threshold_key]
         fmt = rounding_format(cand)
+        seen = self.outlook(cand, traj)
+        verdict = Status.PASS if passed else Status.AT_RISK if reason.startswith("at risk") else Status.FAIL
+        if not passed and reason.startswith(NEVER_RAN):
+            verdict = Status.ERROR
         result = CandidateCheck(
             candidate=cand,
-            verdict=Status.PASS if passed else Status.FAIL,
+            verdict=verdict,
             reason=reason,
             max_rel_loss_diff=cmp.max_rel_loss_diff,
             output_sqnr_db=cmp.output_sqnr_db,
@@ -174,6 +261,12 @@ class Checker:
             scales=traj.scales,
             worst_grads=sorted(cmp.grad_sqnr_db.items(), key=lambda kv: kv[1])[:5],
             thresholds=asdict(thr),
+            series=[s.to_dict() for s in traj.series],
+            run_headroom=least_headroom(traj.series, range_format(cand)),
+            stalls=list(traj.stalls),
+            outlook=seen.to_dict(),
+            train_steps=self.train_steps,
+            evidence=self.evidence(cand, traj, seen),
         )
         rfmt = range_format(cand)
         try:
@@ -186,7 +279,7 @@ class Checker:
         except Exception as exc:  # ranges are evidence; their failure must not hide the verdict
             result.fix_note = f"per-layer ranges unavailable: {type(exc).__name__}: {exc}"
         result.worst_layers = worst_layers(self.reference_ranges, rfmt)
-        if not passed:
+        if not passed and verdict != Status.ERROR:
             result.suggestion = self.suggest(cand, result, rfmt)
             if result.first_nonfinite_forward and "non-finite" in reason:
                 result.reason += f"; first non-finite output in {result.first_nonfinite_forward!r}"
@@ -198,11 +291,27 @@ class Checker:
             elif fix and self.budget.expired():
                 result.fix_note = "keep_fp32 search skipped: time budget spent"
             elif fix:
-                self.search_fix(cand, result, rfmt)
+                self.search_fix(cand, result, rfmt, seen.at_risk)
         return result
 
+    def evidence(self, cand: Candidate, traj: Trajectory, seen: Outlook) -> str:
+        """What the verdict cannot see: a trend whose crossing lies beyond the evidence's horizon."""
+        far = seen.unsure
+        if far is None or seen.at_risk is not None:
+            return ""
+        return (
+            f"not enough evidence: {far.describe(self.train_steps)}; {len(traj.losses)} checked steps "
+            f"support a crossing at most {far.horizon} steps and {BITS_FACTOR:g}x the "
+            f"{max(far.gained_bits, 0.0):.1f} bits they grew away; rerun with --steps {far.steps_needed()}"
+        )
+
     def suggest(self, cand: Candidate, result: CandidateCheck, fmt: str) -> str:
-        overflow = result.first_nonfinite_forward or result.first_nonfinite_backward or result.skipped_steps
+        overflow = (
+            result.first_nonfinite_forward
+            or result.first_nonfinite_backward
+            or result.skipped_steps
+            or result.verdict == Status.AT_RISK
+        )
         if fmt == "fp16" and overflow:
             return "fp16 overflows here: try bf16-mixed (same speed class, fp32's range)"
         if fmt == "bf16":
@@ -229,16 +338,23 @@ class Checker:
             add(owners.get(pname))
         return ordered
 
-    def search_fix(self, cand: Candidate, result: CandidateCheck, fmt: str) -> None:
-        """Grow a keep_fp32 set from the evidence until the candidate passes, then shrink it."""
+    def search_fix(self, cand: Candidate, result: CandidateCheck, fmt: str, risk: Prediction | None) -> None:
+        """Grow a keep_fp32 set from the evidence until the candidate passes, then shrink it; a
+        predicted overflow's layer is evidence like an observed one, and the fix is verified over a
+        run long enough to pass the predicted step."""
+        order = self.search_space(result, fmt)
+        verify = self.steps
+        if risk is not None:
+            order = [risk.layer, *(n for n in order if n != risk.layer)]
+            verify = max(self.steps, min(MAX_VERIFY_STEPS, int(VERIFY_MARGIN * ((risk.step or 0) + 1))))
         search_keep_fp32(
             self.run,
             cand,
             result,
-            self.search_space(result, fmt),
+            order,
             MAX_FIX_SET,
-            steps=self.steps,
-            search_steps=min(self.steps, SEARCH_STEPS),
+            steps=verify,
+            search_steps=self.steps if risk is not None else min(self.steps, SEARCH_STEPS),
             deadline=self.budget.deadline,
             stage=self.stage,
             kind=self.framework.island_kind,
@@ -256,7 +372,53 @@ class Checker:
             chaos_floor_losses=self.chaos.losses,
             candidates=results,
             reference_layers=layer_headroom(self.reference_ranges),
+            reference_note=not_learning(self.reference.losses),
         )
+
+
+def cured(rejected: CandidateCheck, rescued: CandidateCheck) -> str:
+    """Why keeping layers in fp32 cured what rejected the candidate, in the figures both checks
+    measured: the layer the rejection named, stalled updates, skipped steps, loss and SQNR."""
+    added = [n for n in rescued.candidate.keep_fp32 if n not in rejected.candidate.keep_fp32]
+    risk = (rejected.outlook or {}).get("at_risk") or {}
+    named = risk.get("layer") or rejected.first_nonfinite_forward or rejected.first_nonfinite_backward
+    changes = []
+    if named and is_fp32_island(named, added):
+        changes.append(f"{named!r}, which the rejection named, now computes in fp32")
+    figures = (
+        ("stalled updates", "stalled_update_fraction", lambda v: f"{v:.1%}"),
+        ("skipped steps", "skipped_steps", str),
+        ("max loss diff", "max_rel_loss_diff", lambda v: f"{v:.2%}"),
+        ("gradient SQNR", "total_grad_sqnr_db", lambda v: f"{v:.1f} dB"),
+    )
+    for name, key, fmt in figures:
+        before, after = getattr(rejected, key), getattr(rescued, key)
+        if before is not None and after is not None and fmt(before) != fmt(after):
+            changes.append(f"{name} {fmt(before)} -> {fmt(after)}")
+    return (
+        f"rescued: {rejected.label} was {rejected.verdict} ({rejected.reason}); with "
+        f"{', '.join(added)} kept in fp32: {'; '.join(changes) or 'the same figures'}; {rescued.reason}"
+    )
+
+
+def not_learning(losses: Sequence[float]) -> str:
+    """Why the verdicts have little power when the fp32 reference's loss does not fall over the
+    checked steps (random labels, a learning rate of 0): two runs that do not learn drift apart like
+    chaos, and the chaos floor they set lets anything through. '' when it learns."""
+    points = [(t, v) for t, v in enumerate(losses) if math.isfinite(v)]
+    if len(points) < 4:
+        return ""
+    ts, values = [float(t) for t, _ in points], [v for _, v in points]
+    slope, intercept = theil_sen(ts, values)
+    noise = statistics.median(abs(v - (intercept + slope * t)) for t, v in points)
+    if -slope * (ts[-1] - ts[0]) > LEARNING_MARGIN * noise:  # a fall the batch-to-batch noise cannot make
+        return ""
+    return (
+        f"the fp32 reference did not learn over the {len(losses)} checked steps (loss {losses[0]:.4g} "
+        f"-> {losses[-1]:.4g}, trend {slope:+.3g}/step): the verdicts compare runs that do not learn "
+        "and have little power. Give the workload data its model can learn (real data, or labels "
+        "from a fixed teacher), or check more steps."
+    )
 
 
 def broken_reference(reference: Trajectory) -> str:
@@ -280,6 +442,7 @@ def make_checker(
     thresholds: dict[str, Thresholds] | None = None,
     events: Events | None = None,
     budget: Budget | None = None,
+    train_steps: int = TRAIN_STEPS,
 ) -> Checker:
     """Run the fp32 reference, its per-layer ranges and the chaos floor once, for many checks."""
     framework = framework_of(workload)
@@ -291,7 +454,11 @@ def make_checker(
     events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
     framework.validate_workload(workload, dev, bs)
     merged = {**default_thresholds(), **(thresholds or {})}
-    return Checker(workload, framework, dev, bs, steps, merged, events, budget or Budget.unlimited())
+    if isinstance(train_steps, bool) or not isinstance(train_steps, int) or train_steps < 1:
+        raise UsageError(f"train_steps must be an integer >= 1, got {train_steps!r}.")
+    return Checker(
+        workload, framework, dev, bs, steps, merged, events, budget or Budget.unlimited(), train_steps
+    )
 
 
 def candidates_of(
@@ -302,6 +469,25 @@ def candidates_of(
         Candidate("fp32", emulate=fmt, framework=framework.name) for fmt in emulate
     ]
     return [framework.validate(c) for c in cands]
+
+
+def check_islands(framework: Framework, workload: Any, cands: Sequence[Candidate]) -> None:
+    """Every keep_fp32 pattern must match a module (or layer): a pattern that matches nothing keeps
+    nothing in fp32, and a check of it would pass a policy the user did not ask for."""
+    names, _ = framework.island_names(workload)
+    if not names:  # the backend cannot list them (yet): nothing to hold the patterns against
+        return
+    for cand in cands:
+        for pattern in cand.keep_fp32:
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                continue
+            close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.4)
+            hint = f"closest: {', '.join(repr(n) for n in close)}" if close else f"e.g. {names[:3]!r}"
+            raise PolicyError(
+                f"keep_fp32 pattern {pattern!r} of {cand.label} matches no module of "
+                f"{framework.workload_label(workload)} ({hint}); patterns are fnmatch patterns over "
+                "the model's module names (model.named_modules()): fix or drop it."
+            )
 
 
 def check(
@@ -317,19 +503,26 @@ def check(
     events: Events | None = None,
     budget: Budget | None = None,
     checker: Checker | None = None,
+    train_steps: int = TRAIN_STEPS,
 ) -> CheckResult:
     """Check each policy (and each emulated format) against a strict-fp32 reference on ``workload``
     (a :class:`mixprec.Workload` or another framework's, e.g. ``mixprec.keras.KerasWorkload``).
 
-    ``budget`` stops keep-fp32 searches once spent. ``checker`` (from :func:`make_checker`) reuses an
-    fp32 reference, its ranges and the chaos floor across calls, e.g. when candidates are checked
-    one at a time. ``events`` receives 'stage' events and a ``{"event": "verdict", "check":
-    CandidateCheck, "index": i, "count": n}`` as each candidate is judged. The workload is
+    ``train_steps`` is the length of the run the verdicts are about: every layer's ranges are
+    recorded at every checked step, and a trend predicted to overflow the candidate's format (or to
+    stall its updates) within that many steps makes the candidate ``at-risk``, with the layer and the
+    step; a trend beyond what the checked steps support is reported as "not enough evidence", with
+    the ``steps`` that would reach it. ``budget`` stops keep-fp32 searches once spent. ``checker``
+    (from :func:`make_checker`) reuses an fp32 reference, its ranges and the chaos floor across
+    calls, e.g. when candidates are checked one at a time. ``events`` receives 'stage' events and
+    a ``{"event": "verdict", "check": CandidateCheck, "index": i, "count": n}`` as each candidate is
+    judged. The workload is
     validated first (one strict-fp32 step).
     """
     if checker is None:
         framework = framework_of(workload)
         cands = candidates_of(framework, policies, emulate)  # bad names fail before the reference runs
+        check_islands(framework, workload, cands)
         checker = make_checker(
             workload,
             steps=steps,
@@ -338,10 +531,12 @@ def check(
             thresholds=thresholds,
             events=events,
             budget=budget,
+            train_steps=train_steps,
         )
     else:
         cands = candidates_of(checker.framework, policies, emulate)
     framework, events = checker.framework, events or checker.events
+    check_islands(framework, checker.workload, cands)  # again: Keras lists its layers once built
     info = detect(checker.device)
     results = []
     for index, cand in enumerate(cands):

@@ -6,7 +6,7 @@ import argparse
 
 from rich.console import Console
 
-from mixprec.checking.check import check
+from mixprec.checking.check import TRAIN_STEPS, check
 from mixprec.cli.common import (
     CandidateProgress,
     Defaults,
@@ -17,7 +17,7 @@ from mixprec.cli.common import (
 )
 from mixprec.errors import UsageError
 from mixprec.measure.sweep import parse_policies
-from mixprec.policy.candidate import EMULATABLE
+from mixprec.policy.candidate import EMULATABLE, Candidate
 from mixprec.report.check import check_report, plot
 from mixprec.report.jsonio import write_json
 
@@ -38,6 +38,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"also check an emulated format ({', '.join(EMULATABLE)}); repeatable",
     )
     p.add_argument("--fix", action="store_true", help="search a keep_fp32 set for failing candidates")
+    p.add_argument(
+        "--keep-fp32",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="keep the modules matching this name pattern in fp32 under every policy (e.g. a --fix "
+        "result, to check it again); repeatable",
+    )
+    p.add_argument(
+        "--train-steps",
+        type=positive_int,
+        default=TRAIN_STEPS,
+        help=f"length of your training run: a layer predicted to overflow within it is at-risk "
+        f"(default {TRAIN_STEPS})",
+    )
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
     p.set_defaults(run=run)
@@ -59,13 +74,16 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     with CandidateProgress(err, "checking", verbose=args.verbose) as shown:
         result = check(
             workload,
-            policies=policies,
+            policies=[
+                Candidate(p, keep_fp32=tuple(args.keep_fp32), framework=framework.name) for p in policies
+            ],
             emulate=args.emulate,
             steps=args.steps,
             batch_size=defaults.batch_size(),
             device=defaults.device,
             fix=args.fix,
             events=shown.event,
+            train_steps=args.train_steps,
         )
     out.print(check_report(result))
     if args.json:

@@ -13,6 +13,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
+from mixprec.checking.check import TRAIN_STEPS
 from mixprec.cli.common import (
     CandidateProgress,
     Defaults,
@@ -29,7 +30,6 @@ from mixprec.report.bench import drift_text
 from mixprec.report.format import fmt_phases, fmt_speedup_ci, rich_style, shorten
 from mixprec.report.jsonio import write_json
 from mixprec.status import Status
-from mixprec.tuning.search import TRAIN_STEPS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -145,6 +145,9 @@ def summary(data: dict[str, Any]) -> Group:
     parts += export_lines(data)
     for note in data.get("notes") or []:
         parts.append(Text(f"note: {note}", style="yellow"))
+    reference = (data.get("check") or {}).get("reference_note")
+    if reference:
+        parts.append(Text(f"note: {reference}", style="yellow"))
     bench = data.get("bench") or {}
     measured = [drift_text(bench.get("baseline_drift")), describe_noise(bench.get("noise") or {})]
     if any(measured):

@@ -13,11 +13,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mixprec.numerics.trend import LayerSeries
+
 
 def sqnr_db(reference: torch.Tensor, candidate: torch.Tensor) -> float:
     """Signal-to-quantisation-noise ratio in dB: 20*log10(||ref|| / ||ref - x||); inf when equal."""
-    ref = reference.detach().double()
-    noise = (ref - candidate.detach().double()).norm()
+    # complex tensors (spectral filters) are compared whole: .double() would drop the imaginary part
+    wide = torch.complex128 if reference.is_complex() or candidate.is_complex() else torch.float64
+    ref = reference.detach().to(wide)
+    noise = (ref - candidate.detach().to(wide)).norm()
     signal = ref.norm()
     if not torch.isfinite(noise):
         return -math.inf
@@ -41,6 +45,14 @@ class Trajectory:
     probe_scale: float | None = None  # loss scale the first-step probe needed (fp16)
     warmup_skips: int = 0  # steps GradScaler would skip to back off from its init scale to probe_scale
     stall_counts: list[int] = field(default_factory=lambda: [0, 0])  # (stalled, with gradient), *-true
+    # per step: the stalled fraction of that step's updates (*-true), the layers' ranges
+    stalls: list[float] = field(default_factory=list)
+    series: list[LayerSeries] = field(default_factory=list)
+    # what the run did that no comparison of losses shows (each one fails the candidate)
+    observed_dtype: str | None = None  # what the first matmul/conv layer computed in
+    observed_layer: str | None = None
+    nonfinite_buffers: list[str] = field(default_factory=list)  # e.g. BatchNorm running stats
+    dropped_imaginary: str | None = None  # complex values cast to real somewhere in the step
 
     @property
     def stalled_update_fraction(self) -> float | None:

@@ -54,7 +54,7 @@ def search_keep_fp32(
         if trial and run(cand, trial, search_steps)[0]:
             chosen = trial
     stage(f"{cand.label}: verifying keep_fp32={chosen}")
-    verified, reason, cmp, *_ = run(cand, chosen, None)
+    verified, reason, cmp, *_ = run(cand, chosen, steps)
     result.fix_keep_fp32 = chosen
     result.fix_verified = verified
     result.fix_metrics = {
@@ -63,6 +63,7 @@ def search_keep_fp32(
         "total_grad_sqnr_db": cmp.total_grad_sqnr_db,
         "min_grad_sqnr_db": cmp.min_grad_sqnr_db,
         "skipped_steps": cmp.skipped_steps,
+        "steps": steps,
     }
     result.fix_note = (
         f"verified over {steps} steps: {reason}"

@@ -85,10 +85,10 @@ class TensorRange:
         self.dtypes.add(str(t.dtype).removeprefix("torch."))
         if t.numel() == 0:
             return False
-        x = t.detach()
-        if x.dtype != torch.float64:
-            x = x.float()
-        a = x.abs().flatten()
+        a = t.detach().abs()  # before any cast: a complex tensor's magnitude, not its real part
+        if a.dtype != torch.float64:
+            a = a.float()
+        a = a.flatten()
         bounds, at = _thresholds(a.dtype, a.device)
         # counts[i]: elements with bounds[i-1] < |x| <= bounds[i]; inf and NaN land past the last
         at_most = torch.bincount(torch.bucketize(a, bounds), minlength=len(bounds) + 1).cumsum(0)

@@ -16,7 +16,8 @@ class CandidateCheck:
 
     Attributes:
         candidate: what was checked.
-        verdict: pass, fail or unsupported.
+        verdict: pass, fail, at-risk (passes the checked steps but a trend predicts a failure
+            within the run), error (nothing was tested: the format never ran) or unsupported.
         reason: the first failed criterion with its figure, or the margins of a pass.
         max_rel_loss_diff: largest |loss - loss_fp32| / |loss_fp32| over the checked steps.
         output_sqnr_db: SQNR of the model output at the first step (dB).
@@ -41,6 +42,16 @@ class CandidateCheck:
         thresholds: the thresholds the verdict used.
         predicted: set when the candidate cannot run fast on this device and its numerics were
             computed here as a prediction (fp8 on a CPU): says how.
+        series: per layer, its forward and (unscaled) backward abs-max at every checked step
+            (:class:`mixprec.numerics.trend.LayerSeries` as dicts).
+        run_headroom: the five layers whose headroom in the candidate's range format fell lowest over
+            the checked steps, with the step (:func:`mixprec.numerics.trend.least_headroom`).
+        stalls: *-true: the share of each step's weight updates that rounded away.
+        outlook: what the series predict over ``train_steps`` (:class:`~mixprec.numerics.trend.Outlook`
+            as a dict): the earliest supported crossing, one beyond the evidence's horizon.
+        train_steps: the length of the run the verdict is about.
+        evidence: what the verdict cannot see, in words (e.g. "not enough evidence: rerun with
+            --steps 40"); empty when nothing is missing.
     """
 
     candidate: Candidate
@@ -72,6 +83,12 @@ class CandidateCheck:
     grad_underflow_fp16: dict[str, float] = field(default_factory=dict)
     thresholds: dict[str, float] = field(default_factory=dict)
     predicted: str | None = None
+    series: list[dict[str, Any]] = field(default_factory=list)
+    run_headroom: list[dict[str, Any]] = field(default_factory=list)
+    stalls: list[float] = field(default_factory=list)
+    outlook: dict[str, Any] | None = None
+    train_steps: int | None = None
+    evidence: str = ""
 
     @property
     def label(self) -> str:
@@ -115,10 +132,12 @@ class CheckResult:
     chaos_floor_rel_loss_diff: float | None = None
     chaos_floor_losses: list[float] = field(default_factory=list)
     chaos_floor_sqnr_db: dict[str, float | None] = field(default_factory=dict)
+    reference_note: str = ""
 
     @property
     def failed(self) -> list[CandidateCheck]:
-        return [c for c in self.candidates if c.verdict == Status.FAIL]
+        """The candidates that failed, are at risk within the run, or could not be tested (exit 4)."""
+        return [c for c in self.candidates if c.verdict in (Status.FAIL, Status.AT_RISK, Status.ERROR)]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -131,6 +150,7 @@ class CheckResult:
             "chaos_floor_rel_loss_diff": self.chaos_floor_rel_loss_diff,
             "chaos_floor_losses": self.chaos_floor_losses,
             "chaos_floor_sqnr_db": self.chaos_floor_sqnr_db,
+            "reference_note": self.reference_note,
             "reference_layers": self.reference_layers,
             "candidates": [c.to_dict() for c in self.candidates],
         }

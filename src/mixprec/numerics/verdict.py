@@ -69,8 +69,21 @@ def judge(
     cmp: Comparison, traj: Trajectory, thr: Thresholds, steps: int, floor: Floor, fmt: str
 ) -> tuple[bool, str]:
     """(passed, reason). The reason names the first criterion that failed, with the figure."""
+    if traj.dropped_imaginary:  # first: it explains a crash that follows
+        crash = f"; then training crashed: {traj.error}" if traj.error else ""
+        return False, (
+            "complex values were cast to real (torch: "
+            f"{traj.dropped_imaginary.split(' (Triggered')[0].strip()!r}): the candidate computes "
+            f"another model; keep the complex modules in fp32 or use a *-mixed policy{crash}"
+        )
     if traj.error:
         return False, f"training crashed: {traj.error}"
+    if traj.nonfinite_buffers:
+        names = ", ".join(traj.nonfinite_buffers[:4]) + (" ..." if len(traj.nonfinite_buffers) > 4 else "")
+        return False, (
+            f"buffers became non-finite while training ({names}): the model is broken for evaluation "
+            "(BatchNorm running statistics past a half-precision format's range, say)"
+        )
     if cmp.nonfinite_loss_step is not None:
         return False, f"loss became non-finite at step {cmp.nonfinite_loss_step}"
     if steps and cmp.skipped_steps / steps > thr.max_skip_fraction:

@@ -69,6 +69,8 @@ def check_report(result: CheckResult) -> Group:
                 style="dim",
             )
         )
+    if result.reference_note:
+        parts.append(Text(f"warning: {result.reference_note}", style="yellow"))
     for c in result.candidates:
         parts.append(Text(f"{c.label}: {c.reason}", style=rich_style(c.verdict)))
         if c.predicted:
@@ -82,8 +84,24 @@ def check_report(result: CheckResult) -> Group:
                     style="dim",
                 )
             )
-        if c.verdict == "fail":
-            for layer in c.worst_layers[:3]:
+        if c.evidence:
+            parts.append(Text(f"    {c.evidence}", style="yellow"))
+        if c.verdict in ("fail", "at-risk") and c.run_headroom:
+            for layer in c.run_headroom[:3]:
+                kind = f" ({layer['type']})" if layer.get("type") else ""
+                sides = [
+                    f"{side} {fmt_bits(layer[f'{side}_headroom_bits'])} (step {layer[f'{side}_step']})"
+                    for side in ("forward", "backward")
+                    if layer.get(f"{side}_headroom_bits") is not None
+                ]
+                parts.append(
+                    Text(
+                        f"    least {layer['format']} headroom over the {len(c.losses)} checked steps: "
+                        f"{layer['layer']}{kind}: {', '.join(sides)}"
+                    )
+                )
+        if c.verdict in ("fail", "at-risk"):
+            for layer in [] if c.run_headroom else c.worst_layers[:3]:
                 # a Keras check records forward outputs only, without the layer type
                 kind = f" ({layer['type']})" if layer.get("type") else ""
                 backward = layer.get("backward_headroom_bits")
@@ -109,11 +127,13 @@ def figure(result: CheckResult) -> Any:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig = plt.figure(figsize=(12, 8))
-    grid = fig.add_gridspec(2, 2, height_ratios=(1, 1.1))
+    fig = plt.figure(figsize=(12, 11.5))
+    grid = fig.add_gridspec(3, 2, height_ratios=(1, 1.1, 1.1))
     ax_loss, ax_diff = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
     ax_head = fig.add_subplot(grid[1, :])
+    ax_run = fig.add_subplot(grid[2, :])
 
     steps = range(len(result.reference_losses))
     ax_loss.plot(steps, result.reference_losses, color="black", linewidth=2.5, label="fp32 reference")
@@ -188,11 +208,107 @@ def figure(result: CheckResult) -> Any:
     bf16_note = f"; bf16 keeps >= {min(bf16):.0f} bits everywhere" if bf16 else ""
     ax_head.set_title(f"fp16 headroom per layer in the fp32 reference: log2(65504 / max |value|){bf16_note}")
     ax_head.set_xlabel("module, in forward execution order")
+    ax_head.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_head.set_ylabel("headroom (bits)")
     ax_head.legend(fontsize=7)
+    headroom_over_steps(ax_run, result, palette)
     fig.suptitle(f"mixprec check: {result.workload} on {result.device}", fontsize=11)
     fig.tight_layout()
     return fig
+
+
+# The run panel shows this many (candidate, layer) lines at most: the closest to their format's limit.
+RUN_LINES = 4
+FAR_BITS = 24
+
+
+def run_lines(result: CheckResult) -> list[tuple[CandidateCheck, dict[str, Any]]]:
+    """The (candidate, least-headroom layer) pairs worth a line: failing and at-risk candidates
+    first, then the rest by how little headroom their worst layer kept."""
+
+    def lowest(layer: dict[str, Any]) -> float:
+        bits = [layer.get(f"{side}_headroom_bits") for side in ("forward", "backward")]
+        return min((b for b in bits if b is not None), default=math.inf)
+
+    pairs = [(c, layer) for c in result.candidates for layer in c.run_headroom[:2] if c.series]
+    pairs.sort(key=lambda p: (p[0].verdict not in ("fail", "at-risk"), lowest(p[1])))
+    # a layer far from its limit (bf16's 128 bits beside fp16's 5) would flatten the ones near it
+    closest = min((lowest(layer) for _, layer in pairs), default=math.inf)
+    return [p for p in pairs if lowest(p[1]) <= closest + FAR_BITS][:RUN_LINES]
+
+
+def trend_curve(risk: dict[str, Any], last: int, points: int = 40) -> tuple[list[float], list[float]]:
+    """The headroom a predicted trend follows from the last checked step to its crossing, in the
+    shape it was fitted with (linear growth in value is a curve in bits)."""
+    start, end, h0 = float(last), float(risk["step"]), float(risk["headroom_bits"])
+    ts = [start + (end - start) * i / (points - 1) for i in range(points)]
+    if risk["shape"] == "linear":
+        v0 = 2.0**-h0  # values as a fraction of the limit
+        bits = [-math.log2(v0 + (1 - v0) * (t - start) / max(end - start, 1e-9)) for t in ts]
+    elif risk["shape"] == "power":
+        span = max(math.log2(end + 1) - math.log2(start + 1), 1e-9)
+        bits = [h0 * (1 - (math.log2(t + 1) - math.log2(start + 1)) / span) for t in ts]
+    else:  # exponential: a straight line in bits
+        bits = [h0 * (1 - (t - start) / max(end - start, 1e-9)) for t in ts]
+    return ts, bits
+
+
+def headroom_over_steps(ax: Any, result: CheckResult, palette: list[str]) -> None:
+    """Headroom per checked step of the layers closest to their format's limit, each candidate in
+    its own format; dashed, the trend that predicted an at-risk verdict, out to its crossing."""
+    from mixprec.numerics.trend import headroom_bits
+
+    pairs = run_lines(result)
+    if not pairs:
+        ax.text(0.5, 0.5, "no per-step ranges recorded", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    for n, (c, layer) in enumerate(pairs):
+        color = palette[(n + 3) % len(palette)]
+        fmt = layer["format"]
+        series = next(s for s in c.series if s["name"] == layer["layer"])
+        for side, mark in (("forward", "o-"), ("backward", "x:")):
+            points = [
+                (t, b)
+                for t, v in enumerate(series.get(side) or [])
+                if (b := headroom_bits(v, fmt)) is not None
+            ]
+            points = [(t, max(b, -8.0)) for t, b in points]  # an overflow (-inf) drawn at the floor
+            if points:
+                ax.plot(
+                    *zip(*points, strict=True),
+                    mark,
+                    color=color,
+                    markersize=3,
+                    label=f"{c.label}: {layer['layer']} {side} ({fmt})",
+                )
+        risk = (c.outlook or {}).get("at_risk") or {}
+        if risk.get("layer") == layer["layer"] and risk.get("direction") in ("forward", "backward"):
+            last = len(series.get(risk["direction"]) or []) - 1
+            ts, bits = trend_curve(risk, last)
+            ax.plot(
+                ts,
+                bits,
+                "--",
+                color=color,
+                linewidth=1.5,
+                label=f"{c.label}: its {risk['shape']} trend, predicted to overflow at step {risk['step']}",
+            )
+            ax.annotate(
+                f"step {risk['step']}",
+                (risk["step"], 0.0),
+                fontsize=8,
+                xytext=(-10, 6),
+                textcoords="offset points",
+                ha="right",
+            )
+    ax.axhline(0, color="black", linewidth=1)
+    ax.set_title(
+        "headroom over the checked steps, layers closest to their limit: log2(format max / max |value|)"
+    )
+    ax.set_xlabel("step")
+    ax.set_ylabel("headroom (bits)")
+    ax.legend(fontsize=7)
 
 
 def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:

@@ -29,7 +29,7 @@ def verdict_line(check: Any) -> tuple[str, str, str]:
     if check.output_sqnr_db is not None:
         parts.append(f"output SQNR {fmt_db(check.output_sqnr_db)}")
     figure = ", ".join(parts) if parts else check.reason
-    if str(check.verdict) == "fail" and parts:
+    if str(check.verdict) in ("fail", "at-risk") and parts:
         figure += f" ({check.reason})"
     return check.candidate.label, str(check.verdict), figure
 

@@ -330,6 +330,8 @@ def measurement_notes(result: TuneResult) -> tuple[str, ...]:
     if result.recommendation is not None and result.recommendation.too_noisy:
         notes.append(result.recommendation.too_noisy)
     notes += [_text(n) for n in result.notes]
+    if result.check is not None and result.check.reference_note:
+        notes.append("numerics: " + result.check.reference_note)
     return tuple(n.rstrip(".") + "." for n in notes if n)
 
 

@@ -181,6 +181,9 @@ Z = 2.0
 # Beyond this relative uncertainty two candidates cannot be told apart on this machine: the
 # decision says so instead of pretending a tie (or a winner) was measured.
 NOISE_CAP = 0.25
+# The verdicts that keep a candidate out of the recommendation, each shown as its row's status:
+# a fail, a failure predicted within the run (at-risk), a format that never ran (error).
+REJECTED = (Status.FAIL, Status.AT_RISK, Status.ERROR)
 
 
 def noise_band(a: BenchRow, b: BenchRow, noise: float) -> float:
@@ -268,10 +271,11 @@ def decide(
             )
         else:
             ok = verdict.verdict == Status.PASS
+            rejected = verdict.verdict if verdict.verdict in REJECTED else Status.FAIL
             table.append(
                 Ranked(
                     row.candidate,
-                    Status.PASS if ok else Status.FAIL,
+                    Status.PASS if ok else rejected,
                     verdict.reason,
                     verdict.verdict,
                     row,
@@ -409,7 +413,7 @@ def _reason(
     train_steps: int | None = None,
     race: Race | None = None,
 ) -> str:
-    parts = [f"{r.label} rejected: {r.reason}" for r in table if r.status == Status.FAIL]
+    parts = [f"{r.label} rejected: {r.reason}" for r in table if r.status in REJECTED]
     pruned = [r.label for r in table if r.status == Status.PRUNED]
     if pruned:
         parts.append(f"{', '.join(pruned)} pruned as far slower than the best")

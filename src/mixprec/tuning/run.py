@@ -13,13 +13,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from mixprec.budget import Budget
+from mixprec.checking.check import TRAIN_STEPS
 from mixprec.errors import UsageError
 from mixprec.events import Events, ignore
 from mixprec.frameworks import framework_of
 from mixprec.hardware.device import detect
 from mixprec.policy import Candidate
 from mixprec.tuning.result import TuneResult
-from mixprec.tuning.search import RESERVE_S, TRAIN_STEPS, Search
+from mixprec.tuning.search import RESERVE_S, Search
 
 
 def tune(

@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from mixprec.budget import Budget
-from mixprec.checking.check import Checker, check, make_checker
+from mixprec.checking.check import Checker, check, cured, make_checker
 from mixprec.events import Event, Events
 from mixprec.frameworks import Framework
 from mixprec.frameworks.session import BenchSettings
@@ -48,8 +48,6 @@ GRAPH_BREAKS_NOTED = 0
 STEP_GRAPH_BREAKS = 8
 # Below this share of step time in matmul/conv/attention, precision is not where the time goes.
 LOW_COMPUTE_SHARE = 0.5
-# The run length compile time is amortised over when the user names none.
-TRAIN_STEPS = 10_000
 # The race: the fastest passing candidate and up to this many others within this share of it.
 RACE_RIVALS = 2
 RACE_WINDOW = 0.25
@@ -200,7 +198,7 @@ class Search:
         runs = 1 if self._checker is not None else 3
         return 2.0 * runs * (self.check_steps + 2) * step_s
 
-    def check(self, candidate: Candidate) -> CandidateCheck:
+    def check(self, candidate: Candidate, fix: bool | None = None) -> CandidateCheck:
         if self._checker is None:
             self._checker = make_checker(
                 self.workload,
@@ -209,10 +207,15 @@ class Search:
                 device=self.device,
                 events=self.events,
                 budget=self.budget,
+                train_steps=self.train_steps,
             )
         self.stage(f"checking numerics of {candidate.label}")
         res = check(
-            self.workload, policies=[candidate], fix=self.fix, checker=self._checker, events=self.events
+            self.workload,
+            policies=[candidate],
+            fix=self.fix if fix is None else fix,
+            checker=self._checker,
+            events=self.events,
         )
         if self.checked is None:
             self.checked = res
@@ -271,13 +274,11 @@ class Search:
             self.notes.append(f"rescued {base.label} not measured: budget spent")
             self.budget.cut(f"rescued {base.label} was not measured")
             return
-        metrics: dict[str, Any] = {
-            k: v for k, v in verdict.fix_metrics.items() if k in CandidateCheck.__dataclass_fields__
-        }
-        fixed = replace(
-            verdict, **metrics, candidate=rescued[0].numerics, verdict=Status.PASS, reason=verdict.fix_note
-        )
-        self.verdicts[fixed.candidate] = fixed
+        # The rescued candidate is judged as every candidate is (over the run: ranges, trends,
+        # stalls), not taken from the search's verifying run.
+        fixed = self.check(rescued[0].numerics, fix=False)
+        if fixed.passed:
+            fixed.reason = cured(verdict, fixed)
 
     def predict(self, info: DeviceInfo) -> None:
         """Candidates the device cannot run fast but whose numerics can be computed here (fp8 on a

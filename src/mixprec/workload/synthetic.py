@@ -73,18 +73,66 @@ def param_millions(model: nn.Module) -> float:
 ImageBatch = tuple[torch.Tensor, torch.Tensor]
 
 
+# The synthetic tasks are learnable, so the fp32 reference learns and a check compares two runs that
+# converge (random labels make both diverge, and the chaos floor of a reference that does not
+# learn is itself chaos). Each comes from a fixed random "teacher" seeded apart from the batches.
+TEACHER_SEED = BATCH_SEED - 1
+PROTOTYPE_SIZE = 4  # an image class's pattern, in pixels a side before it is upsampled
+PROTOTYPE_WEIGHT = 1.0  # against unit noise: a clear signal, still far from a trivial one
+SUCCESSORS = 4  # a token's possible next tokens in the bigram table (next-token entropy: 2 bits)
+ACTIVE_VOCAB = 1024  # the token ids the bigram table uses
+ACTIVE_CLASSES = 10  # the classes the images are drawn from (the head learns the others never come)
+
+
+def teacher_generator(salt: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(TEACHER_SEED - salt)
+
+
+def class_prototypes(num_classes: int, channels: int) -> torch.Tensor:
+    """One fixed random low-resolution pattern per class, (classes, channels, 4, 4)."""
+    return torch.randn(num_classes, channels, PROTOTYPE_SIZE, PROTOTYPE_SIZE, generator=teacher_generator())
+
+
+def bigram_table(vocab: int, low: int = 0) -> torch.Tensor:
+    """A fixed random bigram table, (vocab, SUCCESSORS): the tokens that may follow each token, all
+    in a fixed active vocabulary of ``ACTIVE_VOCAB`` ids >= ``low`` (as real text uses a small part of
+    a large vocabulary most of the time: the loss falls fast from log(vocab), then learns the pairs)."""
+    gen = teacher_generator(1)
+    active = low + torch.randperm(vocab - low, generator=gen)[: min(ACTIVE_VOCAB, vocab - low)]
+    return active[torch.randint(0, len(active), (vocab, SUCCESSORS), generator=gen)]
+
+
+def bigram_tokens(table: torch.Tensor, batch_size: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """Token sequences walking ``table``: each token one of its predecessor's successors, drawn
+    uniformly; the first one a successor of a uniform random token."""
+    vocab, successors = table.shape
+    picks = torch.randint(0, successors, (batch_size, length), generator=gen)
+    tokens = torch.empty(batch_size, length, dtype=torch.long)
+    tokens[:, 0] = table[torch.randint(0, vocab, (batch_size,), generator=gen), picks[:, 0]]
+    for i in range(1, length):
+        tokens[:, i] = table[tokens[:, i - 1], picks[:, i]]
+    return tokens
+
+
 def image_classification_task(
     name: str, channels: int, image_size: int, num_classes: int
 ) -> tuple[Callable[[int, torch.device], ImageBatch], Callable[[nn.Module, ImageBatch], torch.Tensor]]:
-    """``make_batch`` (seeded random images and labels, the same for every candidate) and a
-    cross-entropy ``loss_fn`` for an image classifier, as the zoo CNNs and models by name use."""
+    """``make_batch`` (seeded images and labels, the same for every candidate) and a cross-entropy
+    ``loss_fn`` for an image classifier, as the zoo CNNs and models by name use. An image is its
+    class's fixed random pattern (:func:`class_prototypes`, upsampled) plus unit noise, from a fixed
+    set of ``ACTIVE_CLASSES`` classes: learnable, and learnt from the first steps on."""
     generators = batch_generators()
+    active = torch.randperm(num_classes, generator=teacher_generator(3))[:ACTIVE_CLASSES]
+    # upsampled per batch: 1000 full-size ones would take 600 MB
+    prototypes = class_prototypes(num_classes, channels)
 
     def make_batch(batch_size: int, device: torch.device) -> ImageBatch:
         b = check_batch_size(batch_size, name)
         gen = next(generators)
-        images = torch.randn(b, channels, image_size, image_size, generator=gen)
-        labels = torch.randint(0, num_classes, (b,), generator=gen)
+        labels = active[torch.randint(0, len(active), (b,), generator=gen)]
+        noise = torch.randn(b, channels, image_size, image_size, generator=gen)
+        pattern = F.interpolate(prototypes[labels], size=(image_size, image_size), mode="bilinear")
+        images = noise + PROTOTYPE_WEIGHT * pattern
         dev = as_device(device)
         return images.to(dev), labels.to(dev)
 

@@ -23,6 +23,8 @@ from mixprec.workload.optimizers import adamw
 from mixprec.workload.synthetic import (
     as_device,
     batch_generators,
+    bigram_table,
+    bigram_tokens,
     check_batch_size,
     check_positive_int,
     param_millions,
@@ -206,11 +208,16 @@ def build_hf(arch: str, options: dict[str, Any]) -> Workload:
     # Token ids from 1: id 0 is the pad token a classification head looks for.
     low = 1 if vocab > 1 else 0
     generators = batch_generators()
+    # Learnable: tokens walk a fixed bigram table; a sequence of class c has its tokens shifted by
+    # c * vocab / num_labels, so every position tells the class (to a head that pools the first
+    # token, as BERT's, or the last, as GPT-2's).
+    table = bigram_table(vocab, low)
+    shift = max((vocab - low) // max(num_labels, 1), 1)
 
     def make_batch(batch_size: int, device: torch.device) -> dict[str, torch.Tensor]:
         b = check_batch_size(batch_size, target)
         gen = next(generators)
-        ids = torch.randint(low, vocab, (b, seq_len), generator=gen)
+        ids = bigram_tokens(table, b, seq_len, gen)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         if task == "causal-lm":
             batch["labels"] = ids.clone()  # the model shifts them by one position
@@ -219,7 +226,10 @@ def build_hf(arch: str, options: dict[str, Any]) -> Workload:
             batch["labels"] = torch.where(masked, ids, torch.full_like(ids, -100))
             batch["input_ids"] = torch.where(masked, torch.full_like(ids, vocab - 1), ids)
         else:
-            batch["labels"] = torch.randint(0, num_labels, (b,), generator=gen)
+            labels = torch.randint(0, num_labels, (b,), generator=gen)
+            batch["input_ids"] = low + (ids - low + labels[:, None] * shift) % (vocab - low)
+            batch["attention_mask"] = torch.ones_like(ids)
+            batch["labels"] = labels
         dev = as_device(device)
         return {k: v.to(dev) for k, v in batch.items()}
 
@@ -245,6 +255,7 @@ def build_hf(arch: str, options: dict[str, Any]) -> Workload:
         spec=WorkloadSpec("model", target, tuple(sorted(options.items()))),
         description=(
             f"{target} ({type(model).__name__}, transformers {transformers.__version__}, {what}, "
-            f"{param_millions(model):.1f}M params), {task}, seq_len {seq_len}, random tokens"
+            f"{param_millions(model):.1f}M params), {task}, seq_len {seq_len}, "
+            "tokens from a random bigram table"
         ),
     )

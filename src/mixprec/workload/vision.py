@@ -1,8 +1,9 @@
 """Image classifiers by name: ``torchvision:NAME`` and ``timm:NAME``, random init, synthetic images.
 
 Every model is built with ``weights=None`` / ``pretrained=False`` under a fixed seed; batches
-are seeded random images at the model's own input size (the crop size of its reference recipe)
-with random labels, and the loss is cross-entropy, as the libraries' training scripts compute it.
+are seeded synthetic images at the model's own input size (the crop size of its reference recipe),
+each its class's fixed random pattern plus noise (learnable: the fp32 reference learns), and the
+loss is cross-entropy, as the libraries' training scripts compute it.
 The optimizer is the library's reference recipe: torchvision's SGD (momentum 0.9, weight decay
 1e-4, none on norms and biases), timm's ``create_optimizer_v2(model, "adamw", ...)``.
 
@@ -47,7 +48,7 @@ def image_classification(
     optimizer_fn: Callable[[nn.Module], torch.optim.Optimizer],
     what: str,
 ) -> Workload:
-    """A workload around an image classifier: seeded random images and labels, cross-entropy."""
+    """A workload around an image classifier: seeded learnable synthetic images, cross-entropy."""
     make_batch, loss_fn = image_classification_task(name, channels, image_size, num_classes)
     return Workload(
         model=model,

@@ -159,7 +159,9 @@ class KerasFramework(Framework):
             trainer, weights = self._checked_trainer(workload, candidate, batches[0], device)
         except Exception as exc:  # a candidate that cannot even be built fails its check
             return Trajectory(candidate.label, error=f"{type(exc).__name__}: {exc}")
-        return run_trajectory(trainer, batches, steps, perturbed(weights, perturb), candidate.label)
+        return run_trajectory(
+            trainer, batches, steps, perturbed(weights, perturb), candidate.label, record=not perturb
+        )
 
     def layer_ranges(
         self, workload: KerasWorkload, candidate: Candidate, batch: Any, device: str, loss_scale: float | None

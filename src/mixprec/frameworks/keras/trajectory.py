@@ -20,13 +20,22 @@ from mixprec.frameworks.keras import backend
 from mixprec.frameworks.keras.trainer import KerasTrainer
 from mixprec.numerics.compare import Trajectory
 from mixprec.numerics.ranges import LayerRanges, RangeReport
+from mixprec.numerics.trend import LayerSeries
 
 
 def run_trajectory(
-    trainer: KerasTrainer, batches: Sequence[Any], steps: int, weights: Sequence[Any], label: str
+    trainer: KerasTrainer,
+    batches: Sequence[Any],
+    steps: int,
+    weights: Sequence[Any],
+    label: str,
+    *,
+    record: bool = False,
 ) -> Trajectory:
     """Probe the first step, then train ``steps`` steps from ``weights``; a candidate's failure is
-    recorded in ``Trajectory.error``, never raised."""
+    recorded in ``Trajectory.error``, never raised. With ``record``, every layer's forward ranges
+    before every step (an eager forward pass on that step's batch: Keras' compiled step cannot be
+    hooked) go into ``Trajectory.series``."""
     traj = Trajectory(label)
     try:
         trainer.reset(weights)
@@ -42,16 +51,28 @@ def run_trajectory(
         trainer.reset(weights, scale=scale)
         watch = trainer.candidate.spec.param_dtype is not None
         before = [v.numpy() for v in trainer.variables] if watch else []
+        series: dict[str, LayerSeries] = {}
         for i in range(steps):
+            if record:
+                _record(series, forward_ranges(trainer, batches[i % len(batches)]), i)
             loss, applied = trainer.step(batches[i % len(batches)])
             traj.losses.append(loss)
             traj.stepped.append(applied)
             traj.scales.append(trainer.scale)
             if i == 0 and watch and applied:
                 _count_stalls(traj, before, trainer, grads)
+        traj.series = list(series.values())
     except Exception as exc:  # a candidate that crashes is a failed candidate, not a crashed check
         traj.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return traj
+
+
+def _record(series: dict[str, LayerSeries], report: RangeReport, step: int) -> None:
+    """Each layer's forward abs-max at ``step`` (NaN for the steps it did not run)."""
+    for layer in report.layers:
+        s = series.setdefault(layer.name, LayerSeries(layer.name, layer.type))
+        s.forward += [math.nan] * (step - len(s.forward))
+        s.forward.append(layer.forward.absmax if layer.forward.count else math.nan)
 
 
 def _count_stalls(traj: Trajectory, before: list[np.ndarray], trainer: KerasTrainer, grads: dict) -> None:

@@ -28,6 +28,7 @@ without them. Every hook (module, tensor and graph-node) is removed in a ``final
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,8 +40,9 @@ from torch.utils.hooks import RemovableHandle
 
 from mixprec.numerics.limits import FORMATS
 from mixprec.numerics.ranges import DEFAULT_SCALE, LayerRanges, RangeReport
+from mixprec.numerics.trend import LayerSeries
 
-__all__ = ["collect_ranges"]
+__all__ = ["StepRecorder", "collect_ranges"]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -229,7 +231,7 @@ def _grad_underflow_fp16(grads: list[torch.Tensor], divisor: float, scale: float
     half_sub = lim.smallest_subnormal / 2
     nonzero = unscaled = scaled = overflow = 0.0
     for g in grads:
-        a = g.detach().to_dense().float().abs()
+        a = g.detach().to_dense().abs().float()  # abs first: a complex gradient's magnitude
         if divisor != 1.0:
             a = a / divisor
         nz = torch.isfinite(a) & (a != 0)
@@ -319,3 +321,61 @@ def collect_ranges(
         grad_underflow_fp16=underflow,
         loss=loss_value,
     )
+
+
+class StepRecorder:
+    """Per-layer ranges of the real training steps, one step at a time: the hooks of
+    :func:`collect_ranges` around a step the caller runs itself (forward under the policy, its own
+    backward and optimizer step), so the ranges are those of the run being judged, at every step.
+
+    Use: ``with recorder.step(): loss = forward(); recorder.backward_starts(); backward(loss)``,
+    then read :attr:`series`. The step's outputs and gradients are bitwise unchanged.
+    """
+
+    def __init__(self, model: nn.Module, underflow_format: str | None = None) -> None:
+        """``underflow_format``: the low-precision format whose flush-to-zero share of each layer's
+        gradients is recorded (the run's; None: not recorded)."""
+        self.model = model
+        self.underflow_format = underflow_format
+        self.series: dict[str, LayerSeries] = {}
+        self.steps = 0
+        self._collector: _Collector | None = None
+
+    @contextlib.contextmanager
+    def step(self, loss_scale: float | None) -> Iterator[None]:
+        """Record one step; ``loss_scale``: what the loss was multiplied by before backward (the
+        gradients are recorded unscaled)."""
+        collector = self._collector = _Collector(self.model)
+        collector.install()
+        try:
+            yield
+        finally:
+            collector.remove()
+            self._collector = None
+        divisor = loss_scale or 1.0
+        for layer in collector.layers.values():
+            if not layer.name:
+                continue  # the root's output is the loss input: its last layer is recorded already
+            series = self.series.get(layer.name)
+            if series is None:
+                series = self.series[layer.name] = LayerSeries(layer.name, layer.type)
+                series.forward += [math.nan] * self.steps
+                series.backward += [math.nan] * self.steps
+                series.underflow += [math.nan] * self.steps if self.underflow_format else []
+            series.forward.append(layer.forward.absmax if layer.forward.count else math.nan)
+            series.backward.append(layer.backward.absmax / divisor if layer.backward.count else math.nan)
+            if self.underflow_format:
+                grads = layer.backward
+                series.underflow.append(
+                    grads.underflow_fraction(self.underflow_format) if grads.count else math.nan
+                )
+        self.steps += 1
+        for series in self.series.values():  # a layer that did not run this step
+            kept = (series.forward, series.backward, *([series.underflow] if self.underflow_format else []))
+            for values in kept:
+                values += [math.nan] * (self.steps - len(values))
+
+    def backward_starts(self) -> None:
+        """Module forwards from here on are activation-checkpoint recomputation: not measured twice."""
+        if self._collector is not None:
+            self._collector.in_backward = True

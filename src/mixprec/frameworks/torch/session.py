@@ -53,7 +53,7 @@ def make_batches(workload: Workload, batch_size: int, device: torch.device, seed
     return batches
 
 
-class _FirstComputeLayer:
+class FirstComputeLayer:
     """Forward hooks that record the first matmul/conv layer to run and its output dtype."""
 
     def __init__(self, model: nn.Module, keep_fp32: tuple[str, ...]) -> None:
@@ -81,7 +81,7 @@ class _FirstComputeLayer:
         self._handles.clear()
 
 
-def _check_honesty(policy: Policy, probe: _FirstComputeLayer) -> None:
+def _check_honesty(policy: Policy, probe: FirstComputeLayer) -> None:
     if probe.name is None:
         return  # no matmul/conv layer as a module (e.g. functional-only model): nothing to check
     expected = policy.compute_dtype
@@ -142,7 +142,7 @@ class TrainingSession:
         self.batches = batches or make_batches(
             workload, settings.batch_size, self.device, settings.seed, distinct_batches(settings)
         )
-        self._probe: _FirstComputeLayer | None = _FirstComputeLayer(self.model, self.policy.config.keep_fp32)
+        self._probe: FirstComputeLayer | None = FirstComputeLayer(self.model, self.policy.config.keep_fp32)
         self.result = Measurement()
         self.index = 0
         self._clean_warmup: list[float] = []  # warm-up steps without an instrument

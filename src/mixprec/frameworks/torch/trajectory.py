@@ -10,13 +10,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec.frameworks.torch.ranges import StepRecorder
+from mixprec.frameworks.torch.session import FirstComputeLayer
 from mixprec.numerics.compare import Trajectory
+from mixprec.numerics.limits import LOW_PRECISION_FORMATS
 from mixprec.policy import Policy
 from mixprec.workload import Workload
 
@@ -97,13 +101,17 @@ def probe_first_step(
     finally:
         hook.remove()
     if outputs and outputs[0] is not None:
-        traj.first_output = outputs[0].detach().float().cpu().clone()
+        traj.first_output = _host_copy(outputs[0])
     traj.first_grads = {
-        names[id(p)]: (p.grad.detach().float() / scale).cpu().clone()
-        for p in model.parameters()
-        if p.grad is not None
+        names[id(p)]: _host_copy(p.grad) / scale for p in model.parameters() if p.grad is not None
     }
     traj.probe_scale = scale if policy.scaler is not None else None
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32 on the host for the comparison; complex stays complex (a cast to float would
+    drop its imaginary part)."""
+    return t.detach().to(torch.complex64 if t.is_complex() else torch.float32).cpu().clone()
 
 
 def _settled(policy: Policy, traj: Trajectory) -> Policy:
@@ -168,21 +176,39 @@ def run_trajectory(
     return traj
 
 
-# Steps on which half-precision weights are watched for updates that rounding swallowed.
+# Steps whose lost updates make the stalled fraction of the verdict (later steps make its trend).
 _STALL_STEPS = 2
+# What torch warns when autocast or a cast drops a complex tensor's imaginary part.
+_COMPLEX_CAST = "Casting complex values to real discards the imaginary part"
 
 
-def _count_stalls(traj: Trajectory, before: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _count_stalls(traj: Trajectory, before: Sequence[tuple[torch.Tensor, torch.Tensor]], tally: bool) -> None:
     """Weights with a non-zero gradient that the optimizer step left bit-identical: the update
     was smaller than half an ulp of the weight (bf16(1.0) - bf16(1e-3) == 1.0). Without fp32
-    master weights such updates are lost for good. Read after the step, before ``zero_grad``."""
+    master weights such updates are lost for good. Read after the step, before ``zero_grad``;
+    every step's fraction goes into ``traj.stalls``, the first steps' into the verdict (``tally``)."""
+    stalled = total = 0
     for p, old in before:
         if p.grad is None:
             continue
         had_grad = p.grad != 0
         unchanged = p.detach() == old
-        traj.stall_counts[0] += int((unchanged & had_grad).sum())
-        traj.stall_counts[1] += int(had_grad.sum())
+        stalled += int((unchanged & had_grad).sum())
+        total += int(had_grad.sum())
+    traj.stalls.append(stalled / total if total else 0.0)
+    if tally:
+        traj.stall_counts[0] += stalled
+        traj.stall_counts[1] += total
+
+
+def _nonfinite_buffers(model: nn.Module) -> list[str]:
+    """Floating buffers (BatchNorm running statistics above all) holding inf or NaN after training:
+    a model broken for evaluation, whatever its training loss says."""
+    return [
+        name
+        for name, b in model.named_buffers()
+        if b is not None and b.is_floating_point() and not bool(torch.isfinite(b).all())
+    ]
 
 
 def _train(
@@ -198,34 +224,81 @@ def _train(
     compile_mode: str | None = None,
     compile_scope: str | None = None,
 ) -> None:
-    try:
-        probe_first_step(workload, policy, batches[0], traj, context, perturb, compile_mode)
-        if settle_scale and policy.scaler is not None and traj.probe_scale is not None:
-            policy = _settled(policy, traj)
-        torch.manual_seed(0)
-        model = _prepared_copy(workload, policy, perturb)
-        whole_step = compile_mode is not None and compile_scope == "step"
-        run = model if whole_step else _run_model(model, compile_mode)
-        optimizer = workload.make_optimizer(model)
+    # Every warning of the run is recorded (the steps' would repeat each step); a complex tensor cast
+    # to real (*-true's model.to(half), autocast, a dtype-following cast) makes another model.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            _steps(
+                workload,
+                policy,
+                batches,
+                steps,
+                traj,
+                ctx,
+                context,
+                perturb,
+                settle_scale,
+                compile_mode,
+                compile_scope,
+            )
+        except Exception as exc:  # a candidate that crashes is a failed candidate, not a crashed check
+            traj.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    traj.dropped_imaginary = next((str(w.message) for w in caught if _COMPLEX_CAST in str(w.message)), None)
 
-        def train_step(batch: Any) -> tuple[torch.Tensor, bool]:
-            with ctx():
-                with policy.autocast():
-                    loss = workload.loss_fn(run, batch)
-                policy.backward(loss)
-            return loss, policy.step(optimizer)
 
-        step = torch.compile(train_step, mode=compile_mode) if whole_step else train_step
-        with policy.precision_scope():
-            for i in range(steps):
-                watch = policy.spec.param_dtype is not None and i < _STALL_STEPS
-                before = [(p, p.detach().clone()) for p in model.parameters()] if watch else []
+def _steps(
+    workload: Workload,
+    policy: Policy,
+    batches: Sequence[Any],
+    steps: int,
+    traj: Trajectory,
+    ctx: Context,
+    context: Context | None,
+    perturb: float,
+    settle_scale: bool,
+    compile_mode: str | None,
+    compile_scope: str | None,
+) -> None:
+    """The first-step probe, then ``steps`` training steps recorded into ``traj``."""
+    probe_first_step(workload, policy, batches[0], traj, context, perturb, compile_mode)
+    if settle_scale and policy.scaler is not None and traj.probe_scale is not None:
+        policy = _settled(policy, traj)
+    torch.manual_seed(0)
+    model = _prepared_copy(workload, policy, perturb)
+    whole_step = compile_mode is not None and compile_scope == "step"
+    run = model if whole_step else _run_model(model, compile_mode)
+    optimizer = workload.make_optimizer(model)
+
+    def train_step(batch: Any) -> tuple[torch.Tensor, bool]:
+        with ctx():
+            with policy.autocast():
+                loss = workload.loss_fn(run, batch)
+            policy.backward(loss)
+        return loss, policy.step(optimizer)
+
+    step = torch.compile(train_step, mode=compile_mode) if whole_step else train_step
+    # ranges at every step where the hooks cannot change what runs (not inside a compiled graph)
+    low = policy.spec.range_format if policy.spec.range_format in LOW_PRECISION_FORMATS else None
+    recorder = StepRecorder(model, underflow_format=low) if compile_mode is None else None
+    probe: FirstComputeLayer | None = FirstComputeLayer(model, policy.config.keep_fp32)
+    with policy.precision_scope():
+        for i in range(steps):
+            watch = policy.spec.param_dtype is not None
+            before = [(p, p.detach().clone()) for p in model.parameters()] if watch else []
+            scale = policy.stats.scale if policy.scaler is not None else None
+            with recorder.step(scale) if recorder is not None else contextlib.nullcontext():
                 loss, stepped = step(batches[i % len(batches)])
-                traj.losses.append(float(loss.detach().float()))
-                traj.stepped.append(stepped)
-                if watch and stepped:
-                    _count_stalls(traj, before)
-                traj.scales.append(policy.stats.scale)
-                optimizer.zero_grad(set_to_none=True)
-    except Exception as exc:  # a candidate that crashes is a failed candidate, not a crashed check
-        traj.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if probe is not None:
+                probe.remove()
+                traj.observed_layer = probe.name
+                traj.observed_dtype = str(probe.dtype).removeprefix("torch.") if probe.dtype else None
+                probe = None
+            traj.losses.append(float(loss.detach().float()))
+            traj.stepped.append(stepped)
+            if watch and stepped:
+                _count_stalls(traj, before, tally=i < _STALL_STEPS)
+            traj.scales.append(policy.stats.scale)
+            optimizer.zero_grad(set_to_none=True)
+    traj.series = list(recorder.series.values()) if recorder is not None else []
+    traj.nonfinite_buffers = _nonfinite_buffers(model)

@@ -1,0 +1,151 @@
+"""No pass without a test: a candidate whose format never ran, whose buffers went non-finite, whose
+complex tensors were cast to real, or whose fp32 islands name nothing is never a `pass`."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.checking.check import check
+from mixprec.errors import PolicyError
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(single_thread):
+    """Tiny models: one thread (see conftest.single_thread)."""
+
+
+def _regression(
+    model: nn.Module, in_features: int, dtype=None, scale: float = 1.0, name="w"
+) -> mixprec.Workload:
+    def make_batch(batch_size, device):
+        x = torch.randn(batch_size, in_features, device=device, dtype=dtype) * scale
+        return x, torch.randn(batch_size, 4, device=device, dtype=dtype)
+
+    def loss_fn(m, batch):
+        return nn.functional.mse_loss(m(batch[0]).float(), batch[1].float())
+
+    return mixprec.Workload(model, make_batch, loss_fn, name=name, default_batch_size=16)
+
+
+def _mlp(dtype=None) -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(dtype or torch.float32)
+
+
+def test_a_float64_model_never_runs_bf16_and_is_an_error_not_a_pass():
+    w = _regression(_mlp(torch.float64), 16, dtype=torch.float64, name="float64_mlp")
+    result = check(w, policies=["bf16-mixed"], steps=3, device="cpu")
+    cand = result.candidates[0]
+    assert cand.verdict == "error", (cand.verdict, cand.reason)
+    assert "nothing was tested" in cand.reason and "float64" in cand.reason
+    assert result.failed  # the CLI exits non-zero
+
+
+def test_a_float64_default_dtype_never_runs_bf16_either():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        w = _regression(_mlp(torch.get_default_dtype()), 16, name="default_float64")
+        result = check(w, policies=["bf16-mixed"], steps=3, device="cpu")
+    finally:
+        torch.set_default_dtype(previous)
+    cand = result.candidates[0]
+    assert cand.verdict == "error" and "never ran" in cand.reason, cand.reason
+
+
+def test_batchnorm_running_var_that_overflows_fp16_true_fails():
+    # Activations ~1e3: their variance (~1e6) is past fp16's 65504, so fp16-true's running_var
+    # becomes inf (the model is broken for eval) while the training loss stays finite.
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.BatchNorm1d(16), nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    w = _regression(model, 16, scale=1e3, name="big_batchnorm")
+    w.optimizer_fn = lambda params: torch.optim.SGD(params, lr=0.3)  # updates fp16 storage keeps
+    result = check(w, policies=["fp16-true", "bf16-mixed"], steps=3, device="cpu")
+    by = {c.label: c for c in result.candidates}
+    fp16 = by["fp16-true"]
+    assert fp16.verdict == "fail", fp16.reason
+    assert "0.running_var" in fp16.reason and "non-finite" in fp16.reason
+    assert by["bf16-mixed"].verdict == "pass", by["bf16-mixed"].reason  # fp32 buffers: fine
+
+
+class _ComplexFilter(nn.Module):
+    """A learned complex spectral filter (FNO/FFT-conv style) followed by a real head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(9, dtype=torch.complex64) * 0.5)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.rfft(x.float(), dim=-1) * self.weight
+        return self.head(torch.fft.irfft(spectrum, n=16, dim=-1))
+
+
+def _complex_workload() -> mixprec.Workload:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return _regression(_ComplexFilter(), 16, name="complex_filter")
+
+
+def test_complex_parameters_are_compared_whole_under_bf16_mixed():
+    # bf16-mixed leaves the complex filter alone; the check must not drop its imaginary part either
+    # (it once compared complex gradients by their real part, with torch's warning)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Casting complex values to real")
+        result = check(_complex_workload(), policies=["bf16-mixed"], steps=3, device="cpu")
+    cand = result.candidates[0]
+    assert cand.verdict == "pass", cand.reason
+    grads = dict(cand.worst_grads)
+    assert math.isfinite(grads["weight"])  # the complex parameter's gradient was compared
+
+
+def test_complex_parameters_cast_to_real_by_a_true_policy_fail():
+    # bf16-true's model.to(bfloat16) casts the complex filter to real: another model
+    result = check(_complex_workload(), policies=["bf16-true"], steps=3, device="cpu")
+    cand = result.candidates[0]
+    assert cand.verdict == "fail", cand.reason
+    assert "imaginary" in cand.reason
+
+
+def test_a_keep_fp32_pattern_that_matches_nothing_is_a_policy_error_naming_the_closest():
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = nn.Sequential()
+        model.add_module("encoder_block", nn.Linear(16, 32))
+        model.add_module("act", nn.Tanh())
+        model.add_module("head", nn.Linear(32, 4))
+    w = _regression(model, 16, name="no_encoder")
+    cand = mixprec.Candidate("bf16-mixed", keep_fp32=("encoder.*",))
+    with pytest.raises(PolicyError) as err:
+        check(w, policies=[cand], steps=2, device="cpu")
+    assert "'encoder.*'" in str(err.value) and "'encoder_block'" in str(err.value)
+
+
+def test_a_keep_fp32_pattern_that_matches_nothing_is_a_one_line_cli_error(tmp_path, capsys):
+    from mixprec.cli import main
+
+    code = main(
+        [
+            "check",
+            "--workload",
+            "mlp",
+            "--policies",
+            "bf16-mixed",
+            "--keep-fp32",
+            "encoder.*",
+            "--steps",
+            "2",
+            "--device",
+            "cpu",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code != 0 and "'encoder.*'" in err
