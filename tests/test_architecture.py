@@ -30,6 +30,7 @@ LAYERS = {
     "linting": 5,
     "measure": 6,
     "checking": 6,
+    "monitor": 6,
     "tuning": 7,
     "report": 8,
     "cli": 9,

@@ -192,6 +192,52 @@ class Policy:
         keep_in_fp32(module, self.device.type, output_dtype=self.spec.param_dtype)
         module._mixprec_fp32_island = True  # type: ignore[assignment]
 
+    # ------------------------------------------------------------------ changes during a run
+    def keep_fp32_now(self, model: nn.Module, names: Sequence[str]) -> list[str]:
+        """Make the modules named ``names`` fp32 islands of a prepared, training ``model`` (what
+        ``keep_fp32`` does at prepare time); returns the names that were not islands already. Only
+        for policies whose weights are fp32 (*-mixed, fp32 math modes): the optimizer's state and
+        the weights need no cast, so the change is exact and takes effect at the next forward."""
+        if self.spec.param_dtype is not None:
+            raise PolicyError(
+                f"keep_fp32_now() under {self.name!r}: its weights are {self.spec.param_dtype}, and "
+                "casting them (and the optimizer state) mid-run is not exact; restart with "
+                "keep_fp32 in get_policy(), or use a *-mixed policy."
+            )
+        modules = dict(model.named_modules())
+        unknown = [n for n in names if n not in modules]
+        if unknown:
+            raise PolicyError(
+                f"keep_fp32_now(): no module named {unknown[0]!r}{did_you_mean(unknown[0], list(modules))}"
+            )
+        added = [n for n in names if not getattr(modules[n], "_fp32_island", False)]
+        for name in added:
+            self._wrap_fp32_island(modules[name])
+        self.config = replace(self.config, keep_fp32=(*self.config.keep_fp32, *added))
+        return added
+
+    def switch(self, name: str) -> None:
+        """Continue the run under policy ``name``, in place: between policies that keep fp32
+        weights (fp16-mixed -> bf16-mixed, bf16-mixed -> fp32), so the weights and the optimizer
+        state carry over unchanged; a scaler the new policy does not need is retired (its step
+        count and skips stay in :attr:`stats`), one it needs starts fresh."""
+        if name not in POLICIES:
+            raise PolicyError(f"switch(): unknown policy {name!r}{did_you_mean(name, list(POLICIES))}")
+        target = POLICIES[name]
+        if self.spec.param_dtype is not None or target.param_dtype is not None or target.fp8_recipe:
+            raise PolicyError(
+                f"switch() from {self.name!r} to {name!r}: only between policies with fp32 weights "
+                "(*-mixed, fp32, tf32, bf32), whose weights and optimizer state carry over as they are."
+            )
+        config = replace(self.config, name=name, scaler=self.config.scaler if target.loss_scaling else None)
+        if target.loss_scaling and config.scaler is None:
+            config = replace(config, scaler=ScalerOptions())
+        self.config, self.spec = config, target
+        if not target.loss_scaling:
+            self._scaler = None
+        elif self._scaler is None:
+            self._scaler = _GradScaler(self.device.type, config.scaler, allow_fp16_grads=False)  # type: ignore[arg-type]
+
     # ------------------------------------------------------------------ contexts
     def precision_scope(self) -> contextlib.AbstractContextManager[None]:
         """Set the fp32 math mode (TF32 / bf32 / strict) for the body; restored on exit and on errors."""

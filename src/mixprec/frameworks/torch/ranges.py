@@ -345,13 +345,32 @@ class StepRecorder:
     def step(self, loss_scale: float | None) -> Iterator[None]:
         """Record one step; ``loss_scale``: what the loss was multiplied by before backward (the
         gradients are recorded unscaled)."""
-        collector = self._collector = _Collector(self.model)
-        collector.install()
+        self.begin()
         try:
             yield
-        finally:
-            collector.remove()
+        except BaseException:
+            self.abandon()
+            raise
+        self.end(loss_scale)
+
+    def begin(self) -> None:
+        """Hook the model: the next forward and backward are recorded (until :meth:`end`)."""
+        self.abandon()
+        self._collector = _Collector(self.model)
+        self._collector.install()
+
+    def abandon(self) -> None:
+        """Remove the hooks without recording anything."""
+        if self._collector is not None:
+            self._collector.remove()
             self._collector = None
+
+    def end(self, loss_scale: float | None) -> None:
+        """Remove the hooks and record what they saw as one more step of :attr:`series`."""
+        collector = self._collector
+        if collector is None:
+            return
+        self.abandon()
         divisor = loss_scale or 1.0
         for layer in collector.layers.values():
             if not layer.name:

@@ -1,0 +1,94 @@
+"""What the monitor concludes: one :class:`Finding` per event, classified, with its evidence, and
+where it goes (a JSONL file, a callback, the framework's logger)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The kinds of finding, each a different cause with a different cure.
+SCALE_COLLAPSE = "scale_collapse"  # the loss scale keeps falling: gradients overflow at any scale
+OVERFLOW = "overflow"  # a step overflowed in the policy's format, in a named module
+PREDICTED_OVERFLOW = "predicted_overflow"  # a layer's range trend crosses the format's limit within the run
+UNDERFLOW = "underflow"  # a growing share of a layer's gradients flushes to zero
+STALL = "stall"  # half-precision weight updates rounded away
+DRIFT = "drift"  # the fp32 shadow step disagrees more than at start-up
+BAD_BATCH = "bad_batch"  # the fp32 shadow shows the same spike: the data, not the precision
+NONFINITE_WEIGHTS = "nonfinite_weights"  # weights or optimizer state hold inf/NaN
+CHECKPOINT_REFUSED = "checkpoint_refused"  # a checkpoint of non-finite state was not written
+RESCUE = "rescue"  # what the monitor changed about the run
+SCHEDULE = "schedule"  # a planned precision switch
+KINDS = (
+    SCALE_COLLAPSE,
+    OVERFLOW,
+    PREDICTED_OVERFLOW,
+    UNDERFLOW,
+    STALL,
+    DRIFT,
+    BAD_BATCH,
+    NONFINITE_WEIGHTS,
+    CHECKPOINT_REFUSED,
+    RESCUE,
+    SCHEDULE,
+)
+# Findings that blame the precision (a rescue may act on them); the others do not.
+PRECISION_KINDS = (SCALE_COLLAPSE, OVERFLOW, PREDICTED_OVERFLOW, UNDERFLOW, STALL, DRIFT, NONFINITE_WEIGHTS)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing the monitor saw, at one step.
+
+    Attributes:
+        step: the training step (counted from 0) it was seen at.
+        kind: one of :data:`KINDS`.
+        message: one line, for a person.
+        module: the module it is about, when there is one.
+        evidence: the figures behind it (JSON-serialisable).
+        action: what the monitor did about it ('' when it only alerts).
+    """
+
+    step: int
+    kind: str
+    message: str
+    module: str | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+    action: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def line(self) -> str:
+        where = f" [{self.module}]" if self.module else ""
+        act = f" -> {self.action}" if self.action and self.action != self.message else ""
+        return f"mixprec monitor: step {self.step}: {self.kind}{where}: {self.message}{act}"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class JsonlSink:
+    """Appends each finding as one JSON line to ``path`` (flushed, so a killed run keeps them)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, finding: Finding) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(_jsonable(finding.to_dict())) + "\n")
+
+
+Sink = Callable[[Finding], None]

@@ -1,0 +1,130 @@
+"""What the monitor can do about a finding, each action one method that says what it did ('' when
+it could not): an fp32 island made live, fp16 switched to bf16, a roll-back to an in-memory
+snapshot, a planned precision switch. Every action keeps the weights and the optimizer state."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.errors import MixprecError, UsageError
+from mixprec.policy import Policy
+from mixprec.policy.hooks import keep_in_fp32
+
+log = logging.getLogger("mixprec.monitor")
+
+
+def nonfinite_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
+    """The first parameter (or its optimizer state) holding inf/NaN, or None."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+                return name
+        for o in optimizers:
+            for param, state in o.state.items():
+                for key, value in state.items():
+                    floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+                    if floating and not bool(torch.isfinite(value).all()):
+                        return f"{names.get(id(param), '?')} (optimizer {key})"
+    return None
+
+
+def plan_schedule(schedule: Mapping[float, str], train_steps: int, policy: Policy | None) -> dict[int, str]:
+    """``{step or fraction of train_steps: policy}`` as ``{step: policy}``."""
+    planned = {}
+    for at, name in schedule.items():
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or at < 0:
+            raise UsageError(f"schedule keys are steps or fractions of train_steps, got {at!r}.")
+        planned[int(at * train_steps) if isinstance(at, float) and at <= 1.0 else int(at)] = name
+    if planned and policy is None:
+        raise UsageError(
+            "a precision schedule needs the loop's mixprec Policy (Monitor(model, policy, ...))."
+        )
+    return planned
+
+
+class Rescuer:
+    """The actions, on one run's model, policy and optimizers."""
+
+    def __init__(self, model: nn.Module, policy: Policy | None, optimizers: Sequence[torch.optim.Optimizer]):
+        self.model, self.policy, self.optimizers = model, policy, list(optimizers)
+        self.snapshot: dict[str, Any] | None = None
+
+    def island(self, module: str | None) -> str:
+        """Make ``module`` an fp32 island (*-mixed policies, or a plain autocast loop over fp32
+        weights); one already: fp16 goes to bf16."""
+        if not module:
+            return ""
+        if self.policy is None:
+            return self._plain_island(module)
+        if self.policy.spec.param_dtype is not None:
+            return ""
+        try:
+            added = self.policy.keep_fp32_now(self.model, [module])
+        except MixprecError as exc:
+            log.debug("fp32 island refused: %s", exc)
+            return ""
+        if not added:
+            return self.to_bf16()
+        keep = list(self.policy.config.keep_fp32)
+        return f"{module!r} now computes in fp32 (policy {self.policy.config.label}, keep_fp32={keep})"
+
+    def _plain_island(self, module: str) -> str:
+        """A plain loop's autocast: the module runs outside it, on fp32 inputs."""
+        target = dict(self.model.named_modules()).get(module)
+        if target is None or getattr(target, "_fp32_island", False):
+            return ""
+        if any(p.dtype != torch.float32 for p in target.parameters() if p.is_floating_point()):
+            return ""
+        device = next((p.device.type for p in self.model.parameters()), "cpu")
+        keep_in_fp32(target, device)
+        return f"{module!r} now computes in fp32 (outside autocast)"
+
+    def to_bf16(self) -> str:
+        """fp16-mixed -> bf16-mixed where the device computes bf16."""
+        if self.policy is None or self.policy.name != "fp16-mixed":
+            return ""
+        if self.policy.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            return ""
+        self.policy.switch("bf16-mixed")
+        return (
+            "switched to bf16-mixed (fp32's range; the weights and optimizer state carried over, "
+            "the scaler retired)"
+        )
+
+    def take_snapshot(self, step: int) -> None:
+        """Keep the run's state in memory to roll back to (never a non-finite one)."""
+        if nonfinite_state(self.model, self.optimizers) is not None:
+            return
+        self.snapshot = {
+            "step": step,
+            "model": copy.deepcopy(self.model.state_dict()),
+            "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],
+            "policy": copy.deepcopy(self.policy.state_dict()) if self.policy is not None else None,
+            "rng": torch.get_rng_state(),
+        }
+
+    def roll_back(self) -> str:
+        snap = self.snapshot
+        if snap is None:
+            return ""
+        self.model.load_state_dict(snap["model"])
+        for o, state in zip(self.optimizers, snap["optimizers"], strict=True):
+            o.load_state_dict(state)
+        if self.policy is not None and snap["policy"] is not None:
+            with_name = dict(snap["policy"], policy=self.policy.config.to_dict())  # a switch since is kept
+            self.policy.load_state_dict(with_name)
+        torch.set_rng_state(snap["rng"])
+        return f"rolled back to the snapshot of step {snap['step']} (the batches since are skipped)"
+
+    def switch(self, name: str) -> str:
+        assert self.policy is not None
+        before = self.policy.config.label
+        self.policy.switch(name)
+        return f"switched from {before} to {name} as scheduled"

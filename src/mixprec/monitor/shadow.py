@@ -1,0 +1,84 @@
+"""The fp32 shadow: the same batch through the same weights in strict fp32, leaving the run as it
+was (weights untouched, gradients, buffers and the RNG restored), to tell the data from the
+precision."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec import state
+from mixprec.numerics.compare import sqnr_db
+from mixprec.policy.registry import POLICIES
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@contextlib.contextmanager
+def untouched(model: nn.Module) -> Iterator[None]:
+    """Restore the gradients, the buffers (BatchNorm statistics) and the RNG after the body."""
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads.items():
+            p.grad = g
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _fp32(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """Strict fp32 for the body: autocast off, TF32/bf32 off (weights are fp32 under *-mixed)."""
+    stack = contextlib.ExitStack()
+    device = next(model.parameters()).device.type
+    stack.enter_context(torch.autocast(device, enabled=False))
+    stack.enter_context(state.precision_settings(POLICIES["fp32"].precision))
+    return stack
+
+
+def fp32_loss(model: nn.Module, loss_fn: LossFn, batch: Any) -> float:
+    """The loss of ``batch`` in strict fp32, forward only."""
+    with untouched(model), torch.no_grad(), _fp32(model):
+        return float(loss_fn(model, batch).detach().float())
+
+
+def _grads(model: nn.Module, loss_fn: LossFn, batch: Any, scale: float | None) -> torch.Tensor:
+    for p in model.parameters():
+        p.grad = None
+    loss = loss_fn(model, batch)
+    (loss * scale if scale else loss).backward()
+    parts = [
+        p.grad.detach().float().reshape(-1) / (scale or 1.0) for p in model.parameters() if p.grad is not None
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def shadow_sqnr(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None,
+    scale: float | None,
+) -> float | None:
+    """Gradient SQNR (dB) of the policy's step against strict fp32 on ``batch`` (forward and
+    backward twice, no optimizer step, the run restored); None when the model's weights are not
+    fp32 (a *-true model has no fp32 step to shadow it with)."""
+    if any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
+        return None
+    with untouched(model):
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            candidate = _grads(model, loss_fn, batch, scale)
+        with _fp32(model):
+            reference = _grads(model, loss_fn, batch, None)
+    return sqnr_db(reference, candidate)

@@ -1,0 +1,256 @@
+"""The monitor on injected faults, through a plain loop with a mixprec Policy and through a plain
+torch.amp loop: each fault raises the right kind of finding, about the right module, within
+``every`` steps of its onset; ``rescue=True`` finishes the run near fp32, ``rescue=False`` alerts
+and leaves the run as it was; a bad batch is never blamed on the policy; a poisoned checkpoint is
+never written."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec.errors import UsageError
+from mixprec.monitor import Monitor, PoisonedCheckpointError
+
+LATE = str(Path(__file__).parents[2] / "examples" / "late_overflow.py") + ":workload"
+FIRST_FP16_OVERFLOW = 139  # benchmarks/results/cpu-amd-epyc/late_overflow.json, plain loop
+EVERY = 20
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(single_thread):
+    """Tiny models: one thread (see conftest.single_thread)."""
+
+
+def train(workload, policy_name, steps, *, fault=None, **monitor_kw):
+    """A plain loop under a mixprec Policy with a Monitor; ``fault(step, model, batch)`` may
+    change the batch (returned) or the model. Returns (monitor, losses, policy)."""
+    policy = mixprec.get_policy(policy_name, device="cpu")
+    model = policy.prepare(workload.model)
+    optimizer = workload.make_optimizer(model)
+    monitor = Monitor(model, policy, optimizer=optimizer, loss_fn=workload.loss_fn, every=EVERY, **monitor_kw)
+    torch.manual_seed(0)
+    losses = []
+    for step in range(steps):
+        batch = workload.make_batch(workload.default_batch_size, torch.device("cpu"))
+        if fault is not None:
+            batch = fault(step, model, batch)
+        with policy.autocast():
+            loss = workload.loss_fn(model, batch)
+        optimizer.zero_grad()
+        policy.backward(loss)
+        policy.step(optimizer)
+        monitor.observe(loss, batch)
+        losses.append(float(loss.detach()))
+    monitor.close()
+    return monitor, losses, policy
+
+
+def kinds(monitor):
+    return [(f.kind, f.module) for f in monitor.findings]
+
+
+def test_a_late_fp16_overflow_is_seen_before_it_happens_and_rescued_near_fp32():
+    _, fp32, _ = train(mixprec.load_workload(LATE), "fp32", 300)
+    alert, losses, policy = train(mixprec.load_workload(LATE), "fp16-mixed", 300, rescue=False)
+    first = alert.findings[0]
+    assert (first.kind, first.module) == ("predicted_overflow", "head"), kinds(alert)
+    assert first.step <= FIRST_FP16_OVERFLOW and first.evidence["predicted_step"] <= 2 * FIRST_FP16_OVERFLOW
+    assert ("overflow", "head") in kinds(alert)  # and, left alone, it does overflow
+    assert not math.isfinite(losses[-1]) and policy.config.keep_fp32 == ()  # the run was not touched
+    assert not alert.healthy
+
+    rescued, losses, policy = train(mixprec.load_workload(LATE), "fp16-mixed", 300, rescue=True)
+    assert ("rescue", "head") in kinds(rescued) and policy.config.keep_fp32 == ("head",)
+    assert all(math.isfinite(v) for v in losses)
+    assert sum(losses[-20:]) == pytest.approx(sum(fp32[-20:]), rel=0.01)  # within fp32's noise band
+    assert rescued.healthy
+
+
+def _mlp() -> mixprec.Workload:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    teacher = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+
+    def make_batch(b, device):
+        x = torch.randn(b, 16)
+        return x, (x @ teacher).argmax(1)
+
+    return mixprec.Workload(
+        model=model,
+        make_batch=make_batch,
+        loss_fn=lambda m, batch: F.cross_entropy(m(batch[0]).float(), batch[1]),
+        optimizer_fn=lambda p: torch.optim.SGD(p, lr=0.05),
+        name="mlp",
+        default_batch_size=32,
+    )
+
+
+def test_a_bad_batch_is_the_data_not_the_precision():
+    def poison(step, model, batch):
+        return (batch[0] * 1e6, batch[1]) if step == 150 else batch  # one corrupt batch
+
+    monitor, losses, policy = train(_mlp(), "fp16-mixed", 200, fault=poison, rescue=True)
+    assert kinds(monitor) == [("bad_batch", None)], kinds(monitor)
+    assert monitor.findings[0].step == 150 and "not blamed" in monitor.findings[0].message
+    assert policy.config.label == "fp16-mixed" and policy.config.keep_fp32 == ()  # nothing rescued
+    assert math.isfinite(losses[-1])
+
+
+class Amplify(nn.Module):
+    """x * gain / gain: exact in fp32, inf in fp16 once gain * |x| passes 65504."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.tensor(1.0))
+
+    def forward(self, x):
+        return (x * self.gain) / self.gain
+
+
+def _amplified() -> mixprec.Workload:
+    w = _mlp()
+    model = nn.Sequential(w.model[0], w.model[1], Amplify(), w.model[2])
+    return mixprec.Workload(
+        model=model, make_batch=w.make_batch, loss_fn=w.loss_fn, optimizer_fn=w.optimizer_fn, name="amp"
+    )
+
+
+def _overflow_from(onset):
+    def fault(step, model, batch):
+        if step == onset:
+            model[2].gain.fill_(1e6)  # from here on the module overflows fp16 at any loss scale
+        return batch
+
+    return fault
+
+
+def test_a_scale_collapse_is_named_and_left_alone_without_rescue():
+    from mixprec.policy.scaler import ScaleCollapseError
+
+    with pytest.raises(ScaleCollapseError):  # the policy's own floor stops the run, as without a monitor
+        train(_amplified(), "fp16-mixed", 200, fault=_overflow_from(100), rescue=False, events=None)
+    # the same run, watched: the findings name the module before the policy gives up
+    findings = []
+    with pytest.raises(ScaleCollapseError):
+        train(_amplified(), "fp16-mixed", 200, fault=_overflow_from(100), events=findings.append)
+    assert [(f.kind, f.module) for f in findings][:2] == [("overflow", "2"), ("scale_collapse", "2")]
+    assert findings[0].step == 100 and findings[1].step <= 100 + EVERY
+
+
+def test_a_scale_collapse_is_rescued_by_an_fp32_island():
+    _, fp32, _ = train(_amplified(), "fp32", 200, fault=_overflow_from(100))
+    monitor, losses, policy = train(_amplified(), "fp16-mixed", 200, fault=_overflow_from(100), rescue=True)
+    assert kinds(monitor)[:2] == [("overflow", "2"), ("rescue", "2")]
+    assert policy.config.keep_fp32 == ("2",)
+    assert sum(losses[-20:]) == pytest.approx(sum(fp32[-20:]), rel=0.05)
+
+
+def test_nan_weights_are_never_checkpointed_and_a_rescue_rolls_them_back(tmp_path):
+    def nan_weight(step, model, batch):
+        if step == 50:
+            with torch.no_grad():
+                model[2].weight[0, 0] = float("nan")
+        return batch
+
+    path = tmp_path / "ckpt.pt"
+    monitor, _, _ = train(_mlp(), "bf16-mixed", 55, fault=nan_weight)
+    with pytest.raises(PoisonedCheckpointError, match=r"step 55: \d.weight holds inf/NaN"):
+        monitor.save({"model": monitor.model.state_dict()}, path)
+    assert not path.exists()
+    assert monitor.findings[-1].kind == "checkpoint_refused" and monitor.findings[-1].module in ("0", "2")
+
+    monitor, losses, _ = train(_mlp(), "bf16-mixed", 100, fault=nan_weight, rescue=True, snapshot_every=10)
+    assert [k for k, _ in kinds(monitor)] == ["nonfinite_weights", "rescue"]
+    # the snapshot of step 50 was not taken: the weights were already poisoned
+    assert "rolled back to the snapshot of step 40" in next(
+        f.message for f in monitor.findings if f.kind == "rescue"
+    )
+    monitor.save({"model": monitor.model.state_dict()}, path)  # finite again: written
+    assert path.exists() and math.isfinite(losses[-1])
+
+
+def test_pure_bf16_stagnation_is_a_stall():
+    w = _mlp()
+    w = mixprec.Workload(
+        model=w.model,
+        make_batch=w.make_batch,
+        loss_fn=w.loss_fn,
+        optimizer_fn=lambda p: torch.optim.SGD(p, lr=1e-5),  # updates far below half a bf16 ulp
+        name="stall",
+    )
+    monitor, _, _ = train(w, "bf16-true", 60, rescue=True)
+    stall = next(f for f in monitor.findings if f.kind == "stall")
+    assert stall.step == 0 and "rerun with the *-mixed policy" in stall.message
+    assert stall.evidence["stalled_fraction"] > 0.5
+
+
+def test_a_plain_torch_amp_loop_is_watched_with_its_scaler():
+    w = mixprec.load_workload(LATE)
+    model, optimizer = w.model, w.make_optimizer(w.model)
+    scaler = torch.amp.GradScaler("cpu")
+    monitor = Monitor(model, scaler=scaler, optimizer=optimizer, loss_fn=w.loss_fn, every=EVERY, rescue=True)
+    torch.manual_seed(0)
+    for _ in range(300):
+        batch = w.make_batch(64, torch.device("cpu"))
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = w.loss_fn(model, batch)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        monitor.observe(loss, batch)
+    assert kinds(monitor)[:2] == [("predicted_overflow", "head"), ("rescue", "head")]
+    assert "outside autocast" in monitor.findings[1].message
+    assert all(math.isfinite(v) for v in monitor.losses)
+
+
+def test_healthy_runs_raise_nothing():
+    monitor, _, _ = train(_mlp(), "fp16-mixed", 400, rescue=True, shadow_every=50)
+    assert monitor.findings == []
+    monitor, _, _ = train(mixprec.load_workload(LATE), "bf16-mixed", 300)
+    assert monitor.findings == []
+
+
+def test_findings_go_to_a_jsonl_file(tmp_path):
+    import json
+
+    events = tmp_path / "events.jsonl"
+    train(mixprec.load_workload(LATE), "fp16-mixed", 100, events=events)
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    assert lines and lines[0]["kind"] == "predicted_overflow" and lines[0]["module"] == "head"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"every": 0}, "every must be an integer >= 1, got 0"),
+        ({"shadow_every": -1}, "shadow_every must be an integer >= 0, got -1"),
+        ({"scaler": object()}, "scaler must be a torch.amp.GradScaler"),
+        ({"events": 3}, "events must be a path or a callable"),
+        ({"schedule": {0.5: "fp32"}}, "a precision schedule needs the loop's mixprec Policy"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_changes_nothing(kwargs, message):
+    model = nn.Linear(2, 2)
+    with pytest.raises(UsageError, match=message):
+        Monitor(model, **kwargs)
+    assert getattr(model, "_mixprec_monitor", None) is None
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_one_monitor_per_model_and_only_modules():
+    model = nn.Linear(2, 2)
+    first = Monitor(model)
+    with pytest.raises(UsageError, match="already has a mixprec Monitor; close"):
+        Monitor(model)
+    first.close()
+    Monitor(model).close()
+    with pytest.raises(UsageError, match=r"watches a torch\.nn\.Module, got dict"):
+        Monitor({})  # type: ignore[arg-type]
