@@ -459,7 +459,9 @@ class Monitor:
         series = [s for s in self.recorder.series.values() if not is_fp32_island(s.name, islands)]
         if first_bad is not None:
             at = start + first_bad
-            module = next((s.name for s in series if s.forward and math.isinf(s.forward[-1])), None)
+            infinite = [s.name for s in series if s.forward and math.isinf(s.forward[-1])]
+            # the module that made the inf: none of its submodules' outputs is infinite
+            module = next((n for n in infinite if not any(m.startswith(n + ".") for m in infinite)), None)
             if self._new(OVERFLOW, module, step):
                 where = f"first infinite output in {module!r}" if module else "module not located"
                 self._act(

@@ -296,7 +296,8 @@ def outlook(series: Sequence[LayerSeries], fmt: str, train_steps: int, *, start:
                 supported.append(p)
             elif p.headroom_bits <= UNSURE_MAX_BITS:
                 beyond.append(p)
-    key = lambda p: p.step  # noqa: E731
+    # the earliest crossing; of a tie (a wrapper outputs what its last layer does), the innermost layer
+    key = lambda p: (p.step, -p.layer.count("."))  # noqa: E731
     return Outlook(min(supported, key=key, default=None), min(beyond, key=key, default=None), watched)
 
 

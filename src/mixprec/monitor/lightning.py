@@ -1,0 +1,93 @@
+"""The monitor as a Lightning ``Callback``: it watches ``training_step``'s loss after every
+optimizer step, reads the precision plugin's GradScaler, logs its findings through
+``LightningModule.log`` (so TensorBoard and W&B see them), refuses a checkpoint of non-finite
+state and keeps its own state in the checkpoint.
+
+    trainer = Trainer(..., callbacks=[MonitorCallback(rescue=True, events="run/events.jsonl")])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from mixprec.monitor.core import Monitor
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        return output.get("loss")
+    return None
+
+
+class MonitorCallback(pl.Callback):
+    """A :class:`~mixprec.monitor.Monitor` around a Lightning fit; ``kwargs`` are the Monitor's
+    (``every``, ``rescue``, ``events``, ...). The fp32 shadow calls ``training_step`` on the same
+    batch (its logging is switched off for that call)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        for key in ("policy", "optimizer", "scaler", "loss_fn", "log_fn"):
+            if key in kwargs:
+                raise TypeError(f"MonitorCallback takes {key!r} from the Trainer; do not pass it.")
+        self.kwargs = kwargs
+        self.monitor: Monitor | None = None
+        self._state: dict[str, Any] | None = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+
+        def loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
+            log, pl_module.log = pl_module.log, lambda *a, **k: None  # type: ignore[method-assign]
+            try:
+                loss = _loss_of(pl_module.training_step(batch, 0))
+            finally:
+                pl_module.log = log  # type: ignore[method-assign]
+            if loss is None:
+                raise TypeError("training_step returned no loss: the fp32 shadow has nothing to compare")
+            return loss
+
+        def log_fn(name: str, value: float) -> None:
+            # outside Lightning's loop (a checkpoint after fit) there is nothing to log into
+            with contextlib.suppress(MisconfigurationException):
+                pl_module.log(name, value, on_step=True, on_epoch=False)
+
+        self.monitor = Monitor(
+            pl_module,
+            optimizer=trainer.optimizers,
+            scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None,
+            loss_fn=loss_fn,
+            log_fn=log_fn,
+            **self.kwargs,
+        )
+        if self._state is not None:
+            self.monitor.load_state_dict(self._state)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = _loss_of(outputs)
+        if self.monitor is not None and loss is not None:
+            self.monitor.observe(loss, batch)
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict
+    ) -> None:
+        if self.monitor is not None:
+            self.monitor.check_checkpoint()  # raises before Lightning writes anything
+            checkpoint["mixprec_monitor"] = self.monitor.state_dict()
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict
+    ) -> None:
+        self._state = checkpoint.get("mixprec_monitor")
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
