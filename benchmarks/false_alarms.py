@@ -4,7 +4,9 @@ not be called ``at-risk`` by a default `mixprec check`.
 For each workload (every zoo model, the examples, models by name; small configurations so a CPU
 runs them): a plain PyTorch loop (no mixprec in it) in fp32, bf16 autocast and fp16 autocast +
 GradScaler for ``--steps`` steps from the same weights and batches, and the default check (8
-steps) of bf16-mixed and fp16-mixed. A precision "trains fine" when its loss stays finite after
+steps) of bf16-mixed and fp16-mixed. ``--run-budget-s`` caps each loop's time (the steps it ran are
+recorded: fp16 convolutions on a CPU without fp16 arithmetic run 10-20x slower than fp32). A
+precision "trains fine" when its loss stays finite after
 the scaler's start-up, GradScaler skips at most 1% of the steps after it, and its final loss (mean
 of the last 50 steps) is within 5% (+0.05) of fp32's. Printed per workload: the verdicts, and the
 calibration figures: of every layer trend the check fitted whose crossing fell within the run,
@@ -13,7 +15,7 @@ the check (a trend is at-risk only with tau >= MIN_TAU, R^2 >= MIN_R2, and at mo
 bits left per bit grown, within HORIZON times the checked steps). Results are written to
 ``--out``/false_alarms.json as each workload ends.
 
-    python benchmarks/false_alarms.py [--steps 1000] [--only NAME ...] --out benchmarks/results/cpu-amd-epyc
+    python benchmarks/false_alarms.py [--steps 1000] [--run-budget-s S] [--only NAME ...] --out DIR
 """
 
 from __future__ import annotations
@@ -103,14 +105,17 @@ def load(target: str, options: dict[str, Any]) -> mixprec.Workload:
 
 
 def plain_loop(
-    target: str, options: dict[str, Any], batch: int, dtype: torch.dtype | None, steps: int
+    target: str, options: dict[str, Any], batch: int, dtype: torch.dtype | None, steps: int, budget_s: float
 ) -> dict:
     w = load(target, options)  # rebuilt: the same seeded weights and batch sequence for every precision
     model = w.model
     optimizer = w.make_optimizer(model)
     scaler = torch.amp.GradScaler("cpu", enabled=dtype is torch.float16)
     losses, skipped = [], []
+    start = time.perf_counter()
     for step in range(steps):
+        if time.perf_counter() - start > budget_s:
+            break  # fp16 convolutions on a CPU without fp16 arithmetic run 10-20x slower than fp32
         data = w.make_batch(batch, torch.device("cpu"))
         with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
             loss = w.loss_fn(model, data)
@@ -126,6 +131,9 @@ def plain_loop(
 
 
 def trains_fine(run: dict, fp32: dict) -> tuple[bool, str]:
+    n = min(len(run["losses"]), len(fp32["losses"]))  # compared over the steps both ran
+    run = {"losses": run["losses"][:n], "skipped": [s for s in run["skipped"] if s < n]}
+    fp32 = {"losses": fp32["losses"][:n]}
     late = run["losses"][START_UP:]
     if not all(math.isfinite(v) for v in late):
         first = START_UP + next(i for i, v in enumerate(late) if not math.isfinite(v))
@@ -136,7 +144,7 @@ def trains_fine(run: dict, fp32: dict) -> tuple[bool, str]:
     final, ref = statistics.fmean(run["losses"][-50:]), statistics.fmean(fp32["losses"][-50:])
     if final > ref * 1.05 + 0.05:
         return False, f"final loss {final:.4g} vs fp32 {ref:.4g}"
-    return True, f"final loss {final:.4g} (fp32 {ref:.4g})"
+    return True, f"{n} steps, final loss {final:.4g} (fp32 {ref:.4g})"
 
 
 def closest_calls(check: Any) -> dict[str, float]:
@@ -165,6 +173,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--run-budget-s", type=float, default=math.inf, help="cap on each plain loop's time")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu"))
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -184,7 +193,10 @@ def main() -> None:
             continue
         start = time.perf_counter()
         try:
-            runs = {p: plain_loop(target, options, batch, d, args.steps) for p, d in PRECISIONS.items()}
+            runs = {
+                p: plain_loop(target, options, batch, d, args.steps, args.run_budget_s)
+                for p, d in PRECISIONS.items()
+            }
             checked = mixprec.check(
                 load(target, options), policies=list(PRECISIONS)[1:], batch_size=batch, device="cpu"
             )
@@ -199,6 +211,7 @@ def main() -> None:
             healthy += fine
             alarms += false_alarm
             entry[c.label] = {
+                "plain_loop_steps": len(runs[c.label]["losses"]),
                 "plain_loop_trains_fine": fine,
                 "plain_loop": why,
                 "late_skips": len([s for s in runs[c.label]["skipped"] if s >= START_UP]),

@@ -14,6 +14,7 @@ from mixprec.hardware import DeviceInfo, detect
 from mixprec.linting import lint
 from mixprec.measure.results import BenchResult, BenchRow
 from mixprec.measure.sweep import bench
+from mixprec.monitor import Monitor
 from mixprec.numerics.results import CandidateCheck, CheckResult
 from mixprec.policy import (
     POLICY_NAMES,
@@ -40,6 +41,7 @@ __all__ = [
     "CheckResult",
     "DeviceInfo",
     "MixprecError",
+    "Monitor",
     "Policy",
     "PolicyConfig",
     "PolicyError",

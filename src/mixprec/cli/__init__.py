@@ -19,13 +19,13 @@ from typing import Any, NoReturn
 
 from rich.console import Console
 
-from mixprec.cli import bench, check, demo, env, lint, tune
+from mixprec.cli import bench, check, demo, env, lint, train, tune
 from mixprec.cli.outputs import check_outputs
 from mixprec.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, MixprecError, MixprecWarning, UsageError
 from mixprec.files import OutputLock
 from mixprec.quiet import quiet_known_noise
 
-SUBCOMMANDS = (env, demo, bench, check, lint, tune)
+SUBCOMMANDS = (env, demo, bench, check, lint, tune, train)
 
 
 class _Parser(argparse.ArgumentParser):

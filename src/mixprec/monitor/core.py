@@ -63,7 +63,7 @@ from mixprec.monitor.findings import (
 from mixprec.monitor.rescue import Rescuer, nonfinite_state, plan_schedule
 from mixprec.monitor.shadow import fp32_loss, shadow_sqnr
 from mixprec.numerics.limits import LOW_PRECISION_FORMATS
-from mixprec.numerics.trend import outlook, predict
+from mixprec.numerics.trend import least_headroom, outlook, predict
 from mixprec.policy import Policy
 from mixprec.policy.islands import is_fp32_island
 
@@ -257,7 +257,8 @@ class Monitor:
         torch.save(obj, path)
 
     def close(self) -> None:
-        """Remove the hooks and detach from the model."""
+        """Read the losses still on the device, remove the hooks and detach from the model."""
+        self._read_losses()
         self.recorder.abandon()
         if getattr(self.model, "_mixprec_monitor", None) is self:
             del self.model._mixprec_monitor
@@ -462,8 +463,12 @@ class Monitor:
             infinite = [s.name for s in series if s.forward and math.isinf(s.forward[-1])]
             # the module that made the inf: none of its submodules' outputs is infinite
             module = next((n for n in infinite if not any(m.startswith(n + ".") for m in infinite)), None)
+            where = f"first infinite output in {module!r}"
+            if module is None and self.range_format is not None and series:
+                # this sampled step stayed finite: the layer that came closest to the limit
+                module = least_headroom(series, self.range_format, n=1)[0]["layer"]
+                where = f"no infinite output at the sampled step; closest to the limit: {module!r}"
             if self._new(OVERFLOW, module, step):
-                where = f"first infinite output in {module!r}" if module else "module not located"
                 self._act(
                     Finding(
                         step,

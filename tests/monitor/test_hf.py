@@ -1,0 +1,62 @@
+"""The monitor inside a real Hugging Face Trainer (bf16 on a CPU, as the HF export runs it): a clean
+run raises nothing; poisoned weights are found, and the Trainer writes no checkpoint of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixprec
+from extras import require
+
+pytestmark = pytest.mark.frameworks
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(single_thread):
+    """Tiny models: one thread (see conftest.single_thread)."""
+
+
+def train(tmp_path, steps, *, poison_at=None, **monitor_kw):
+    require("transformers", "frameworks")
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from mixprec.monitor.hf import MonitorCallback
+
+    w = mixprec.load_workload("hf:gpt2", seq_len=16, n_layer=1, n_embd=32, n_head=2)
+    data = [{k: v[0] for k, v in w.make_batch(1, torch.device("cpu")).items()} for _ in range(steps * 2)]
+
+    class Poison(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step == poison_at:
+                with torch.no_grad():
+                    model.lm_head.weight[0, 0] = float("nan")
+
+    monitor = MonitorCallback(every=5, **monitor_kw)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        bf16=True,
+        save_steps=10,
+        logging_steps=5,
+        report_to=[],
+        disable_tqdm=True,
+    )
+    callbacks = [Poison(), monitor] if poison_at is not None else [monitor]
+    Trainer(model=w.model, args=args, train_dataset=data, callbacks=callbacks).train()
+    return monitor, sorted(p.name for p in tmp_path.glob("checkpoint-*"))
+
+
+def test_a_clean_hf_run_raises_nothing(tmp_path):
+    monitor, checkpoints = train(tmp_path, 20)
+    assert monitor.monitor.findings == [] and checkpoints == ["checkpoint-10", "checkpoint-20"]
+    assert len(monitor.monitor.losses) == 20
+
+
+def test_the_trainer_writes_no_checkpoint_of_poisoned_weights(tmp_path):
+    monitor, checkpoints = train(tmp_path, 20, poison_at=12)
+    kinds = [f.kind for f in monitor.monitor.findings]
+    assert "nonfinite_weights" in kinds and "checkpoint_refused" in kinds
+    assert checkpoints == ["checkpoint-10"]  # step 20's weights hold NaN: not written
