@@ -17,13 +17,15 @@ def _one_thread(single_thread):
     """Tiny models: one thread (see conftest.single_thread)."""
 
 
-def train(tmp_path, steps, *, poison_at=None, **monitor_kw):
+def train(tmp_path, steps, *, poison_at=None, pure_bf16=False, lr=5e-5, **monitor_kw):
     require("transformers", "frameworks")
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from mixprec.monitor.hf import MonitorCallback
 
     w = mixprec.load_workload("hf:gpt2", seq_len=16, n_layer=1, n_embd=32, n_head=2)
+    if pure_bf16:
+        w.model.to(torch.bfloat16)  # weights, and so the updates, in bf16
     data = [{k: v[0] for k, v in w.make_batch(1, torch.device("cpu")).items()} for _ in range(steps * 2)]
 
     class Poison(TrainerCallback):
@@ -38,7 +40,8 @@ def train(tmp_path, steps, *, poison_at=None, **monitor_kw):
         max_steps=steps,
         per_device_train_batch_size=2,
         use_cpu=True,
-        bf16=True,
+        bf16=not pure_bf16,
+        learning_rate=lr,
         save_steps=10,
         logging_steps=5,
         report_to=[],
@@ -60,3 +63,9 @@ def test_the_trainer_writes_no_checkpoint_of_poisoned_weights(tmp_path):
     kinds = [f.kind for f in monitor.monitor.findings]
     assert "nonfinite_weights" in kinds and "checkpoint_refused" in kinds
     assert checkpoints == ["checkpoint-10"]  # step 20's weights hold NaN: not written
+
+
+def test_pure_bf16_weights_with_a_tiny_learning_rate_stall(tmp_path):
+    monitor, _ = train(tmp_path, 10, pure_bf16=True, lr=1e-7)
+    stall = next(f for f in monitor.monitor.findings if f.kind == "stall")
+    assert stall.step == 0 and stall.evidence["stalled_fraction"] > 0.5

@@ -1,6 +1,7 @@
-"""The monitor inside a real Lightning fit: the late fp16 overflow (fp16 autocast and Lightning's
-own GradScaler on a CPU, as the Lightning export runs it) is predicted and, with rescue, cured by
-an fp32 island; a poisoned checkpoint is never written."""
+"""The monitor inside a real Lightning fit (fp16 autocast with Lightning's own GradScaler on a CPU,
+as the Lightning export runs it; bf16-true for the stall): the faults of test_monitor.py raise the
+same findings, rescue=True cures what blames the precision, a bad batch is never blamed on it, and
+a poisoned checkpoint is never written."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from monitor_faults import amplified, corrupt_batch, mlp, overflow_from
 
 import mixprec
 from extras import require
@@ -23,38 +25,51 @@ def _one_thread(single_thread):
     """Tiny models: one thread (see conftest.single_thread)."""
 
 
-def fit(steps, tmp_path, *, poison_at=None, **monitor_kw):
+def fit(
+    workload, steps, tmp_path, *, fault=None, data_fault=None, precision="16-mixed", lr=None, **monitor_kw
+):
+    """``workload`` trained by Lightning for ``steps`` steps with a MonitorCallback; ``fault(step,
+    net, batch)`` as in test_monitor.py, ``data_fault`` the same applied to the data itself (what
+    the DataLoader yields). Returns (monitor, trainer)."""
     require("lightning", "frameworks")
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     from mixprec.monitor.lightning import MonitorCallback
 
-    w = mixprec.load_workload(LATE)
     torch.manual_seed(0)
-    batches = [w.make_batch(64, torch.device("cpu")) for _ in range(steps)]
+    batches = [workload.make_batch(workload.default_batch_size, torch.device("cpu")) for _ in range(steps)]
+    if data_fault is not None:
+        batches = [data_fault(i, None, b) for i, b in enumerate(batches)]
 
     class Module(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            self.net = w.model
+            self.net = workload.model
 
         def training_step(self, batch, batch_idx):
-            if poison_at is not None and self.global_step == poison_at:
-                with torch.no_grad():
-                    self.net.head.weight[0, 0] = float("nan")
-            loss = w.loss_fn(self.net, batch)
+            if fault is not None and self.training:
+                batch = fault(self.global_step, self.net, batch)
+            loss = workload.loss_fn(self.net, batch)
             self.log("loss", loss)
             return loss
 
         def configure_optimizers(self):
-            return torch.optim.Adam(self.net.head.parameters(), lr=0.35)
+            if lr is not None:
+                return torch.optim.SGD(self.net.parameters(), lr=lr)
+            return workload.make_optimizer(self.net)
 
     callback = MonitorCallback(every=20, **monitor_kw)
+    plugins = (
+        [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+        if precision == "16-mixed"
+        else []
+    )
     trainer = pl.Trainer(
         max_steps=steps,
         accelerator="cpu",
-        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
+        plugins=plugins,
+        precision=None if plugins else precision,
         callbacks=[callback],
         logger=False,
         enable_checkpointing=False,
@@ -62,29 +77,56 @@ def fit(steps, tmp_path, *, poison_at=None, **monitor_kw):
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    module = Module()
-    trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
+    trainer.fit(Module(), torch.utils.data.DataLoader(batches, batch_size=None))
     return callback.monitor, trainer
 
 
+def kinds(monitor):
+    return [(f.kind, f.module) for f in monitor.findings]
+
+
 def test_lightning_fit_predicts_the_overflow_and_rescues_it(tmp_path):
-    alert, _ = fit(300, tmp_path, rescue=False)
-    kinds = [(f.kind, f.module) for f in alert.findings]
-    assert kinds[0] == ("predicted_overflow", "net.head") and ("overflow", "net.head") in kinds
+    alert, _ = fit(mixprec.load_workload(LATE), 300, tmp_path, rescue=False)
+    assert kinds(alert)[0] == ("predicted_overflow", "net.head") and ("overflow", "net.head") in kinds(alert)
     assert not math.isfinite(alert.losses[-1])  # left alone, it overflowed
 
-    rescued, _ = fit(300, tmp_path, rescue=True)
-    kinds = [(f.kind, f.module) for f in rescued.findings]
-    assert kinds[:2] == [("predicted_overflow", "net.head"), ("rescue", "net.head")]
+    rescued, _ = fit(mixprec.load_workload(LATE), 300, tmp_path, rescue=True)
+    assert kinds(rescued)[:2] == [("predicted_overflow", "net.head"), ("rescue", "net.head")]
     assert all(math.isfinite(v) for v in rescued.losses)
+
+
+def test_lightning_bad_batch_is_the_data(tmp_path):
+    monitor, _ = fit(mlp(), 200, tmp_path, data_fault=corrupt_batch(150), rescue=True)
+    assert kinds(monitor) == [("bad_batch", None)] and monitor.findings[0].step == 150
+
+
+def test_lightning_overflow_from_one_module_is_located_and_rescued(tmp_path):
+    alert, _ = fit(amplified(), 140, tmp_path, fault=overflow_from(100))
+    assert kinds(alert)[:2] == [("overflow", "net.2"), ("scale_collapse", "net.2")]
+    rescued, _ = fit(amplified(), 200, tmp_path, fault=overflow_from(100), rescue=True)
+    assert kinds(rescued)[:2] == [("overflow", "net.2"), ("rescue", "net.2")]
+    assert all(math.isfinite(v) for v in rescued.losses[110:])
+
+
+def test_lightning_bf16_true_stagnation_is_a_stall(tmp_path):
+    monitor, _ = fit(mlp(), 40, tmp_path, precision="bf16-true", lr=1e-5)
+    stall = next(f for f in monitor.findings if f.kind == "stall")
+    assert stall.step == 0 and stall.evidence["stalled_fraction"] > 0.5
 
 
 def test_lightning_never_writes_a_poisoned_checkpoint(tmp_path):
     from mixprec.monitor import PoisonedCheckpointError
 
-    monitor, trainer = fit(30, tmp_path, poison_at=25)
+    def nan_weight(step, net, batch):
+        if step == 25:
+            with torch.no_grad():
+                net[2].weight[0, 0] = float("nan")
+        return batch
+
+    monitor, trainer = fit(mlp(), 30, tmp_path, fault=nan_weight, precision="bf16-mixed")
     path = tmp_path / "poisoned.ckpt"
     with pytest.raises(PoisonedCheckpointError, match="holds inf/NaN"):
         trainer.save_checkpoint(path)
     assert not path.exists()
+    assert monitor.findings[0].kind == "nonfinite_weights" and monitor.findings[0].step == 25
     assert monitor.findings[-1].kind == "checkpoint_refused"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from monitor_faults import amplified, corrupt_batch, mlp, overflow_from
 from torch import nn
 
 import mixprec
@@ -73,80 +73,30 @@ def test_a_late_fp16_overflow_is_seen_before_it_happens_and_rescued_near_fp32():
     assert rescued.healthy
 
 
-def _mlp() -> mixprec.Workload:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-    teacher = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
-
-    def make_batch(b, device):
-        x = torch.randn(b, 16)
-        return x, (x @ teacher).argmax(1)
-
-    return mixprec.Workload(
-        model=model,
-        make_batch=make_batch,
-        loss_fn=lambda m, batch: F.cross_entropy(m(batch[0]).float(), batch[1]),
-        optimizer_fn=lambda p: torch.optim.SGD(p, lr=0.05),
-        name="mlp",
-        default_batch_size=32,
-    )
-
-
 def test_a_bad_batch_is_the_data_not_the_precision():
-    def poison(step, model, batch):
-        return (batch[0] * 1e6, batch[1]) if step == 150 else batch  # one corrupt batch
-
-    monitor, losses, policy = train(_mlp(), "fp16-mixed", 200, fault=poison, rescue=True)
+    monitor, losses, policy = train(mlp(), "fp16-mixed", 200, fault=corrupt_batch(150), rescue=True)
     assert kinds(monitor) == [("bad_batch", None)], kinds(monitor)
     assert monitor.findings[0].step == 150 and "not blamed" in monitor.findings[0].message
     assert policy.config.label == "fp16-mixed" and policy.config.keep_fp32 == ()  # nothing rescued
     assert math.isfinite(losses[-1])
 
 
-class Amplify(nn.Module):
-    """x * gain / gain: exact in fp32, inf in fp16 once gain * |x| passes 65504."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("gain", torch.tensor(1.0))
-
-    def forward(self, x):
-        return (x * self.gain) / self.gain
-
-
-def _amplified() -> mixprec.Workload:
-    w = _mlp()
-    model = nn.Sequential(w.model[0], w.model[1], Amplify(), w.model[2])
-    return mixprec.Workload(
-        model=model, make_batch=w.make_batch, loss_fn=w.loss_fn, optimizer_fn=w.optimizer_fn, name="amp"
-    )
-
-
-def _overflow_from(onset):
-    def fault(step, model, batch):
-        if step == onset:
-            model[2].gain.fill_(1e6)  # from here on the module overflows fp16 at any loss scale
-        return batch
-
-    return fault
-
-
 def test_a_scale_collapse_is_named_and_left_alone_without_rescue():
     from mixprec.policy.scaler import ScaleCollapseError
 
     with pytest.raises(ScaleCollapseError):  # the policy's own floor stops the run, as without a monitor
-        train(_amplified(), "fp16-mixed", 200, fault=_overflow_from(100), rescue=False, events=None)
+        train(amplified(), "fp16-mixed", 200, fault=overflow_from(100), rescue=False, events=None)
     # the same run, watched: the findings name the module before the policy gives up
     findings = []
     with pytest.raises(ScaleCollapseError):
-        train(_amplified(), "fp16-mixed", 200, fault=_overflow_from(100), events=findings.append)
+        train(amplified(), "fp16-mixed", 200, fault=overflow_from(100), events=findings.append)
     assert [(f.kind, f.module) for f in findings][:2] == [("overflow", "2"), ("scale_collapse", "2")]
     assert findings[0].step == 100 and findings[1].step <= 100 + EVERY
 
 
 def test_a_scale_collapse_is_rescued_by_an_fp32_island():
-    _, fp32, _ = train(_amplified(), "fp32", 200, fault=_overflow_from(100))
-    monitor, losses, policy = train(_amplified(), "fp16-mixed", 200, fault=_overflow_from(100), rescue=True)
+    _, fp32, _ = train(amplified(), "fp32", 200, fault=overflow_from(100))
+    monitor, losses, policy = train(amplified(), "fp16-mixed", 200, fault=overflow_from(100), rescue=True)
     assert kinds(monitor)[:2] == [("overflow", "2"), ("rescue", "2")]
     assert policy.config.keep_fp32 == ("2",)
     assert sum(losses[-20:]) == pytest.approx(sum(fp32[-20:]), rel=0.05)
@@ -160,13 +110,13 @@ def test_nan_weights_are_never_checkpointed_and_a_rescue_rolls_them_back(tmp_pat
         return batch
 
     path = tmp_path / "ckpt.pt"
-    monitor, _, _ = train(_mlp(), "bf16-mixed", 55, fault=nan_weight)
+    monitor, _, _ = train(mlp(), "bf16-mixed", 55, fault=nan_weight)
     with pytest.raises(PoisonedCheckpointError, match=r"step 55: \d.weight holds inf/NaN"):
         monitor.save({"model": monitor.model.state_dict()}, path)
     assert not path.exists()
     assert monitor.findings[-1].kind == "checkpoint_refused" and monitor.findings[-1].module in ("0", "2")
 
-    monitor, losses, _ = train(_mlp(), "bf16-mixed", 100, fault=nan_weight, rescue=True, snapshot_every=10)
+    monitor, losses, _ = train(mlp(), "bf16-mixed", 100, fault=nan_weight, rescue=True, snapshot_every=10)
     assert [k for k, _ in kinds(monitor)] == ["nonfinite_weights", "rescue"]
     # the snapshot of step 50 was not taken: the weights were already poisoned
     assert "rolled back to the snapshot of step 40" in next(
@@ -177,7 +127,7 @@ def test_nan_weights_are_never_checkpointed_and_a_rescue_rolls_them_back(tmp_pat
 
 
 def test_pure_bf16_stagnation_is_a_stall():
-    w = _mlp()
+    w = mlp()
     w = mixprec.Workload(
         model=w.model,
         make_batch=w.make_batch,
@@ -212,7 +162,7 @@ def test_a_plain_torch_amp_loop_is_watched_with_its_scaler():
 
 
 def test_healthy_runs_raise_nothing():
-    monitor, _, _ = train(_mlp(), "fp16-mixed", 400, rescue=True, shadow_every=50)
+    monitor, _, _ = train(mlp(), "fp16-mixed", 400, rescue=True, shadow_every=50)
     assert monitor.findings == []
     monitor, _, _ = train(mixprec.load_workload(LATE), "bf16-mixed", 300)
     assert monitor.findings == []

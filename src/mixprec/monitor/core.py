@@ -76,6 +76,7 @@ COLLAPSE_HALVINGS = 6
 # A loss this many median absolute deviations above the recent median is a spike.
 SPIKE_MADS = 10.0
 RECENT = 50  # losses the spike test compares with
+MIN_RECENT = 20  # and how many it needs first
 DRIFT_DB = 20.0
 STALL_LIMIT = 0.05  # the *-true check's max_stalled_update_fraction
 HOLD = 50
@@ -95,6 +96,29 @@ def _positive_int(name: str, value: Any, zero_ok: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise UsageError(f"Monitor {name} must be an integer >= {low}, got {value!r}.")
     return value
+
+
+def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a framework's wrapper (Accelerate's AcceleratedOptimizer,
+    Lightning's LightningOptimizer): its step hooks fire, its state is the real one."""
+    while not hasattr(optimizer, "_optimizer_step_post_hooks") and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    return optimizer
+
+
+def _on_host(loss: Any) -> bool:
+    return isinstance(loss, torch.Tensor) and loss.device.type == "cpu"
+
+
+def _spikes(value: float, recent: Sequence[float]) -> bool:
+    """``value`` is not finite, or ``SPIKE_MADS`` median absolute deviations above the median."""
+    if not math.isfinite(value):
+        return True
+    median = statistics.median(recent)
+    mad = statistics.median(abs(v - median) for v in recent) or abs(median) * 1e-3 or 1e-12
+    return value > median + SPIKE_MADS * mad
 
 
 def _module_of(param_name: str) -> str:
@@ -166,9 +190,10 @@ class Monitor:
         self.hold = _positive_int("hold", hold, zero_ok=True)
         self.max_rescues = _positive_int("max_rescues", max_rescues, zero_ok=True)
         self.model, self.policy, self.scaler, self.loss_fn = model, policy, scaler, loss_fn
-        self.optimizers = (
+        given = (
             [] if optimizer is None else list(optimizer if isinstance(optimizer, Sequence) else [optimizer])
         )
+        self.optimizers = [_unwrapped(o) for o in given]
         self.rescue = bool(rescue)
         self.schedule = plan_schedule(schedule or {}, self.train_steps, policy)
         self.sinks: list[Sink] = []
@@ -193,6 +218,7 @@ class Monitor:
         self._scale_before = self._read_scale()
         self._settled: float | None = None  # the scale level after start-up
         self._analysed_to = -1
+        self._explained: set[int] = set()  # steps whose loss a finding has explained
         self._shadow_db: float | None = None
         self.rescuer = Rescuer(model, policy, self.optimizers)
         self._params_before: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -200,6 +226,14 @@ class Monitor:
         fmt = policy.spec.range_format if policy is not None else ("fp16" if scaler is not None else None)
         self.range_format = fmt if fmt in LOW_PRECISION_FORMATS else None
         self.recorder = StepRecorder(model, underflow_format=self.range_format)
+        # half-precision weights (a *-true policy, or a model trained in bf16 by its framework):
+        # their updates can round away
+        self._half_weights = any(
+            p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters() if p.requires_grad
+        )
+        # stalls are counted right after the optimizer step, while the gradients are still there
+        # (the HF Trainer zeroes them before its callbacks run)
+        self._hooks = [o.register_step_post_hook(lambda *_: self._count_stalls()) for o in self.optimizers]
         model._mixprec_monitor = self  # type: ignore[assignment]
         self._begin_sample(0)
 
@@ -218,9 +252,13 @@ class Monitor:
         self._pending.append(loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss)))
         if sampled:
             self.recorder.end(self._scale_before if self.policy is None else self._read_scale())
+            if skipped:
+                self._params_before = []  # a skipped step moved nothing: no stall to count
             self._count_stalls()
         if skipped:
             self._on_skip(step, batch)
+        elif batch is not None and self.loss_fn is not None and _on_host(loss):
+            self._on_spike(step, batch)
         if self.shadow_every and step % self.shadow_every == 0 and batch is not None and self.loss_fn:
             self._shadow(step, batch)
         if sampled:
@@ -260,6 +298,8 @@ class Monitor:
         """Read the losses still on the device, remove the hooks and detach from the model."""
         self._read_losses()
         self.recorder.abandon()
+        for hook in self._hooks:
+            hook.remove()
         if getattr(self.model, "_mixprec_monitor", None) is self:
             del self.model._mixprec_monitor
 
@@ -313,7 +353,7 @@ class Monitor:
         if step % self.every:
             return
         self.recorder.begin()
-        if self.policy is not None and self.policy.spec.param_dtype is not None:
+        if self._half_weights:
             self._params_before = [
                 (p, p.detach().clone()) for p in self.model.parameters() if p.requires_grad
             ]
@@ -361,6 +401,29 @@ class Monitor:
                 lambda: self.rescuer.island(module),
             )
 
+    def _on_spike(self, step: int, batch: Any) -> None:
+        """A loss the host already holds (a CPU run: reading it costs no sync), compared with the
+        recent ones; a spike is shadowed in fp32 like a skip. (On a GPU a spike without a skip is
+        seen at the next sampled step, without its batch.)"""
+        losses = self._read_losses()
+        recent = [v for v in losses[-RECENT - 1 : -1] if math.isfinite(v)]
+        now = losses[-1]
+        if len(recent) < MIN_RECENT or not _spikes(now, recent):
+            return
+        if self._blames_batch(step, batch):
+            return
+        if self._new(DRIFT, None, step):
+            self._emit(
+                Finding(
+                    step,
+                    DRIFT,
+                    f"the loss spiked to {now:.4g} (recent median {statistics.median(recent):.4g}) under the "
+                    "policy but not in the fp32 shadow of the same batch: the precision",
+                    None,
+                    {"loss": now},
+                )
+            )
+
     def _collapse(self, step: int, scale: float, halvings: float, module: str | None) -> None:
         if not self._new(SCALE_COLLAPSE, None, step):
             return
@@ -374,22 +437,33 @@ class Monitor:
         )
         self._act(finding, self.rescuer.to_bf16)
 
+    def _weights_poisoned(self, step: int) -> bool:
+        """Whether weights or optimizer state hold inf/NaN (a finding, and a roll-back to rescue)."""
+        bad = nonfinite_state(self.model, self.optimizers)
+        if bad is None:
+            return False
+        self._explained.add(step)
+        if self._new(NONFINITE_WEIGHTS, _module_of(bad), step):
+            finding = Finding(step, NONFINITE_WEIGHTS, f"{bad} holds inf/NaN", _module_of(bad))
+            self._act(finding, self.rescuer.roll_back)
+        return True
+
     def _blames_batch(self, step: int, batch: Any) -> bool:
-        """Whether the fp32 shadow shows the trouble too (a non-finite or spiking loss): the data."""
+        """Whether the trouble is not the precision's: poisoned weights (a finding of their own), or
+        an fp32 shadow that shows it too (a non-finite or spiking loss: the data)."""
         assert self.loss_fn is not None
+        if self._weights_poisoned(step):
+            return True
         try:
             shadow = fp32_loss(self.model, self.loss_fn, batch)
         except Exception as exc:  # the shadow is evidence; its failure must not stop the run
             log.debug("fp32 shadow failed: %s", exc)
             return False
         recent = [v for v in self._read_losses()[-RECENT - 1 : -1] if math.isfinite(v)]
-        spike = False
-        if len(recent) >= 5:
-            median = statistics.median(recent)
-            mad = statistics.median(abs(v - median) for v in recent) or abs(median) * 1e-3 or 1e-12
-            spike = shadow > median + SPIKE_MADS * mad
+        spike = len(recent) >= 5 and _spikes(shadow, recent)
         if math.isfinite(shadow) and not spike:
             return False
+        self._explained.add(step)
         self._emit(
             Finding(
                 step,
@@ -444,16 +518,13 @@ class Monitor:
             self.log_fn("mixprec/loss_scale", self.scales[-1][1] if self.scales else float("nan"))
         fresh = losses[len(losses) - (step - self._analysed_to) :] if step > self._analysed_to else []
         start = step - len(fresh) + 1
-        skipped = set(self.skipped)  # a skipped step's loss was judged by the skip (a bad batch, say)
+        # a skipped step's loss was judged by the skip, and a step with a finding by that finding
+        skipped = set(self.skipped) | self._explained
         first_bad = next(
             (i for i, v in enumerate(fresh) if not math.isfinite(v) and start + i not in skipped), None
         )
         self._analysed_to = step
-        bad = nonfinite_state(self.model, self.optimizers)
-        if bad is not None:  # (the non-finite losses since are its consequence)
-            if self._new(NONFINITE_WEIGHTS, _module_of(bad), step):
-                finding = Finding(step, NONFINITE_WEIGHTS, f"{bad} holds inf/NaN", _module_of(bad))
-                self._act(finding, self.rescuer.roll_back)
+        if self._weights_poisoned(step):  # (the non-finite losses since are its consequence)
             return
         islands = [n for n, m in self.model.named_modules() if getattr(m, "_fp32_island", False)]
         # an fp32 island's own ranges are fp32's: they cannot overflow the policy's format
