@@ -98,6 +98,7 @@ WORKLOADS: dict[str, tuple[str, dict[str, Any], int]] = {
 }
 PRECISIONS = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 START_UP = 20  # steps GradScaler may spend finding its scale
+FINE = {True: "fine", False: "NOT fine", None: "inconclusive"}
 
 
 def load(target: str, options: dict[str, Any]) -> mixprec.Workload:
@@ -130,7 +131,8 @@ def plain_loop(
     return {"losses": losses, "skipped": skipped}
 
 
-def trains_fine(run: dict, fp32: dict) -> tuple[bool, str]:
+def trains_fine(run: dict, fp32: dict, steps: int) -> tuple[bool | None, str]:
+    """True / False, or None (inconclusive) when the loop could not run its ``steps`` in its time."""
     n = min(len(run["losses"]), len(fp32["losses"]))  # compared over the steps both ran
     run = {"losses": run["losses"][:n], "skipped": [s for s in run["skipped"] if s < n]}
     fp32 = {"losses": fp32["losses"][:n]}
@@ -144,6 +146,8 @@ def trains_fine(run: dict, fp32: dict) -> tuple[bool, str]:
     final, ref = statistics.fmean(run["losses"][-50:]), statistics.fmean(fp32["losses"][-50:])
     if final > ref * 1.05 + 0.05:
         return False, f"final loss {final:.4g} vs fp32 {ref:.4g}"
+    if n < steps:
+        return None, f"inconclusive: fine for the {n} steps its time allowed, not {steps}"
     return True, f"{n} steps, final loss {final:.4g} (fp32 {ref:.4g})"
 
 
@@ -206,9 +210,9 @@ def main() -> None:
             continue
         entry: dict[str, Any] = {"seconds": 0.0, "reference_note": checked.reference_note}
         for c in checked.candidates:
-            fine, why = trains_fine(runs[c.label], runs["fp32"])
-            false_alarm = fine and c.verdict == "at-risk"
-            healthy += fine
+            fine, why = trains_fine(runs[c.label], runs["fp32"], args.steps)
+            false_alarm = fine is True and c.verdict == "at-risk"
+            healthy += fine is True
             alarms += false_alarm
             entry[c.label] = {
                 "plain_loop_steps": len(runs[c.label]["losses"]),
@@ -222,7 +226,7 @@ def main() -> None:
                 **closest_calls(c),
             }
             print(
-                f"{name:26s} {c.label:10s} plain loop: {'fine' if fine else 'NOT fine'} ({why}); check: "
+                f"{name:26s} {c.label:10s} plain loop: {FINE[fine]} ({why}); check: "
                 f"{c.verdict}; closest trend: tau {entry[c.label]['max_tau']:.2f}, "
                 f"R^2 {entry[c.label]['max_r2']:.2f}, "
                 f"{entry[c.label]['min_bits_left_per_bit_grown']:.1f} bits left per bit grown"

@@ -163,6 +163,13 @@ class AccelerateTarget(PyTorchTarget):
         contract.launch = "accelerate launch --config_file default_config.yaml train.py"
         return contract
 
+    def monitor(self, facts: Facts) -> list[str]:
+        return [
+            "# optional, the precision monitor (docs/monitor.md): after accelerator.prepare(...)",
+            "#   monitor = mixprec.monitor.accelerate.watch(accelerator, model, optimizer, loss_fn=loss_fn)",
+            "# then monitor.observe(loss, batch) after optimizer.step()",
+        ]
+
     def body(self, facts: Facts) -> list[str]:
         mode = self.mode(facts)
         cpu = facts.device_type == "cpu"

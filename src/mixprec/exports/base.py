@@ -394,6 +394,10 @@ class ExportTarget:
         """The code (and any other files' sections) after the header."""
         raise NotImplementedError
 
+    def monitor(self, facts: Facts) -> list[str]:
+        """Optional comment lines that add the precision monitor (docs/monitor.md) to the loop."""
+        return []
+
     # ---------------------------------------------------------------------- shared by every target
     def export(self, facts: Facts) -> str:
         """The text, or :class:`ExportRefused` when :meth:`refusal` says the target cannot express it."""
@@ -402,7 +406,7 @@ class ExportTarget:
             raise ExportRefused(
                 self.title, facts.name, facts.device_type, refused.reason, refused.alternative
             )
-        return join_lines([*self.header(facts), *self.body(facts)])
+        return join_lines([*self.header(facts), *self.body(facts), *self.monitor(facts)])
 
     def header(self, facts: Facts) -> list[str]:
         """The contract as comment lines: the first line names policy, device and target."""

@@ -183,6 +183,12 @@ class HFTarget(PyTorchTarget):
         )
         return contract
 
+    def monitor(self, facts: Facts) -> list[str]:
+        return [
+            "# optional, the precision monitor (docs/monitor.md):",
+            "#   Trainer(..., callbacks=[mixprec.monitor.hf.MonitorCallback()])",
+        ]
+
     def body(self, facts: Facts) -> list[str]:
         names = helper_names(facts)
         if facts.true is not None:

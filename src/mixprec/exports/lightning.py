@@ -171,6 +171,12 @@ class LightningTarget(ExportTarget):
         raises on gradient_clip_val when the optimizer is fused (``_step_supports_amp_scaling``)."""
         return facts.optimizer == "fused" and facts.mixed is not None
 
+    def monitor(self, facts: Facts) -> list[str]:
+        return [
+            "# optional, the precision monitor (docs/monitor.md):",
+            "#   Trainer(..., callbacks=[mixprec.monitor.lightning.MonitorCallback(rescue=True)])",
+        ]
+
     def body(self, facts: Facts) -> list[str]:
         device = py(facts.device_type)
         precision = self.precision(facts)

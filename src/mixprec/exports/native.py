@@ -29,6 +29,13 @@ class MixprecTarget(ExportTarget):
             fill_in=f"{EXPECTS}; the optimizer and scheduler lines.",
         )
 
+    def monitor(self, facts: Facts) -> list[str]:
+        return [
+            "# optional, the precision monitor (docs/monitor.md): before the loop",
+            "#   monitor = mixprec.Monitor(model, policy, optimizer=optimizer, loss_fn=loss_fn, rescue=True)",
+            "# then monitor.observe(loss, batch) after policy.step(...); monitor.save(obj, path) checkpoints",
+        ]
+
     def body(self, facts: Facts) -> list[str]:
         options: dict[str, object] = {}
         if facts.channels_last:

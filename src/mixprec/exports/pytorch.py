@@ -91,6 +91,14 @@ class PyTorchTarget(ExportTarget):
     def prepare(self, facts: Facts) -> list[str]:
         return prepare_lines(facts, move=True)
 
+    def monitor(self, facts: Facts) -> list[str]:
+        scaler = ", scaler=scaler" if facts.scaler is not None else ""
+        return [
+            "# optional, the precision monitor (docs/monitor.md): before the loop",
+            f"#   monitor = mixprec.Monitor(model{scaler}, optimizer=optimizer, loss_fn=loss_fn)",
+            "# then monitor.observe(loss, batch) after each step; monitor.save(obj, path) checkpoints",
+        ]
+
     def body(self, facts: Facts) -> list[str]:
         blocks = helpers(self.snippet_names(facts))
         return [
