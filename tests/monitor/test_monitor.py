@@ -204,3 +204,59 @@ def test_one_monitor_per_model_and_only_modules():
     Monitor(model).close()
     with pytest.raises(UsageError, match=r"watches a torch\.nn\.Module, got dict"):
         Monitor({})  # type: ignore[arg-type]
+
+
+def test_a_resumed_run_judges_as_the_straight_one_did():
+    """Model, optimizer, policy, monitor and RNG saved at step 100 and loaded into new objects: the
+    resumed run's losses are bitwise the straight run's, and so are its findings."""
+
+    def start():
+        w = mixprec.load_workload(LATE)
+        policy = mixprec.get_policy("fp16-mixed", device="cpu")
+        model = policy.prepare(w.model)
+        optimizer = w.make_optimizer(model)
+        monitor = Monitor(model, policy, optimizer=optimizer, loss_fn=w.loss_fn, every=EVERY)
+        return w, policy, model, optimizer, monitor
+
+    def run(parts, steps):
+        w, policy, model, optimizer, monitor = parts
+        losses = []
+        for _ in range(steps):
+            batch = w.make_batch(64, torch.device("cpu"))
+            with policy.autocast():
+                loss = w.loss_fn(model, batch)
+            optimizer.zero_grad()
+            policy.backward(loss)
+            policy.step(optimizer)
+            monitor.observe(loss, batch)
+            losses.append(float(loss.detach()))
+        return losses
+
+    torch.manual_seed(0)
+    straight = start()
+    expected = run(straight, 200)
+    straight[-1].close()
+
+    torch.manual_seed(0)
+    first = start()
+    losses = run(first, 100)
+    w, policy, model, optimizer, monitor = first
+    saved = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "policy": policy.state_dict(),
+        "monitor": monitor.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+    monitor.close()
+    resumed = start()
+    _, policy, model, optimizer, monitor = resumed
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    policy.load_state_dict(saved["policy"])
+    monitor.load_state_dict(saved["monitor"])
+    torch.set_rng_state(saved["rng"])
+    losses += run(resumed, 100)
+    assert losses == expected  # bitwise (inf == inf)
+    assert [f.to_dict() for f in monitor.findings] == [f.to_dict() for f in straight[-1].findings]
+    assert [f.kind for f in monitor.findings][:2] == ["predicted_overflow", "overflow"]

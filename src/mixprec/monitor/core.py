@@ -63,7 +63,7 @@ from mixprec.monitor.findings import (
 from mixprec.monitor.rescue import Rescuer, nonfinite_state, plan_schedule
 from mixprec.monitor.shadow import fp32_loss, shadow_sqnr
 from mixprec.numerics.limits import LOW_PRECISION_FORMATS
-from mixprec.numerics.trend import least_headroom, outlook, predict
+from mixprec.numerics.trend import LayerSeries, least_headroom, outlook, predict
 from mixprec.policy import Policy
 from mixprec.policy.islands import is_fp32_island
 
@@ -311,21 +311,44 @@ class Monitor:
         return not open_ and all(math.isfinite(v) for v in self.losses[-1:])
 
     def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to judge as this one would: the step, the ranges and
+        losses its trends and spike tests read, the scale it settled at, its findings and actions."""
         return {
             "step": self.step,
             "rescues": self.rescues,
+            "last_action": self._last_action,
             "settled_scale": self._settled,
             "shadow_db": self._shadow_db,
+            "analysed_to": self._analysed_to,
+            "losses": list(self._read_losses()),
+            "skipped": list(self.skipped),
+            "stalls": list(self.stalls),
+            "seen": [[kind, module, step] for (kind, module), step in self._seen.items()],
+            "series": [s.to_dict() for s in self.recorder.series.values()],
+            "recorded": self.recorder.steps,
             "findings": [f.to_dict() for f in self.findings],
             "policy": self.policy.config.to_dict() if self.policy is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (before the first :meth:`observe` of the resumed run)."""
+        self.recorder.abandon()
         self.step = int(state["step"])
         self.rescues = int(state["rescues"])
+        self._last_action = int(state.get("last_action", self._last_action))
         self._settled = state.get("settled_scale")
         self._shadow_db = state.get("shadow_db")
+        self._analysed_to = int(state.get("analysed_to", self.step - 1))
+        self.losses = [float(v) for v in state.get("losses") or []]
+        self._pending = []
+        self.skipped = [int(v) for v in state.get("skipped") or []]
+        self.stalls = [float(v) for v in state.get("stalls") or []]
+        self._seen = {(kind, module): int(step) for kind, module, step in state.get("seen") or []}
+        self.recorder.series = {d["name"]: LayerSeries.from_dict(d) for d in state.get("series") or []}
+        self.recorder.steps = int(state.get("recorded", 0))
         self.findings = [Finding(**f) for f in state.get("findings") or []]
+        self._skips_before = self.policy.stats.skipped_steps if self.policy is not None else 0
+        self._scale_before = self._read_scale()
         self._begin_sample(self.step)
 
     # ------------------------------------------------------------------ every step
@@ -411,6 +434,21 @@ class Monitor:
         if len(recent) < MIN_RECENT or not _spikes(now, recent):
             return
         if self._blames_batch(step, batch):
+            return
+        self._explained.add(step)
+        if not math.isfinite(now):  # an overflow the scaler did not skip (no scaler, or a finite gradient)
+            module = self._locate(batch, self._scale_before)
+            if self._new(OVERFLOW, module, step):
+                where = f"first non-finite in {module!r}" if module else "module not located"
+                self._act(
+                    Finding(
+                        step,
+                        OVERFLOW,
+                        f"the loss is {now} under the policy, finite in fp32 ({where})",
+                        module,
+                    ),
+                    lambda: self.rescuer.island(module),
+                )
             return
         if self._new(DRIFT, None, step):
             self._emit(
