@@ -260,3 +260,28 @@ def test_a_resumed_run_judges_as_the_straight_one_did():
     assert losses == expected  # bitwise (inf == inf)
     assert [f.to_dict() for f in monitor.findings] == [f.to_dict() for f in straight[-1].findings]
     assert [f.kind for f in monitor.findings][:2] == ["predicted_overflow", "overflow"]
+
+
+def test_trends_are_fitted_on_the_latest_samples_and_placed_at_their_real_steps():
+    # every 2 steps: by the overflow (step ~139) the recorder holds ~70 samples, more than its window
+    import mixprec.monitor.core as core
+
+    w = mixprec.load_workload(LATE)
+    policy = mixprec.get_policy("fp16-mixed", device="cpu")
+    model = policy.prepare(w.model)
+    optimizer = w.make_optimizer(model)
+    monitor = Monitor(model, policy, optimizer=optimizer, loss_fn=w.loss_fn, every=2, train_steps=300)
+    torch.manual_seed(0)
+    for _ in range(140):
+        batch = w.make_batch(64, torch.device("cpu"))
+        with policy.autocast():
+            loss = w.loss_fn(model, batch)
+        optimizer.zero_grad()
+        policy.backward(loss)
+        policy.step(optimizer)
+        monitor.observe(loss, batch)
+    predicted = [f for f in monitor.findings if f.kind == "predicted_overflow"]
+    assert monitor.recorder.steps > core.WINDOW
+    assert predicted and predicted[0].module == "head"
+    assert predicted[-1].step > 2 * core.WINDOW  # fitted on a window that had moved
+    assert abs(predicted[-1].evidence["predicted_step"] - FIRST_FP16_OVERFLOW) <= 20

@@ -77,6 +77,7 @@ COLLAPSE_HALVINGS = 6
 SPIKE_MADS = 10.0
 RECENT = 50  # losses the spike test compares with
 MIN_RECENT = 20  # and how many it needs first
+WINDOW = 32  # sampled steps a trend is fitted on (the latest)
 DRIFT_DB = 20.0
 STALL_LIMIT = 0.05  # the *-true check's max_stalled_update_fraction
 HOLD = 50
@@ -590,11 +591,18 @@ class Monitor:
                 )
             return
         if self.range_format is not None:
-            samples_left = max(1, self.train_steps // self.every)
-            seen = outlook(series, self.range_format, samples_left, start=1).at_risk
+            # the trend of the last WINDOW samples: a long run's early ranges say little about now,
+            # and the fit's cost must not grow with the run
+            offset = max(0, self.recorder.steps - WINDOW)
+            window = [
+                LayerSeries(s.name, s.type, s.forward[offset:], s.backward[offset:], s.underflow[offset:])
+                for s in series
+            ]
+            samples_left = max(1, self.train_steps // self.every - offset)
+            seen = outlook(window, self.range_format, samples_left, start=0 if offset else 1).at_risk
             if seen is not None and seen.step is not None:
                 kind = UNDERFLOW if seen.direction == "underflow" else PREDICTED_OVERFLOW
-                at = seen.step * self.every
+                at = (offset + seen.step) * self.every
                 if self._new(kind, seen.layer, step):
                     text = seen.describe(self.train_steps)
                     text = text.replace(f"at about step {seen.step} of", f"at about step {at} of")
@@ -612,7 +620,10 @@ class Monitor:
                     )
         if self.stalls:
             now = self.stalls[-1]
-            p = predict(self.stalls, STALL_LIMIT, layer="all weights", direction="updates", fmt="storage")
+            offset = max(0, len(self.stalls) - WINDOW)
+            p = predict(
+                self.stalls[offset:], STALL_LIMIT, layer="all weights", direction="updates", fmt="storage"
+            )
             growing = p is not None and p.trending and p.within_evidence and p.step is not None
             if (now > STALL_LIMIT or growing) and self._new(STALL, None, step):
                 self._emit(
@@ -622,7 +633,7 @@ class Monitor:
                         f"{now:.1%} of the weight updates rounded away at this step"
                         + (
                             f", predicted to pass {STALL_LIMIT:.0%} at about step "
-                            f"{(p.step or 0) * self.every}"
+                            f"{(offset + (p.step or 0)) * self.every}"
                             if growing and p is not None and now <= STALL_LIMIT
                             else ""
                         )
