@@ -240,7 +240,7 @@ def test_a_resumed_run_judges_as_the_straight_one_did():
     torch.manual_seed(0)
     first = start()
     losses = run(first, 100)
-    w, policy, model, optimizer, monitor = first
+    _, policy, model, optimizer, monitor = first
     saved = {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
