@@ -361,10 +361,18 @@ class Monitor:
         return None
 
     def _skipped_now(self) -> bool:
+        """Whether this step was skipped. A policy counts its skips on the host; its scale (a device
+        tensor) is read only when it matters: after a skip, until the scale settles, at sampled
+        steps. A plain loop's skip shows as a lower scale, read from GradScaler after its
+        ``step()`` has already synchronised (non-fused optimizers)."""
         if self.policy is not None:
             skipped = self.policy.stats.skipped_steps > self._skips_before
             self._skips_before = self.policy.stats.skipped_steps
-            scale = self.policy.stats.scale if self.policy.scaler is not None else None
+            if self.policy.scaler is None:
+                return skipped
+            if not (skipped or self._settled is None or self.step % self.every == 0):
+                return skipped
+            scale = self.policy.stats.scale
         else:
             scale = self._read_scale()
             skipped = scale is not None and self._scale_before is not None and scale < self._scale_before
