@@ -77,3 +77,11 @@ def test_a_rescue_says_what_it_cured_in_the_figures_both_checks_measured():
     assert text.startswith("rescued: fp16-mixed was at-risk (at risk: layer 'head'")
     assert "with head kept in fp32: 'head', which the rejection named, now computes in fp32" in text
     assert text.endswith(rescued.reason)
+
+
+def test_a_compiled_candidate_is_judged_over_the_run_by_its_eager_twins_ranges():
+    # range hooks would change a compiled graph: the trend comes from the same candidate run eagerly
+    compiled = mixprec.Candidate("fp16-mixed", compile="default")
+    (result,) = check(mixprec.load_workload(EXAMPLE), policies=[compiled], device="cpu").candidates
+    assert result.verdict == "at-risk", result.reason
+    assert "'head'" in result.reason and result.series

@@ -153,6 +153,7 @@ class Checker:
         train_steps: int = TRAIN_STEPS,
     ) -> None:
         self.train_steps = train_steps
+        self._eager: dict[tuple[Candidate, int], Trajectory] = {}  # compiled candidates' eager twins
         self.workload, self.framework, self.device, self.steps = workload, framework, device, steps
         self.batch_size, self.thresholds, self.events, self.budget = batch_size, thresholds, events, budget
         self.batches = framework.make_batches(workload, batch_size, device, 0, steps)
@@ -203,10 +204,22 @@ class Checker:
             cmp, traj, self.thresholds[cand.threshold_key], steps, floor, rounding_format(cand)
         )
         if passed:
-            risk = self.risk(cand, traj, keep_fp32)
+            risk = self.risk(cand, self.ranged(trial, traj, steps), keep_fp32)
             if risk is not None:
                 return False, risk, cmp, traj
         return passed, reason, cmp, traj
+
+    def ranged(self, trial: Candidate, traj: Trajectory, steps: int) -> Trajectory:
+        """``traj``, or for a compiled candidate (whose graph range hooks would change) its eager
+        twin's run: the formats it rounds to are the same, so are the trends of its ranges."""
+        if traj.series or not trial.compile:
+            return traj
+        eager = replace(trial, compile=None, compile_scope=None)
+        if (eager, steps) not in self._eager:
+            self._eager[(eager, steps)] = self.framework.trajectory(
+                self.workload, eager, self.batches, steps, self.device
+            )
+        return self._eager[(eager, steps)]
 
     def outlook(self, cand: Candidate, traj: Trajectory, keep_fp32: Sequence[str] = ()) -> Outlook:
         """What ``traj``'s ranges predict over ``train_steps`` in the candidate's range format; fp32
@@ -235,7 +248,8 @@ class Checker:
         passed, reason, cmp, traj = self.run(cand)
         thr = self.thresholds[cand.threshold_key]
         fmt = rounding_format(cand)
-        seen = self.outlook(cand, traj)
+        ranged = self.ranged(cand, traj, self.steps)  # a compiled candidate's ranges: its eager twin's
+        seen = self.outlook(cand, ranged)
         verdict = Status.PASS if passed else Status.AT_RISK if reason.startswith("at risk") else Status.FAIL
         if not passed and reason.startswith(NEVER_RAN):
             verdict = Status.ERROR
@@ -261,12 +275,12 @@ class Checker:
             scales=traj.scales,
             worst_grads=sorted(cmp.grad_sqnr_db.items(), key=lambda kv: kv[1])[:5],
             thresholds=asdict(thr),
-            series=[s.to_dict() for s in traj.series],
-            run_headroom=least_headroom(traj.series, range_format(cand)),
+            series=[s.to_dict() for s in ranged.series],
+            run_headroom=least_headroom(ranged.series, range_format(cand)),
             stalls=list(traj.stalls),
             outlook=seen.to_dict(),
             train_steps=self.train_steps,
-            evidence=self.evidence(cand, traj, seen),
+            evidence=self.evidence(cand, ranged, seen),
         )
         rfmt = range_format(cand)
         try:
