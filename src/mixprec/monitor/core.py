@@ -76,7 +76,6 @@ COLLAPSE_HALVINGS = 6
 # A loss this many median absolute deviations above the recent median is a spike.
 SPIKE_MADS = 10.0
 RECENT = 50  # losses the spike test compares with
-MIN_RECENT = 20  # and how many it needs first
 WINDOW = 32  # sampled steps a trend is fitted on (the latest)
 DRIFT_DB = 20.0
 STALL_LIMIT = 0.05  # the *-true check's max_stalled_update_fraction
@@ -258,8 +257,13 @@ class Monitor:
             self._count_stalls()
         if skipped:
             self._on_skip(step, batch)
-        elif batch is not None and self.loss_fn is not None and _on_host(loss):
-            self._on_spike(step, batch)
+        elif (
+            batch is not None
+            and self.loss_fn is not None
+            and isinstance(loss, torch.Tensor)
+            and _on_host(loss)
+        ):
+            self._on_nonfinite(step, loss, batch)
         if self.shadow_every and step % self.shadow_every == 0 and batch is not None and self.loss_fn:
             self._shadow(step, batch)
         if sampled:
@@ -433,42 +437,23 @@ class Monitor:
                 lambda: self.rescuer.island(module),
             )
 
-    def _on_spike(self, step: int, batch: Any) -> None:
-        """A loss the host already holds (a CPU run: reading it costs no sync), compared with the
-        recent ones; a spike is shadowed in fp32 like a skip. (On a GPU a spike without a skip is
-        seen at the next sampled step, without its batch.)"""
-        losses = self._read_losses()
-        recent = [v for v in losses[-RECENT - 1 : -1] if math.isfinite(v)]
-        now = losses[-1]
-        if len(recent) < MIN_RECENT or not _spikes(now, recent):
-            return
-        if self._blames_batch(step, batch):
+    def _on_nonfinite(self, step: int, loss: torch.Tensor, batch: Any) -> None:
+        """A non-finite loss the scaler did not skip (no scaler, or a finite gradient), read where the
+        host already holds it (a CPU run: no sync; on a GPU it is seen at the next sampled step).
+        Only that: a finite spike on a step that moved the weights cannot be shadowed, since the
+        weights that made it are gone."""
+        now = float(loss.detach().float().reshape(()))
+        if math.isfinite(now) or self._blames_batch(step, batch):
             return
         self._explained.add(step)
-        if not math.isfinite(now):  # an overflow the scaler did not skip (no scaler, or a finite gradient)
-            module = self._locate(batch, self._scale_before)
-            if self._new(OVERFLOW, module, step):
-                where = f"first non-finite in {module!r}" if module else "module not located"
-                self._act(
-                    Finding(
-                        step,
-                        OVERFLOW,
-                        f"the loss is {now} under the policy, finite in fp32 ({where})",
-                        module,
-                    ),
-                    lambda: self.rescuer.island(module),
-                )
-            return
-        if self._new(DRIFT, None, step):
-            self._emit(
+        module = self._locate(batch, self._scale_before)
+        if self._new(OVERFLOW, module, step):
+            where = f"first non-finite in {module!r}" if module else "module not located"
+            self._act(
                 Finding(
-                    step,
-                    DRIFT,
-                    f"the loss spiked to {now:.4g} (recent median {statistics.median(recent):.4g}) under the "
-                    "policy but not in the fp32 shadow of the same batch: the precision",
-                    None,
-                    {"loss": now},
-                )
+                    step, OVERFLOW, f"the loss is {now} under the policy, finite in fp32 ({where})", module
+                ),
+                lambda: self.rescuer.island(module),
             )
 
     def _collapse(self, step: int, scale: float, halvings: float, module: str | None) -> None:
@@ -511,13 +496,15 @@ class Monitor:
         if math.isfinite(shadow) and not spike:
             return False
         self._explained.add(step)
+        if not self._new(BAD_BATCH, None, step):
+            return True
+        skipped = "the step was skipped, " if self.skipped and self.skipped[-1] == step else ""
         self._emit(
             Finding(
                 step,
                 BAD_BATCH,
                 f"the fp32 shadow of this batch {'spikes too' if math.isfinite(shadow) else 'is not finite'} "
-                f"(loss {shadow:.4g}): the data, not the precision; the step was skipped, the policy "
-                "is not blamed",
+                f"(loss {shadow:.4g}): the data, not the precision; {skipped}the policy is not blamed",
                 None,
                 {"fp32_loss": shadow, "recent_median": statistics.median(recent) if recent else None},
             )

@@ -201,7 +201,10 @@ class ReportView:
 
 CHART_TITLES = {
     "bench": "Throughput and peak memory",
-    "check": "Loss curves against fp32 and per-layer fp16 headroom",
+    "check": (
+        "Loss curves against fp32, per-layer fp16 headroom, and headroom over the checked steps "
+        "with the trend that predicts an overflow"
+    ),
 }
 EXPORT_TITLES = {
     "mixprec": "mixprec",
