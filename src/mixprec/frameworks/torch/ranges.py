@@ -89,8 +89,11 @@ class _Call:
 
 
 class _Collector:
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, light: bool = False, light_format: str | None = None) -> None:
+        """``light``: ranges only, for every training step (StepRecorder): no search for the first
+        non-finite module (its input checks and autograd-graph walk cost more than the step)."""
         self.model = model
+        self.light, self.light_format = light, light_format
         self.layers: dict[int, LayerRanges] = {}
         self.names: dict[int, str] = {id(m): name for name, m in model.named_modules()}
         self.stacks: dict[int, list[_Call]] = {}
@@ -103,6 +106,8 @@ class _Collector:
 
     def install(self) -> None:
         for _, m in self.model.named_modules():
+            if self.light and next(m.children(), None) is not None:
+                continue  # a container's output is its last layer's: the layers are enough per step
             self.module_handles.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
             self.module_handles.append(m.register_forward_hook(self._post, with_kwargs=True))
 
@@ -125,6 +130,9 @@ class _Collector:
                 name=self.names.get(key, ""), type=type(module).__name__, order=self.next_order
             )
         self.next_order += 1
+        if self.light:
+            self.stacks.setdefault(key, []).append(_Call(self.layers[key], True, set(), None))
+            return
         inputs = list(_float_tensors((args, kwargs)))
         # checked before the call: an in-place module overwrites its input
         finite = self.first_forward is not None or all(bool(torch.isfinite(t).all()) for t in inputs)
@@ -150,7 +158,7 @@ class _Collector:
         outputs = list(_float_tensors(output))
         nonfinite = False
         for t in outputs:
-            nonfinite |= layer.forward.update(t)
+            nonfinite |= layer.forward.update_light(t, None) if self.light else layer.forward.update(t)
         if nonfinite and call.inputs_finite and self.first_forward is None:
             self.first_forward = layer.name
         grad_outputs = [t for t in outputs if t.requires_grad]
@@ -163,7 +171,8 @@ class _Collector:
 
     def _grad_output_hook(self, call: _Call) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            if call.layer.backward.update(grad):
+            backward = call.layer.backward
+            if backward.update_light(grad, self.light_format) if self.light else backward.update(grad):
                 call.grad_output_nonfinite = True
 
         return hook
@@ -356,7 +365,7 @@ class StepRecorder:
     def begin(self) -> None:
         """Hook the model: the next forward and backward are recorded (until :meth:`end`)."""
         self.abandon()
-        self._collector = _Collector(self.model)
+        self._collector = _Collector(self.model, light=True, light_format=self.underflow_format)
         self._collector.install()
 
     def abandon(self) -> None:
