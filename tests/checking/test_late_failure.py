@@ -85,3 +85,19 @@ def test_a_compiled_candidate_is_judged_over_the_run_by_its_eager_twins_ranges()
     (result,) = check(mixprec.load_workload(EXAMPLE), policies=[compiled], device="cpu").candidates
     assert result.verdict == "at-risk", result.reason
     assert "'head'" in result.reason and result.series
+
+
+def test_a_stall_across_the_whole_model_is_not_searched_for_fp32_islands():
+    # updates far below half a bf16 ulp everywhere: no few fp32 layers can cure it, and searching
+    # for them used to spend make demo's whole budget on ResNet-50
+    torch.manual_seed(0)
+    w = mixprec.Workload(
+        model=torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)),
+        make_batch=lambda b, d: (torch.randn(b, 16), torch.randint(0, 4, (b,))),
+        loss_fn=lambda m, batch: torch.nn.functional.cross_entropy(m(batch[0]).float(), batch[1]),
+        optimizer_fn=lambda p: torch.optim.SGD(p, lr=1e-6),
+        name="stall",
+    )
+    (result,) = check(w, policies=["bf16-true"], device="cpu", fix=True).candidates
+    assert result.verdict == "fail" and result.stalled_update_fraction > 0.5
+    assert result.fix_note.startswith("keep_fp32 search skipped:") and not result.fix_keep_fp32

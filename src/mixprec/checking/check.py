@@ -50,6 +50,9 @@ from mixprec.policy.registry import CHECK_DEFAULT
 from mixprec.status import Status
 
 MAX_FIX_SET = 8  # the keep-fp32 search tries at most this many layers
+# Half-precision updates lost across more than this share of all weights: no small set of fp32
+# layers cures that (a stall concentrated in an embedding, say, is searched as usual).
+WIDE_STALL = 0.5
 SEARCH_STEPS = 4  # steps of each trial run of the search (the found set is verified over all)
 # A fix for a predicted failure is verified past the predicted step: this much past it, at most
 # this many steps.
@@ -301,6 +304,11 @@ class Checker:
                 result.fix_note = (
                     f"{cand.label} is a global fp32 math mode (no autocast): fp32 islands cannot fix it; "
                     "use fp32 or a *-mixed policy"
+                )
+            elif fix and (result.stalled_update_fraction or 0.0) > WIDE_STALL:
+                result.fix_note = (
+                    f"keep_fp32 search skipped: {result.stalled_update_fraction:.0%} of all weight updates "
+                    "rounded away, too many for a few fp32 layers to cure; use the *-mixed policy"
                 )
             elif fix and self.budget.expired():
                 result.fix_note = "keep_fp32 search skipped: time budget spent"
