@@ -158,21 +158,28 @@ def run_trajectory(
     # Every run draws the same random numbers (dropout masks, ...): differences between runs
     # are then the format's, not the RNG's. The caller's RNG state is left as it was.
     cuda = [policy.device] if policy.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
+    # Every warning of the run is recorded (the steps' would repeat each step); a complex tensor cast
+    # to real (*-true's model.to(half), autocast, a dtype-following cast) makes another model.
+    with torch.random.fork_rng(devices=cuda), warnings.catch_warnings(record=True) as caught:
         torch.manual_seed(0)
-        _train(
-            workload,
-            policy,
-            batches,
-            steps,
-            traj,
-            ctx,
-            context,
-            perturb,
-            settle_scale,
-            compile_mode,
-            compile_scope,
-        )
+        warnings.simplefilter("always")
+        try:
+            _steps(
+                workload,
+                policy,
+                batches,
+                steps,
+                traj,
+                ctx,
+                context,
+                perturb,
+                settle_scale,
+                compile_mode,
+                compile_scope,
+            )
+        except Exception as exc:  # a candidate that crashes is a failed candidate, not a crashed check
+            traj.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    traj.dropped_imaginary = next((str(w.message) for w in caught if _COMPLEX_CAST in str(w.message)), None)
     return traj
 
 
@@ -209,42 +216,6 @@ def _nonfinite_buffers(model: nn.Module) -> list[str]:
         for name, b in model.named_buffers()
         if b is not None and b.is_floating_point() and not bool(torch.isfinite(b).all())
     ]
-
-
-def _train(
-    workload: Workload,
-    policy: Policy,
-    batches: Sequence[Any],
-    steps: int,
-    traj: Trajectory,
-    ctx: Context,
-    context: Context | None,
-    perturb: float,
-    settle_scale: bool,
-    compile_mode: str | None = None,
-    compile_scope: str | None = None,
-) -> None:
-    # Every warning of the run is recorded (the steps' would repeat each step); a complex tensor cast
-    # to real (*-true's model.to(half), autocast, a dtype-following cast) makes another model.
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            _steps(
-                workload,
-                policy,
-                batches,
-                steps,
-                traj,
-                ctx,
-                context,
-                perturb,
-                settle_scale,
-                compile_mode,
-                compile_scope,
-            )
-        except Exception as exc:  # a candidate that crashes is a failed candidate, not a crashed check
-            traj.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    traj.dropped_imaginary = next((str(w.message) for w in caught if _COMPLEX_CAST in str(w.message)), None)
 
 
 def _steps(
