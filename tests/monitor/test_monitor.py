@@ -126,19 +126,34 @@ def test_nan_weights_are_never_checkpointed_and_a_rescue_rolls_them_back(tmp_pat
     assert path.exists() and math.isfinite(losses[-1])
 
 
-def test_pure_bf16_stagnation_is_a_stall():
+def stalling(lr=1e-3):
+    """The MLP with plain SGD at ``lr``: most updates fall below half a bf16 ulp of the weights."""
     w = mlp()
-    w = mixprec.Workload(
+    return mixprec.Workload(
         model=w.model,
         make_batch=w.make_batch,
         loss_fn=w.loss_fn,
-        optimizer_fn=lambda p: torch.optim.SGD(p, lr=1e-5),  # updates far below half a bf16 ulp
+        optimizer_fn=lambda p: torch.optim.SGD(p, lr=lr),
         name="stall",
     )
-    monitor, _, _ = train(w, "bf16-true", 60, rescue=True)
-    stall = next(f for f in monitor.findings if f.kind == "stall")
-    assert stall.step == 0 and "rerun with the *-mixed policy" in stall.message
-    assert stall.evidence["stalled_fraction"] > 0.5
+
+
+def test_pure_bf16_stagnation_is_a_stall_and_fp32_master_weights_rescue_it():
+    _, fp32, _ = train(stalling(), "fp32", 300)
+    alert, stalled, policy = train(stalling(), "bf16-true", 300, rescue=False)
+    stall = alert.findings[0]
+    assert (stall.step, stall.kind) == (0, "stall") and stall.evidence["stalled_fraction"] > 0.5
+    assert "fp32 master weights" in stall.message and not alert.healthy
+    assert policy.name == "bf16-true" and next(alert.model.parameters()).dtype == torch.bfloat16  # untouched
+    late = lambda losses: sum(losses[-20:]) / 20  # noqa: E731
+    assert late(stalled) > 1.03 * late(fp32)  # left alone, it learns visibly less than fp32
+
+    rescued, losses, policy = train(stalling(), "bf16-true", 300, rescue=True)
+    assert [f.kind for f in rescued.findings] == ["stall", "rescue"]
+    assert "switched from bf16-true to bf16-mixed" in rescued.findings[1].message
+    assert policy.name == "bf16-mixed" and all(p.dtype == torch.float32 for p in rescued.model.parameters())
+    assert late(losses) == pytest.approx(late(fp32), rel=0.01)  # within fp32's noise band
+    assert rescued.healthy
 
 
 def test_a_plain_torch_amp_loop_is_watched_with_its_scaler():
@@ -264,7 +279,7 @@ def test_a_resumed_run_judges_as_the_straight_one_did():
 
 def test_trends_are_fitted_on_the_latest_samples_and_placed_at_their_real_steps():
     # every 2 steps: by the overflow (step ~139) the recorder holds ~70 samples, more than its window
-    import mixprec.monitor.core as core
+    from mixprec.monitor import judge
 
     w = mixprec.load_workload(LATE)
     policy = mixprec.get_policy("fp16-mixed", device="cpu")
@@ -281,7 +296,7 @@ def test_trends_are_fitted_on_the_latest_samples_and_placed_at_their_real_steps(
         policy.step(optimizer)
         monitor.observe(loss, batch)
     predicted = [f for f in monitor.findings if f.kind == "predicted_overflow"]
-    assert monitor.recorder.steps > core.WINDOW
+    assert monitor.sampler.recorder.steps > judge.WINDOW
     assert predicted and predicted[0].module == "head"
-    assert predicted[-1].step > 2 * core.WINDOW  # fitted on a window that had moved
+    assert predicted[-1].step > 2 * judge.WINDOW  # fitted on a window that had moved
     assert abs(predicted[-1].evidence["predicted_step"] - FIRST_FP16_OVERFLOW) <= 20

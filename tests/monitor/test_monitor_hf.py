@@ -17,7 +17,8 @@ def _one_thread(single_thread):
     """Tiny models: one thread (see conftest.single_thread)."""
 
 
-def train(tmp_path, steps, *, poison_at=None, pure_bf16=False, lr=5e-5, **monitor_kw):
+def train(tmp_path, steps, *, poison_at=None, pure_bf16=False, fp32=False, lr=5e-5, **monitor_kw):
+    """bf16 autocast by default; ``pure_bf16``: bf16 weights, no autocast; ``fp32``: neither."""
     require("transformers", "frameworks")
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -40,7 +41,7 @@ def train(tmp_path, steps, *, poison_at=None, pure_bf16=False, lr=5e-5, **monito
         max_steps=steps,
         per_device_train_batch_size=2,
         use_cpu=True,
-        bf16=not pure_bf16,
+        bf16=not (pure_bf16 or fp32),
         learning_rate=lr,
         save_steps=10,
         logging_steps=5,
@@ -69,3 +70,15 @@ def test_pure_bf16_weights_with_a_tiny_learning_rate_stall(tmp_path):
     monitor, _ = train(tmp_path, 10, pure_bf16=True, lr=1e-7)
     stall = next(f for f in monitor.monitor.findings if f.kind == "stall")
     assert stall.step == 0 and stall.evidence["stalled_fraction"] > 0.5
+
+
+def test_a_bf16_stall_is_rescued_by_fp32_weights_inside_the_trainer(tmp_path):
+    late = lambda m: sum(m.monitor.losses[-10:]) / 10  # noqa: E731
+    fp32, _ = train(tmp_path / "fp32", 60, fp32=True, lr=1e-4)
+    stalled, _ = train(tmp_path / "stalled", 60, pure_bf16=True, lr=1e-4)
+    assert [f.kind for f in stalled.monitor.findings][:1] == ["stall"]
+    rescued, _ = train(tmp_path / "rescued", 60, pure_bf16=True, lr=1e-4, rescue=True)
+    assert [f.kind for f in rescued.monitor.findings] == ["stall", "rescue"]
+    assert all(p.dtype == torch.float32 for p in rescued.monitor.model.parameters())
+    # the Trainer's AdamW goes on with the widened state: the rescued run ends where fp32's does
+    assert abs(late(rescued) - late(fp32)) < 0.1 * abs(late(stalled) - late(fp32))

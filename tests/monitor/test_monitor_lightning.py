@@ -108,10 +108,21 @@ def test_lightning_overflow_from_one_module_is_located_and_rescued(tmp_path):
     assert all(math.isfinite(v) for v in rescued.losses[110:])
 
 
-def test_lightning_bf16_true_stagnation_is_a_stall(tmp_path):
-    monitor, _ = fit(mlp(), 40, tmp_path, precision="bf16-true", lr=1e-5)
-    stall = next(f for f in monitor.findings if f.kind == "stall")
-    assert stall.step == 0 and stall.evidence["stalled_fraction"] > 0.5
+def test_lightning_bf16_true_stagnation_is_a_stall_and_rescued_to_bf16_mixed(tmp_path):
+    late = lambda losses: sum(losses[-20:]) / 20  # noqa: E731
+    fp32, _ = fit(mlp(), 300, tmp_path, precision="32-true", lr=1e-3)
+    alert, _ = fit(mlp(), 300, tmp_path, precision="bf16-true", lr=1e-3)
+    stall = alert.findings[0]
+    assert (stall.step, stall.kind) == (0, "stall") and stall.evidence["stalled_fraction"] > 0.5
+    assert "rescue" not in [f.kind for f in alert.findings]
+    assert late(alert.losses) > 1.03 * late(fp32.losses)  # left alone: it learns visibly less
+
+    rescued, trainer = fit(mlp(), 300, tmp_path, precision="bf16-true", lr=1e-3, rescue=True)
+    assert [f.kind for f in rescued.findings] == ["stall", "rescue"]
+    assert "replaced by bf16-mixed" in rescued.findings[1].message
+    assert type(trainer.precision_plugin).__name__ == "MixedPrecision"
+    assert all(p.dtype == torch.float32 for p in trainer.lightning_module.parameters())
+    assert late(rescued.losses) == pytest.approx(late(fp32.losses), rel=0.01)
 
 
 def test_lightning_never_writes_a_poisoned_checkpoint(tmp_path):

@@ -406,3 +406,27 @@ def test_one_pass_counts_equal_the_counts_by_definition(dtype):
         got[f"under {fmt}"] = r.underflow_count[fmt]
         got[f"sub {fmt}"] = r.subnormal_count[fmt]
     assert got == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("fmt", [None, "fp16", "bf16"])
+def test_the_light_update_agrees_with_the_full_one(dtype, fmt):
+    """The per-step update (aminmax first, non-finite counts only when needed, no flush search in a
+    tensor that cannot hold a flushing value) gives the full update's figures on what it records."""
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        torch.randn(257, generator=g) * 10.0 ** torch.randint(-40, 6, (257,), generator=g).float(),
+        torch.tensor([0.0, -0.0, 1e-30, 3e-8, -7.0, 2.0]),
+        torch.tensor([float("nan"), 1.0, float("-inf"), 0.0, 1e-9]),
+        torch.tensor([float("inf"), -4.0]),
+        torch.tensor(2.5),
+        torch.zeros(0),
+    ]
+    for x in cases:
+        x = x.to(dtype)
+        light, full = TensorRange(), TensorRange()
+        assert light.update_light(x, fmt) == full.update(x)
+        assert (light.absmax, light.nonfinite, light.count) == (full.absmax, full.nonfinite, full.count)
+        if fmt is not None:
+            assert (light.zeros, light.nonzero) == (full.zeros, full.nonzero)
+            assert light.underflow_fraction(fmt) == full.underflow_fraction(fmt)

@@ -22,7 +22,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="bf16-mixed", help="the policy to train under")
     p.add_argument("--steps", type=positive_int, default=1000, help="training steps")
     p.add_argument("--rescue", action="store_true", help="let the monitor act on what it finds")
-    p.add_argument("--every", type=positive_int, default=100, help="steps between sampled steps")
+    p.add_argument(
+        "--every",
+        type=positive_int,
+        default=None,
+        help="steps between sampled steps (default: 100, or less often where sampling would cost "
+        "more than 0.5%% of the run)",
+    )
     p.add_argument("--shadow-every", type=int, default=0, help="steps between fp32 shadow steps (0: off)")
     p.add_argument(
         "--out", default="mixprec-out/train", help="folder for events.jsonl, train.json, train.png"

@@ -42,7 +42,6 @@ import torch
 from torch import nn
 
 from mixprec.errors import MixprecError, UsageError
-from mixprec.frameworks.torch.ranges import StepRecorder, collect_ranges
 from mixprec.monitor.findings import (
     BAD_BATCH,
     CHECKPOINT_REFUSED,
@@ -60,25 +59,24 @@ from mixprec.monitor.findings import (
     JsonlSink,
     Sink,
 )
+from mixprec.monitor.judge import STALL_LIMIT, WINDOW, culprit, range_risk, stall
 from mixprec.monitor.rescue import Rescuer, nonfinite_state, plan_schedule
-from mixprec.monitor.shadow import fp32_loss, shadow_sqnr
+from mixprec.monitor.sampler import Sampler
+from mixprec.monitor.scale import ScaleWatch
+from mixprec.monitor.shadow import first_nonfinite, fp32_loss, shadow_sqnr
 from mixprec.numerics.limits import LOW_PRECISION_FORMATS
-from mixprec.numerics.trend import LayerSeries, least_headroom, outlook, predict
 from mixprec.policy import Policy
 from mixprec.policy.islands import is_fp32_island
 
 log = logging.getLogger("mixprec.monitor")
 
-EVERY = 100
 # A skip that drops the scale this many halvings below the level the run settled at, in a row of
 # skips, is a collapse (GradScaler's own floor, min_scale, would stop the run a few skips later).
 COLLAPSE_HALVINGS = 6
 # A loss this many median absolute deviations above the recent median is a spike.
 SPIKE_MADS = 10.0
 RECENT = 50  # losses the spike test compares with
-WINDOW = 32  # sampled steps a trend is fitted on (the latest)
 DRIFT_DB = 20.0
-STALL_LIMIT = 0.05  # the *-true check's max_stalled_update_fraction
 HOLD = 50
 MAX_RESCUES = 3
 
@@ -108,8 +106,10 @@ def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _on_host(loss: Any) -> bool:
-    return isinstance(loss, torch.Tensor) and loss.device.type == "cpu"
+def _nonfinite_on_host(loss: torch.Tensor) -> bool:
+    """A non-finite loss the host already holds (a CPU run); on a GPU reading it would be a sync,
+    so it waits for the next sampled step."""
+    return loss.device.type == "cpu" and loss.numel() == 1 and not math.isfinite(loss.item())
 
 
 def _spikes(value: float, recent: Sequence[float]) -> bool:
@@ -135,7 +135,9 @@ class Monitor:
         scaler: a plain loop's ``torch.amp.GradScaler`` (a policy brings its own).
         loss_fn: ``loss_fn(model, batch)``, for the fp32 shadow (without it a skip is located from
             the gradients alone and no batch can be cleared).
-        every: steps between sampled steps (ranges, losses, trends, weight checks).
+        every: steps between sampled steps (ranges, losses, trends, weight checks); None: 100, or
+            less often where a sampled step would cost more than 0.5% of the run's time (see
+            :mod:`mixprec.monitor.sampler`).
         shadow_every: steps between fp32 shadow steps (0: only on skipped steps).
         rescue: act on precision findings (False: alert only; the run is never touched).
         train_steps: the run's length, for predictions.
@@ -155,7 +157,7 @@ class Monitor:
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         scaler: torch.amp.GradScaler | None = None,
         loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-        every: int = EVERY,
+        every: int | None = None,
         shadow_every: int = 0,
         rescue: bool = False,
         train_steps: int = 10_000,
@@ -183,13 +185,15 @@ class Monitor:
             raise UsageError(
                 "this model already has a mixprec Monitor; close() it first (one monitor per run)."
             )
-        self.every = _positive_int("every", every)
+        if every is not None:
+            _positive_int("every", every)
         self.shadow_every = _positive_int("shadow_every", shadow_every, zero_ok=True)
         self.train_steps = _positive_int("train_steps", train_steps)
         self.snapshot_every = _positive_int("snapshot_every", snapshot_every, zero_ok=True)
         self.hold = _positive_int("hold", hold, zero_ok=True)
         self.max_rescues = _positive_int("max_rescues", max_rescues, zero_ok=True)
-        self.model, self.policy, self.scaler, self.loss_fn = model, policy, scaler, loss_fn
+        self.model, self.policy, self.loss_fn = model, policy, loss_fn
+        self.scale = ScaleWatch(policy, scaler)
         given = (
             [] if optimizer is None else list(optimizer if isinstance(optimizer, Sequence) else [optimizer])
         )
@@ -208,34 +212,45 @@ class Monitor:
         self.step = 0
         self.findings: list[Finding] = []
         self.losses: list[float] = []  # every step's loss, read at the sampled steps
-        self.skipped: list[int] = []
-        self.scales: list[tuple[int, float]] = []
         self.rescues = 0
         self._pending: list[torch.Tensor] = []
         self._last_action = -(10**9)
         self._seen: dict[tuple[str, str | None], int] = {}
-        self._skips_before = policy.stats.skipped_steps if policy is not None else 0
-        self._scale_before = self._read_scale()
-        self._settled: float | None = None  # the scale level after start-up
         self._analysed_to = -1
         self._explained: set[int] = set()  # steps whose loss a finding has explained
         self._shadow_db: float | None = None
         self.rescuer = Rescuer(model, policy, self.optimizers)
-        self._params_before: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.stalls: list[float] = []
         fmt = policy.spec.range_format if policy is not None else ("fp16" if scaler is not None else None)
         self.range_format = fmt if fmt in LOW_PRECISION_FORMATS else None
-        self.recorder = StepRecorder(model, underflow_format=self.range_format)
-        # half-precision weights (a *-true policy, or a model trained in bf16 by its framework):
-        # their updates can round away
-        self._half_weights = any(
-            p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters() if p.requires_grad
-        )
+        self.sampler = Sampler(model, self.range_format, every)
         # stalls are counted right after the optimizer step, while the gradients are still there
-        # (the HF Trainer zeroes them before its callbacks run)
-        self._hooks = [o.register_step_post_hook(lambda *_: self._count_stalls()) for o in self.optimizers]
+        count = lambda *_: self.sampler.count_stalls(self.step)  # noqa: E731
+        self._hooks = [o.register_step_post_hook(count) for o in self.optimizers]
         model._mixprec_monitor = self  # type: ignore[assignment]
-        self._begin_sample(0)
+        self.sampler.begin(0)
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """A plain loop's GradScaler (an adapter replaces it when the framework's changes)."""
+        return self.scale.scaler
+
+    @scaler.setter
+    def scaler(self, scaler: torch.amp.GradScaler | None) -> None:
+        self.scale.scaler = scaler
+
+    @property
+    def skipped(self) -> list[int]:
+        return self.scale.skipped
+
+    @property
+    def scales(self) -> list[tuple[int, float]]:
+        return self.scale.scales
+
+    @property
+    def every(self) -> int:
+        """The steps between two sampled steps now (it grows when ``every=None`` and sampling
+        costs more than its budget)."""
+        return self.sampler.interval
 
     # ------------------------------------------------------------------ public
     def observe(self, loss: torch.Tensor | float, batch: Any = None) -> list[Finding]:
@@ -243,25 +258,18 @@ class Monitor:
 
         ``batch``: the step's batch, for the fp32 shadow on a skipped step (kept only for this call)."""
         step, before = self.step, len(self.findings)
-        sampled = step % self.every == 0
-        skipped = self._skipped_now()
-        if skipped:
-            self.skipped.append(step)
-        elif self._settled is None:
-            self._settled = self._scale_before  # the level GradScaler's start-up found
+        sampled = self.sampler.due(step)
+        skipped = self.scale.after_step(step, sampled)
         self._pending.append(loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss)))
         if sampled:
-            self.recorder.end(self._scale_before if self.policy is None else self._read_scale())
-            if skipped:
-                self._params_before = []  # a skipped step moved nothing: no stall to count
-            self._count_stalls()
+            self.sampler.end(step, self.scale.current if self.policy is None else self.scale.read(), skipped)
         if skipped:
             self._on_skip(step, batch)
         elif (
             batch is not None
             and self.loss_fn is not None
             and isinstance(loss, torch.Tensor)
-            and _on_host(loss)
+            and _nonfinite_on_host(loss)
         ):
             self._on_nonfinite(step, loss, batch)
         if self.shadow_every and step % self.shadow_every == 0 and batch is not None and self.loss_fn:
@@ -274,8 +282,9 @@ class Monitor:
             self._emit(Finding(step, SCHEDULE, done, action=done))
         if self.snapshot_every and step % self.snapshot_every == 0:
             self.rescuer.take_snapshot(step)
+        self.sampler.tick(step)
         self.step += 1
-        self._begin_sample(self.step)
+        self.sampler.begin(self.step)
         return self.findings[before:]
 
     def check_checkpoint(self) -> None:
@@ -302,7 +311,7 @@ class Monitor:
     def close(self) -> None:
         """Read the losses still on the device, remove the hooks and detach from the model."""
         self._read_losses()
-        self.recorder.abandon()
+        self.sampler.abandon()
         for hook in self._hooks:
             hook.remove()
         if getattr(self.model, "_mixprec_monitor", None) is self:
@@ -322,102 +331,40 @@ class Monitor:
             "step": self.step,
             "rescues": self.rescues,
             "last_action": self._last_action,
-            "settled_scale": self._settled,
             "shadow_db": self._shadow_db,
             "analysed_to": self._analysed_to,
             "losses": list(self._read_losses()),
-            "skipped": list(self.skipped),
-            "stalls": list(self.stalls),
+            **self.scale.state_dict(),
             "seen": [[kind, module, step] for (kind, module), step in self._seen.items()],
-            "series": [s.to_dict() for s in self.recorder.series.values()],
-            "recorded": self.recorder.steps,
+            "sampler": self.sampler.state_dict(),
             "findings": [f.to_dict() for f in self.findings],
             "policy": self.policy.config.to_dict() if self.policy is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict` (before the first :meth:`observe` of the resumed run)."""
-        self.recorder.abandon()
         self.step = int(state["step"])
         self.rescues = int(state["rescues"])
         self._last_action = int(state.get("last_action", self._last_action))
-        self._settled = state.get("settled_scale")
         self._shadow_db = state.get("shadow_db")
         self._analysed_to = int(state.get("analysed_to", self.step - 1))
         self.losses = [float(v) for v in state.get("losses") or []]
         self._pending = []
-        self.skipped = [int(v) for v in state.get("skipped") or []]
-        self.stalls = [float(v) for v in state.get("stalls") or []]
         self._seen = {(kind, module): int(step) for kind, module, step in state.get("seen") or []}
-        self.recorder.series = {d["name"]: LayerSeries.from_dict(d) for d in state.get("series") or []}
-        self.recorder.steps = int(state.get("recorded", 0))
+        self.sampler.load_state_dict(state.get("sampler") or {})
         self.findings = [Finding(**f) for f in state.get("findings") or []]
-        self._skips_before = self.policy.stats.skipped_steps if self.policy is not None else 0
-        self._scale_before = self._read_scale()
-        self._begin_sample(self.step)
+        self.scale.load_state_dict(dict(state))
+        self.sampler.begin(self.step)
 
     # ------------------------------------------------------------------ every step
-    def _read_scale(self) -> float | None:
-        if self.policy is not None:
-            return self.policy.stats.scale
-        if self.scaler is not None and self.scaler.is_enabled():
-            return float(self.scaler.get_scale())  # its initial scale before the first step
-        return None
-
-    def _skipped_now(self) -> bool:
-        """Whether this step was skipped. A policy counts its skips on the host; its scale (a device
-        tensor) is read only when it matters: after a skip, until the scale settles, at sampled
-        steps. A plain loop's skip shows as a lower scale, read from GradScaler after its
-        ``step()`` has already synchronised (non-fused optimizers)."""
-        if self.policy is not None:
-            skipped = self.policy.stats.skipped_steps > self._skips_before
-            self._skips_before = self.policy.stats.skipped_steps
-            if self.policy.scaler is None:
-                return skipped
-            if not (skipped or self._settled is None or self.step % self.every == 0):
-                return skipped
-            scale = self.policy.stats.scale
-        else:
-            scale = self._read_scale()
-            skipped = scale is not None and self._scale_before is not None and scale < self._scale_before
-        if scale is not None:
-            self.scales.append((self.step, scale))
-        self._scale_before = scale
-        return skipped
-
-    def _begin_sample(self, step: int) -> None:
-        if step % self.every:
-            return
-        self.recorder.begin()
-        if self._half_weights:
-            self._params_before = [
-                (p, p.detach().clone()) for p in self.model.parameters() if p.requires_grad
-            ]
-
-    def _count_stalls(self) -> None:
-        """The share of weights with a gradient that the step left bit-identical (*-true)."""
-        if not self._params_before:
-            return
-        stalled = total = 0
-        with torch.no_grad():
-            for p, old in self._params_before:
-                if p.grad is None:
-                    continue
-                moved = p.grad != 0
-                stalled += int(((p.detach() == old) & moved).sum())
-                total += int(moved.sum())
-        self._params_before = []
-        if total:
-            self.stalls.append(stalled / total)
-
     # ------------------------------------------------------------------ skips
     def _on_skip(self, step: int, batch: Any) -> None:
-        scale = self._scale_before
-        if self._settled is None or scale is None:
+        scale = self.scale.current
+        if self.scale.settled is None or scale is None:
             return  # GradScaler's start-up back-off: finding the scale, not a failure
-        if scale >= self._settled:
+        if scale >= self.scale.settled:
             return  # a back-off after a growth, to the settled level: GradScaler's normal rhythm
-        halvings = math.log2(self._settled / scale)
+        halvings = math.log2(self.scale.settled / scale)
         if batch is not None and self.loss_fn is not None and self._blames_batch(step, batch):
             return
         module = self._locate(batch, scale * 2)
@@ -432,7 +379,7 @@ class Monitor:
                     f"the step overflowed the policy's format ({where}); the loss scale fell "
                     f"to {scale:g}, {halvings:.0f} halvings below the level it had settled at",
                     module,
-                    {"scale": scale, "settled_scale": self._settled},
+                    {"scale": scale, "settled_scale": self.scale.settled},
                 ),
                 lambda: self.rescuer.island(module),
             )
@@ -442,11 +389,11 @@ class Monitor:
         host already holds it (a CPU run: no sync; on a GPU it is seen at the next sampled step).
         Only that: a finite spike on a step that moved the weights cannot be shadowed, since the
         weights that made it are gone."""
-        now = float(loss.detach().float().reshape(()))
-        if math.isfinite(now) or self._blames_batch(step, batch):
+        now = loss.item()
+        if self._blames_batch(step, batch):
             return
         self._explained.add(step)
-        module = self._locate(batch, self._scale_before)
+        module = self._locate(batch, self.scale.current)
         if self._new(OVERFLOW, module, step):
             where = f"first non-finite in {module!r}" if module else "module not located"
             self._act(
@@ -465,7 +412,7 @@ class Monitor:
             f"the loss scale fell {halvings:.0f} halvings, to {scale:g}: gradients overflow at any scale"
             + (f" (first non-finite in {module!r})" if module else ""),
             module,
-            {"scale": scale, "settled_scale": self._settled},
+            {"scale": scale, "settled_scale": self.scale.settled},
         )
         self._act(finding, self.rescuer.to_bf16)
 
@@ -512,28 +459,15 @@ class Monitor:
         return True
 
     def _locate(self, batch: Any, scale: float | None) -> str | None:
-        """The first module whose output or gradient is non-finite on ``batch`` under the policy."""
+        """The first module whose output or gradient is non-finite on ``batch`` under the policy
+        (a plain loop: fp16 autocast); without the batch, the policy's last non-finite gradient."""
         if batch is not None and self.loss_fn is not None:
-            grads = {p: p.grad for p in self.model.parameters()}
+            device = next(self.model.parameters()).device.type
+            autocast = self.policy.autocast() if self.policy else torch.autocast(device, dtype=torch.float16)
             try:
-                autocast = (
-                    self.policy.autocast()
-                    if self.policy is not None
-                    else torch.autocast(next(self.model.parameters()).device.type, dtype=torch.float16)
-                )
-                fn = self.loss_fn
-
-                def step() -> torch.Tensor:
-                    with autocast:
-                        return fn(self.model, batch)
-
-                report = collect_ranges(self.model, step, loss_scale=scale)
-                return report.first_nonfinite_forward or report.first_nonfinite_backward
-            except Exception as exc:
+                return first_nonfinite(self.model, self.loss_fn, batch, autocast, scale)
+            except Exception as exc:  # evidence only: its failure must not stop the run
                 log.debug("locating the overflow failed: %s", exc)
-            finally:
-                for p, g in grads.items():
-                    p.grad = g
         names = self.policy.stats.last_nonfinite_params if self.policy is not None else []
         return _module_of(names[-1]) if names else None  # the last parameter: nearest the output
 
@@ -562,17 +496,10 @@ class Monitor:
             return
         islands = [n for n, m in self.model.named_modules() if getattr(m, "_fp32_island", False)]
         # an fp32 island's own ranges are fp32's: they cannot overflow the policy's format
-        series = [s for s in self.recorder.series.values() if not is_fp32_island(s.name, islands)]
+        series = [s for s in self.sampler.recorder.series.values() if not is_fp32_island(s.name, islands)]
         if first_bad is not None:
             at = start + first_bad
-            infinite = [s.name for s in series if s.forward and math.isinf(s.forward[-1])]
-            # the module that made the inf: none of its submodules' outputs is infinite
-            module = next((n for n in infinite if not any(m.startswith(n + ".") for m in infinite)), None)
-            where = f"first infinite output in {module!r}"
-            if module is None and self.range_format is not None and series:
-                # this sampled step stayed finite: the layer that came closest to the limit
-                module = least_headroom(series, self.range_format, n=1)[0]["layer"]
-                where = f"no infinite output at the sampled step; closest to the limit: {module!r}"
+            module, where = culprit(series, self.range_format)
             if self._new(OVERFLOW, module, step):
                 self._act(
                     Finding(
@@ -586,63 +513,48 @@ class Monitor:
                 )
             return
         if self.range_format is not None:
-            # the trend of the last WINDOW samples: a long run's early ranges say little about now,
-            # and the fit's cost must not grow with the run
-            offset = max(0, self.recorder.steps - WINDOW)
-            window = [
-                LayerSeries(s.name, s.type, s.forward[offset:], s.backward[offset:], s.underflow[offset:])
-                for s in series
-            ]
-            samples_left = max(1, self.train_steps // self.every - offset)
-            seen = outlook(window, self.range_format, samples_left, start=0 if offset else 1).at_risk
-            if seen is not None and seen.step is not None:
-                kind = UNDERFLOW if seen.direction == "underflow" else PREDICTED_OVERFLOW
-                at = (offset + seen.step) * self.every
-                if self._new(kind, seen.layer, step):
-                    text = seen.describe(self.train_steps)
-                    text = text.replace(f"at about step {seen.step} of", f"at about step {at} of")
-                    text = text.replace("bits/step", f"bits per {self.every} steps")
-                    layer = seen.layer
+            window, first = self.sampler.window(WINDOW)
+            window = [s for s in window if not is_fp32_island(s.name, islands)]
+            risk = range_risk(window, first, self.every, self.range_format, self.train_steps)
+            if risk is not None:
+                kind = UNDERFLOW if risk.direction == "underflow" else PREDICTED_OVERFLOW
+                if self._new(kind, risk.layer, step):
+                    layer = risk.layer
                     self._act(
                         Finding(
                             step,
                             kind,
-                            text,
+                            risk.message,
                             layer,
-                            {"predicted_step": at, "headroom_bits": seen.headroom_bits},
+                            {"predicted_step": risk.step, "headroom_bits": risk.headroom_bits},
                         ),
                         lambda: self.rescuer.island(layer),
                     )
-        if self.stalls:
-            now = self.stalls[-1]
-            offset = max(0, len(self.stalls) - WINDOW)
-            p = predict(
-                self.stalls[offset:], STALL_LIMIT, layer="all weights", direction="updates", fmt="storage"
+        seen = stall(self.sampler.stalls, self.every)
+        if seen is not None and self._new(STALL, None, step):
+            when = (
+                f", predicted to pass {STALL_LIMIT:.0%} at about step {seen.predicted_step}"
+                if seen.predicted_step is not None
+                else ""
             )
-            growing = p is not None and p.trending and p.within_evidence and p.step is not None
-            if (now > STALL_LIMIT or growing) and self._new(STALL, None, step):
-                self._emit(
-                    Finding(
-                        step,
-                        STALL,
-                        f"{now:.1%} of the weight updates rounded away at this step"
-                        + (
-                            f", predicted to pass {STALL_LIMIT:.0%} at about step "
-                            f"{(offset + (p.step or 0)) * self.every}"
-                            if growing and p is not None and now <= STALL_LIMIT
-                            else ""
-                        )
-                        + "; half-precision weights cannot be rescued live: rerun with the *-mixed policy",
-                        None,
-                        {"stalled_fraction": now},
-                    )
-                )
+            self._act(
+                Finding(
+                    step,
+                    STALL,
+                    f"{seen.fraction:.1%} of the weight updates rounded away at this step{when}: the "
+                    "half weights cannot hold them; fp32 master weights can (the *-mixed policy, live "
+                    "with rescue=True)",
+                    None,
+                    {"stalled_fraction": seen.fraction},
+                ),
+                self.rescuer.master_weights,
+            )
 
     def _shadow(self, step: int, batch: Any) -> None:
         assert self.loss_fn is not None
         autocast = self.policy.autocast if self.policy is not None else None
         try:
-            sqnr = shadow_sqnr(self.model, self.loss_fn, batch, autocast, self._scale_before)
+            sqnr = shadow_sqnr(self.model, self.loss_fn, batch, autocast, self.scale.current)
         except Exception as exc:
             log.debug("shadow step failed: %s", exc)
             return

@@ -21,8 +21,8 @@ from mixprec.monitor.findings import CHECKPOINT_REFUSED, Finding
 
 class MonitorCallback(TrainerCallback):
     """A :class:`~mixprec.monitor.Monitor` around ``Trainer.train``; ``kwargs`` are the Monitor's.
-    Pass ``scaler=trainer.accelerator.scaler`` when the Trainer runs fp16 (a callback is not
-    handed the Trainer)."""
+    The Trainer's GradScaler (``fp16=True`` on a GPU) is found on the optimizer Accelerate wraps
+    (``AcceleratedOptimizer.scaler``)."""
 
     def __init__(self, **kwargs: Any) -> None:
         for key in ("policy", "optimizer", "loss_fn", "log_fn"):
@@ -46,12 +46,12 @@ class MonitorCallback(TrainerCallback):
                 self._last = (loss, kwargs)
 
         self._handle = model.register_forward_hook(keep_loss, with_kwargs=True)
-        self.monitor = Monitor(
-            model,
-            optimizer=kw.get("optimizer"),
-            loss_fn=lambda m, batch: m(**batch).loss,
-            **self.kwargs,
-        )
+        optimizer = kw.get("optimizer")
+        scaler = getattr(optimizer, "scaler", None)
+        kwargs = dict(self.kwargs)
+        if isinstance(scaler, torch.amp.GradScaler) and kwargs.get("scaler") is None:
+            kwargs["scaler"] = scaler
+        self.monitor = Monitor(model, optimizer=optimizer, loss_fn=lambda m, batch: m(**batch).loss, **kwargs)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.monitor is None or self._last is None:

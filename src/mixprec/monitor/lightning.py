@@ -14,6 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
 from torch import nn
 
 from mixprec.monitor.core import Monitor
@@ -66,8 +67,23 @@ class MonitorCallback(pl.Callback):
             log_fn=log_fn,
             **self.kwargs,
         )
+        self.monitor.rescuer.after_widening = lambda: self._to_mixed(trainer)
         if self._state is not None:
             self.monitor.load_state_dict(self._state)
+
+    def _to_mixed(self, trainer: pl.Trainer) -> str:
+        """After the monitor widened a *-true model to fp32: Lightning's half precision plugin (it
+        casts the inputs and sets the half default dtype) gives way to its *-mixed twin."""
+        plugin = trainer.strategy.precision_plugin
+        if not isinstance(plugin, HalfPrecision):
+            return ""
+        mixed = "bf16-mixed" if plugin.precision == "bf16-true" else "16-mixed"
+        device = trainer.strategy.root_device.type
+        scaler = torch.amp.GradScaler(device) if mixed == "16-mixed" else None
+        trainer.strategy.precision_plugin = MixedPrecision(mixed, device, scaler=scaler)
+        if self.monitor is not None and scaler is not None:
+            self.monitor.scaler = scaler
+        return f"Lightning's precision plugin {plugin.precision} replaced by {mixed}"
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

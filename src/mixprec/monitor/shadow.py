@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from mixprec import state
+from mixprec.frameworks.torch.ranges import collect_ranges
 from mixprec.numerics.compare import sqnr_db
 from mixprec.policy.registry import POLICIES
 
@@ -51,6 +52,25 @@ def fp32_loss(model: nn.Module, loss_fn: LossFn, batch: Any) -> float:
     """The loss of ``batch`` in strict fp32, forward only."""
     with untouched(model), torch.no_grad(), _fp32(model):
         return float(loss_fn(model, batch).detach().float())
+
+
+def first_nonfinite(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    autocast: contextlib.AbstractContextManager[Any],
+    scale: float | None,
+) -> str | None:
+    """The first module whose output (or, failing that, gradient) is not finite on ``batch`` under
+    ``autocast``, the backward scaled by ``scale``; the run restored afterwards."""
+
+    def step() -> torch.Tensor:
+        with autocast:
+            return loss_fn(model, batch)
+
+    with untouched(model):
+        report = collect_ranges(model, step, loss_scale=scale)
+    return report.first_nonfinite_forward or report.first_nonfinite_backward
 
 
 def _grads(model: nn.Module, loss_fn: LossFn, batch: Any, scale: float | None) -> torch.Tensor:

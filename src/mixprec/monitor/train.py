@@ -25,7 +25,9 @@ class TrainResult:
             rescue: the policy for the next run, with its keep_fp32 islands).
         losses / scales / skipped: per step (scales where the policy has a scaler).
         findings: the monitor's findings (``Finding.to_dict()``).
-        series: per-layer ranges at the sampled steps (``LayerSeries.to_dict()``), every ``every``.
+        series: per-layer ranges at the sampled steps (``LayerSeries.to_dict()``), taken at
+            ``sample_steps``; ``every``: the interval they ended at (the user's, or the automatic
+            one after any widening).
         healthy: no finding that blames the precision was left unanswered and the loss is finite.
         stopped: why the run stopped early ('' when it ran all its steps).
     """
@@ -35,6 +37,7 @@ class TrainResult:
     final_policy: dict[str, Any]
     steps: int
     every: int
+    sample_steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     scales: list[tuple[int, float]] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
@@ -58,7 +61,7 @@ def train(
     device: str = "cpu",
     batch_size: int | None = None,
     rescue: bool = False,
-    every: int = 100,
+    every: int | None = None,
     shadow_every: int = 0,
     events: str | Path | None = None,
     seed: int = 0,
@@ -85,7 +88,7 @@ def train(
         train_steps=steps,
         events=events,
     )
-    result = TrainResult(workload.name or "workload", policy, pol.config.to_dict(), steps, every)
+    result = TrainResult(workload.name or "workload", policy, pol.config.to_dict(), steps, monitor.every)
     bs = batch_size or workload.default_batch_size
     torch.manual_seed(seed)  # batches drawn from the global generator: the same run every time
     try:
@@ -108,7 +111,9 @@ def train(
         result.scales = list(monitor.scales)
         result.skipped = list(monitor.skipped)
         result.findings = [f.to_dict() for f in monitor.findings]
-        result.series = [s.to_dict() for s in monitor.recorder.series.values()]
+        result.series = [s.to_dict() for s in monitor.sampler.recorder.series.values()]
+        result.sample_steps = list(monitor.sampler.steps)
+        result.every = monitor.every
         result.range_format = monitor.range_format
         result.final_policy = pol.config.to_dict()
         result.healthy = monitor.healthy and not result.stopped

@@ -117,27 +117,44 @@ class TensorRange:
     @torch.no_grad()
     def update_light(self, t: torch.Tensor, fmt: str | None) -> bool:
         """What a per-step series needs, at a fraction of :meth:`update`'s cost: the count, the
-        largest magnitude and, for ``fmt``, the share of non-zero values that flush to zero."""
+        largest magnitude and, for ``fmt``, the share of non-zero values that flush to zero (the
+        zero count is kept only then: it is that share's denominator).
+
+        The usual tensor is finite: one ``aminmax`` pass gives its largest magnitude and proves it,
+        and the non-finite count is searched only when it is not. A tensor already stored in a dtype
+        whose smallest subnormal is above ``fmt``'s flush threshold (an fp16 gradient, for fp16)
+        holds nothing left to flush, so that share is not searched either."""
         self.tensors += 1
-        if t.numel() == 0:
+        n = t.numel()
+        if n == 0:
             return False
-        a = t.detach().abs()
-        a = (a if a.dtype == torch.float64 else a.float()).flatten()
-        finite = torch.isfinite(a)
-        stats = [a.masked_fill(torch.isnan(a), 0.0).max(), (~finite).sum(), (a == 0).sum()]
+        t = t.detach()
+        lowest, highest = torch.aminmax(t)
+        stats = [highest, lowest]
         if fmt is not None:
             half_sub = FORMATS[fmt].smallest_subnormal / 2
-            stats.append((finite & (a > 0) & (a <= half_sub)).sum())
-        values = [float(v) for v in torch.stack([v.to(a.dtype) for v in stats]).tolist()]
-        n = float(a.numel())
+            stats.append(torch.count_nonzero(t == 0))
+            tiny = torch.finfo(t.dtype)
+            if float(tiny.smallest_normal) * float(tiny.eps) <= half_sub:
+                stats.append(torch.count_nonzero(t.abs() <= half_sub))
+        values = torch.stack([v.to(torch.float64) for v in stats]).tolist()
         self.count += n
-        self.nonfinite += values[1]
-        self.zeros += values[2]
-        self.nonzero += n - values[1] - values[2]
-        self.absmax = max(self.absmax, values[0])
+        absmax = max(-values[1], values[0])
+        if not math.isfinite(absmax):  # inf or NaN somewhere: count them, and the largest ignoring NaN
+            a = t.abs().to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+            nonfinite = float((~torch.isfinite(a)).sum())
+            absmax = float(a.masked_fill(torch.isnan(a), 0.0).max())
+        else:
+            nonfinite = 0.0
+        self.nonfinite += nonfinite
+        self.absmax = max(self.absmax, absmax)
         if fmt is not None:
-            self.underflow_count[fmt] += values[3]
-        return values[1] > 0
+            zeros = values[2]
+            self.zeros += zeros
+            self.nonzero += n - nonfinite - zeros
+            if len(values) > 3:  # |x| <= half the smallest subnormal, zeros excluded (NaN compares false)
+                self.underflow_count[fmt] += values[3] - zeros
+        return nonfinite > 0
 
     def merge(self, other: TensorRange) -> TensorRange:
         """Fold another summary into this one (in place); returns self."""

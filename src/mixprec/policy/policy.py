@@ -83,6 +83,30 @@ def _grads_by_device_and_dtype(params: Iterable[torch.Tensor]) -> dict[tuple, li
     return groups
 
 
+def widen_to_fp32(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], half: torch.dtype) -> int:
+    """Widen ``model``'s parameters (and their gradients), buffers and ``optimizers``' state held in
+    the ``half`` dtype to fp32, in place: exact, and the optimizers keep the same parameter objects.
+    Returns how many parameters were widened."""
+    widened = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype == half:
+                p.data = p.data.float()
+                if p.grad is not None:
+                    p.grad = p.grad.float()
+                widened += 1
+        for module in model.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is not None and buffer.dtype == half:
+                    module._buffers[key] = buffer.float()
+        for optimizer in optimizers:
+            for param_state in optimizer.state.values():
+                for key, value in param_state.items():
+                    if isinstance(value, torch.Tensor) and value.dtype == half:
+                        param_state[key] = value.float()
+    return widened
+
+
 class Policy:
     """A precision policy bound to one device. Build it with :func:`mixprec.get_policy`.
 
@@ -107,6 +131,7 @@ class Policy:
         self.stats = StepStats()
         self._param_names: dict[int, str] = {}
         self.fp8_layers: list[str] = []  # fp8 policies: the Linear layers prepare() converted
+        self._input_cast: Any = None  # *-true: the hook casting the model's inputs to the half dtype
 
     # ------------------------------------------------------------------ description
     @property
@@ -161,7 +186,9 @@ class Policy:
         for module in islands.values():
             self._wrap_fp32_island(module)
         if self.spec.param_dtype is not None:
-            model.register_forward_pre_hook(cast_inputs(self.spec.param_dtype), with_kwargs=True)
+            self._input_cast = model.register_forward_pre_hook(
+                cast_inputs(self.spec.param_dtype), with_kwargs=True
+            )
         if self.config.channels_last:
             model.register_forward_pre_hook(channels_last_inputs, with_kwargs=True)
         self.refresh_param_names(model)
@@ -216,19 +243,35 @@ class Policy:
         self.config = replace(self.config, keep_fp32=(*self.config.keep_fp32, *added))
         return added
 
-    def switch(self, name: str) -> None:
-        """Continue the run under policy ``name``, in place: between policies that keep fp32
-        weights (fp16-mixed -> bf16-mixed, bf16-mixed -> fp32), so the weights and the optimizer
-        state carry over unchanged; a scaler the new policy does not need is retired (its step
-        count and skips stay in :attr:`stats`), one it needs starts fresh."""
+    def switch(
+        self,
+        name: str,
+        model: nn.Module | None = None,
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+    ) -> None:
+        """Continue the run under policy ``name``, in place, to a policy with fp32 weights (*-mixed,
+        fp32, tf32, bf32). From another such policy (fp16-mixed -> bf16-mixed, bf16-mixed -> fp32)
+        the weights and the optimizer state carry over unchanged. From a *-true policy the half
+        weights, buffers and optimizer state of ``model`` and ``optimizers`` are widened to fp32 in
+        place (exact: every half value is an fp32 value; the optimizers keep the same parameters)
+        and become the master weights, so updates below half a ulp of the half format count again.
+        A scaler the new policy does not need is retired (its step count and skips stay in
+        :attr:`stats`), one it needs starts fresh (or carries on, from fp16-true to fp16-mixed)."""
         if name not in POLICIES:
             raise PolicyError(f"switch(): unknown policy {name!r}{did_you_mean(name, list(POLICIES))}")
         target = POLICIES[name]
-        if self.spec.param_dtype is not None or target.param_dtype is not None or target.fp8_recipe:
+        if target.param_dtype is not None or target.fp8_recipe:
             raise PolicyError(
-                f"switch() from {self.name!r} to {name!r}: only between policies with fp32 weights "
-                "(*-mixed, fp32, tf32, bf32), whose weights and optimizer state carry over as they are."
+                f"switch() from {self.name!r} to {name!r}: only to policies with fp32 weights "
+                "(*-mixed, fp32, tf32, bf32); narrowing weights and optimizer state mid-run is not exact."
             )
+        if self.spec.param_dtype is not None:
+            if model is None:
+                raise PolicyError(
+                    f"switch() from {self.name!r} to {name!r} widens the half weights to fp32: pass the "
+                    "model and its optimizers, switch(name, model, optimizer)."
+                )
+            self._widen(model, _as_optimizers(optimizers) if optimizers else [])
         config = replace(self.config, name=name, scaler=self.config.scaler if target.loss_scaling else None)
         if target.loss_scaling and config.scaler is None:
             config = replace(config, scaler=ScalerOptions())
@@ -237,6 +280,19 @@ class Policy:
             self._scaler = None
         elif self._scaler is None:
             self._scaler = _GradScaler(self.device.type, config.scaler, allow_fp16_grads=False)  # type: ignore[arg-type]
+
+    def _widen(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        """*-true -> fp32 master weights: parameters, gradients, buffers and optimizer state of the
+        half dtype to fp32 in place; the input cast removed; fp32 islands no longer cast back."""
+        widen_to_fp32(model, optimizers, self.spec.param_dtype)  # type: ignore[arg-type]
+        if self._input_cast is not None:
+            self._input_cast.remove()
+            self._input_cast = None
+        for module in model.modules():
+            if getattr(module, "_mixprec_fp32_island", False):
+                module.forward = module.forward.__wrapped__  # type: ignore[method-assign]
+                del module._fp32_island
+                keep_in_fp32(module, self.device.type)  # its outputs stay fp32, as under *-mixed
 
     # ------------------------------------------------------------------ contexts
     def precision_scope(self) -> contextlib.AbstractContextManager[None]:

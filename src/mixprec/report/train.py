@@ -68,8 +68,8 @@ def figure(result: TrainResult) -> Any:
             if s.name not in worst:
                 continue
             points = [
-                (t * result.every, b)
-                for t, v in enumerate(s.forward)
+                (step, b)
+                for step, v in zip(result.sample_steps, s.forward, strict=False)
                 if (b := headroom_bits(v, fmt)) is not None
             ]
             points = [(t, max(b, -4.0)) for t, b in points]

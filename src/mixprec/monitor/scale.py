@@ -1,0 +1,73 @@
+"""What the loss scaler did at each step: whether the step was skipped, the scale it left, and
+the level the run settled at after GradScaler's start-up (a skip below it is news; a back-off to
+it after a growth is GradScaler's normal rhythm)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec.policy import Policy
+
+
+class ScaleWatch:
+    """The scaler of a Policy, or of a plain ``torch.amp`` loop (``scaler``); neither: no scale.
+
+    Attributes:
+        skipped: the steps that were skipped.
+        scales: ``(step, scale)`` where the scale was read.
+        settled: the scale after GradScaler's start-up (None until the first step that moved).
+        current: the scale the last step left (the next step's).
+    """
+
+    def __init__(self, policy: Policy | None, scaler: torch.amp.GradScaler | None) -> None:
+        self.policy, self.scaler = policy, scaler
+        self.skipped: list[int] = []
+        self.scales: list[tuple[int, float]] = []
+        self.settled: float | None = None
+        self._skips_before = policy.stats.skipped_steps if policy is not None else 0
+        self.current = self.read()
+
+    def read(self) -> float | None:
+        if self.policy is not None:
+            return self.policy.stats.scale
+        if self.scaler is not None and self.scaler.is_enabled():
+            return float(self.scaler.get_scale())  # its initial scale before the first step
+        return None
+
+    def after_step(self, step: int, sampled: bool) -> bool:
+        """Whether ``step`` was skipped. A policy counts its skips on the host; its scale (a device
+        tensor) is read only when it matters: after a skip, until the scale settles, at sampled
+        steps. A plain loop's skip shows as a lower scale, read from GradScaler after its
+        ``step()`` has already synchronised (non-fused optimizers)."""
+        if self.policy is not None:
+            skipped = self.policy.stats.skipped_steps > self._skips_before
+            self._skips_before = self.policy.stats.skipped_steps
+            if self.policy.scaler is None or not (skipped or self.settled is None or sampled):
+                self._note(step, skipped)
+                return skipped
+            scale = self.policy.stats.scale
+        else:
+            scale = self.read()
+            skipped = scale is not None and self.current is not None and scale < self.current
+        if scale is not None:
+            self.scales.append((step, scale))
+        self.current = scale
+        self._note(step, skipped)
+        return skipped
+
+    def _note(self, step: int, skipped: bool) -> None:
+        if skipped:
+            self.skipped.append(step)
+        elif self.settled is None:
+            self.settled = self.current  # the level GradScaler's start-up found
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"settled_scale": self.settled, "skipped": list(self.skipped)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.settled = state.get("settled_scale")
+        self.skipped = [int(v) for v in state.get("skipped") or []]
+        self._skips_before = self.policy.stats.skipped_steps if self.policy is not None else 0
+        self.current = self.read()

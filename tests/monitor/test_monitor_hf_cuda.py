@@ -1,0 +1,67 @@
+"""The fp16 faults inside a real HF Trainer, which needs a GPU: on a CPU the Trainer's ``fp16=True``
+trains in plain fp32 (Accelerate's rule), so there is nothing to overflow. An MLP block of a small
+GPT-2 overflows fp16 from step ``ONSET`` on (its output times 1e6, then divided back: exact in
+fp32); the monitor finds the Trainer's GradScaler on Accelerate's optimizer, names the block, and
+with ``rescue=True`` makes it an fp32 island, after which the run trains on with finite losses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mixprec
+from extras import require
+
+pytestmark = [pytest.mark.gpu, pytest.mark.frameworks]
+
+ONSET = 30
+BLOCK = "transformer.h.0.mlp"
+
+
+def train(tmp_path, steps, **monitor_kw):
+    require("transformers", "frameworks")
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from mixprec.monitor.hf import MonitorCallback
+
+    w = mixprec.load_workload("hf:gpt2", seq_len=16, n_layer=1, n_embd=32, n_head=2)
+    data = [{k: v[0] for k, v in w.make_batch(1, torch.device("cpu")).items()} for _ in range(steps * 2)]
+    gain = {"value": 1.0}
+
+    def amplify(module, args, output):
+        return output * gain["value"] / gain["value"]
+
+    dict(w.model.named_modules())[BLOCK].register_forward_hook(amplify)
+
+    class Onset(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == ONSET:
+                gain["value"] = 1e6
+
+    monitor = MonitorCallback(every=10, **monitor_kw)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        fp16=True,
+        learning_rate=1e-4,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
+    Trainer(model=w.model, args=args, train_dataset=data, callbacks=[Onset(), monitor]).train()
+    return monitor.monitor
+
+
+def test_an_fp16_overflow_in_one_block_is_named_and_islanded_in_the_trainer(tmp_path):
+    alert = train(tmp_path / "alert", 60)
+    assert alert.scaler is not None  # found on Accelerate's optimizer
+    first = next(f for f in alert.findings if f.kind in ("overflow", "scale_collapse"))
+    assert first.module == BLOCK and ONSET <= first.step <= ONSET + 10
+    assert "rescue" not in [f.kind for f in alert.findings]
+
+    rescued = train(tmp_path / "rescued", 60, rescue=True)
+    assert ("rescue", BLOCK) in [(f.kind, f.module) for f in rescued.findings]
+    assert all(math.isfinite(v) for v in rescued.losses[-10:])  # the island holds the block's range
