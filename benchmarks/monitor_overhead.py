@@ -1,9 +1,13 @@
 """What the monitor costs at its defaults: the same training loop with and without a
-``mixprec.Monitor`` (every=100, no shadow steps), interleaved rounds on the same machine, median of
-the per-round ratios of step time. Two models: a launch-bound one (a small MLP at batch 32: the
-monitor's per-step work is largest against its step) and ResNet-50 (32 px, batch 8 on a CPU).
+``mixprec.Monitor`` (``every=None``: every 100 steps, or less often where a sampled step would cost
+more than 0.5% of the run; no shadow steps), interleaved rounds on the same machine (A B B A ...),
+median of the per-round ratios of time per step, with their interquartile range. Two models: a
+launch-bound one (a small MLP at batch 32: the monitor's per-step work is largest against its
+step) and ResNet-50 (32 px, batch 8 on a CPU). Besides the paired ratio, the monitor's own work is
+timed directly: ``observe()`` on an unsampled step, and the extra time of a sampled step against
+the unsampled ones, from which the expected overhead follows without the machine's noise.
 
-    python benchmarks/monitor_overhead.py [--rounds 5] [--steps 200] --out benchmarks/results/cpu-amd-epyc
+    python benchmarks/monitor_overhead.py [--rounds 21] [--steps 400] --out benchmarks/results/cpu-amd-epyc
 """
 
 from __future__ import annotations
@@ -37,9 +41,9 @@ def mlp() -> mixprec.Workload:
 
 
 MODELS = {
-    "mlp (launch-bound)": (mlp, 32),
-    "resnet50 (32 px)": (lambda: build_zoo_workload("resnet50", image_size=32), 8),
-}
+    "mlp (launch-bound)": (mlp, 32, 1),
+    "resnet50 (32 px)": (lambda: build_zoo_workload("resnet50", image_size=32), 8, 4),
+}  # name: (build, batch, the share of --rounds and --steps' multiple it runs: ResNet-50 steps are slow)
 
 
 class Loop:
@@ -57,11 +61,14 @@ class Loop:
             else None
         )
         self.i = 0
+        self.observe_s: dict[bool, list[float]] = {True: [], False: []}  # sampled?: observe() times
+        self.step_s: dict[bool, list[float]] = {True: [], False: []}  # sampled?: whole-step times
 
     def run(self, steps: int) -> float:
         """Seconds per step over ``steps`` steps."""
         start = time.perf_counter()
         for _ in range(steps):
+            t0 = time.perf_counter()
             batch = self.batches[self.i % len(self.batches)]
             with self.policy.autocast():
                 loss = self.w.loss_fn(self.model, batch)
@@ -69,40 +76,71 @@ class Loop:
             self.policy.backward(loss)
             self.policy.step(self.optimizer)
             if self.monitor is not None:
+                sampled = self.monitor.sampler.due(self.monitor.step)
+                t1 = time.perf_counter()
                 self.monitor.observe(loss, batch)
+                t2 = time.perf_counter()
+                self.observe_s[sampled].append(t2 - t1)
+                self.step_s[sampled].append(t2 - t0)
             self.i += 1
         return (time.perf_counter() - start) / steps
+
+    def components(self) -> dict[str, float]:
+        """The monitor's own cost, timed directly: observe() on an unsampled step, the extra time
+        of a sampled step (hooks, reads, fits) over an unsampled one, and the overhead they make at
+        the interval the monitor ended at, against the unsampled step time."""
+        assert self.monitor is not None
+        unsampled = statistics.median(self.step_s[False])
+        observe = statistics.median(self.observe_s[False])
+        extra = statistics.median(self.step_s[True]) - unsampled if self.step_s[True] else 0.0
+        every = self.monitor.every
+        return {
+            "every": every,
+            "observe_us": observe * 1e6,
+            "sampled_extra_ms": extra * 1e3,
+            "expected_overhead": (observe * (every - 1) / every + extra / every) / (unsampled - observe),
+        }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=200, help="steps per round and variant (2 sampled)")
+    parser.add_argument("--rounds", type=int, default=21, help="rounds for the MLP (ResNet-50: a quarter)")
+    parser.add_argument("--steps", type=int, default=400, help="steps per round and variant for the MLP")
     parser.add_argument("--policy", default="bf16-mixed")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu"))
     args = parser.parse_args()
     results = {}
-    for name, (build, batch) in MODELS.items():
+    for name, (build, batch, share) in MODELS.items():
         plain, watched = Loop(build, batch, args.policy, False), Loop(build, batch, args.policy, True)
         plain.run(20), watched.run(20)  # warm-up
         ratios, times = [], {"plain": [], "monitor": []}
-        for r in range(args.rounds):
+        rounds, steps = max(3, args.rounds // share) | 1, max(100, args.steps // share)
+        for r in range(rounds):
             order = (plain, watched) if r % 2 == 0 else (watched, plain)
-            t = {id(loop): loop.run(args.steps) for loop in order}
+            t = {id(loop): loop.run(steps) for loop in order}
             times["plain"].append(t[id(plain)])
             times["monitor"].append(t[id(watched)])
             ratios.append(t[id(watched)] / t[id(plain)])
         ratio = statistics.median(ratios)
+        quartiles = statistics.quantiles(ratios, n=4)
         results[name] = {
+            "rounds": rounds,
+            "steps_per_round": steps,
             "median_ratio": ratio,
+            "ratio_iqr": [quartiles[0], quartiles[2]],
             "ratios": ratios,
+            **watched.components(),
             "plain_ms": statistics.median(times["plain"]) * 1e3,
             "monitor_ms": statistics.median(times["monitor"]) * 1e3,
             "findings": [f.to_dict() for f in watched.monitor.findings] if watched.monitor else [],
         }
+        r = results[name]
         print(
-            f"{name:22s} step {results[name]['plain_ms']:.2f} ms plain, {results[name]['monitor_ms']:.2f} ms "
-            f"monitored: overhead {ratio - 1:+.2%} (rounds: {', '.join(f'{x - 1:+.1%}' for x in ratios)})"
+            f"{name:22s} step {r['plain_ms']:.2f} ms plain, {r['monitor_ms']:.2f} ms monitored: "
+            f"overhead {ratio - 1:+.2%} (IQR {quartiles[0] - 1:+.2%} .. {quartiles[2] - 1:+.2%}, {rounds} "
+            f"rounds of {steps} steps); timed directly: every {r['every']}, "
+            f"observe {r['observe_us']:.1f} us, "
+            f"sampled step +{r['sampled_extra_ms']:.2f} ms -> {r['expected_overhead']:+.2%}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "monitor_overhead.json"

@@ -3,6 +3,8 @@ interval keeps that cost inside its budget (a scripted clock stands in for the m
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -31,8 +33,7 @@ def run(s: Sampler, clock: Clock, steps: int, step_s: float, extra_s: float, mod
         if s.due(step):
             s.end(step, None, skipped=False)
         clock.now += step_s + (extra_s if s.due(step) else 0.0)
-        s.tick(step)
-        s.begin(step + 1)
+        s.next(step + 1)
 
 
 @pytest.fixture
@@ -49,18 +50,19 @@ def model() -> nn.Module:
 
 def test_a_cheap_sample_keeps_the_default_interval(clock):
     s = Sampler(model(), "fp16", every=None)
-    # a sample costing a third of a step: 0.33 / 100 steps, under the budget
-    run(s, clock, 1000, step_s=1e-3, extra_s=0.33e-3, model=s.model)
+    # a sample costing a fifth of a step: 0.2 / 100 steps, under the budget
+    run(s, clock, 1000, step_s=1e-3, extra_s=0.2e-3, model=s.model)
     assert s.interval == EVERY and s.steps == list(range(0, 1000, EVERY))
 
 
 def test_an_expensive_sample_widens_the_interval_to_the_budget_and_keeps_the_grid(clock):
     s = Sampler(model(), "fp16", every=None)
-    # a sample costing 3 steps: at every 100 steps that is 3% of the run; the budget needs >= 600
-    run(s, clock, 3000, step_s=1e-3, extra_s=3e-3, model=s.model)
-    assert s.interval == 800  # the next power-of-two multiple of 100 past 3e-3 / (BUDGET * 1e-3)
-    assert 3e-3 / (s.interval * 1e-3) <= BUDGET
-    assert s.steps == list(range(0, 3000, 800))  # samples off the new grid dropped: evenly spaced
+    # a sample costing 3 steps: at every 100 steps that is 3% of the run
+    run(s, clock, 5000, step_s=1e-3, extra_s=3e-3, model=s.model)
+    needed = 3e-3 / (BUDGET * 1e-3)
+    assert s.interval == EVERY * 2 ** math.ceil(math.log2(needed / EVERY))  # the next power-of-two multiple
+    assert 3e-3 / (s.interval * 1e-3) <= BUDGET < 3e-3 / (s.interval / 2 * 1e-3)
+    assert s.steps == list(range(0, 5000, s.interval))  # samples off the new grid dropped: evenly spaced
     for series in s.recorder.series.values():
         assert len(series.forward) == len(series.backward) == len(series.underflow) == len(s.steps)
 
@@ -75,8 +77,7 @@ def test_one_slow_sample_is_not_enough_to_widen(clock):
             s.end(step, None, skipped=False)
         # one sample (step 200) is slow, a pause of the machine; the others are cheap
         clock.now += 1e-3 + (50e-3 if step == 200 else 0.0)
-        s.tick(step)
-        s.begin(step + 1)
+        s.next(step + 1)
     assert s.interval == EVERY
 
 
@@ -90,12 +91,12 @@ def test_the_interval_survives_a_resume(clock):
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     first = Monitor(net, optimizer=opt)
-    run(first.sampler, clock, 3000, step_s=1e-3, extra_s=3e-3, model=net)
+    run(first.sampler, clock, 5000, step_s=1e-3, extra_s=3e-3, model=net)
     state = first.state_dict()
     first.close()
     resumed = Monitor(net, optimizer=opt)
     resumed.load_state_dict(state)
-    assert resumed.every == first.every == 800
+    assert resumed.every == first.every > EVERY
     assert resumed.sampler.steps == first.sampler.steps
     resumed.close()
     fixed = Monitor(net, optimizer=opt, every=5)

@@ -106,12 +106,6 @@ def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _nonfinite_on_host(loss: torch.Tensor) -> bool:
-    """A non-finite loss the host already holds (a CPU run); on a GPU reading it would be a sync,
-    so it waits for the next sampled step."""
-    return loss.device.type == "cpu" and loss.numel() == 1 and not math.isfinite(loss.item())
-
-
 def _spikes(value: float, recent: Sequence[float]) -> bool:
     """``value`` is not finite, or ``SPIKE_MADS`` median absolute deviations above the median."""
     if not math.isfinite(value):
@@ -136,7 +130,7 @@ class Monitor:
         loss_fn: ``loss_fn(model, batch)``, for the fp32 shadow (without it a skip is located from
             the gradients alone and no batch can be cleared).
         every: steps between sampled steps (ranges, losses, trends, weight checks); None: 100, or
-            less often where a sampled step would cost more than 0.5% of the run's time (see
+            less often where sampled steps would cost more than 0.25% of the run's time (see
             :mod:`mixprec.monitor.sampler`).
         shadow_every: steps between fp32 shadow steps (0: only on skipped steps).
         rescue: act on precision findings (False: alert only; the run is never touched).
@@ -213,7 +207,8 @@ class Monitor:
         self.findings: list[Finding] = []
         self.losses: list[float] = []  # every step's loss, read at the sampled steps
         self.rescues = 0
-        self._pending: list[torch.Tensor] = []
+        self._pending: list[torch.Tensor] = []  # device losses, read at the next sampled step
+        self._host: bool | None = None  # whether the loss is on the host (read each step, no sync)
         self._last_action = -(10**9)
         self._seen: dict[tuple[str, str | None], int] = {}
         self._analysed_to = -1
@@ -258,20 +253,15 @@ class Monitor:
 
         ``batch``: the step's batch, for the fp32 shadow on a skipped step (kept only for this call)."""
         step, before = self.step, len(self.findings)
-        sampled = self.sampler.due(step)
+        sampled = step % self.sampler.interval == 0
         skipped = self.scale.after_step(step, sampled)
-        self._pending.append(loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss)))
+        value = self._keep_loss(loss)
         if sampled:
             self.sampler.end(step, self.scale.current if self.policy is None else self.scale.read(), skipped)
         if skipped:
             self._on_skip(step, batch)
-        elif (
-            batch is not None
-            and self.loss_fn is not None
-            and isinstance(loss, torch.Tensor)
-            and _nonfinite_on_host(loss)
-        ):
-            self._on_nonfinite(step, loss, batch)
+        elif value is not None and not math.isfinite(value) and batch is not None and self.loss_fn:
+            self._on_nonfinite(step, value, batch)
         if self.shadow_every and step % self.shadow_every == 0 and batch is not None and self.loss_fn:
             self._shadow(step, batch)
         if sampled:
@@ -282,10 +272,26 @@ class Monitor:
             self._emit(Finding(step, SCHEDULE, done, action=done))
         if self.snapshot_every and step % self.snapshot_every == 0:
             self.rescuer.take_snapshot(step)
-        self.sampler.tick(step)
         self.step += 1
-        self.sampler.begin(self.step)
+        self.sampler.next(self.step)
         return self.findings[before:]
+
+    def _keep_loss(self, loss: torch.Tensor | float) -> float | None:
+        """Keep the step's loss: its value where the host holds it already (a CPU run: no sync, so
+        a non-finite loss is seen at once), else the device tensor, read at the next sampled step."""
+        if isinstance(loss, torch.Tensor):
+            if self._host is None:
+                self._host = loss.device.type == "cpu" and loss.numel() == 1
+            if not self._host:
+                self._pending.append(loss.detach())
+                return None
+            value = loss.item()
+        else:
+            value = float(loss)
+        if self._pending:
+            self._read_losses()  # (the order of the losses is kept)
+        self.losses.append(value)
+        return value
 
     def check_checkpoint(self) -> None:
         """Raise :class:`PoisonedCheckpointError` (and record a finding) when the weights or the
@@ -384,12 +390,11 @@ class Monitor:
                 lambda: self.rescuer.island(module),
             )
 
-    def _on_nonfinite(self, step: int, loss: torch.Tensor, batch: Any) -> None:
+    def _on_nonfinite(self, step: int, now: float, batch: Any) -> None:
         """A non-finite loss the scaler did not skip (no scaler, or a finite gradient), read where the
         host already holds it (a CPU run: no sync; on a GPU it is seen at the next sampled step).
         Only that: a finite spike on a step that moved the weights cannot be shadowed, since the
         weights that made it are gone."""
-        now = loss.item()
         if self._blames_batch(step, batch):
             return
         self._explained.add(step)

@@ -27,7 +27,7 @@ from mixprec.frameworks.torch.ranges import StepRecorder
 from mixprec.numerics.trend import LayerSeries
 
 EVERY = 100  # the most often a step is sampled by default
-BUDGET = 0.005  # the share of the run's time sampled steps may cost (the per-step work is apart)
+BUDGET = 0.0025  # the share of the run's time sampled steps may cost; the per-step work (~5 us) is apart
 MAX_WIDENING = 64  # an automatic interval stays within 64x EVERY: a run is still sampled
 _RECENT_STEPS = 16  # unsampled step times the typical step time is the median of
 
@@ -57,10 +57,11 @@ class Sampler:
         return step % self.interval == 0
 
     # ------------------------------------------------------------------ one sampled step
-    def begin(self, step: int) -> None:
-        """Hook the model for ``step`` when it is due (called at the end of the step before)."""
-        self._mark = time.perf_counter()
-        if not self.due(step):
+    def begin(self, step: int, now: float | None = None) -> None:
+        """Hook the model for ``step`` when it is due (called at the end of the step before); the
+        step's time is counted from ``now`` (the hooks' own cost included)."""
+        self._mark = time.perf_counter() if now is None else now
+        if step % self.interval:
             return
         self.recorder.begin()
         if self.half_weights:
@@ -97,13 +98,17 @@ class Sampler:
         self._before = []
 
     # ------------------------------------------------------------------ cost
-    def tick(self, step: int) -> None:
-        """Time the step that just ended (call once per step, before :meth:`begin` of the next);
-        after a sampled step, widen the interval if sampling costs more than the budget."""
-        if self._mark is None:
-            return
-        seconds = time.perf_counter() - self._mark
-        if not self.due(step):
+    def next(self, step: int) -> None:
+        """The step before ``step`` ended: time it, then :meth:`begin` ``step``."""
+        now = time.perf_counter()
+        if self._mark is not None:
+            self.tick(step - 1, now - self._mark)
+        self.begin(step, now)
+
+    def tick(self, step: int, seconds: float) -> None:
+        """``step`` took ``seconds``; after a sampled step, widen the interval if sampling costs
+        more than the budget."""
+        if step % self.interval:
             self._typical.append(seconds)
             return
         if self.fixed or len(self._typical) < _RECENT_STEPS // 2:
