@@ -1,11 +1,12 @@
 """The one status vocabulary of mixprec's results, and the tone every report shows it in.
 
 Bench rows end ``ok``, ``unsupported``, ``oom``, ``error``, ``pruned`` or ``no-effect`` (a math
-mode that computes what strict fp32 computes on this workload); checks ``pass`` or ``fail`` (or
-``unsupported``); tune's decision table uses the checks' words for what passed and failed and adds
-``recommended``, ``slower`` and ``unchecked``. Statuses are strings (``StrEnum``), so comparisons
-with plain strings keep working, and JSON written by older versions loads: their ``passed`` and
-``rejected`` read as ``pass`` and ``fail``.
+mode that computes what strict fp32 computes on this workload), and in a precision x batch sweep
+``over-budget`` (a micro-batch whose peak memory is past the budget, not timed); checks ``pass``
+or ``fail`` (or ``unsupported``); tune's decision table uses the checks' words for what passed
+and failed and adds ``recommended``, ``slower`` and ``unchecked``. Statuses are strings
+(``StrEnum``), so comparisons with plain strings keep working, and JSON written by older versions
+loads: their ``passed`` and ``rejected`` read as ``pass`` and ``fail``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class Status(StrEnum):
     ERROR = "error"
     PRUNED = "pruned"
     NO_EFFECT = "no-effect"
+    OVER_BUDGET = "over-budget"  # precision x batch: its measured peak is past the memory budget (not timed)
     PASS = "pass"
     FAIL = "fail"
     AT_RISK = "at-risk"  # passes the checked steps, but a trend predicts a failure within the run
@@ -48,6 +50,7 @@ TONES: dict[Status, str] = {
     Status.UNSUPPORTED: "muted",
     Status.SLOWER: "muted",
     Status.NO_EFFECT: "muted",
+    Status.OVER_BUDGET: "muted",
 }
 
 

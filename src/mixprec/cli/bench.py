@@ -17,8 +17,12 @@ from mixprec.cli.common import (
     workload_from_args,
 )
 from mixprec.errors import UsageError
+from mixprec.measure.batches import bench_batches, parse_batch_sizes
+from mixprec.measure.memory import parse_size
 from mixprec.measure.results import write_csv
 from mixprec.measure.sweep import CHOICES, bench, parse_policies
+from mixprec.report.batches import batch_table
+from mixprec.report.batches import plot as plot_batches
 from mixprec.report.bench import bench_table, error_tracebacks, plot, write_markdown
 from mixprec.report.jsonio import write_json
 
@@ -67,6 +71,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="train each candidate on N DDP ranks (gloo on CPU, nccl on CUDA); --batch-size is per rank",
     )
     p.add_argument(
+        "--batch-sizes",
+        metavar="SIZES",
+        help="precision x batch: every candidate at each micro-batch size (e.g. 8,16,32), with its peak "
+        "memory, a memory model fitted on them, and the Pareto front of throughput against memory",
+    )
+    p.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="with --batch-sizes: the memory a step may take (e.g. 16GiB); sizes past it are not timed, "
+        "and each candidate's largest micro-batch within it is found and measured",
+    )
+    p.add_argument(
         "--xla",
         choices=CHOICES,
         dest="compile",
@@ -77,6 +93,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    if args.batch_sizes or args.memory_budget:
+        return run_batches(args, out, err)
     resume = args.resume or args.resume_anyway
     if resume and not args.json:
         raise UsageError("--resume continues the rows in the .jsonl next to --json FILE; pass --json too.")
@@ -134,3 +152,49 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if failure is not None:
         raise failure
     return 0
+
+
+def run_batches(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """``--batch-sizes``: the precision x batch table instead of the one-size table."""
+    if not args.batch_sizes:
+        raise UsageError("--memory-budget applies to a precision x batch sweep; pass --batch-sizes too.")
+    for flag, given in (("--resume", args.resume or args.resume_anyway), ("--nproc", args.nproc > 1)):
+        if given:
+            raise UsageError(f"{flag} is not available with --batch-sizes yet; drop it.")
+    if args.batch_size is not None:
+        raise UsageError("--batch-size and --batch-sizes both set the micro-batch; pass one of them.")
+    sizes = parse_batch_sizes(args.batch_sizes)
+    memory_budget = parse_size(args.memory_budget) if args.memory_budget else None
+    defaults = Defaults(args, "bench")
+    if args.policies != "all":
+        require_supported(parse_policies(args.policies), defaults)
+    workload = workload_from_args(args, defaults)
+    with CandidateProgress(err, "peak memory at each batch size", verbose=args.verbose) as shown:
+        sweep = bench_batches(
+            workload,
+            sizes,
+            memory_budget=memory_budget,
+            policies=args.policies,
+            channels_last=args.channels_last,
+            compile=args.compile,
+            device=defaults.device,
+            events=shown.event,
+            steps=args.steps or defaults["steps"],
+            warmup=args.warmup or defaults["warmup"],
+            min_time_s=defaults["min_time"] if args.min_time is None else args.min_time,
+            isolate=False if args.in_process else None,
+            prune_factor=args.prune_factor,
+        )
+    out.print(batch_table(sweep))
+    written = []
+    if args.json:
+        env = defaults.framework.environment(defaults.device)
+        written.append(write_json(args.json, "bench-batches", env, sweep.to_dict()))
+    if args.plot:
+        written.append(plot_batches(args.plot, sweep))
+    for flag in ("csv", "markdown"):
+        if getattr(args, flag):
+            err.print(f"--{flag} is written for the one-size table only; the sweep is in --json")
+    for path in written:
+        err.print(f"wrote {path}")
+    return 0 if any(r.samples_per_s for r in sweep.rows) else 1

@@ -27,8 +27,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from mixprec.errors import PolicyError
-from mixprec.frameworks.session import BenchSettings, Session
+from mixprec.errors import PolicyError, UnsupportedError
+from mixprec.frameworks.session import BenchSettings, MemoryPoint, Session
 from mixprec.hardware.device import DeviceInfo
 from mixprec.numerics.compare import Trajectory
 from mixprec.numerics.ranges import RangeReport
@@ -230,6 +230,13 @@ class Framework:
         """``(status, reason)`` of a supported candidate that need not be measured (a math mode that
         computes what strict fp32 does on this workload: 'no-effect'), or None: measure it."""
         return None
+
+    def peak_memory(self, workload: Any, candidate: Candidate, device: str, batch_size: int) -> MemoryPoint:
+        """The peak memory of ``candidate``'s real training step at ``batch_size`` samples (the
+        memory model of :mod:`mixprec.measure.memory` is fitted on a few of these)."""
+        raise UnsupportedError(
+            f"no peak-memory measurement for {self.title} workloads yet; drop --batch-sizes / --batch auto."
+        )
 
     def data_parallel(self) -> Callable[..., Any] | None:
         """The data-parallel measurement ``(spec, candidate, settings, nproc) -> outcome`` (torch DDP),

@@ -9,7 +9,7 @@ the sweep, its child processes and its pruning never look past it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from mixprec.errors import MixprecError
@@ -50,6 +50,37 @@ class BenchSettings:
     adaptive_warmup: bool = True
     # cuDNN autotuning on CUDA (the warm-up steps absorb its first-call cost); no effect on CPU.
     cudnn_benchmark: bool = True
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    """The peak of one training step at ``batch_size`` samples.
+
+    Attributes:
+        peak_bytes: the tensor bytes alive at the step's peak (what a caching allocator is asked for).
+        reserved_bytes: what the allocator held (CUDA's ``max_memory_reserved``); None on a CPU.
+        parts: the peak by kind where known (parameters, gradients, optimizer state, activations...).
+        method: how it was measured.
+    """
+
+    batch_size: int
+    peak_bytes: int
+    reserved_bytes: int | None = None
+    parts: dict[str, int] = field(default_factory=dict)
+    method: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryPoint:
+        return cls(
+            int(data["batch_size"]),
+            int(data["peak_bytes"]),
+            None if data.get("reserved_bytes") is None else int(data["reserved_bytes"]),
+            {str(k): int(v) for k, v in (data.get("parts") or {}).items()},
+            str(data.get("method", "")),
+        )
 
 
 @dataclass

@@ -9,7 +9,7 @@ state and keeps its own state in the checkpoint.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -77,7 +77,9 @@ class MonitorCallback(pl.Callback):
         plugin = trainer.strategy.precision_plugin
         if not isinstance(plugin, HalfPrecision):
             return ""
-        mixed = "bf16-mixed" if plugin.precision == "bf16-true" else "16-mixed"
+        mixed: Literal["bf16-mixed", "16-mixed"] = (
+            "bf16-mixed" if plugin.precision == "bf16-true" else "16-mixed"
+        )
         device = trainer.strategy.root_device.type
         scaler = torch.amp.GradScaler(device) if mixed == "16-mixed" else None
         trainer.strategy.precision_plugin = MixedPrecision(mixed, device, scaler=scaler)

@@ -290,7 +290,7 @@ class Policy:
             self._input_cast = None
         for module in model.modules():
             if getattr(module, "_mixprec_fp32_island", False):
-                module.forward = module.forward.__wrapped__  # type: ignore[method-assign]
+                module.forward = module.forward.__wrapped__  # type: ignore[attr-defined]
                 del module._fp32_island
                 keep_in_fp32(module, self.device.type)  # its outputs stay fp32, as under *-mixed
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 
 from mixprec.frameworks.base import Framework, SessionBuilder
-from mixprec.frameworks.session import BenchSettings, Session
+from mixprec.frameworks.session import BenchSettings, MemoryPoint, Session
 from mixprec.frameworks.torch import session as torch_session
 from mixprec.frameworks.torch.ranges import collect_ranges
 from mixprec.frameworks.torch.trajectory import run_trajectory
@@ -178,6 +178,13 @@ class TorchFramework(Framework):
         self, workload: Workload, candidate: Candidate, settings: BenchSettings, batches: list | None
     ) -> Session:
         return torch_session.TrainingSession(workload, candidate, settings, batches)
+
+    def peak_memory(
+        self, workload: Workload, candidate: Candidate, device: str, batch_size: int
+    ) -> MemoryPoint:
+        from mixprec.frameworks.torch.memory import peak_memory
+
+        return peak_memory(workload, candidate, device, batch_size)
 
     def session_builder(self) -> SessionBuilder:
         return torch_session.build_session

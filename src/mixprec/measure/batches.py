@@ -1,0 +1,296 @@
+"""Precision x batch size: each candidate's throughput and peak memory at several micro-batch
+sizes, the memory model behind them, and under a memory budget the largest micro-batch each
+candidate can run: the speed lower precision buys where its smaller activations let a larger
+micro-batch fit, which a table at one batch size cannot show.
+
+The sweep measures peak memory first (:meth:`Framework.peak_memory` at every size, fitted and
+checked by :mod:`mixprec.measure.memory`), then times, at each size, the candidates that fit the
+budget there, with :func:`mixprec.bench` (paired with strict fp32 at that size, every row as bench
+measures it). An out-of-memory at any point is a row (``oom``), never the end of the sweep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mixprec.budget import Budget
+from mixprec.errors import UsageError
+from mixprec.events import Events, ignore
+from mixprec.frameworks import Framework, framework_of
+from mixprec.frameworks.session import MemoryPoint
+from mixprec.hardware.device import detect
+from mixprec.measure.failure import exception_status
+from mixprec.measure.memory import MemoryModel, fit_and_check
+from mixprec.measure.results import BenchResult
+from mixprec.measure.sweep import bench, parse_choice, parse_policies, plan_candidates
+from mixprec.policy import Candidate
+from mixprec.status import Status
+
+
+@dataclass
+class BatchRow:
+    """One candidate at one micro-batch size.
+
+    Attributes:
+        status: bench's status of the timed row, ``oom`` where memory ran out, or ``over-budget``
+            where the measured peak is past the budget (not timed).
+        samples_per_s: throughput at this micro-batch (None when not timed).
+        speedup: ``samples_per_s`` over strict fp32's best throughput at any size that fits.
+        peak_bytes: the step's measured peak (see :class:`MemoryPoint`).
+        pareto: no other row is at least as fast with at most as much memory.
+    """
+
+    candidate: Candidate
+    batch_size: int
+    status: str
+    reason: str = ""
+    samples_per_s: float | None = None
+    step_ms: float | None = None
+    peak_bytes: int | None = None
+    speedup: float | None = None
+    pareto: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.candidate.label
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "candidate": self.candidate.to_dict(),
+            "label": self.label,
+            "batch_size": self.batch_size,
+            "status": self.status,
+            "reason": self.reason,
+            "samples_per_s": self.samples_per_s,
+            "step_ms": self.step_ms,
+            "peak_memory_bytes": self.peak_bytes,
+            "speedup_vs_fp32_best": self.speedup,
+            "pareto": self.pareto,
+        }
+
+
+@dataclass
+class BatchSweep:
+    """Throughput and memory per candidate and micro-batch (:func:`bench_batches`).
+
+    Attributes:
+        models: the memory model of each candidate (by label), where two sizes were measured.
+        max_batch: under ``memory_budget``, the largest micro-batch the model allows per candidate,
+            with ``verified`` the measured peak at that size (None where it was not measured).
+        results: bench's result at each size, as measured.
+    """
+
+    workload: str
+    device: str
+    batch_sizes: list[int]
+    memory_budget: int | None
+    rows: list[BatchRow] = field(default_factory=list)
+    models: dict[str, MemoryModel] = field(default_factory=dict)
+    max_batch: dict[str, int | None] = field(default_factory=dict)
+    verified: dict[str, MemoryPoint | None] = field(default_factory=dict)
+    results: dict[int, BenchResult] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "device": self.device,
+            "batch_sizes": self.batch_sizes,
+            "memory_budget_bytes": self.memory_budget,
+            "rows": [r.to_dict() for r in self.rows],
+            "memory_models": {k: m.to_dict() for k, m in self.models.items()},
+            "max_batch": self.max_batch,
+            "max_batch_peak": {k: p.to_dict() if p else None for k, p in self.verified.items()},
+            "notes": self.notes,
+            "bench": {str(b): r.to_dict() for b, r in self.results.items()},
+        }
+
+
+def parse_batch_sizes(text: str | Sequence[int]) -> list[int]:
+    """``'8,16,32'`` (or a list) as sorted distinct positive sizes."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    sizes = []
+    for item in items:
+        try:
+            size = int(str(item).strip())
+        except ValueError:
+            size = 0
+        if size < 1:
+            raise UsageError(
+                f"batch size {str(item).strip()!r} in {text!r} is not a positive integer; write the sizes "
+                "like 8,16,32."
+            )
+        sizes.append(size)
+    if not sizes:
+        raise UsageError("no batch sizes given; write them like 8,16,32.")
+    return sorted(set(sizes))
+
+
+def _memory(
+    framework: Framework, workload: Any, candidate: Candidate, device: str, batch_size: int
+) -> MemoryPoint | tuple[str, str]:
+    try:
+        return framework.peak_memory(workload, candidate, device, batch_size)
+    except Exception as exc:  # one candidate's failure is a row, not the end of the sweep
+        return exception_status(exc), f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
+VERIFY_TRIES = 4  # measured steps to confirm the largest micro-batch that fits
+
+
+def _largest_that_fits(
+    framework: Framework,
+    workload: Any,
+    cand: Candidate,
+    device: str,
+    model: MemoryModel,
+    memory_budget: int,
+    peaks: dict[tuple[Candidate, int], MemoryPoint],
+) -> tuple[int | None, MemoryPoint | None]:
+    """The model's largest micro-batch within the budget, confirmed by a measured step there; one
+    that measures past the budget (the fit extrapolated too far) steps down in proportion and is
+    measured again. An out-of-memory there counts as past it."""
+    most = model.max_batch(memory_budget)
+    for _ in range(VERIFY_TRIES):
+        if most is None:
+            return None, None
+        got = peaks.get((cand, most)) or _memory(framework, workload, cand, device, most)
+        if isinstance(got, MemoryPoint) and got.peak_bytes <= memory_budget:
+            return most, got
+        over = got.peak_bytes / memory_budget if isinstance(got, MemoryPoint) else 1.25
+        smaller = int(most / over) if over > 1 else most - 1
+        most = min(smaller, most - 1) or None
+    return None, None
+
+
+def bench_batches(
+    workload: Any,
+    batch_sizes: str | Sequence[int],
+    *,
+    memory_budget: int | None = None,
+    policies: str | Sequence[str] | None = "all",
+    channels_last: str | bool = "off",
+    compile: str | bool = "off",
+    device: Any = None,
+    events: Events | None = None,
+    budget: Budget | None = None,
+    **bench_options: Any,
+) -> BatchSweep:
+    """Throughput and peak memory of each candidate at each of ``batch_sizes``; under
+    ``memory_budget`` (bytes) the largest micro-batch each can run, verified by one measured step.
+    ``bench_options`` go to :func:`mixprec.bench` at every size (steps, warmup, isolate, ...)."""
+    framework = framework_of(workload)
+    sizes = parse_batch_sizes(batch_sizes)
+    if memory_budget is not None and (isinstance(memory_budget, bool) or memory_budget <= 0):
+        raise UsageError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}.")
+    dev = framework.resolve_device(device)
+    events = events or ignore
+    budget = budget or Budget.unlimited()
+    info = detect(dev)
+    layouts, _ = framework.bench_layouts(workload, parse_choice(channels_last, "channels_last"))
+    plan = plan_candidates(framework, parse_policies(policies), layouts, parse_choice(compile, "compile"))
+    plan = [c for c in plan if framework.support(c, info).supported]
+    sweep = BatchSweep(framework.workload_label(workload), dev, sizes, memory_budget)
+
+    peaks: dict[tuple[Candidate, int], MemoryPoint] = {}
+    failed: dict[tuple[Candidate, int], tuple[str, str]] = {}
+    for cand in plan:
+        for size in sizes:
+            if budget.expired():
+                break
+            events({"event": "stage", "text": f"peak memory of {cand.label} at batch {size}"})
+            got = _memory(framework, workload, cand, dev, size)
+            if isinstance(got, MemoryPoint):
+                peaks[cand, size] = got
+            else:
+                failed[cand, size] = got
+        points = [peaks[cand, s] for s in sizes if (cand, s) in peaks]
+        if len({p.batch_size for p in points}) >= 2:
+            model = sweep.models[cand.label] = fit_and_check(cand.label, points)
+            if memory_budget is not None:
+                most, verified = _largest_that_fits(
+                    framework, workload, cand, dev, model, memory_budget, peaks
+                )
+                sweep.max_batch[cand.label], sweep.verified[cand.label] = most, verified
+    if len(sizes) < 2:
+        sweep.notes.append("one batch size: no memory model (give two sizes or more to fit one)")
+
+    for size in sizes:
+        if budget.expired():
+            sweep.notes.append(f"the time budget ran out before batch {size} was timed")
+            break
+        fits = [
+            c
+            for c in plan
+            if (c, size) not in failed
+            and (memory_budget is None or ((c, size) in peaks and peaks[c, size].peak_bytes <= memory_budget))
+        ]
+        for cand in plan:
+            if (cand, size) in failed:
+                status, reason = failed[cand, size]
+                sweep.rows.append(BatchRow(cand, size, status, reason))
+            elif cand not in fits:
+                peak = peaks[cand, size].peak_bytes if (cand, size) in peaks else None
+                sweep.rows.append(BatchRow(cand, size, Status.OVER_BUDGET, peak_bytes=peak))
+        if not fits:
+            continue
+        events({"event": "stage", "text": f"timing {len(fits)} candidates at batch {size}"})
+        try:
+            result = bench(
+                workload,
+                candidates=fits,
+                batch_size=size,
+                device=dev,
+                events=events,
+                budget=budget,
+                **bench_options,
+            )
+        except Exception as exc:  # e.g. out of memory in the validating step: this size's rows say so
+            status = exception_status(exc)
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            sweep.rows += [BatchRow(c, size, status, reason) for c in fits]
+            continue
+        sweep.results[size] = result
+        timed = {row.candidate: row for row in result.rows if not row.baseline_repeat}
+        for cand in fits:
+            row = timed.get(cand)
+            if row is None:
+                sweep.rows.append(BatchRow(cand, size, Status.ERROR, "not measured by bench"))
+                continue
+            st = row.step_time_ms
+            sweep.rows.append(
+                BatchRow(
+                    cand,
+                    size,
+                    str(row.status),
+                    row.reason,
+                    row.throughput,
+                    st.median_ms if st is not None else None,
+                    peaks[cand, size].peak_bytes if (cand, size) in peaks else row.peak_memory_bytes,
+                )
+            )
+    _rank(sweep, framework.baseline)
+    return sweep
+
+
+def _rank(sweep: BatchSweep, baseline: Candidate) -> None:
+    """Speedup against strict fp32's best throughput at any size that fits, and the Pareto front
+    of throughput against peak memory."""
+    fp32 = [r.samples_per_s for r in sweep.rows if r.candidate == baseline and r.samples_per_s]
+    best = max(fp32, default=None)
+    timed = [r for r in sweep.rows if r.samples_per_s]
+    for row in timed:
+        row.speedup = row.samples_per_s / best if best and row.samples_per_s else None
+        row.pareto = row.peak_bytes is not None and not any(
+            o is not row
+            and o.peak_bytes is not None
+            and o.samples_per_s is not None
+            and row.samples_per_s is not None
+            and o.samples_per_s >= row.samples_per_s
+            and o.peak_bytes <= row.peak_bytes
+            and (o.samples_per_s > row.samples_per_s or o.peak_bytes < row.peak_bytes)
+            for o in timed
+        )
+    sweep.rows.sort(key=lambda r: (r.label, r.batch_size))
