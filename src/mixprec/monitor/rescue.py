@@ -16,6 +16,7 @@ from mixprec.errors import MixprecError, UsageError
 from mixprec.policy import Policy
 from mixprec.policy.hooks import keep_in_fp32
 from mixprec.policy.policy import widen_to_fp32
+from mixprec.policy.registry import mixed_twin
 
 log = logging.getLogger("mixprec.monitor")
 
@@ -135,7 +136,7 @@ class Rescuer:
         widened in place, and trains in fp32 from there (under the framework's autocast where it
         has one)."""
         if self.policy is not None:
-            target = {"bf16-true": "bf16-mixed", "fp16-true": "fp16-mixed"}.get(self.policy.name)
+            target = mixed_twin(self.policy.name)
             if target is None:
                 return ""
             before = self.policy.config.label

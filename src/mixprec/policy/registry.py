@@ -335,6 +335,16 @@ POLICIES: dict[str, PolicySpec] = {
     )
 }
 
+
+def mixed_twin(name: str) -> str | None:
+    """The *-mixed policy that computes what the *-true policy ``name`` computes, with fp32 master
+    weights (bf16-true -> bf16-mixed): where a run whose half weights stall continues; None for a
+    policy without half weights."""
+    half = POLICIES[name].param_dtype
+    if half is None:
+        return None
+    return next((n for n, s in POLICIES.items() if s.autocast_dtype == half and s.fp8_recipe is None), None)
+
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 # What `check` judges when no policy is named: the two autocast policies most users choose between.
 CHECK_DEFAULT: tuple[str, ...] = ("bf16-mixed", "fp16-mixed")
