@@ -2,9 +2,9 @@
 
 The public API is what the README shows: policies (:func:`get_policy`, :class:`Policy`,
 :class:`Candidate`), workloads (:class:`Workload`, :func:`load_workload`), the measuring and
-checking commands (:func:`bench`, :func:`check`, :func:`lint`), the decision (:func:`tune`,
-:func:`autotune`) and :func:`export`. Importing mixprec initialises no CUDA context and
-changes no global torch flag.
+checking commands (:func:`bench`, :func:`bench_batches`, :func:`check`, :func:`lint`), the
+decision (:func:`tune`, :func:`autotune`) and :func:`export`. Importing mixprec initialises no
+CUDA context and changes no global torch flag.
 """
 
 from mixprec.checking.check import check
@@ -12,6 +12,7 @@ from mixprec.errors import MixprecError, PolicyError, ScaleCollapseError, Unsupp
 from mixprec.exports import EXPORT_TARGETS, export, export_all, export_status
 from mixprec.hardware import DeviceInfo, detect
 from mixprec.linting import lint
+from mixprec.measure.batches import BatchSweep, bench_batches
 from mixprec.measure.results import BenchResult, BenchRow
 from mixprec.measure.sweep import bench
 from mixprec.monitor import Monitor
@@ -34,6 +35,7 @@ __version__ = "0.2.0.dev0"
 __all__ = [
     "EXPORT_TARGETS",
     "POLICY_NAMES",
+    "BatchSweep",
     "BenchResult",
     "BenchRow",
     "Candidate",
@@ -57,6 +59,7 @@ __all__ = [
     "__version__",
     "autotune",
     "bench",
+    "bench_batches",
     "check",
     "check_support",
     "detect",

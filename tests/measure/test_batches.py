@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
+import mixprec.frameworks
 from mixprec.cli import main
 from mixprec.errors import UsageError
 from mixprec.measure.batches import bench_batches, parse_batch_sizes
@@ -122,3 +123,56 @@ def test_bench_batch_sizes_on_the_command_line(tmp_path, capsys):
     assert "pass --batch-sizes too" in capsys.readouterr().err
     assert main([*args, "--batch-sizes", "8,x"]) == 2
     assert "'x'" in capsys.readouterr().err
+
+
+def test_an_accumulated_step_is_the_plain_loops_accumulation():
+    """A measured step with accumulation_steps=4 trains exactly as the loop users write: four
+    micro-batches, each loss divided by 4, one optimizer step (the weights bitwise)."""
+    import copy
+
+    from mixprec.frameworks.session import BenchSettings
+    from mixprec.frameworks.torch.session import TrainingSession, make_batches
+
+    w = wide_mlp()
+    settings = BenchSettings(
+        device="cpu", batch_size=8, steps=1, warmup=1, accumulation_steps=4, profile=False
+    )
+    micro = make_batches(w, 8, torch.device("cpu"), 0, 4)
+    session = TrainingSession(w, mixprec.frameworks.framework_of(w).candidate("fp32"), settings, micro)
+    model = copy.deepcopy(w.model)
+    optimizer = w.make_optimizer(model)
+    loss = session.step(timed=False)["loss"]
+    expected = 0.0
+    for batch in micro:
+        part = w.loss_fn(model, batch) / 4
+        part.backward()
+        expected += float(part)
+    optimizer.step()
+    assert loss == pytest.approx(expected, rel=1e-6)
+    for got, want in zip(session.model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_throughput_counts_every_micro_batch():
+    from mixprec.measure.sweep import bench
+
+    w = wide_mlp()
+    plain = bench(w, policies="fp32", batch_size=8, steps=2, warmup=1, isolate=False, device="cpu")
+    accumulated = bench(
+        w, policies="fp32", batch_size=8, accumulation_steps=4, steps=2, warmup=1, isolate=False, device="cpu"
+    )
+    row = accumulated.rows[0]
+    assert row.accumulation_steps == 4 and accumulated.settings["accumulation_steps"] == 4
+    assert row.throughput == pytest.approx(32 / (row.step_time_ms.median_ms / 1e3))
+    assert plain.rows[0].accumulation_steps == 1
+    with pytest.raises(UsageError, match="accumulation_steps must be an integer >= 1, got 0"):
+        bench(w, policies="fp32", accumulation_steps=0, device="cpu")
+
+
+def test_a_fixed_effective_batch_accumulates_micro_batches():
+    sweep = bench_batches(wide_mlp(), [8, 32], effective_batch=32, policies="fp32", device="cpu", **FAST)
+    rows = rows_by(sweep)
+    assert (rows["fp32", 8].accumulation_steps, rows["fp32", 32].accumulation_steps) == (4, 1)
+    assert sweep.results[8].rows[0].accumulation_steps == 4  # bench measured the accumulated step
+    with pytest.raises(UsageError, match=r"batch size 12 does not divide the effective batch 32.*8, 16, 32"):
+        bench_batches(wide_mlp(), [8, 12], effective_batch=32, device="cpu")

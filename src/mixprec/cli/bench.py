@@ -83,6 +83,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "and each candidate's largest micro-batch within it is found and measured",
     )
     p.add_argument(
+        "--effective-batch",
+        type=positive_int,
+        metavar="N",
+        help="with --batch-sizes: samples per optimizer step at every size, by gradient accumulation "
+        "(each size must divide N)",
+    )
+    p.add_argument(
         "--xla",
         choices=CHOICES,
         dest="compile",
@@ -93,7 +100,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
-    if args.batch_sizes or args.memory_budget:
+    if args.batch_sizes or args.memory_budget or args.effective_batch:
         return run_batches(args, out, err)
     resume = args.resume or args.resume_anyway
     if resume and not args.json:
@@ -157,7 +164,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
 def run_batches(args: argparse.Namespace, out: Console, err: Console) -> int:
     """``--batch-sizes``: the precision x batch table instead of the one-size table."""
     if not args.batch_sizes:
-        raise UsageError("--memory-budget applies to a precision x batch sweep; pass --batch-sizes too.")
+        flag = "--memory-budget" if args.memory_budget else "--effective-batch"
+        raise UsageError(f"{flag} applies to a precision x batch sweep; pass --batch-sizes too.")
     for flag, given in (("--resume", args.resume or args.resume_anyway), ("--nproc", args.nproc > 1)):
         if given:
             raise UsageError(f"{flag} is not available with --batch-sizes yet; drop it.")
@@ -174,6 +182,7 @@ def run_batches(args: argparse.Namespace, out: Console, err: Console) -> int:
             workload,
             sizes,
             memory_budget=memory_budget,
+            effective_batch=args.effective_batch,
             policies=args.policies,
             channels_last=args.channels_last,
             compile=args.compile,

@@ -72,6 +72,7 @@ class Framework:
     compile_modes: ClassVar[tuple[str, ...]] = ()
     compile_scopes: ClassVar[tuple[str, ...]] = ()
     optimizer_impls: ClassVar[tuple[str, ...]] = ()
+    accumulates: ClassVar[bool] = False  # its sessions measure BenchSettings.accumulation_steps
     emulation: ClassVar[bool] = False
     island_kind: ClassVar[str] = "fp32 layers"
     linter: ClassVar[bool] = False

@@ -50,6 +50,10 @@ class BenchSettings:
     adaptive_warmup: bool = True
     # cuDNN autotuning on CUDA (the warm-up steps absorb its first-call cost); no effect on CPU.
     cudnn_benchmark: bool = True
+    # Micro-batches of ``batch_size`` per optimizer step (gradient accumulation): one timed step is
+    # that many forward/backward passes and one optimizer step, ``batch_size * accumulation_steps``
+    # samples: how a larger effective batch runs where it does not fit as one micro-batch.
+    accumulation_steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,8 @@ Emit = Callable[[dict[str, Any]], bool]  # returns False to stop the candidate (
 
 
 def distinct_batches(settings: BenchSettings) -> int:
-    return min(_DISTINCT_BATCHES, settings.warmup + settings.steps)
+    """Distinct (micro-)batches a session cycles through: one step takes ``accumulation_steps``."""
+    return min(_DISTINCT_BATCHES, settings.warmup + settings.steps) * settings.accumulation_steps
 
 
 def steady(settings: BenchSettings, times: list[float], judged: list[float] | None = None) -> bool:

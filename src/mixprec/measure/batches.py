@@ -34,6 +34,8 @@ class BatchRow:
     """One candidate at one micro-batch size.
 
     Attributes:
+        accumulation_steps: micro-batches per optimizer step, so that every size trains the same
+            effective batch (1 without one).
         status: bench's status of the timed row, ``oom`` where memory ran out, or ``over-budget``
             where the measured peak is past the budget (not timed).
         samples_per_s: throughput at this micro-batch (None when not timed).
@@ -46,6 +48,7 @@ class BatchRow:
     batch_size: int
     status: str
     reason: str = ""
+    accumulation_steps: int = 1
     samples_per_s: float | None = None
     step_ms: float | None = None
     peak_bytes: int | None = None
@@ -61,6 +64,7 @@ class BatchRow:
             "candidate": self.candidate.to_dict(),
             "label": self.label,
             "batch_size": self.batch_size,
+            "accumulation_steps": self.accumulation_steps,
             "status": self.status,
             "reason": self.reason,
             "samples_per_s": self.samples_per_s,
@@ -86,6 +90,7 @@ class BatchSweep:
     device: str
     batch_sizes: list[int]
     memory_budget: int | None
+    effective_batch: int | None = None
     rows: list[BatchRow] = field(default_factory=list)
     models: dict[str, MemoryModel] = field(default_factory=dict)
     max_batch: dict[str, int | None] = field(default_factory=dict)
@@ -99,6 +104,7 @@ class BatchSweep:
             "device": self.device,
             "batch_sizes": self.batch_sizes,
             "memory_budget_bytes": self.memory_budget,
+            "effective_batch": self.effective_batch,
             "rows": [r.to_dict() for r in self.rows],
             "memory_models": {k: m.to_dict() for k, m in self.models.items()},
             "max_batch": self.max_batch,
@@ -126,6 +132,22 @@ def parse_batch_sizes(text: str | Sequence[int]) -> list[int]:
     if not sizes:
         raise UsageError("no batch sizes given; write them like 8,16,32.")
     return sorted(set(sizes))
+
+
+def _accumulation(sizes: list[int], effective_batch: int | None) -> dict[int, int]:
+    """Micro-batches per optimizer step at each size: ``effective_batch // size`` (1 without one)."""
+    if effective_batch is None:
+        return dict.fromkeys(sizes, 1)
+    if isinstance(effective_batch, bool) or not isinstance(effective_batch, int) or effective_batch < 1:
+        raise UsageError(f"effective_batch must be an integer >= 1, got {effective_batch!r}.")
+    bad = [s for s in sizes if effective_batch % s]
+    if bad:
+        divisors = [d for d in range(1, effective_batch + 1) if effective_batch % d == 0]
+        raise UsageError(
+            f"batch size {bad[0]} does not divide the effective batch {effective_batch}: every micro-batch "
+            f"size must, so each step trains the same samples; valid sizes: {', '.join(map(str, divisors))}."
+        )
+    return {s: effective_batch // s for s in sizes}
 
 
 def _memory(
@@ -170,6 +192,7 @@ def bench_batches(
     batch_sizes: str | Sequence[int],
     *,
     memory_budget: int | None = None,
+    effective_batch: int | None = None,
     policies: str | Sequence[str] | None = "all",
     channels_last: str | bool = "off",
     compile: str | bool = "off",
@@ -180,11 +203,15 @@ def bench_batches(
 ) -> BatchSweep:
     """Throughput and peak memory of each candidate at each of ``batch_sizes``; under
     ``memory_budget`` (bytes) the largest micro-batch each can run, verified by one measured step.
-    ``bench_options`` go to :func:`mixprec.bench` at every size (steps, warmup, isolate, ...)."""
+    With ``effective_batch``, every size trains that many samples per optimizer step (gradient
+    accumulation over ``effective_batch // size`` micro-batches; each size must divide it), so the
+    throughputs compare like with like. ``bench_options`` go to :func:`mixprec.bench` at every size
+    (steps, warmup, isolate, ...)."""
     framework = framework_of(workload)
     sizes = parse_batch_sizes(batch_sizes)
     if memory_budget is not None and (isinstance(memory_budget, bool) or memory_budget <= 0):
         raise UsageError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}.")
+    accumulation = _accumulation(sizes, effective_batch)
     dev = framework.resolve_device(device)
     events = events or ignore
     budget = budget or Budget.unlimited()
@@ -192,7 +219,7 @@ def bench_batches(
     layouts, _ = framework.bench_layouts(workload, parse_choice(channels_last, "channels_last"))
     plan = plan_candidates(framework, parse_policies(policies), layouts, parse_choice(compile, "compile"))
     plan = [c for c in plan if framework.support(c, info).supported]
-    sweep = BatchSweep(framework.workload_label(workload), dev, sizes, memory_budget)
+    sweep = BatchSweep(framework.workload_label(workload), dev, sizes, memory_budget, effective_batch)
 
     peaks: dict[tuple[Candidate, int], MemoryPoint] = {}
     failed: dict[tuple[Candidate, int], tuple[str, str]] = {}
@@ -230,10 +257,12 @@ def bench_batches(
         for cand in plan:
             if (cand, size) in failed:
                 status, reason = failed[cand, size]
-                sweep.rows.append(BatchRow(cand, size, status, reason))
+                sweep.rows.append(BatchRow(cand, size, status, reason, accumulation[size]))
             elif cand not in fits:
                 peak = peaks[cand, size].peak_bytes if (cand, size) in peaks else None
-                sweep.rows.append(BatchRow(cand, size, Status.OVER_BUDGET, peak_bytes=peak))
+                sweep.rows.append(
+                    BatchRow(cand, size, Status.OVER_BUDGET, "", accumulation[size], peak_bytes=peak)
+                )
         if not fits:
             continue
         events({"event": "stage", "text": f"timing {len(fits)} candidates at batch {size}"})
@@ -242,6 +271,7 @@ def bench_batches(
                 workload,
                 candidates=fits,
                 batch_size=size,
+                accumulation_steps=accumulation[size],
                 device=dev,
                 events=events,
                 budget=budget,
@@ -250,14 +280,16 @@ def bench_batches(
         except Exception as exc:  # e.g. out of memory in the validating step: this size's rows say so
             status = exception_status(exc)
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            sweep.rows += [BatchRow(c, size, status, reason) for c in fits]
+            sweep.rows += [BatchRow(c, size, status, reason, accumulation[size]) for c in fits]
             continue
         sweep.results[size] = result
         timed = {row.candidate: row for row in result.rows if not row.baseline_repeat}
         for cand in fits:
             row = timed.get(cand)
             if row is None:
-                sweep.rows.append(BatchRow(cand, size, Status.ERROR, "not measured by bench"))
+                sweep.rows.append(
+                    BatchRow(cand, size, Status.ERROR, "not measured by bench", accumulation[size])
+                )
                 continue
             st = row.step_time_ms
             sweep.rows.append(
@@ -266,6 +298,7 @@ def bench_batches(
                     size,
                     str(row.status),
                     row.reason,
+                    accumulation[size],
                     row.throughput,
                     st.median_ms if st is not None else None,
                     peaks[cand, size].peak_bytes if (cand, size) in peaks else row.peak_memory_bytes,

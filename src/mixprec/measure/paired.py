@@ -116,6 +116,7 @@ class PairedSweep:
     def _row(
         self, candidate: Candidate, status: str = Status.OK, reason: str = "", **fields: Any
     ) -> BenchRow:
+        fields.setdefault("accumulation_steps", self.settings.accumulation_steps)
         return BenchRow(
             self.label, candidate, self.settings.device, self.settings.batch_size, status, reason, **fields
         )

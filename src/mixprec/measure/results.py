@@ -57,7 +57,9 @@ class BenchRow:
         workload: the workload's label, e.g. 'resnet50(image_size=128)'.
         candidate: what ran.
         device: where it ran ('cpu', 'cuda:0').
-        batch_size: samples per step (per rank in data-parallel runs).
+        batch_size: samples per micro-batch (per rank in data-parallel runs).
+        accumulation_steps: micro-batches per optimizer step (gradient accumulation): a step is
+            ``batch_size * accumulation_steps`` samples.
         status: ok, unsupported, oom, error or pruned.
         reason: why a row is not ok (or how a pruned row was judged).
         step_times_ms: the timed steps; a pruned row keeps the steps it completed.
@@ -101,6 +103,7 @@ class BenchRow:
     wall_s: float | None = None
     baseline_repeat: bool = False
     world_size: int = 1
+    accumulation_steps: int = 1
     rank_step_time_ms: tuple[float, ...] = ()
     rank_peak_memory_bytes: tuple[int | None, ...] = ()
     paired_ratios: tuple[float, ...] = ()
@@ -146,7 +149,7 @@ class BenchRow:
         st = self.step_time_ms
         if st is None or st.median_ms <= 0:
             return None
-        return self.world_size * self.batch_size / (st.median_ms / 1e3)
+        return self.world_size * self.batch_size * self.accumulation_steps / (st.median_ms / 1e3)
 
     @property
     def compile_s(self) -> float | None:

@@ -115,6 +115,7 @@ def bench(
     nproc: int = 1,
     cudnn_benchmark: bool = True,
     budget: Budget | None = None,
+    accumulation_steps: int = 1,
 ) -> BenchResult:
     """Measure every candidate policy on ``workload``'s real training step, paired with strict fp32.
 
@@ -147,6 +148,9 @@ def bench(
         cudnn_benchmark: let cuDNN autotune its convolutions on CUDA, as NVIDIA's and timm's
             training scripts do (the warm-up steps absorb the tuning).
         budget: stops the sweep between steps when it runs out; it returns what it has.
+        accumulation_steps: micro-batches of ``batch_size`` per optimizer step (gradient
+            accumulation, each loss divided by it): a step is that many forward/backward passes and
+            one optimizer step, and throughput counts every micro-batch's samples.
 
     Before measuring, one strict-fp32 step in this process validates the workload
     (``Framework.validate_workload``): a broken ``make_batch``, ``loss_fn`` or ``optimizer_fn``
@@ -158,6 +162,18 @@ def bench(
         raise UsageError(f"nproc must be an integer >= 1, got {nproc!r}.")
     if nproc > 1 and framework.data_parallel() is None:
         raise UsageError(f"nproc > 1 (data-parallel ranks) is not available for {framework.title}; drop it.")
+    if (
+        isinstance(accumulation_steps, bool)
+        or not isinstance(accumulation_steps, int)
+        or accumulation_steps < 1
+    ):
+        raise UsageError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}.")
+    if accumulation_steps > 1 and not framework.accumulates:
+        raise UsageError(f"gradient accumulation is not measured for {framework.title} yet; drop it.")
+    if accumulation_steps > 1 and nproc > 1:
+        raise UsageError(
+            "gradient accumulation on DDP ranks is not measured yet; drop nproc or accumulation."
+        )
     if nproc > 1 and workload.spec is None:
         raise UsageError("nproc > 1 needs a workload with a spec (built by load_workload or the zoo).")
     processes = workload.spec is not None and framework.session_builder() is not None
@@ -195,6 +211,7 @@ def bench(
         threads=framework.threads(),
         min_time_s=min_time_s,
         cudnn_benchmark=cudnn_benchmark,
+        accumulation_steps=accumulation_steps,
     )
     info = detect(dev)
     result = BenchResult(
@@ -216,6 +233,7 @@ def bench(
             "min_time_s": min_time_s,
             "cudnn_benchmark": cudnn_benchmark and dev.startswith("cuda"),
             "paired": nproc == 1,
+            "accumulation_steps": accumulation_steps,
         },
         env=framework.environment(dev),
         notes=notes,
@@ -265,6 +283,7 @@ def resume_key(
         "workload": label,
         "device": settings.device,
         "batch_size": settings.batch_size,
+        "accumulation_steps": settings.accumulation_steps,
         "steps": settings.steps,
         "warmup": settings.warmup,
         "min_time_s": settings.min_time_s,

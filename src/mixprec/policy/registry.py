@@ -345,6 +345,7 @@ def mixed_twin(name: str) -> str | None:
         return None
     return next((n for n, s in POLICIES.items() if s.autocast_dtype == half and s.fp8_recipe is None), None)
 
+
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 # What `check` judges when no policy is named: the two autocast policies most users choose between.
 CHECK_DEFAULT: tuple[str, ...] = ("bf16-mixed", "fp16-mixed")

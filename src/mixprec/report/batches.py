@@ -25,12 +25,15 @@ def _reason(row: BatchRow, sweep: BatchSweep) -> str:
 
 def batch_table(sweep: BatchSweep) -> Group:
     budget = f", memory budget {fmt_bytes(sweep.memory_budget)}" if sweep.memory_budget else ""
+    if sweep.effective_batch:
+        budget += f", {sweep.effective_batch} samples per optimizer step"
     table = Table(
         title=f"{sweep.workload} on {sweep.device}: precision x batch{budget}", title_justify="left"
     )
     for header, justify in (
         ("precision", "left"),
         ("batch", "right"),
+        ("accum", "right"),
         ("status", "left"),
         ("samples/s", "right"),
         ("speedup vs fp32's best", "right"),
@@ -44,6 +47,7 @@ def batch_table(sweep: BatchSweep) -> Group:
         table.add_row(
             row.label,
             str(row.batch_size),
+            str(row.accumulation_steps),
             Text(str(row.status), style=rich_style(row.status)),
             fmt_throughput(row.samples_per_s),
             fmt_speedup(row.speedup),

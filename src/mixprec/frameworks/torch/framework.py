@@ -79,6 +79,7 @@ class TorchFramework(Framework):
     compile_modes: ClassVar[tuple[str, ...]] = COMPILE_MODES
     compile_scopes: ClassVar[tuple[str, ...]] = COMPILE_SCOPES
     optimizer_impls: ClassVar[tuple[str, ...]] = OPTIMIZER_IMPLS
+    accumulates: ClassVar[bool] = True
     emulation: ClassVar[bool] = True
     island_kind: ClassVar[str] = "fp32 modules"
     linter: ClassVar[bool] = True

@@ -139,18 +139,31 @@ class TrainingSession:
                 self._step_fn = torch.compile(self._train_step, mode=candidate.compile)
             else:
                 self.trained = cast(nn.Module, torch.compile(self.trained, mode=candidate.compile))
-        self.batches = batches or make_batches(
+        micro = batches or make_batches(
             workload, settings.batch_size, self.device, settings.seed, distinct_batches(settings)
         )
+        k = settings.accumulation_steps
+        # with accumulation a step takes k micro-batches at once
+        self.batches = micro if k == 1 else [micro[i : i + k] for i in range(0, len(micro) - k + 1, k)]
         self._probe: FirstComputeLayer | None = FirstComputeLayer(self.model, self.policy.config.keep_fp32)
         self.result = Measurement()
         self.index = 0
         self._clean_warmup: list[float] = []  # warm-up steps without an instrument
 
     def _train_step(self, batch: Any) -> torch.Tensor:
-        with self.policy.autocast():
-            loss = self.workload.loss_fn(self.trained, batch)
-        self.policy.backward(loss)
+        k = self.settings.accumulation_steps
+        if k == 1:
+            with self.policy.autocast():
+                loss = self.workload.loss_fn(self.trained, batch)
+            self.policy.backward(loss)
+        else:  # the mean over k micro-batches: each loss / k, the gradients summed, one step
+            total = None
+            for micro in batch:
+                with self.policy.autocast():
+                    loss = self.workload.loss_fn(self.trained, micro) / k
+                self.policy.backward(loss)
+                total = loss.detach() if total is None else total + loss.detach()
+            loss = total
         self.policy.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return loss
