@@ -157,13 +157,13 @@ class TrainingSession:
                 loss = self.workload.loss_fn(self.trained, batch)
             self.policy.backward(loss)
         else:  # the mean over k micro-batches: each loss / k, the gradients summed, one step
-            total = None
+            parts = []
             for micro in batch:
                 with self.policy.autocast():
                     loss = self.workload.loss_fn(self.trained, micro) / k
                 self.policy.backward(loss)
-                total = loss.detach() if total is None else total + loss.detach()
-            loss = total
+                parts.append(loss.detach())
+            loss = torch.stack(parts).sum()
         self.policy.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return loss
