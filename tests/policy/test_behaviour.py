@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
+from mixprec.errors import PolicyError
 
 CPU = mixprec.detect("cpu")
 CPU_POLICIES = [n for n in mixprec.POLICY_NAMES if mixprec.check_support(n, CPU)]
@@ -370,3 +371,53 @@ def test_scheduler_not_stepped_on_skipped_step(name):
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4)
     assert policy.stats.skipped_steps == 1
     assert policy.stats.last_skipped_step == fault_step
+
+
+def test_a_step_without_its_backward_later_in_a_run_names_the_missing_backward():
+    """Issue 26: past the first step torch's own AssertionError ('No inf checks were recorded for
+    this optimizer') came through raw."""
+    policy = mixprec.get_policy("fp16-mixed", device="cpu")
+    model = policy.prepare(nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        with policy.autocast():
+            loss = model(torch.randn(3, 4)).float().sum()
+        optimizer.zero_grad()
+        policy.backward(loss)
+        policy.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    missing = r"found no gradient in optimizer 0 .*call policy\.backward\(loss\)"
+    with pytest.raises(PolicyError, match=missing):
+        policy.step(optimizer)
+
+
+def test_a_stalling_true_policy_switches_to_fp32_master_weights_exactly():
+    """Policy.switch from bf16-true: weights, optimizer state and buffers widened in place (every
+    bf16 value is an fp32 value), the same parameter objects, the input cast gone, islands fp32."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    policy = mixprec.get_policy("bf16-true", device="cpu", keep_fp32=["2"])
+    model = policy.prepare(net)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with policy.autocast():
+        loss = model(torch.randn(5, 4)).float().sum()
+    loss.backward()
+    optimizer.step()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {n: optimizer.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    params = list(model.parameters())
+    with pytest.raises(PolicyError, match=r"pass the model and its optimizers"):
+        policy.switch("bf16-mixed")
+    with pytest.raises(PolicyError, match=r"narrowing weights and optimizer state mid-run is not exact"):
+        policy.switch("fp16-true", model, optimizer)
+    policy.switch("bf16-mixed", model, optimizer)
+    assert policy.name == "bf16-mixed" and list(model.parameters()) == params  # the same objects
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, before[n].float())
+        assert optimizer.state[p]["exp_avg"].dtype == torch.float32
+        assert torch.equal(optimizer.state[p]["exp_avg"], state[n].float())
+    assert model[1].running_mean.dtype == torch.float32
+    with policy.autocast():
+        out = model(torch.randn(5, 4))  # fp32 input, no cast hook: autocast computes the Linears
+    assert out.dtype == torch.float32  # the island's output, no longer cast back to bf16
+    optimizer.step()  # the widened state steps

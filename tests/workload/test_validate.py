@@ -98,6 +98,10 @@ OTHER = _model()
             r"optimizer_fn\(model\.parameters\(\)\) raised AttributeError.*name its first parameter `model`",
         ),
         (lambda: _workload(optimizer_fn=lambda params: "sgd"), r"returned str, expected a torch\.optim"),
+        (  # issue 26: it said "without a gradient path ... computed under torch.no_grad()?"
+            lambda: _workload(model=_model().requires_grad_(False)),
+            r"^the model has no parameter that requires grad \(4 floating-point parameters, all frozen\)",
+        ),
     ],
 )
 def test_each_workload_mistake_is_one_line(workload, message):

@@ -348,8 +348,15 @@ class Policy:
             )
 
         if self._scaler is not None and not clipping:
-            for o in opts:
-                self._scaler.step(o)
+            for i, o in enumerate(opts):
+                try:
+                    self._scaler.step(o)
+                except AssertionError as exc:  # GradScaler's "No inf checks were recorded"
+                    raise PolicyError(
+                        f"step() found no gradient in optimizer {i} under {self.name!r}: call "
+                        "policy.backward(loss) before every policy.step(optimizer) (zero_grad(set_to_none"
+                        "=True) since the last backward leaves nothing to step)."
+                    ) from exc
             found_host = [bool(self._scaler.found_inf(o)) for o in opts]
         else:
             found_host = [bool(f) for f in self._find_nonfinite(opts)]  # the one host read per step

@@ -78,6 +78,13 @@ def _one_step(workload: Workload, dev: torch.device, bs: int) -> None:
     batch = checked_batch(workload, bs, dev)
     model = policy.prepare(copy.deepcopy(workload.model))
     model.train()
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    if not any(p.requires_grad for p in floating):
+        raise UsageError(
+            f"the model has no parameter that requires grad ({len(floating)} floating-point parameters, "
+            "all frozen): nothing would train, and no precision can be measured on it; unfreeze the "
+            "layers to train (p.requires_grad_(True))."
+        )
     with policy.precision_scope():
         with policy.autocast():
             loss = _call("loss_fn", workload.loss_fn, model, batch, args="(model, batch)")
