@@ -421,3 +421,12 @@ def test_a_stalling_true_policy_switches_to_fp32_master_weights_exactly():
         out = model(torch.randn(5, 4))  # fp32 input, no cast hook: autocast computes the Linears
     assert out.dtype == torch.float32  # the island's output, no longer cast back to bf16
     optimizer.step()  # the widened state steps
+
+
+def test_a_prepared_model_is_not_prepared_again():
+    """Issue 26: fp16-true after bf16-true on the same model was accepted, its inputs going through
+    the stale bf16 cast hook, then fp16."""
+    model = mixprec.get_policy("bf16-true", device="cpu").prepare(nn.Linear(4, 2))
+    for again in (model, copy.deepcopy(model)):
+        with pytest.raises(PolicyError, match=r"prepared under 'bf16-true' already"):
+            mixprec.get_policy("fp16-true", device="cpu").prepare(again)

@@ -163,6 +163,13 @@ class Policy:
                 f"prepare() takes a torch.nn.Module, got {type(model).__name__}; "
                 "pass the model itself (not its parameters or state_dict)."
             )
+        earlier = getattr(model, "_mixprec_prepared", None)
+        if earlier is not None:
+            raise PolicyError(
+                f"this model was prepared under {earlier!r} already: its input casts, fp32 islands and "
+                "dtypes are on it (a copy.deepcopy keeps them too), and a second policy would stack on "
+                "them; prepare a model no policy has prepared: keep an unprepared copy for each policy."
+            )
         if self.spec.param_dtype is None:
             half = [n for n, p in model.named_parameters() if p.dtype in _HALF_DTYPES]
             if half:
@@ -192,6 +199,7 @@ class Policy:
         if self.config.channels_last:
             model.register_forward_pre_hook(channels_last_inputs, with_kwargs=True)
         self.refresh_param_names(model)
+        model._mixprec_prepared = self.config.label  # type: ignore[assignment]
         return model
 
     def refresh_param_names(self, model: nn.Module) -> None:
