@@ -1,8 +1,14 @@
 """The fp16 faults inside a real HF Trainer, which needs a GPU: on a CPU the Trainer's ``fp16=True``
-trains in plain fp32 (Accelerate's rule), so there is nothing to overflow. An MLP block of a small
-GPT-2 overflows fp16 from step ``ONSET`` on (its output times 1e6, then divided back: exact in
-fp32); the monitor finds the Trainer's GradScaler on Accelerate's optimizer, names the block, and
-with ``rescue=True`` makes it an fp32 island, after which the run trains on with finite losses."""
+trains in plain fp32 (Accelerate's rule), so there is nothing to overflow, and without a scaler to
+skip it a bad batch's update poisons the weights before any shadow can look at the batch.
+
+- An MLP block of a small GPT-2 overflows fp16 from step ``ONSET`` on (its output times 1e6, then
+  divided back: exact in fp32); the monitor finds the Trainer's GradScaler on Accelerate's
+  optimizer, names the block, and with ``rescue=True`` makes it an fp32 island, after which the
+  run trains on with finite losses.
+- One corrupt record (its tokens' embeddings 1e30 times too large, as a broken pipeline would feed
+  them) makes the loss non-finite in fp32 too: the scaler skips the step, the fp32 shadow shows
+  the same, and the finding is the data's; the policy is not blamed."""
 
 from __future__ import annotations
 
@@ -20,7 +26,10 @@ ONSET = 30
 BLOCK = "transformer.h.0.mlp"
 
 
-def train(tmp_path, steps, **monitor_kw):
+CORRUPT = 7  # the token id of the corrupt record
+
+
+def train(tmp_path, steps, *, onset=ONSET, corrupt_at=None, **monitor_kw):
     require("transformers", "frameworks")
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -28,6 +37,14 @@ def train(tmp_path, steps, **monitor_kw):
 
     w = mixprec.load_workload("hf:gpt2", seq_len=16, n_layer=1, n_embd=32, n_head=2)
     data = [{k: v[0] for k, v in w.make_batch(1, torch.device("cpu")).items()} for _ in range(steps * 2)]
+    if corrupt_at is not None:
+        data[corrupt_at] = {k: torch.full_like(v, CORRUPT) for k, v in data[corrupt_at].items()}
+
+        def garbage(module, args, output):
+            bad = (args[0] == CORRUPT).all(dim=-1)
+            return torch.where(bad[:, None, None], output * 1e30, output)
+
+        w.model.transformer.wte.register_forward_hook(garbage)
     gain = {"value": 1.0}
 
     def amplify(module, args, output):
@@ -37,7 +54,7 @@ def train(tmp_path, steps, **monitor_kw):
 
     class Onset(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            if state.global_step == ONSET:
+            if state.global_step == onset:
                 gain["value"] = 1e6
 
     monitor = MonitorCallback(every=10, **monitor_kw)
@@ -65,3 +82,12 @@ def test_an_fp16_overflow_in_one_block_is_named_and_islanded_in_the_trainer(tmp_
     rescued = train(tmp_path / "rescued", 60, rescue=True)
     assert ("rescue", BLOCK) in [(f.kind, f.module) for f in rescued.findings]
     assert all(math.isfinite(v) for v in rescued.losses[-10:])  # the island holds the block's range
+
+
+def test_a_corrupt_record_is_the_data_not_the_precision_in_the_trainer(tmp_path):
+    monitor = train(tmp_path, 40, onset=10**9, corrupt_at=41)
+    bad = [f for f in monitor.findings if f.kind == "bad_batch"]
+    assert len(bad) == 1 and "not blamed" in bad[0].message
+    assert bad[0].step in monitor.skipped  # the scaler skipped the step; the weights never saw it
+    assert not [f for f in monitor.findings if f.kind in ("overflow", "scale_collapse", "rescue")]
+    assert math.isfinite(monitor.losses[-1])
