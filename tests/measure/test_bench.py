@@ -441,3 +441,22 @@ def test_a_deadline_ends_the_sweep_with_the_rows_measured_so_far(isolate):
     labels = _by_label(result)
     assert labels["fp32"].status == "ok" and labels["fp32"].throughput
     assert len(result.rows) < 4
+
+
+def test_resuming_a_complete_sweep_measures_nothing(tmp_path):
+    """Issue 26: each resume of a finished sweep re-measured strict fp32 and appended another fp32
+    row to the stream (four of them after a torn tail and two resumes)."""
+    jsonl = tmp_path / "sweep.jsonl"
+    w = load_workload("mlp")
+    options = dict(policies="fp32,bf16-mixed", channels_last="off", steps=1, warmup=1, isolate=False)
+    first = bench(w, device="cpu", jsonl=jsonl, **options)
+    lines = jsonl.read_text().splitlines()
+    started = []
+    for _ in range(2):
+        again = bench(
+            w, device="cpu", jsonl=jsonl, resume=True, events=lambda e: started.append(e["event"]), **options
+        )
+        assert "candidate" not in started  # nothing was measured
+        assert [r.to_dict() for r in again.rows] == [r.to_dict() for r in first.rows]
+        assert any("resumed a complete sweep" in n for n in again.notes)
+    assert jsonl.read_text().splitlines() == lines  # the stream grew by nothing
