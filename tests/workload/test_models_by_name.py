@@ -103,6 +103,10 @@ def test_timm_options_and_names():
     vit = load_workload("timm:vit_tiny_patch16_224", max_image_size=64)  # a fixed input size
     assert "3x224x224" in vit.description and "image_size" not in dict(vit.spec.sizes)
     assert load_workload("timm:convnext_atto", num_classes=10, image_size=32).model.num_classes == 10
+    # an explicit size builds a ViT for it (it asserted "Input height (32) doesn't match model (224)")
+    small = load_workload("timm:vit_tiny_patch16_224", image_size=32, patch_size=8)
+    assert "3x32x32" in small.description
+    validate_workload(small, device="cpu", batch_size=2)
     with pytest.raises(UsageError, match=r"unknown timm model 'convnext_atoo'.*Close matches: convnext_atto"):
         load_workload("timm:convnext_atoo")
     with pytest.raises(UsageError, match=r"timm:convnext_atto does not accept.*bogus_option"):

@@ -173,10 +173,14 @@ def build_timm(name: str, options: dict[str, Any]) -> Workload:
     cap = config.pop("max_image_size", None)
     recipe: Any = get_pretrained_cfg(name)
     native = int(recipe.input_size[-1]) if recipe is not None else 224
+    fixed = recipe is not None and recipe.fixed_input_size
     if image_size is None and cap is not None:
         cap = check_positive_int("max_image_size", cap, target)
-        if cap < native and not (recipe is not None and recipe.fixed_input_size):
+        if cap < native and not fixed:
             image_size = cap
+    if image_size is not None and fixed and "img_size" not in config:
+        # a ViT's patch grid and position embeddings are built for one input size: build them for it
+        config["img_size"] = check_positive_int("image_size", image_size, target, 16)
     try:
         model = seeded_model(lambda: timm.create_model(name, pretrained=False, **config))
     except TypeError as exc:
