@@ -67,13 +67,14 @@ def main() -> None:
                 batch_size=batch,
                 every=args.every,
             )
-            failed = not all(math.isfinite(v) for v in result.losses)
+            failed = bool(result.stopped) or not all(math.isfinite(v) for v in result.losses)
             false = [] if failed else result.findings
             runs += 1
             alarms += len(false)
             record["runs"][f"{name} {policy}"] = {
                 "steps": len(result.losses),
                 "final_loss": result.losses[-1] if result.losses else None,
+                "stopped": result.stopped,
                 "skipped": len(result.skipped),
                 "every": result.every,
                 "samples": len(result.sample_steps),
@@ -83,8 +84,10 @@ def main() -> None:
             }
             seen = [(f["step"], f["kind"], f["module"]) for f in result.findings]
             print(
-                f"{name:28s} {policy:10s} {len(result.losses)} steps, final loss {result.losses[-1]:.4g}, "
-                f"{len(result.skipped)} skipped, sampled every {result.every}, findings: {seen}"
+                f"{name:28s} {policy:10s} {len(result.losses)} steps, "
+                f"final loss {result.losses[-1] if result.losses else float('nan'):.4g}, "
+                + (f"STOPPED ({result.stopped}), " if result.stopped else "")
+                + f"{len(result.skipped)} skipped, sampled every {result.every}, findings: {seen}"
             )
             record["summary"] = {"runs": runs, "false_alarms": alarms}
             out.write_text(json.dumps(record, indent=2))
