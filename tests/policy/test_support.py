@@ -224,3 +224,19 @@ def test_nvidia_tf32_override_zero_shows_in_the_effective_state(monkeypatch):
     assert eff["cuda.matmul"] == eff["cudnn.conv"] == "ieee (NVIDIA_TF32_OVERRIDE=0)"
     assert eff["mkldnn.matmul"] == "ieee" and eff["NVIDIA_TF32_OVERRIDE"] == "0"
     assert not mixprec.check_support("tf32", DEVICES["H100"])
+
+
+@pytest.mark.parametrize("problem", ["range", "precision"])
+def test_cures_name_only_policies_this_device_supports(problem):
+    """Issue 26: a failing bf16-true check on a CPU suggested tf32, which the same device marks
+    unsupported, next to 'use the *-mixed policy'."""
+    from mixprec.policy.registry import POLICIES
+    from mixprec.policy.support import cures
+
+    info = mixprec.detect("cpu")
+    for name in POLICIES:
+        for fmt in ("bf16", "fp16"):
+            for other in cures(name, problem, info, fmt):
+                assert mixprec.check_support(other, info).supported, (name, other)
+    assert "tf32" not in cures("bf16-true", "precision", info, "bf16")  # no TF32 on a CPU
+    assert cures("bf16-true", "precision", info, "bf16")[0] == "bf16-mixed"  # fp32 master weights first

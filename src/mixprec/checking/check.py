@@ -47,6 +47,7 @@ from mixprec.numerics.verdict import (
 from mixprec.policy import Candidate, Thresholds
 from mixprec.policy.islands import is_fp32_island
 from mixprec.policy.registry import CHECK_DEFAULT
+from mixprec.policy.support import cures
 from mixprec.status import Status
 
 MAX_FIX_SET = 8  # the keep-fp32 search tries at most this many layers
@@ -334,11 +335,17 @@ class Checker:
             or result.skipped_steps
             or result.verdict == Status.AT_RISK
         )
+        # only what this device runs natively is advice (a CPU has no tf32, and fp16 is slow there)
+        info = detect(self.device)
         if fmt == "fp16" and overflow:
-            return "fp16 overflows here: try bf16-mixed (same speed class, fp32's range)"
-        if fmt == "bf16":
-            return "bf16 loses too much precision here: try fp16-mixed or tf32"
-        return "keep the failing layers in fp32 (keep_fp32=[...]) or use fp32/tf32"
+            options = cures(cand.policy, "range", info, fmt)
+            if options:
+                return f"fp16 overflows here: try {' or '.join(options[:2])} (fp32's range)"
+        elif fmt == "bf16":
+            options = cures(cand.policy, "precision", info, fmt)
+            if options:
+                return f"bf16 loses too much precision here: try {' or '.join(options[:2])}"
+        return "keep the failing layers in fp32 (keep_fp32=[...]) or use fp32"
 
     # ---------------------------------------------------------------- keep-fp32 search
     def search_space(self, result: CandidateCheck, fmt: str) -> list[str]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec.hardware.device import DeviceInfo
-from mixprec.policy.registry import DEVICE_TYPES, POLICIES, PolicySpec, canonical_name
+from mixprec.policy.registry import DEVICE_TYPES, POLICIES, PolicySpec, canonical_name, mixed_twin
 
 
 @dataclass(frozen=True)
@@ -168,3 +168,22 @@ def support_table(info: DeviceInfo) -> list[dict[str, object]]:
         for name in POLICY_NAMES
         for s in (check_support(name, info),)
     ]
+
+
+def cures(name: str, problem: str, info: DeviceInfo, fmt: str) -> list[str]:
+    """Policies to try where ``name`` failed its numerics check in ``fmt`` (``problem``: 'range',
+    an overflow, or 'precision', rounding), among those the device ``info`` describes supports:
+    for rounding, a *-true policy's *-mixed twin first (fp32 master weights), then every other policy below
+    fp32's cost whose range (or rounding) format is not ``fmt``, the natively computed ones before
+    the emulated ones, the safest first. Strict fp32, always the last resort, is not listed."""
+    twin = mixed_twin(name) if problem == "precision" else None  # the same range: no cure for one
+    found: list[tuple[bool, bool, int, str]] = []
+    for other, spec in POLICIES.items():
+        if other == name or spec.fp8_recipe or spec.compute_format == "fp32":
+            continue
+        if other != twin and (spec.range_format if problem == "range" else spec.rounding_format) == fmt:
+            continue
+        support = check_support(other, info)
+        if support.supported:
+            found.append((other != twin, not support.native, spec.safety_rank, other))
+    return [other for *_, other in sorted(found)]
