@@ -99,3 +99,16 @@ def did_you_mean(value: str, valid: Iterable[str]) -> str:
     """' Did you mean 'x'?' when a close match exists, else ''."""
     matches = difflib.get_close_matches(value, list(valid), n=1, cutoff=0.5)
     return f" Did you mean '{matches[0]}'?" if matches else ""
+
+
+# What an exception looks like when memory ran out: CUDA raises ``torch.OutOfMemoryError``, the CPU
+# allocator a plain ``RuntimeError`` ("DefaultCPUAllocator: can't allocate memory"), Python a
+# ``MemoryError``.
+_OOM_TYPES = ("OutOfMemoryError", "MemoryError")
+_OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")
+
+
+def is_out_of_memory(error_type: str, message: str) -> bool:
+    """True for an exception (by type name and message) that means memory ran out."""
+    lowered = message.lower()
+    return any(t in error_type for t in _OOM_TYPES) or any(m in lowered for m in _OOM_MESSAGES)

@@ -305,3 +305,41 @@ def test_what_optimizer_fn_prints_shows_once(capsys):
     for _ in range(3):
         w.make_optimizer(_model())
     assert capsys.readouterr().out == "using fused AdamW: False\n"
+
+
+def test_the_cpu_allocators_out_of_memory_is_one_line_naming_the_batch(tmp_path, capsys):
+    """Issue 26: "loss_fn(model, batch) raised RuntimeError: ... can't allocate memory ...; fix it"
+    blamed the workload for the CPU allocator's error, which a smaller batch fixes."""
+    factory = tmp_path / "big.py"
+    factory.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+            import mixprec
+
+            def loss_fn(model, batch):
+                raise RuntimeError(
+                    "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                    "you tried to allocate 68719476736 bytes. Error code 12 (Cannot allocate memory)"
+                )
+
+            def workload():
+                return mixprec.Workload(
+                    model=nn.Linear(8, 4),
+                    make_batch=lambda b, d: torch.randn(b, 8, device=d),
+                    loss_fn=loss_fn,
+                    default_batch_size=4,
+                )
+            """
+        )
+    )
+    w = mixprec.load_workload(f"{factory}:workload")
+    validate_workload(w, device="cpu")  # not the workload's fault: left to the sweep
+    result = mixprec.bench(w, policies="fp32", channels_last="off", steps=1, warmup=1, isolate=False)
+    assert result.rows[0].status == "oom"
+    code = main(["bench", "--workload", f"{factory}:workload", "--policies", "fp32", "--in-process"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2
+    assert "out of memory at batch 4 for every candidate (it tried to allocate 68719476736 bytes)" in err
+    assert "lower --batch-size" in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -154,6 +155,13 @@ def first_failure(rows: Sequence[BenchRow]) -> UsageError | None:
     if not measured or len(failed) != len(measured):
         return None
     first = failed[0]
+    if all(r.status == Status.OOM for r in failed):
+        tried = re.search(r"(?i)tried to allocate (\d+ bytes|[0-9.]+ ?[KMGT]i?B)", first.reason)
+        needed = f" (it tried to allocate {tried.group(1)})" if tried else ""
+        return UsageError(
+            f"out of memory at batch {first.batch_size} for every candidate{needed}: lower --batch-size, "
+            "or find the largest that fits with --batch-sizes and --memory-budget"
+        )
     return UsageError(
         f"every candidate failed ({len(failed)} rows), so nothing was measured; the first, "
         f"{first.label}: {first.status}: {first.reason}"

@@ -7,16 +7,10 @@ rows: the candidate needs more memory than there is, which a smaller batch fixes
 
 from __future__ import annotations
 
+from mixprec.errors import is_out_of_memory
 from mixprec.status import Status
 
-_OOM_TYPES = ("OutOfMemoryError", "MemoryError")
-_OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")
-
-
-def is_out_of_memory(error_type: str, message: str) -> bool:
-    """True for an exception (by type name and message) that means memory ran out."""
-    lowered = message.lower()
-    return any(t in error_type for t in _OOM_TYPES) or any(m in lowered for m in _OOM_MESSAGES)
+__all__ = ["exception_status", "failure_status", "is_out_of_memory"]
 
 
 def failure_status(error_type: str, message: str) -> Status:

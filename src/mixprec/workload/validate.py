@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.errors import UsageError
+from mixprec.errors import UsageError, is_out_of_memory
 from mixprec.hardware.device import resolve_device
 from mixprec.policy import get_policy
 from mixprec.workload.workload import Workload
@@ -125,6 +125,8 @@ def _call(
     except UsageError:
         raise
     except Exception as exc:
+        if is_out_of_memory(type(exc).__name__, str(exc)):  # the CPU allocator's RuntimeError too
+            raise _OutOfMemory() from exc
         message = str(exc).splitlines()[0] if str(exc) else ""
         name = getattr(fn, "__name__", "") if own else ""
         shown = f"{what}={name}" if name and name not in (what, "<lambda>") else what
