@@ -430,3 +430,52 @@ def test_a_prepared_model_is_not_prepared_again():
     for again in (model, copy.deepcopy(model)):
         with pytest.raises(PolicyError, match=r"prepared under 'bf16-true' already"):
             mixprec.get_policy("fp16-true", device="cpu").prepare(again)
+
+
+class TiedLM(nn.Module):
+    """nanoGPT's tie: the LM head's weight is the embedding's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(16, 8)
+        self.mid = nn.Linear(8, 8)
+        self.lm_head = nn.Linear(8, 16, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        return self.lm_head(torch.relu(self.mid(self.wte(idx))))
+
+
+def test_keep_fp32_on_one_side_of_a_tie_names_both_paths():
+    """Issue 26: the tie survived with the shared weight fp32, and the first step raised
+    'mixed dtype (CPU): expect parameter to have scalar type of Float'."""
+    with pytest.raises(PolicyError, match=r"'lm_head.weight' is the same tensor as 'wte.weight'.*add 'wte'"):
+        mixprec.get_policy("bf16-true", device="cpu", keep_fp32=["lm_head"]).prepare(TiedLM())
+    model = mixprec.get_policy("bf16-true", device="cpu", keep_fp32=["lm_head", "wte"]).prepare(TiedLM())
+    assert model.lm_head.weight is model.wte.weight and model.wte.weight.dtype == torch.float32
+    model(torch.randint(0, 16, (2, 5))).float().sum().backward()  # trains, the tie kept
+    plain = mixprec.get_policy("bf16-true", device="cpu").prepare(TiedLM())
+    assert plain.lm_head.weight is plain.wte.weight and plain.wte.weight.dtype == torch.bfloat16
+
+
+class ComplexFilter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.filter = nn.Parameter(torch.randn(8, dtype=torch.complex64))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        spectrum = torch.fft.fft(self.proj(x).float()) * self.filter
+        return torch.fft.ifft(spectrum).real
+
+
+@pytest.mark.parametrize("name", ["bf16-true", "fp16-true"])
+def test_true_policies_leave_complex_and_integer_tensors_alone(name):
+    """Issue 26: a complex parameter was cast to a real half dtype ('Casting complex values to real
+    discards the imaginary part')."""
+    model = mixprec.get_policy(name, device="cpu").prepare(ComplexFilter())
+    assert model.filter.dtype == torch.complex64 and model.steps.dtype == torch.int64
+    assert model.proj.weight.dtype == mixprec.get_policy(name, device="cpu").spec.param_dtype
+    model(torch.randn(3, 8)).sum().backward()
+    assert model.filter.grad is not None and model.filter.grad.dtype == torch.complex64

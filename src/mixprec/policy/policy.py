@@ -83,6 +83,26 @@ def _grads_by_device_and_dtype(params: Iterable[torch.Tensor]) -> dict[tuple, li
     return groups
 
 
+def _refuse_split_ties(model: nn.Module, islands: dict[str, nn.Module]) -> None:
+    """A weight shared by an fp32 island and a module outside it (a tied embedding and LM head)
+    cannot be both fp32 and half: name both paths instead of failing at the first matmul."""
+    inside = {id(p) for m in islands.values() for p in m.parameters()}
+    paths: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(p), []).append(name)
+    for key, names in paths.items():
+        if key not in inside or len(names) < 2:
+            continue
+        kept = [n for n in names if any(n.startswith(i + ".") for i in islands)]
+        left = [n for n in names if n not in kept]
+        if left:
+            raise PolicyError(
+                f"keep_fp32 splits a tied weight: {kept[0]!r} is the same tensor as {left[0]!r}, and a "
+                "*-true policy cannot store it in fp32 for one and half precision for the other; keep "
+                f"both modules in fp32 (add {left[0].rsplit('.', 1)[0]!r} to keep_fp32) or neither."
+            )
+
+
 def widen_to_fp32(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], half: torch.dtype) -> int:
     """Widen ``model``'s parameters (and their gradients), buffers and ``optimizers``' state held in
     the ``half`` dtype to fp32, in place: exact, and the optimizers keep the same parameter objects.
@@ -179,13 +199,18 @@ class Policy:
                     "parameters in all); call model.float() first, or use a *-true policy."
                 )
         islands = self._keep_fp32_modules(model)
+        if self.spec.param_dtype is not None:
+            _refuse_split_ties(model, islands)
         model.to(self.device)
         if self.spec.fp8_recipe is not None:
             from mixprec.policy import fp8
 
             self.fp8_layers = fp8.convert(model, self.spec.fp8_recipe, self.config.keep_fp32)
         if self.spec.param_dtype is not None:
-            model.to(self.spec.param_dtype)
+            half = self.spec.param_dtype
+            # floating-point tensors only, as Module.half() does: complex and integer ones keep
+            # their dtype (a complex weight cast to a real one would lose its imaginary part)
+            model._apply(lambda t: t.to(half) if t.is_floating_point() else t)
             for module in islands.values():
                 module.float()
         if self.config.channels_last:
