@@ -491,9 +491,12 @@ def make_checker(
 
 
 def candidates_of(
-    framework: Framework, policies: Sequence[str | Candidate], emulate: Sequence[str]
+    framework: Framework, policies: str | Sequence[str | Candidate], emulate: Sequence[str]
 ) -> list[Candidate]:
-    """The candidates ``policies`` (names or Candidates) and ``emulate`` (formats) name, validated."""
+    """The candidates ``policies`` (names, a comma-separated string of them, or Candidates) and
+    ``emulate`` (formats) name, validated."""
+    if isinstance(policies, str):  # 'bf16-mixed,fp16-mixed', as bench takes it (not its characters)
+        policies = [p.strip() for p in policies.split(",") if p.strip()]
     cands = [p if isinstance(p, Candidate) else Candidate(p, framework=framework.name) for p in policies] + [
         Candidate("fp32", emulate=fmt, framework=framework.name) for fmt in emulate
     ]
@@ -522,7 +525,7 @@ def check_islands(framework: Framework, workload: Any, cands: Sequence[Candidate
 def check(
     workload: Any,
     *,
-    policies: Sequence[str | Candidate] = CHECK_DEFAULT,
+    policies: str | Sequence[str | Candidate] = CHECK_DEFAULT,
     emulate: Sequence[str] = (),
     steps: int = 8,
     batch_size: int | None = None,

@@ -25,6 +25,7 @@ from torch import nn
 
 from mixprec.frameworks.torch.ranges import StepRecorder
 from mixprec.numerics.trend import LayerSeries
+from mixprec.policy.scaler import dense
 
 EVERY = 100  # the most often a step is sampled by default
 BUDGET = 0.0025  # the share of the run's time sampled steps may cost; the per-step work (~5 us) is apart
@@ -86,7 +87,7 @@ class Sampler:
             for p, old in self._before:
                 if p.grad is None:
                     continue
-                moved = p.grad != 0
+                moved = dense(p.grad) != 0
                 stalled += int(((p.detach() == old) & moved).sum())
                 total += int(moved.sum())
         self._before = []

@@ -15,6 +15,7 @@ from mixprec import state
 from mixprec.frameworks.torch.ranges import collect_ranges
 from mixprec.numerics.compare import sqnr_db
 from mixprec.policy.registry import POLICIES
+from mixprec.policy.scaler import dense
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -79,7 +80,9 @@ def _grads(model: nn.Module, loss_fn: LossFn, batch: Any, scale: float | None) -
     loss = loss_fn(model, batch)
     (loss * scale if scale else loss).backward()
     parts = [
-        p.grad.detach().float().reshape(-1) / (scale or 1.0) for p in model.parameters() if p.grad is not None
+        dense(p.grad).detach().float().reshape(-1) / (scale or 1.0)
+        for p in model.parameters()
+        if p.grad is not None
     ]
     return torch.cat(parts) if parts else torch.zeros(0)
 

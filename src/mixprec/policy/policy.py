@@ -26,6 +26,7 @@ from mixprec.policy.scaler import (
     check_scale_collapse,
     nonfinite_parameter_names,
     scaler_state_problem,
+    values,
 )
 from mixprec.policy.support import Support, check_support
 
@@ -79,7 +80,7 @@ def _grads_by_device_and_dtype(params: Iterable[torch.Tensor]) -> dict[tuple, li
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(values(p.grad))
     return groups
 
 
@@ -207,10 +208,10 @@ class Policy:
 
             self.fp8_layers = fp8.convert(model, self.spec.fp8_recipe, self.config.keep_fp32)
         if self.spec.param_dtype is not None:
-            half = self.spec.param_dtype
+            stored = self.spec.param_dtype
             # floating-point tensors only, as Module.half() does: complex and integer ones keep
             # their dtype (a complex weight cast to a real one would lose its imaginary part)
-            model._apply(lambda t: t.to(half) if t.is_floating_point() else t)
+            model._apply(lambda t: t.to(stored) if t.is_floating_point() else t)
             for module in islands.values():
                 module.float()
         if self.config.channels_last:

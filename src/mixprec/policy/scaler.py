@@ -221,12 +221,24 @@ class StepStats:
             self._scale_history.append((int(step), torch.tensor(float(scale))))
 
 
+def values(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's values: a sparse one's stored values (``nn.Embedding(sparse=True)``: dense ops
+    like ``!=`` and ``isfinite`` do not run on the sparse layout), a dense one as it is."""
+    return grad.coalesce().values() if grad.is_sparse else grad
+
+
+def dense(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient laid out like its weight (a sparse one densified), for element-wise comparisons
+    with the weight; read on sampled or checked steps only."""
+    return grad.to_dense() if grad.is_sparse else grad
+
+
 def _has_nonfinite(grad: torch.Tensor) -> bool:
     if hasattr(grad, "full_tensor"):
         # A sharded DTensor gradient (FSDP2): ask the whole tensor, so every rank reports the same
         # names. Only skipped steps get here, so the gather's cost does not matter.
         grad = grad.full_tensor()
-    return not bool(torch.isfinite(grad).all())
+    return not bool(torch.isfinite(values(grad)).all())
 
 
 def nonfinite_parameter_names(params: Sequence[torch.nn.Parameter], names: dict[int, str]) -> list[str]:

@@ -22,6 +22,7 @@ from mixprec.frameworks.torch.session import FirstComputeLayer
 from mixprec.numerics.compare import Trajectory
 from mixprec.numerics.limits import LOW_PRECISION_FORMATS
 from mixprec.policy import Policy
+from mixprec.policy.scaler import dense, values
 from mixprec.workload import Workload
 
 
@@ -94,7 +95,7 @@ def probe_first_step(
                         loss = workload.loss_fn(run, batch)
                     (loss * scale).backward()
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
-                finite = all(bool(torch.isfinite(g).all()) for g in grads)
+                finite = all(bool(torch.isfinite(values(g)).all()) for g in grads)
                 if finite or policy.scaler is None:
                     break
                 scale *= 0.5
@@ -103,7 +104,7 @@ def probe_first_step(
     if outputs and outputs[0] is not None:
         traj.first_output = _host_copy(outputs[0])
     traj.first_grads = {
-        names[id(p)]: _host_copy(p.grad) / scale for p in model.parameters() if p.grad is not None
+        names[id(p)]: _host_copy(dense(p.grad)) / scale for p in model.parameters() if p.grad is not None
     }
     traj.probe_scale = scale if policy.scaler is not None else None
 
@@ -198,7 +199,7 @@ def _count_stalls(traj: Trajectory, before: Sequence[tuple[torch.Tensor, torch.T
     for p, old in before:
         if p.grad is None:
             continue
-        had_grad = p.grad != 0
+        had_grad = dense(p.grad) != 0
         unchanged = p.detach() == old
         stalled += int((unchanged & had_grad).sum())
         total += int(had_grad.sum())
