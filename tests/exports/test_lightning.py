@@ -58,3 +58,51 @@ def test_mixed_precision_refuses_to_clip_a_fused_optimizer(precision):
     with pytest.raises(RuntimeError, match="fused"):
         plugin.clip_gradients(torch.optim.AdamW(params, fused=True), clip_val=1.0)
     plugin.clip_gradients(torch.optim.AdamW(params, foreach=True), clip_val=1.0)
+
+
+def test_an_island_stays_fp32_through_a_checkpoint_resume(tmp_path):
+    """Issue 26: resumed with fit(ckpt_path=...), a bf16-true fp32 island's weights came back
+    bf16-rounded (Lightning loads the state into the module it converted to bf16 whole)."""
+    from harness import data_loader, execute, lightning_module_class, restored_state
+
+    import mixprec
+
+    text = mixprec.export(mixprec.Candidate("bf16-true", keep_fp32=("head",)), "lightning", device="cpu")
+    options = {
+        "max_steps": 3,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": str(tmp_path),
+    }
+    ns = execute(
+        text,
+        {
+            "YourLightningModule": lightning_module_class(),
+            "loader": data_loader(False),
+            "trainer_options": options,
+        },
+    )
+    checkpoint = tmp_path / "island.ckpt"
+    ns["trainer"].save_checkpoint(checkpoint)
+    state = torch.load(checkpoint, weights_only=False)["state_dict"]
+    saved = state["head.1.weight"]
+    assert saved.dtype == torch.float32 and not torch.equal(
+        saved, saved.bfloat16().float()
+    )  # not bf16 values
+
+    restored = {}
+
+    class Restored(L.Callback):
+        def on_train_start(self, trainer, module):  # after the checkpoint loaded, before any step
+            restored["head"] = module.head[1].weight.detach().clone()
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        plugins=[ns["HalfPrecisionKeepBatch"]("bf16-true")],
+        callbacks=[Restored()],
+        **{**options, "max_steps": 5},
+    )
+    with restored_state():  # the export's setup() sets the fp32 math mode, as the first fit did
+        trainer.fit(ns["LitModel"](), train_dataloaders=data_loader(False), ckpt_path=str(checkpoint))
+    assert restored["head"].dtype == torch.float32 and torch.equal(restored["head"], saved)

@@ -239,6 +239,14 @@ class LightningTarget(ExportTarget):
                 "        super().on_fit_start()",
                 f"        for module in fp32_islands(self, {py(facts.keep)}).values():  # keep_fp32",
                 f"            keep_in_fp32(module.float(), {device}, output_dtype={DTYPE_CODE[facts.true]})",
+                '        if getattr(self, "_fp32_island_state", None):  # resumed: the islands as saved',
+                "            self.load_state_dict(self._fp32_island_state, strict=False)  # not rounded",
+                "",
+                "    def on_load_checkpoint(self, checkpoint):  # fit(ckpt_path=...) loads the weights",
+                "        super().on_load_checkpoint(checkpoint)  # before its conversion rounds them: keep",
+                f'        keep = tuple(n + "." for n in fp32_islands(self, {py(facts.keep)}))  # the islands',
+                '        state = checkpoint["state_dict"]',
+                "        self._fp32_island_state = {k: v for k, v in state.items() if k.startswith(keep)}",
             ]
         if facts.channels_last:
             lines += [
