@@ -6,9 +6,10 @@ skip it a bad batch's update poisons the weights before any shadow can look at t
   divided back: exact in fp32); the monitor finds the Trainer's GradScaler on Accelerate's
   optimizer, names the block, and with ``rescue=True`` makes it an fp32 island, after which the
   run trains on with finite losses.
-- One corrupt record (its tokens' embeddings 1e30 times too large, as a broken pipeline would feed
-  them) makes the loss non-finite in fp32 too: the scaler skips the step, the fp32 shadow shows
-  the same, and the finding is the data's; the policy is not blamed."""
+- One corrupt batch (at step ``CORRUPT_AT`` its embeddings come out 1e30 times too large, as a
+  broken pipeline would feed them) makes the loss non-finite in fp32 too: the scaler skips the step,
+  the fp32 shadow of that batch shows the same, and the finding is the data's; the policy is not
+  blamed."""
 
 from __future__ import annotations
 
@@ -22,11 +23,9 @@ from extras import require
 
 pytestmark = [pytest.mark.gpu, pytest.mark.frameworks]
 
-ONSET = 30
+ONSET = 60  # past GradScaler's start-up (mixprec.monitor.scale.STARTUP_STEPS)
+CORRUPT_AT = 70
 BLOCK = "transformer.h.0.mlp"
-
-
-CORRUPT = 7  # the token id of the corrupt record
 
 
 def train(tmp_path, steps, *, onset=ONSET, corrupt_at=None, **monitor_kw):
@@ -37,15 +36,12 @@ def train(tmp_path, steps, *, onset=ONSET, corrupt_at=None, **monitor_kw):
 
     w = mixprec.load_workload("hf:gpt2", seq_len=16, n_layer=1, n_embd=32, n_head=2)
     data = [{k: v[0] for k, v in w.make_batch(1, torch.device("cpu")).items()} for _ in range(steps * 2)]
-    if corrupt_at is not None:
-        data[corrupt_at] = {k: torch.full_like(v, CORRUPT) for k, v in data[corrupt_at].items()}
+    gain = {"value": 1.0, "corrupt": False}
 
-        def garbage(module, args, output):
-            bad = (args[0] == CORRUPT).all(dim=-1)
-            return torch.where(bad[:, None, None], output * 1e30, output)
+    def garbage(module, args, output):  # the corrupt batch, in the step and in its fp32 shadow
+        return output * 1e30 if gain["corrupt"] else output
 
-        w.model.transformer.wte.register_forward_hook(garbage)
-    gain = {"value": 1.0}
+    w.model.transformer.wte.register_forward_hook(garbage)
 
     def amplify(module, args, output):
         return output * gain["value"] / gain["value"]
@@ -56,6 +52,8 @@ def train(tmp_path, steps, *, onset=ONSET, corrupt_at=None, **monitor_kw):
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step == onset:
                 gain["value"] = 1e6
+            # the whole step is the corrupt batch's, the monitor's shadow at its end included
+            gain["corrupt"] = state.global_step == corrupt_at
 
     monitor = MonitorCallback(every=10, **monitor_kw)
     args = TrainingArguments(
@@ -73,21 +71,21 @@ def train(tmp_path, steps, *, onset=ONSET, corrupt_at=None, **monitor_kw):
 
 
 def test_an_fp16_overflow_in_one_block_is_named_and_islanded_in_the_trainer(tmp_path):
-    alert = train(tmp_path / "alert", 60)
+    alert = train(tmp_path / "alert", 100)
     assert alert.scaler is not None  # found on Accelerate's optimizer
     first = next(f for f in alert.findings if f.kind in ("overflow", "scale_collapse"))
     assert first.module == BLOCK and ONSET <= first.step <= ONSET + 10
     assert "rescue" not in [f.kind for f in alert.findings]
 
-    rescued = train(tmp_path / "rescued", 60, rescue=True)
+    rescued = train(tmp_path / "rescued", 100, rescue=True)
     assert ("rescue", BLOCK) in [(f.kind, f.module) for f in rescued.findings]
     assert all(math.isfinite(v) for v in rescued.losses[-10:])  # the island holds the block's range
 
 
 def test_a_corrupt_record_is_the_data_not_the_precision_in_the_trainer(tmp_path):
-    monitor = train(tmp_path, 40, onset=10**9, corrupt_at=41)
+    monitor = train(tmp_path, 100, onset=10**9, corrupt_at=CORRUPT_AT)
     bad = [f for f in monitor.findings if f.kind == "bad_batch"]
-    assert len(bad) == 1 and "not blamed" in bad[0].message
+    assert len(bad) == 1 and bad[0].step == CORRUPT_AT and "not blamed" in bad[0].message
     assert bad[0].step in monitor.skipped  # the scaler skipped the step; the weights never saw it
     assert not [f for f in monitor.findings if f.kind in ("overflow", "scale_collapse", "rescue")]
     assert math.isfinite(monitor.losses[-1])

@@ -366,7 +366,7 @@ class Monitor:
     # ------------------------------------------------------------------ skips
     def _on_skip(self, step: int, batch: Any) -> None:
         scale = self.scale.current
-        if self.scale.settled is None or scale is None:
+        if self.scale.settled is None or scale is None or self.scale.starting(step):
             return  # GradScaler's start-up back-off: finding the scale, not a failure
         if scale >= self.scale.settled:
             return  # a back-off after a growth, to the settled level: GradScaler's normal rhythm

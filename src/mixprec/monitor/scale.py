@@ -10,6 +10,11 @@ import torch
 
 from mixprec.policy import Policy
 
+# GradScaler's start-up: from its initial 65536 it backs off until the gradients fit, which a model
+# may need a few steps into the run to show (a ViT in fp16 skipped its third step). The scale it
+# settles at is the one it holds after this many steps; a skip before is its search, not news.
+STARTUP_STEPS = 50
+
 
 class ScaleWatch:
     """The scaler of a Policy, or of a plain ``torch.amp`` loop (``scaler``); neither: no scale.
@@ -17,7 +22,8 @@ class ScaleWatch:
     Attributes:
         skipped: the steps that were skipped.
         scales: ``(step, scale)`` where the scale was read.
-        settled: the scale after GradScaler's start-up (None until the first step that moved).
+        settled: the scale after GradScaler's start-up (it follows the scale through the first
+            :data:`STARTUP_STEPS` steps; None until the first step that moved).
         current: the scale the last step left (the next step's).
     """
 
@@ -57,10 +63,14 @@ class ScaleWatch:
         self._note(step, skipped)
         return skipped
 
+    def starting(self, step: int) -> bool:
+        """Whether ``step`` is in GradScaler's start-up, where a skip is its search for the scale."""
+        return step < STARTUP_STEPS
+
     def _note(self, step: int, skipped: bool) -> None:
         if skipped:
             self.skipped.append(step)
-        elif self.settled is None:
+        elif self.settled is None or self.starting(step):
             self.settled = self.current  # the level GradScaler's start-up found
 
     def state_dict(self) -> dict[str, Any]:
