@@ -22,7 +22,7 @@ from mixprec.frameworks import Framework, framework_of
 from mixprec.frameworks.session import MemoryPoint
 from mixprec.hardware.device import detect
 from mixprec.measure.failure import exception_status
-from mixprec.measure.memory import MemoryModel, fit_and_check
+from mixprec.measure.memory import MemoryModel, fit, fit_and_check
 from mixprec.measure.results import BenchResult
 from mixprec.measure.sweep import bench, parse_choice, parse_policies, plan_candidates
 from mixprec.policy import Candidate
@@ -159,7 +159,7 @@ def _memory(
         return exception_status(exc), f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
 
-VERIFY_TRIES = 4  # measured steps to confirm the largest micro-batch that fits
+VERIFY_TRIES = 6  # measured steps to find and confirm the largest micro-batch that fits
 
 
 def _largest_that_fits(
@@ -171,20 +171,30 @@ def _largest_that_fits(
     memory_budget: int,
     peaks: dict[tuple[Candidate, int], MemoryPoint],
 ) -> tuple[int | None, MemoryPoint | None]:
-    """The model's largest micro-batch within the budget, confirmed by a measured step there; one
-    that measures past the budget (the fit extrapolated too far) steps down in proportion and is
-    measured again. An out-of-memory there counts as past it."""
+    """The largest micro-batch within the budget, confirmed by a measured step there. The model
+    predicts it; every size measured joins the fit (the line through the two largest sizes
+    measured: far out, activations set the slope, which small sizes can understate) and the line
+    predicts again, a secant search, until it predicts no larger size than one that fitted. An
+    out-of-memory counts as past the budget. What returns is a measured size: the largest that
+    fitted, never only a prediction."""
+    measured = {s: p for (c, s), p in peaks.items() if c == cand}
+    best: tuple[int, MemoryPoint] | None = max(
+        ((s, p) for s, p in measured.items() if p.peak_bytes <= memory_budget), default=None
+    )
     most = model.max_batch(memory_budget)
     for _ in range(VERIFY_TRIES):
-        if most is None:
-            return None, None
-        got = peaks.get((cand, most)) or _memory(framework, workload, cand, device, most)
-        if isinstance(got, MemoryPoint) and got.peak_bytes <= memory_budget:
-            return most, got
-        over = got.peak_bytes / memory_budget if isinstance(got, MemoryPoint) else 1.25
-        smaller = int(most / over) if over > 1 else most - 1
-        most = min(smaller, most - 1) or None
-    return None, None
+        if most is None or most in measured or (best is not None and most <= best[0]):
+            break
+        got = _memory(framework, workload, cand, device, most)
+        if not isinstance(got, MemoryPoint):  # out of memory there: past the budget, by far
+            got = MemoryPoint(most, memory_budget * 2)
+        measured[most] = got
+        if got.peak_bytes <= memory_budget:
+            best = (most, got)
+        (_, low), (_, high) = sorted(measured.items())[-2:]
+        ahead = fit(model.label, [low, high]).max_batch(memory_budget)
+        most = ahead if got.peak_bytes <= memory_budget else min(ahead or 0, most - 1) or None
+    return (best[0], best[1]) if best else (None, None)
 
 
 def bench_batches(
