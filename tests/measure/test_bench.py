@@ -110,7 +110,8 @@ def test_every_candidate_gets_a_row_and_unsupported_rows_say_why():
     baseline = labels["fp32"]
     assert baseline.speedup_vs_fp32 == pytest.approx(1.0)
     assert baseline.flops_per_step and baseline.flops_per_step > 0
-    assert labels["bf16-mixed"].observed_dtype == "bfloat16"
+    if labels["bf16-mixed"].status == "ok":  # a pruned row (a busy machine) keeps no dtype
+        assert labels["bf16-mixed"].observed_dtype == "bfloat16"
     assert labels["fp32"].observed_dtype == "float32"
 
 
