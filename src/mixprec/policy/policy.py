@@ -385,7 +385,9 @@ class Policy:
             for i, o in enumerate(opts):
                 try:
                     self._scaler.step(o)
-                except AssertionError as exc:  # GradScaler's "No inf checks were recorded"
+                except AssertionError as exc:
+                    if "No inf checks were recorded" not in str(exc):
+                        raise  # the optimizer's own assertion, not GradScaler's missing backward
                     raise PolicyError(
                         f"step() found no gradient in optimizer {i} under {self.name!r}: call "
                         "policy.backward(loss) before every policy.step(optimizer) (zero_grad(set_to_none"
