@@ -150,13 +150,19 @@ def _accumulation(sizes: list[int], effective_batch: int | None) -> dict[int, in
     return {s: effective_batch // s for s in sizes}
 
 
+def _failure(exc: BaseException) -> tuple[str, str]:
+    """A failure's row status (``oom`` or ``error``) and one-line reason (an empty message too)."""
+    lines = str(exc).splitlines()
+    return exception_status(exc), f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+
+
 def _memory(
     framework: Framework, workload: Any, candidate: Candidate, device: str, batch_size: int
 ) -> MemoryPoint | tuple[str, str]:
     try:
         return framework.peak_memory(workload, candidate, device, batch_size)
     except Exception as exc:  # one candidate's failure is a row, not the end of the sweep
-        return exception_status(exc), f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        return _failure(exc)
 
 
 VERIFY_TRIES = 6  # measured steps to find and confirm the largest micro-batch that fits
@@ -288,8 +294,7 @@ def bench_batches(
                 **bench_options,
             )
         except Exception as exc:  # e.g. out of memory in the validating step: this size's rows say so
-            status = exception_status(exc)
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            status, reason = _failure(exc)
             sweep.rows += [BatchRow(c, size, status, reason, accumulation[size]) for c in fits]
             continue
         sweep.results[size] = result
