@@ -183,25 +183,21 @@ def test_the_largest_batch_is_searched_past_a_fit_that_understates_the_activatio
     nearly flat in the batch), the line through them promises a batch far too large; the search
     measures there, refits through the largest sizes and returns a size it measured within the budget."""
     from mixprec.frameworks.session import MemoryPoint
-    from mixprec.measure.batches import _largest_that_fits
+    from mixprec.measure.batches import largest_that_fits
     from mixprec.measure.memory import fit
 
     def peak(batch):  # the optimizer step's 1000 bytes, or the activations' 10 + 5 per sample
         return MemoryPoint(batch, max(1000 + batch // 10, 10 + 5 * batch))
 
-    class Stub:
-        def __init__(self) -> None:
-            self.measured: list[int] = []
+    measured: list[int] = []
 
-        def peak_memory(self, workload, candidate, device, batch_size):
-            self.measured.append(batch_size)
-            return peak(batch_size)
+    def measure(batch_size):
+        measured.append(batch_size)
+        return peak(batch_size)
 
-    cand = mixprec.Candidate("fp32")
-    peaks = {(cand, b): peak(b) for b in (16, 32)}
+    peaks = {b: peak(b) for b in (16, 32)}
     model = fit("fp32", list(peaks.values()))
     assert model.max_batch(2000) > 5000  # what the flat line promises
-    stub = Stub()
-    most, verified = _largest_that_fits(stub, None, cand, "cpu", model, 2000, peaks)
+    most, verified = largest_that_fits(measure, model, 2000, peaks)
     assert verified is not None and verified.peak_bytes <= 2000 and verified.batch_size == most
-    assert most >= 0.9 * (2000 - 10) // 5 and len(stub.measured) <= 6  # near the true 398, in few steps
+    assert most >= 0.9 * (2000 - 10) // 5 and len(measured) <= 6  # near the true 398, in few steps

@@ -23,11 +23,12 @@ from mixprec.cli.common import (
 )
 from mixprec.errors import BudgetExhausted, MixprecError, NumericsFailed, UsageError
 from mixprec.exports import EXPORT_TARGETS
+from mixprec.measure.memory import parse_size
 from mixprec.measure.noise import describe as describe_noise
 from mixprec.policy import Candidate
 from mixprec.policy.candidate import COMPILE_MODES
 from mixprec.report.bench import drift_text
-from mixprec.report.format import fmt_phases, fmt_speedup_ci, rich_style, shorten
+from mixprec.report.format import fmt_bytes, fmt_phases, fmt_speedup_ci, rich_style, shorten
 from mixprec.report.jsonio import write_json
 from mixprec.status import Status
 
@@ -64,6 +65,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=TRAIN_STEPS,
         help=f"length of your training run; compile time is amortised over it (default {TRAIN_STEPS})",
     )
+    p.add_argument(
+        "--batch",
+        choices=("auto",),
+        help="auto: search the micro-batch with the precision: each candidate at the largest micro-batch "
+        "that fits --memory-budget, gradient accumulation keeping --effective-batch samples per step",
+    )
+    p.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="with --batch auto: the memory a step may take (e.g. 16GiB; on CUDA default: the free "
+        "memory less 10%%; a CPU needs it)",
+    )
+    p.add_argument(
+        "--effective-batch",
+        type=positive_int,
+        metavar="N",
+        help="with --batch auto: samples per optimizer step (default: --batch-size, else the workload's)",
+    )
     p.add_argument("--json", metavar="FILE", help="everything tune measured and decided, as JSON")
     p.add_argument("--report", metavar="DIR", help="write DIR/index.html and DIR/report.md")
     p.set_defaults(run=run)
@@ -94,13 +113,15 @@ def compile_cell(c: dict[str, Any]) -> str:
 def candidate_table(data: dict[str, Any]) -> Table:
     table = Table(title=f"{data['workload']} on {data['device']}: candidates", title_justify="left")
     compiled = any(c.get("compile_s") is not None for c in data["candidates"])
+    batched = data.get("batches") is not None
     columns = ["candidate", "status", "samples/s", "speedup vs fp32", "compute", "numerics", "why"]
     if compiled:
         columns.insert(4, "compile")
+    if batched:  # --batch auto: each candidate's micro-batch and its measured peak
+        columns[2:2] = ["micro-batch", "peak memory"]
     for col in columns:
-        table.add_column(
-            col, justify="right" if col in ("samples/s", "speedup vs fp32", "compute") else "left"
-        )
+        right = ("samples/s", "speedup vs fp32", "compute", "micro-batch", "peak memory")
+        table.add_column(col, justify="right" if col in right else "left")
     for c in data["candidates"]:
         share = c.get("compute_share")
         cells = [
@@ -112,12 +133,27 @@ def candidate_table(data: dict[str, Any]) -> Table:
         ]
         if compiled:
             cells.insert(4, compile_cell(c))
+        if batched:
+            cells[2:2] = micro_batch_cells(data, c)
         table.add_row(
             *cells,
             c.get("verdict") or "",
             shorten(c.get("reason") or "", 90),
         )
     return table
+
+
+def micro_batch_cells(data: dict[str, Any], c: dict[str, Any]) -> list[str]:
+    """'16 x 4' (micro-batch x accumulation steps) and the peak measured there by the batch search."""
+    cand = c.get("candidate") or {}
+    micro, steps = cand.get("micro_batch"), cand.get("accumulation_steps") or 1
+    if micro is None:
+        return ["", ""]
+    eager = cand.get("policy", "") + ("+cl" if cand.get("channels_last") else "")
+    plan = {p["label"]: p for p in (data.get("batches") or {}).get("candidates") or []}
+    chosen = plan.get(eager) or {}
+    peak = chosen.get("peak_memory_bytes") if chosen.get("micro_batch") == micro else None
+    return [f"{micro} x {steps}", fmt_bytes(peak)]
 
 
 def summary(data: dict[str, Any]) -> Group:
@@ -133,6 +169,13 @@ def summary(data: dict[str, Any]) -> Group:
         head.append(f"  {rec['speedup_vs_fp32']:.2f}x strict fp32")
     if rec.get("speedup_vs_tf32"):
         head.append(f", {rec['speedup_vs_tf32']:.2f}x tf32")
+    if data.get("batches") and rec.get("micro_batch"):
+        steps = rec.get("accumulation_steps") or 1
+        peak = f", peak {fmt_bytes(rec['peak_memory_bytes'])}" if rec.get("peak_memory_bytes") else ""
+        head.append(
+            f"  micro-batch {rec['micro_batch']} x {steps} accumulation = {rec['micro_batch'] * steps} "
+            f"per optimizer step{peak}"
+        )
     parts += [head, Text(rec["reason"])]
     if data.get("budget_exhausted"):
         parts.append(Text(budget_exhausted(data).args[0], style="red"))
@@ -199,6 +242,10 @@ def export_lines(data: dict[str, Any]) -> list[Text]:
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     from mixprec.tuning import tune
 
+    if args.batch is None and (args.memory_budget or args.effective_batch):
+        flag = "--memory-budget" if args.memory_budget else "--effective-batch"
+        raise UsageError(f"{flag} applies to the micro-batch search; pass --batch auto too.")
+    memory_budget = parse_size(args.memory_budget) if args.memory_budget else None
     defaults = Defaults(args, "tune")
     framework = defaults.framework
     for mode in args.compile or ():  # a typo fails before the workload is built
@@ -219,6 +266,9 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
             optimizers=not args.no_optimizers,
             train_steps=args.train_steps,
             events=shown.event,
+            batch=args.batch,
+            memory_budget=memory_budget,
+            effective_batch=args.effective_batch,
         )
     result.command = "mixprec " + " ".join(sys.argv[1:])
     data = result.to_dict()

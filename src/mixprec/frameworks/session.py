@@ -9,7 +9,7 @@ the sweep, its child processes and its pruning never look past it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from mixprec.errors import MixprecError
@@ -54,6 +54,23 @@ class BenchSettings:
     # that many forward/backward passes and one optimizer step, ``batch_size * accumulation_steps``
     # samples: how a larger effective batch runs where it does not fit as one micro-batch.
     accumulation_steps: int = 1
+
+    def for_candidate(self, candidate: Any) -> BenchSettings:
+        """The settings ``candidate`` runs under: its own micro-batch and accumulation where it
+        names them (``tune --batch auto``), the same samples per optimizer step as the run's, so its
+        step times pair with the baseline's; these settings otherwise."""
+        if candidate.micro_batch is None:
+            return self
+        if candidate.micro_batch * candidate.accumulation_steps != self.batch_size * self.accumulation_steps:
+            raise MixprecError(
+                f"{candidate.label} trains {candidate.micro_batch * candidate.accumulation_steps} samples "
+                f"per optimizer step, the run {self.batch_size * self.accumulation_steps}: their step times "
+                "would not compare; give it micro_batch * accumulation_steps equal to the run's effective "
+                "batch."
+            )
+        return replace(
+            self, batch_size=candidate.micro_batch, accumulation_steps=candidate.accumulation_steps
+        )
 
 
 @dataclass(frozen=True)

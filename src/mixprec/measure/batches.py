@@ -11,8 +11,9 @@ measures it). An out-of-memory at any point is a row (``oom``), never the end of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from mixprec.budget import Budget
@@ -156,7 +157,7 @@ def _failure(exc: BaseException) -> tuple[str, str]:
     return exception_status(exc), f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
 
 
-def _memory(
+def measure_peak(
     framework: Framework, workload: Any, candidate: Candidate, device: str, batch_size: int
 ) -> MemoryPoint | tuple[str, str]:
     try:
@@ -168,22 +169,20 @@ def _memory(
 VERIFY_TRIES = 6  # measured steps to find and confirm the largest micro-batch that fits
 
 
-def _largest_that_fits(
-    framework: Framework,
-    workload: Any,
-    cand: Candidate,
-    device: str,
+def largest_that_fits(
+    measure: Callable[[int], MemoryPoint | tuple[str, str]],
     model: MemoryModel,
     memory_budget: int,
-    peaks: dict[tuple[Candidate, int], MemoryPoint],
+    measured: dict[int, MemoryPoint],
 ) -> tuple[int | None, MemoryPoint | None]:
     """The largest micro-batch within the budget, confirmed by a measured step there. The model
-    predicts it; every size measured joins the fit (the line through the two largest sizes
-    measured: far out, activations set the slope, which small sizes can understate) and the line
-    predicts again, a secant search, until it predicts no larger size than one that fitted. An
-    out-of-memory counts as past the budget. What returns is a measured size: the largest that
-    fitted, never only a prediction."""
-    measured = {s: p for (c, s), p in peaks.items() if c == cand}
+    predicts it; every size measured (``measure(size)``: a point, or a failure's status and reason)
+    joins ``measured`` and the fit (the line through the two largest sizes measured: far out,
+    activations set the slope, which small sizes can understate) and the line predicts again, a
+    secant search, until it predicts no larger size than one that fitted. An out-of-memory counts as
+    past the budget. What returns is a measured size: the largest that fitted, never only a
+    prediction."""
+    measured = dict(measured)
     best: tuple[int, MemoryPoint] | None = max(
         ((s, p) for s, p in measured.items() if p.peak_bytes <= memory_budget), default=None
     )
@@ -191,7 +190,7 @@ def _largest_that_fits(
     for _ in range(VERIFY_TRIES):
         if most is None or most in measured or (best is not None and most <= best[0]):
             break
-        got = _memory(framework, workload, cand, device, most)
+        got = measure(most)
         if not isinstance(got, MemoryPoint):  # out of memory there: past the budget, by far
             got = MemoryPoint(most, memory_budget * 2)
         measured[most] = got
@@ -244,7 +243,7 @@ def bench_batches(
             if budget.expired():
                 break
             events({"event": "stage", "text": f"peak memory of {cand.label} at batch {size}"})
-            got = _memory(framework, workload, cand, dev, size)
+            got = measure_peak(framework, workload, cand, dev, size)
             if isinstance(got, MemoryPoint):
                 peaks[cand, size] = got
             else:
@@ -253,8 +252,9 @@ def bench_batches(
         if len({p.batch_size for p in points}) >= 2:
             model = sweep.models[cand.label] = fit_and_check(cand.label, points)
             if memory_budget is not None:
-                most, verified = _largest_that_fits(
-                    framework, workload, cand, dev, model, memory_budget, peaks
+                measured = {s: p for (c, s), p in peaks.items() if c == cand}
+                most, verified = largest_that_fits(
+                    partial(measure_peak, framework, workload, cand, dev), model, memory_budget, measured
                 )
                 sweep.max_batch[cand.label], sweep.verified[cand.label] = most, verified
     if len(sizes) < 2:

@@ -93,10 +93,14 @@ class PairedSweep:
         # and it must finish to give its own row (a deadline ends the sweep between candidates).
         stop = self.should_stop if candidate != self.baseline_candidate else (lambda: False)
         framework = self.framework
+        own = settings.for_candidate(candidate)
+        # the shared batches are the run's size: a candidate with its own micro-batch makes its own
+        batches = self.batches if own.batch_size == settings.batch_size else None
+        settings = own
         if not self.isolate:
             return LocalSession(
                 candidate,
-                lambda: framework.session(self.workload, candidate, settings, self.batches),
+                lambda: framework.session(self.workload, candidate, settings, batches),
                 should_stop=stop,
             )
         build = framework.session_builder()
@@ -116,10 +120,9 @@ class PairedSweep:
     def _row(
         self, candidate: Candidate, status: str = Status.OK, reason: str = "", **fields: Any
     ) -> BenchRow:
-        fields.setdefault("accumulation_steps", self.settings.accumulation_steps)
-        return BenchRow(
-            self.label, candidate, self.settings.device, self.settings.batch_size, status, reason, **fields
-        )
+        own = self.settings.for_candidate(candidate)
+        fields.setdefault("accumulation_steps", own.accumulation_steps)
+        return BenchRow(self.label, candidate, own.device, own.batch_size, status, reason, **fields)
 
     def start_baseline(self, count_flops: bool) -> BenchRow:
         """Open, warm up and time the baseline; its row so far (it keeps running for the pairs)."""

@@ -116,6 +116,7 @@ def bench(
     cudnn_benchmark: bool = True,
     budget: Budget | None = None,
     accumulation_steps: int = 1,
+    baseline: Candidate | None = None,
 ) -> BenchResult:
     """Measure every candidate policy on ``workload``'s real training step, paired with strict fp32.
 
@@ -195,14 +196,30 @@ def bench(
     if True in compiled and not framework.compile_modes:
         raise UsageError(f"{framework.title} has no compile mode; drop compile.")
     bs = batch_size or framework.default_batch_size(workload)
+    reference = framework.baseline if baseline is None else framework.validate(baseline)
+    if reference.policy != "fp32" or reference.channels_last or reference.compile or reference.keep_fp32:
+        raise UsageError(
+            f"the baseline must be strict fp32, eager, NCHW (at any micro-batch), got {reference.label}."
+        )
     # One strict-fp32 step here first: a broken make_batch / loss_fn / optimizer_fn is one clear
     # error now, not the same failure in every row.
     events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
     framework.validate_workload(workload, dev, bs)
-    plan = (
-        plan_candidates(framework, names, layouts, compiled) if candidates is None else [framework.baseline]
-    )
+    plan = plan_candidates(framework, names, layouts, compiled) if candidates is None else [reference]
     plan += [framework.validate(c) for c in (candidates or []) if c not in plan]
+    for cand in plan:  # a candidate with its own micro-batch trains the run's samples per step
+        if (
+            cand.micro_batch is not None
+            and cand.micro_batch * cand.accumulation_steps != bs * accumulation_steps
+        ):
+            raise UsageError(
+                f"{cand.label} trains {cand.micro_batch * cand.accumulation_steps} samples per optimizer "
+                f"step, the run {bs * accumulation_steps} (batch_size {bs} x accumulation_steps "
+                f"{accumulation_steps}); "
+                "its micro_batch * accumulation_steps must equal the run's, so the speeds compare."
+            )
+        if cand.micro_batch is not None and nproc > 1:
+            raise UsageError(f"{cand.label}: a candidate's own micro-batch is not measured on DDP ranks yet.")
     settings = BenchSettings(
         device=dev,
         batch_size=bs,
@@ -251,6 +268,7 @@ def bench(
         nproc=nproc,
         budget=budget or Budget.unlimited(),
         events=events,
+        baseline=reference,
     )
     key = resume_key(
         framework, result.workload, settings, prune_factor=prune_factor, isolate=isolate, nproc=nproc
@@ -318,8 +336,10 @@ class Sweep:
         nproc: int,
         budget: Budget,
         events: Events,
+        baseline: Candidate | None = None,
     ) -> None:
         self.framework, self.workload, self.plan, self.settings = framework, workload, plan, settings
+        self.baseline = framework.baseline if baseline is None else baseline
         self.result, self.info, self.isolate, self.prune_factor = result, info, isolate, prune_factor
         self.nproc, self.budget, self.events = nproc, budget, events
         self.batches: list | None = None
@@ -340,15 +360,9 @@ class Sweep:
         return result
 
     def row(self, candidate: Candidate, status: str, reason: str = "", **fields: Any) -> BenchRow:
-        return BenchRow(
-            self.result.workload,
-            candidate,
-            self.settings.device,
-            self.settings.batch_size,
-            status,
-            reason,
-            **fields,
-        )
+        own = self.settings.for_candidate(candidate)
+        fields.setdefault("accumulation_steps", own.accumulation_steps)
+        return BenchRow(self.result.workload, candidate, own.device, own.batch_size, status, reason, **fields)
 
     def resumed_or_todo(
         self, rows: RowRecorder, *, baseline_again: bool = False
@@ -357,8 +371,9 @@ class Sweep:
         (with ``baseline_again`` the baseline always: every paired row is measured against it)."""
         todo = []
         for i, cand in enumerate(self.plan):
-            key = (self.result.workload, cand, self.settings.device, self.settings.batch_size, False)
-            if key in rows.done and not (baseline_again and cand == self.framework.baseline):
+            own = self.settings.for_candidate(cand)
+            key = (self.result.workload, cand, own.device, own.batch_size, False)
+            if key in rows.done and not (baseline_again and cand == self.baseline):
                 rows.record(rows.done[key], i, resumed=True)
             else:
                 todo.append((i, cand))
@@ -392,6 +407,7 @@ class Sweep:
             events=self.events,
             should_stop=self.budget.expired,
             batches=self.batches,
+            reference=self.baseline,
         )
         try:
             self._measure_paired(sweep, todo, rows)
@@ -401,10 +417,11 @@ class Sweep:
     def _complete(self, rows: RowRecorder, todo: list[tuple[int, Candidate]]) -> bool:
         """A resumed stream that holds every row, the baseline's too: nothing to measure (measuring
         the baseline again would only append more fp32 rows)."""
-        baseline = self.framework.baseline
+        baseline = self.baseline
         if any(cand != baseline for _, cand in todo):
             return False
-        key = (self.result.workload, baseline, self.settings.device, self.settings.batch_size, False)
+        own = self.settings.for_candidate(baseline)
+        key = (self.result.workload, baseline, own.device, own.batch_size, False)
         if key not in rows.done:
             return False
         rows.record(rows.done[key], 0, resumed=True)
@@ -418,7 +435,7 @@ class Sweep:
     ) -> None:
         """The baseline, then each candidate of ``todo`` paired with it (or the row :meth:`refused`
         gives instead), the pruned ones retried once, and the baseline's final row."""
-        result, baseline, count = self.result, self.framework.baseline, len(self.plan)
+        result, baseline, count = self.result, self.baseline, len(self.plan)
         self.events({"event": "candidate", "label": baseline.label, "index": 0, "count": count})
         try:
             rows.record(sweep.start_baseline(count_flops=result.flops_per_step is None), 0)

@@ -40,6 +40,11 @@ class Candidate:
             compiles Keras' whole train step).
         optimizer: the optimizer's implementation (one of :data:`OPTIMIZER_IMPLS`), None for the
             workload's optimizer as written.
+        micro_batch: samples per forward/backward pass, where the candidate runs another micro-batch
+            than the run's batch (``tune --batch auto``: the largest that fits a memory budget);
+            None: the run's batch size.
+        accumulation_steps: micro-batches per optimizer step (gradient accumulation), so that
+            ``micro_batch * accumulation_steps`` is the run's effective batch; 1 without it.
         framework: the training framework the candidate runs in (a registered
             :class:`mixprec.frameworks.Framework`: "torch", or "tensorflow" for Keras 3). Which axes
             apply is the framework's to say (:meth:`~mixprec.frameworks.Framework.validate`: Keras
@@ -55,6 +60,8 @@ class Candidate:
     optimizer: str | None = None
     compile_scope: str | None = None
     framework: str = "torch"
+    micro_batch: int | None = None
+    accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", canonical_name(self.policy))
@@ -88,6 +95,16 @@ class Candidate:
             )
         if self.compile_scope == "model":
             object.__setattr__(self, "compile_scope", None)  # the default scope, one spelling
+        for name in ("micro_batch", "accumulation_steps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise PolicyError(f"{name} must be an integer >= 1, got {value!r}.")
+        if self.accumulation_steps > 1 and self.micro_batch is None:
+            raise PolicyError(
+                f"accumulation_steps={self.accumulation_steps} without a micro_batch: name the samples "
+                "per micro-batch too (micro_batch=16), so the effective batch is micro_batch * "
+                "accumulation_steps."
+            )
         if self.optimizer is not None and self.optimizer not in OPTIMIZER_IMPLS:
             raise PolicyError(
                 f"Unknown optimizer implementation {self.optimizer!r}; valid: {', '.join(OPTIMIZER_IMPLS)} "
@@ -113,14 +130,26 @@ class Candidate:
         elif self.compile:  # another framework's own mode, e.g. "+xla"
             compiled = f"+{self.compile}"
         optimizer = f"+{self.optimizer}" if self.optimizer else ""
-        return self.policy + ("+cl" if self.channels_last else "") + islands + compiled + optimizer
+        batch = ""  # '@16x4': micro-batches of 16, four per optimizer step
+        if self.micro_batch is not None:
+            batch = f"@{self.micro_batch}" + (
+                f"x{self.accumulation_steps}" if self.accumulation_steps > 1 else ""
+            )
+        return self.policy + ("+cl" if self.channels_last else "") + islands + compiled + optimizer + batch
+
+    @property
+    def unbatched(self) -> Candidate:
+        """This candidate at the run's batch: without its micro-batch and accumulation."""
+        return replace(self, micro_batch=None, accumulation_steps=1)
 
     @property
     def numerics(self) -> Candidate:
         """The candidate whose numerics verdict applies to this one: the memory layout and the
         optimizer's implementation change which kernels run, not the formats they round to, so they
-        share a verdict; a compiled candidate has its own (fused kernels round differently)."""
-        return replace(self, channels_last=False, optimizer=None)
+        share a verdict; a compiled candidate has its own (fused kernels round differently). The
+        micro-batch does not change the formats either: a verdict checked at one micro-batch stands
+        for the candidate's others (``tune --batch auto`` checks at the micro-batch it measured)."""
+        return replace(self, channels_last=False, optimizer=None, micro_batch=None, accumulation_steps=1)
 
     @property
     def threshold_key(self) -> str:
@@ -145,6 +174,8 @@ class Candidate:
             "compile_scope": self.compile_scope,
             "optimizer": self.optimizer,
             "framework": self.framework,
+            "micro_batch": self.micro_batch,
+            "accumulation_steps": self.accumulation_steps,
         }
 
     @classmethod
@@ -160,6 +191,8 @@ class Candidate:
             compile_scope=data.get("compile_scope"),
             optimizer=data.get("optimizer"),
             framework=data.get("framework", "torch"),
+            micro_batch=data.get("micro_batch"),
+            accumulation_steps=int(data.get("accumulation_steps") or 1),
         )
 
 

@@ -85,6 +85,9 @@ class Recommendation:
         too_noisy: set when the machine's noise was too large to separate two candidates.
         noisy_with: the candidate the pick could not be separated from.
         lint_worth_fixing: lint findings of warning severity or worse under this policy.
+        micro_batch / accumulation_steps: samples per forward/backward pass, and passes per optimizer
+            step (set by tune: the candidate's own under ``--batch auto``, else the run's batch and 1).
+        peak_memory_bytes: the pick's measured peak at that micro-batch.
     """
 
     candidate: Candidate
@@ -98,6 +101,9 @@ class Recommendation:
     too_noisy: str | None = None
     noisy_with: Candidate | None = None
     lint_worth_fixing: list[dict[str, Any]] = field(default_factory=list)
+    micro_batch: int | None = None
+    accumulation_steps: int = 1
+    peak_memory_bytes: int | None = None
 
     @property
     def label(self) -> str:
@@ -125,6 +131,9 @@ class Recommendation:
             "too_noisy": self.too_noisy,
             "noisy_with": self.noisy_with.to_dict() if self.noisy_with else None,
             "lint_worth_fixing": self.lint_worth_fixing,
+            "micro_batch": self.micro_batch,
+            "accumulation_steps": self.accumulation_steps,
+            "peak_memory_bytes": self.peak_memory_bytes,
         }
 
     @classmethod
@@ -142,6 +151,9 @@ class Recommendation:
             too_noisy=data.get("too_noisy"),
             noisy_with=Candidate.from_dict(data["noisy_with"]) if data.get("noisy_with") else None,
             lint_worth_fixing=list(data.get("lint_worth_fixing") or []),
+            micro_batch=data.get("micro_batch"),
+            accumulation_steps=int(data.get("accumulation_steps") or 1),
+            peak_memory_bytes=data.get("peak_memory_bytes"),
         )
 
 

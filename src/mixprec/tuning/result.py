@@ -37,7 +37,10 @@ class TuneResult:
         phases: where the time went, seconds per stage in order: "speed" (the eager sweep and
             its late part), "numerics" (checks and rescues), "compile" (compiled candidates and
             their checks), "race" (the finalists measured against each other), "prediction" (fp8
-            numerics predicted here), "other" (validation, lint, exports).
+            numerics predicted here), "other" (validation, lint, exports); "batch" first under
+            ``--batch auto`` (each candidate's micro-batch under the memory budget).
+        batches: under ``--batch auto``, the batch plan (:class:`mixprec.tuning.batching.BatchPlan`:
+            the budget, each candidate's micro-batch and memory model, the share of the grid timed).
     """
 
     workload: str
@@ -58,6 +61,7 @@ class TuneResult:
     command: str | None = None
     budget_exhausted: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
+    batches: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         rec = self.recommendation
@@ -80,6 +84,7 @@ class TuneResult:
             "recommendation": rec.to_dict() if rec else None,
             "exports": self.exports,
             "export_refusals": self.export_refusals,
+            "batches": self.batches,
         }
 
     @classmethod
@@ -121,4 +126,5 @@ class TuneResult:
             command=data.get("command"),
             budget_exhausted=data.get("budget_exhausted"),
             phases={str(k): float(v) for k, v in (data.get("phases") or {}).items()},
+            batches=data.get("batches"),
         )

@@ -8,6 +8,7 @@ the exports of the pick.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -19,6 +20,8 @@ from mixprec.events import Events, ignore
 from mixprec.frameworks import framework_of
 from mixprec.hardware.device import detect
 from mixprec.policy import Candidate
+from mixprec.tuning import batching
+from mixprec.tuning.batching import BatchPlan
 from mixprec.tuning.result import TuneResult
 from mixprec.tuning.search import RESERVE_S, Search
 
@@ -40,6 +43,9 @@ def tune(
     train_steps: int = TRAIN_STEPS,
     events: Events | None = None,
     stop: Any = None,
+    batch: str | None = None,
+    memory_budget: int | None = None,
+    effective_batch: int | None = None,
 ) -> TuneResult:
     """Find the fastest configuration that trains like fp32 on ``workload`` within ``budget_s`` seconds.
 
@@ -61,6 +67,11 @@ def tune(
         events: the event stream (:mod:`mixprec.events`): 'stage' lines, the sweeps' 'candidate',
             'step', 'row' and 'output' events, and the checks' 'verdict' events.
         stop: polled with the clock; True stops the search as if the budget were spent.
+        batch: "auto" to search the micro-batch with the precision (:mod:`mixprec.tuning.batching`):
+            each candidate at the largest micro-batch that fits ``memory_budget`` (bytes; on CUDA by
+            default the free memory less 10%), with gradient accumulation to ``effective_batch``
+            samples per optimizer step (default ``batch_size``, else the workload's); None: every
+            candidate at ``batch_size``.
 
     The workload is validated first, by one strict-fp32 step in this process.
     """
@@ -76,21 +87,53 @@ def tune(
     events = events or ignore
     dev = framework.resolve_device(device)
     info = detect(dev)
-    events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
     bs = batch_size or framework.default_batch_size(workload)
-    framework.validate_workload(workload, dev, bs)
+    if batch is not None and batch != "auto":
+        raise UsageError(f"batch must be 'auto' (or None: batch_size for every candidate), got {batch!r}.")
+    if batch is None and (memory_budget is not None or effective_batch is not None):
+        raise UsageError(
+            "memory_budget and effective_batch apply to batch='auto' (--batch auto); pass it too."
+        )
+    plan: BatchPlan | None = None
+    if batch == "auto":
+        bs = batching.effective(framework, effective_batch, bs)
+        limit, source = batching.memory_budget(framework, dev, memory_budget)
+    events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
+    # under --batch auto, at the smallest size: the effective batch may not fit strict fp32 at once
+    framework.validate_workload(workload, dev, batching.fit_sizes(bs)[0] if batch == "auto" else bs)
+    if batch == "auto":
+        start = time.perf_counter()
+        plan = batching.plan_micro_batches(
+            framework,
+            workload,
+            [
+                framework.validate(c)
+                for c in framework.tune_candidates(workload, info)
+                if framework.support(c, info).supported
+            ],
+            dev,
+            effective_batch=bs,
+            memory_budget=limit,
+            budget_source=source,
+            events=events,
+            budget=budget,
+        )
+        batch_s = time.perf_counter() - start
     search = Search(
         workload,
         framework,
         dev,
-        dict(batch_size=batch_size, steps=steps, warmup=warmup, device=dev),
+        dict(batch_size=bs, steps=steps, warmup=warmup, device=dev),
         check_steps=check_steps,
         fix=fix,
         noise=noise,
         train_steps=train_steps,
         budget=budget,
         events=events,
+        batches=plan,
     )
+    if plan is not None:
+        search.phases["batch"] = batch_s
     with search.phase("speed"):
         search.measure_speed(info)
     with search.phase("numerics"):
@@ -108,6 +151,10 @@ def tune(
         with search.phase("speed"):  # the pick's optimizer implementations: same numerics, maybe faster
             search.try_optimizers(rec)
         rec, ranked = search.decide()
+    if rec is not None and plan is not None:
+        with search.phase("speed"):
+            search.try_smaller_batch(rec)
+        rec, ranked = search.decide()
     with search.phase("prediction"):
         search.predict(info)  # a note for hardware that runs them; it cannot change the pick here
     result = search.result
@@ -116,6 +163,13 @@ def tune(
     exports: dict[str, str] = {}
     refusals: dict[str, str] = {}
     if rec is not None:
+        rec.micro_batch = rec.candidate.micro_batch or bs
+        rec.accumulation_steps = rec.candidate.accumulation_steps
+        row = next((r for r in result.rows if r.candidate == rec.candidate), None)
+        measured = plan.peak(rec.candidate) if plan is not None else None
+        rec.peak_memory_bytes = measured if measured is not None else (row.peak_memory_bytes if row else None)
+        if plan is not None:
+            search.notes += batching.notes(plan, framework.default_batch_size(workload))
         search.note_compute_share(rec)
         if lint and budget.elapsed() < budget.seconds:
             findings = search.lint(rec)
@@ -151,4 +205,5 @@ def tune(
         exports=exports,
         export_refusals=refusals,
         phases={name: round(seconds, 1) for name, seconds in search.phases.items()},
+        batches=plan.to_dict() if plan is not None else None,
     )

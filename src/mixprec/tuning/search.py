@@ -22,6 +22,7 @@ from typing import Any
 
 from mixprec.budget import Budget
 from mixprec.checking.check import Checker, check, cured, make_checker
+from mixprec.errors import UsageError
 from mixprec.events import Event, Events
 from mixprec.frameworks import Framework
 from mixprec.frameworks.session import BenchSettings
@@ -33,6 +34,7 @@ from mixprec.numerics.results import CandidateCheck, CheckResult
 from mixprec.policy import POLICY_NAMES, Candidate
 from mixprec.status import Status
 from mixprec.tuning import compiling
+from mixprec.tuning.batching import BatchPlan
 from mixprec.tuning.compiling import MIN_COMPILE_S
 from mixprec.tuning.decide import Recommendation, amortized, decide, speed
 
@@ -75,14 +77,30 @@ class Search:
         train_steps: int,
         budget: Budget,
         events: Events,
+        batches: BatchPlan | None = None,
     ) -> None:
+        """``batches``: each candidate's micro-batch (``tune --batch auto``), None to run every
+        candidate at ``sweep['batch_size']``."""
         self.workload, self.framework, self.device, self.sweep = workload, framework, device, sweep
+        self.batches = batches
+        self.baseline = framework.baseline
+        if batches is not None:
+            batched = batches.batched(framework.baseline)
+            if batched is None:
+                choice = batches.choices.get(framework.baseline)
+                why = f" ({choice.reason})" if choice is not None and choice.reason else ""
+                raise UsageError(
+                    f"strict fp32 fits no micro-batch{why} under the memory budget "
+                    f"({batches.memory_budget} bytes, {batches.budget_source}): nothing to measure the "
+                    "others against; raise --memory-budget."
+                )
+            self.baseline = batched
         self.check_steps, self.fix, self.noise, self.train_steps = check_steps, fix, noise, train_steps
         self.budget, self.events = budget, events
         self.notes: list[str] = []
         self.verdicts: dict[Candidate, CandidateCheck] = {}
         self.checked: CheckResult | None = None
-        self._checker: Checker | None = None
+        self._checkers: dict[int | None, Checker] = {}  # per micro-batch: the fp32 reference runs there
         self.result: BenchResult | None = None
         self.calibration = compiling.Calibration()
         self.race: Race | None = None
@@ -108,6 +126,10 @@ class Search:
         )
 
     def _bench(self, candidates: Sequence[Candidate], budget: Budget, **overrides: Any) -> BenchResult:
+        if self.batches is not None:
+            self.batches.timed.update(candidates)
+            overrides.setdefault("baseline", self.baseline)
+
         def on_bench(event: Event) -> None:
             if event["event"] == "candidate":
                 self.stage(f"measuring {event['label']} ({event['index'] + 1}/{event['count']})")
@@ -125,14 +147,18 @@ class Search:
     def _add(self, rows: Sequence[BenchRow]) -> list[BenchRow]:
         """Fold rows measured in another (paired) sweep into this one; the non-baseline ones."""
         assert self.result is not None
-        added = [r for r in rows if r.candidate != self.framework.baseline]
+        added = [r for r in rows if r.candidate != self.baseline]
         for row in added:
             self.result.add(row)
         return added
 
     # ------------------------------------------------------------------ 1. speed
     def plan(self, info: DeviceInfo) -> list[Candidate]:
-        return [self.framework.validate(c) for c in self.framework.tune_candidates(self.workload, info)]
+        """The backend's tune plan; with a batch plan, each at its micro-batch (those that fit)."""
+        plan = [self.framework.validate(c) for c in self.framework.tune_candidates(self.workload, info)]
+        if self.batches is None:
+            return plan
+        return [b for c in plan if (b := self.batches.batched(c)) is not None]
 
     def measure_speed(self, info: DeviceInfo) -> None:
         plan = self.plan(info)
@@ -140,7 +166,29 @@ class Search:
         if self.result.stopped:
             self.notes.append(f"speed sweep {self.result.stopped}")
             self.budget.cut(f"the speed sweep {self.result.stopped}")
-        self._not_planned(info, {c.policy for c in plan})
+        self._over_budget()
+        self._not_planned(info, {c.policy for c in plan} | self._unfit())
+
+    def _unfit(self) -> set[str]:
+        """The policies the batch plan found no micro-batch for (their rows say why)."""
+        if self.batches is None:
+            return set()
+        return {c.policy for c, m in self.batches.choices.items() if m.micro_batch is None}
+
+    def _over_budget(self) -> None:
+        """A row for each candidate the memory budget left no micro-batch: over-budget, or the
+        failure that ended its memory search (an out-of-memory included)."""
+        assert self.result is not None
+        if self.batches is None:
+            return
+        for cand, choice in self.batches.choices.items():
+            if choice.micro_batch is None:
+                reason = choice.reason or f"no micro-batch dividing {self.batches.effective_batch} fits"
+                self.result.add(
+                    BenchRow(
+                        self.result.workload, cand, self.device, self.result.batch_size, choice.status, reason
+                    )
+                )
 
     def _not_planned(self, info: DeviceInfo, planned: set[str]) -> None:
         """One row for each policy the plan leaves out, with why (unsupported, or not worth trying
@@ -195,26 +243,31 @@ class Search:
         assert self.result is not None
         base = self.result.baseline
         step_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
-        runs = 1 if self._checker is not None else 3
+        runs = 1 if self._checkers else 3
         return 2.0 * runs * (self.check_steps + 2) * step_s
 
-    def check(self, candidate: Candidate, fix: bool | None = None) -> CandidateCheck:
-        if self._checker is None:
-            self._checker = make_checker(
+    def check(
+        self, candidate: Candidate, fix: bool | None = None, micro_batch: int | None = None
+    ) -> CandidateCheck:
+        """The numerics of ``candidate`` (a numerics key), at ``micro_batch`` where the measured
+        candidate runs one (``tune --batch auto``: checked at the micro-batch it would train at)."""
+        if micro_batch not in self._checkers:
+            self._checkers[micro_batch] = make_checker(
                 self.workload,
                 steps=self.check_steps,
-                batch_size=self.sweep["batch_size"],
+                batch_size=micro_batch or self.sweep["batch_size"],
                 device=self.device,
                 events=self.events,
                 budget=self.budget,
                 train_steps=self.train_steps,
             )
-        self.stage(f"checking numerics of {candidate.label}")
+        at = f" at micro-batch {micro_batch}" if micro_batch else ""
+        self.stage(f"checking numerics of {candidate.label}{at}")
         res = check(
             self.workload,
             policies=[candidate],
             fix=self.fix if fix is None else fix,
-            checker=self._checker,
+            checker=self._checkers[micro_batch],
             events=self.events,
         )
         if self.checked is None:
@@ -253,7 +306,7 @@ class Search:
                 )
                 self.budget.cut(f"the numerics of {numerics.label} were not checked")
                 break
-            verdict = self.check(numerics)
+            verdict = self.check(numerics, micro_batch=top.candidate.micro_batch)
             if verdict.passed and (best_pass is None or speed(top) > speed(best_pass)):
                 best_pass = top
             elif verdict.fix_keep_fp32 and verdict.fix_verified and not self.budget.expired():
@@ -276,7 +329,7 @@ class Search:
             return
         # The rescued candidate is judged as every candidate is (over the run: ranges, trends,
         # stalls), not taken from the search's verifying run.
-        fixed = self.check(rescued[0].numerics, fix=False)
+        fixed = self.check(rescued[0].numerics, fix=False, micro_batch=rescued[0].micro_batch)
         if fixed.passed:
             fixed.reason = cured(verdict, fixed)
 
@@ -345,7 +398,7 @@ class Search:
             self.calibration.update(attempt, row)
             self._note_graphs(row)
             if candidate.numerics not in self.verdicts and budget.can_pay(self.check_cost_s()):
-                self.check(candidate.numerics)
+                self.check(candidate.numerics, micro_batch=candidate.micro_batch)
         if skipped:
             self.notes.append(f"not compiled: {'; '.join(skipped.values())} (--budget raises the budget)")
             if any("budget" in why for why in skipped.values()):
@@ -385,6 +438,38 @@ class Search:
         if todo:
             self.stage(f"measuring the optimizer's implementations: {', '.join(c.label for c in todo)}")
             self._add(self._bench(todo, self.budget).measured)
+
+    def try_smaller_batch(self, rec: Recommendation) -> None:
+        """The pick one micro-batch down (``tune --batch auto``): a cache-bound step can be faster
+        there, and then it is the pick and the next size down is measured too; where it is as fast
+        within the noise, a note says so (the knee: the same speed with less memory). The grid of
+        sizes is never timed whole."""
+        if self.batches is None:
+            return
+        current = rec.candidate
+        while (smaller := self.batches.smaller(current)) is not None:
+            assert self.result is not None
+            base = self.result.baseline
+            step_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
+            cost = 1.3 * (self.sweep["warmup"] + 2 * self.sweep["steps"] + 2) * step_s
+            if not self.budget.can_pay(cost):
+                self.notes.append(f"{smaller.label} not measured: budget spent (--budget raises it)")
+                return
+            self.stage(f"measuring the pick one micro-batch down: {smaller.label}")
+            rows = self._add(self._bench([smaller], self.budget).measured)
+            picked, _ = self.decide()
+            if picked is not None and picked.candidate == smaller:
+                current = smaller
+                continue
+            row = next((r for r in rows if r.candidate == smaller and r.status == Status.OK), None)
+            mine = next((r for r in self.result.rows if r.candidate == current), None)
+            if row is not None and mine is not None and speed(row) >= speed(mine) * (1 - self.noise):
+                self.notes.append(
+                    f"{smaller.label} is within {self.noise:.0%} of {current.label}'s speed "
+                    f"({speed(row):.2f}x against {speed(mine):.2f}x) with a smaller micro-batch: "
+                    "the throughput has flattened there"
+                )
+            return
 
     def note_compute_share(self, rec: Recommendation) -> None:
         """Say where the next gain is when the pick spends most of its step outside matmuls."""
