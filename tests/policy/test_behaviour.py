@@ -479,3 +479,34 @@ def test_true_policies_leave_complex_and_integer_tensors_alone(name):
     assert model.proj.weight.dtype == mixprec.get_policy(name, device="cpu").spec.param_dtype
     model(torch.randn(3, 8)).sum().backward()
     assert model.filter.grad is not None and model.filter.grad.dtype == torch.complex64
+
+
+@pytest.mark.parametrize("name", ["fp16-true", "bf16-true"])
+def test_true_policies_keep_batch_norm_statistics_fp32_so_large_activations_do_not_break_eval(name):
+    """fp16's running variance overflows on large activations (inf, then nan in eval); the layer's
+    weights and statistics stay fp32 while its input and output keep the policy's half dtype."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 2)
+    )
+    policy = mixprec.get_policy(name, device="cpu")
+    policy.prepare(model)
+    half = policy.spec.param_dtype
+    assert model[0].weight.dtype == half and model[4].weight.dtype == half
+    assert {t.dtype for t in (*model[1].parameters(), model[1].running_var, model[1].running_mean)} == {
+        torch.float32
+    }
+    assert model[1].num_batches_tracked.dtype == torch.int64
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    for _ in range(3):
+        x = torch.randn(4, 3, 8, 8) * 3000  # activations whose square passes fp16's 65504
+        with policy.autocast():
+            loss = model(x).float().square().mean()
+        policy.backward(loss)
+        policy.step(optimizer)
+        optimizer.zero_grad()
+    assert torch.isfinite(model[1].running_var).all()
+    model.eval()
+    with torch.no_grad(), policy.autocast():
+        out = model(torch.randn(2, 3, 8, 8) * 3000)
+    assert out.dtype == half and torch.isfinite(out).all()

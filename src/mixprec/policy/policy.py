@@ -214,6 +214,7 @@ class Policy:
             model._apply(lambda t: t.to(stored) if t.is_floating_point() else t)
             for module in islands.values():
                 module.float()
+            keep_batch_norm_fp32(model)
         if self.config.channels_last:
             model.to(memory_format=torch.channels_last)
         for module in islands.values():
@@ -624,3 +625,17 @@ def policy_from_config(config: PolicyConfig | dict[str, Any]) -> Policy:
     if config.get("scaler"):
         options.update(config["scaler"])
     return get_policy(config["name"], device=config["device"], **options)
+
+
+def keep_batch_norm_fp32(model: nn.Module) -> list[str]:
+    """Under a *-true policy, BatchNorm layers keep fp32 weights and running statistics (Apex O2's
+    ``keep_batchnorm_fp32``): a running variance accumulated in fp16 overflows to inf on large
+    activations, leaving the model broken for eval, and bf16's 8 bits blur the statistics. PyTorch's
+    batch norm takes half inputs with fp32 parameters (cuDNN and the CPU kernel alike) and returns
+    the input's dtype, so the layers around it see no change. Returns the layers' names."""
+    kept = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.float()
+            kept.append(name)
+    return kept

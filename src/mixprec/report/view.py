@@ -236,6 +236,13 @@ def _recommendation_section(result: TuneResult) -> Section:
     if cand.policy != rec.label:
         detail.append(f"policy {cand.policy}")
     detail.append("channels_last" if cand.channels_last else "default memory layout")
+    if cand.micro_batch is not None:  # tune --batch auto: the micro-batch is part of the pick
+        per_step = cand.micro_batch * cand.accumulation_steps
+        peak = f", peak {fmt_bytes(rec.peak_memory_bytes)}" if rec.peak_memory_bytes else ""
+        detail.append(
+            f"micro-batch {cand.micro_batch} x {cand.accumulation_steps} accumulation steps = {per_step} "
+            f"samples per optimizer step{peak}"
+        )
     body = RecommendationView(
         label=rec.label,
         detail=", ".join(detail),
