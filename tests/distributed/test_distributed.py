@@ -543,3 +543,90 @@ def test_wrappers_refuse_unprepared_models_and_missing_process_group():
     assert issubclass(UnsupportedError, mixprec.MixprecError)
     # One process, no process group: trivially agrees with itself.
     assert assert_stats_agree(policy)["steps"] == 0
+
+
+# ------------------------------------------------------------------- ties and BatchNorm under FSDP2
+class _TiedLM(nn.Module):
+    """An embedding tied to the output head, as nanoGPT and most LMs write it, with blocks between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _bn_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 2),
+    )
+
+
+def test_sharding_plan_keeps_ties_in_one_group_and_batch_norm_fp32():
+    torch.manual_seed(0)
+    lm = _TiedLM()
+    policy = mixprec.get_policy("bf16-mixed", device="cpu")
+    assert [(g.name, g.role) for g in sharding_plan(lm, policy, block_types=[nn.Embedding, nn.Linear])] == [
+        ("blocks.0.0", "block"),
+        ("blocks.1.0", "block"),
+        ("", "root"),  # wte and head share their weight: neither is a group of its own
+    ]
+    with pytest.raises(PolicyError, match=r"keep_fp32 module 'head' shares a parameter with 'wte' \(tied"):
+        sharding_plan(lm, mixprec.get_policy("bf16-mixed", device="cpu", keep_fp32=["head"]))
+    plan = {g.name: (g.role, g.mp_policy.param_dtype) for g in sharding_plan(_bn_cnn(), policy)}
+    assert plan["0.1"] == ("batch norm", torch.float32) and plan["0"] == ("block", torch.bfloat16)
+
+
+def _ties_and_norms_worker(rank: int, world: int, out: Path) -> dict:
+    results = {}
+    for name in ("bf16-mixed", "bf16-true"):
+        policy = mixprec.get_policy(name, device="cpu")
+        model = shard_model(policy.prepare(_bn_cnn()), policy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(2):
+            torch.manual_seed(step)
+            x, y = torch.randn(2 * world, 3, 4, 4), torch.randint(0, 2, (2 * world,))
+            with policy.autocast():
+                loss = nn.functional.cross_entropy(model(_shard(x, rank, world)), _shard(y, rank, world))
+            policy.backward(loss)
+            policy.step(opt)
+            opt.zero_grad()
+            losses.append(float(loss))
+        results[f"cnn-{name}"] = losses
+    torch.manual_seed(0)
+    policy = mixprec.get_policy("bf16-mixed", device="cpu")
+    lm = shard_model(policy.prepare(_TiedLM()), policy, block_types=[nn.Embedding, nn.Linear])
+    opt = torch.optim.SGD(lm.parameters(), lr=0.1)
+    idx = torch.randint(0, 16, (2 * world, 5))
+    with policy.autocast():
+        loss = nn.functional.cross_entropy(
+            lm(_shard(idx, rank, world)).flatten(0, 1), _shard(idx, rank, world).flatten()
+        )
+    policy.backward(loss)
+    policy.step(opt)
+    results["lm"] = [float(loss)]
+    results["tied"] = lm.head.weight is lm.wte.weight
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_fsdp2_shards_tied_heads_and_batch_norm(tmp_path, monkeypatch):
+    """Both failed before: a tied head in another group than its embedding ('shared with another
+    FSDP group'), BatchNorm weights gathered in bf16 next to fp32 running statistics."""
+    r0, r1 = _spawn(_ties_and_norms_worker, tmp_path, monkeypatch)
+    for r in (r0, r1):
+        assert r["tied"]
+        assert all(math.isfinite(v) for key in ("cnn-bf16-mixed", "cnn-bf16-true", "lm") for v in r[key])

@@ -140,10 +140,16 @@ def check_prepared(model: nn.Module, policy: Policy, what: str, *, check_device:
         missing = next(n for n in islands if n not in marked)
         raise PolicyError(f"keep_fp32 module {missing!r} is not an fp32 island yet; {hint}.")
     want = policy.spec.param_dtype or torch.float32
+    # prepare() keeps these fp32 under every policy: the islands, and BatchNorm (*-true keeps its
+    # weights fp32 next to its fp32 running statistics)
+    fp32 = [
+        *islands,
+        *(n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)),
+    ]
     for name, p in model.named_parameters():
         if not p.is_floating_point():
             continue
-        inside = any(name.startswith(i + ".") for i in islands)
+        inside = any(name.startswith(i + ".") for i in fp32)
         expected = torch.float32 if inside else want
         if p.dtype != expected:
             raise PolicyError(

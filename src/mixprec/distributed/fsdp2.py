@@ -95,7 +95,7 @@ class ShardGroup:
 
     name: str
     mp_policy: MixedPrecisionPolicy
-    role: str  # "block", "keep_fp32", "block in keep_fp32" or "root"
+    role: str  # "block", "keep_fp32", "block in keep_fp32", "batch norm" or "root"
 
 
 def sharding_plan(
@@ -105,7 +105,12 @@ def sharding_plan(
 
     Pure: needs no process group. keep_fp32 modules with parameters get an fp32
     MixedPrecisionPolicy of their own (else the enclosing group would all-gather their params
-    in the low-precision dtype); blocks inside a keep_fp32 module get it too.
+    in the low-precision dtype); blocks inside a keep_fp32 module get it too, and so do BatchNorm
+    layers under a low-precision policy (their running statistics are fp32 buffers FSDP2 does not
+    cast: gathered in half, the weights would not match them; kept fp32, the layer takes half
+    inputs as it does under autocast on one device). A parameter shared by two modules (tied
+    weights) must be sharded by one group: a block that would split a tie is left to the group
+    around it, and a keep_fp32 module that would is refused (one all-gather, one dtype).
     """
     if not isinstance(model, nn.Module):
         raise PolicyError(f"sharding_plan takes a torch.nn.Module, got {type(model).__name__}.")
@@ -114,14 +119,28 @@ def sharding_plan(
     islands = policy_island_names(model, policy)
     blocks = find_blocks(model, block_types)
 
+    def inside(name: str, group: str) -> bool:
+        return not group or name == group or name.startswith(group + ".")
+
     def in_island(name: str) -> bool:
-        return any(name == i or name.startswith(i + ".") for i in islands)
+        return any(inside(name, i) for i in islands)
 
     candidates: dict[str, str] = {}
     for name in blocks:
         candidates[name] = "block in keep_fp32" if in_island(name) else "block"
     for name in islands:
         candidates.setdefault(name, "keep_fp32")
+    if policy_spec(policy).low_precision_dtype is not None:
+        for name, module in model.named_modules():
+            if (
+                isinstance(module, nn.modules.batchnorm._BatchNorm)
+                and next(module.parameters(), None) is not None
+            ):
+                candidates[name] = "batch norm"
+    owners: dict[int, list[str]] = {}  # every module holding each parameter directly: ties have two
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(name)
     # Bottom-up: deepest first, so each call only takes the params no deeper group took.
     order = sorted(candidates, key=lambda n: -n.count("."))
     claimed: set[int] = set()
@@ -131,8 +150,17 @@ def sharding_plan(
         params = {id(p) for p in model.get_submodule(name).parameters()} - claimed
         if not params:
             continue
-        claimed |= params
+        outside = sorted({o for p in params for o in owners[p] if not inside(o, name)})
         role = candidates[name]
+        if outside:
+            if role == "keep_fp32":
+                raise PolicyError(
+                    f"keep_fp32 module {name!r} shares a parameter with {outside[0]!r} (tied weights); FSDP2 "
+                    "all-gathers a tied parameter once, in one dtype, so it cannot be fp32 in one and "
+                    f"low precision in the other: untie them, or drop {name!r} from keep_fp32."
+                )
+            continue  # the tie goes to the group around both
+        claimed |= params
         plan.append(ShardGroup(name, low_policy if role == "block" else fp32_policy, role))
     plan.append(ShardGroup("", low_policy, "root"))
     return plan
