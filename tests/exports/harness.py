@@ -8,6 +8,12 @@ it stepped and whether the module it ran is compiled. :func:`check_run` compares
 candidate promises (:class:`mixprec.policy.PolicySpec`, its compile mode and scope and optimizer
 implementation), so every target is judged by the same expectations. A candidate compiled at step
 scope is also run eager through the same target: the compiled step must train the same losses.
+
+A candidate with a micro-batch and gradient accumulation is run on :data:`ACC` (one pass of
+``ACC_STEPS`` optimizer steps) by :func:`check_accumulation`: the loss records each micro-batch, a
+global optimizer-step hook each step, so the samples per optimizer step are counted whatever
+framework steps, and the trained weights are compared with :func:`reference_weights`, a plain
+PyTorch loop over the same micro-batches.
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ class HFNet(Net):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # type: ignore[override]
         PROBE.labels.append(None if labels is None else labels.dtype)
+        if COUNTING:
+            record_batch(x)
         out = super().forward(x)
         return {"loss": F.mse_loss(out.float(), labels), "logits": out}
 
@@ -85,6 +93,8 @@ def batches(overflow: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
+    if COUNTING:  # checked here: a compiled step breaks at record_batch only while counting
+        record_batch(x)
     loss = F.mse_loss(model(x).float(), y)
     record_loss(y.dtype, loss)
     return loss
@@ -98,6 +108,15 @@ def record_loss(target_dtype: torch.dtype, loss: torch.Tensor) -> None:
     PROBE.losses.append(loss.item())
 
 
+COUNTING = False  # while counting_steps() runs: the loss records each (micro-)batch's inputs
+
+
+@torch._dynamo.disable
+def record_batch(x: torch.Tensor) -> None:
+    """Record the inputs of a (micro-)batch, before any cast: what the optimizer-step groups hold."""
+    PROBE.events.append(x.detach().clone())
+
+
 def data_loader(overflow: bool) -> torch.utils.data.DataLoader:
     pairs = batches(overflow)
     dataset = torch.utils.data.TensorDataset(
@@ -109,10 +128,10 @@ def data_loader(overflow: bool) -> torch.utils.data.DataLoader:
 class DictDataset(torch.utils.data.Dataset):
     """Samples as the HF Trainer wants them: dicts of the model's keyword inputs."""
 
-    def __init__(self, overflow: bool) -> None:
+    def __init__(self, overflow: bool, data: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         pairs = batches(overflow=False)
-        self.x = torch.cat([x for x, _ in pairs])
-        self.y = torch.cat([y for _, y in pairs])
+        self.x = torch.cat([x for x, _ in pairs]) if data is None else data[0]
+        self.y = torch.cat([y for _, y in pairs]) if data is None else data[1]
         if overflow:  # exactly one batch overflows whatever the Trainer's shuffling: one sample does
             self.x[0] = self.x[0] * 1e6
 
@@ -141,12 +160,14 @@ class Call:
 @dataclass
 class Probe:
     """What ran: one :class:`Call` per leaf forward, the dtypes the loss saw for its targets, the
-    losses :func:`loss_fn` computed."""
+    losses :func:`loss_fn` computed, and in order the inputs of every (micro-)batch and, as None,
+    every optimizer step (:func:`counting_steps`)."""
 
     calls: list[Call] = field(default_factory=list)
     labels: list[torch.dtype | None] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     initial: dict[str, torch.Tensor] = field(default_factory=dict)
+    events: list[torch.Tensor | None] = field(default_factory=list)
 
     def attach(self, model: nn.Module) -> None:
         self.initial = {n: p.detach().clone().float() for n, p in model.named_parameters()}
@@ -227,40 +248,55 @@ def loss_scaling(source: Source) -> bool:
     return source.spec.loss_scaling
 
 
-def run_plain(source: Source, target: str) -> Run:
-    """The ``mixprec`` and ``pytorch`` exports."""
+Edit = Callable[[str], str]  # a change to the exported text: the optimizer line is "yours"
+
+
+def run_plain(source: Source, target: str, *, loader: Any = None, edit: Edit | None = None) -> Run:
+    """The ``mixprec`` and ``pytorch`` exports; ``loader`` replaces the harness' batches, ``edit``
+    changes the text before it runs."""
     model = fresh_model()
+    text = export(source, target, device="cpu")
     ns = execute(
-        export(source, target, device="cpu"),
-        {"model": model, "loader": batches(loss_scaling(source)), "loss_fn": loss_fn},
+        edit(text) if edit else text,
+        {
+            "model": model,
+            "loader": batches(loss_scaling(source)) if loader is None else loader,
+            "loss_fn": loss_fn,
+        },
     )
     scaler = ns["policy"].scaler if target == "mixprec" else ns.get("scaler")
     trained = getattr(ns["model"], "_orig_mod", ns["model"])  # torch.compile's wrapper: the module inside
     return Run(trained, scaler, ns, ns["optimizer"], is_compiled(ns["model"]))
 
 
-def run_accelerate(source: Source) -> Run:
+def run_accelerate(source: Source, *, loader: Any = None, edit: Edit | None = None) -> Run:
     from accelerate.state import AcceleratorState
 
     model = fresh_model()
     text = python_part(export(source, "accelerate", device="cpu"), "accelerate")
+    loader = data_loader(loss_scaling(source)) if loader is None else loader
     try:
-        ns = execute(text, {"model": model, "loader": data_loader(loss_scaling(source)), "loss_fn": loss_fn})
+        ns = execute(edit(text) if edit else text, {"model": model, "loader": loader, "loss_fn": loss_fn})
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     return Run(model, ns["accelerator"].scaler, ns, ns["optimizer"].optimizer, is_compiled(ns["model"]))
 
 
-def run_deepspeed(source: Source, workdir: Path) -> Run:
+def run_deepspeed(source: Source, workdir: Path, *, loader: Any = None, edit: Edit | None = None) -> Run:
     model = fresh_model()
     sections = split_sections(export(source, "deepspeed", device="cpu"))
     (workdir / "ds_config.json").write_text(sections["ds_config.json"])
+    text = sections["train.py"]
     cwd = os.getcwd()
     os.chdir(workdir)
     try:
         ns = execute(
-            sections["train.py"],
-            {"model": model, "loader": batches(loss_scaling(source)), "loss_fn": loss_fn},
+            edit(text) if edit else text,
+            {
+                "model": model,
+                "loader": batches(loss_scaling(source)) if loader is None else loader,
+                "loss_fn": loss_fn,
+            },
         )
     finally:
         os.chdir(cwd)
@@ -268,19 +304,27 @@ def run_deepspeed(source: Source, workdir: Path) -> Run:
     return Run(model, engine.torch_autocast_z0_gradscaler, ns, engine.optimizer, engine.is_compiled)
 
 
-def run_fsdp2(source: Source) -> Run:
+def run_fsdp2(source: Source, *, loader: Any = None, edit: Edit | None = None) -> Run:
     model = fresh_model()
+    text = export(source, "fsdp2", device="cpu")
     ns = execute(
-        export(source, "fsdp2", device="cpu"),
-        {"model": model, "loader": batches(loss_scaling(source)), "loss_fn": loss_fn},
+        edit(text) if edit else text,
+        {
+            "model": model,
+            "loader": batches(loss_scaling(source)) if loader is None else loader,
+            "loss_fn": loss_fn,
+        },
     )
     return Run(model, ns.get("scaler"), ns, ns["optimizer"], is_compiled(ns["model"]))
 
 
-def run_hf(source: Source, workdir: Path) -> Run:
+def run_hf(source: Source, workdir: Path, *, dataset: Any = None, args: dict[str, Any] | None = None) -> Run:
+    """``dataset`` replaces the harness' samples; ``args`` updates the TrainingArguments the user
+    passes (a None value removes one)."""
     from accelerate.state import AcceleratorState
 
     model = fresh_model(HFNet)
+    changes = args or {}
     args = {
         "output_dir": str(workdir / "hf-out"),
         "max_steps": STEPS,
@@ -292,10 +336,12 @@ def run_hf(source: Source, workdir: Path) -> Run:
         "disable_tqdm": True,
         "dataloader_num_workers": 0,
     }
+    args = {k: v for k, v in {**args, **changes}.items() if v is not None}
+    dataset = DictDataset(loss_scaling(source)) if dataset is None else dataset
     try:
         ns = execute(
             export(source, "hf", device="cpu"),
-            {"model": model, "train_dataset": DictDataset(loss_scaling(source)), "training_args": args},
+            {"model": model, "train_dataset": dataset, "training_args": args},
         )
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -306,8 +352,9 @@ def run_hf(source: Source, workdir: Path) -> Run:
     return Run(model, trainer.accelerator.scaler, ns, stepped, is_compiled(trainer.model_wrapped))
 
 
-def lightning_module_class() -> type:
-    """YourLightningModule for the Lightning export: Net's modules and forward, AdamW, the loss."""
+def lightning_module_class(optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> type:
+    """YourLightningModule for the Lightning export: Net's modules and forward, AdamW (or
+    ``optimizer(parameters)``), the loss."""
     import lightning as L
 
     class LitNet(L.LightningModule):
@@ -325,13 +372,25 @@ def lightning_module_class() -> type:
             return loss_fn(self, batch)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
+            if optimizer is not None:
+                return optimizer(self.parameters())
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     return LitNet
 
 
-def run_lightning(source: Source, workdir: Path) -> Run:
+def run_lightning(
+    source: Source,
+    workdir: Path,
+    *,
+    loader: Any = None,
+    module: type | None = None,
+    options: dict[str, Any] | None = None,
+) -> Run:
+    """``loader``, ``module`` (YourLightningModule) and ``options`` (updating trainer_options)
+    replace the harness' own."""
     PROBE.__init__()  # type: ignore[misc]
+    changes = options or {}
     options = {
         "max_steps": STEPS,
         "logger": False,
@@ -339,12 +398,13 @@ def run_lightning(source: Source, workdir: Path) -> Run:
         "enable_progress_bar": False,
         "enable_model_summary": False,
         "default_root_dir": str(workdir),
+        **changes,
     }
     ns = execute(
         export(source, "lightning", device="cpu"),
         {
-            "YourLightningModule": lightning_module_class(),
-            "loader": data_loader(loss_scaling(source)),
+            "YourLightningModule": module or lightning_module_class(),
+            "loader": data_loader(loss_scaling(source)) if loader is None else loader,
             "trainer_options": options,
         },
     )
@@ -603,3 +663,180 @@ def run_case(target: str, case: str, refused: set[str], runner: Callable[[Source
 def is_step(source: Source) -> bool:
     """A candidate compiled at step scope."""
     return isinstance(source, Candidate) and source.compile_scope == "step"
+
+
+# ------------------------------------------------------------------------------------------ accumulation
+MICRO, ACCUMULATE, ACC_STEPS = 4, 3, 2  # micro-batches of 4, 3 per optimizer step, 2 steps: one pass
+SGD_LR = 0.05
+# The stacks clip and reduce gradients with their own code (DeepSpeed's clip_grad_norm_, FSDP2's
+# reduce-scatter, Accelerate's, Lightning's and the Trainer's clipping): torch.testing's fp32
+# tolerance for them. On the verified releases they match the reference bit for bit; a wrong
+# accumulation (the loss divided twice or not at all, clipping a micro-batch's gradient) misses by
+# about 1e-3.
+FRAMEWORK_TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
+ADAMW = "torch.optim.AdamW(model.parameters(), lr=1e-3)"
+
+
+def accumulating(policy: str) -> Candidate:
+    """``policy`` at micro-batches of :data:`MICRO`, :data:`ACCUMULATE` per optimizer step."""
+    return Candidate(policy, micro_batch=MICRO, accumulation_steps=ACCUMULATE)
+
+
+def _accumulation_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two optimizer steps of samples: the first step's gradient norm stays under the clipping
+    threshold, so the weights show the accumulated gradient's scale (a loss divided twice, or not at
+    all); the second step's targets are tripled to exceed it, so the weights show that clipping saw
+    the whole step's gradient, not a micro-batch's. (Tripled, fp16's scaled gradients still fit.)"""
+    generator = torch.Generator().manual_seed(2)
+    n = MICRO * ACCUMULATE * ACC_STEPS
+    x, y = torch.randn(n, 3, 4, 4, generator=generator), torch.randn(n, 2, generator=generator)
+    y[MICRO * ACCUMULATE :] *= 3
+    return x, y
+
+
+ACC = _accumulation_data()  # one pass: ACC_STEPS optimizer steps of MICRO * ACCUMULATE samples
+
+
+def micro_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:data:`ACC` in micro-batches of :data:`MICRO`, in order: the loader the export asks for."""
+    x, y = ACC
+    return [(x[i : i + MICRO], y[i : i + MICRO]) for i in range(0, len(x), MICRO)]
+
+
+def micro_loader() -> torch.utils.data.DataLoader:
+    """:data:`ACC` as ``DataLoader(..., batch_size=MICRO)``, for the stacks that prepare a DataLoader."""
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*ACC), batch_size=MICRO, shuffle=False)
+
+
+def with_sgd(text: str) -> str:
+    """The export with SGD in the optimizer line the user fills in. Its update is proportional to the
+    gradient, so a loss divided by the accumulation steps twice, or not at all, shows in the weights;
+    AdamW's update barely depends on the gradient's scale."""
+    assert text.count(ADAMW) == 1, "the export's optimizer line moved"
+    return text.replace(ADAMW, f"torch.optim.SGD(model.parameters(), lr={SGD_LR})")
+
+
+def sgd(parameters: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(parameters, lr=SGD_LR)
+
+
+@contextlib.contextmanager
+def counting_steps() -> Iterator[None]:
+    """Record every (micro-)batch's inputs and every optimizer step, of any optimizer whoever calls
+    it, as None in ``PROBE.events`` (torch.optim's global step post-hook: a step GradScaler skips
+    records nothing)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    global COUNTING
+    handle = register_optimizer_step_post_hook(lambda *_: PROBE.events.append(None))
+    COUNTING = True
+    try:
+        yield
+    finally:
+        COUNTING = False
+        handle.remove()
+
+
+def step_groups(events: list[torch.Tensor | None], target: str) -> list[list[torch.Tensor]]:
+    """The micro-batch inputs of each optimizer step, in order; none may follow the last step."""
+    groups: list[list[torch.Tensor]] = [[]]
+    for event in events:
+        if event is None:
+            groups.append([])
+        else:
+            groups[-1].append(event)
+    assert not groups[-1], f"{target}: {len(groups[-1])} micro-batch(es) after the last optimizer step"
+    return groups[:-1]
+
+
+def sample_indices(x: torch.Tensor) -> list[int]:
+    """The rows of :data:`ACC` that the micro-batch ``x`` holds, in its order."""
+    rows = ACC[0].flatten(1)
+    out = []
+    for sample in x.flatten(1):
+        hits = (rows == sample).all(dim=1).nonzero().flatten().tolist()
+        assert len(hits) == 1, f"a sample that is not one of the data's ({len(hits)} matches)"
+        out += hits
+    return out
+
+
+def reference_weights(
+    source: Candidate, order: list[list[list[int]]], *, scheduler: bool
+) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: per optimizer step the micro-batches ``order`` lists (indices into :data:`ACC`),
+    each loss divided by :data:`ACCUMULATE` under the policy's autocast (and its GradScaler, with
+    mixprec's default options), backward on each, then clip at 1.0, SGD step, the exports'
+    CosineAnnealingLR where ``scheduler``, zero_grad. Asserts that clipping bites on the second step
+    only (see :func:`_accumulation_data`) and that no step overflows."""
+    from mixprec.policy import get_policy
+
+    spec = source.spec
+    assert spec.autocast_dtype is not None, "the accumulation cases are *-mixed policies"
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = sgd(model.parameters())
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1000) if scheduler else None
+    opts = ScalerOptions()
+    scaler = None
+    if spec.loss_scaling:
+        scaler = torch.amp.GradScaler(
+            "cpu",
+            init_scale=opts.init_scale,
+            growth_factor=opts.growth_factor,
+            backoff_factor=opts.backoff_factor,
+            growth_interval=opts.growth_interval,
+        )
+    x, y = ACC
+    with get_policy(source.policy, device="cpu").precision_scope():
+        for number, step in enumerate(order):
+            for indices in step:
+                with torch.autocast("cpu", dtype=spec.autocast_dtype):
+                    loss = F.mse_loss(model(x[indices]).float(), y[indices]) / ACCUMULATE
+                (scaler.scale(loss) if scaler else loss).backward()
+            if scaler:
+                scaler.unscale_(optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            assert (norm > 1.0) == (number == 1), f"step {number}: gradient norm {norm}"
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+                assert scaler.get_scale() == opts.init_scale, "a reference step overflowed"
+            else:
+                optimizer.step()
+            if cosine:
+                cosine.step()
+            optimizer.zero_grad(set_to_none=True)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def check_accumulation(
+    source: Candidate,
+    run: Run,
+    target: str,
+    *,
+    scheduler: bool = True,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+) -> None:
+    """Each optimizer step saw exactly :data:`ACCUMULATE` micro-batches of :data:`MICRO` samples,
+    :data:`ACC_STEPS` steps in all, every sample once and in order, and the trained weights are
+    :func:`reference_weights` on the same micro-batches (``scheduler``: the export's scheduler line
+    ran) within ``rtol``/``atol`` (default: bit for bit)."""
+    groups = step_groups(PROBE.events, target)
+    sizes = [[len(x) for x in group] for group in groups]
+    assert sizes == [[MICRO] * ACCUMULATE] * ACC_STEPS, (
+        f"{target}: micro-batch sizes per optimizer step {sizes}"
+    )
+    order = [[sample_indices(x) for x in group] for group in groups]
+    seen = [i for step in order for indices in step for i in indices]
+    assert seen == list(range(len(ACC[0]))), f"{target}: samples {seen}"
+    want = reference_weights(source, order, scheduler=scheduler)
+    got = {
+        name: p.full_tensor() if hasattr(p, "full_tensor") else p for name, p in run.model.named_parameters()
+    }
+    assert set(got) == set(want), sorted(got)
+    for name, value in got.items():
+        assert not torch.equal(value.detach().float(), PROBE.initial[name]), f"{target}: {name} did not train"
+        torch.testing.assert_close(
+            value.detach(), want[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{target}: {n}: {m}"
+        )

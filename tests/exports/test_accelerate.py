@@ -8,7 +8,18 @@ import sys
 
 import pytest
 import torch
-from harness import CASES, require, run_accelerate, run_case
+from harness import (
+    CASES,
+    FRAMEWORK_TOLERANCE,
+    accumulating,
+    check_accumulation,
+    counting_steps,
+    micro_loader,
+    require,
+    run_accelerate,
+    run_case,
+    with_sgd,
+)
 
 require("accelerate")
 
@@ -109,3 +120,13 @@ def test_accelerate_launch_runs_the_export(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "launched bf16 True" in result.stdout
+
+
+def test_accumulation_steps_once_per_effective_batch():
+    """Accelerator(gradient_accumulation_steps=3) with accelerator.accumulate over DataLoader(batch_size=4):
+    every optimizer step sees 12 samples, and the weights are the plain reference loop's (loss / 3 per
+    micro-batch, divided by accelerator.backward). (fp16 on a CPU is refused.)"""
+    source = accumulating("bf16-mixed")
+    with counting_steps():
+        run = run_accelerate(source, loader=micro_loader(), edit=with_sgd)
+    check_accumulation(source, run, "accelerate", **FRAMEWORK_TOLERANCE)

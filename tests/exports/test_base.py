@@ -65,3 +65,16 @@ def test_a_config_keeps_its_scaler_options_and_its_device():
 def test_what_cannot_be_exported_is_one_clear_error(source, device, fragment):
     with pytest.raises(mixprec.UsageError, match=fragment):
         Facts.of(source, device=device)
+
+
+def test_the_micro_batch_and_accumulation_are_carried_from_the_candidate_and_a_config_has_none():
+    facts = Facts.of(Candidate("bf16-mixed", micro_batch=16, accumulation_steps=4), device="cpu")
+    assert (facts.micro_batch, facts.accumulation_steps, facts.effective_batch) == (16, 4, 64)
+    assert (
+        facts.accumulates and facts.describe() == "'bf16-mixed' on cpu (micro_batch=16, accumulation_steps=4)"
+    )
+    one = Facts.of(Candidate("bf16-mixed", micro_batch=16), device="cpu")
+    assert not one.accumulates and one.effective_batch == 16 and "accumulation" not in one.describe()
+    config = Facts.of(mixprec.get_policy("bf16-mixed", device="cpu").config)
+    assert (config.micro_batch, config.accumulation_steps, config.effective_batch) == (None, 1, None)
+    assert config.batch_runs("DataLoader batch_size") == []

@@ -5,7 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import CASES, STEP_CASES, Net, require, run_case, run_deepspeed
+from harness import (
+    ACC_STEPS,
+    CASES,
+    FRAMEWORK_TOLERANCE,
+    STEP_CASES,
+    Net,
+    accumulating,
+    check_accumulation,
+    counting_steps,
+    micro_batches,
+    require,
+    run_case,
+    run_deepspeed,
+    with_sgd,
+)
 
 require("deepspeed")
 
@@ -68,3 +82,16 @@ def test_a_compiled_step_cannot_trace_the_engine():
         m for m in get_compilation_metrics() if m.fail_type and m.co_filename.endswith("runtime/engine.py")
     ]
     assert any("`lock` context manager" in (m.fail_reason or "") for m in failed), [m.co_name for m in failed]
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_accumulation_steps_once_per_effective_batch(policy, tmp_path):
+    """train_micro_batch_size_per_gpu 4, gradient_accumulation_steps 3, engine.step() after every
+    micro-batch: every optimizer step sees 12 samples, and the weights are the plain reference loop's
+    (loss / 3 per micro-batch, divided by engine.backward)."""
+    source = accumulating(policy)
+    with counting_steps():
+        run = run_deepspeed(source, tmp_path, loader=micro_batches(), edit=with_sgd)
+    check_accumulation(source, run, "deepspeed", **FRAMEWORK_TOLERANCE)
+    assert run.namespace["model_engine"].train_batch_size() == 12  # derived: 4 x 3 x one rank
+    assert run.namespace["scheduler"].last_epoch == ACC_STEPS  # the loop's scheduler, per optimizer step

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import CASES, Net, run_case, run_fsdp2
+from harness import (
+    CASES,
+    FRAMEWORK_TOLERANCE,
+    Net,
+    accumulating,
+    check_accumulation,
+    counting_steps,
+    micro_batches,
+    run_case,
+    run_fsdp2,
+    with_sgd,
+)
 from torch.distributed.fsdp import fully_shard
 
 import mixprec
@@ -36,3 +47,13 @@ def test_shard_model_refuses_channels_last_with_the_reason():
     model = policy.prepare(Net())
     with pytest.raises(UnsupportedError, match="non-contiguous"):
         shard_model(model, policy)
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_accumulation_steps_once_per_effective_batch(policy):
+    """set_requires_gradient_sync on the last of every 3 micro-batches of 4: every optimizer step sees 12
+    samples, and the weights are the plain reference loop's (loss / 3 per micro-batch)."""
+    source = accumulating(policy)
+    with counting_steps():
+        run = run_fsdp2(source, loader=micro_batches(), edit=with_sgd)
+    check_accumulation(source, run, "fsdp2", **FRAMEWORK_TOLERANCE)

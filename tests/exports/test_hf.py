@@ -3,7 +3,22 @@
 from __future__ import annotations
 
 import pytest
-from harness import CASES, STEP_CASES, DictDataset, HFNet, require, run_case, run_hf
+from harness import (
+    ACC,
+    ACC_STEPS,
+    CASES,
+    FRAMEWORK_TOLERANCE,
+    SGD_LR,
+    STEP_CASES,
+    DictDataset,
+    HFNet,
+    accumulating,
+    check_accumulation,
+    counting_steps,
+    require,
+    run_case,
+    run_hf,
+)
 
 require("transformers")
 
@@ -31,3 +46,21 @@ def test_fp16_on_a_cpu_trains_in_plain_fp32_without_a_warning(tmp_path):
         assert not trainer.accelerator.native_amp and trainer.accelerator.scaler is None
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_accumulation_steps_once_per_effective_batch(tmp_path):
+    """per_device_train_batch_size=4, gradient_accumulation_steps=3 from the export (the user's
+    arguments name neither): every optimizer step sees 12 samples, and the weights are the plain
+    reference loop's (loss / 3 per micro-batch, divided by the Trainer). (fp16 on a CPU is refused.)"""
+    source = accumulating("bf16-mixed")
+    args = {
+        "per_device_train_batch_size": None,  # the export sets it
+        "max_steps": ACC_STEPS,
+        "optim": "sgd",
+        "learning_rate": SGD_LR,
+        "lr_scheduler_type": "constant",
+        "train_sampling_strategy": "sequential",  # the samples in order, as the reference takes them
+    }
+    with counting_steps():
+        run = run_hf(source, tmp_path, dataset=DictDataset(False, ACC), args=args)
+    check_accumulation(source, run, "hf", scheduler=False, **FRAMEWORK_TOLERANCE)

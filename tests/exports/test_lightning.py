@@ -4,7 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import CASES, STEP_CASES, require, run_case, run_lightning
+from harness import (
+    ACC_STEPS,
+    CASES,
+    FRAMEWORK_TOLERANCE,
+    STEP_CASES,
+    accumulating,
+    check_accumulation,
+    counting_steps,
+    lightning_module_class,
+    micro_loader,
+    require,
+    run_case,
+    run_lightning,
+    sgd,
+)
 
 require("lightning")
 
@@ -106,3 +120,19 @@ def test_an_island_stays_fp32_through_a_checkpoint_resume(tmp_path):
     with restored_state():  # the export's setup() sets the fp32 math mode, as the first fit did
         trainer.fit(ns["LitModel"](), train_dataloaders=data_loader(False), ckpt_path=str(checkpoint))
     assert restored["head"].dtype == torch.float32 and torch.equal(restored["head"], saved)
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_accumulation_steps_once_per_effective_batch(policy, tmp_path):
+    """Trainer(accumulate_grad_batches=3) over DataLoader(batch_size=4): every optimizer step sees 12
+    samples, and the weights are the plain reference loop's (loss / 3 per micro-batch)."""
+    source = accumulating(policy)
+    with counting_steps():
+        run = run_lightning(
+            source,
+            tmp_path,
+            loader=micro_loader(),
+            module=lightning_module_class(sgd),
+            options={"max_steps": ACC_STEPS},
+        )
+    check_accumulation(source, run, "lightning", scheduler=False, **FRAMEWORK_TOLERANCE)

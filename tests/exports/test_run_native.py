@@ -7,7 +7,17 @@ import inspect
 
 import pytest
 import torch
-from harness import CASES, STEPS, run_case, run_plain
+from harness import (
+    CASES,
+    STEPS,
+    accumulating,
+    check_accumulation,
+    counting_steps,
+    micro_batches,
+    run_case,
+    run_plain,
+    with_sgd,
+)
 
 # tf32 is a CUDA math mode: on a CPU it would be plain fp32 under a tf32 label.
 REFUSED = {"tf32"}
@@ -73,3 +83,14 @@ def test_a_scheduler_recompiles_the_compiled_optimizer_step_once():
     change does, so dynamo's recompile limit (past which the step would run eagerly) is never reached.
     PyTorch's compiled-optimizer recipe wraps the lr in a tensor for that; torch 2.14 does not need it."""
     assert _optimizer_step_compiles(steps=6) == 2
+
+
+@pytest.mark.parametrize("target", ["mixprec", "pytorch"])
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_accumulation_steps_once_per_effective_batch(target, policy):
+    """Micro-batches of 4, 3 per optimizer step: every step sees 12 samples, and the weights are the
+    plain reference loop's over the same micro-batches (loss / 3 each), bit for bit."""
+    source = accumulating(policy)
+    with counting_steps():
+        run = run_plain(source, target, loader=micro_batches(), edit=with_sgd)
+    check_accumulation(source, run, target)

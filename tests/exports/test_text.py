@@ -131,6 +131,22 @@ def _cases() -> dict[str, Case]:
 
 
 CASES = _cases()
+# Candidates with a micro-batch (and gradient accumulation): linted, parsed and checked for fill-ins
+# with the golden cases, their settings tested below rather than locked in the golden files.
+ACCUMULATING = {
+    "bf16-mixed-cuda@16x4": Case(Candidate("bf16-mixed", micro_batch=16, accumulation_steps=4), "cuda"),
+    "fp16-mixed-cuda+head@16x4": Case(
+        Candidate("fp16-mixed", keep_fp32=("head",), micro_batch=16, accumulation_steps=4), "cuda"
+    ),
+    "bf16-true-cpu+compile+fused@16x4": Case(
+        Candidate("bf16-true", compile="default", optimizer="fused", micro_batch=16, accumulation_steps=4),
+        "cpu",
+    ),
+    "bf16-mixed-cpu+compile-step@64": Case(
+        Candidate("bf16-mixed", compile="default", compile_scope="step", micro_batch=64), "cpu"
+    ),
+}
+TEXT_CASES = {**CASES, **ACCUMULATING}
 PYTHON_SECTION = {"accelerate": "train.py", "deepspeed": "train.py"}
 # Calls and assignments that carry configuration; helper bodies (the snippets) are left out.
 SETTING_CALLS = {
@@ -250,7 +266,7 @@ def test_no_stale_golden_files():
 
 # ------------------------------------------------------------------------------------------ syntax
 def _faithful_texts():
-    for case, item in CASES.items():
+    for case, item in TEXT_CASES.items():
         for target, result in item.export_all().items():
             if result.text is not None:
                 yield case, target, result.text
@@ -261,7 +277,8 @@ def test_every_python_part_parses_and_states_its_contract():
         compile(python_part(text, target), f"<export {case} {target}>", "exec", flags=ast.PyCF_ONLY_AST)
         assert text.endswith("\n") and not text.endswith("\n\n")
         head = split_sections(text)[""] if target in PYTHON_SECTION else text
-        assert head.startswith(f"# mixprec export: policy '{CASES[case].spec.name}' on {CASES[case].device}")
+        item = TEXT_CASES[case]
+        assert head.startswith(f"# mixprec export: policy '{item.spec.name}' on {item.device}")
         assert "# You fill in: " in head
 
 
@@ -851,3 +868,73 @@ def test_docs_matrix_is_current():
         DOC.write_text(fresh)
         return
     assert text == fresh, f"{DOC} is stale: regenerate with MIXPREC_UPDATE_GOLDEN=1 pytest {__file__}"
+
+
+# ------------------------------------------------------------------------------------------ micro-batches
+def test_accumulation_is_written_the_way_each_stack_runs_it():
+    """Micro-batches of 16, 4 per optimizer step: each stack's own setting where it has one, the loss
+    divided by 4 only where the stack's backward does not divide it, and the header says 16 x 4 = 64."""
+    texts = {t: r.text for t, r in ACCUMULATING["bf16-mixed-cuda@16x4"].export_all().items()}
+    assert all(texts.values()), [t for t, text in texts.items() if text is None]
+    for target, text in texts.items():
+        head = " ".join(line[2:].strip() for line in text.splitlines() if line.startswith("#"))
+        assert head.startswith(
+            "mixprec export: policy 'bf16-mixed' on cuda (micro_batch=16, accumulation_steps=4)"
+        )
+        assert "an effective batch of 64 samples per optimizer step" in head, target
+        divides = "loss_fn(model, batch) / accumulation_steps" in text
+        assert divides == (target in ("mixprec", "pytorch", "fsdp2")), target
+    for target in ("mixprec", "pytorch", "fsdp2"):
+        assert "accumulation_steps = 4  # micro-batches of 16 per optimizer step: 64 samples" in texts[target]
+        assert "for i, batch in enumerate(loader, start=1):  # micro-batches of 16" in texts[target]
+        assert "    if i % accumulation_steps:\n" in texts[target], target
+    pytorch = texts["pytorch"]  # clipping and the step after the last micro-batch's backward only
+    assert (
+        pytorch.index("    loss.backward()") < pytorch.index("continue") < pytorch.index("clip_grad_norm_(")
+    )
+    assert "    model.set_requires_gradient_sync(i % accumulation_steps == 0)\n" in texts["fsdp2"]
+    assert "accumulate_grad_batches=4" in texts["lightning"]
+    accelerate = texts["accelerate"]
+    assert (
+        "gradient_accumulation_steps=4" in accelerate and "with accelerator.accumulate(model):" in accelerate
+    )
+    assert "        if accelerator.sync_gradients:" in accelerate  # clips the whole step's gradients only
+    config = json.loads(split_sections(texts["deepspeed"])["ds_config.json"])
+    assert config["train_micro_batch_size_per_gpu"] == 16 and config["gradient_accumulation_steps"] == 4
+    assert "train_batch_size" not in config  # DeepSpeed derives it with the world size
+    assert "boundary = model_engine.is_gradient_accumulation_boundary()" in texts["deepspeed"]
+    assert "per_device_train_batch_size=16,\n    gradient_accumulation_steps=4," in texts["hf"]
+    fp16 = ACCUMULATING["fp16-mixed-cuda+head@16x4"].export("pytorch")  # the scaler once per step
+    assert fp16.count("scaler.step(optimizer)") == fp16.count("scaler.update()") == 1
+    assert fp16.index("continue") < fp16.index("scaler.unscale_(optimizer)") < fp16.index("clip_grad_norm_(")
+
+
+def test_a_micro_batch_without_accumulation_is_the_batch_size_and_none_is_todays_text():
+    one = Candidate("bf16-mixed", micro_batch=16)
+    texts = {t: r.text for t, r in export_all(one, device="cuda").items()}
+    assert (
+        "per_device_train_batch_size=16," in texts["hf"] and "gradient_accumulation_steps" not in texts["hf"]
+    )
+    config = json.loads(split_sections(texts["deepspeed"])["ds_config.json"])
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (16, 1)
+    assert "for batch in loader:  # batches of 16: DataLoader(..., batch_size=16)" in texts["pytorch"]
+    assert not any("accumulat" in python_part(text, target) for target, text in texts.items())
+    assert export_all(one.unbatched, device="cuda") == export_all(Candidate("bf16-mixed"), device="cuda")
+
+
+def test_the_step_scope_with_accumulation_is_refused_everywhere():
+    """A compiled step over accumulated micro-batches loops around backward(): dynamo skips such a
+    function; the model scope accumulates, and the step scope without accumulation is written."""
+    step = Candidate(
+        "bf16-mixed", compile="default", compile_scope="step", micro_batch=16, accumulation_steps=4
+    )
+    for target in EXPORT_TARGETS:
+        faithful, reason = export_status(step, target, device="cuda")
+        assert not faithful and "dynamo does not resume a graph break inside a loop" in reason, target
+        assert (
+            "the same candidate at model scope" in reason and "micro_batch=64 without accumulation" in reason
+        )
+    assert all(r.text for r in export_all(replace(step, compile_scope=None), device="cuda").values())
+    assert export_status(
+        replace(step, micro_batch=64, accumulation_steps=1), "pytorch", device="cuda"
+    ).faithful

@@ -18,7 +18,7 @@ from mixprec.frameworks.session import BenchSettings, MemoryPoint
 from mixprec.tuning.batching import divisors, fit_sizes, plan_micro_batches
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "measure"))
-from test_batches import wide_mlp  # noqa: E402
+from test_batches import wide_mlp
 
 FP32, BF16, BF16_TRUE = (mixprec.Candidate(p) for p in ("fp32", "bf16-mixed", "bf16-true"))
 
@@ -183,3 +183,46 @@ def test_tune_batch_auto_refuses_what_it_cannot_do():
         mixprec.tune(wide_mlp(), memory_budget=10**9, device="cpu")
     with pytest.raises(UsageError, match="batch must be 'auto'"):
         mixprec.tune(wide_mlp(), batch="max", device="cpu")
+
+
+def test_a_candidate_that_accumulates_is_never_compiled_at_step_scope():
+    """Dynamo skips a step that loops over backward() (graph break in a loop) and every export
+    refuses it: tune must not measure or recommend it."""
+    from mixprec.frameworks import framework_of
+    from mixprec.measure.results import BenchRow
+    from mixprec.tuning.compiling import Calibration, plan
+
+    framework = framework_of(wide_mlp())
+    rows = [
+        BenchRow(
+            "w",
+            mixprec.Candidate("fp32", micro_batch=16, accumulation_steps=2),
+            "cpu",
+            16,
+            "ok",
+            step_times_ms=(10.0,),
+            speedup_vs_fp32=1.0,
+        ),
+        BenchRow(
+            "w",
+            mixprec.Candidate("bf16-mixed", micro_batch=16, accumulation_steps=2),
+            "cpu",
+            16,
+            "ok",
+            step_times_ms=(5.0,),
+            speedup_vs_fp32=2.0,
+        ),
+        BenchRow(
+            "w",
+            mixprec.Candidate("fp16-mixed", micro_batch=32),
+            "cpu",
+            32,
+            "ok",
+            step_times_ms=(5.0,),
+            speedup_vs_fp32=2.0,
+        ),
+    ]
+    attempts = plan(framework, rows, set(), ["default"], Calibration())
+    scopes = {(a.candidate.policy, a.candidate.compile_scope) for a in attempts}
+    assert ("bf16-mixed", "step") not in scopes and ("bf16-mixed", None) in scopes
+    assert ("fp16-mixed", "step") in scopes  # one micro-batch per step: the step scope stands

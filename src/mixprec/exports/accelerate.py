@@ -21,6 +21,13 @@ Checked in accelerate 1.15's source and run by the frameworks tier:
   wrapped optimizer's step (run on a CPU by the frameworks tier). Accelerate's fp16 path (GradScaler
   behind a patched optimizer step) exists only off the CPU, where it has not been run compiled: fp16
   with the step scope is refused.
+- Gradient accumulation: ``Accelerator(gradient_accumulation_steps=k)`` and the loop body under
+  ``with accelerator.accumulate(model):``, which sets ``accelerator.sync_gradients`` on every k-th
+  micro-batch (and on the loader's last: ``GradientAccumulationPlugin.sync_with_dataloader``) and
+  skips DDP's all-reduce on the others. ``accelerator.backward`` divides the loss by
+  ``gradient_accumulation_steps`` itself (so the loop does not); ``AcceleratedOptimizer.step`` and
+  ``zero_grad`` and ``AcceleratedScheduler.step`` do nothing until ``sync_gradients``; but
+  ``clip_grad_norm_`` clips whatever is there, so the loop clips only when ``sync_gradients``.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from mixprec.exports.base import (
     helper_names,
     helpers,
     imports,
+    indent,
+    loop_head,
     loop_helper_names,
     loss_lines,
     precision_lines,
@@ -49,7 +58,7 @@ from mixprec.exports.base import (
     section,
     step_scope_refusal,
 )
-from mixprec.exports.native import EXPECTS
+from mixprec.exports.native import expects
 from mixprec.exports.pytorch import PyTorchTarget
 
 
@@ -156,9 +165,24 @@ class AccelerateTarget(PyTorchTarget):
             )
         if facts.name == "bf32":
             contract.instead.append("bf32: no Accelerate flag; the oneDNN knobs below make it bf32.")
+        k = facts.accumulation_steps
+        contract.runs += facts.batch_runs(
+            f"the DataLoader's batch_size={facts.micro_batch}, before accelerator.prepare()",
+            f"Accelerator(gradient_accumulation_steps={k}) with the loop body under"
+            " accelerator.accumulate(model): accelerator.backward() divides each micro-batch's loss by"
+            f" {k}, the prepared optimizer and scheduler step and zero_grad clears only on the last of"
+            f" every {k} micro-batches (accelerator.sync_gradients, where the loop clips), and under DDP"
+            " the other micro-batches skip the gradient all-reduce",
+        )
+        if facts.accumulates:
+            contract.instead.append(
+                "On the loader's last micro-batch Accelerate steps whatever it accumulated"
+                f" (sync_with_dataloader): a pass of other than a multiple of {k} micro-batches ends in a"
+                " smaller step."
+            )
         contract.fill_in = (
-            f"{EXPECTS}; the optimizer and scheduler lines; num_processes / distributed_type in the YAML"
-            " for more than one process (`accelerate config` writes them)."
+            f"{expects(facts, counted=False)}; the optimizer and scheduler lines; num_processes /"
+            " distributed_type in the YAML for more than one process (`accelerate config` writes them)."
         )
         contract.launch = "accelerate launch --config_file default_config.yaml train.py"
         return contract
@@ -181,6 +205,8 @@ class AccelerateTarget(PyTorchTarget):
             f"use_cpu: {'true' if cpu else 'false'}",
         ]
         kwargs = [f'mixed_precision="{mode}"', *(["cpu=True"] if cpu else [])]
+        if facts.accumulates:
+            kwargs.append(f"gradient_accumulation_steps={facts.accumulation_steps}")
         utils = []
         if facts.compiles_model:
             yaml += ["dynamo_config:", "  dynamo_backend: INDUCTOR", f"  dynamo_mode: {facts.compile}"]
@@ -232,9 +258,11 @@ class AccelerateTarget(PyTorchTarget):
     @staticmethod
     def loop(facts: Facts) -> list[str]:
         """The training loop, eager or around a model that prepare() compiled."""
+        if facts.accumulates:
+            return AccelerateTarget.accumulating_loop(facts)
         fp16 = facts.scaler is not None
         loop = [
-            "for batch in loader:",
+            loop_head(facts),
             *loss_lines(facts, autocast="accelerator.autocast()"),
             "    accelerator.backward(loss)",
             "    accelerator.clip_grad_norm_(model.parameters(), 1.0)"
@@ -258,6 +286,39 @@ class AccelerateTarget(PyTorchTarget):
         return loop
 
     @staticmethod
+    def accumulating_loop(facts: Facts) -> list[str]:
+        """The training loop with gradient accumulation: its body under ``accelerator.accumulate``,
+        which makes the prepared optimizer, scheduler and zero_grad act on every k-th micro-batch
+        only; clipping (and finite_check) only there too."""
+        k = facts.accumulation_steps
+        fp16 = facts.scaler is not None
+        body = [
+            *loss_lines(facts, autocast="accelerator.autocast()", divide=False),
+            f"    accelerator.backward(loss)  # divides the loss by gradient_accumulation_steps={k}",
+            f"    if accelerator.sync_gradients:  # the last of {k} micro-batches: clip the summed gradients",
+            "        accelerator.clip_grad_norm_(model.parameters(), 1.0)"
+            + ("  # unscales the fp16 gradients first" if fp16 else ""),
+        ]
+        if facts.finite_check:
+            body += [
+                "        grads = [p.grad for p in model.parameters() if p.grad is not None]",
+                "        if all(bool(torch.isfinite(g).all()) for g in grads):  # finite_check: skip inf/NaN",
+                "            optimizer.step()",
+                "            scheduler.step()",
+            ]
+        else:
+            step = f"    optimizer.step()  # steps on the last of {k} micro-batches only (sync_gradients)"
+            if fp16:
+                step = "    optimizer.step()  # then, unless it overflowed (optimizer_step_was_skipped)"
+            body += [step, "    scheduler.step()  # the prepared scheduler steps with the optimizer"]
+        body.append("    optimizer.zero_grad(set_to_none=True)  # clears on the optimizer step only")
+        return [
+            loop_head(facts, count=False),
+            f"    with accelerator.accumulate(model):  # {k} micro-batches per optimizer step",
+            *indent(body, 4),
+        ]
+
+    @staticmethod
     def step_loop(facts: Facts) -> list[str]:
         """The loop under the step scope: its body as ``train_step``, compiled whole; the prepared
         scheduler steps outside it (dynamo skips torch.optim.lr_scheduler). refusal() keeps loss
@@ -268,7 +329,7 @@ class AccelerateTarget(PyTorchTarget):
             "    accelerator.backward(loss)",
             "    accelerator.clip_grad_norm_(model.parameters(), 1.0)",
         ]
-        loop = ["for batch in loader:"]
+        loop = [loop_head(facts)]
         if facts.finite_check:
             body += [
                 "    grads = [p.grad for p in model.parameters() if p.grad is not None]",

@@ -63,6 +63,10 @@ class Facts:
             optimizer step in one ``torch.compile``'d function, as mixprec's own session runs it. A
             target that cannot compile the whole step refuses it rather than compile the model only:
             the compiled optimizer changes both the speed and the rounding that were measured.
+        micro_batch: samples per forward/backward pass the candidate was measured at (``tune --batch
+            auto``); None: the user's batch as written, and no accumulation.
+        accumulation_steps: micro-batches per optimizer step (gradient accumulation): each micro-batch's
+            loss divided by it, the optimizer stepped after the last; 1 without accumulation.
     """
 
     config: PolicyConfig
@@ -71,23 +75,31 @@ class Facts:
     compile: str | None = None
     optimizer: str | None = None
     compile_scope: str | None = None
+    micro_batch: int | None = None
+    accumulation_steps: int = 1
 
     @classmethod
     def of(cls, source: Candidate | PolicyConfig | Policy, device: str | torch.device | None = None) -> Facts:
         """The facts of what ``source`` trains, converted once for every target.
 
         ``source`` is a :class:`~mixprec.Candidate` (policy, channels_last, keep_fp32, compile,
-        compile_scope, optimizer), on ``device`` (default: mixprec's, CUDA when available, else CPU), or a
-        :class:`PolicyConfig` / :class:`Policy`, which also carry finite_check and the scaler options,
-        on its own device unless ``device`` is given; those export eager, with the optimizer as
-        written. Raises :class:`UsageError` for anything else, a candidate of another framework or an
-        emulated one, loop axes mixprec's torch backend refuses (an unknown compile mode or scope,
-        the step scope with an optimizer implementation), and a policy or device mixprec does not know.
+        compile_scope, optimizer, micro_batch, accumulation_steps), on ``device`` (default: mixprec's,
+        CUDA when available, else CPU), or a :class:`PolicyConfig` / :class:`Policy`, which also carry
+        finite_check and the scaler options, on its own device unless ``device`` is given; those
+        export eager, with the optimizer and the batch as written. Raises :class:`UsageError` for
+        anything else, a candidate of another framework or an emulated one, loop axes mixprec's torch
+        backend refuses (an unknown compile mode or scope, the step scope with an optimizer
+        implementation), and a policy or device mixprec does not know.
         """
-        compile_mode = optimizer = scope = None
+        compile_mode: str | None = None
+        optimizer: str | None = None
+        scope: str | None = None
+        micro_batch: int | None = None
+        accumulation_steps = 1
         if isinstance(source, Candidate):
             config = _candidate_config(source, device)
             compile_mode, optimizer, scope = source.compile, source.optimizer, source.compile_scope
+            micro_batch, accumulation_steps = source.micro_batch, source.accumulation_steps
         elif isinstance(source, (PolicyConfig, Policy)):
             config = source.config if isinstance(source, Policy) else source
             if device is not None:
@@ -114,7 +126,41 @@ class Facts:
                 f"Cannot export for device {config.device!r}; mixprec policies run on {', '.join(LIBRARIES)}."
             )
         config = replace(config, name=name)
-        return cls(config, config.spec, device_type, compile_mode, optimizer, scope)
+        return cls(
+            config, config.spec, device_type, compile_mode, optimizer, scope, micro_batch, accumulation_steps
+        )
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether the optimizer steps once every ``accumulation_steps`` (> 1) micro-batches."""
+        return self.accumulation_steps > 1
+
+    @property
+    def effective_batch(self) -> int | None:
+        """Samples per optimizer step (per rank under data parallelism); None: the user's batch."""
+        return None if self.micro_batch is None else self.micro_batch * self.accumulation_steps
+
+    def batch_runs(self, batch: str, accumulate: str = "") -> list[str]:
+        """The contract's line for the micro-batch and the accumulation, or nothing when the candidate
+        names no micro-batch. ``batch`` says where this stack takes the micro-batch (e.g. "DataLoader
+        batch_size=16"), ``accumulate`` how it accumulates, where it does that itself."""
+        m, k = self.micro_batch, self.accumulation_steps
+        if m is None:
+            return []
+        if k == 1:
+            return [
+                f"Micro-batch {m} ({batch}): {m} samples per forward/backward pass and per optimizer step."
+            ]
+        how = accumulate or (
+            f"each micro-batch's loss divided by {k}, backward on every micro-batch (the gradients add up),"
+            f" the optimizer step{' (and the loss scaler)' if self.scaler is not None else ''} and"
+            f" zero_grad once every {k} micro-batches"
+        )
+        return [
+            f"Micro-batch {m} ({batch}), gradient accumulation over {k} micro-batches: an effective batch"
+            f" of {m * k} samples per optimizer step (per rank under data parallelism); {how}, so each step"
+            f" follows the gradient of the {m * k}-sample mean loss, as mixprec measured it."
+        ]
 
     @property
     def compiles_model(self) -> bool:
@@ -294,6 +340,10 @@ class Facts:
             extras.append(f"compile_scope={py(self.compile_scope)}")
         if self.optimizer:
             extras.append(f"optimizer={py(self.optimizer)}")
+        if self.micro_batch is not None:
+            extras.append(f"micro_batch={self.micro_batch}")
+        if self.accumulates:
+            extras.append(f"accumulation_steps={self.accumulation_steps}")
         return f"{self.name!r} on {self.device_type}" + (f" ({', '.join(extras)})" if extras else "")
 
 
@@ -359,6 +409,23 @@ def step_scope_refusal(facts: Facts, reason: str, model_scope: str) -> Refusal:
     )
 
 
+def accumulated_step_refusal(facts: Facts) -> Refusal:
+    """The refusal of a step compiled whole (``compile_scope="step"``) over accumulated micro-batches,
+    by every target: such a step is a loop over the micro-batches with ``backward()`` inside, and dynamo
+    does not resume a graph break inside a loop; it skips the compiled function (``graph break in
+    loop``) and runs the step eagerly, only the frames it calls compiled on their own."""
+    m, k = facts.micro_batch, facts.accumulation_steps
+    return Refusal(
+        f"a step compiled whole (compile_scope='step') over {k} accumulated micro-batches is a loop with"
+        " backward() inside, and dynamo does not resume a graph break inside a loop: it skips the"
+        " compiled function and runs the step eagerly, which is not the compiled step the step scope"
+        " stands for",
+        f"the same candidate at model scope (compile={facts.compile!r} without compile_scope='step'),"
+        f" accumulating {k} micro-batches of {m}; or the step scope at micro_batch={(m or 1) * k} without"
+        " accumulation, where that fits in memory",
+    )
+
+
 class ExportTarget:
     """One training stack. Subclasses set the class attributes and override what differs."""
 
@@ -377,6 +444,8 @@ class ExportTarget:
         only = facts.spec.device_only
         if only is not None and facts.device_type != only.device_type:
             return Refusal(only.reason, only.alternative)
+        if facts.compiles_step and facts.accumulates:
+            return accumulated_step_refusal(facts)
         if facts.fp8_recipe and not self.writes_fp8:
             return Refusal(
                 "mixprec's fp8 policies are torchao.float8 Linear layers under bf16 autocast; the "
@@ -614,19 +683,65 @@ def fp8_lines(facts: Facts) -> list[str]:
     ]
 
 
-def loss_lines(facts: Facts, model: str = "model", autocast: str | None = None) -> list[str]:
+def loss_lines(
+    facts: Facts, model: str = "model", autocast: str | None = None, divide: bool = True
+) -> list[str]:
     """``loss = loss_fn(model, batch)`` inside the policy's context: autocast for *-mixed, the half
     default dtype for *-true (tensors that forward creates get the weights' dtype), none otherwise.
 
     ``autocast``: the stack's own autocast context expression, e.g. ``accelerator.autocast()``.
+    ``divide``: with gradient accumulation, divide the loss by ``accumulation_steps`` (False where
+    the stack's backward divides it itself: Accelerate, DeepSpeed).
     """
     call = f"loss = loss_fn({model}, batch)"
+    if facts.accumulates and divide:
+        call += " / accumulation_steps  # the mean over the step's micro-batches"
     if facts.mixed is not None:
         ctx = autocast or f"torch.autocast(device_type, dtype={DTYPE_CODE[facts.mixed]})"
         return [f"    with {ctx}:", f"        {call}"]
     if facts.true is not None:
         return [f"    with default_dtype({DTYPE_CODE[facts.true]}):", f"        {call}"]
     return [f"    {call}"]
+
+
+def accumulation_lines(facts: Facts) -> list[str]:
+    """``accumulation_steps = k`` for the loops that count micro-batches themselves; nothing without
+    accumulation."""
+    if not facts.accumulates:
+        return []
+    m, k = facts.micro_batch, facts.accumulation_steps
+    return [
+        f"accumulation_steps = {k}  # micro-batches of {m} per optimizer step:"
+        f" {facts.effective_batch} samples"
+    ]
+
+
+def loader_comment(facts: Facts) -> str:
+    """The comment on ``for ... in loader:`` that says the batch size the loader must yield."""
+    if facts.micro_batch is None:
+        return ""
+    what = "micro-batches" if facts.accumulates else "batches"
+    return f"  # {what} of {facts.micro_batch}: DataLoader(..., batch_size={facts.micro_batch})"
+
+
+def loop_head(facts: Facts, count: bool = True) -> str:
+    """``for batch in loader:``, counting the micro-batches (from 1) where the loop accumulates and
+    ``count`` says it counts them itself (False: the stack counts them, Accelerate and DeepSpeed)."""
+    counting = facts.accumulates and count
+    head = "for i, batch in enumerate(loader, start=1):" if counting else "for batch in loader:"
+    return head + loader_comment(facts)
+
+
+def accumulate_lines(facts: Facts, indent_by: int = 4) -> list[str]:
+    """After a micro-batch's backward: on to the next micro-batch unless it completes an optimizer
+    step (nothing without accumulation)."""
+    if not facts.accumulates:
+        return []
+    k = facts.accumulation_steps
+    return indent(
+        ["if i % accumulation_steps:", f"    continue  # the optimizer steps once every {k} micro-batches"],
+        indent_by,
+    )
 
 
 def loop_helper_names(facts: Facts) -> list[str]:

@@ -20,6 +20,13 @@ Checked in deepspeed 0.19's source and run by the frameworks tier (CPU accelerat
 - No compile setting covers ``engine.step()`` (``deepspeed/compile/config.py``), and dynamo cannot
   trace the engine around it: ``engine.backward`` and its backward-graph tracker enter
   ``threading.Lock`` context managers, which dynamo cannot. The step scope is refused.
+- A candidate's micro-batch and accumulation are ``train_micro_batch_size_per_gpu`` and
+  ``gradient_accumulation_steps``; ``train_batch_size`` is left out: DeepSpeed derives it as their
+  product times the world size (``DeepSpeedConfig._set_batch_related_parameters``) and asserts that
+  equality when all three are given (``_batch_assertion``), so a written one would pin the world
+  size. ``engine.backward`` divides the loss by ``gradient_accumulation_steps`` itself, and
+  ``engine.step()``, called after every micro-batch, steps (unscale, clip, step, update, zero the
+  gradients) only where ``is_gradient_accumulation_boundary()``: every k-th call.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from mixprec.exports.base import (
     helper_names,
     helpers,
     imports,
+    loop_head,
     loop_helper_names,
     loss_lines,
     precision_lines,
@@ -48,7 +56,7 @@ from mixprec.exports.base import (
     section,
     step_scope_refusal,
 )
-from mixprec.exports.native import EXPECTS
+from mixprec.exports.native import expects
 from mixprec.exports.pytorch import PyTorchTarget
 
 _AUTOCAST_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -100,8 +108,8 @@ class DeepSpeedTarget(PyTorchTarget):
     def config(facts: Facts) -> dict[str, object]:
         """ds_config.json as a dict."""
         config: dict[str, object] = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
+            "train_micro_batch_size_per_gpu": facts.micro_batch or 1,
+            "gradient_accumulation_steps": facts.accumulation_steps,
             "gradient_clipping": 1.0,
             "fp16": {"enabled": False},
             "bf16": {"enabled": False},
@@ -172,11 +180,22 @@ class DeepSpeedTarget(PyTorchTarget):
                 " data_types.keep_in_fp32_modules"
                 " keeps buffers only)."
             )
-        contract.fill_in = (
-            f"{EXPECTS}; the optimizer and scheduler lines; train_micro_batch_size_per_gpu in ds_config.json"
-            " (your per-device batch size: DeepSpeed asserts without one and uses it for its own data loader"
-            " and logs)."
+        m, k = facts.micro_batch, facts.accumulation_steps
+        unscale = "unscale, " if facts.scaler is not None else ""
+        contract.runs += facts.batch_runs(
+            f'"train_micro_batch_size_per_gpu": {m} and the loader\'s batch_size={m}',
+            f'"gradient_accumulation_steps": {k} (DeepSpeed derives train_batch_size = {m} x {k} x the world'
+            " size): model_engine.backward() divides each micro-batch's loss by"
+            f" {k}, and model_engine.step() after every micro-batch steps the optimizer ({unscale}clip,"
+            f" step, zero the gradients) only on the last of every {k}, where the loop steps the scheduler",
         )
+        fill_in = f"{expects(facts, counted=False)}; the optimizer and scheduler lines"
+        if m is None:
+            fill_in += (
+                "; train_micro_batch_size_per_gpu in ds_config.json (your per-device batch size: DeepSpeed"
+                " asserts without one and uses it for its own data loader and logs)"
+            )
+        contract.fill_in = fill_in + "."
         contract.launch = (
             "deepspeed train.py (or torchrun): initialize() needs RANK, LOCAL_RANK and WORLD_SIZE from a"
             " launcher."
@@ -226,19 +245,34 @@ class DeepSpeedTarget(PyTorchTarget):
                 target="model_engine.torch_autocast_z0_gradscaler",
             )
             lines.append("scaler = model_engine.torch_autocast_z0_gradscaler")
-        lines += ["for batch in loader:", *loss_lines(facts, model="model_engine")]
-        lines.append(
-            "    model_engine.backward(loss)" + ("  # scaled by the GradScaler above" if opts else "")
-        )
+        lines += [loop_head(facts, count=False), *loss_lines(facts, model="model_engine", divide=False)]
+        backward = "    model_engine.backward(loss)"
+        if facts.accumulates:
+            backward += f"  # divides the loss by gradient_accumulation_steps={facts.accumulation_steps}"
+            if opts:
+                backward += ", then scales it"
+        elif opts:
+            backward += "  # scaled by the GradScaler above"
+        lines.append(backward)
+        if facts.accumulates:
+            lines.append(
+                "    boundary = model_engine.is_gradient_accumulation_boundary()  # whether step() steps"
+            )
         if opts is None:
             lines += [
-                "    model_engine.step()  # clips, steps, zeroes the gradients",
-                "    scheduler.step()",
+                "    model_engine.step()  # clips, steps, zeroes the gradients"
+                + (" (on the boundary only)" if facts.accumulates else ""),
+                *(
+                    ["    if boundary:", "        scheduler.step()"]
+                    if facts.accumulates
+                    else ["    scheduler.step()"]
+                ),
             ]
         else:
             lines += [
                 "    scale = scaler.get_scale()",
-                "    model_engine.step()  # unscales, clips, steps unless it overflowed, updates the scale",
+                "    model_engine.step()  # unscales, clips, steps unless it overflowed, updates the scale"
+                + (" (on the boundary)" if facts.accumulates else ""),
                 "    skipped = scaler.get_scale() < scale  # it backs off exactly when it skipped the step",
             ]
             if opts.min_scale is not None:
@@ -247,8 +281,9 @@ class DeepSpeedTarget(PyTorchTarget):
                     f"    if scaler.get_scale() < {floor}:",
                     f"        scaler.update({floor})  # min_scale floor: GradScaler has none",
                 ]
+            if_stepped = "if boundary and not skipped:" if facts.accumulates else "if not skipped:"
             lines += [
-                "    if not skipped:",
+                f"    {if_stepped}",
                 "        scheduler.step()  # a skipped step skips the scheduler too",
             ]
         return lines

@@ -8,7 +8,12 @@ is refused. ``torch.compile`` wraps the model after ``fully_shard``, and torch's
 optimizers step the DTensor shards (DTensor has sharding rules for ``_fused_adam(w)_``). Under the
 step scope the plain-PyTorch ``train_step`` is compiled around the sharded model: FSDP2's hooks are
 ``torch._dynamo.disable``'d and run eagerly between the graphs, and the optimizer step compiles over
-the DTensor shards (run on one gloo rank by the tests).
+the DTensor shards (run on one gloo rank by the tests). With gradient accumulation the loop calls
+``model.set_requires_gradient_sync(False)`` on all but the last micro-batch of each step
+(``FSDPModule.set_requires_gradient_sync`` sets every group's ``reduce_grads``, recursively): the
+groups' post-backward then skips the reduce-scatter and keeps the unsharded gradients, upcast to
+``reduce_dtype`` (``FSDPParam.to_accumulated_grad_if_needed``), and the last micro-batch adds its
+own and reduce-scatters the sum (``FSDPParamGroup.post_backward``, torch 2.14).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from mixprec.exports.base import (
     comment,
     prepare_lines,
 )
-from mixprec.exports.pytorch import PyTorchTarget
+from mixprec.exports.pytorch import PyTorchTarget, plain_loop
 
 
 class FSDP2Target(PyTorchTarget):
@@ -89,6 +94,15 @@ class FSDP2Target(PyTorchTarget):
                 " dynamo-disabled in torch.distributed.fsdp: they run eagerly between the compiled"
                 " graphs; the compiled optimizer step updates each rank's DTensor shards."
             )
+        if facts.accumulates:
+            contract.runs.append(
+                f"model.set_requires_gradient_sync(False) on the first {facts.accumulation_steps - 1} of"
+                f" every {facts.accumulation_steps} micro-batches: FSDP2 skips their gradient"
+                " reduce-scatter and keeps the unsharded gradients (in fp32) until the last one, which"
+                " reduce-scatters the sum once per optimizer step. That holds a full unsharded gradient"
+                " per rank between the micro-batches; set_requires_gradient_sync(True) throughout trades it"
+                " for a reduce-scatter per micro-batch, with the same sums in another order."
+            )
         if facts.optimizer in ("fused", "foreach"):
             contract.runs.append(
                 f"The {facts.optimizer} optimizer kernels step each rank's DTensor shards (DTensor shards"
@@ -100,6 +114,15 @@ class FSDP2Target(PyTorchTarget):
             launch = 'torch.distributed.init_process_group("nccl") and torch.cuda.set_device(local_rank)'
         contract.launch = f"torchrun --nproc_per_node N train.py; this code runs after {launch}."
         return contract
+
+    def training_loop(self, facts: Facts) -> list[str]:
+        if not facts.accumulates:
+            return plain_loop(facts)
+        sync = [
+            "    # FSDP2 reduce-scatters the gradients on the last micro-batch of each step only",
+            "    model.set_requires_gradient_sync(i % accumulation_steps == 0)",
+        ]
+        return plain_loop(facts, sync)
 
     def third_party(self, facts: Facts) -> list[str]:
         return ["import torch", "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard"]

@@ -16,6 +16,11 @@ Checked in transformers 5.23's source and run by the frameworks tier:
   refused, as for Accelerate.
 - The Trainer owns the step (``training_step`` runs forward and backward, ``_inner_training_loop``
   calls ``optimizer.step()`` and the scheduler): the step scope is refused.
+- ``per_device_train_batch_size=m, gradient_accumulation_steps=k``: the Trainer accumulates itself
+  (its Accelerator gets ``num_steps=1``, ``create_accelerator_and_postprocess``): it divides each
+  micro-batch's loss by k unless the model normalises by ``num_items_in_batch`` (``training_step``),
+  and clips, steps the optimizer and the scheduler and zeroes the gradients on every k-th micro-batch
+  and the epoch's last (``do_sync_step``, ``_inner_training_loop``).
 """
 
 from __future__ import annotations
@@ -113,6 +118,10 @@ class HFTarget(PyTorchTarget):
             flags.append(f"{facts.spec.accelerate}=True")
         if facts.device_type == "cpu":
             flags.append("use_cpu=True")
+        if facts.micro_batch is not None:
+            flags.append(f"per_device_train_batch_size={facts.micro_batch}")
+        if facts.accumulates:
+            flags.append(f"gradient_accumulation_steps={facts.accumulation_steps}")
         if facts.compile:
             flags += ["torch_compile=True", f"torch_compile_mode={py(facts.compile)}"]
         return [*flags, "max_grad_norm=1.0"]
@@ -176,10 +185,22 @@ class HFTarget(PyTorchTarget):
                 " depending on the release it sets the legacy allow_tf32 flags (mixing the APIs raises) or"
                 " only the global torch.backends.fp32_precision, which does not reach cuDNN convolutions."
             )
+        m, k = facts.micro_batch, facts.accumulation_steps
+        contract.runs += facts.batch_runs(
+            f"per_device_train_batch_size={m}",
+            f"gradient_accumulation_steps={k}: the Trainer divides each micro-batch's loss by {k} (a model"
+            " that takes num_items_in_batch normalises over the whole step's items itself),"
+            f" backpropagates every micro-batch and clips, steps the optimizer and the scheduler and"
+            f" zeroes the gradients once every {k} (and on an epoch's last)",
+        )
+        batch, own = "batch size, ", ""
+        if m is not None:  # set here: the user's arguments must not repeat them
+            batch = ""
+            own = "; not per_device_train_batch_size" + (" or gradient_accumulation_steps" if k > 1 else "")
         contract.fill_in = (
             "model (nn.Module or PreTrainedModel whose forward(**batch) returns the loss first or as 'loss'),"
-            " train_dataset, training_args (your other TrainingArguments: output_dir, learning_rate, batch"
-            " size, max_steps or num_train_epochs, ...)."
+            f" train_dataset, training_args (your other TrainingArguments: output_dir, learning_rate, {batch}"
+            f"max_steps or num_train_epochs, ...{own})."
         )
         return contract
 
@@ -216,7 +237,9 @@ class HFTarget(PyTorchTarget):
             "",
             "args = TrainingArguments(",
             *(f"    {flag}," for flag in self.flags(facts)),
-            "    **training_args,  # yours: output_dir, learning_rate, batch size, max_steps, ...",
+            "    **training_args,  # yours: output_dir, learning_rate, "
+            + ("batch size, " if facts.micro_batch is None else "")
+            + "max_steps, ...",
             ")",
             *call_lines("trainer = Trainer", trainer),
             *(knobs if facts.compile else []),  # after Trainer(...): it may set TF32 (see the notes)

@@ -19,6 +19,11 @@ Checked in lightning 2.6's source and run by the frameworks tier:
   optimizer that unscales in its step (``_step_supports_amp_scaling``: the fused ones), bf16 too, so
   a fused optimizer under *-mixed clips in ``configure_gradient_clipping`` (after ``unscale_`` for
   fp16, which Lightning skips for such optimizers).
+- ``Trainer(accumulate_grad_batches=k)``: automatic optimization divides training_step's loss by k
+  (``ClosureResult.from_training_step_output``), skips the optimizer step while
+  ``fit_loop._should_accumulate()`` (every k-th batch steps, and the epoch's last), and steps the
+  step-interval schedulers only with it; clipping and the scaler's unscale/step/update run inside
+  the optimizer step, so once per k batches.
 """
 
 from __future__ import annotations
@@ -150,9 +155,20 @@ class LightningTarget(ExportTarget):
                 " fused step to unscale); configure_gradient_clipping() below clips at gradient_clip_val"
                 + (", after unscaling the fp16 gradients." if facts.scaler is not None else ".")
             )
+        m, k = facts.micro_batch, facts.accumulation_steps
+        contract.runs += facts.batch_runs(
+            f"the DataLoader's batch_size={m}",
+            f"Trainer(accumulate_grad_batches={k}): Lightning divides each batch's training_step loss by"
+            f" {k}, backpropagates every batch and steps the optimizer (clipping and the loss scaler"
+            f" inside it), the step-interval schedulers and zero_grad once every {k} batches (and on an"
+            " epoch's last batch)",
+        )
+        loader = "loader"
+        if m is not None:
+            loader = f"loader (a DataLoader with batch_size={m})"
         fill = (
             "YourLightningModule (your LightningModule class: LitModel adds the hooks to it, calling yours"
-            " first), loader, trainer_options (your other Trainer arguments: max_epochs, logger, ...), and"
+            f" first), {loader}, trainer_options (your other Trainer arguments: max_epochs, logger, ...), and"
             " LitModel's constructor arguments."
         )
         if facts.optimizer:
@@ -288,6 +304,8 @@ class LightningTarget(ExportTarget):
             args.append(f'plugins=[{_PLUGIN}("{precision}")]')
         else:
             args.append(f'precision="{precision}"')
+        if facts.accumulates:
+            args.append(f"accumulate_grad_batches={facts.accumulation_steps}")
         lines += call_lines("trainer = L.Trainer", [*args, "gradient_clip_val=1.0", "**trainer_options"])
         if not facts.compile:
             lines.append(

@@ -7,9 +7,32 @@ inside one ``torch.compile``'d function, the scheduler outside it.
 
 from __future__ import annotations
 
-from mixprec.exports.base import SCHEDULER, Contract, ExportTarget, Facts, py
+from mixprec.exports.base import (
+    SCHEDULER,
+    Contract,
+    ExportTarget,
+    Facts,
+    accumulate_lines,
+    accumulation_lines,
+    loop_head,
+    py,
+)
 
 EXPECTS = "model (nn.Module), loader (iterable of batches), loss_fn(model, batch) -> scalar loss"
+
+
+def expects(facts: Facts, counted: bool = True) -> str:
+    """:data:`EXPECTS`, with the batches the loader must yield where the candidate names a micro-batch;
+    ``counted``: the loop counts the micro-batches itself, so a pass must hold whole steps (False where
+    the stack counts them: Accelerate, DeepSpeed)."""
+    m, k = facts.micro_batch, facts.accumulation_steps
+    if m is None:
+        return EXPECTS
+    what = "micro-batches" if facts.accumulates else "batches"
+    loader = f"loader (iterable of {what} of {m} samples: DataLoader(..., batch_size={m})"
+    if facts.accumulates and counted:
+        loader += f", a multiple of {k} per pass: a last partial group's gradients would add to the next step"
+    return EXPECTS.replace("loader (iterable of batches)", loader + ")")
 
 
 class MixprecTarget(ExportTarget):
@@ -25,8 +48,9 @@ class MixprecTarget(ExportTarget):
                 "Policy.prepare(), autocast(), backward() and step(): the policy exactly as mixprec"
                 " verified it.",
                 *facts.loop_runs("torch.compile(model) after prepare()", "torch.compile(train_step)"),
+                *facts.batch_runs(f"the loader's batch_size={facts.micro_batch}"),
             ],
-            fill_in=f"{EXPECTS}; the optimizer and scheduler lines.",
+            fill_in=f"{expects(facts)}; the optimizer and scheduler lines.",
         )
 
     def monitor(self, facts: Facts) -> list[str]:
@@ -63,7 +87,7 @@ class MixprecTarget(ExportTarget):
             *facts.compile_lines(),
             facts.optimizer_line(after="prepare()"),
             SCHEDULER,
-            *(step_loop(facts) if facts.compiles_step else EAGER_LOOP),
+            *(step_loop(facts) if facts.compiles_step else eager_loop(facts)),
         ]
         if facts.scaler is not None or facts.finite_check:
             lines.append(
@@ -84,6 +108,27 @@ EAGER_LOOP = [
 ]
 
 
+def eager_loop(facts: Facts) -> list[str]:
+    """:data:`EAGER_LOOP`; with gradient accumulation each micro-batch's loss divided by
+    ``accumulation_steps`` and backward on every one (a scaled loss is scaled by the same factor
+    until the step), ``policy.step`` and ``zero_grad`` once every ``accumulation_steps``."""
+    if facts.micro_batch is None:
+        return EAGER_LOOP
+    if not facts.accumulates:
+        return [EAGER_LOOP[0], f"    {loop_head(facts)}", *EAGER_LOOP[2:]]
+    return [
+        *accumulation_lines(facts),
+        EAGER_LOOP[0],
+        f"    {loop_head(facts)}",
+        "        with policy.autocast():",
+        "            loss = loss_fn(model, batch) / accumulation_steps"
+        "  # the mean over the step's micro-batches",
+        "        policy.backward(loss)  # scaled when the policy scales the loss; the gradients add up",
+        *accumulate_lines(facts, indent_by=8),
+        *EAGER_LOOP[5:],
+    ]
+
+
 def step_loop(facts: Facts) -> list[str]:
     """The loop under the step scope: its body as ``train_step``, compiled whole; the scheduler stays
     outside (dynamo skips torch.optim.lr_scheduler) and hears whether the step was taken."""
@@ -101,7 +146,7 @@ def step_loop(facts: Facts) -> list[str]:
         "",
         *facts.step_compile_lines(),
         "with policy.precision_scope():  # the fp32 math mode (TF32 / bf32 / strict), restored on exit",
-        "    for batch in loader:",
+        f"    {loop_head(facts)}",
         "        loss, stepped = train_step(batch)",
         "        if stepped:",
         "            scheduler.step()  # a skipped (non-finite) step skips the scheduler too",

@@ -17,19 +17,22 @@ from mixprec.exports.base import (
     Contract,
     ExportTarget,
     Facts,
+    accumulate_lines,
+    accumulation_lines,
     comment,
     grad_scaler_lines,
     helper_lines,
     helper_names,
     helpers,
     imports,
+    loop_head,
     loop_helper_names,
     loss_lines,
     precision_lines,
     prepare_lines,
     py,
 )
-from mixprec.exports.native import EXPECTS
+from mixprec.exports.native import expects
 
 
 class PyTorchTarget(ExportTarget):
@@ -47,7 +50,8 @@ class PyTorchTarget(ExportTarget):
         contract.runs += facts.loop_runs(
             f"torch.compile(model) after {self.optimizer_after}", "torch.compile(train_step)"
         )
-        contract.fill_in = f"{EXPECTS}; the optimizer and scheduler lines."
+        contract.runs += facts.batch_runs(f"the loader's batch_size={facts.micro_batch}")
+        contract.fill_in = f"{expects(facts)}; the optimizer and scheduler lines."
         return contract
 
     def policy_runs(self, facts: Facts) -> list[str]:
@@ -113,13 +117,20 @@ class PyTorchTarget(ExportTarget):
             "",
             facts.optimizer_line(after=self.optimizer_after),
             SCHEDULER,
-            *plain_loop(facts),
+            *self.training_loop(facts),
         ]
 
+    def training_loop(self, facts: Facts) -> list[str]:
+        """The loop after the optimizer and scheduler lines (FSDP2 adds its gradient-sync switch)."""
+        return plain_loop(facts)
 
-def plain_loop(facts: Facts) -> list[str]:
+
+def plain_loop(facts: Facts, sync: list[str] | None = None) -> list[str]:
     """The training loop of the plain-PyTorch and FSDP2 exports; under the step scope its body is a
-    ``train_step`` function compiled whole (:func:`step_loop`)."""
+    ``train_step`` function compiled whole (:func:`step_loop`). With gradient accumulation each
+    micro-batch's loss is divided by ``accumulation_steps`` and backpropagated, and clipping, the
+    (scaled) optimizer step, the scheduler and zero_grad run once every ``accumulation_steps``
+    micro-batches; ``sync``: lines at the top of the loop body (FSDP2's gradient-sync switch)."""
     lines: list[str] = []
     opts = facts.scaler
     if opts is not None:
@@ -127,13 +138,16 @@ def plain_loop(facts: Facts) -> list[str]:
         lines += grad_scaler_lines(facts, cls, "device_type")
     if facts.compiles_step:
         return [*lines, *step_loop(facts)]
-    lines += ["for batch in loader:", *loss_lines(facts)]
+    lines += [*accumulation_lines(facts), loop_head(facts), *(sync or []), *loss_lines(facts)]
+    added = "  # the micro-batches' gradients add up" if facts.accumulates else ""
     if opts is not None:
-        lines += scaled_update_lines(facts)
+        lines += [f"    scaler.scale(loss).backward(){added}", *accumulate_lines(facts)]
+        lines += scaled_update_lines(facts, backward=False)
         lines += ["    if not skipped:", "        scheduler.step()  # a skipped step skips the scheduler too"]
     elif facts.finite_check:
         lines += [
-            "    loss.backward()",
+            f"    loss.backward(){added}",
+            *accumulate_lines(facts),
             "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
             "    grads = [p.grad for p in model.parameters() if p.grad is not None]",
             "    if all(bool(torch.isfinite(g).all()) for g in grads):  # finite_check: skip inf/NaN steps",
@@ -142,7 +156,8 @@ def plain_loop(facts: Facts) -> list[str]:
         ]
     else:
         lines += [
-            "    loss.backward()",
+            f"    loss.backward(){added}",
+            *accumulate_lines(facts),
             "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
             "    optimizer.step()",
             "    scheduler.step()",
@@ -176,11 +191,11 @@ def step_loop(facts: Facts) -> list[str]:
     body.append("    optimizer.zero_grad(set_to_none=True)")
     if facts.scaler is None and not facts.finite_check:
         body.append("    return loss")
-        loop = ["for batch in loader:", "    loss = train_step(batch)", "    scheduler.step()"]
+        loop = [loop_head(facts), "    loss = train_step(batch)", "    scheduler.step()"]
     else:
         body.append("    return loss, skipped")
         loop = [
-            "for batch in loader:",
+            loop_head(facts),
             "    loss, skipped = train_step(batch)",
             "    if not skipped:",
             "        scheduler.step()  # a skipped step skips the scheduler too",
@@ -188,12 +203,13 @@ def step_loop(facts: Facts) -> list[str]:
     return ["", "", *body, "", "", *facts.step_compile_lines(), *loop, *collapse_note(facts)]
 
 
-def scaled_update_lines(facts: Facts) -> list[str]:
-    """Backward, clipping and step through the GradScaler, with ``skipped`` set and the min_scale floor."""
+def scaled_update_lines(facts: Facts, backward: bool = True) -> list[str]:
+    """Backward (unless ``backward`` is False: the accumulating loop backpropagates every micro-batch
+    before it), clipping and step through the GradScaler, with ``skipped`` set and the min_scale floor."""
     opts = facts.scaler
     assert opts is not None
     lines = [
-        "    scaler.scale(loss).backward()",
+        *(["    scaler.scale(loss).backward()"] if backward else []),
         "    scaler.unscale_(optimizer)  # before clipping: the threshold is for the true gradients",
         "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
         "    scale = scaler.get_scale()",

@@ -125,13 +125,19 @@ def plan(
     calibration: Calibration,
 ) -> list[Attempt]:
     """Every compiled variant worth measuring, most promising first: for each passing family its
-    best scope first (so each family gets one before any gets a second), then the rest."""
+    best scope first (so each family gets one before any gets a second), then the rest. No step
+    scope for a candidate that accumulates micro-batches (every export refuses it, and dynamo does
+    not compile it whole)."""
     scopes: list[str | None] = [None, *[s for s in framework.compile_scopes if s != "model"]]
     firsts, seconds = [], []
     for row in families(rows, failed):
         attempts = []
         for mode in modes:
             for scope in scopes:
+                if scope == "step" and row.candidate.accumulation_steps > 1:
+                    # a step over accumulated micro-batches loops over backward(): dynamo skips the
+                    # whole function (graph break in a loop), so it would not be a compiled step
+                    continue
                 gain, basis = predicted_gain(row, scope, row.candidate.spec.loss_scaling)
                 gain *= calibration.of(scope)
                 cand = replace(row.candidate, compile=mode, compile_scope=scope)
