@@ -95,3 +95,20 @@ def test_accumulation_steps_once_per_effective_batch(policy, tmp_path):
     check_accumulation(source, run, "deepspeed", **FRAMEWORK_TOLERANCE)
     assert run.namespace["model_engine"].train_batch_size() == 12  # derived: 4 x 3 x one rank
     assert run.namespace["scheduler"].last_epoch == ACC_STEPS  # the loop's scheduler, per optimizer step
+
+
+@pytest.mark.parametrize("name", ["fp16-mixed", "bf16-mixed"])
+def test_a_checkpoint_carries_the_loss_scale_and_the_scheduler(name, tmp_path):
+    """engine.save_checkpoint holds neither the loop's GradScaler (the scale restarted at init_scale
+    after a resume: 1024, not the 512 the overflow left) nor the scheduler the loop steps."""
+    from harness import SCALE_AFTER, cases
+
+    config = cases()[name]  # fp16-mixed: init_scale 1024, one planted overflow
+    first = run_deepspeed(config, tmp_path)
+    first.namespace["save_checkpoint"](str(tmp_path / "ckpt"))
+    resumed = run_deepspeed(config, tmp_path, loader=[])  # a fresh engine, no steps
+    resumed.namespace["load_checkpoint"](str(tmp_path / "ckpt"))
+    scheduler = resumed.namespace["scheduler"]
+    assert scheduler.last_epoch == first.namespace["scheduler"].last_epoch > 0
+    if name == "fp16-mixed":
+        assert resumed.scaler.get_scale() == first.scaler.get_scale() == SCALE_AFTER

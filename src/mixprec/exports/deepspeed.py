@@ -165,6 +165,11 @@ class DeepSpeedTarget(PyTorchTarget):
             )
         if facts.low is None:
             contract.runs.append("No precision section: fp32 parameters and math.")
+        contract.instead.append(
+            "DeepSpeed's checkpoint holds the weights and the optimizer, not this loop's scheduler"
+            + (" nor its GradScaler" if facts.scaler is not None else "")
+            + ": save_checkpoint(path) / load_checkpoint(path) below carry them in client_state"
+        )
         contract.runs += facts.loop_runs(
             "model_engine.compile(): DeepSpeed compiles its module in place (torch.compile, backend"
             " inductor), inside the engine's autocast"
@@ -245,6 +250,7 @@ class DeepSpeedTarget(PyTorchTarget):
                 target="model_engine.torch_autocast_z0_gradscaler",
             )
             lines.append("scaler = model_engine.torch_autocast_z0_gradscaler")
+        lines += checkpoint_lines(facts)
         lines += [loop_head(facts, count=False), *loss_lines(facts, model="model_engine", divide=False)]
         backward = "    model_engine.backward(loss)"
         if facts.accumulates:
@@ -287,3 +293,29 @@ class DeepSpeedTarget(PyTorchTarget):
                 "        scheduler.step()  # a skipped step skips the scheduler too",
             ]
         return lines
+
+
+def checkpoint_lines(facts: Facts) -> list[str]:
+    """``save_checkpoint(path)`` / ``load_checkpoint(path)`` around the engine's own: DeepSpeed's
+    checkpoint holds the weights and the optimizer, not this loop's scheduler (not given to
+    initialize()) nor the GradScaler the loop installed (its loss scale restarted at init_scale
+    after a resume); both travel in ``client_state``."""
+    scaled = facts.scaler is not None
+    state = '{"scheduler": scheduler.state_dict()' + (
+        ', "grad_scaler": scaler.state_dict()}' if scaled else "}"
+    )
+    lines = [
+        "",
+        "",
+        "def save_checkpoint(path):  # every rank calls it; the scheduler (and the loss scale) ride along",
+        f"    client_state = {state}",
+        "    model_engine.save_checkpoint(path, client_state=client_state)",
+        "",
+        "",
+        "def load_checkpoint(path):",
+        "    _, client_state = model_engine.load_checkpoint(path)",
+        '    scheduler.load_state_dict(client_state["scheduler"])',
+    ]
+    if scaled:
+        lines.append('    scaler.load_state_dict(client_state["grad_scaler"])')
+    return [*lines, "", ""]
