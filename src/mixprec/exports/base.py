@@ -599,13 +599,17 @@ def grad_scaler_lines(facts: Facts, cls: str, device: str, target: str = "scaler
     ]
 
 
-def helper_names(facts: Facts, *, casts: bool = True, channels_last_hook: bool = True) -> list[str]:
+def helper_names(
+    facts: Facts, *, casts: bool = True, channels_last_hook: bool = True, batch_norm: bool = True
+) -> list[str]:
     """The snippets :func:`prepare_lines` uses for this policy."""
     names = []
     if facts.keep:
         names += ["fp32_islands", "keep_in_fp32"]
     if facts.true is not None and casts:
         names.append("cast_inputs")
+        if batch_norm:
+            names.append("keep_batch_norm_fp32")
     if facts.channels_last and channels_last_hook:
         names.append("channels_last_inputs")
     return names
@@ -618,9 +622,12 @@ def prepare_lines(
     casts: bool = True,
     channels_last: bool = True,
     keep_kwargs: tuple[str, ...] = (),
+    batch_norm: bool = True,
 ) -> list[str]:
     """Model preparation in plain PyTorch, in the order Policy.prepare() applies it.
 
+    ``batch_norm``: keep BatchNorm fp32 after a *-true cast, as Policy.prepare() does (False where
+    the stack then gathers every parameter of a group in one dtype: FSDP2's export).
     ``casts``: cast a *-true model and register the input cast (False where the stack does both);
     ``channels_last``: convert the model and its inputs here (False where it must happen later);
     ``keep_kwargs``: keyword inputs the input cast leaves alone (the HF Trainer's ``labels``).
@@ -640,6 +647,8 @@ def prepare_lines(
                 "for module in islands.values():",
                 "    module.float()  # fp32 islands keep fp32 weights",
             ]
+        if batch_norm:
+            lines.append("keep_batch_norm_fp32(model)  # its weights and running statistics stay fp32")
     if facts.channels_last and channels_last:
         lines.append("model = model.to(memory_format=torch.channels_last)")
     if facts.keep:

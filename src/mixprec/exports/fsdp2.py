@@ -25,6 +25,8 @@ from mixprec.exports.base import (
     Facts,
     Refusal,
     comment,
+    helper_names,
+    loop_helper_names,
     prepare_lines,
 )
 from mixprec.exports.pytorch import PyTorchTarget, plain_loop
@@ -127,6 +129,9 @@ class FSDP2Target(PyTorchTarget):
     def third_party(self, facts: Facts) -> list[str]:
         return ["import torch", "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard"]
 
+    def snippet_names(self, facts: Facts) -> list[str]:
+        return helper_names(facts, batch_norm=False) + loop_helper_names(facts)
+
     def prepare(self, facts: Facts) -> list[str]:
         param_dtype = DTYPE_CODE[facts.low] if facts.low is not None else "torch.float32"
         lines = [f"mp_policy = MixedPrecisionPolicy(param_dtype={param_dtype}, reduce_dtype=torch.float32)"]
@@ -134,7 +139,8 @@ class FSDP2Target(PyTorchTarget):
             lines.append(
                 "fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)"
             )
-        lines += prepare_lines(facts, move=False)
+        # BatchNorm is cast with the model here: a block's group gathers every parameter in one dtype
+        lines += prepare_lines(facts, move=False, batch_norm=False)
         if facts.keep:
             lines += [
                 *comment(

@@ -22,6 +22,7 @@ from mixprec.policy.hooks import (
     default_dtype,
     default_dtype_in_forward,
     fp32_islands,
+    keep_batch_norm_fp32,
     keep_in_fp32,
     to_channels_last,
 )
@@ -35,6 +36,7 @@ _SNIPPETS: dict[str, object] = {
         channels_last_inputs,
         fp32_islands,
         keep_in_fp32,
+        keep_batch_norm_fp32,
         default_dtype,
         default_dtype_in_forward,
         HalfGradScaler,

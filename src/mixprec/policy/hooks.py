@@ -22,14 +22,17 @@ STDLIB = {"contextlib": "contextlib", "fnmatch": "fnmatch", "functools": "functo
 STDLIB_NAMES = {"Callable": "collections.abc", "Iterator": "collections.abc", "Any": "typing"}
 
 
-def cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """Cast the floating-point tensors in value (nested lists, tuples, dicts) to dtype."""
+def cast_floating(value: Any, dtype: torch.dtype, widen_only: bool = False) -> Any:
+    """Cast the floating-point tensors in value (nested lists, tuples, dicts) to dtype; with
+    widen_only, only those narrower than dtype (a float64 tensor stays float64 under fp32)."""
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
+        if not value.is_floating_point() or (widen_only and value.dtype.itemsize >= dtype.itemsize):
+            return value
+        return value.to(dtype)
     if isinstance(value, (list, tuple)):
-        return type(value)(cast_floating(v, dtype) for v in value)
+        return type(value)(cast_floating(v, dtype, widen_only) for v in value)
     if isinstance(value, dict):
-        return {k: cast_floating(v, dtype) for k, v in value.items()}
+        return {k: cast_floating(v, dtype, widen_only) for k, v in value.items()}
     return value
 
 
@@ -75,7 +78,8 @@ def fp32_islands(model: torch.nn.Module, patterns: list[str]) -> dict[str, torch
 def keep_in_fp32(
     module: torch.nn.Module, device_type: str, output_dtype: torch.dtype | None = None
 ) -> torch.nn.Module:
-    """Run module outside autocast with fp32 inputs; cast its outputs to output_dtype if given."""
+    """Run module outside autocast with its half-precision inputs widened to fp32 (float64 ones stay
+    float64: an island never narrows); cast its outputs to output_dtype if given."""
     if getattr(module, "_fp32_island", False):
         return module
     forward = module.forward
@@ -83,7 +87,11 @@ def keep_in_fp32(
     @functools.wraps(forward)
     def fp32_forward(*args: Any, **kwargs: Any) -> Any:
         with torch.autocast(device_type, enabled=False):
-            out = forward(*cast_floating(args, torch.float32), **cast_floating(kwargs, torch.float32))
+            args, kwargs = (
+                cast_floating(args, torch.float32, True),
+                cast_floating(kwargs, torch.float32, True),
+            )
+            out = forward(*args, **kwargs)
         return out if output_dtype is None else cast_floating(out, output_dtype)
 
     module.forward = fp32_forward
@@ -123,3 +131,17 @@ class HalfGradScaler(torch.amp.GradScaler):
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # private GradScaler hook
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+
+def keep_batch_norm_fp32(model: torch.nn.Module) -> list[str]:
+    """Under a *-true policy, BatchNorm layers keep fp32 weights and running statistics (Apex O2's
+    ``keep_batchnorm_fp32``): a running variance accumulated in fp16 overflows to inf on large
+    activations, leaving the model broken for eval, and bf16's 8 bits blur the statistics. PyTorch's
+    batch norm takes half inputs with fp32 parameters (cuDNN and the CPU kernel alike) and returns
+    the input's dtype, so the layers around it see no change. Returns the layers' names."""
+    kept = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            module.float()
+            kept.append(name)
+    return kept

@@ -16,7 +16,13 @@ from mixprec import state
 from mixprec.errors import PolicyError, UnsupportedError, did_you_mean
 from mixprec.hardware.device import DeviceInfo, detect, resolve_device
 from mixprec.policy.candidate import Candidate
-from mixprec.policy.hooks import cast_inputs, channels_last_inputs, default_dtype, keep_in_fp32
+from mixprec.policy.hooks import (
+    cast_inputs,
+    channels_last_inputs,
+    default_dtype,
+    keep_batch_norm_fp32,
+    keep_in_fp32,
+)
 from mixprec.policy.registry import POLICIES, PolicySpec, canonical_name
 from mixprec.policy.scaler import (
     ScalerOptions,
@@ -625,17 +631,3 @@ def policy_from_config(config: PolicyConfig | dict[str, Any]) -> Policy:
     if config.get("scaler"):
         options.update(config["scaler"])
     return get_policy(config["name"], device=config["device"], **options)
-
-
-def keep_batch_norm_fp32(model: nn.Module) -> list[str]:
-    """Under a *-true policy, BatchNorm layers keep fp32 weights and running statistics (Apex O2's
-    ``keep_batchnorm_fp32``): a running variance accumulated in fp16 overflows to inf on large
-    activations, leaving the model broken for eval, and bf16's 8 bits blur the statistics. PyTorch's
-    batch norm takes half inputs with fp32 parameters (cuDNN and the CPU kernel alike) and returns
-    the input's dtype, so the layers around it see no change. Returns the layers' names."""
-    kept = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            module.float()
-            kept.append(name)
-    return kept
