@@ -14,6 +14,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -106,7 +107,37 @@ class _GradScaler(torch.amp.GradScaler):
         self._allow_fp16_grads = allow_fp16_grads
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self._allow_fp16_grads)
+        allow_fp16 = allow_fp16 or self._allow_fp16_grads
+        complex_params = [
+            p
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None and p.grad.is_complex()
+        ]
+        if not complex_params:
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        # GradScaler's fused check-and-unscale kernel has no complex dtypes ("not implemented for
+        # 'ComplexFloat'"): the real parameters go through it as usual, the complex ones through
+        # their real view (the same storage, so unscaled in place; inf/NaN in either part counts).
+        skip = {id(p) for p in complex_params}
+        real = SimpleNamespace(
+            param_groups=[
+                {**g, "params": [p for p in g["params"] if id(p) not in skip]} for g in optimizer.param_groups
+            ]
+        )
+        found = super()._unscale_grads_(real, inv_scale, found_inf, allow_fp16)
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for p in complex_params:
+                if p.grad.is_sparse:
+                    p.grad = p.grad.coalesce()
+                grad = p.grad._values() if p.grad.is_sparse else p.grad
+                groups.setdefault((grad.device, grad.dtype), []).append(torch.view_as_real(grad))
+            for (device, _), grads in groups.items():
+                if device not in found:
+                    found[device] = found_inf.to(device=device, non_blocking=True, copy=True)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found[device], inv_scale.to(device))
+        return found
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Device tensor > 0 when ``optimizer``'s gradients had inf/NaN (after ``unscale_``)."""

@@ -67,11 +67,19 @@ class FirstComputeLayer:
             if is_fp32_island(name, keep_fp32):
                 continue  # fp32 islands run in fp32 on purpose
             self._handles.append(module.register_forward_hook(self._hook(name)))
+        # a complex or float64 layer autocast leaves alone is evidence only where no other layer ran
+        # (a float64 model never ran the format; one float64 layer among fp32 ones says nothing)
+        self._fallback: tuple[str, torch.dtype, nn.Module] | None = None
 
     def _hook(self, name: str):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self.name is None and isinstance(output, torch.Tensor):
-                self.name, self.dtype, self.module = name, output.dtype, module
+            if self.name is not None or not isinstance(output, torch.Tensor):
+                return
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and (weight.is_complex() or weight.dtype == torch.float64):
+                self._fallback = self._fallback or (name, output.dtype, module)
+                return
+            self.name, self.dtype, self.module = name, output.dtype, module
 
         return hook
 
@@ -79,6 +87,8 @@ class FirstComputeLayer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.name is None and self._fallback is not None:
+            self.name, self.dtype, self.module = self._fallback
 
 
 def _check_honesty(policy: Policy, probe: FirstComputeLayer) -> None:
