@@ -129,3 +129,36 @@ def test_the_plain_export_keeps_batch_norm_fp32_as_the_policy_does(name):
         k: v.dtype for k, v in reference.state_dict().items()
     }
     assert exported[1].running_var.dtype == torch.float32 and torch.isfinite(exported[1].running_var).all()
+
+
+def test_the_plain_export_refuses_keep_fp32_that_splits_a_tied_weight_before_training():
+    """A tied embedding and head with keep_fp32 on the head under bf16-true: the export names both
+    paths at preparation, as Policy.prepare does (it failed at the first matmul: 'mixed dtype')."""
+    from harness import execute
+    from torch import nn
+
+    import mixprec
+    from mixprec.exports import export
+
+    class TiedLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(16, 8)
+            self.head = nn.Linear(8, 16, bias=False)
+            self.head.weight = self.wte.weight
+
+        def forward(self, idx):
+            return self.head(self.wte(idx))
+
+    text = export(mixprec.PolicyConfig("bf16-true", "cpu", keep_fp32=("head",)), "pytorch")
+    loader = [(torch.randint(0, 16, (2, 3)), torch.randint(0, 16, (2, 3)))]
+
+    def loss_fn(model, batch):
+        return torch.nn.functional.cross_entropy(model(batch[0]).flatten(0, 1).float(), batch[1].flatten())
+
+    with pytest.raises(
+        ValueError, match=r"keep_fp32 splits a tied weight: 'head.weight' is the same tensor as 'wte.weight'"
+    ):
+        execute(text, {"model": TiedLM(), "loader": loader, "loss_fn": loss_fn})
+    with pytest.raises(mixprec.errors.PolicyError, match="splits a tied weight"):
+        mixprec.get_policy("bf16-true", device="cpu", keep_fp32=["head"]).prepare(TiedLM())

@@ -83,3 +83,20 @@ def test_a_duel_round_trips_through_json():
     duel = Duel(A, B, (1.1, 1.12, 1.09, 1.11))
     again = Duel.from_dict(duel.to_dict())
     assert again == duel and again.outcome == "rival faster" and "paired rounds" in again.describe()
+
+
+def test_a_rival_stopped_in_a_later_call_keeps_the_rounds_it_was_measured():
+    """The budget stopped the second call of paired rounds partway: the rival's first rounds (and
+    the race note and evidence the decision uses) are kept, not thrown away."""
+    calls = []
+
+    def measure(leader, rivals, rounds):
+        calls.append(rounds)
+        if len(calls) > 1:
+            return {}  # stopped before this rival was measured again
+        return {r: (1.0, 1.2, 0.8, 1.01) for r in rivals}  # too noisy to resolve in one call
+
+    result = race(A, [B], measure, noise=0.03, budget=Budget(600), cost_s=lambda n, rounds: 0.0)
+    assert len(calls) == 2
+    duel = result.duel(A, B)
+    assert duel is not None and duel.ratios == (1.0, 1.2, 0.8, 1.01)

@@ -8,6 +8,7 @@ import copy
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,8 @@ def test_factory_prints_show_once_however_many_candidates_run():
     argv = ["bench", "--workload", "examples/nanogpt.py:make_workload", "--model-config", config]
     argv += ["--policies", "fp32,bf16-mixed,fp16-mixed", "--channels-last", "off", "--steps", "1"]
     argv += ["--warmup", "1", "--min-time", "0", "--batch-size", "4", "--device", "cpu"]
-    run = _run_cli(*argv)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two separate processes: side by side
+        run, verbose = pool.map(lambda extra: _run_cli(*argv, *extra), [(), ("--verbose",)])
     assert run.returncode == 0, run.stderr
     both = run.stdout + run.stderr
     assert both.count("number of parameters:") == 1
@@ -91,7 +93,6 @@ def test_factory_prints_show_once_however_many_candidates_run():
         "[3/3] fp16-mixed",
         "[1/3] fp32 (again)",
     ]
-    verbose = _run_cli(*argv, "--verbose")
     assert verbose.returncode == 0, verbose.stderr
     rebuilt = [line for line in verbose.stderr.splitlines() if line.startswith("  | number of parameters")]
     assert len(rebuilt) == 3  # one per candidate process (the baseline and two candidates)

@@ -610,6 +610,8 @@ def helper_names(
         names.append("cast_inputs")
         if batch_norm:
             names.append("keep_batch_norm_fp32")
+        if facts.keep:
+            names.append("refuse_split_ties")
     if facts.channels_last and channels_last_hook:
         names.append("channels_last_inputs")
     return names
@@ -638,6 +640,8 @@ def prepare_lines(
     if facts.fp8_recipe:
         lines += fp8_lines(facts)
     if facts.true is not None and casts:
+        if facts.keep:
+            lines.append("refuse_split_ties(model, islands)  # a tied weight: fp32 on both sides or neither")
         lines.append(
             f"model = model.to({DTYPE_CODE[facts.true]})  # {DTYPE_SHORT[facts.true]} weights, no fp32"
             " master copy"

@@ -24,6 +24,7 @@ from mixprec.policy.hooks import (
     fp32_islands,
     keep_batch_norm_fp32,
     keep_in_fp32,
+    refuse_split_ties,
     to_channels_last,
 )
 
@@ -37,6 +38,7 @@ _SNIPPETS: dict[str, object] = {
         fp32_islands,
         keep_in_fp32,
         keep_batch_norm_fp32,
+        refuse_split_ties,
         default_dtype,
         default_dtype_in_forward,
         HalfGradScaler,

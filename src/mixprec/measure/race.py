@@ -177,8 +177,10 @@ def race(
         measured = measure(result.leader, open_, want)
         for rival in open_:
             got = measured.get(rival)
-            if not got:
-                duels.pop(rival)  # pruned, failed or stopped: it is out of the race
+            if not got:  # pruned, failed or stopped: it is out of the race
+                gone = duels.pop(rival)
+                if gone.ratios:  # stopped after earlier rounds: what they measured stands
+                    result.duels.append(gone)
                 continue
             duels[rival] = replace(duels[rival], ratios=duels[rival].ratios + got)
         faster = [d for d in duels.values() if d.outcome == "rival faster"]

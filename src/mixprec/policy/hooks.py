@@ -145,3 +145,24 @@ def keep_batch_norm_fp32(model: torch.nn.Module) -> list[str]:
             module.float()
             kept.append(name)
     return kept
+
+
+def refuse_split_ties(model: torch.nn.Module, islands: dict[str, torch.nn.Module]) -> None:
+    """Under a *-true policy, a weight shared by an fp32 island and a module outside it (a tied
+    embedding and LM head) cannot be both fp32 and half: raise ValueError naming both paths
+    instead of failing at the first matmul."""
+    inside = {id(p) for m in islands.values() for p in m.parameters()}
+    paths: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(p), []).append(name)
+    for key, names in paths.items():
+        if key not in inside or len(names) < 2:
+            continue
+        kept = [n for n in names if any(n.startswith(i + ".") for i in islands)]
+        left = [n for n in names if n not in kept]
+        if left:
+            raise ValueError(
+                f"keep_fp32 splits a tied weight: {kept[0]!r} is the same tensor as {left[0]!r}, and a "
+                "*-true policy cannot store it in fp32 for one and half precision for the other; keep "
+                f"both modules in fp32 (add {left[0].rsplit('.', 1)[0]!r} to keep_fp32) or neither."
+            )

@@ -22,6 +22,7 @@ from mixprec.policy.hooks import (
     default_dtype,
     keep_batch_norm_fp32,
     keep_in_fp32,
+    refuse_split_ties,
 )
 from mixprec.policy.registry import POLICIES, PolicySpec, canonical_name
 from mixprec.policy.scaler import (
@@ -88,26 +89,6 @@ def _grads_by_device_and_dtype(params: Iterable[torch.Tensor]) -> dict[tuple, li
         if p.grad is not None:
             groups.setdefault((p.grad.device, p.grad.dtype), []).append(values(p.grad))
     return groups
-
-
-def _refuse_split_ties(model: nn.Module, islands: dict[str, nn.Module]) -> None:
-    """A weight shared by an fp32 island and a module outside it (a tied embedding and LM head)
-    cannot be both fp32 and half: name both paths instead of failing at the first matmul."""
-    inside = {id(p) for m in islands.values() for p in m.parameters()}
-    paths: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        paths.setdefault(id(p), []).append(name)
-    for key, names in paths.items():
-        if key not in inside or len(names) < 2:
-            continue
-        kept = [n for n in names if any(n.startswith(i + ".") for i in islands)]
-        left = [n for n in names if n not in kept]
-        if left:
-            raise PolicyError(
-                f"keep_fp32 splits a tied weight: {kept[0]!r} is the same tensor as {left[0]!r}, and a "
-                "*-true policy cannot store it in fp32 for one and half precision for the other; keep "
-                f"both modules in fp32 (add {left[0].rsplit('.', 1)[0]!r} to keep_fp32) or neither."
-            )
 
 
 def widen_to_fp32(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], half: torch.dtype) -> int:
@@ -207,7 +188,10 @@ class Policy:
                 )
         islands = self._keep_fp32_modules(model)
         if self.spec.param_dtype is not None:
-            _refuse_split_ties(model, islands)
+            try:
+                refuse_split_ties(model, islands)
+            except ValueError as exc:
+                raise PolicyError(str(exc)) from None
         model.to(self.device)
         if self.spec.fp8_recipe is not None:
             from mixprec.policy import fp8
