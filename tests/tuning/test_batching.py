@@ -31,14 +31,17 @@ class LinearMemory:
     def __init__(self, per_sample: dict[str, int], oom_from: dict[str, int] | None = None, broken=()):
         self.per_sample, self.oom_from, self.broken = per_sample, oom_from or {}, set(broken)
         self.measured: list[tuple[str, int]] = []
+        self.accumulated: list[int] = []
 
-    def peak_memory(self, workload, candidate, device, batch_size):
+    def peak_memory(self, workload, candidate, device, batch_size, accumulation_steps=1):
         self.measured.append((candidate.policy, batch_size))
+        self.accumulated.append(accumulation_steps)
         if candidate.policy in self.broken:
             raise ValueError("mat1 and mat2 shapes cannot be multiplied")
         if batch_size >= self.oom_from.get(candidate.policy, 1 << 30):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
-        return MemoryPoint(batch_size, 1000 + self.per_sample[candidate.policy] * batch_size)
+        held = 100 if accumulation_steps > 1 else 0  # gradients held between micro-batches
+        return MemoryPoint(batch_size, 1000 + held + self.per_sample[candidate.policy] * batch_size)
 
 
 def plan(framework, cands, effective_batch=64, memory_budget=2000):
@@ -56,11 +59,13 @@ def plan(framework, cands, effective_batch=64, memory_budget=2000):
 
 
 def test_each_candidate_gets_the_largest_dividing_micro_batch_its_memory_allows():
-    # fp32 fits (2000 - 1000) / 40 = 25 samples, bf16-mixed 50, bf16-true 100 (capped at 64)
+    # fp32 fits (2000 - 1100) / 40 = 22 samples, bf16-mixed 45, bf16-true 100 (capped at 64)
     fw = LinearMemory({"fp32": 40, "bf16-mixed": 20, "bf16-true": 10})
     got = plan(fw, [FP32, BF16, BF16_TRUE])
     chosen = {c.policy: (m.micro_batch, m.accumulation_steps) for c, m in got.choices.items()}
     assert chosen == {"fp32": (16, 4), "bf16-mixed": (32, 2), "bf16-true": (64, 1)}
+    # below the effective batch the step was measured accumulating: its held gradients count
+    assert all((acc == 2) == (size < 64) for (_, size), acc in zip(fw.measured, fw.accumulated, strict=True))
     for choice in got.choices.values():
         assert choice.peak_bytes is not None and choice.peak_bytes <= 2000  # measured there, inside
         assert (choice.candidate.policy, choice.micro_batch) in fw.measured
@@ -98,7 +103,7 @@ def test_a_failing_candidate_is_recorded_and_the_others_are_planned():
 
 def test_a_budget_below_the_fitted_sizes_searches_the_divisors_under_them():
     fw = LinearMemory({"fp32": 100})
-    got = plan(fw, [FP32], effective_batch=64, memory_budget=1000 + 100 * 5)  # 5 samples fit
+    got = plan(fw, [FP32], effective_batch=64, memory_budget=1100 + 100 * 5)  # 5 samples fit
     assert got.choices[FP32].micro_batch == 4 and got.choices[FP32].accumulation_steps == 16
     nothing = plan(LinearMemory({"fp32": 100}), [FP32], effective_batch=64, memory_budget=900)
     assert nothing.choices[FP32].micro_batch is None and nothing.choices[FP32].status == "over-budget"
@@ -226,3 +231,37 @@ def test_a_candidate_that_accumulates_is_never_compiled_at_step_scope():
     scopes = {(a.candidate.policy, a.candidate.compile_scope) for a in attempts}
     assert ("bf16-mixed", "step") not in scopes and ("bf16-mixed", None) in scopes
     assert ("fp16-mixed", "step") in scopes  # one micro-batch per step: the step scope stands
+
+
+def test_a_bench_row_with_accumulation_round_trips_through_json():
+    """A row accumulated by bench --effective-batch (its candidate names no micro-batch) and a row of
+    a candidate with its own micro-batch both read back as they were written (the first raised
+    'accumulation_steps=4 without a micro_batch', so such rows were lost on --resume)."""
+    from mixprec.measure.results import BenchRow
+
+    plain = BenchRow(
+        "w", mixprec.Candidate("bf16-mixed"), "cpu", 8, "ok", step_times_ms=(1.0, 2.0), accumulation_steps=4
+    )
+    own = mixprec.Candidate("bf16-mixed", micro_batch=8, accumulation_steps=4)
+    batched = BenchRow("w", own, "cpu", 8, "ok", step_times_ms=(1.0, 2.0), accumulation_steps=4)
+    for row in (plain, batched):
+        back = BenchRow.from_dict(json.loads(json.dumps(row.to_dict())))
+        assert back.candidate == row.candidate and back.accumulation_steps == 4
+
+
+def test_the_cuda_budget_is_half_the_free_memory_less_the_margin(monkeypatch):
+    """On CUDA without --memory-budget: the paired baseline is resident beside each candidate."""
+    from mixprec.frameworks import framework_of
+    from mixprec.tuning.batching import memory_budget
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 2**30, 80 * 2**30))
+    size, source = memory_budget(framework_of(wide_mlp()), "cuda:0", None)
+    assert size == int(10 * 2**30 * 0.9 / 2) and "half the free CUDA memory" in source
+    assert memory_budget(framework_of(wide_mlp()), "cpu", "2GiB") == (2 * 2**30, "--memory-budget")
+
+
+def test_the_pick_one_size_down_is_never_a_step_compiled_over_accumulation():
+    got = plan(LinearMemory({"bf16-mixed": 10}), [BF16])
+    pick = mixprec.Candidate("bf16-mixed", compile="default", compile_scope="step", micro_batch=64)
+    assert got.smaller(pick) is None
+    assert got.smaller(mixprec.Candidate("bf16-mixed", micro_batch=64)).micro_batch == 32

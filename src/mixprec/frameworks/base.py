@@ -232,9 +232,12 @@ class Framework:
         computes what strict fp32 does on this workload: 'no-effect'), or None: measure it."""
         return None
 
-    def peak_memory(self, workload: Any, candidate: Candidate, device: str, batch_size: int) -> MemoryPoint:
-        """The peak memory of ``candidate``'s real training step at ``batch_size`` samples (the
-        memory model of :mod:`mixprec.measure.memory` is fitted on a few of these)."""
+    def peak_memory(
+        self, workload: Any, candidate: Candidate, device: str, batch_size: int, accumulation_steps: int = 1
+    ) -> MemoryPoint:
+        """The peak memory of ``candidate``'s real training step at ``batch_size`` samples per
+        micro-batch, ``accumulation_steps`` of them per step (the gradients held between them count)
+        (the memory model of :mod:`mixprec.measure.memory` is fitted on a few of these)."""
         raise UnsupportedError(
             f"no peak-memory measurement for {self.title} workloads yet; drop --batch-sizes / --batch auto."
         )

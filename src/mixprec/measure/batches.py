@@ -158,10 +158,15 @@ def _failure(exc: BaseException) -> tuple[str, str]:
 
 
 def measure_peak(
-    framework: Framework, workload: Any, candidate: Candidate, device: str, batch_size: int
+    framework: Framework,
+    workload: Any,
+    candidate: Candidate,
+    device: str,
+    batch_size: int,
+    accumulation_steps: int = 1,
 ) -> MemoryPoint | tuple[str, str]:
     try:
-        return framework.peak_memory(workload, candidate, device, batch_size)
+        return framework.peak_memory(workload, candidate, device, batch_size, accumulation_steps)
     except Exception as exc:  # one candidate's failure is a row, not the end of the sweep
         return _failure(exc)
 

@@ -184,7 +184,12 @@ class BenchRow:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BenchRow:
         data = known_fields(cls, d)
-        data["candidate"] = Candidate.from_dict(d.get("candidate", d))
+        flat = d.get("candidate", d)
+        if flat is d and d.get("micro_batch") is None:
+            # the row's own accumulation_steps (bench --effective-batch) shares the flat dict with the
+            # candidate's: a candidate without a micro-batch of its own accumulates nothing itself
+            flat = {**d, "accumulation_steps": 1}
+        data["candidate"] = Candidate.from_dict(flat)
         for key in ("step_times_ms", "rank_step_time_ms", "rank_peak_memory_bytes", "paired_ratios", "notes"):
             data[key] = tuple(d.get(key) or ())
         ci = d.get("speedup_ci")

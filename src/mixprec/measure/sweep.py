@@ -152,6 +152,9 @@ def bench(
         accumulation_steps: micro-batches of ``batch_size`` per optimizer step (gradient
             accumulation, each loss divided by it): a step is that many forward/backward passes and
             one optimizer step, and throughput counts every micro-batch's samples.
+        baseline: what every candidate is paired with: strict fp32, eager, NCHW (default), or the
+            same at its own micro-batch (``tune --batch auto``: strict fp32 at the largest micro-batch
+            that fits the memory budget, accumulating to the run's samples per step).
 
     Before measuring, one strict-fp32 step in this process validates the workload
     (``Framework.validate_workload``): a broken ``make_batch``, ``loss_fn`` or ``optimizer_fn``
@@ -204,8 +207,9 @@ def bench(
     # One strict-fp32 step here first: a broken make_batch / loss_fn / optimizer_fn is one clear
     # error now, not the same failure in every row.
     events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
-    framework.validate_workload(workload, dev, bs)
+    framework.validate_workload(workload, dev, reference.micro_batch or bs)  # a size the budget fits
     plan = plan_candidates(framework, names, layouts, compiled) if candidates is None else [reference]
+    plan = [reference if c == framework.baseline else c for c in plan]
     plan += [framework.validate(c) for c in (candidates or []) if c not in plan]
     for cand in plan:  # a candidate with its own micro-batch trains the run's samples per step
         if (
@@ -383,7 +387,10 @@ class Sweep:
         todo = self.resumed_or_todo(rows, baseline_again=True)
         if self._complete(rows, todo):
             return
-        if not self.isolate:
+        # shared batches are the run's size; a baseline at its own micro-batch (tune --batch auto) makes
+        # its own, as each candidate with one does: batches of the whole effective batch could be past
+        # the memory budget every candidate was sized for
+        if not self.isolate and self.baseline.micro_batch is None:
             try:
                 self.batches = self.framework.make_batches(
                     self.workload,

@@ -4,12 +4,13 @@ Lower precision halves activations, so under the same memory a candidate may fit
 micro-batch, and a larger micro-batch is often where the throughput is. Before the speed sweep,
 each eager candidate (policy x layout) gets the largest micro-batch that divides the effective batch
 and fits the budget, found from its memory model (:mod:`mixprec.measure.memory`: two measured
-steps, a secant search toward the budget, the size confirmed by a measured step); it then runs as
+steps, then a search over the divisors guided by the model, every answer a measured size); it then
+runs as
 ``Candidate(micro_batch=m, accumulation_steps=E // m)``, so every candidate trains the same
 samples per optimizer step and their step times pair. The grid of (candidate x micro-batch) is
 never timed whole: the sweep times one micro-batch per candidate, the largest that fits, and the
-pick once more one size down (:meth:`mixprec.tuning.search.Search.try_smaller_batch`), where a
-tie goes to the smaller micro-batch (the knee: less memory for the same speed).
+pick once more one size down (:meth:`mixprec.tuning.search.Search.try_smaller_batch`): faster
+there, it wins; as fast within the noise, a note says so (the knee: less memory, the same speed).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from mixprec.events import Events
 from mixprec.frameworks import Framework
 from mixprec.frameworks.session import MemoryPoint
 from mixprec.measure.batches import measure_peak
-from mixprec.measure.memory import MemoryModel, fit_and_check
+from mixprec.measure.memory import MemoryModel, fit_and_check, parse_size
 from mixprec.policy import Candidate
 from mixprec.status import Status
 
-# On CUDA without --memory-budget: the device's free memory less this share (fragmentation, the
-# allocator's rounding, another process' growth).
+# On CUDA without --memory-budget: half the device's free memory (the paired baseline is resident
+# beside each candidate) less this share (fragmentation, the allocator's rounding, another
+# process' growth).
 CUDA_MARGIN = 0.10
 
 
@@ -87,6 +89,12 @@ class BatchPlan:
     timed: set[Candidate] = field(default_factory=set)
 
     @property
+    def timed_points(self) -> int:
+        """The (eager candidate x micro-batch) points of the grid the search timed; compiled,
+        optimizer and rescued variants are beyond the grid and not counted."""
+        return len({c for c in self.timed if c.compile is None and c.optimizer is None and not c.keep_fp32})
+
+    @property
     def grid(self) -> int:
         sizes = divisors(self.effective_batch)
         return sum(
@@ -105,8 +113,9 @@ class BatchPlan:
         )
 
     def smaller(self, candidate: Candidate) -> Candidate | None:
-        """``candidate`` one divisor of the effective batch down (None below 1)."""
-        if candidate.micro_batch is None:
+        """``candidate`` one divisor of the effective batch down (None below 1, and for a step
+        compiled whole: over accumulated micro-batches dynamo would not compile it)."""
+        if candidate.micro_batch is None or candidate.compile_scope == "step":
             return None
         below = [s for s in divisors(self.effective_batch) if s < candidate.micro_batch]
         if not below:
@@ -126,7 +135,8 @@ class BatchPlan:
             "memory_budget_bytes": self.memory_budget,
             "budget_source": self.budget_source,
             "grid_points": self.grid,
-            "timed_points": len(self.timed),
+            "timed_points": self.timed_points,
+            "timed_beyond_grid": len(self.timed) - self.timed_points,
             "memory_steps": self.memory_steps,
             "candidates": [c.to_dict() for c in self.choices.values()],
         }
@@ -137,9 +147,9 @@ def divisors(n: int) -> list[int]:
 
 
 def fit_sizes(effective_batch: int) -> list[int]:
-    """The two micro-batches each memory model is fitted on: small (cheap, and far below any budget
-    that lets strict fp32 train at all), an eighth and a quarter of the effective batch where they
-    divide it."""
+    """The two micro-batches each memory model is fitted on: the two smallest divisors of the
+    effective batch from an eighth of it up (cheap, and far below any budget that lets strict fp32
+    train at all): 8 and 16 for 64, 12 and 16 for 96; 1 and 7 for a prime 7."""
     sizes = divisors(effective_batch)
     small = [s for s in sizes if s >= effective_batch // 8] or sizes
     return small[:2]
@@ -160,7 +170,7 @@ def notes(plan: BatchPlan, workload_batch: int) -> list[str]:
     """What the batch search did, for tune's notes: the share of the grid it timed, and where the
     effective batch is not the workload's, that the learning rate was tuned for another batch."""
     said = [
-        f"--batch auto: timed {len(plan.timed)} (candidate x micro-batch) points of a grid of {plan.grid} "
+        f"--batch auto: timed {plan.timed_points} (candidate x micro-batch) points of a grid of {plan.grid} "
         f"(every micro-batch dividing {plan.effective_batch} that fits "
         f"{plan.memory_budget / 2**20:,.1f} MiB, {plan.budget_source}), after {plan.memory_steps} "
         "memory steps"
@@ -174,9 +184,12 @@ def notes(plan: BatchPlan, workload_batch: int) -> list[str]:
     return said
 
 
-def memory_budget(framework: Framework, device: str, budget: int | None) -> tuple[int, str]:
-    """The budget in bytes and where it came from: the user's, or on CUDA the free memory less
-    :data:`CUDA_MARGIN`. A CPU has no device memory to fill, so there the user names it."""
+def memory_budget(framework: Framework, device: str, budget: int | str | None) -> tuple[int, str]:
+    """The budget in bytes (a number, or a size such as ``"2GiB"``) and where it came from: the
+    user's, or on CUDA half the free memory less :data:`CUDA_MARGIN`. A CPU has no device memory to
+    fill, so there the user names it."""
+    if isinstance(budget, str):
+        budget = parse_size(budget)
     if budget is not None:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
             raise UsageError(f"memory_budget must be a positive number of bytes, got {budget!r}.")
@@ -185,7 +198,11 @@ def memory_budget(framework: Framework, device: str, budget: int | None) -> tupl
         import torch
 
         free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free * (1 - CUDA_MARGIN)), f"free CUDA memory less {CUDA_MARGIN:.0%}"
+        # half: a paired measurement holds the strict-fp32 baseline's session beside each candidate's
+        return int(free * (1 - CUDA_MARGIN) / 2), (
+            f"half the free CUDA memory less {CUDA_MARGIN:.0%}: the strict-fp32 baseline runs beside each "
+            "candidate while they are measured in pairs"
+        )
     raise UsageError(
         f"--batch auto on {device} needs --memory-budget SIZE (e.g. 2GB): a CPU has no device memory "
         "whose free share sets the micro-batch."
@@ -210,8 +227,16 @@ def plan_micro_batches(
     plan = BatchPlan(effective_batch, memory_budget, budget_source)
     sizes = fit_sizes(effective_batch)
     for cand in candidates:
-        if budget.expired():
-            break
+        if budget.expired():  # a row says so (search.py's _over_budget), and the pick may be cut short
+            plan.choices[cand] = MicroBatch(
+                cand,
+                None,
+                1,
+                status=Status.UNCHECKED,
+                reason="the time budget ran out before its memory search",
+            )
+            budget.cut(f"the memory search of {cand.label} did not run")
+            continue
         plan.choices[cand] = _choose(framework, workload, cand, device, plan, sizes, events)
     return plan
 
@@ -231,7 +256,9 @@ def _choose(
     def measure(size: int) -> MemoryPoint | tuple[str, str]:
         events({"event": "stage", "text": f"peak memory of {cand.label} at micro-batch {size}"})
         plan.memory_steps += 1
-        got = measure_peak(framework, workload, cand, device, size)
+        # two micro-batches where the candidate would accumulate: the gradients held between them
+        # are part of its step's peak (a plain step frees them before the next forward)
+        got = measure_peak(framework, workload, cand, device, size, min(2, plan.effective_batch // size))
         if isinstance(got, MemoryPoint):
             peaks[size] = got
         else:

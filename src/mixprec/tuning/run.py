@@ -44,7 +44,7 @@ def tune(
     events: Events | None = None,
     stop: Any = None,
     batch: str | None = None,
-    memory_budget: int | None = None,
+    memory_budget: int | str | None = None,
     effective_batch: int | None = None,
 ) -> TuneResult:
     """Find the fastest configuration that trains like fp32 on ``workload`` within ``budget_s`` seconds.

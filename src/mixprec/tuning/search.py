@@ -243,7 +243,9 @@ class Search:
         assert self.result is not None
         base = self.result.baseline
         step_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
-        runs = 1 if self._checkers else 3
+        if base is not None and base.accumulation_steps > 1:  # a check step is one micro-batch
+            step_s /= base.accumulation_steps
+        runs = 1 if self._checkers else 3  # a new micro-batch's reference runs: see check_faster
         return 2.0 * runs * (self.check_steps + 2) * step_s
 
     def check(
@@ -321,6 +323,8 @@ class Search:
             replace(base, channels_last=cl, keep_fp32=(*base.keep_fp32, *verdict.fix_keep_fp32))
             for cl in layouts
         ]
+        if self.batches is not None:  # the numerics key has no micro-batch: the measured one's
+            rescued = [b for c in rescued if (b := self.batches.batched(c)) is not None]
         self.stage(f"measuring rescued {base.label} with keep_fp32={verdict.fix_keep_fp32}")
         added = self._add([r for r in self._bench(rescued, self.budget).measured if r.keep_fp32])
         if not added:
@@ -343,7 +347,7 @@ class Search:
             if not self.budget.can_pay(self.check_cost_s()):
                 self.notes.append(f"{cand.label} numerics not predicted: budget spent (--budget raises it)")
                 return
-            verdict = self.check(cand)
+            verdict = self.check(cand, micro_batch=self.baseline.micro_batch)
             outcome = "would pass" if verdict.passed else "would fail"
             self.notes.append(
                 f"{cand.label} {outcome} the numerics check on an {cand.spec.compute_format} GPU "

@@ -181,11 +181,16 @@ class TorchFramework(Framework):
         return torch_session.TrainingSession(workload, candidate, settings, batches)
 
     def peak_memory(
-        self, workload: Workload, candidate: Candidate, device: str, batch_size: int
+        self,
+        workload: Workload,
+        candidate: Candidate,
+        device: str,
+        batch_size: int,
+        accumulation_steps: int = 1,
     ) -> MemoryPoint:
         from mixprec.frameworks.torch.memory import peak_memory
 
-        return peak_memory(workload, candidate, device, batch_size)
+        return peak_memory(workload, candidate, device, batch_size, accumulation_steps)
 
     def session_builder(self) -> SessionBuilder:
         return torch_session.build_session

@@ -23,16 +23,25 @@ from mixprec.policy import Candidate
 from mixprec.workload import Workload
 
 
-def peak_memory(workload: Workload, candidate: Candidate, device: str, batch_size: int) -> MemoryPoint:
-    """The peak of ``candidate``'s second training step at ``batch_size`` (the first creates the
-    optimizer's state, which the steady state holds)."""
+def peak_memory(
+    workload: Workload, candidate: Candidate, device: str, batch_size: int, accumulation_steps: int = 1
+) -> MemoryPoint:
+    """The peak of ``candidate``'s second training step at ``batch_size`` per micro-batch (the first
+    creates the optimizer's state, which the steady state holds); with ``accumulation_steps`` > 1
+    the step runs that many micro-batches, the gradients of the first held through the next."""
     dev = torch.device(device)
     eager_twin = candidate.compile is not None and dev.type != "cuda"
     measured = replace(candidate, compile=None, compile_scope=None) if eager_twin else candidate
     settings = BenchSettings(
-        device=device, batch_size=batch_size, steps=1, warmup=1, profile=False, adaptive_warmup=False
+        device=device,
+        batch_size=batch_size,
+        steps=1,
+        warmup=1,
+        profile=False,
+        adaptive_warmup=False,
+        accumulation_steps=accumulation_steps,
     )
-    session = TrainingSession(workload, measured, settings)
+    session = TrainingSession(workload, measured.unbatched, settings)
     try:
         session.step(timed=False)
         if dev.type == "cuda":
