@@ -150,7 +150,7 @@ def test_tune_batch_auto_picks_micro_batches_inside_the_budget_and_carries_them_
     MLP's activations halve). Every candidate timed runs 256 samples per optimizer step, each at a
     micro-batch whose measured peak is inside the budget; the pick carries its micro-batch,
     accumulation and peak into the JSON and the exports."""
-    budget = 1_900_000
+    budget = 2_000_000
     result = mixprec.tune(
         wide_mlp(),
         batch="auto",
@@ -265,3 +265,16 @@ def test_the_pick_one_size_down_is_never_a_step_compiled_over_accumulation():
     pick = mixprec.Candidate("bf16-mixed", compile="default", compile_scope="step", micro_batch=64)
     assert got.smaller(pick) is None
     assert got.smaller(mixprec.Candidate("bf16-mixed", micro_batch=64)).micro_batch == 32
+
+
+def test_an_accumulating_step_counts_the_gradients_held_between_micro_batches():
+    """On a CPU MemTracker follows one forward per step (two raised NotImplementedError): the held
+    gradients are added to one micro-batch's peak."""
+    from mixprec.frameworks import framework_of
+
+    w = wide_mlp()
+    framework = framework_of(w)
+    one = framework.peak_memory(w, FP32, "cpu", 32)
+    two = framework.peak_memory(w, FP32, "cpu", 32, 2)
+    grads = sum(p.numel() * 4 for p in w.model.parameters())
+    assert two.peak_bytes == one.peak_bytes + grads and "held between micro-batches" in two.method
