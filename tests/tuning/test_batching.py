@@ -278,3 +278,13 @@ def test_an_accumulating_step_counts_the_gradients_held_between_micro_batches():
     two = framework.peak_memory(w, FP32, "cpu", 32, 2)
     grads = sum(p.numel() * 4 for p in w.model.parameters())
     assert two.peak_bytes == one.peak_bytes + grads and "held between micro-batches" in two.method
+
+
+def test_policies_that_store_and_compute_the_same_widths_share_one_memory_search():
+    fw = LinearMemory({"fp32": 40, "bf32": 40, "bf16-mixed": 20, "fp16-mixed": 20})
+    cands = [mixprec.Candidate(p) for p in ("fp32", "bf32", "bf16-mixed", "fp16-mixed")]
+    got = plan(fw, cands)
+    assert {p for p, _ in fw.measured} == {"fp32", "bf16-mixed"}  # bf32 and fp16-mixed: not searched again
+    micro = {c.policy: m.micro_batch for c, m in got.choices.items()}
+    assert micro == {"fp32": 16, "bf32": 16, "bf16-mixed": 32, "fp16-mixed": 32}
+    assert got.choices[cands[1]].candidate == cands[1] and "memory of fp32" in got.choices[cands[1]].reason

@@ -37,7 +37,8 @@ CUDA_MARGIN = 0.10
 
 @dataclass
 class MicroBatch:
-    """One eager candidate's micro-batch under the budget.
+    """One eager candidate's micro-batch under the budget (searched, or taken from a candidate with
+    the same :func:`memory_key`: then ``reason`` names it).
 
     Attributes:
         micro_batch: the largest size that divides the effective batch and fits; None when none does.
@@ -226,7 +227,15 @@ def plan_micro_batches(
     on its candidate; the others go on."""
     plan = BatchPlan(effective_batch, memory_budget, budget_source)
     sizes = fit_sizes(effective_batch)
+    searched: dict[tuple, MicroBatch] = {}
     for cand in candidates:
+        key = memory_key(cand)
+        if key in searched:  # the same bytes as one searched already: its answer, not another search
+            twin = searched[key]
+            plan.choices[cand] = replace(
+                twin, candidate=cand, reason=twin.reason or f"the memory of {twin.candidate.label}"
+            )
+            continue
         if budget.expired():  # a row says so (search.py's _over_budget), and the pick may be cut short
             plan.choices[cand] = MicroBatch(
                 cand,
@@ -237,8 +246,17 @@ def plan_micro_batches(
             )
             budget.cut(f"the memory search of {cand.label} did not run")
             continue
-        plan.choices[cand] = _choose(framework, workload, cand, device, plan, sizes, events)
+        plan.choices[cand] = searched[key] = _choose(framework, workload, cand, device, plan, sizes, events)
     return plan
+
+
+def memory_key(cand: Candidate) -> tuple:
+    """What sets a candidate's memory: the dtype its weights are stored in, the dtype it computes
+    and keeps activations in (bf16 and fp16 alike take two bytes), the fp8 recipe and the layout.
+    fp32, tf32 and bf32 share one; bf16-mixed and fp16-mixed another; bf16-true and fp16-true a third."""
+    spec = cand.spec
+    width = lambda dtype: dtype.itemsize if dtype is not None else None  # noqa: E731
+    return (width(spec.param_dtype), width(spec.low_precision_dtype), spec.fp8_recipe, cand.channels_last)
 
 
 def _choose(
