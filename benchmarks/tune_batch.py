@@ -29,8 +29,8 @@ from mixprec.hardware.device import detect
 from mixprec.tuning.batching import divisors
 
 MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
-    "gpt2 (2x256, 128 tokens)": ("gpt2", {"n_layer": 2, "n_head": 4, "n_embd": 256, "seq_len": 128}, 32),
-    "resnet50 (64 px)": ("resnet50", {"image_size": 64}, 32),
+    "gpt2 (2x128, 64 tokens)": ("gpt2", {"n_layer": 2, "n_head": 2, "n_embd": 128, "seq_len": 64}, 16),
+    "resnet50 (32 px)": ("resnet50", {"image_size": 32}, 16),
 }
 
 
