@@ -288,3 +288,15 @@ def test_policies_that_store_and_compute_the_same_widths_share_one_memory_search
     micro = {c.policy: m.micro_batch for c, m in got.choices.items()}
     assert micro == {"fp32": 16, "bf32": 16, "bf16-mixed": 32, "fp16-mixed": 32}
     assert got.choices[cands[1]].candidate == cands[1] and "memory of fp32" in got.choices[cands[1]].reason
+
+
+def test_the_notes_say_what_was_timed_and_that_batch_norm_follows_the_micro_batch():
+    from mixprec.tuning.batching import BatchPlan, MicroBatch, notes
+
+    got = BatchPlan(16, 2**30, "--memory-budget")
+    got.choices[FP32] = MicroBatch(FP32, 4, 4)
+    got.timed = {mixprec.Candidate("fp32", micro_batch=4, accumulation_steps=4)}
+    said = notes(got, 8, batch_norm=True)
+    assert said[0].startswith("--batch auto: timed 1 (candidate x micro-batch) points of a grid of 3")
+    assert "learning rate tuned at 8" in said[1] and "BatchNorm" in said[2] and "down to 4" in said[2]
+    assert len(notes(got, 16, batch_norm=False)) == 1

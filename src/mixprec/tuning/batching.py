@@ -4,9 +4,8 @@ Lower precision halves activations, so under the same memory a candidate may fit
 micro-batch, and a larger micro-batch is often where the throughput is. Before the speed sweep,
 each eager candidate (policy x layout) gets the largest micro-batch that divides the effective batch
 and fits the budget, found from its memory model (:mod:`mixprec.measure.memory`: two measured
-steps, then a search over the divisors guided by the model, every answer a measured size); it then
-runs as
-``Candidate(micro_batch=m, accumulation_steps=E // m)``, so every candidate trains the same
+steps, then a search over the divisors guided by the model, every answer a measured size); it
+then runs as ``Candidate(micro_batch=m, accumulation_steps=E // m)``, so every candidate trains the same
 samples per optimizer step and their step times pair. The grid of (candidate x micro-batch) is
 never timed whole: the sweep times one micro-batch per candidate, the largest that fits, and the
 pick once more one size down (:meth:`mixprec.tuning.search.Search.try_smaller_batch`): faster
@@ -167,9 +166,10 @@ def effective(framework: Framework, effective_batch: int | None, batch_size: int
     return size
 
 
-def notes(plan: BatchPlan, workload_batch: int) -> list[str]:
-    """What the batch search did, for tune's notes: the share of the grid it timed, and where the
-    effective batch is not the workload's, that the learning rate was tuned for another batch."""
+def notes(plan: BatchPlan, workload_batch: int, batch_norm: bool = False) -> list[str]:
+    """What the batch search did, for tune's notes: the share of the grid it timed, where the
+    effective batch is not the workload's, that the learning rate was tuned for another batch, and
+    for a model with BatchNorm, that its statistics follow the micro-batch, not the effective batch."""
     said = [
         f"--batch auto: timed {plan.timed_points} (candidate x micro-batch) points of a grid of {plan.grid} "
         f"(every micro-batch dividing {plan.effective_batch} that fits "
@@ -181,6 +181,14 @@ def notes(plan: BatchPlan, workload_batch: int) -> list[str]:
             f"the effective batch is {plan.effective_batch} samples per optimizer step, the workload's "
             f"batch {workload_batch}: a learning rate tuned at {workload_batch} may want scaling (linearly "
             "for SGD, by the square root for Adam, as a starting point)"
+        )
+    smallest = min((c.micro_batch for c in plan.choices.values() if c.micro_batch), default=None)
+    if batch_norm and smallest is not None and smallest < plan.effective_batch:
+        said.append(
+            f"the model has BatchNorm: its statistics are computed over each micro-batch (down to "
+            f"{smallest} samples here), not the {plan.effective_batch} of an optimizer step; accumulation "
+            "keeps the gradient's batch, not BatchNorm's (the numerics check compares at the same "
+            "micro-batch, so it does not see this)"
         )
     return said
 

@@ -169,7 +169,9 @@ def tune(
         measured = plan.peak(rec.candidate) if plan is not None else None
         rec.peak_memory_bytes = measured if measured is not None else (row.peak_memory_bytes if row else None)
         if plan is not None:
-            search.notes += batching.notes(plan, framework.default_batch_size(workload))
+            model = getattr(workload, "model", None)  # a torch workload's: BatchNorm follows the micro-batch
+            batch_norm = any("BatchNorm" in type(m).__name__ for m in getattr(model, "modules", list)())
+            search.notes += batching.notes(plan, framework.default_batch_size(workload), batch_norm)
         search.note_compute_share(rec)
         if lint and budget.elapsed() < budget.seconds:
             findings = search.lint(rec)
