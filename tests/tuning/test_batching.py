@@ -198,34 +198,16 @@ def test_a_candidate_that_accumulates_is_never_compiled_at_step_scope():
     from mixprec.tuning.compiling import Calibration, plan
 
     framework = framework_of(wide_mlp())
+
+    def row(cand: mixprec.Candidate, step_ms: float, speedup: float) -> BenchRow:
+        return BenchRow(
+            "w", cand, "cpu", cand.micro_batch, "ok", step_times_ms=(step_ms,), speedup_vs_fp32=speedup
+        )
+
     rows = [
-        BenchRow(
-            "w",
-            mixprec.Candidate("fp32", micro_batch=16, accumulation_steps=2),
-            "cpu",
-            16,
-            "ok",
-            step_times_ms=(10.0,),
-            speedup_vs_fp32=1.0,
-        ),
-        BenchRow(
-            "w",
-            mixprec.Candidate("bf16-mixed", micro_batch=16, accumulation_steps=2),
-            "cpu",
-            16,
-            "ok",
-            step_times_ms=(5.0,),
-            speedup_vs_fp32=2.0,
-        ),
-        BenchRow(
-            "w",
-            mixprec.Candidate("fp16-mixed", micro_batch=32),
-            "cpu",
-            32,
-            "ok",
-            step_times_ms=(5.0,),
-            speedup_vs_fp32=2.0,
-        ),
+        row(mixprec.Candidate("fp32", micro_batch=16, accumulation_steps=2), 10.0, 1.0),
+        row(mixprec.Candidate("bf16-mixed", micro_batch=16, accumulation_steps=2), 5.0, 2.0),
+        row(mixprec.Candidate("fp16-mixed", micro_batch=32), 5.0, 2.0),
     ]
     attempts = plan(framework, rows, set(), ["default"], Calibration())
     scopes = {(a.candidate.policy, a.candidate.compile_scope) for a in attempts}

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import PolicyError, UsageError, did_you_mean
-from mixprec.policy.islands import island_names
+from mixprec.policy.islands import batch_norm_layers, island_names
 from mixprec.policy.policy import Policy
 from mixprec.policy.registry import PolicySpec, spec_of
 from mixprec.policy.support import Support
@@ -142,10 +142,7 @@ def check_prepared(model: nn.Module, policy: Policy, what: str, *, check_device:
     want = policy.spec.param_dtype or torch.float32
     # prepare() keeps these fp32 under every policy: the islands, and BatchNorm (*-true keeps its
     # weights fp32 next to its fp32 running statistics)
-    fp32 = [
-        *islands,
-        *(n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)),
-    ]
+    fp32 = [*islands, *batch_norm_layers(model)]
     for name, p in model.named_parameters():
         if not p.is_floating_point():
             continue

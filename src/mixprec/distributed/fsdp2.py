@@ -18,6 +18,7 @@ from mixprec.distributed.common import (
 )
 from mixprec.distributed.support import support
 from mixprec.errors import PolicyError, UnsupportedError, UsageError
+from mixprec.policy.islands import batch_norm_layers
 from mixprec.policy.policy import Policy
 
 if TYPE_CHECKING:
@@ -131,11 +132,8 @@ def sharding_plan(
     for name in islands:
         candidates.setdefault(name, "keep_fp32")
     if policy_spec(policy).low_precision_dtype is not None:
-        for name, module in model.named_modules():
-            if (
-                isinstance(module, nn.modules.batchnorm._BatchNorm)
-                and next(module.parameters(), None) is not None
-            ):
+        for name, module in batch_norm_layers(model).items():
+            if next(module.parameters(), None) is not None:
                 candidates[name] = "batch norm"
     owners: dict[int, list[str]] = {}  # every module holding each parameter directly: ties have two
     for name, module in model.named_modules(remove_duplicate=False):

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
-from mixprec.errors import MixprecError
+from mixprec.errors import MixprecError, UsageError
 
 # How many distinct batches to cycle through: same data for every candidate, bounded memory.
 _DISTINCT_BATCHES = 4
@@ -62,11 +62,11 @@ class BenchSettings:
         if candidate.micro_batch is None:
             return self
         if candidate.micro_batch * candidate.accumulation_steps != self.batch_size * self.accumulation_steps:
-            raise MixprecError(
+            raise UsageError(
                 f"{candidate.label} trains {candidate.micro_batch * candidate.accumulation_steps} samples "
-                f"per optimizer step, the run {self.batch_size * self.accumulation_steps}: their step times "
-                "would not compare; give it micro_batch * accumulation_steps equal to the run's effective "
-                "batch."
+                f"per optimizer step, the run {self.batch_size * self.accumulation_steps} (batch_size "
+                f"{self.batch_size} x accumulation_steps {self.accumulation_steps}): their step times would "
+                "not compare; give it micro_batch * accumulation_steps equal to the run's effective batch."
             )
         return replace(
             self, batch_size=candidate.micro_batch, accumulation_steps=candidate.accumulation_steps

@@ -211,17 +211,7 @@ def bench(
     plan = plan_candidates(framework, names, layouts, compiled) if candidates is None else [reference]
     plan = [reference if c == framework.baseline else c for c in plan]
     plan += [framework.validate(c) for c in (candidates or []) if c not in plan]
-    for cand in plan:  # a candidate with its own micro-batch trains the run's samples per step
-        if (
-            cand.micro_batch is not None
-            and cand.micro_batch * cand.accumulation_steps != bs * accumulation_steps
-        ):
-            raise UsageError(
-                f"{cand.label} trains {cand.micro_batch * cand.accumulation_steps} samples per optimizer "
-                f"step, the run {bs * accumulation_steps} (batch_size {bs} x accumulation_steps "
-                f"{accumulation_steps}); "
-                "its micro_batch * accumulation_steps must equal the run's, so the speeds compare."
-            )
+    for cand in plan:
         if cand.micro_batch is not None and nproc > 1:
             raise UsageError(f"{cand.label}: a candidate's own micro-batch is not measured on DDP ranks yet.")
     settings = BenchSettings(
@@ -234,6 +224,8 @@ def bench(
         cudnn_benchmark=cudnn_benchmark,
         accumulation_steps=accumulation_steps,
     )
+    for cand in plan:  # a candidate with its own micro-batch must train the run's samples per step
+        settings.for_candidate(cand)
     info = detect(dev)
     result = BenchResult(
         workload=framework.workload_label(workload),

@@ -20,3 +20,10 @@ def island_names(model: nn.Module, patterns: Iterable[str]) -> list[str]:
     """The modules ``prepare`` wraps as fp32 islands: every named module matching a pattern."""
     patterns = list(patterns)
     return [n for n, _ in model.named_modules() if n and any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+def batch_norm_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's BatchNorm layers by name: what ``Policy.prepare`` keeps fp32 under a *-true policy
+    (:func:`mixprec.policy.hooks.keep_batch_norm_fp32`, which exports paste whole and so repeats
+    this test), and what FSDP2 shards in an fp32 group of its own."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}

@@ -101,11 +101,16 @@ class BatchPlan:
             len([s for s in sizes if s <= c.micro_batch]) for c in self.choices.values() if c.micro_batch
         )
 
+    def choice(self, candidate: Candidate) -> MicroBatch | None:
+        """The choice of ``candidate``'s eager twin (its policy and layout), which the plan searched."""
+        return self.choices.get(
+            Candidate(candidate.policy, candidate.channels_last, framework=candidate.framework)
+        )
+
     def batched(self, candidate: Candidate) -> Candidate | None:
         """``candidate`` at its eager twin's micro-batch (compile, optimizer and islands do not
         change which fits by much); None when none fits."""
-        eager = Candidate(candidate.policy, candidate.channels_last, framework=candidate.framework)
-        choice = self.choices.get(eager)
+        choice = self.choice(candidate)
         if choice is None or choice.micro_batch is None:
             return None
         return replace(
@@ -125,8 +130,7 @@ class BatchPlan:
 
     def peak(self, candidate: Candidate) -> int | None:
         """The measured peak of ``candidate``'s micro-batch, where its eager twin was measured there."""
-        eager = Candidate(candidate.policy, candidate.channels_last, framework=candidate.framework)
-        choice = self.choices.get(eager)
+        choice = self.choice(candidate)
         return choice.peak_bytes if choice and choice.micro_batch == candidate.micro_batch else None
 
     def to_dict(self) -> dict[str, Any]:

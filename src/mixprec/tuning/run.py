@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+import torch
+
 from mixprec.budget import Budget
 from mixprec.checking.check import TRAIN_STEPS
 from mixprec.errors import UsageError
@@ -20,6 +22,7 @@ from mixprec.events import Events, ignore
 from mixprec.frameworks import framework_of
 from mixprec.hardware.device import detect
 from mixprec.policy import Candidate
+from mixprec.policy.islands import batch_norm_layers
 from mixprec.tuning import batching
 from mixprec.tuning.batching import BatchPlan
 from mixprec.tuning.result import TuneResult
@@ -170,7 +173,7 @@ def tune(
         rec.peak_memory_bytes = measured if measured is not None else (row.peak_memory_bytes if row else None)
         if plan is not None:
             model = getattr(workload, "model", None)  # a torch workload's: BatchNorm follows the micro-batch
-            batch_norm = any("BatchNorm" in type(m).__name__ for m in getattr(model, "modules", list)())
+            batch_norm = isinstance(model, torch.nn.Module) and bool(batch_norm_layers(model))
             search.notes += batching.notes(plan, framework.default_batch_size(workload), batch_norm)
         search.note_compute_share(rec)
         if lint and budget.elapsed() < budget.seconds:

@@ -87,7 +87,7 @@ class Search:
         if batches is not None:
             batched = batches.batched(framework.baseline)
             if batched is None:
-                choice = batches.choices.get(framework.baseline)
+                choice = batches.choice(framework.baseline)
                 why = f" ({choice.reason})" if choice is not None and choice.reason else ""
                 raise UsageError(
                     f"strict fp32 fits no micro-batch{why} under the memory budget "
