@@ -74,6 +74,18 @@ class NonFiniteGradientsError(MixprecError, FloatingPointError):
         self.parameters = parameters
 
 
+class NonFiniteWeightsError(MixprecError, FloatingPointError):
+    """Raised where :class:`ScaleCollapseError` or :class:`NonFiniteGradientsError` would be when the
+    weights themselves hold inf/NaN: every gradient is then NaN and no loss scale or skip helps (an
+    optimizer step wrote them, e.g. fp16 Adam whose eps rounds to 0). ``parameters`` names them."""
+
+    exit_code = 4
+
+    def __init__(self, message: str, parameters: list[str]) -> None:
+        super().__init__(message)
+        self.parameters = parameters
+
+
 class NumericsFailed(MixprecError):
     """No candidate passed the numerics check (``check`` and ``tune`` exit with it)."""
 

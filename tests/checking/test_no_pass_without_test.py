@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.checking.check import check
+from mixprec.checking.check import candidates_of, check, check_islands
 from mixprec.errors import PolicyError
+from mixprec.frameworks import framework_of
 
 
 @pytest.fixture(autouse=True)
@@ -177,3 +178,79 @@ def test_a_keep_fp32_pattern_that_matches_nothing_is_a_one_line_cli_error(tmp_pa
     )
     err = capsys.readouterr().err
     assert code != 0 and "'encoder.*'" in err
+
+
+class _TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.wte = nn.Embedding(32, 16)
+            self.mid = nn.Linear(16, 16)
+            self.lm_head = nn.Linear(16, 32, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        return self.lm_head(torch.tanh(self.mid(self.wte(idx))))
+
+
+def _tied_workload() -> mixprec.Workload:
+    def make_batch(batch_size, device):
+        return torch.randint(0, 32, (batch_size, 6), device=device), torch.randint(
+            0, 32, (batch_size, 6), device=device
+        )
+
+    def loss_fn(m, batch):
+        return nn.functional.cross_entropy(m(batch[0]).float().flatten(0, 1), batch[1].flatten())
+
+    return mixprec.Workload(_TiedLM(), make_batch, loss_fn, name="tied_lm", default_batch_size=4)
+
+
+def test_keep_fp32_on_one_side_of_a_tie_under_a_true_policy_is_refused_before_any_run():
+    """Issue 26: Policy.prepare refuses the split tie, but check ran the reference first and then
+    reported the candidate as 'fail: training crashed: PolicyError: keep_fp32 splits a tied weight'."""
+    stages = []
+    cand = mixprec.Candidate("bf16-true", keep_fp32=("lm_head",))
+    with pytest.raises(PolicyError) as err:
+        check(_tied_workload(), policies=[cand], steps=2, device="cpu", events=stages.append)
+    message = str(err.value)
+    assert "splits a tied weight" in message and "'lm_head.weight'" in message and "'wte.weight'" in message
+    assert "bf16-true" in message and "add 'wte' to keep_fp32" in message and "\n" not in message
+    assert stages == []  # refused before the fp32 reference ran
+    # a *-mixed policy keeps fp32 master weights, so one side alone is fine there; so are both sides
+    w = _tied_workload()
+    framework = framework_of(w)
+    fine = [
+        mixprec.Candidate("bf16-mixed", keep_fp32=("lm_head",)),
+        mixprec.Candidate("bf16-true", keep_fp32=("lm_head", "wte")),
+    ]
+    check_islands(framework, w, candidates_of(framework, fine, ()))
+    assert w.model.lm_head.weight is w.model.wte.weight  # the check left the model as it was
+
+
+def test_keep_fp32_on_one_side_of_a_tie_is_a_one_line_cli_policy_error(capsys):
+    from mixprec.cli import main
+
+    code = main(
+        [
+            "check",
+            "--model",
+            "gpt2",
+            "--model-config",
+            "n_layer=1,n_head=2,n_embd=16,vocab_size=64,block_size=16",
+            "--seq-len",
+            "8",
+            "--policies",
+            "bf16-true",
+            "--keep-fp32",
+            "lm_head",
+            "--steps",
+            "2",
+            "--device",
+            "cpu",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == PolicyError.exit_code, err
+    assert "splits a tied weight" in err and "'transformer.wte.weight'" in err
+    assert len(err.strip().splitlines()) == 1, err

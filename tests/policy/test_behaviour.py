@@ -510,3 +510,85 @@ def test_true_policies_keep_batch_norm_statistics_fp32_so_large_activations_do_n
     with torch.no_grad(), policy.autocast():
         out = model(torch.randn(2, 3, 8, 8) * 3000)
     assert out.dtype == half and torch.isfinite(out).all()
+
+
+def train_until_error(policy, model, optimizer, batches):
+    for x, y in batches:
+        with policy.autocast():
+            loss = F.cross_entropy(model(x), y)
+        policy.backward(loss)
+        policy.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_fp16_true_adam_whose_eps_rounds_to_0_blames_the_weights_and_eps_not_the_gradients():
+    """Issue 26: Adam's default eps=1e-8 is 0 in fp16, the first step divides 0 by 0 into the
+    weights, and the loss scaler then skipped every step until a ScaleCollapseError blamed the
+    gradients ('non-finite gradients in: 0.weight, ...; keep those modules in fp32')."""
+    from mixprec import errors
+
+    policy = mixprec.get_policy("fp16-true", device="cpu")
+    model = policy.prepare(make_mlp())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
+    with pytest.raises(FloatingPointError) as info:
+        train_until_error(policy, model, optimizer, make_batches(40))
+    message = str(info.value)
+    assert isinstance(info.value, errors.NonFiniteWeightsError), message
+    assert "weights became non-finite after an optimizer step" in message and "'0.weight'" in message
+    assert "Adam eps=1e-08 rounds to 0 in float16" in message and "eps>=1e-4" in message
+    assert "fp16-mixed" in message and "\n" not in message
+    assert "non-finite gradients in" not in message
+    assert info.value.parameters[0] == "0.weight"
+    assert info.value.exit_code == 4
+
+
+def test_a_finite_check_policy_whose_weights_turned_nan_blames_the_weights():
+    """Without a loss scaler (finite_check=True) the same: 20 skipped steps on gradients that a NaN
+    weight makes NaN are the weights' doing; nothing names an eps that bf16 represents."""
+    from mixprec import errors
+
+    policy = mixprec.get_policy("bf16-true", device="cpu", finite_check=True)
+    model = policy.prepare(make_mlp())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batches = make_batches(30)
+    train_until_error(policy, model, optimizer, batches[:1])
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError) as info:
+        train_until_error(policy, model, optimizer, batches[1:])
+    message = str(info.value)
+    assert isinstance(info.value, errors.NonFiniteWeightsError), message
+    assert "'2.weight'" in message and "eps=" not in message and "\n" not in message
+
+
+class SparseBag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 8, sparse=True)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx).flatten(1))
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_fp16_true_sgd_momentum_on_sparse_gradients_is_refused_in_one_line(momentum):
+    """Issue 26: torch has no Half kernel for adding sparse tensors on the CPU ('"cadd_sparse" not
+    implemented for 'Half''), which SGD's momentum buffer of a sparse gradient needs from its second
+    step on; that raw NotImplementedError passed through. Without momentum SGD still trains."""
+    policy = mixprec.get_policy("fp16-true", device="cpu", init_scale=2.0**8)
+    model = policy.prepare(SparseBag())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 50, (8, 4), generator=g), torch.randint(0, 4, (8,), generator=g))] * 3
+    if not momentum:
+        train_until_error(policy, model, optimizer, batches)
+        assert policy.stats.steps == 3 and model.emb.weight.dtype == torch.float16
+        return
+    with pytest.raises(mixprec.UnsupportedError) as info:
+        train_until_error(policy, model, optimizer, batches)
+    message = str(info.value)
+    assert "'emb.weight'" in message and "'fp16-true'" in message and "sparse" in message
+    assert "fp16-mixed" in message and "momentum" in message and "sparse=False" in message
+    assert "\n" not in message and isinstance(info.value.__cause__, NotImplementedError)

@@ -159,6 +159,29 @@ def check_prepared(model: nn.Module, policy: Policy, what: str, *, check_device:
             )
 
 
+def autocast_fp32_params(model: torch.nn.Module) -> dict[str, set[int]]:
+    """Module name ("" = the root) -> ids of the parameters it holds directly that autocast does not
+    cast to the compute dtype: what FSDP2 must all-gather in fp32 under a *-mixed policy so that the
+    ops see what they see on one device. Modules without such parameters are left out.
+
+    Autocast casts the weights of Linear and the (transposed) convolutions, biases included, for its
+    low-precision ops: those may be gathered in the compute dtype. Any other parameter (norms,
+    embeddings, a parameter a custom module uses directly, MultiheadAttention's bias_k concatenated
+    to a bf16 key) reaches an op autocast runs in fp32 or does not cast at all: gathered in bf16,
+    that op, and the residual stream it feeds, would run in bf16. A weight tied between an embedding
+    and a head counts (the embedding looks its rows up in the weight's own dtype). Needs only torch,
+    so the fsdp2 export can paste it.
+    """
+    casts = (torch.nn.Linear, torch.nn.modules.conv._ConvNd)
+    found: dict[str, set[int]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, casts):
+            ids = {id(p) for p in module.parameters(recurse=False) if p.is_floating_point()}
+            if ids:
+                found[name] = ids
+    return found
+
+
 def policy_island_names(model: nn.Module, policy: Policy) -> list[str]:
     """keep_fp32 modules, matched the way Policy.prepare matches them."""
     return island_names(model, policy.config.keep_fp32)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from mixprec.distributed.common import (
+    autocast_fp32_params,
     check_prepared,
     fsdp_api,
     policy_island_names,
@@ -18,7 +19,6 @@ from mixprec.distributed.common import (
 )
 from mixprec.distributed.support import support
 from mixprec.errors import PolicyError, UnsupportedError, UsageError
-from mixprec.policy.islands import batch_norm_layers
 from mixprec.policy.policy import Policy
 
 if TYPE_CHECKING:
@@ -32,28 +32,46 @@ def fsdp_mp_policy(policy: Policy | str) -> MixedPrecisionPolicy:
     - fp32 / tf32 / bf32: ``param_dtype=fp32, reduce_dtype=fp32``.
     - *-mixed: ``param_dtype`` = the compute dtype (bf16/fp16) for the all-gather and forward,
       ``reduce_dtype=fp32`` so gradients are reduce-scattered in fp32 into the fp32 sharded
-      master params; ``output_dtype=None``: outputs keep the dtype they have under single-device
-      autocast, and ``policy.autocast()`` must still wrap forward and loss so autocast's fp32 ops
-      (softmax, norms, losses) run in fp32 as on one device.
+      master params; ``output_dtype=None`` and ``cast_forward_inputs=False``: inputs and outputs
+      keep the dtype they have under single-device autocast (a block's fp32 residual-stream input
+      stays fp32), and ``policy.autocast()`` must still wrap forward and loss: it does the casting,
+      as on one device. Only Linear/conv weights are gathered in this dtype (autocast casts them
+      anyway); :func:`sharding_plan` gives norms, embeddings and other parameters fp32 groups.
     - *-true: ``param_dtype`` = the half dtype, which equals the dtype ``policy.prepare()`` gave
       the model, so FSDP2 stores the sharded params (and steps them) in half: no fp32 master
       weights, as the policy says; ``reduce_dtype=fp32`` sums the ranks' gradients in fp32 (no
       fp16 overflow of scaled sums, one rounding) before they are cast back to half.
 
-    ``cast_forward_inputs=True`` throughout. fp32 islands get ``MixedPrecisionPolicy(fp32, fp32)``
-    from :func:`shard_model`.
+    ``cast_forward_inputs=True`` for the other policies. fp32 islands get
+    ``MixedPrecisionPolicy(fp32, fp32)`` from :func:`shard_model`.
     """
     _, MixedPrecisionPolicy, _ = fsdp_api()
     spec = policy_spec(policy)
     low = spec.low_precision_dtype
     if low is None:
         return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, output_dtype=None)
+    mixed = spec.autocast_dtype is not None
+    return MixedPrecisionPolicy(
+        param_dtype=low, reduce_dtype=torch.float32, output_dtype=None, cast_forward_inputs=not mixed
+    )
 
 
-def _fp32_mp_policy() -> MixedPrecisionPolicy:
+def _fp32_mp_policy(cast_forward_inputs: bool = True) -> MixedPrecisionPolicy:
     _, MixedPrecisionPolicy, _ = fsdp_api()
-    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=cast_forward_inputs
+    )
+
+
+def batch_norm_mp_policy() -> MixedPrecisionPolicy:
+    """BatchNorm's group under a low-precision policy: fp32 all-gathers and reduce-scatters, and its
+    inputs left in the dtype they come in (``cast_forward_inputs=False``). BatchNorm computes with its
+    fp32 weights and running statistics and returns the input's dtype, as on one device; cast to
+    fp32, its output would reach the half layer after it in the same block as fp32."""
+    _, MixedPrecisionPolicy, _ = fsdp_api()
+    return MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
 
 
 def find_blocks(model: nn.Module, block_types: Sequence[type[nn.Module]] | None = None) -> list[str]:
@@ -96,7 +114,7 @@ class ShardGroup:
 
     name: str
     mp_policy: MixedPrecisionPolicy
-    role: str  # "block", "keep_fp32", "block in keep_fp32", "batch norm" or "root"
+    role: str  # "block", "keep_fp32", "block in keep_fp32", "batch norm", "autocast fp32" or "root"
 
 
 def sharding_plan(
@@ -111,57 +129,94 @@ def sharding_plan(
     cast: gathered in half, the weights would not match them; kept fp32, the layer takes half
     inputs as it does under autocast on one device). A parameter shared by two modules (tied
     weights) must be sharded by one group: a block that would split a tie is left to the group
-    around it, and a keep_fp32 module that would is refused (one all-gather, one dtype).
+    around it, and a keep_fp32 module that would is refused (one all-gather, one dtype). Under
+    *-mixed only Linear/conv parameters are gathered in the compute dtype (autocast casts them
+    anyway): every other module holding parameters (LayerNorm, embeddings, ...) is an
+    "autocast fp32" group, and a block or the root still holding such a parameter (its own, or a
+    tie) gets the fp32 policy; see :func:`mixprec.distributed.common.autocast_fp32_params`.
     """
     if not isinstance(model, nn.Module):
         raise PolicyError(f"sharding_plan takes a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(policy, Policy):
         raise PolicyError(f"sharding_plan takes a mixprec Policy, got {type(policy).__name__}.")
+    block_names = find_blocks(model, block_types)
     islands = policy_island_names(model, policy)
-    blocks = find_blocks(model, block_types)
+    # *-mixed: autocast casts only Linear/conv weights itself. Every other parameter must reach its
+    # ops in fp32, as on one device: its module is sharded like a block (ties stay whole) with the
+    # fp32 policy, and a block or root still holding such a parameter gets the fp32 policy too.
+    mixed = policy_spec(policy).autocast_dtype is not None
+    by_module = autocast_fp32_params(model) if mixed else {}
+    keep32 = set().union(*by_module.values())
+    extra = [
+        n
+        for n in by_module
+        if n and n not in block_names and not any(n == i or n.startswith(i + ".") for i in islands)
+    ]
+    blocks = [model.get_submodule(name) for name in [*block_names, *extra]]
+    low = policy_spec(policy).low_precision_dtype is not None
+    try:
+        groups = fsdp_groups(model, blocks, islands, low)
+    except ValueError as exc:
+        raise PolicyError(str(exc)) from None
+    policies = {"block": fsdp_mp_policy(policy), "batch norm": batch_norm_mp_policy()}
+    policies["root"], fp32_policy = policies["block"], _fp32_mp_policy(cast_forward_inputs=not mixed)
+    plan: list[ShardGroup] = []
+    claimed: set[int] = set()
+    for name, role in groups:
+        params = {id(p) for p in model.get_submodule(name).parameters()} - claimed
+        claimed |= params
+        role = "autocast fp32" if name in extra and role == "block" else role
+        fp32 = role in ("block", "root") and params & keep32
+        plan.append(ShardGroup(name, fp32_policy if fp32 else policies.get(role, fp32_policy), role))
+    return plan
+
+
+def fsdp_groups(
+    model: torch.nn.Module, blocks: list[torch.nn.Module], islands: list[str], low_precision: bool
+) -> list[tuple[str, str]]:
+    """The fully_shard calls for model, in order (deepest first, the root "" last), each as (module
+    name, role): "block" and "root" (the policy's MixedPrecisionPolicy), "keep_fp32" and "block in
+    keep_fp32" (fp32 params and inputs), "batch norm" under a low-precision policy (fp32 params, the
+    inputs left as they come: BatchNorm takes half inputs with fp32 weights and statistics). blocks:
+    the repeated modules; islands: the keep_fp32 module names. A tied weight is sharded by one group:
+    a block that would split a tie is left to the group around it; a keep_fp32 module raises.
+    Plain torch: mixprec's sharding_plan and the fsdp2 export (which pastes it) share this plan."""
+    names = {id(module): name for name, module in model.named_modules()}
 
     def inside(name: str, group: str) -> bool:
         return not group or name == group or name.startswith(group + ".")
 
-    def in_island(name: str) -> bool:
-        return any(inside(name, i) for i in islands)
-
     candidates: dict[str, str] = {}
-    for name in blocks:
-        candidates[name] = "block in keep_fp32" if in_island(name) else "block"
+    for block in blocks:
+        name = names[id(block)]
+        candidates[name] = "block in keep_fp32" if any(inside(name, i) for i in islands) else "block"
     for name in islands:
         candidates.setdefault(name, "keep_fp32")
-    if policy_spec(policy).low_precision_dtype is not None:
-        for name, module in batch_norm_layers(model).items():
-            if next(module.parameters(), None) is not None:
-                candidates[name] = "batch norm"
+    for name, module in model.named_modules():
+        norm = isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+        if low_precision and norm and next(module.parameters(), None) is not None:
+            candidates[name] = "batch norm"
     owners: dict[int, list[str]] = {}  # every module holding each parameter directly: ties have two
     for name, module in model.named_modules(remove_duplicate=False):
         for param in module.parameters(recurse=False):
             owners.setdefault(id(param), []).append(name)
-    # Bottom-up: deepest first, so each call only takes the params no deeper group took.
-    order = sorted(candidates, key=lambda n: -n.count("."))
-    claimed: set[int] = set()
-    plan: list[ShardGroup] = []
-    low_policy, fp32_policy = fsdp_mp_policy(policy), _fp32_mp_policy()
-    for name in order:
+    claimed: set[int] = set()  # deepest first: each call takes the params no deeper group took
+    groups: list[tuple[str, str]] = []
+    for name in sorted(candidates, key=lambda n: -n.count(".")):
         params = {id(p) for p in model.get_submodule(name).parameters()} - claimed
         if not params:
             continue
         outside = sorted({o for p in params for o in owners[p] if not inside(o, name)})
-        role = candidates[name]
-        if outside:
-            if role == "keep_fp32":
-                raise PolicyError(
-                    f"keep_fp32 module {name!r} shares a parameter with {outside[0]!r} (tied weights); FSDP2 "
-                    "all-gathers a tied parameter once, in one dtype, so it cannot be fp32 in one and "
-                    f"low precision in the other: untie them, or drop {name!r} from keep_fp32."
-                )
-            continue  # the tie goes to the group around both
-        claimed |= params
-        plan.append(ShardGroup(name, low_policy if role == "block" else fp32_policy, role))
-    plan.append(ShardGroup("", low_policy, "root"))
-    return plan
+        if outside and candidates[name] == "keep_fp32":
+            raise ValueError(
+                f"keep_fp32 module {name!r} shares a parameter with {outside[0]!r} (tied weights); FSDP2 "
+                "all-gathers a tied parameter once, in one dtype, so it cannot be fp32 in one and "
+                f"low precision in the other: untie them, or drop {name!r} from keep_fp32."
+            )
+        if not outside:
+            claimed |= params
+            groups.append((name, candidates[name]))
+    return [*groups, ("", "root")]
 
 
 def shard_model(
@@ -177,7 +232,10 @@ def shard_model(
     :func:`fsdp_mp_policy`, each keep_fp32 module with an fp32 policy of its own, then the root.
     ``mesh`` defaults to a 1-D mesh over the world on the policy's device type. Keep the usual
     loop: ``policy.autocast()``, ``policy.backward()``, ``policy.step()``; the policy's scaler
-    works on the sharded DTensor gradients and every rank skips the same steps.
+    works on the sharded DTensor gradients and every rank skips the same steps. Under *-mixed
+    every op runs in the dtypes it runs in on one device (norms, embeddings and the residual
+    stream stay fp32; tests/distributed/test_fsdp2_numerics.py); what differs is only the order
+    of the gradient sums over ranks.
     """
     import torch.distributed as dist
 

@@ -21,10 +21,11 @@ from mixprec.policy.support import Support
 def ddp_reason(spec: PolicySpec) -> str:
     """What DistributedDataParallel does with a policy, from the policy's facts."""
     fmt = spec.compute_format
-    if spec.fp8_recipe is not None:
+    if spec.low_format is not None:
+        kind = "torchao Float8Linear" if spec.fp8_recipe is not None else f"{spec.name} Linear layers"
         return (
-            "fp32 params and fp32 gradient all-reduce; each rank converts its replica's Linear layers to "
-            "torchao Float8Linear and runs bf16 autocast around them"
+            f"fp32 params and fp32 gradient all-reduce; each rank converts its replica's Linear layers to "
+            f"{kind} and runs bf16 autocast around them"
         )
     if spec.is_math_mode:
         return (
@@ -107,6 +108,13 @@ def support(policy: Policy | str, wrapper: Wrapper | str, backend: str | None = 
                 "plain GradScaler could skip on some ranks only; it needs "
                 "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler",
                 "bf16-mixed, or torch >= 2.5",
+            )
+        if spec.block_format is not None:
+            return Support(
+                False,
+                f"{spec.name} under fully_shard needs its block-scaled all-gather, which mixprec does not "
+                "apply or check yet",
+                f"{spec.name} under ddp, or bf16-mixed under fsdp2",
             )
         if spec.fp8_recipe is not None:
             return Support(

@@ -1,8 +1,17 @@
 """The ``fsdp2`` target: plain PyTorch plus ``fully_shard`` with the policy's MixedPrecisionPolicy.
 
-The same plan as :func:`mixprec.distributed.shard_model` (run by the frameworks tier on one gloo
-rank): each repeated block and the root sharded with :func:`mixprec.distributed.fsdp_mp_policy`'s
-dtypes, each fp32 island in a group of its own with an fp32 policy. ``fully_shard`` refuses
+The plan of :func:`mixprec.distributed.shard_model`, pasted: its groups come from the same
+:func:`mixprec.distributed.fsdp2.fsdp_groups` (run by the frameworks tier on one gloo rank): each
+repeated block and the root sharded with :func:`mixprec.distributed.fsdp_mp_policy`'s dtypes, each
+fp32 island in a group of its own with an fp32 policy, and under a low-precision policy each
+BatchNorm in one with :func:`mixprec.distributed.fsdp2.batch_norm_mp_policy` (fp32 weights and, as
+``Policy.prepare`` keeps them under *-true, fp32 running statistics; its inputs not cast, so it
+returns the dtype it is given, as on one device). Under *-mixed, as in ``sharding_plan``, only
+Linear and conv weights are gathered in the compute dtype and no group casts its inputs (autocast
+does): every module :func:`mixprec.distributed.common.autocast_fp32_params` (pasted too) finds
+joins the groups with the fp32 policy, and a block or the root still holding such a parameter (a
+tied embedding) is fp32, so every op runs in the dtypes it runs in on one device (run on one gloo
+rank against one device, bit for bit, by the tests). ``fully_shard`` refuses
 non-contiguous parameters (``FSDP does not support non-contiguous parameters``), so channels_last
 is refused. ``torch.compile`` wraps the model after ``fully_shard``, and torch's fused and foreach
 optimizers step the DTensor shards (DTensor has sharding rules for ``_fused_adam(w)_``). Under the
@@ -18,6 +27,12 @@ own and reduce-scatters the sum (``FSDPParamGroup.post_backward``, torch 2.14).
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from mixprec.distributed.common import autocast_fp32_params
+from mixprec.distributed.fsdp2 import fsdp_groups
 from mixprec.exports.base import (
     DTYPE_CODE,
     DTYPE_SHORT,
@@ -28,6 +43,7 @@ from mixprec.exports.base import (
     helper_names,
     loop_helper_names,
     prepare_lines,
+    py,
 )
 from mixprec.exports.pytorch import PyTorchTarget, plain_loop
 
@@ -61,11 +77,14 @@ class FSDP2Target(PyTorchTarget):
         if facts.mixed is not None:
             short = DTYPE_SHORT[facts.mixed]
             contract.runs.append(
-                f"MixedPrecisionPolicy(param_dtype={short}, reduce_dtype=fp32): parameters all-gathered in"
-                f" {short}, inputs cast (cast_forward_inputs), gradients reduce-scattered in fp32 into the"
-                " fp32"
-                " sharded master weights. The autocast stays, so the ops autocast keeps in fp32 (softmax,"
-                " norms, losses) stay fp32 as on one device."
+                f"MixedPrecisionPolicy(param_dtype={short}, reduce_dtype=fp32, cast_forward_inputs=False):"
+                f" Linear and convolution weights all-gathered in {short} (autocast casts them anyway),"
+                " gradients reduce-scattered in fp32 into the fp32 sharded master weights. Every other"
+                " parameter (norms, embeddings) is all-gathered in fp32, in a group of its own, or with"
+                " its block's or the root's group made fp32 where it cannot be split off (a weight tied"
+                " to the head). Inputs are not cast: the autocast stays and does the casting, so every op"
+                " runs in the dtypes it runs in on one device (norms, embeddings and the residual stream"
+                " in fp32)."
             )
         elif low is not None:
             short = DTYPE_SHORT[low]
@@ -89,6 +108,13 @@ class FSDP2Target(PyTorchTarget):
             contract.runs.append(
                 "fp32 islands: a fully_shard group of their own with an fp32 policy (else the enclosing group"
                 " would all-gather their parameters in low precision)."
+            )
+        if low is not None:
+            statistics = " and running statistics" if facts.true is not None else ""
+            contract.runs.append(
+                f"BatchNorm: fp32 weights{statistics}, in a fully_shard group of its own gathered in fp32"
+                " (the block's group would gather them in low precision next to its fp32 running"
+                " statistics); its inputs are not cast: it returns the dtype it is given, as on one device."
             )
         if facts.compiles_step:
             contract.runs.append(
@@ -130,29 +156,107 @@ class FSDP2Target(PyTorchTarget):
         return ["import torch", "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard"]
 
     def snippet_names(self, facts: Facts) -> list[str]:
-        return helper_names(facts, batch_norm=False) + loop_helper_names(facts)
+        return helper_names(facts) + loop_helper_names(facts)
 
     def prepare(self, facts: Facts) -> list[str]:
         param_dtype = DTYPE_CODE[facts.low] if facts.low is not None else "torch.float32"
-        lines = [f"mp_policy = MixedPrecisionPolicy(param_dtype={param_dtype}, reduce_dtype=torch.float32)"]
-        if facts.keep:
+        mixed = facts.mixed is not None
+        policies = {"block": "mp_policy"}
+        if mixed:  # autocast casts the inputs, as on one device: a block's fp32 input stays fp32
+            lines = [
+                "mp_policy = MixedPrecisionPolicy(  # autocast casts the inputs, as on one device",
+                f"    param_dtype={param_dtype}, reduce_dtype=torch.float32, cast_forward_inputs=False",
+                ")",
+                "fp32_policy = MixedPrecisionPolicy(",
+                "    param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False",
+                ")",
+            ]
+        else:
+            lines = [
+                f"mp_policy = MixedPrecisionPolicy(param_dtype={param_dtype}, reduce_dtype=torch.float32)"
+            ]
+        if facts.keep and not mixed:
             lines.append(
                 "fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)"
             )
-        # BatchNorm is cast with the model here: a block's group gathers every parameter in one dtype
-        lines += prepare_lines(facts, move=False, batch_norm=False)
         if facts.keep:
+            policies |= {"keep_fp32": "fp32_policy", "block in keep_fp32": "fp32_policy"}
+        if facts.low is not None:
             lines += [
-                *comment(
-                    "fp32 islands first, deepest first, each in a group of its own with the fp32 policy."
-                ),
-                'for name in sorted(islands, key=lambda n: -n.count(".")):',
-                "    fully_shard(islands[name], mp_policy=fp32_policy)",
+                "batch_norm_policy = MixedPrecisionPolicy(  # fp32 weights, the inputs as they come",
+                "    param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False",
+                ")",
             ]
+            policies["batch norm"] = "batch_norm_policy"
+        if mixed:
+            policies["root"] = "mp_policy"
+        islands = "list(islands)" if facts.keep else "[]"
+        pasted: list[Callable[..., Any]] = [fsdp_groups, autocast_fp32_params] if mixed else [fsdp_groups]
         return [
+            *(line for f in pasted for line in ["", "", *inspect.getsource(f).splitlines()]),
+            "",
+            "",
             *lines,
-            "for block in model.layers:  # yours: your repeated blocks (transformer layers, ResNet stages,"
-            " ...)",
-            "    fully_shard(block, mp_policy=mp_policy)",
+            *prepare_lines(facts, move=False),
+            *comment(
+                "The fully_shard calls of mixprec's shard_model, deepest first, the root last:"
+                + (
+                    " each module whose parameters autocast does not cast (norms, embeddings: all but"
+                    " Linear and conv) in an fp32 group of its own,"
+                    if mixed
+                    else (" BatchNorm in an fp32 group of its own," if facts.low is not None else "")
+                )
+                + (" fp32 islands too," if facts.keep else "")
+                + " each repeated block in one."
+            ),
+            "policies = {",
+            *(f"    {py(role)}: {name}," for role, name in policies.items()),
+            "}",
+            "blocks = list(model.layers)  # yours: your repeated blocks (transformer layers, ResNet stages)",
+            *(self._autocast_fp32_groups(facts) if mixed else []),
+            f"groups = fsdp_groups(model, blocks, {islands}, low_precision={facts.low is not None})",
+            *(
+                [
+                    *comment(
+                        "Each group's policy, before fully_shard replaces the parameters: fp32 for the"
+                        " modules added above, and for a block or the root still holding such a parameter"
+                        " (fsdp_groups leaves a tied weight, e.g. an embedding tied to the head, to the"
+                        " group around both)."
+                    ),
+                    "claimed, group_policies = set(), {}",
+                    "for name, role in groups:",
+                    "    params = {id(p) for p in model.get_submodule(name).parameters()} - claimed",
+                    "    claimed |= params",
+                    '    fp32 = role in ("block", "root") and params & fp32_ids',
+                    "    group_policies[name] = fp32_policy if fp32 else policies[role]",
+                    "for name, _ in groups[:-1]:  # the last is the root's, below",
+                    "    fully_shard(model.get_submodule(name), mp_policy=group_policies[name])",
+                    'mp_policy = group_policies[""]  # the root\'s: fp32 if it holds such a parameter',
+                ]
+                if mixed
+                else [
+                    "for name, role in groups[:-1]:  # the last is the root's, below",
+                    "    fully_shard(model.get_submodule(name), mp_policy=policies[role])",
+                ]
+            ),
             "fully_shard(model, mp_policy=mp_policy)",
+        ]
+
+    def _autocast_fp32_groups(self, facts: Facts) -> list[str]:
+        """*-mixed: the modules :func:`autocast_fp32_params` finds join the blocks (as sharding_plan
+        adds them), and fp32_ids collects their parameters for the policies below."""
+        outside = [  # the fp32 islands have their own fp32 groups
+            'extra = [n for n in extra if not any(n == i or n.startswith(i + ".") for i in islands)]'
+        ]
+        outside = outside if facts.keep else []
+        return [
+            *comment(
+                "Autocast casts only Linear and conv weights: every other parameter (norms, embeddings)"
+                " is gathered in fp32 and reaches its ops in fp32, as on one device."
+            ),
+            "fp32_params = autocast_fp32_params(model)",
+            "fp32_ids = set().union(*fp32_params.values())",
+            "extra = [name for name in fp32_params if name and model.get_submodule(name) not in blocks]",
+            *outside,
+            "blocks += [model.get_submodule(name) for name in extra]",
         ]

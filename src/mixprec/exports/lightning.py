@@ -9,7 +9,10 @@ Checked in lightning 2.6's source and run by the frameworks tier:
 - ``precision="bf16-true"`` (``HalfPrecision``) casts the module, sets the default dtype in
   forward and casts every floating-point tensor of the batch, float targets included; the export
   uses a subclass that leaves the batch alone and casts the model's inputs with a pre-hook, as
-  mixprec does (:mod:`mixprec.exports.snippets_lightning`).
+  mixprec does (:mod:`mixprec.exports.snippets_lightning`). Its ``convert_module`` (called by
+  ``Strategy.setup`` after ``configure_model()`` and, on one device, after ``fit(ckpt_path=...)``
+  loaded the weights, before ``configure_optimizers()``) casts BatchNorm too: the subclass restores
+  BatchNorm's fp32 weights and running statistics there, as ``Policy.prepare`` keeps them.
 - ``16-true`` has no loss scaler: fp16-true is refused.
 - ``trainer.fit(torch.compile(module))`` unwraps the ``OptimizedModule`` and compiles the module's
   ``forward`` and ``training_step`` (``lightning.pytorch.utilities.compile.from_compiled``). The
@@ -132,6 +135,11 @@ class LightningTarget(ExportTarget):
                 " default dtype in training_step) except that it leaves the batch alone: the pre-hook from"
                 " configure_model() casts the model's inputs, float targets keep fp32 as under mixprec."
             )
+            contract.runs.append(
+                f"BatchNorm keeps fp32 weights and running statistics (keep_batch_norm_fp32 in {_PLUGIN}"
+                f".convert_module, right after Lightning's {short} cast, with the values from before it),"
+                f" taking {short} inputs and returning {short}."
+            )
         else:
             contract.runs.append(f'precision="{precision}": fp32 weights and math.')
         if facts.channels_last:
@@ -144,6 +152,12 @@ class LightningTarget(ExportTarget):
                 f"keep_fp32={py(facts.keep)}: fp32 weights and inputs, outside autocast"
                 + (" (after Lightning's conversion, in on_fit_start())." if facts.true is not None else ".")
             )
+            if facts.true is not None:
+                contract.runs.append(
+                    "A keep_fp32 module that shares a weight with a module outside it (a tied embedding and"
+                    " head) is refused in configure_model(), before the conversion: refuse_split_ties"
+                    " raises ValueError naming both paths."
+                )
             contract.instead.append(_RELATIVE + ".")
         contract.runs += facts.loop_runs(
             "torch.compile(LitModel()) before trainer.fit: Lightning unwraps it and compiles forward and"
@@ -205,7 +219,9 @@ class LightningTarget(ExportTarget):
         if facts.keep:
             names += ["fp32_islands", "keep_in_fp32"]
         if facts.true is not None:
-            names.append("cast_inputs")
+            names += ["cast_inputs", "keep_batch_norm_fp32"]  # the latter for the plugin's convert_module
+            if facts.keep:
+                names.append("refuse_split_ties")
         if facts.channels_last:
             names.append("to_channels_last")
         blocks = helpers(names)
@@ -228,6 +244,11 @@ class LightningTarget(ExportTarget):
             *precision_lines(facts, indent_by=8, legacy_note=False),
         ]
         configure = []
+        if facts.keep and facts.true is not None:
+            configure.append(
+                f"        refuse_split_ties(self, fp32_islands(self, {py(facts.keep)}))  # a tied weight:"
+                " fp32 on both sides or neither"
+            )
         if facts.channels_last:
             configure.append("        self.to(memory_format=torch.channels_last)")
         if facts.keep and facts.mixed is not None:

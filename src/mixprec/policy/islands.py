@@ -25,5 +25,7 @@ def island_names(model: nn.Module, patterns: Iterable[str]) -> list[str]:
 def batch_norm_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The model's BatchNorm layers by name: what ``Policy.prepare`` keeps fp32 under a *-true policy
     (:func:`mixprec.policy.hooks.keep_batch_norm_fp32`, which exports paste whole and so repeats
-    this test), and what FSDP2 shards in an fp32 group of its own."""
+    this test), what ``check_prepared`` expects fp32, and what the tuner's batching notes look for.
+    FSDP2's plan does not call it: :func:`mixprec.distributed.fsdp2.fsdp_groups` (plain torch, pasted
+    by the fsdp2 export) repeats the test to give each BatchNorm an fp32 group of its own."""
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}

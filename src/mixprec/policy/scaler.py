@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mixprec.errors import NonFiniteGradientsError, PolicyError, ScaleCollapseError
+from mixprec.errors import NonFiniteGradientsError, NonFiniteWeightsError, PolicyError, ScaleCollapseError
 
 
 @dataclass(frozen=True)
@@ -279,6 +279,70 @@ def nonfinite_parameter_names(params: Sequence[torch.nn.Parameter], names: dict[
         for i, p in enumerate(params)
         if p.grad is not None and _has_nonfinite(p.grad)
     ]
+
+
+def _eps_rounds_away(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> str:
+    """Why ``optimizer``'s eps cannot guard its division in ``param``'s half dtype (Adam's default
+    1e-8 is 0 in fp16: where the squared gradient underflows to 0 the update is m/0), or ''."""
+    eps, dtype = group.get("eps"), param.dtype
+    if not isinstance(eps, (int, float)) or not _is_number(eps):
+        return ""
+    if dtype not in (torch.float16, torch.bfloat16) or group.get("fused"):
+        return ""  # a fused kernel computes in fp32
+    tiny = torch.finfo(dtype).tiny  # the smallest normal number
+    if eps >= tiny:
+        return ""
+    fmt = str(dtype).removeprefix("torch.")
+    how = "rounds to 0" if float(torch.tensor(eps, dtype=dtype)) == 0 else f"is subnormal (below {tiny:.2g})"
+    floor = f"1e{math.ceil(math.log10(tiny))}"
+    return (
+        f"{type(optimizer).__name__} eps={eps:g} {how} in {fmt}, so its update divides by (nearly) 0 "
+        f"where a squared gradient underflows; pass eps>={floor} ({type(optimizer).__name__}(..., "
+        f"eps={floor}))"
+    )
+
+
+def nonfinite_weights_error(
+    optimizers: Sequence[torch.optim.Optimizer], names: dict[int, str], stats: StepStats, policy: str
+) -> NonFiniteWeightsError | None:
+    """The error to raise instead of blaming the gradients when the weights the ``optimizers`` step
+    hold inf/NaN (then every loss and gradient is NaN, whatever the scale); None when they are finite.
+    Reads every weight: call it only where skipped steps are about to raise."""
+    bad: list[tuple[str, torch.Tensor, dict, torch.optim.Optimizer]] = []
+    stepped = [(p, group, o) for o in optimizers for group in o.param_groups for p in group["params"]]
+    with torch.no_grad():
+        for i, (p, group, o) in enumerate(stepped):
+            if _has_nonfinite(p.detach()):
+                bad.append((names.get(id(p), f"param[{i}]"), p, group, o))
+    if not bad:
+        return None
+    first, param, group, optimizer = bad[0]
+    more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+    half = param.dtype in (torch.float16, torch.bfloat16)
+    mixed = f"{policy.removesuffix('-true')}-mixed" if policy.endswith("-true") else "a *-mixed policy"
+    if stats.steps == stats.skipped_steps:  # no step was applied: they were non-finite from the start
+        what = "The weights were non-finite before any optimizer step"
+        fix = (
+            f"a value beyond {str(param.dtype).removeprefix('torch.')}'s range becomes inf when prepare() "
+            f"casts it: check the model's initial weights, or use {mixed} (fp32 master weights)"
+            if half
+            else "check the model's initial weights"
+        )
+    else:
+        what = "The weights became non-finite after an optimizer step"
+        eps = _eps_rounds_away(optimizer, group, param)
+        if eps:
+            fix = f"{eps}, or use {mixed}, whose fp32 master weights and optimizer state hold it"
+        elif half:
+            fix = f"lower the learning rate or clip the gradients, or use {mixed} (fp32 master weights)"
+        else:
+            fix = "lower the learning rate or clip the gradients (step(optimizer, clip_grad_norm=1.0))"
+    return NonFiniteWeightsError(
+        f"{what}: {first!r}{more} holds inf/NaN under {policy!r}, so every loss and gradient since is "
+        f"NaN and {stats.consecutive_skips} steps in a row were skipped; the gradients are not the cause. "
+        f"{fix[0].upper()}{fix[1:]}.",
+        parameters=[name for name, *_ in bad],
+    )
 
 
 def check_persistent_skips(stats: StepStats, limit: int = MAX_CONSECUTIVE_SKIPS) -> None:
