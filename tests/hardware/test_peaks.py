@@ -68,6 +68,9 @@ def test_h200_and_gh200_have_h100_sxm_compute(name):
     for key in DTYPE_KEYS:
         h100 = gpu_peak("NVIDIA H100 80GB HBM3", key)
         other = gpu_peak(name, key)
+        if key == "fp4":  # Blackwell's: no Hopper has fp4 tensor cores
+            assert h100 is None and other is None
+            continue
         assert h100 is not None and other is not None
         assert other[0] == h100[0]
 
@@ -157,6 +160,8 @@ def test_every_policy_names_a_peak_key_the_tables_know():
         "fp16-true": "fp16",
         "fp8-rowwise": "fp8",
         "fp8-tensorwise": "fp8",
+        "mxfp8": "fp8",
+        "nvfp4": "fp4",
     }
     assert {name: spec_of(name).peak_key for name in POLICY_NAMES} == expected
     assert spec_of("16-mixed").peak_key == "fp16"  # aliases too
@@ -264,8 +269,9 @@ def test_cache_dir_from_environment(tmp_path, fake_measure, monkeypatch):
 def test_peak_flops_cpu_never_raises(tmp_path, fake_measure):
     for name in POLICY_NAMES:
         value, source = peak_flops(FAKE_CPU, spec_of(name).peak_key, cache_dir=tmp_path)
-        if spec_of(name).peak_key == "fp8":  # no fp8 matmul on a CPU: no peak, and it says so
-            assert value is None and source == "no CPU fp8 matmul to measure"
+        key = spec_of(name).peak_key
+        if key in ("fp8", "fp4"):  # no fp8 or fp4 matmul on a CPU: no peak, and it says so
+            assert value is None and source == f"no CPU {key} matmul to measure"
             continue
         assert value is not None and value > 0
         assert source.startswith("measured:")

@@ -25,8 +25,8 @@ def test_every_policy_states_every_fact(name):
     assert spec.name == name
     for fact in ("description", "compute_format", "peak_key", "rounding_format", "range_format"):
         assert isinstance(getattr(spec, fact), str) and getattr(spec, fact), (name, fact)
-    # Lightning has a name for every policy but fp8 (its fp8 is Transformer Engine, not torchao)
-    assert isinstance(spec.lightning, str) if spec.fp8_recipe is None else spec.lightning is None
+    # Lightning has a name for every policy but the low formats (its fp8 is Transformer Engine)
+    assert isinstance(spec.lightning, str) if spec.low_format is None else spec.lightning is None
     assert spec.compute_format in COMPUTE_FORMATS
     assert spec.peak_key in DTYPE_KEYS
     assert spec.rounding_format in FORMATS or spec.rounding_format == "fp32"
@@ -44,11 +44,11 @@ def test_every_policy_states_every_fact(name):
     # device_only: exactly the policies whose setting reaches one device type's libraries only
     only = spec.device_only
     reduced_math_mode = spec.is_math_mode and spec.precision != POLICIES["fp32"].precision
-    assert (only is not None) == (reduced_math_mode or spec.fp8_recipe is not None), name
+    assert (only is not None) == (reduced_math_mode or spec.low_format is not None), name
     if only is not None:
         assert only.device_type in DEVICE_TYPES and only.reason and only.alternative
         assert only.device_type == (
-            "cuda" if spec.precision.cuda_matmul != "ieee" or spec.fp8_recipe else "cpu"
+            "cuda" if spec.precision.cuda_matmul != "ieee" or spec.low_format else "cpu"
         )
     # starting points: a rank where a newcomer may start, on named device types
     assert (spec.starting_rank is None) == (not spec.starting_devices), name
@@ -76,6 +76,8 @@ def test_compute_formats_match_the_dtypes():
     for spec in POLICIES.values():
         if spec.fp8_recipe is not None:
             assert spec.compute_format == "fp8" and spec.autocast_dtype is torch.bfloat16
+        elif spec.block_format is not None:  # the block formats name their recipe
+            assert spec.compute_format == spec.name and spec.autocast_dtype is torch.bfloat16
         elif spec.low_precision_dtype is torch.bfloat16:
             assert spec.compute_format == "bf16"
         elif spec.low_precision_dtype is torch.float16:

@@ -24,7 +24,7 @@ from mixprec.events import Events, ignore
 from mixprec.frameworks import Framework, framework_of
 from mixprec.hardware.device import detect
 from mixprec.numerics.compare import Comparison, Trajectory, compare
-from mixprec.numerics.fix import search_keep_fp32
+from mixprec.numerics.fix import search_keep_fp32, search_precision_map
 from mixprec.numerics.limits import LOW_PRECISION_FORMATS
 from mixprec.numerics.ranges import RangeReport
 from mixprec.numerics.results import CandidateCheck, CheckResult
@@ -188,12 +188,19 @@ class Checker:
         self.events({"event": "stage", "text": f"checking {text}"})
 
     def run(
-        self, cand: Candidate, keep_fp32: Sequence[str] = (), steps: int | None = None
+        self,
+        cand: Candidate,
+        keep_fp32: Sequence[str] = (),
+        steps: int | None = None,
+        keep_bf16: Sequence[str] = (),
     ) -> tuple[bool, str, Comparison, Trajectory]:
-        """Train ``cand`` (with ``keep_fp32`` added) ``steps`` steps next to the reference; the verdict
-        over those steps and, from their trends, over the run (``train_steps``)."""
+        """Train ``cand`` (with ``keep_fp32`` and the precision map ``keep_bf16`` added) ``steps``
+        steps next to the reference; the verdict over those steps and, from their trends, over the
+        run (``train_steps``)."""
         steps = steps or self.steps
-        trial = replace(cand, keep_fp32=(*cand.keep_fp32, *keep_fp32))
+        trial = replace(
+            cand, keep_fp32=(*cand.keep_fp32, *keep_fp32), keep_bf16=(*cand.keep_bf16, *keep_bf16)
+        )
         traj = self.framework.trajectory(self.workload, trial, self.batches, steps, self.device)
         if self.reference.dropped_imaginary:  # the model's own cast, in fp32 as well: not the candidate's
             traj.dropped_imaginary = None
@@ -297,6 +304,13 @@ class Checker:
         except Exception as exc:  # ranges are evidence; their failure must not hide the verdict
             result.fix_note = f"per-layer ranges unavailable: {type(exc).__name__}: {exc}"
         result.worst_layers = worst_layers(self.reference_ranges, rfmt)
+        census = (
+            self.framework.linear_census(
+                self.workload, cand.spec, self.batches[0], self.device, cand.keep_fp32
+            )
+            if cand.spec.low_format is not None
+            else None
+        )
         if not passed and verdict != Status.ERROR:
             result.suggestion = self.suggest(cand, result, rfmt)
             if result.first_nonfinite_forward and "non-finite" in reason:
@@ -313,8 +327,12 @@ class Checker:
                 )
             elif fix and self.budget.expired():
                 result.fix_note = "keep_fp32 search skipped: time budget spent"
+            elif fix and census is not None and census.shapes:
+                self.search_map(cand, result, census, seen.at_risk)
             elif fix:
                 self.search_fix(cand, result, rfmt, seen.at_risk)
+        if census is not None:
+            result.precision_map = map_report(cand, census, result.fix_keep_bf16)
         return result
 
     def evidence(self, cand: Candidate, traj: Trajectory, seen: Outlook) -> str:
@@ -335,6 +353,12 @@ class Checker:
             or result.skipped_steps
             or result.verdict == Status.AT_RISK
         )
+        if cand.spec.low_format is not None:
+            # its rounding is the Linear GEMMs' own: the cure is fewer of them in the format
+            return (
+                f"keep the Linear layers {cand.spec.low_format} loses most in bf16 (check --fix searches the "
+                "precision map), or use bf16-mixed"
+            )
         # only what this device runs natively is advice (a CPU has no tf32, and fp16 is slow there)
         info = detect(self.device)
         if fmt == "fp16" and overflow:
@@ -389,6 +413,42 @@ class Checker:
             kind=self.framework.island_kind,
         )
 
+    def search_map(
+        self, cand: Candidate, result: CandidateCheck, census: Any, risk: Prediction | None
+    ) -> None:
+        """The precision map of a low-format candidate (fp8, mxfp8, nvfp4): the smallest set of
+        Linear GEMMs kept in bf16 that passes, from the field's rules (first and last Linear, the LM
+        head), the layers whose operands the format quantises worst first; verified like a
+        keep_fp32 fix (past a predicted failure's step)."""
+        layers = list(census.shapes)  # execution order
+        _, owners = self.framework.island_names(self.workload)
+        suspects = sorted(layers, key=lambda n: census.sqnr_db.get(n, math.inf))
+        for located in (result.first_nonfinite_forward, result.first_nonfinite_backward):
+            if located in census.shapes:
+                suspects.insert(0, located)
+        for pname, _ in result.worst_grads:
+            if owners.get(pname) in census.shapes:
+                suspects.append(owners[pname])
+        verify = self.steps
+        if risk is not None:
+            if risk.layer in census.shapes:
+                suspects.insert(0, risk.layer)
+            verify = max(self.steps, min(MAX_VERIFY_STEPS, int(VERIFY_MARGIN * ((risk.step or 0) + 1))))
+        search_precision_map(
+            lambda entries, steps: self.run(cand, (), steps, entries),
+            cand,
+            result,
+            layers=layers,
+            rules=field_rules(self.workload, layers),
+            suspects=list(dict.fromkeys(suspects)),
+            directions=("wgrad", "dgrad", "forward") if cand.spec.block_format else (),
+            present=census.directions,
+            steps=verify,
+            search_steps=self.steps if risk is not None else min(self.steps, SEARCH_STEPS),
+            deadline=self.budget.deadline,
+            stage=self.stage,
+        )
+
     def result(self, results: list[CandidateCheck]) -> CheckResult:
         return CheckResult(
             workload=self.framework.workload_label(self.workload),
@@ -403,6 +463,64 @@ class Checker:
             reference_layers=layer_headroom(self.reference_ranges),
             reference_note=not_learning(self.reference.losses),
         )
+
+
+def field_rules(workload: Any, layers: Sequence[str]) -> list[str]:
+    """The layers every low-format recipe in the field keeps in bf16 by a fixed rule (Accelerate's
+    torchao backend, Megatron's ``--first-last-layers-bf16``, torchtitan's NVFP4 recipe): the first
+    and the last Linear to run, and an LM head (a Linear whose weight an embedding shares)."""
+    rules = [*layers[:1], *layers[-1:]]
+    model = getattr(workload, "model", None)
+    if model is not None:
+        embedded = {id(m.weight) for m in model.modules() if type(m).__name__ == "Embedding"}
+        modules = dict(model.named_modules())
+        rules += [n for n in layers if id(getattr(modules.get(n), "weight", None)) in embedded]
+    return list(dict.fromkeys(rules))
+
+
+def map_report(cand: Candidate, census: Any, keep_bf16: Sequence[str]) -> dict[str, Any]:
+    """The precision map's facts for the report: per Linear its GEMM shapes, operand SQNR in the
+    format, the roofline's predicted speedup on the format's GPU (a prediction, labelled so), and
+    the share of the step's FLOPs in the format whole-model and under the map ``keep_bf16``."""
+    from mixprec.hardware.roofline import DEFAULT_GPU, estimate
+    from mixprec.policy.lowformat import LayerPlan, parse_entry
+
+    fmt = str(cand.spec.low_format)
+    whole = dict(census.directions)
+    mapped = LayerPlan(low=dict(whole))
+    for entry in (*cand.keep_bf16, *keep_bf16):
+        pattern, direction = parse_entry(entry)
+        for name in list(mapped.low):
+            if fnmatch.fnmatchcase(name, pattern):
+                left = frozenset() if direction is None else mapped.low[name] - {direction}
+                if left:
+                    mapped.low[name] = left
+                else:
+                    del mapped.low[name]
+    layers = []
+    for name, (m, k, n) in census.shapes.items():
+        speed = estimate(m, k, n, fmt)
+        layers.append(
+            {
+                "name": name,
+                "m": m,
+                "k": k,
+                "n": n,
+                "operand_sqnr_db": census.sqnr_db.get(name),
+                "predicted_speedup": speed.speedup,
+                "low_directions": sorted(mapped.low.get(name, ())),
+            }
+        )
+    return {
+        "format": fmt,
+        "gpu": DEFAULT_GPU[fmt],
+        "speedup_is": "a roofline prediction from the shapes (mixprec.hardware.roofline), not measured",
+        "layers": layers,
+        "low_share_whole": census.low_share(whole),
+        "low_share_mapped": census.low_share(mapped.low),
+        "step_flops": census.step_flops,
+        "no_gain": [x["name"] for x in layers if x["predicted_speedup"] < 1.0],
+    }
 
 
 def cured(rejected: CandidateCheck, rescued: CandidateCheck) -> str:
@@ -520,6 +638,26 @@ def check_islands(framework: Framework, workload: Any, cands: Sequence[Candidate
                 f"{framework.workload_label(workload)} ({hint}); patterns are fnmatch patterns over "
                 "the model's module names (model.named_modules()): fix or drop it."
             )
+        refuse_split_tie(workload, cand)
+
+
+def refuse_split_tie(workload: Any, cand: Candidate) -> None:
+    """A *-true candidate whose keep_fp32 keeps one side of a tied weight in fp32 (an LM head tied to
+    its embedding) is refused up front with the reason ``Policy.prepare`` gives
+    (:func:`mixprec.policy.hooks.refuse_split_ties`): its check could only crash."""
+    from torch import nn
+
+    from mixprec.policy.hooks import refuse_split_ties
+    from mixprec.policy.islands import island_names
+
+    model = getattr(workload, "model", None)
+    if not cand.keep_fp32 or not isinstance(model, nn.Module) or cand.spec.param_dtype is None:
+        return  # another framework's model, no islands, or fp32 master weights: nothing to split
+    modules = dict(model.named_modules())
+    try:
+        refuse_split_ties(model, {name: modules[name] for name in island_names(model, cand.keep_fp32)})
+    except ValueError as exc:
+        raise PolicyError(f"{cand.label}: {exc}") from None
 
 
 def check(

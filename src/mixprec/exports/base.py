@@ -331,6 +331,8 @@ class Facts:
             extras.append("channels_last")
         if self.keep:
             extras.append(f"keep_fp32={py(self.keep)}")
+        if self.config.keep_bf16:
+            extras.append(f"keep_bf16={py(list(self.config.keep_bf16))}")
         if self.finite_check:
             extras.append("finite_check")
         extras += [f"{k}={py(v)}" for k, v in self.scaler_changes().items()]
@@ -438,6 +440,8 @@ class ExportTarget:
     verified: ClassVar[str] = ""
     # Whether the export converts the model's Linear layers with torchao.float8 (the fp8 policies).
     writes_fp8: ClassVar[bool] = False
+    # Whether it runs the block formats (mxfp8, nvfp4) as mixprec checked them, layer for layer.
+    writes_block: ClassVar[bool] = False
 
     def refusal(self, facts: Facts) -> Refusal | None:
         """None when this target expresses the policy faithfully on the device, else why not."""
@@ -446,6 +450,14 @@ class ExportTarget:
             return Refusal(only.reason, only.alternative)
         if facts.compiles_step and facts.accumulates:
             return accumulated_step_refusal(facts)
+        if facts.spec.block_format and not self.writes_block:
+            return Refusal(
+                f"mixprec's {facts.name} is a per-GEMM precision map run by mixprec's own Linear (torchao's "
+                "kernels on Blackwell where they express the map, its emulation elsewhere); the "
+                f"{self.title} export has no such path mixprec has checked",
+                "the 'mixprec' export, or the map for torchao, torchtitan, Megatron or Transformer Engine "
+                "(mixprec.exports.precision_map.render)",
+            )
         if facts.fp8_recipe and not self.writes_fp8:
             return Refusal(
                 "mixprec's fp8 policies are torchao.float8 Linear layers under bf16 autocast; the "
@@ -606,6 +618,8 @@ def helper_names(
     names = []
     if facts.keep:
         names += ["fp32_islands", "keep_in_fp32"]
+    if facts.fp8_recipe and facts.config.keep_bf16:
+        names.append("matches_any")
     if facts.true is not None and casts:
         names.append("cast_inputs")
         if batch_norm:
@@ -673,18 +687,26 @@ def prepare_lines(
 
 def fp8_lines(facts: Facts) -> list[str]:
     """torchao's conversion of the Linear layers whose dimensions torch._scaled_mm takes (both
-    divisible by 16), fp32 islands left out: what Policy.prepare() converts."""
-    island = [
-        '    if any(name == k or name.startswith(k + ".") for k in islands):',
-        "        return False  # fp32 islands stay fp32",
-    ]
+    divisible by 16), fp32 islands and the precision map's layers left out: what Policy.prepare()
+    converts."""
+    island = []
+    if facts.keep:
+        island += [
+            '    if any(name == k or name.startswith(k + ".") for k in islands):',
+            "        return False  # fp32 islands stay fp32",
+        ]
+    if facts.config.keep_bf16:
+        island += [
+            f"    if matches_any(name, {py(list(facts.config.keep_bf16))}):",
+            "        return False  # the precision map (keep_bf16): stays in bf16 under autocast",
+        ]
     return [
         "",
         "",
         "def fp8_eligible(module, name):",
         "    if type(module) is not torch.nn.Linear:",
         "        return False",
-        *(island if facts.keep else []),
+        *island,
         "    return module.in_features % 16 == 0 and module.out_features % 16 == 0  # torch._scaled_mm",
         "",
         "",

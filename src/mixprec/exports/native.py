@@ -41,6 +41,7 @@ class MixprecTarget(ExportTarget):
     name = "mixprec"
     title = "mixprec"
     writes_fp8 = True
+    writes_block = True
 
     def contract(self, facts: Facts) -> Contract:
         return Contract(
@@ -66,6 +67,8 @@ class MixprecTarget(ExportTarget):
             options["channels_last"] = True
         if facts.keep:
             options["keep_fp32"] = facts.keep
+        if facts.config.keep_bf16:
+            options["keep_bf16"] = list(facts.config.keep_bf16)
         if facts.config.finite_check:  # kept where a scaler makes it redundant: the call rebuilds the config
             options["finite_check"] = True
         options.update(facts.scaler_changes())

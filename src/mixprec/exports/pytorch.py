@@ -64,6 +64,11 @@ class PyTorchTarget(ExportTarget):
                 f"torchao.float8 ({facts.fp8_recipe} scales) on every Linear with both dimensions divisible"
                 " by 16: e4m3 forward, e5m2 gradients, fp32 accumulation; the rest under bf16 autocast."
             )
+            if facts.config.keep_bf16:
+                runs.append(
+                    f"precision map keep_bf16={py(list(facts.config.keep_bf16))}: those Linear layers stay in"
+                    " bf16 under autocast."
+                )
         if facts.true is not None:
             runs.append(
                 f"{DTYPE_SHORT[facts.true]} weights (no fp32 master copy), {DTYPE_SHORT[facts.true]} inputs"

@@ -24,6 +24,7 @@ from mixprec.policy.hooks import (
     fp32_islands,
     keep_batch_norm_fp32,
     keep_in_fp32,
+    matches_any,
     refuse_split_ties,
     to_channels_last,
 )
@@ -36,6 +37,7 @@ _SNIPPETS: dict[str, object] = {
         cast_inputs,
         channels_last_inputs,
         fp32_islands,
+        matches_any,
         keep_in_fp32,
         keep_batch_norm_fp32,
         refuse_split_ties,

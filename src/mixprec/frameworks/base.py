@@ -271,6 +271,14 @@ class Framework:
         where the framework can, the gradients flowing back (scaled by ``loss_scale``)."""
         raise NotImplementedError
 
+    def linear_census(
+        self, workload: Any, spec: Any, batch: Any, device: str, keep_fp32: Sequence[str] = ()
+    ) -> Any:
+        """The Linear layers a low-format policy ``spec`` converts, as
+        :class:`mixprec.frameworks.torch.linears.LinearCensus`; None where the framework has no
+        low-format policies."""
+        return None
+
     def island_names(self, workload: Any) -> tuple[list[str], dict[str, str]]:
         """What keep_fp32 may name (module or layer names, in model order) and which of them owns
         each parameter of a gradient report (parameter name -> its module)."""

@@ -23,7 +23,7 @@ from mixprec.errors import CacheWarning, UsageError
 from mixprec.files import atomic_write_text
 from mixprec.hardware.device import DeviceInfo
 
-DTYPE_KEYS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
+DTYPE_KEYS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ GPU_PEAKS: tuple[PeakEntry, ...] = tuple(
             bf16=2250.0,
             fp16=2250.0,
             fp8=4500.0,
+            fp4=9000.0,
         ),
         # --- Hopper --- (NVL parts first: they also match the generic H100/H200 names' prefixes)
         *_entries(

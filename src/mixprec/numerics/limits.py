@@ -58,6 +58,17 @@ FORMATS: dict[str, FormatLimits] = {
     "fp16": _from_finfo("fp16", torch.float16, 5, True),
     "fp8_e4m3": _from_finfo("fp8_e4m3", torch.float8_e4m3fn, 4, False),
     "fp8_e5m2": _from_finfo("fp8_e5m2", torch.float8_e5m2, 5, True),
+    # NVFP4's element (torch.float4_e2m1fn_x2 packs two and casts to nothing): 0, 0.5 ... 4, 6
+    "fp4_e2m1": FormatLimits(
+        name="fp4_e2m1",
+        exponent_bits=2,
+        mantissa_bits=1,
+        max_finite=6.0,
+        smallest_normal=1.0,
+        smallest_subnormal=0.5,
+        has_inf=False,
+        dtype=None,
+    ),
 }
 
 LOW_PRECISION_FORMATS = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")

@@ -31,6 +31,11 @@ class CandidateCheck:
         required_output_sqnr_db / required_grad_sqnr_db: the SQNR floors applied.
         first_nonfinite_forward / first_nonfinite_backward: the first module producing inf/NaN.
         fix_keep_fp32: the keep_fp32 set the search found (``check --fix``).
+        fix_keep_bf16: low-format policies: the precision map the search found (``check --fix``): the
+            Linear layers, or ``layer:direction`` GEMMs, kept in bf16.
+        precision_map: low-format policies: the Linear layers as the format sees them (shapes,
+            operand SQNR in the format, the roofline's predicted speedup on a named GPU) and the
+            share of the step's FLOPs in the format, whole-model and under the found map.
         fix_verified: that set passed a full re-run.
         fix_note: what the search did, or why it did not run.
         fix_metrics: figures of the verifying run.
@@ -71,6 +76,8 @@ class CandidateCheck:
     first_nonfinite_forward: str | None = None
     first_nonfinite_backward: str | None = None
     fix_keep_fp32: list[str] = field(default_factory=list)
+    fix_keep_bf16: list[str] = field(default_factory=list)
+    precision_map: dict[str, Any] | None = None
     fix_verified: bool = False
     fix_note: str = ""
     fix_metrics: dict[str, float | None] = field(default_factory=dict)

@@ -31,6 +31,9 @@ class Candidate:
         policy: canonical policy name (aliases are resolved on construction).
         channels_last: run 4-D weights and inputs in NHWC memory format.
         keep_fp32: module-name glob patterns that run outside autocast in fp32 ("fp32 islands").
+        keep_bf16: low-format Linear policies (fp8, mxfp8, nvfp4): the precision map, Linear names or
+            globs whose GEMMs stay in bf16, optionally one direction only ('head:wgrad'); see
+            :mod:`mixprec.policy.lowformat`.
         emulate: `check` only: run strict fp32 under this format's emulated rounding
             (one of :data:`EMULATABLE`) to predict hardware the machine lacks.
         compile: the compile mode the step runs under, None for eager: a ``torch.compile`` mode
@@ -62,6 +65,7 @@ class Candidate:
     framework: str = "torch"
     micro_batch: int | None = None
     accumulation_steps: int = 1
+    keep_bf16: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", canonical_name(self.policy))
@@ -74,6 +78,9 @@ class Candidate:
                 "list of strings, e.g. keep_fp32=['head']."
             )
         object.__setattr__(self, "keep_fp32", tuple(keep))
+        from mixprec.policy.lowformat import validate_map
+
+        object.__setattr__(self, "keep_bf16", validate_map(self.spec, self.keep_bf16))
         if not isinstance(self.channels_last, bool):
             raise PolicyError(f"channels_last must be True or False, got {self.channels_last!r}.")
         if self.emulate is not None and self.emulate not in EMULATABLE:
@@ -121,6 +128,8 @@ class Candidate:
         if self.emulate:
             return f"{self.emulate} (emulated)"
         islands = f"+fp32[{','.join(self.keep_fp32)}]" if self.keep_fp32 else ""
+        if self.keep_bf16:
+            islands += f"+bf16[{','.join(self.keep_bf16)}]"
         compiled = ""
         scope = f"-{self.compile_scope}" if self.compile_scope else ""  # +compile-step
         if self.compile == "default":
@@ -162,6 +171,8 @@ class Candidate:
             options["channels_last"] = True
         if self.keep_fp32:
             options["keep_fp32"] = list(self.keep_fp32)
+        if self.keep_bf16:
+            options["keep_bf16"] = list(self.keep_bf16)
         return options
 
     def to_dict(self) -> dict[str, Any]:
@@ -169,6 +180,7 @@ class Candidate:
             "policy": self.policy,
             "channels_last": self.channels_last,
             "keep_fp32": list(self.keep_fp32),
+            "keep_bf16": list(self.keep_bf16),
             "emulate": self.emulate,
             "compile": self.compile,
             "compile_scope": self.compile_scope,
@@ -186,6 +198,7 @@ class Candidate:
             policy=data["policy"],
             channels_last=bool(data.get("channels_last", False)),
             keep_fp32=tuple(data.get("keep_fp32") or ()),
+            keep_bf16=tuple(data.get("keep_bf16") or ()),
             emulate=data.get("emulate"),
             compile=data.get("compile"),
             compile_scope=data.get("compile_scope"),

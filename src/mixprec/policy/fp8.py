@@ -70,13 +70,18 @@ def fp8_layers(model: nn.Module, keep_fp32: Iterable[str] = ()) -> tuple[list[st
 def convert(model: nn.Module, recipe: str, keep_fp32: Iterable[str] = ()) -> list[str]:
     """Convert the model's eligible Linear layers to torchao's Float8Linear, in place; returns their
     names. fp32 islands are left out (they run outside autocast in fp32 by design)."""
-    float8 = _float8()
     converted, _ = fp8_layers(model, keep_fp32)
-    wanted = set(converted)
+    convert_layers(model, recipe, converted)
+    return converted
+
+
+def convert_layers(model: nn.Module, recipe: str, names: Iterable[str]) -> None:
+    """Convert the named Linear layers of the model to torchao's Float8Linear, in place."""
+    float8 = _float8()
+    wanted = set(names)
     if wanted:
         float8.convert_to_float8_training(
             model,
             config=float8.Float8LinearConfig.from_recipe_name(recipe),
             module_filter_fn=lambda module, name: name in wanted,
         )
-    return converted

@@ -75,6 +75,11 @@ def fp32_islands(model: torch.nn.Module, patterns: list[str]) -> dict[str, torch
     return {name: m for name, m in named.items() if any(fnmatch.fnmatchcase(name, p) for p in patterns)}
 
 
+def matches_any(name: str, patterns: list[str]) -> bool:
+    """Whether a module name matches one of the glob patterns (keep_fp32, the keep_bf16 map)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
 def keep_in_fp32(
     module: torch.nn.Module, device_type: str, output_dtype: torch.dtype | None = None
 ) -> torch.nn.Module:

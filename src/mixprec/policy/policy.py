@@ -13,8 +13,15 @@ import torch
 from torch import nn
 
 from mixprec import state
-from mixprec.errors import PolicyError, UnsupportedError, did_you_mean
+from mixprec.errors import (
+    NonFiniteGradientsError,
+    PolicyError,
+    ScaleCollapseError,
+    UnsupportedError,
+    did_you_mean,
+)
 from mixprec.hardware.device import DeviceInfo, detect, resolve_device
+from mixprec.policy import lowformat
 from mixprec.policy.candidate import Candidate
 from mixprec.policy.hooks import (
     cast_inputs,
@@ -24,6 +31,7 @@ from mixprec.policy.hooks import (
     keep_in_fp32,
     refuse_split_ties,
 )
+from mixprec.policy.lowformat import LayerPlan
 from mixprec.policy.registry import POLICIES, PolicySpec, canonical_name
 from mixprec.policy.scaler import (
     ScalerOptions,
@@ -32,6 +40,7 @@ from mixprec.policy.scaler import (
     check_persistent_skips,
     check_scale_collapse,
     nonfinite_parameter_names,
+    nonfinite_weights_error,
     scaler_state_problem,
     values,
 )
@@ -50,6 +59,9 @@ class PolicyConfig:
     keep_fp32: tuple[str, ...] = ()
     finite_check: bool = False
     scaler: ScalerOptions | None = None
+    keep_bf16: tuple[str, ...] = ()
+    """Low-format Linear policies: the precision map, the Linear GEMMs kept in bf16
+    (:mod:`mixprec.policy.lowformat`)."""
 
     @property
     def spec(self) -> PolicySpec:
@@ -66,6 +78,7 @@ class PolicyConfig:
             "device": self.device,
             "channels_last": self.channels_last,
             "keep_fp32": list(self.keep_fp32),
+            "keep_bf16": list(self.keep_bf16),
             "finite_check": self.finite_check,
             "scaler": None if self.scaler is None else vars(self.scaler).copy(),
         }
@@ -138,7 +151,8 @@ class Policy:
             )
         self.stats = StepStats()
         self._param_names: dict[int, str] = {}
-        self.fp8_layers: list[str] = []  # fp8 policies: the Linear layers prepare() converted
+        self.fp8_layers: list[str] = []  # low-format policies: the Linear layers prepare() converted
+        self.layer_plan: LayerPlan | None = None  # low-format policies: which GEMMs run in the format
         self._input_cast: Any = None  # *-true: the hook casting the model's inputs to the half dtype
 
     # ------------------------------------------------------------------ description
@@ -165,7 +179,7 @@ class Policy:
     # ------------------------------------------------------------------ model
     def prepare(self, model: nn.Module) -> nn.Module:
         """Move ``model`` to the device and apply casts, channels_last and fp32 islands, in place
-        (fp8 policies: convert its eligible Linear layers to torchao's Float8Linear)."""
+        (low-format policies: convert its eligible Linear layers as the precision map says)."""
         if not isinstance(model, nn.Module):
             raise PolicyError(
                 f"prepare() takes a torch.nn.Module, got {type(model).__name__}; "
@@ -193,10 +207,13 @@ class Policy:
             except ValueError as exc:
                 raise PolicyError(str(exc)) from None
         model.to(self.device)
-        if self.spec.fp8_recipe is not None:
-            from mixprec.policy import fp8
-
-            self.fp8_layers = fp8.convert(model, self.spec.fp8_recipe, self.config.keep_fp32)
+        if self.spec.low_format is not None:
+            # the block formats' real kernels where the device has them (Blackwell), else the emulation
+            kernel = "AUTO" if self.spec.block_format and self.check_support().native else None
+            self.layer_plan = lowformat.convert(
+                model, self.spec, self.config.keep_fp32, self.config.keep_bf16, kernel=kernel
+            )
+            self.fp8_layers = list(self.layer_plan.low)
         if self.spec.param_dtype is not None:
             stored = self.spec.param_dtype
             # floating-point tensors only, as Module.half() does: complex and integer ones keep
@@ -285,7 +302,7 @@ class Policy:
         if name not in POLICIES:
             raise PolicyError(f"switch(): unknown policy {name!r}{did_you_mean(name, list(POLICIES))}")
         target = POLICIES[name]
-        if target.param_dtype is not None or target.fp8_recipe:
+        if target.param_dtype is not None or target.low_format:
             raise PolicyError(
                 f"switch() from {self.name!r} to {name!r}: only to policies with fp32 weights "
                 "(*-mixed, fp32, tf32, bf32); narrowing weights and optimizer state mid-run is not exact."
@@ -384,6 +401,9 @@ class Policy:
                         "policy.backward(loss) before every policy.step(optimizer) (zero_grad(set_to_none"
                         "=True) since the last backward leaves nothing to step)."
                     ) from exc
+                except NotImplementedError as exc:
+                    _refuse_sparse_half_step(exc, o, self.name, self._param_names)
+                    raise
             found_host = [bool(self._scaler.found_inf(o)) for o in opts]
         else:
             found_host = [bool(f) for f in self._find_nonfinite(opts)]  # the one host read per step
@@ -402,10 +422,14 @@ class Policy:
             if stepping and clip_grad_value is not None:
                 torch.nn.utils.clip_grad_value_(stepping, clip_grad_value)
             for o, found in zip(opts, found_host, strict=True):
-                if self._scaler is not None:
-                    self._scaler.step(o)  # skips by itself on non-finite gradients
-                elif not found:
-                    o.step()
+                try:
+                    if self._scaler is not None:
+                        self._scaler.step(o)  # skips by itself on non-finite gradients
+                    elif not found:
+                        o.step()
+                except NotImplementedError as exc:
+                    _refuse_sparse_half_step(exc, o, self.name, self._param_names)
+                    raise
 
         skipped = any(found_host)
         if skipped:
@@ -427,10 +451,18 @@ class Policy:
             self.stats.skipped_steps += 1
             self.stats.consecutive_skips += 1
             self.stats.last_skipped_step = self.stats.steps - 1
-            if scale_before is not None:
-                check_scale_collapse(self.stats, self.config.scaler, scale_before)  # type: ignore[arg-type]
-            if self._scaler is None:
-                check_persistent_skips(self.stats)
+            try:
+                if scale_before is not None:
+                    check_scale_collapse(self.stats, self.config.scaler, scale_before)  # type: ignore[arg-type]
+                if self._scaler is None:
+                    check_persistent_skips(self.stats)
+            except (ScaleCollapseError, NonFiniteGradientsError):
+                # Before blaming the gradients: NaN weights (fp16 Adam's eps rounded to 0, say) make
+                # every gradient NaN at any scale. Read only here, so a skip costs nothing more.
+                weights = nonfinite_weights_error(opts, self._param_names, self.stats, self.name)
+                if weights is not None:
+                    raise weights from None
+                raise
         else:
             self.stats.skips_at_min_scale = 0
             self.stats.consecutive_skips = 0
@@ -511,6 +543,39 @@ def _nonfinite_flag(grads: list[torch.Tensor], device: torch.device) -> torch.Te
     return torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any().float()
 
 
+_KERNEL_DTYPES = {"Half": torch.float16, "BFloat16": torch.bfloat16}  # torch's names in its errors
+
+
+def _refuse_sparse_half_step(
+    exc: NotImplementedError, optimizer: torch.optim.Optimizer, policy: str, names: dict[int, str]
+) -> None:
+    """Raise :class:`UnsupportedError` from torch's ``"cadd_sparse" not implemented for 'Half'`` (and
+    the like) when ``optimizer`` steps half-precision weights with sparse gradients: torch lacks half
+    kernels for some sparse ops on some devices (SGD's momentum buffer of an
+    ``nn.Embedding(sparse=True)`` weight, fp16 on a CPU, from the second step on). Returns when
+    ``exc`` is another error."""
+    dtype = next((t for n, t in _KERNEL_DTYPES.items() if f"not implemented for '{n}'" in str(exc)), None)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    sparse = [
+        (names.get(id(p), f"param[{i}]"), p)
+        for i, p in enumerate(params)
+        if p.grad is not None and p.grad.is_sparse and p.dtype == dtype
+    ]
+    if not sparse:
+        return
+    more = f" (+{len(sparse) - 4} more)" if len(sparse) > 4 else ""
+    shown = ", ".join(repr(name) for name, _ in sparse[:4]) + more
+    fmt = str(dtype).removeprefix("torch.")
+    mixed = f"{policy.removesuffix('-true')}-mixed" if policy.endswith("-true") else "a *-mixed policy"
+    raise UnsupportedError(
+        f"{type(optimizer).__name__} cannot step the sparse gradients of {shown} under {policy!r}: torch "
+        f"has no {fmt} kernel on {sparse[0][1].device.type} for an op its update needs "
+        f"({str(exc).splitlines()[0]}), e.g. SGD's momentum buffer of a sparse gradient; use {mixed} "
+        "(its fp32 master weights are stepped in fp32), SGD without momentum, or a dense gradient "
+        "(nn.Embedding(..., sparse=False))."
+    ) from exc
+
+
 _SCALER_OPTION_NAMES = (
     "init_scale",
     "growth_factor",
@@ -519,7 +584,7 @@ _SCALER_OPTION_NAMES = (
     "min_scale",
     "max_skips_at_min_scale",
 )
-_OPTION_NAMES = ("channels_last", "keep_fp32", "finite_check", *_SCALER_OPTION_NAMES)
+_OPTION_NAMES = ("channels_last", "keep_fp32", "keep_bf16", "finite_check", *_SCALER_OPTION_NAMES)
 
 
 def get_policy(
@@ -593,6 +658,7 @@ def get_policy(
         keep_fp32=tuple(keep),
         finite_check=options.get("finite_check", False),
         scaler=scaler,
+        keep_bf16=lowformat.validate_map(spec, options.get("keep_bf16", ())),
     )
     policy = Policy(config)
     if check:
@@ -610,6 +676,7 @@ def policy_from_config(config: PolicyConfig | dict[str, Any]) -> Policy:
     options: dict[str, Any] = {
         "channels_last": config.get("channels_last", False),
         "keep_fp32": list(config.get("keep_fp32", [])),
+        "keep_bf16": list(config.get("keep_bf16", [])),
         "finite_check": config.get("finite_check", False),
     }
     if config.get("scaler"):

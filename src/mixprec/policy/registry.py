@@ -18,10 +18,10 @@ from mixprec.state import PrecisionSettings
 _STRICT = PrecisionSettings(cuda_matmul="ieee", cudnn="ieee", mkldnn="ieee")
 
 # Formats the numerics facts name (mixprec.numerics.limits.FORMATS has their limits).
-COMPUTE_FORMATS = ("fp32", "tf32", "bf32", "bf16", "fp16", "fp8")
+COMPUTE_FORMATS = ("fp32", "tf32", "bf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4")
 # torchao.float8 recipes the fp8 policies use (Float8LinearConfig.from_recipe_name).
 FP8_RECIPES = ("tensorwise", "rowwise")
-PEAK_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+PEAK_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
 # Device types mixprec policies run on (torch.device(...).type).
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -100,6 +100,9 @@ class PolicySpec:
             None where Keras has none (bf32 and newer formats: TensorFlow refuses the candidate).
         fp8_recipe: fp8 policies: the torchao.float8 recipe (:data:`FP8_RECIPES`) their Linear
             layers are converted with; everything else runs under bf16 autocast.
+        block_format: block-scaled policies: the :data:`mixprec.policy.blockscale.BLOCK_FORMATS`
+            recipe their Linear GEMMs run in (torchao's kernels on Blackwell, mixprec's emulation
+            elsewhere); everything else runs under bf16 autocast.
 
     The facts from ``fallbacks`` on are documented under each field.
     """
@@ -125,6 +128,7 @@ class PolicySpec:
     loss_scaling: bool = False
     keras: str | None = None
     fp8_recipe: str | None = None
+    block_format: str | None = None
     device_only: DeviceOnly | None = None
     """The one device type the policy means what it says on, with why not elsewhere and what to use
     there instead; None where it holds on every device type mixprec supports."""
@@ -149,6 +153,12 @@ class PolicySpec:
         return self.low_precision_dtype or torch.float32
 
     @property
+    def low_format(self) -> str | None:
+        """The format a low-format Linear policy runs its Linear GEMMs in ("fp8", "mxfp8", "nvfp4"),
+        None for every other policy: the policies a precision map (``keep_bf16``) applies to."""
+        return "fp8" if self.fp8_recipe is not None else self.block_format
+
+    @property
     def is_mixed(self) -> bool:
         return self.autocast_dtype is not None
 
@@ -163,6 +173,13 @@ _FP8_ON_CPU = DeviceOnly(
     "fp8 training needs fp8 tensor cores (an NVIDIA GPU with compute capability >= 8.9); on a CPU it runs "
     "torch._scaled_mm's slow reference kernels: mixprec only predicts its numerics there",
     "export for device='cuda' on an fp8 GPU, or 'bf16-mixed' on this CPU",
+)
+
+_BLOCK_ON_BLACKWELL = DeviceOnly(
+    "cuda",
+    "block-scaled formats (MXFP8, NVFP4) need Blackwell tensor cores (compute capability >= 10.0); "
+    "elsewhere mixprec emulates their numerics in fp32 to predict them, slowly",
+    "export for device='cuda' on a Blackwell GPU, or 'bf16-mixed' here",
 )
 
 POLICIES: dict[str, PolicySpec] = {
@@ -332,6 +349,36 @@ POLICIES: dict[str, PolicySpec] = {
             )
             for i, (recipe, other) in enumerate((("rowwise", "tensorwise"), ("tensorwise", "rowwise")))
         ),
+        # Block-scaled formats, Blackwell's: every Linear GEMM (forward and both backward) takes
+        # block-scaled operands (MXFP8: 32-element blocks of e4m3 with power-of-two scales; NVFP4:
+        # 16-element blocks of e2m1 with e4m3 scales and a tensor scale, stochastically rounded
+        # gradients), fp32 accumulation, the rest under bf16 autocast, fp32 master weights.
+        *(
+            PolicySpec(
+                name,
+                f"fp32 weights, bf16 autocast, Linear GEMMs in {what}",
+                _STRICT,
+                compute_format=name,
+                peak_key=peak,
+                rounding_format=element,
+                range_format="bf16",
+                safety_rank=9 + i,
+                thresholds=Thresholds(1e-1, 3.0, 0.0),
+                lightning=None,
+                accelerate=None,
+                deepspeed=None,
+                fallbacks=(*extra, "fp8-rowwise", "bf16-mixed", "fp16-mixed", "tf32", "bf32", "fp32"),
+                autocast_dtype=torch.bfloat16,
+                block_format=name,
+                device_only=_BLOCK_ON_BLACKWELL,
+            )
+            for i, (name, what, peak, element, extra) in enumerate(
+                (
+                    ("mxfp8", "MXFP8 (e4m3, 32-element blocks, power-of-two scales)", "fp8", "fp8_e4m3", ()),
+                    ("nvfp4", "NVFP4 (e2m1, 16-element blocks, e4m3 scales)", "fp4", "fp4_e2m1", ("mxfp8",)),
+                )
+            )
+        ),
     )
 }
 
@@ -343,7 +390,7 @@ def mixed_twin(name: str) -> str | None:
     half = POLICIES[name].param_dtype
     if half is None:
         return None
-    return next((n for n, s in POLICIES.items() if s.autocast_dtype == half and s.fp8_recipe is None), None)
+    return next((n for n, s in POLICIES.items() if s.autocast_dtype == half and s.low_format is None), None)
 
 
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)

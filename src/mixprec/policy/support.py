@@ -57,6 +57,8 @@ def _assess(spec: PolicySpec, info: DeviceInfo) -> tuple[bool, bool, str]:
         return True, True, f"TF32 tensor cores ({cc})"
     if spec.fp8_recipe is not None:
         return _assess_fp8(info, cc)
+    if spec.block_format is not None:
+        return _assess_block(spec.name, info, cc)
     if spec.name == "bf32":
         if info.type != "cpu":
             return False, False, "bf32 is a oneDNN (CPU) math mode; cuBLAS has no bf16 fp32-mode"
@@ -117,13 +119,30 @@ def _assess_fp8(info: DeviceInfo, cc: str) -> tuple[bool, bool, str]:
     return True, True, f"fp8 tensor cores ({cc}) via torchao.float8"
 
 
+def _assess_block(name: str, info: DeviceInfo, cc: str) -> tuple[bool, bool, str]:
+    from mixprec.policy.fp8 import torchao_available
+
+    predicted = f"`mixprec check` predicts its numerics here with mixprec's {name} emulation"
+    needs = f"{name} needs Blackwell tensor cores (compute capability >= 10.0)"
+    if info.type != "cuda":
+        return False, False, f"{needs}; this device is a CPU ({predicted})"
+    if not info.capability or info.capability[0] < 10:
+        return False, False, f"{needs}, this GPU has {cc} ({predicted})"
+    if not torchao_available():
+        return False, False, f"{name} runs on torchao's kernels: pip install 'mixprec[fp8]' ({predicted})"
+    return True, True, f"{name} tensor cores ({cc}) via torchao"
+
+
 def fp8_predictable(name: str, info: DeviceInfo) -> bool:
-    """An fp8 policy that cannot run fast here but whose numerics can be computed here: torchao's
-    recipe runs on any device (torch._scaled_mm has reference kernels), only slowly."""
+    """A low-format policy (fp8, MXFP8, NVFP4) that cannot run fast here but whose numerics can be
+    computed here: torchao's fp8 recipe runs on any device (torch._scaled_mm has reference
+    kernels), only slowly; the block formats run mixprec's emulation (mixprec.policy.blockscale)."""
     spec = POLICIES[canonical_name(name)]
     from mixprec.policy.fp8 import torchao_available
 
-    return spec.fp8_recipe is not None and not _assess(spec, info)[0] and torchao_available()
+    if spec.low_format is None or _assess(spec, info)[0]:
+        return False
+    return spec.block_format is not None or torchao_available()
 
 
 def check_support(name: str, info: DeviceInfo) -> Support:
@@ -179,7 +198,7 @@ def cures(name: str, problem: str, info: DeviceInfo, fmt: str) -> list[str]:
     twin = mixed_twin(name) if problem == "precision" else None  # the same range: no cure for one
     found: list[tuple[bool, bool, int, str]] = []
     for other, spec in POLICIES.items():
-        if other == name or spec.fp8_recipe or spec.compute_format == "fp32":
+        if other == name or spec.low_format or spec.compute_format == "fp32":
             continue
         if other != twin and (spec.range_format if problem == "range" else spec.rounding_format) == fmt:
             continue

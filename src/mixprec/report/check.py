@@ -44,11 +44,8 @@ def check_report(result: CheckResult) -> Group:
         table.add_column(col, justify="left" if col in ("candidate", "verdict", "keep_fp32 fix") else "right")
     for c in result.candidates:
         nonfinite = " / ".join(x or "-" for x in (c.first_nonfinite_forward, c.first_nonfinite_backward))
-        fix = (
-            ", ".join(c.fix_keep_fp32) + (" (verified)" if c.fix_verified else " (unverified)")
-            if c.fix_keep_fp32
-            else ""
-        )
+        found = c.fix_keep_fp32 or [f"bf16:{e}" for e in c.fix_keep_bf16]
+        fix = ", ".join(found) + (" (verified)" if c.fix_verified else " (unverified)") if found else ""
         table.add_row(
             c.label,
             Text(c.verdict + (" (predicted)" if c.predicted else ""), style=rich_style(c.verdict)),
@@ -86,7 +83,8 @@ def check_report(result: CheckResult) -> Group:
             )
         if c.evidence:
             parts.append(Text(f"    {c.evidence}", style="yellow"))
-        if c.verdict in ("fail", "at-risk") and c.run_headroom:
+        # a low format's range is bf16's (dynamic scales): its headroom says nothing; its map does
+        if c.verdict in ("fail", "at-risk") and c.run_headroom and not c.precision_map:
             for layer in c.run_headroom[:3]:
                 kind = f" ({layer['type']})" if layer.get("type") else ""
                 sides = [
@@ -112,13 +110,51 @@ def check_report(result: CheckResult) -> Group:
                         + (f", backward {fmt_bits(backward)}" if backward is not None else "")
                     )
                 )
-            if c.fix_keep_fp32 and c.fix_verified:
+            if c.fix_keep_bf16 and c.fix_verified:
+                parts.append(Text(f"    fix: {map_snippet(c)}  ({c.fix_note})", style="bold"))
+            elif c.fix_keep_fp32 and c.fix_verified:
                 parts.append(Text(f"    fix: {fix_snippet(c)}  ({c.fix_note})", style="bold"))
             elif c.fix_note:
                 parts.append(Text(f"    {c.fix_note}"))
             if c.suggestion:
                 parts.append(Text(f"    suggestion: {c.suggestion}"))
+        if c.precision_map:
+            parts += [Text(f"    {line}", style="dim") for line in map_lines(c)]
     return Group(*parts)
+
+
+def map_snippet(c: CandidateCheck) -> str:
+    keep = [*c.candidate.keep_bf16, *c.fix_keep_bf16]
+    return f"mixprec.get_policy({c.candidate.policy!r}, keep_bf16={keep!r})"
+
+
+def map_lines(c: CandidateCheck) -> list[str]:
+    """The precision map in figures: how much of the step runs in the format, and which layers the
+    roofline says gain nothing from it (a prediction from the shapes)."""
+    pm = c.precision_map or {}
+    fmt, share = pm.get("format"), pm.get("low_share_mapped")
+    mapped = "under the map above" if c.fix_keep_bf16 else "whole-model"
+    lines = [
+        f"{share:.0%} of the step's FLOPs in {fmt} {mapped} ({pm.get('low_share_whole', 0):.0%} whole-model)"
+    ]
+    layers = pm.get("layers") or []
+    if layers:
+        worst = min(
+            layers, key=lambda x: x["operand_sqnr_db"] if x["operand_sqnr_db"] is not None else math.inf
+        )
+        lines.append(
+            f"worst GEMM in {fmt}: {worst['name']} "
+            f"({fmt_db(worst['operand_sqnr_db'])} SQNR with quantised operands)"
+        )
+        speeds = ", ".join(f"{x['name']} {x['predicted_speedup']:.2f}x" for x in layers[:6])
+        more = f" (+{len(layers) - 6} more in the JSON)" if len(layers) > 6 else ""
+        lines.append(f"predicted on {pm.get('gpu')} (roofline, not measured): {speeds}{more}")
+    if pm.get("no_gain"):
+        lines.append(
+            f"no gain predicted on {pm.get('gpu')} for {', '.join(pm['no_gain'][:6])}: their casts cost more "
+            "than their GEMMs save there; keeping them in bf16 costs no accuracy"
+        )
+    return lines
 
 
 def figure(result: CheckResult) -> Any:

@@ -311,22 +311,37 @@ class Search:
             verdict = self.check(numerics, micro_batch=top.candidate.micro_batch)
             if verdict.passed and (best_pass is None or speed(top) > speed(best_pass)):
                 best_pass = top
-            elif verdict.fix_keep_fp32 and verdict.fix_verified and not self.budget.expired():
+            elif (
+                (verdict.fix_keep_fp32 or verdict.fix_keep_bf16)
+                and verdict.fix_verified
+                and not self.budget.expired()
+            ):
                 self.rescue(faster, verdict)
 
     def rescue(self, faster: list[BenchRow], verdict: CandidateCheck) -> None:
-        """Measure a failing policy rescued by keep_fp32 (fp32 islands are not free); its verdict is
-        built from the verifying run's figures."""
+        """Measure a failing policy rescued by keep_fp32 or a precision map (neither is free: fp32
+        islands and bf16 layers run slower); its verdict is built from the verifying run's figures."""
         base = verdict.candidate
         layouts = sorted({r.channels_last for r in faster if r.candidate.numerics == base})
         rescued = [
-            replace(base, channels_last=cl, keep_fp32=(*base.keep_fp32, *verdict.fix_keep_fp32))
+            replace(
+                base,
+                channels_last=cl,
+                keep_fp32=(*base.keep_fp32, *verdict.fix_keep_fp32),
+                keep_bf16=(*base.keep_bf16, *verdict.fix_keep_bf16),
+            )
             for cl in layouts
         ]
         if self.batches is not None:  # the numerics key has no micro-batch: the measured one's
             rescued = [b for c in rescued if (b := self.batches.batched(c)) is not None]
-        self.stage(f"measuring rescued {base.label} with keep_fp32={verdict.fix_keep_fp32}")
-        added = self._add([r for r in self._bench(rescued, self.budget).measured if r.keep_fp32])
+        fix = (
+            f"keep_fp32={verdict.fix_keep_fp32}"
+            if verdict.fix_keep_fp32
+            else f"keep_bf16={verdict.fix_keep_bf16}"
+        )
+        self.stage(f"measuring rescued {base.label} with {fix}")
+        measured = self._bench(rescued, self.budget).measured
+        added = self._add([r for r in measured if r.candidate.keep_fp32 or r.candidate.keep_bf16])
         if not added:
             self.notes.append(f"rescued {base.label} not measured: budget spent")
             self.budget.cut(f"rescued {base.label} was not measured")

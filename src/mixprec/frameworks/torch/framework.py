@@ -130,12 +130,17 @@ class TorchFramework(Framework):
     def predictable(self, candidate: Candidate, info: DeviceInfo) -> str | None:
         if not fp8_predictable(candidate.policy, info):
             return None
-        reason = check_support(candidate.policy, info).reason.split(";")[0]
-        return (
-            f"numerics predicted on {info.type}: torchao's {candidate.spec.fp8_recipe} fp8 recipe run here "
-            "with the scales and fp8 casts an fp8 GPU applies (torch._scaled_mm reference kernels); "
-            f"speed is not measurable here ({reason})"
+        reason = check_support(candidate.policy, info).reason.split(";")[0].split(" (")[0]
+        spec = candidate.spec
+        how = (
+            f"torchao's {spec.fp8_recipe} fp8 recipe run here with the scales and fp8 casts an fp8 GPU "
+            "applies (torch._scaled_mm reference kernels)"
+            if spec.fp8_recipe is not None
+            else f"mixprec's emulation of the {spec.name} recipe run here (its block scales, element "
+            "rounding and gradient rounding, bit for bit torchao's emulated kernels where torchao has "
+            "them; fp32 accumulation)"
         )
+        return f"numerics predicted on {info.type}: {how}; speed is not measurable here ({reason})"
 
     def tune_candidates(self, workload: Workload, info: DeviceInfo) -> list[Candidate]:
         layouts = (False, True) if has_4d_weights(workload.model) else (False,)
@@ -158,18 +163,28 @@ class TorchFramework(Framework):
         return [replace(candidate, optimizer=impl) for impl in impls]
 
     def predictions(self, workload: Workload, info: DeviceInfo) -> tuple[list[Candidate], list[str]]:
-        from mixprec.policy.fp8 import fp8_layers
+        from mixprec.policy.lowformat import plan_layers
 
-        names = [n for n in POLICY_NAMES if fp8_predictable(n, info)]
-        if not names:
-            return [], []
-        converted, left = fp8_layers(workload.model)
-        if not converted:
-            return [], [
-                f"fp8 would convert none of this model's Linear layers ({len(left)} have a dimension not "
-                "divisible by 16, which torch._scaled_mm needs): nothing to predict"
-            ]
-        return [Candidate(n) for n in names], []
+        cands: list[Candidate] = []
+        notes: list[str] = []
+        for name in (n for n in POLICY_NAMES if fp8_predictable(n, info)):
+            spec = Candidate(name).spec
+            plan = plan_layers(workload.model, spec)
+            if plan.low:
+                cands.append(Candidate(name))
+            else:
+                notes.append(
+                    f"{name} would convert none of this model's Linear layers ({len(plan.ineligible)} have a "
+                    "dimension its kernels cannot take): nothing to predict"
+                )
+        return cands, list(dict.fromkeys(notes))
+
+    def linear_census(
+        self, workload: Workload, spec: Any, batch: Any, device: str, keep_fp32: Sequence[str] = ()
+    ) -> Any:
+        from mixprec.frameworks.torch.linears import census
+
+        return census(workload, spec, batch, device, keep_fp32)
 
     # ------------------------------------------------------------------ measuring
     def make_batches(self, workload: Workload, batch_size: int, device: str, seed: int, n: int) -> list[Any]:

@@ -1,0 +1,206 @@
+"""Low-format Linear policies (fp8, MXFP8, NVFP4): which Linear GEMMs run in the low format, the
+precision map that keeps some in bf16, and the conversion.
+
+A precision map (``keep_bf16``) is a list of entries ``"<module glob>"`` (the Linear's three
+GEMMs stay in bf16) or ``"<module glob>:<direction>"`` with a direction of
+:data:`~mixprec.policy.blockscale.DIRECTIONS` (only that GEMM does: ``"lm_head:wgrad"``). What
+it leaves runs in bf16 under the policy's autocast, as every recipe in the field keeps its
+excluded layers (torchao's ``module_filter_fn``, Megatron's ``--first-last-layers-bf16``).
+Directions need a block format: torchao's Float8Linear takes one recipe per layer.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from mixprec.errors import PolicyError
+from mixprec.policy.blockscale import BLOCK_FORMATS, DIRECTIONS, BlockFormat, BlockLinear, eligible, seed_of
+from mixprec.policy.islands import is_fp32_island
+from mixprec.policy.registry import PolicySpec
+
+
+def parse_entry(entry: str) -> tuple[str, str | None]:
+    """``"h.0.mlp:wgrad"`` -> ("h.0.mlp", "wgrad"); ``"head"`` -> ("head", None)."""
+    pattern, sep, direction = entry.rpartition(":")
+    if not sep:
+        return entry, None
+    if direction not in DIRECTIONS or not pattern:
+        raise PolicyError(
+            f"keep_bf16 entry {entry!r}: {direction!r} is not a GEMM direction; valid: a module glob, or "
+            f"'<module glob>:<direction>' with a direction of {', '.join(DIRECTIONS)} (e.g. 'lm_head:wgrad')."
+        )
+    return pattern, direction
+
+
+def validate_map(spec: PolicySpec, keep_bf16: Iterable[str]) -> tuple[str, ...]:
+    """``keep_bf16`` as a tuple, checked against the policy; PolicyError naming the fix otherwise."""
+    entries = (keep_bf16,) if isinstance(keep_bf16, str) else keep_bf16
+    if not isinstance(entries, (list, tuple)) or not all(isinstance(e, str) and e for e in entries):
+        raise PolicyError(
+            f"keep_bf16 must be a list of Linear names or globs, optionally with ':forward', ':dgrad' or "
+            f"':wgrad', got {keep_bf16!r}."
+        )
+    entries = tuple(entries)
+    if entries and spec.low_format is None:
+        raise PolicyError(
+            f"keep_bf16={list(entries)!r} is a precision map for the low-format Linear policies (fp8-*, "
+            f"mxfp8, nvfp4); {spec.name!r} runs no Linear in a low format. Drop keep_bf16, or use keep_fp32."
+        )
+    for entry in entries:
+        _, direction = parse_entry(entry)
+        if direction is not None and spec.block_format is None:
+            raise PolicyError(
+                f"keep_bf16 entry {entry!r}: {spec.name} converts a Linear whole (torchao's Float8Linear "
+                "takes one recipe per layer); name the module without ':<direction>', or use mxfp8/nvfp4, "
+                "whose GEMM directions mixprec sets one by one."
+            )
+    return entries
+
+
+@dataclass
+class LayerPlan:
+    """Which Linear GEMMs a low-format policy runs in the format.
+
+    Attributes:
+        low: Linear name -> the directions it runs in the format (at least one).
+        kept: Linear names the precision map keeps whole in bf16.
+        ineligible: Linear names whose shapes the format's kernels cannot take (a dimension not a
+            multiple of its block; fp8: of 16); they run in bf16 as well.
+    """
+
+    low: dict[str, frozenset[str]] = field(default_factory=dict)
+    kept: list[str] = field(default_factory=list)
+    ineligible: list[str] = field(default_factory=list)
+
+    def describe(self) -> list[str]:
+        """The map as ``keep_bf16`` entries: whole layers, then single directions."""
+        partial = [f"{n}:{d}" for n, dirs in self.low.items() for d in DIRECTIONS if d not in dirs]
+        return [*self.kept, *partial]
+
+
+def _eligible(module: nn.Module, spec: PolicySpec) -> bool:
+    if spec.block_format is not None:
+        return eligible(module, BLOCK_FORMATS[spec.block_format])
+    from mixprec.policy.fp8 import fp8_eligible
+
+    return fp8_eligible(module)
+
+
+def plan_layers(
+    model: nn.Module, spec: PolicySpec, keep_fp32: Iterable[str] = (), keep_bf16: Iterable[str] = ()
+) -> LayerPlan:
+    """The model's Linear layers under ``spec`` and the precision map ``keep_bf16``; layers in fp32
+    islands are in no list (they run in fp32 by design)."""
+    islands = tuple(keep_fp32)
+    entries = [parse_entry(e) for e in validate_map(spec, tuple(keep_bf16))]
+    if isinstance(model, nn.Linear):
+        # the conversion swaps a Linear in its parent, and the model itself has none
+        raise PolicyError(
+            f"{spec.name} converts Linear layers inside a model, and this model is a bare "
+            f"{type(model).__name__}; wrap it (torch.nn.Sequential(linear)) and prepare the wrapper."
+        )
+    plan = LayerPlan()
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or is_fp32_island(name, islands):
+            continue
+        if not _eligible(module, spec):
+            plan.ineligible.append(name)
+            continue
+        low = set(DIRECTIONS)
+        for pattern, direction in entries:
+            if fnmatch.fnmatchcase(name, pattern):
+                low -= set(DIRECTIONS) if direction is None else {direction}
+        if low:
+            plan.low[name] = frozenset(low)
+        else:
+            plan.kept.append(name)
+    return plan
+
+
+def linear_names(model: nn.Module, spec: PolicySpec, keep_fp32: Iterable[str] = ()) -> list[str]:
+    """The Linear layers the format could run (the precision map's search space), in model order."""
+    return list(plan_layers(model, spec, keep_fp32).low)
+
+
+def unmatched(model: nn.Module, keep_bf16: Iterable[str]) -> list[str]:
+    """Map entries whose glob names no Linear of the model (a typo the map would silently ignore)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return [e for e in keep_bf16 if not any(fnmatch.fnmatchcase(n, parse_entry(e)[0]) for n in names)]
+
+
+def refuse_unmatched(model: nn.Module, keep_bf16: Iterable[str]) -> None:
+    """PolicyError naming the first map entry that matches no Linear, and the model's Linears."""
+    missing = unmatched(model, keep_bf16)
+    if missing:
+        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        raise PolicyError(
+            f"keep_bf16 entry {missing[0]!r} matches no Linear of the model; its Linear layers are "
+            f"{', '.join(linears[:8]) or 'none'}{' ...' if len(linears) > 8 else ''}. Name one of them."
+        )
+
+
+def convert(
+    model: nn.Module,
+    spec: PolicySpec,
+    keep_fp32: Iterable[str] = (),
+    keep_bf16: Iterable[str] = (),
+    kernel: str | None = None,
+) -> LayerPlan:
+    """Convert the model's Linear layers for ``spec`` in place, as ``keep_bf16`` says; returns the
+    plan. fp8: torchao's Float8Linear (what an fp8 GPU runs; reference kernels elsewhere). Block
+    formats: with ``kernel`` (a torchao KernelPreference name: "AUTO" where the device has the
+    kernels), torchao's MXFP8/NVFP4 Linear for the layers whose GEMM directions it can express;
+    everywhere else :class:`~mixprec.policy.blockscale.BlockLinear`, mixprec's emulation."""
+    refuse_unmatched(model, keep_bf16)
+    plan = plan_layers(model, spec, keep_fp32, keep_bf16)
+    if spec.fp8_recipe is not None:
+        from mixprec.policy import fp8
+
+        fp8.convert_layers(model, spec.fp8_recipe, list(plan.low))
+        return plan
+    fmt = BLOCK_FORMATS[str(spec.block_format)]
+    for name, low in plan.low.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, child)
+        swapped = torchao_block_linear(linear, fmt, low, kernel) if kernel is not None else None
+        setattr(parent, child, swapped or BlockLinear(linear, fmt, low, seed=seed_of(name)))
+    return plan
+
+
+def torchao_block_linear(
+    linear: nn.Linear, fmt: BlockFormat, low: frozenset[str], kernel: str
+) -> nn.Module | None:
+    """torchao's training Linear for ``fmt`` sharing ``linear``'s parameters, where torchao can express
+    ``low`` (MXFP8: all three GEMMs, or all but wgrad via ``wgrad_with_hp``; NVFP4: all three, with
+    every dimension a multiple of 128); None where it cannot (the emulation runs instead).
+    ``kernel``: torchao's KernelPreference name ("AUTO" on Blackwell; "EMULATED" to test the path)."""
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    if fmt.name == "mxfp8" and low in (frozenset(DIRECTIONS), frozenset({"forward", "dgrad"})):
+        from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+
+        new = MXFP8Linear(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device="meta",
+            kernel_preference=KernelPreference[kernel],
+            wgrad_with_hp="wgrad" not in low,
+        )
+    elif fmt.name == "nvfp4" and low == frozenset(DIRECTIONS) and kernel == "AUTO":
+        if linear.in_features % 128 or linear.out_features % 128:
+            return None
+        from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
+
+        new = NVFP4Linear(
+            linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta"
+        )
+    else:
+        return None
+    new.weight, new.bias = linear.weight, linear.bias
+    return new
