@@ -314,3 +314,17 @@ def test_a_prepared_block_format_model_learns(policy):
     assert pol.stats.skipped_steps == 0
     first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
     assert last < 0.5 * first, (first, last)
+
+
+@pytest.mark.parametrize("policy", ["mxfp8", "nvfp4", "fp8-rowwise"])
+def test_a_float64_linear_is_left_in_its_own_dtype(policy):
+    """A low format converts fp32 Linears only: a float64 one keeps computing in float64 (converted,
+    its output came back in the autocast dtype, silently narrowing a float64 model)."""
+    model = nn.Sequential(nn.Linear(64, 64).double(), nn.Linear(64, 64))
+    pol = mixprec.get_policy(policy, device="cpu", check=False)
+    pol.prepare(model)
+    assert type(model[0]) is nn.Linear and "0" in pol.layer_plan.ineligible
+    assert "1" in pol.layer_plan.low
+    with pol.autocast():
+        out = model[0](torch.randn(4, 64, dtype=torch.float64))
+    assert out.dtype == torch.float64

@@ -15,6 +15,7 @@ import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from mixprec.errors import PolicyError
@@ -68,8 +69,8 @@ class LayerPlan:
     Attributes:
         low: Linear name -> the directions it runs in the format (at least one).
         kept: Linear names the precision map keeps whole in bf16.
-        ineligible: Linear names whose shapes the format's kernels cannot take (a dimension not a
-            multiple of its block; fp8: of 16); they run in bf16 as well.
+        ineligible: Linear names the format's kernels cannot take (a dimension not a multiple of its
+            block, fp8: of 16; weights not fp32); they run as they would without the format.
     """
 
     low: dict[str, frozenset[str]] = field(default_factory=dict)
@@ -83,6 +84,10 @@ class LayerPlan:
 
 
 def _eligible(module: nn.Module, spec: PolicySpec) -> bool:
+    """Whether the format's kernels take the Linear: its shape, and fp32 weights (a float64, half or
+    complex Linear computes in its own dtype, which a low format would silently change)."""
+    if getattr(module, "weight", None) is None or module.weight.dtype != torch.float32:
+        return False
     if spec.block_format is not None:
         return eligible(module, BLOCK_FORMATS[spec.block_format])
     from mixprec.policy.fp8 import fp8_eligible
