@@ -236,3 +236,26 @@ def test_an_fp32_island_is_not_reported_as_running_in_the_format(island_result):
     names = [x["name"] for x in pm["layers"]]
     assert "mix" not in names, pm["layers"]
     assert names == ["embed", "hidden"]
+
+
+def test_tune_on_a_cpu_predicts_the_low_formats_and_their_verified_maps():
+    """tune cannot time fp8 or the block formats on a CPU: it predicts them, and where one fails
+    whole-model it says which precision map would make it pass, verified."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = mixprec.tune(
+            mixprec.load_workload(EXAMPLE),
+            budget_s=120,
+            compile_modes=(),
+            optimizers=False,
+            lint=False,
+            device="cpu",
+        )
+    finally:
+        torch.set_num_threads(before)
+    notes = " ".join(result.notes)
+    assert "fp8-rowwise would fail the numerics check on an fp8 GPU" in notes
+    assert "fp8-rowwise" in notes and "keep_bf16=['mix'] it would pass (verified over" in notes
+    assert "mxfp8 would fail" in notes and "keep_bf16=['mix:forward'] it would pass" in notes
+    assert result.recommendation is not None and result.recommendation.candidate.spec.low_format is None

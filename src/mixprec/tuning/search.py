@@ -364,9 +364,15 @@ class Search:
                 return
             verdict = self.check(cand, micro_batch=self.baseline.micro_batch)
             outcome = "would pass" if verdict.passed else "would fail"
+            mapped = ""
+            if verdict.fix_keep_bf16 and verdict.fix_verified:
+                mapped = (
+                    f"; with the precision map keep_bf16={verdict.fix_keep_bf16} it would pass "
+                    f"({verdict.fix_note})"
+                )
             self.notes.append(
                 f"{cand.label} {outcome} the numerics check on an {cand.spec.compute_format} GPU "
-                f"({verdict.reason}); {verdict.predicted or 'predicted here, speed not measured'}"
+                f"({verdict.reason}){mapped}; {verdict.predicted or 'predicted here, speed not measured'}"
             )
 
     # ------------------------------------------------------------------ 3. beyond eager
