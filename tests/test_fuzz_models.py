@@ -19,8 +19,16 @@ they keep their own. ``hypothesis.event`` records the outcome of each input
 (``--hypothesis-show-statistics``); the last test prints how many models and (model, policy) inputs
 were tried.
 
+The low-format Linear policies (fp8-rowwise, fp8-tensorwise, mxfp8, nvfp4) run fast on CUDA only,
+but their numerics run here (``get_policy(check=False)``: torchao's Float8Linear, mixprec's BlockLinear
+emulation) and ``mixprec.check`` predicts them here, so a second test takes them through the same
+property, on models wide enough for their kernels and with a random precision map ``keep_bf16``,
+and four of their own: a tie stays one Parameter; a float64, complex or float16 Linear keeps its
+dtype; the map is applied as written or refused naming the entry; every Parameter after prepare is
+the object it was (an optimizer built before prepare trains the converted layers).
+
 Examples are derandomised (the same models on every run, so CI cannot flake) and sized to keep the
-file near 10 s on a 2-core CPU; ``MIXPREC_FUZZ_SCALE=10`` tries ten times as many.
+file near 14 s on a 2-core CPU; ``MIXPREC_FUZZ_SCALE=10`` tries ten times as many.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import mixprec
 from mixprec.errors import MixprecError
 from mixprec.exports import EXPORT_TARGETS, export_all
 from mixprec.policy import POLICIES, POLICY_NAMES, Candidate
+from mixprec.policy.blockscale import DIRECTIONS, BlockLinear
 from mixprec.policy.islands import is_fp32_island
 from mixprec.status import Status
 
@@ -106,6 +115,11 @@ class Recipe:
     optimizer: str = "sgd"  # sgd / momentum / adagrad / adam / adamw
     step: str = "plain"  # plain / clip (clip_grad_norm) / finite_check (the policies without a scaler)
     keep_fp32: tuple[str, ...] = ()  # module-name patterns for the *-mixed and *-true policies
+    # the low-format Linear policies' draws only (fp8-*, mxfp8, nvfp4):
+    float16: str = "none"  # none / linear (a float16 Linear: the fp32-master policies refuse the model)
+    keep_bf16: tuple[str, ...] = ()  # the precision map, as drawn (directions dropped under fp8 ...)
+    fp8_directions: bool = False  # ... unless this: fp8 is given the directions, and must refuse them
+    vocab: int = VOCAB  # with an embedding: the tokens and the head's outputs (32: a head they convert)
 
 
 class Generated(nn.Module):
@@ -120,8 +134,8 @@ class Generated(nn.Module):
         norms["group"] = lambda: nn.GroupNorm(2, d)
         self.norm = norms.get(r.norm, nn.Identity)()
         if r.embedding != "none":
-            self.embed = nn.Embedding(VOCAB, d, sparse=r.embedding == "sparse")
-        self.head = nn.Linear(d, VOCAB if r.embedding != "none" else 3, bias=False)
+            self.embed = nn.Embedding(r.vocab, d, sparse=r.embedding == "sparse")
+        self.head = nn.Linear(d, r.vocab if r.embedding != "none" else 3, bias=False)
         if r.tied and r.embedding != "none":
             self.head.weight = self.embed.weight
         if r.shared:
@@ -142,6 +156,8 @@ class Generated(nn.Module):
             self.scale64 = nn.Parameter(torch.ones(d, dtype=torch.float64))
         elif r.float64 == "linear":
             self.wide = nn.Linear(d, d, dtype=torch.float64)
+        if r.float16 == "linear":
+            self.narrow = nn.Linear(d, d, dtype=torch.float16)
         buffers = {
             "persistent": lambda: self.register_buffer("shift", torch.zeros(d)),
             "transient": lambda: self.register_buffer("mask", torch.ones(d), persistent=False),
@@ -172,6 +188,8 @@ class Generated(nn.Module):
             h = (h.to(self.scale64.dtype) * self.scale64).to(h.dtype)
         elif r.float64 == "linear":
             h = h + self.wide(h.to(self.wide.weight.dtype)).to(h.dtype)
+        if r.float16 == "linear":
+            h = h + self.narrow(h.to(self.narrow.weight.dtype)).to(h.dtype)
         if "persistent" in r.buffers:
             h = h + self.shift.to(h.dtype)
         if "transient" in r.buffers:
@@ -195,11 +213,11 @@ def _logits(out: Any) -> torch.Tensor:
 def workload_of(r: Recipe) -> mixprec.Workload:
     torch.manual_seed(0)
     model = Generated(r)
-    classes = VOCAB if r.embedding != "none" else 3
+    classes = r.vocab if r.embedding != "none" else 3
 
     def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         x = torch.randn(batch_size, r.width, device=device)
-        ids = torch.randint(0, VOCAB, (batch_size, 3), device=device)
+        ids = torch.randint(0, r.vocab, (batch_size, 3), device=device)
         return x, ids, torch.randint(0, classes, (batch_size,), device=device)
 
     def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -241,11 +259,14 @@ def _modules_of(r: Recipe) -> list[str]:
     names += ["unused"] if r.unused else []
     names += ["spectral"] if r.complex == "linear" else []
     names += ["wide"] if r.float64 == "linear" else []
+    names += ["narrow"] if r.float16 == "linear" else []
     return names
 
 
 @st.composite
-def recipes(draw: st.DrawFn) -> Recipe:
+def recipes(draw: st.DrawFn, low: bool = False) -> Recipe:
+    """A model; ``low``: one for the low-format Linear policies (widths whose Linear layers their
+    kernels take, now and then a float16 Linear, a precision map)."""
     embedding = draw(st.sampled_from(["none", "dense", "sparse"]))
     # sparse gradients: only the optimizers that take them
     optimizers = (
@@ -269,12 +290,35 @@ def recipes(draw: st.DrawFn) -> Recipe:
         optimizer=draw(st.sampled_from(optimizers)),
         step=draw(st.sampled_from(["plain", "plain", "clip", "finite_check"])),
     )
+    if low:  # fp8 and nvfp4 take multiples of 16, mxfp8 of 32; 8: no layer converted
+        r = replace(r, width=draw(st.sampled_from([32, 16, 32, 16, 8])))
+        r = replace(r, float16="linear" if draw(st.integers(0, 11)) == 11 else "none")
+        if embedding != "none":  # a (tied) head the formats convert
+            r = replace(r, vocab=draw(st.sampled_from([32, VOCAB])))
     if draw(st.integers(0, 2)) == 0:  # fp32 islands: names, and now and then a glob
         pool = [*_modules_of(r), "fro*", "*ed", "?ead"]
         keep = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=2, unique=True))
         names = _modules_of(r)
         r = replace(r, keep_fp32=tuple(p for p in keep if any(fnmatch.fnmatchcase(n, p) for n in names)))
+    if low and draw(st.integers(0, 2)) > 0:  # two in three: a precision map
+        pool = [*_linears_of(r), "*", "?ead", "le*", "*t"]
+        picks = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3, unique=True))
+        entries = [p + draw(st.sampled_from(["", "", ":forward", ":dgrad", ":wgrad"])) for p in picks]
+        if draw(st.integers(0, 5)) == 0:  # one the policy must refuse, naming it
+            entries.append(draw(st.sampled_from(BAD_ENTRIES)))
+        r = replace(r, keep_bf16=tuple(dict.fromkeys(entries)), fp8_directions=draw(st.integers(0, 5)) == 0)
     return r
+
+
+# entries a precision map must refuse: a module but no Linear, no module, no GEMM direction, no glob
+BAD_ENTRIES = ("norm", "embed*", "nope", "head:backward", "inp:", ":wgrad", "inp:dgrad:wgrad")
+
+
+def _linears_of(r: Recipe) -> list[str]:
+    """The Linear layers of ``Generated(r)``, whatever their shapes or dtypes."""
+    modules = set(_modules_of(r))
+    names = ["inp", "head", "left", "right", "frozen.0", "unused", "spectral", "wide", "narrow"]
+    return [n for n in names if n in modules]
 
 
 # ------------------------------------------------------------------ the property
@@ -410,9 +454,9 @@ def check(r: Recipe, trained: dict[str, str]) -> dict[str, str]:
     return outcomes
 
 
-def export(r: Recipe, name: str) -> str:
+def export(r: Recipe, name: str, cand: Candidate | None = None) -> str:
     try:
-        results = export_all(Candidate(name, keep_fp32=_keep_of(r, name)), device="cpu")
+        results = export_all(cand or Candidate(name, keep_fp32=_keep_of(r, name)), device="cpu")
     except MixprecError as exc:
         return "export " + _refusal(exc)
     assert list(results) == list(EXPORT_TARGETS)
@@ -442,6 +486,310 @@ def test_generated_models_train_check_and_export_or_refuse_in_one_line(r, steps)
             event(f"{name}: {outcome}")
             OUTCOMES[outcome] += 1
         TRIED["checked models"] += 1
+
+
+# ------------------------------------------------------------------ the low-format Linear policies
+
+# fp8 (torchao's Float8Linear) and the block formats (mixprec's BlockLinear emulation): they run fast
+# on CUDA only, but get_policy(check=False) + prepare run them here and mixprec.check predicts their
+# numerics here, so they go through the same property, and four of their own:
+# (1) a tie stays one Parameter; (2) a float64, complex or float16 Linear keeps its dtype (left as it
+# is, or its outputs in its own dtype); (3) the precision map keep_bf16 is applied as written (the
+# layers it names whole stay nn.Linear, the directions it names are not in BlockLinear.low) or
+# refused by a PolicyError naming an entry it cannot apply; (4) every Parameter after prepare is the
+# object it was (an optimizer built before prepare trains the converted layers), the state dict's
+# keys are the same.
+LOW_POLICIES = tuple(n for n in POLICY_NAMES if POLICIES[n].low_format is not None)
+LOW_EXAMPLES = 16
+BLOCK = {"fp8": 16, "mxfp8": 32, "nvfp4": 16}  # both Linear dimensions: multiples of this, or no conversion
+LOW_TRIED: Counter[str] = Counter()
+
+
+def _map_of(r: Recipe, name: str) -> tuple[str, ...]:
+    """The precision map ``name`` is given: fp8 converts a Linear whole, so its entries lose their
+    GEMM direction, unless the recipe is there to see fp8 refuse them."""
+    if POLICIES[name].block_format is not None or r.fp8_directions:
+        return r.keep_bf16
+    stripped = []
+    for entry in r.keep_bf16:
+        pattern, _, direction = entry.rpartition(":")
+        stripped.append(pattern if pattern and direction in DIRECTIONS else entry)
+    return tuple(dict.fromkeys(stripped))
+
+
+def _parse(entry: str) -> tuple[str, str | None] | None:
+    """(glob, direction or None) of a well-formed entry; None for one that is not."""
+    pattern, sep, direction = entry.rpartition(":")
+    if not sep:
+        return entry, None
+    return (pattern, direction) if pattern and direction in DIRECTIONS else None
+
+
+def _bad_entries(entries: tuple[str, ...], name: str, linears: list[str]) -> list[str]:
+    """The entries ``name`` cannot apply: malformed, a direction where the policy converts a Linear
+    whole (fp8), or a glob naming no Linear of the model (a typo it would silently ignore)."""
+
+    def applies(entry: str) -> bool:
+        parsed = _parse(entry)
+        if parsed is None or (parsed[1] and POLICIES[name].block_format is None):
+            return False
+        return any(fnmatch.fnmatchcase(n, parsed[0]) for n in linears)
+
+    return [e for e in entries if not applies(e)]
+
+
+def _expected_plan(model: nn.Module, name: str, r: Recipe) -> dict[str, frozenset[str]]:
+    """Linear name -> the GEMM directions ``name`` runs in its format: every fp32 nn.Linear outside
+    the fp32 islands whose dimensions its kernels take, less what the map keeps in bf16."""
+    block = BLOCK[str(POLICIES[name].low_format)]
+    entries = [_parse(e) for e in _map_of(r, name)]
+    plan = {}
+    for lname, m in model.named_modules():
+        if type(m) is not nn.Linear or is_fp32_island(lname, r.keep_fp32) or m.weight.dtype != torch.float32:
+            continue
+        if m.in_features % block or m.out_features % block:
+            continue
+        low = set(DIRECTIONS)
+        for pattern, direction in (e for e in entries if e is not None):
+            if fnmatch.fnmatchcase(lname, pattern):
+                low -= set(DIRECTIONS) if direction is None else {direction}
+        if low:
+            plan[lname] = frozenset(low)
+    return plan
+
+
+def _assert_plan(model: nn.Module, original: nn.Module, name: str, r: Recipe) -> None:
+    """The Linear layers after ``prepare``: converted as :func:`_expected_plan` says, the others left
+    the nn.Linear they were (property 2 and 3)."""
+    expected = _expected_plan(original, name, r)
+    block = POLICIES[name].block_format is not None
+    for lname, m in original.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        now = model.get_submodule(lname)
+        if lname not in expected:
+            assert type(now) is nn.Linear, f"{r} under {name}: {lname} became a {type(now).__name__}"
+        elif block:
+            assert isinstance(now, BlockLinear), f"{r} under {name}: {lname} is a {type(now).__name__}"
+            assert now.low == expected[lname], f"{r} under {name}: {lname} runs {sorted(now.low)}"
+        else:  # torchao's Float8Linear (or an MXFP8Linear one day): converted, whole
+            assert type(now) is not nn.Linear, f"{r} under {name}: {lname} was not converted"
+
+
+def _output_dtypes(model: nn.Module, seen: dict[str, tuple[torch.dtype, torch.dtype]]) -> list[Any]:
+    """Hooks recording (weight dtype, output dtype) of every Linear's first forward."""
+
+    def hook(lname: str) -> Any:
+        def record(m: nn.Module, args: Any, out: torch.Tensor) -> None:
+            seen.setdefault(lname, (m.weight.dtype, out.dtype))
+
+        return record
+
+    return [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def train_low(r: Recipe, name: str, steps: int) -> str:
+    """prepare (``check=False``: the CPU runs the formats' numerics, slowly) + ``steps`` optimizer
+    steps of a fresh copy, with an optimizer built *before* prepare; the outcome's name."""
+    workload = workload_of(r)
+    model = copy.deepcopy(workload.model)
+    original = copy.deepcopy(model)  # the Linear layers as written (prepare swaps them in place)
+    keep, keep_bf16 = r.keep_fp32, _map_of(r, name)
+    expected, ties = _expected_dtypes(model, name, keep), _ties(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    keys = list(model.state_dict())
+    bad = _bad_entries(keep_bf16, name, _linears_of(r))
+    optimizer = workload.make_optimizer(model)  # before prepare, as a user's script may
+    try:
+        finite_check = r.step == "finite_check"
+        policy = mixprec.get_policy(
+            name, device="cpu", check=False, keep_fp32=list(keep), keep_bf16=list(keep_bf16),
+            finite_check=finite_check,
+        )  # fmt: skip
+        model = policy.prepare(model)
+    except MixprecError as exc:
+        outcome = _refusal(exc)
+        if bad:  # (3): the refusal names an entry it cannot apply (or the float16 weights, first)
+            named = any(e in str(exc) for e in bad)
+            assert named or (r.float16 != "none" and "keep_bf16" not in str(exc)), (
+                f"{r} under {name}: the refusal names none of {bad}: {exc}"
+            )
+            return outcome + (" (map)" if named else "")
+        # a float16 Linear: fp32 master weights refuse the model; nothing else may be refused
+        assert r.float16 != "none", f"{r} under {name}: refused {type(exc).__name__}: {exc}"
+        return outcome
+    assert not bad, f"{r} under {name}: keep_bf16 {list(keep_bf16)} applied although {bad} cannot be"
+    assert r.float16 == "none", f"{r} under {name}: prepared a model with float16 weights for fp32 masters"
+    when = f"{r} after {name} prepare"
+    _assert_dtypes(model, expected, ties, when)  # (1) and the dtypes: nothing cast
+    moved = [n for n, p in params.items() if model.get_parameter(n) is not p]
+    assert not moved, f"{when}: new Parameter objects for {moved}"  # (4)
+    assert list(model.state_dict()) == keys, f"{when}: state dict keys changed"
+    _assert_plan(model, original, name, r)  # (2) and (3)
+    converted = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and type(m) is not nn.Linear]
+    trained = {n: model.get_parameter(f"{n}.weight").detach().clone() for n in converted}
+    seen: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+    hooks = _output_dtypes(model, seen)
+    stepped = tries = 0
+    try:
+        with policy.precision_scope():
+            while stepped < steps and tries < MAX_TRIES:
+                batch = workload.make_batch(BATCH, torch.device("cpu"))
+                with policy.autocast():
+                    loss = workload.loss_fn(model, batch)
+                policy.backward(loss)
+                stepped += policy.step(optimizer, clip_grad_norm=1.0 if r.step == "clip" else None)
+                optimizer.zero_grad(set_to_none=True)
+                tries += 1
+    except MixprecError as exc:
+        return _refusal(exc)
+    except Exception as exc:
+        if _torch_gap(exc):
+            return "torch kernel gap"
+        raise AssertionError(f"{r} under {name}, step {tries}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        for h in hooks:
+            h.remove()
+    when = f"{r} after {tries} {name} steps"
+    _assert_dtypes(model, expected, ties, when)
+    narrowed = {n: d for n, d in seen.items() if d[0] != torch.float32 and d[1] != d[0]}
+    assert not narrowed, f"{when}: Linear outputs cast from their weights' dtype: {narrowed}"  # (2)
+    # (4): the optimizer built before prepare moved the converted layers' weights
+    weights = {n: model.get_parameter(f"{n}.weight") for n in converted if n != "unused"}  # unused: no grad
+    idle = [n for n, w in weights.items() if w.requires_grad and torch.equal(trained[n], w)]
+    assert not stepped or not idle, f"{when}: {stepped} steps left {idle} as they were"
+    return ("ran" if stepped == steps else "ran (steps skipped)") + (
+        " (converted none)" if not converted else ""
+    )
+
+
+def check_low(r: Recipe, trained: dict[str, str]) -> dict[str, str]:
+    """``mixprec.check`` of the four low formats at once, each with its map: predicted verdicts (none
+    unsupported: their numerics run here), a reason for each that is not a pass; a map the
+    Candidate cannot take refuses that candidate, naming the entry, and one the model cannot take
+    refuses the check (naming it too)."""
+    outcomes, cands = {}, []
+    model = workload_of(r).model
+    for name in LOW_POLICIES:
+        try:
+            cands.append(Candidate(name, keep_fp32=r.keep_fp32, keep_bf16=_map_of(r, name)))
+        except MixprecError as exc:
+            bad = _bad_entries(_map_of(r, name), name, _linears_of(r))
+            assert any(e in str(exc) for e in bad), (
+                f"{r}: {name}'s candidate refused naming none of {bad}: {exc}"
+            )
+            outcomes[name] = "check " + _refusal(exc) + " (map)"
+    bad = {c.policy: _bad_entries(c.keep_bf16, c.policy, _linears_of(r)) for c in cands}
+    try:
+        result = mixprec.check(workload_of(r), policies=cands, steps=2, batch_size=BATCH, device="cpu")
+    except MixprecError as exc:
+        named = any(e in str(exc) for entries in bad.values() for e in entries)
+        assert named or r.float16 != "none", f"{r}: check refused {type(exc).__name__}: {exc}"
+        return {**outcomes, **dict.fromkeys(bad, "check " + _refusal(exc) + (" (map)" if named else ""))}
+    for c in result.candidates:
+        name = c.candidate.policy
+        assert c.verdict != Status.UNSUPPORTED and c.predicted, f"{r} under {name}: not predicted: {c.reason}"
+        assert not bad[name], (
+            f"{r} under {name}: checked ({c.verdict}: {c.reason}) with {bad[name]} in its map"
+        )
+        if c.verdict == Status.PASS:  # a pass needs a GEMM that ran in the format
+            assert _expected_plan(model, name, r), f"{r} under {name}: passed with no GEMM in the format"
+        if c.verdict == Status.PASS:
+            outcomes[name] = "check pass"
+            continue
+        assert c.reason.strip(), f"{r} under {name}: {c.verdict} without a reason"
+        crashed = c.reason.startswith("training crashed")
+        assert not crashed or not trained[name].startswith("ran"), (
+            f"{r} under {name}: the check's training crashed ({c.reason}) where the same steps ran"
+        )
+        outcomes[name] = f"check {c.verdict}" + (" (training crashed)" if crashed else "")
+    assert sorted(outcomes) == sorted(LOW_POLICIES)
+    return outcomes
+
+
+def export_low(r: Recipe, name: str) -> str:
+    try:
+        cand = Candidate(name, keep_fp32=r.keep_fp32, keep_bf16=_map_of(r, name))
+    except MixprecError as exc:
+        return "export " + _refusal(exc)
+    return export(r, name, cand)
+
+
+@pytest.mark.timeout(600)
+@_settings(LOW_EXAMPLES)
+@given(r=recipes(low=True), steps=st.integers(2, 3))
+def test_generated_models_under_the_low_formats_keep_ties_dtypes_parameters_and_maps(r, steps):
+    LOW_TRIED["models"] += 1
+    drawn = {
+        f"width {r.width}": True,
+        "a precision map": bool(r.keep_bf16),
+        "GEMM directions": any(_parse(e) and _parse(e)[1] for e in r.keep_bf16),  # type: ignore[index]
+        "an entry to refuse": any(e in BAD_ENTRIES for e in r.keep_bf16),
+        "fp8 given directions": r.fp8_directions and any(":" in e for e in r.keep_bf16),
+        "fp32 islands": bool(r.keep_fp32),
+        "a tie or shared weight": r.tied or r.shared,
+        "a float16 Linear": r.float16 != "none",
+        "a float64 or complex Linear": "linear" in (r.float64, r.complex),
+    }
+    for feature in (f for f, yes in drawn.items() if yes):
+        event(f"low-format model: {feature}")
+        LOW_TRIED[f"with {feature}"] += 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trained = {}
+        for name in LOW_POLICIES:
+            LOW_TRIED["inputs"] += 1
+            trained[name] = train_low(r, name, steps)
+            event(f"{name}: train {trained[name]}")
+            OUTCOMES[f"{name} train {trained[name]}"] += 1
+            outcome = export_low(r, name)
+            event(f"{name}: {outcome}")
+            OUTCOMES[f"{name} {outcome.split(' (')[0]}"] += 1
+        for name, outcome in check_low(r, trained).items():
+            event(f"{name}: {outcome}")
+            OUTCOMES[f"{name} {outcome}"] += 1
+        LOW_TRIED["checked models"] += 1
+
+
+def test_check_refuses_a_map_entry_naming_no_linear_up_front():
+    """Found by this tier: a keep_bf16 entry that names no Linear of the model (a typo: "nope"; a
+    module that is no Linear: "norm") is refused by get_policy().prepare with a PolicyError naming
+    it, but mixprec.check runs the candidate, and its verdict is 'fail: training crashed: PolicyError:
+    keep_bf16 entry 'nope' matches no Linear ...': a numerics verdict for a map that was never
+    applied. A keep_fp32 pattern that matches no module is refused up front (check_islands); a map
+    entry should be too."""
+    r = Recipe(width=16, keep_bf16=("inp", "nope"))
+    cand = Candidate("mxfp8", keep_bf16=r.keep_bf16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(MixprecError, match="'nope'"):
+            mixprec.get_policy("mxfp8", device="cpu", check=False, keep_bf16=list(r.keep_bf16)).prepare(
+                Generated(r)
+            )
+        try:
+            result = mixprec.check(workload_of(r), policies=[cand], steps=2, batch_size=BATCH, device="cpu")
+        except MixprecError as exc:
+            assert "'nope'" in str(exc) and "\n" not in str(exc).strip()
+            return
+    c = result.candidates[0]
+    raise AssertionError(f"check ran a map naming no Linear: {c.verdict}: {c.reason}")
+
+
+@pytest.mark.parametrize("keep_bf16", [(), ("*",)], ids=["no-Linear-eligible", "map-keeps-all"])
+def test_a_low_format_that_converted_no_linear_is_no_pass(keep_bf16):
+    """Found by this tier: a low-format candidate none of whose Linear GEMMs runs in the format (no
+    Linear has dimensions its kernels take: width 8 under fp8, whose kernels need multiples of 16;
+    or the map keeps them all in bf16) is checked as the bf16 autocast run it is and passes
+    ('matches fp32'): a pass with no test of the format behind it. check's own default
+    candidates skip such a policy ('would convert none of this model's Linear layers ... nothing to
+    predict'), and a format that never ran is an error ('nothing was tested'), not a pass."""
+    r = Recipe(width=8 if not keep_bf16 else 16, keep_bf16=keep_bf16)
+    cand = Candidate("fp8-rowwise", keep_bf16=keep_bf16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = mixprec.check(workload_of(r), policies=[cand], steps=2, batch_size=BATCH, device="cpu")
+    c = result.candidates[0]
+    assert c.verdict == Status.ERROR and c.reason.startswith("nothing was tested"), (c.verdict, c.reason)
 
 
 # ------------------------------------------------------------------ what this tier found
@@ -528,12 +876,16 @@ def test_a_complex_or_float64_first_layer_is_no_proof_that_the_format_never_ran(
 
 def test_zz_what_was_tried(request):
     """The counts of this run, for the record (shown with -rA, or -s)."""
-    if not TRIED["models"]:
-        pytest.skip("the fuzz test did not run (deselected)")
+    if not TRIED["models"] and not LOW_TRIED["models"]:
+        pytest.skip("the fuzz tests did not run (deselected)")
     line = (
         f"generated-model fuzz: {TRIED['models']} models, {TRIED['inputs']} (model, policy) inputs over "
         f"{len(CPU_POLICIES)} policies ({', '.join(CPU_POLICIES)}), "
-        f"{TRIED['checked models']} models checked; "
+        f"{TRIED['checked models']} models checked; low formats: {LOW_TRIED['models']} models, "
+        f"{LOW_TRIED['inputs']} (model, policy) inputs over {len(LOW_POLICIES)} policies "
+        f"({', '.join(LOW_POLICIES)}), {LOW_TRIED['checked models']} models checked ("
+        + ", ".join(f"{k[5:]} x{v}" for k, v in sorted(LOW_TRIED.items()) if k.startswith("with "))
+        + "); "
         "outcomes: " + ", ".join(f"{k} x{v}" for k, v in sorted(OUTCOMES.items()))
     )
     print(line)
@@ -542,3 +894,4 @@ def test_zz_what_was_tried(request):
         reporter.write_line("")
         reporter.write_line(line)
     assert TRIED["inputs"] == TRIED["models"] * len(CPU_POLICIES)
+    assert LOW_TRIED["inputs"] == LOW_TRIED["models"] * len(LOW_POLICIES)

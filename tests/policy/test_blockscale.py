@@ -4,10 +4,13 @@ for bit against torchao's emulated kernels, e2m1 rounding (nearest-even and stoc
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from torch import nn
 
+from mixprec.policy import blockscale as bs
 from mixprec.policy.blockscale import (
     DIRECTIONS,
     MXFP8,
@@ -486,3 +489,42 @@ def test_nvfp4_randomness_is_the_layers_own_and_repeats_with_its_seed():
     layer = BlockLinear(linear, NVFP4, ALL, seed=7)
     step1, step2 = _grads(layer, x, dy), _grads(layer, x, dy)
     assert torch.equal(step1[0], step2[0]) and not torch.equal(step1[2], step2[2])
+
+
+def test_an_empty_batch_quantises_to_an_empty_tensor_in_every_format():
+    """An MoE expert that receives no tokens: NVFP4's tensor amax raised on an empty tensor."""
+    lin = nn.Linear(32, 32)
+    for fmt in (bs.MXFP8, bs.NVFP4):
+        layer = bs.BlockLinear(lin, fmt, frozenset(bs.DIRECTIONS), seed=1)
+        x = torch.randn(0, 32, requires_grad=True)
+        out = layer(x)
+        out.sum().backward()
+        assert out.shape == (0, 32) and x.grad.shape == (0, 32)
+
+
+def test_layer_seeds_tell_anagram_names_apart():
+    assert bs.seed_of("layers.12.mlp.fc1") != bs.seed_of("layers.21.mlp.fc1")
+    names = [f"layers.{i}.{p}" for i in range(64) for p in ("q", "k", "v", "o", "up", "down", "gate")]
+    assert len({bs.seed_of(n) for n in names}) == len(names)
+
+
+def test_torchaos_padded_mxfp8_linear_takes_any_token_count_and_matches_the_emulation():
+    """torchao's MXFP8Linear asserts when the tokens are not a multiple of 32; the path Policy.prepare
+    takes on Blackwell pads them (zero rows change no block) and matches the emulation bit for bit."""
+    from mixprec.policy.lowformat import torchao_block_linear
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96)
+    ours = bs.BlockLinear(lin, bs.MXFP8, frozenset(bs.DIRECTIONS))
+    theirs = torchao_block_linear(lin, bs.MXFP8, frozenset(bs.DIRECTIONS), "EMULATED")
+    assert theirs.weight is lin.weight and theirs.bias is lin.bias
+    x = torch.randn(3, 7, 64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y_theirs, y_ours = theirs(x), ours(x2)
+    assert torch.equal(y_theirs, y_ours)
+    g = torch.randn_like(y_ours)
+    a = torch.autograd.grad(y_theirs, [x, lin.weight, lin.bias], g)
+    b = torch.autograd.grad(y_ours, [x2, lin.weight, lin.bias], g)
+    assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+    restored = pickle.loads(pickle.dumps(nn.Sequential(theirs)))  # torch.save of a whole model
+    assert type(restored[0]).__name__ == type(theirs).__name__

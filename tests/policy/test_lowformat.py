@@ -254,8 +254,8 @@ def test_convert_with_a_torchao_kernel_uses_it_where_it_can_express_the_directio
     model = fresh()
     weights = {n: p for n, p in model.named_parameters()}
     plan = convert(model, spec_of("mxfp8"), keep_bf16=["blocks.0:wgrad", "blocks.1:dgrad"], kernel="EMULATED")
-    assert type(model.up) is MXFP8Linear and not model.up.wgrad_with_hp
-    assert type(model.blocks[0]) is MXFP8Linear and model.blocks[0].wgrad_with_hp
+    assert isinstance(model.up, MXFP8Linear) and not model.up.wgrad_with_hp
+    assert isinstance(model.blocks[0], MXFP8Linear) and model.blocks[0].wgrad_with_hp
     assert type(model.blocks[1]) is BlockLinear  # torchao has no switch for dgrad alone
     assert plan.low["blocks.1"] == frozenset({"forward", "wgrad"})
     assert all(p is weights[n] for n, p in model.named_parameters())

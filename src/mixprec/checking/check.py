@@ -304,13 +304,19 @@ class Checker:
         except Exception as exc:  # ranges are evidence; their failure must not hide the verdict
             result.fix_note = f"per-layer ranges unavailable: {type(exc).__name__}: {exc}"
         result.worst_layers = worst_layers(self.reference_ranges, rfmt)
-        census = (
-            self.framework.linear_census(
-                self.workload, cand.spec, self.batches[0], self.device, cand.keep_fp32
-            )
-            if cand.spec.low_format is not None
-            else None
-        )
+        census = None
+        if cand.spec.low_format is not None:
+            try:
+                census = self.framework.linear_census(
+                    self.workload, cand.spec, self.batches[0], self.device, cand.keep_fp32
+                )
+            except Exception as exc:  # evidence, as the ranges: its failure must not hide the verdict
+                result.fix_note = f"Linear census unavailable: {type(exc).__name__}: {exc}"
+            else:
+                untested = no_low_gemm(cand, census)
+                if untested:  # a run without the format is bf16-mixed's: no verdict on the format
+                    passed, verdict = False, Status.ERROR
+                    result.verdict, result.reason = verdict, untested
         if not passed and verdict != Status.ERROR:
             result.suggestion = self.suggest(cand, result, rfmt)
             if result.first_nonfinite_forward and "non-finite" in reason:
@@ -422,17 +428,15 @@ class Checker:
         keep_fp32 fix (past a predicted failure's step)."""
         layers = list(census.shapes)  # execution order
         _, owners = self.framework.island_names(self.workload)
-        suspects = sorted(layers, key=lambda n: census.sqnr_db.get(n, math.inf))
-        for located in (result.first_nonfinite_forward, result.first_nonfinite_backward):
-            if located in census.shapes:
-                suspects.insert(0, located)
-        for pname, _ in result.worst_grads:
-            if owners.get(pname) in census.shapes:
-                suspects.append(owners[pname])
+        # observed evidence first (a predicted overflow's layer, the first non-finite layers, the
+        # owners of the worst gradients), then the census: the worst quantised GEMMs
+        suspects: list[str | None] = [risk.layer] if risk is not None else []
+        suspects += [result.first_nonfinite_forward, result.first_nonfinite_backward]
+        suspects += [owners.get(pname) for pname, _ in result.worst_grads]
+        suspects += sorted(layers, key=lambda n: census.sqnr_db.get(n, math.inf))
+        ordered = [n for n in dict.fromkeys(suspects) if n is not None and n in census.shapes]
         verify = self.steps
         if risk is not None:
-            if risk.layer in census.shapes:
-                suspects.insert(0, risk.layer)
             verify = max(self.steps, min(MAX_VERIFY_STEPS, int(VERIFY_MARGIN * ((risk.step or 0) + 1))))
         search_precision_map(
             lambda entries, steps: self.run(cand, (), steps, entries),
@@ -440,7 +444,7 @@ class Checker:
             result,
             layers=layers,
             rules=field_rules(self.workload, layers),
-            suspects=list(dict.fromkeys(suspects)),
+            suspects=ordered,
             directions=("wgrad", "dgrad", "forward") if cand.spec.block_format else (),
             present=census.directions,
             steps=verify,
@@ -465,14 +469,33 @@ class Checker:
         )
 
 
+def no_low_gemm(cand: Candidate, census: Any) -> str:
+    """Why a low-format candidate tested nothing of its format (no Linear it can take ran, or its
+    map keeps them all in bf16), or ''."""
+    fmt = cand.spec.low_format
+    if not census.shapes:
+        return (
+            f"{NEVER_RAN}: no Linear of the model that {fmt} can take ran (dimensions multiples of its "
+            "block, fp32 weights); the run was bf16 autocast alone"
+        )
+    if not any(x["low_directions"] for x in map_report(cand, census, ())["layers"]):
+        return (
+            f"{NEVER_RAN}: keep_bf16={list(cand.keep_bf16)} keeps every Linear {fmt} can take in bf16; "
+            "the run was bf16 autocast alone"
+        )
+    return ""
+
+
 def field_rules(workload: Any, layers: Sequence[str]) -> list[str]:
     """The layers every low-format recipe in the field keeps in bf16 by a fixed rule (Accelerate's
     torchao backend, Megatron's ``--first-last-layers-bf16``, torchtitan's NVFP4 recipe): the first
     and the last Linear to run, and an LM head (a Linear whose weight an embedding shares)."""
+    from torch import nn  # the low formats are torch's: only a torch workload gets here
+
     rules = [*layers[:1], *layers[-1:]]
     model = getattr(workload, "model", None)
     if model is not None:
-        embedded = {id(m.weight) for m in model.modules() if type(m).__name__ == "Embedding"}
+        embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         modules = dict(model.named_modules())
         rules += [n for n in layers if id(getattr(modules.get(n), "weight", None)) in embedded]
     return list(dict.fromkeys(rules))
@@ -518,8 +541,9 @@ def map_report(cand: Candidate, census: Any, keep_bf16: Sequence[str]) -> dict[s
         "layers": layers,
         "low_share_whole": census.low_share(whole),
         "low_share_mapped": census.low_share(mapped.low),
+        "map": [*cand.keep_bf16, *keep_bf16],
         "step_flops": census.step_flops,
-        "no_gain": [x["name"] for x in layers if x["predicted_speedup"] < 1.0],
+        "no_gain": [x["name"] for x in layers if x["predicted_speedup"] < 1.0 and x["low_directions"]],
     }
 
 
@@ -639,6 +663,13 @@ def check_islands(framework: Framework, workload: Any, cands: Sequence[Candidate
                 "the model's module names (model.named_modules()): fix or drop it."
             )
         refuse_split_tie(workload, cand)
+        if cand.keep_bf16 and getattr(workload, "model", None) is not None:
+            from mixprec.policy.lowformat import refuse_unmatched
+
+            try:  # a map entry that names no Linear keeps nothing in bf16: refused as keep_fp32's
+                refuse_unmatched(workload.model, cand.keep_bf16)
+            except PolicyError as exc:
+                raise PolicyError(f"{cand.label}: {exc}") from None
 
 
 def refuse_split_tie(workload: Any, cand: Candidate) -> None:

@@ -707,6 +707,8 @@ def fp8_lines(facts: Facts) -> list[str]:
         "    if type(module) is not torch.nn.Linear:",
         "        return False",
         *island,
+        "    if module.weight.dtype != torch.float32:",
+        "        return False  # a float64 or half Linear keeps computing in its own dtype",
         "    return module.in_features % 16 == 0 and module.out_features % 16 == 0  # torch._scaled_mm",
         "",
         "",

@@ -121,10 +121,16 @@ def search_precision_map(
         chosen.append(name)
         passed = passes(chosen, search_steps)
     if not passed:
-        result.fix_note = (
-            f"no precision map makes {cand.label} pass, not even {len(chosen)} of its {len(layers)} Linear "
-            f"layers in bf16: the loss is outside the Linear GEMMs; {result.suggestion or 'use bf16-mixed'}"
-        )
+        if len(chosen) < len(layers):  # stopped by the budget, not by running out of layers
+            result.fix_note = (
+                f"precision map search stopped: time budget spent after {len(chosen)} of {len(layers)} "
+                f"Linear layers in bf16 (--budget raises it); {result.suggestion or 'use bf16-mixed'}"
+            )
+        else:
+            result.fix_note = (
+                f"no precision map makes {cand.label} pass, not even all {len(layers)} Linear layers in "
+                f"bf16: the loss is outside the Linear GEMMs; {result.suggestion or 'use bf16-mixed'}"
+            )
         return
     for name in list(chosen):  # drop every layer it passes without (the rules' included)
         if time.perf_counter() > deadline:
@@ -144,7 +150,14 @@ def search_precision_map(
     stage(f"{cand.label}: verifying keep_bf16={chosen}")
     verified, reason, cmp, *_ = run(chosen, steps)
     # A map that passed the short trials but not the whole run grows on, judged over the whole run
-    # (the late failure is the evidence: no trial shorter than it can see it).
+    # (the late failure is the evidence: no trial shorter than it can see it): first a narrowed layer
+    # back to the whole layer, then more layers.
+    for entry in [e for e in chosen if ":" in e]:
+        if verified or time.perf_counter() > deadline:
+            break
+        chosen = [e.split(":")[0] if e == entry else e for e in chosen]
+        stage(f"{cand.label}: verifying keep_bf16={chosen}")
+        verified, reason, cmp, *_ = run(chosen, steps)
     rest = [n for n in [*suspects, *layers] if n in layers and not any(e.split(":")[0] == n for e in chosen)]
     for name in dict.fromkeys(rest):
         if verified or time.perf_counter() > deadline:

@@ -23,11 +23,12 @@ direction of one layer in bf16.
 
 from __future__ import annotations
 
-import math
+import zlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 E4M3_TINY = float(torch.finfo(torch.float8_e4m3fn).tiny)  # 2**-6, torchao's floor on an NVFP4 block scale
@@ -137,6 +138,8 @@ def nvfp4_quantize(
     per 1-D block. ``generator``: round the elements stochastically with it (round-to-nearest-even
     without). The arithmetic is torchao's ``nvfp4_quantize`` and ``NVFP4Tensor.dequantize``."""
     x, n = _pad_last(x.float(), block)
+    if x.numel() == 0:  # an expert that got no tokens
+        return x[..., :n]
     amax = x.abs().amax()
     if not bool(amax > 0) or not bool(torch.isfinite(amax)):
         # all zeros: zeros (torchao's scale would divide 0 by 0); non-finite: propagate as a cast would
@@ -218,6 +221,7 @@ class _BlockMatmul(torch.autograd.Function):
         return xq @ wq.t()
 
     @staticmethod
+    @once_differentiable  # the emulated quantisation has no second derivative to offer
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         fmt, low, gen = ctx.fmt, ctx.low, ctx.generator
@@ -235,7 +239,7 @@ class _BlockMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             if "wgrad" in low:  # reduces over the tokens
                 a, b = dy, x.float()
-                if fmt.hadamard_wgrad and ctx.signs is not None and a.shape[0] % 16 == 0:
+                if fmt.hadamard_wgrad and ctx.signs is not None and a.shape[0] and a.shape[0] % 16 == 0:
                     a, b = hadamard_rows(a, ctx.signs), hadamard_rows(b, ctx.signs)
                 dyq_t = quantize(a.t().contiguous(), fmt, generator=sr)
                 xq_t = quantize(b.t().contiguous(), fmt)
@@ -298,5 +302,6 @@ def eligible(module: nn.Module, fmt: BlockFormat) -> bool:
 
 
 def seed_of(name: str) -> int:
-    """A stable per-layer seed from its name (Python's hash() of a str is salted per process)."""
-    return math.prod(ord(c) + 1 for c in name) % (2**31 - 1) if name else 1
+    """A stable per-layer seed from its name (Python's hash() of a str is salted per process; a
+    CRC tells 'layers.12' from 'layers.21', which a sum or product of characters would not)."""
+    return zlib.crc32(name.encode())

@@ -4,7 +4,8 @@ torchao swaps ``nn.Linear`` for ``Float8Linear``: the forward matmul takes e4m3 
 backward ones an e5m2 gradient, each with a dynamic scale (one per tensor for "tensorwise", one
 per row for "rowwise"), accumulating in fp32. ``torch._scaled_mm`` needs both matmul dimensions
 divisible by 16, so a Linear whose in or out features are not stays as it is (in bf16 under
-autocast): :func:`fp8_layers` is the rule the policy, the lint (MP207) and the exports share.
+autocast): :func:`fp8_eligible`, which :mod:`mixprec.policy.lowformat` (the layer plan, with the
+precision map) applies, and the exports paste.
 torchao is an optional dependency (``pip install 'mixprec[fp8]'``) imported only here.
 """
 
@@ -18,7 +19,6 @@ from typing import Any
 from torch import nn
 
 from mixprec.errors import UnsupportedError
-from mixprec.policy.islands import is_fp32_island
 
 # torch._scaled_mm's constraint on both dimensions of an fp8 matmul.
 FP8_DIVISOR = 16
@@ -51,28 +51,6 @@ def fp8_eligible(module: nn.Module) -> bool:
         and module.in_features % FP8_DIVISOR == 0
         and module.out_features % FP8_DIVISOR == 0
     )
-
-
-def fp8_layers(model: nn.Module, keep_fp32: Iterable[str] = ()) -> tuple[list[str], list[str]]:
-    """(converted, left as they are): the names of the model's Linear layers fp8 converts, and of
-    those it leaves because a dimension is not a multiple of 16. Layers in fp32 islands are in
-    neither list."""
-    islands = tuple(keep_fp32)
-    converted: list[str] = []
-    left: list[str] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or is_fp32_island(name, islands):
-            continue
-        (converted if fp8_eligible(module) else left).append(name)
-    return converted, left
-
-
-def convert(model: nn.Module, recipe: str, keep_fp32: Iterable[str] = ()) -> list[str]:
-    """Convert the model's eligible Linear layers to torchao's Float8Linear, in place; returns their
-    names. fp32 islands are left out (they run outside autocast in fp32 by design)."""
-    converted, _ = fp8_layers(model, keep_fp32)
-    convert_layers(model, recipe, converted)
-    return converted
 
 
 def convert_layers(model: nn.Module, recipe: str, names: Iterable[str]) -> None:

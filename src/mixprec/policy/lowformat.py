@@ -12,6 +12,7 @@ Directions need a block format: torchao's Float8Linear takes one recipe per laye
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -182,18 +183,20 @@ def torchao_block_linear(
 ) -> nn.Module | None:
     """torchao's training Linear for ``fmt`` sharing ``linear``'s parameters, where torchao can express
     ``low`` (MXFP8: all three GEMMs, or all but wgrad via ``wgrad_with_hp``; NVFP4: all three, with
-    every dimension a multiple of 128); None where it cannot (the emulation runs instead).
-    ``kernel``: torchao's KernelPreference name ("AUTO" on Blackwell; "EMULATED" to test the path)."""
+    both dimensions multiples of 128); None where it cannot (the emulation runs instead). The token
+    count is padded to what the kernels take (:func:`_token_padded`). ``kernel``: torchao's
+    KernelPreference name ("AUTO" on Blackwell; "EMULATED" to test the path anywhere)."""
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
+    device = linear.weight.device
     if fmt.name == "mxfp8" and low in (frozenset(DIRECTIONS), frozenset({"forward", "dgrad"})):
         from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
 
-        new = MXFP8Linear(
+        new = _token_padded(MXFP8Linear, 32)(
             linear.in_features,
             linear.out_features,
             bias=linear.bias is not None,
-            device="meta",
+            device=device,
             kernel_preference=KernelPreference[kernel],
             wgrad_with_hp="wgrad" not in low,
         )
@@ -202,10 +205,33 @@ def torchao_block_linear(
             return None
         from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
 
-        new = NVFP4Linear(
-            linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta"
+        # built on the weight's device: its stochastic-rounding seed and Hadamard signs are buffers
+        new = _token_padded(NVFP4Linear, 128)(
+            linear.in_features, linear.out_features, bias=linear.bias is not None, device=device
         )
     else:
         return None
     new.weight, new.bias = linear.weight, linear.bias
     return new
+
+
+@functools.cache
+def _token_padded(cls: type[nn.Module], multiple: int) -> type[nn.Module]:
+    """``cls`` (a torchao training Linear) taking any token count: padded with zero rows to a
+    multiple of ``multiple`` (its kernels' tile; zero rows change no block scale and add nothing to
+    the weight gradient) and sliced back, the output in the autocast dtype as the emulation gives it
+    (torchao returns its GEMM's fp32)."""
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        rows = flat.shape[0]
+        pad = (-rows) % multiple
+        out = cls.forward(self, nn.functional.pad(flat, (0, 0, 0, pad)) if pad else flat)[:rows]
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            out = out.to(torch.get_autocast_dtype(device))
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    padded = type(f"TokenPadded{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+    globals()[padded.__name__] = padded  # so pickle (torch.save of a whole model) finds it by name
+    return padded

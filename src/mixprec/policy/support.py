@@ -123,10 +123,11 @@ def _assess_block(name: str, info: DeviceInfo, cc: str) -> tuple[bool, bool, str
     from mixprec.policy.fp8 import torchao_available
 
     predicted = f"`mixprec check` predicts its numerics here with mixprec's {name} emulation"
-    needs = f"{name} needs Blackwell tensor cores (compute capability >= 10.0)"
+    needs = f"{name} needs Blackwell data-center tensor cores (compute capability 10.x)"
     if info.type != "cuda":
         return False, False, f"{needs}; this device is a CPU ({predicted})"
-    if not info.capability or info.capability[0] < 10:
+    if not info.capability or info.capability[0] != 10:
+        # torchao's block-format kernels are sm_100's (B200, GB200): not sm_120 (RTX 50) or later
         return False, False, f"{needs}, this GPU has {cc} ({predicted})"
     if not torchao_available():
         return False, False, f"{name} runs on torchao's kernels: pip install 'mixprec[fp8]' ({predicted})"

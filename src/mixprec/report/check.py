@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -124,20 +125,24 @@ def check_report(result: CheckResult) -> Group:
 
 
 def map_snippet(c: CandidateCheck) -> str:
-    keep = [*c.candidate.keep_bf16, *c.fix_keep_bf16]
-    return f"mixprec.get_policy({c.candidate.policy!r}, keep_bf16={keep!r})"
+    """The verified candidate, its own options (channels_last, keep_fp32) and the map, in one call."""
+    fixed = replace(c.candidate, keep_bf16=(*c.candidate.keep_bf16, *c.fix_keep_bf16))
+    options = "".join(f", {k}={v!r}" for k, v in fixed.policy_options().items())
+    return f"mixprec.get_policy({fixed.policy!r}{options})"
 
 
 def map_lines(c: CandidateCheck) -> list[str]:
     """The precision map in figures: how much of the step runs in the format, and which layers the
     roofline says gain nothing from it (a prediction from the shapes)."""
     pm = c.precision_map or {}
-    fmt, share = pm.get("format"), pm.get("low_share_mapped")
-    mapped = "under the map above" if c.fix_keep_bf16 else "whole-model"
-    lines = [
-        f"{share:.0%} of the step's FLOPs in {fmt} {mapped} ({pm.get('low_share_whole', 0):.0%} whole-model)"
-    ]
-    layers = pm.get("layers") or []
+    fmt, share, whole = pm.get("format"), pm.get("low_share_mapped", 0.0), pm.get("low_share_whole", 0.0)
+    if pm.get("map"):
+        lines = [
+            f"{share:.0%} of the step's FLOPs in {fmt} under keep_bf16={pm['map']} ({whole:.0%} without it)"
+        ]
+    else:
+        lines = [f"{whole:.0%} of the step's FLOPs in {fmt} (the rest: Linears it cannot take, other ops)"]
+    layers = [x for x in pm.get("layers") or [] if x["low_directions"]]  # those still in the format
     if layers:
         worst = min(
             layers, key=lambda x: x["operand_sqnr_db"] if x["operand_sqnr_db"] is not None else math.inf

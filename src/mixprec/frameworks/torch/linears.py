@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
+from mixprec.frameworks.torch.flops import count_flops
 from mixprec.numerics.formats import quantize_scaled
-from mixprec.policy.blockscale import BLOCK_FORMATS, quantize
+from mixprec.policy.blockscale import BLOCK_FORMATS, E4M3_MAX, quantize
 from mixprec.policy.lowformat import plan_layers
 from mixprec.policy.registry import PolicySpec
 from mixprec.workload import Workload
@@ -25,7 +24,8 @@ from mixprec.workload import Workload
 @dataclass
 class LinearCensus:
     """Attributes:
-    shapes: Linear name -> (M tokens, K in features, N out features) at the checked batch.
+    shapes: Linear name -> (M tokens over all its calls in the step, K in features, N out features)
+        at the checked batch.
     directions: Linear name -> the GEMMs its step runs (no dgrad for a layer whose input needs no
         gradient, no wgrad for a frozen weight).
     step_flops: FLOPs of one forward and backward of the whole model (torch's FlopCounterMode).
@@ -37,19 +37,21 @@ class LinearCensus:
     directions: dict[str, frozenset[str]] = field(default_factory=dict)
     step_flops: float = 0.0
     sqnr_db: dict[str, float] = field(default_factory=dict)
+    flops: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Linear name -> direction -> FLOPs of that GEMM over all the layer's calls in the step."""
 
-    def gemm_flops(self, name: str) -> float:
-        """One GEMM direction's FLOPs (all three have ``2*M*K*N``)."""
-        m, k, n = self.shapes[name]
-        return 2.0 * m * k * n
+    def add_call(self, name: str, m: int, k: int, n: int, directions: Sequence[str]) -> None:
+        """One call of the layer over ``m`` tokens, running ``directions``."""
+        total = self.shapes[name][0] if name in self.shapes else 0
+        self.shapes[name] = (total + m, k, n)
+        self.directions[name] = self.directions.get(name, frozenset()) | frozenset(directions)
+        per = self.flops.setdefault(name, {})
+        for direction in directions:
+            per[direction] = per.get(direction, 0.0) + 2.0 * m * k * n
 
     def low_share(self, low: dict[str, frozenset[str]]) -> float:
         """The share of the step's FLOPs in GEMMs the format runs (``low``: a LayerPlan's)."""
-        done = sum(
-            self.gemm_flops(n) * len(dirs & self.directions.get(n, dirs))
-            for n, dirs in low.items()
-            if n in self.shapes
-        )
+        done = sum(f for n, dirs in low.items() for d, f in self.flops.get(n, {}).items() if d in dirs)
         return done / self.step_flops if self.step_flops else 0.0
 
 
@@ -61,21 +63,28 @@ def _sqnr_db(x: torch.Tensor, q: torch.Tensor) -> float:
     return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
 
 
-def _quantized(x: torch.Tensor, spec: PolicySpec, weight: bool = False) -> torch.Tensor:
+def _quantized(x: torch.Tensor, spec: PolicySpec, weight: bool = False, grad: bool = False) -> torch.Tensor:
     """``x`` (2-D, reduction dimension last) as the format stores it for a GEMM, dequantised to fp32
-    (round-to-nearest: the census leaves out stochastic rounding)."""
+    (round-to-nearest: the census leaves out NVFP4's stochastic rounding and Hadamard transform).
+    fp8 follows torchao's recipes: tensorwise casts gradients to e5m2, rowwise rounds its per-row
+    scales down to powers of two."""
     x = x.float().contiguous()
     if spec.block_format is not None:
         fmt = BLOCK_FORMATS[spec.block_format]
         return quantize(x, fmt, tiles=weight and fmt.weight_tiles)
-    amax = x.abs().amax(-1, keepdim=True) if spec.fp8_recipe == "rowwise" else None
-    return quantize_scaled(x, "fp8_e4m3", amax)
+    if spec.fp8_recipe == "rowwise":
+        amax = x.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+        scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))  # a power of two, at most max/amax
+        return quantize_scaled(x, "fp8_e4m3", E4M3_MAX / scale)
+    return quantize_scaled(x, "fp8_e5m2" if grad else "fp8_e4m3")
 
 
-def _gemm_sqnr(a: torch.Tensor, b: torch.Tensor, spec: PolicySpec, b_is_weight: bool = False) -> float:
+def _gemm_sqnr(
+    a: torch.Tensor, b: torch.Tensor, spec: PolicySpec, b_is_weight: bool = False, a_is_grad: bool = False
+) -> float:
     """SQNR of ``a @ b.T`` (both with the reduction dimension last) with quantised operands."""
     exact = a.float() @ b.float().t()
-    return _sqnr_db(exact, _quantized(a, spec) @ _quantized(b, spec, b_is_weight).t())
+    return _sqnr_db(exact, _quantized(a, spec, grad=a_is_grad) @ _quantized(b, spec, b_is_weight).t())
 
 
 def census(
@@ -89,53 +98,51 @@ def census(
     found = LinearCensus()
     operands: dict[str, list[float]] = {}
 
-    saved: dict[str, torch.Tensor] = {}
+    saved: dict[str, list[torch.Tensor]] = {}  # per layer, a stack: a layer may run several times
 
     def forward_hook(name: str) -> Any:
         def hook(module: nn.Linear, args: tuple, output: Any) -> None:
             x = args[0].detach().reshape(-1, module.in_features).float()
             w = module.weight.detach().float()
-            found.shapes[name] = (x.shape[0], module.in_features, module.out_features)
-            found.directions[name] = frozenset(
+            grads = torch.is_grad_enabled()  # a teacher under no_grad runs its forward only
+            found.add_call(
+                name,
+                x.shape[0],
+                module.in_features,
+                module.out_features,
                 ["forward"]
-                + (["dgrad"] if args[0].requires_grad else [])
-                + (["wgrad"] if module.weight.requires_grad else [])
+                + (["dgrad"] if grads and args[0].requires_grad else [])
+                + (["wgrad"] if grads and module.weight.requires_grad else []),
             )
-            operands[name] = [_gemm_sqnr(x, w, spec, b_is_weight=True)]
-            saved[name] = x
+            operands.setdefault(name, []).append(_gemm_sqnr(x, w, spec, b_is_weight=True))
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                # a hook on the output tensor, not a module backward hook: those break on an in-place
+                # op after the layer (ReLU(inplace=True), h += x), as frameworks/torch/ranges.py says
+                saved.setdefault(name, []).append(x)
+                output.register_hook(backward_hook(name, module, args[0].requires_grad))
 
         return hook
 
-    def backward_hook(name: str) -> Any:
-        def hook(module: nn.Linear, grad_input: tuple, grad_output: tuple) -> None:
-            dy = grad_output[0]
-            if dy is None or name not in saved:
+    def backward_hook(name: str, module: nn.Linear, dgrad: bool) -> Any:
+        def hook(dy: torch.Tensor) -> None:
+            if not saved.get(name):
                 return
+            x, w = saved[name].pop(), module.weight.detach().float()
             dy = dy.detach().reshape(-1, module.out_features).float()
-            x, w = saved.pop(name), module.weight.detach().float()
-            if "dgrad" in found.directions[name]:  # dy @ W: reduces over the out features
-                operands[name].append(_gemm_sqnr(dy, w.t(), spec, b_is_weight=True))
-            if "wgrad" in found.directions[name]:  # dy^T @ x: reduces over the tokens
-                operands[name].append(_gemm_sqnr(dy.t(), x.t(), spec))
+            if dgrad:  # dy @ W: reduces over the out features
+                operands[name].append(_gemm_sqnr(dy, w.t(), spec, b_is_weight=True, a_is_grad=True))
+            if module.weight.requires_grad:  # dy^T @ x: reduces over the tokens
+                operands[name].append(_gemm_sqnr(dy.t(), x.t(), spec, a_is_grad=True))
 
         return hook
 
-    handles = []
-    for name in plan.low:
-        handles.append(modules[name].register_forward_hook(forward_hook(name)))
-        handles.append(modules[name].register_full_backward_hook(backward_hook(name)))
+    handles = [modules[name].register_forward_hook(forward_hook(name)) for name in plan.low]
     try:
-        with warnings.catch_warnings():
-            # a model whose input needs no gradient: the first Linear's backward hook says so
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            workload.loss_fn(model, batch).backward()
+        workload.loss_fn(model, batch).backward()
     finally:
         for handle in handles:
             handle.remove()
     # counted in a pass of their own: the hooks' quantised GEMMs are not the step's
-    counter = FlopCounterMode(display=False)
-    with counter:
-        workload.loss_fn(model, batch).backward()
-    found.step_flops = float(counter.get_total_flops())
+    found.step_flops = float(count_flops(lambda: workload.loss_fn(model, batch).backward()))
     found.sqnr_db = {n: min(v) for n, v in operands.items() if v}
     return found
