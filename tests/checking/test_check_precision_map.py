@@ -378,3 +378,15 @@ def test_the_census_counts_no_backward_gemm_for_a_linear_run_under_no_grad():
     found = _census(model, loss=loss)
     assert found.directions["teacher"] == {"forward"}
     assert found.low_share(found.directions) <= 1.0
+
+
+def test_the_cli_checks_a_map_again_and_refuses_one_naming_no_linear(tmp_path, capsys):
+    from mixprec.cli import main
+
+    out = tmp_path / "check.json"
+    argv = ["check", "--workload", EXAMPLE, "--device", "cpu", "--steps", "4", "--json", str(out)]
+    assert main([*argv, "--policies", "bf16-mixed,mxfp8", "--keep-bf16", "mix:forward"]) == 0
+    labels = {c["label"]: c["verdict"] for c in json.loads(out.read_text())["candidates"]}
+    assert labels == {"bf16-mixed": "pass", "mxfp8+bf16[mix:forward]": "pass"}  # the map is mxfp8's only
+    assert main([*argv, "--policies", "mxfp8", "--keep-bf16", "nope"]) == 2
+    assert "'nope' matches no Linear" in capsys.readouterr().err

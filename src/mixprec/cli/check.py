@@ -18,6 +18,7 @@ from mixprec.cli.common import (
 from mixprec.errors import UsageError
 from mixprec.measure.sweep import parse_policies
 from mixprec.policy.candidate import EMULATABLE, Candidate
+from mixprec.policy.registry import spec_of
 from mixprec.report.check import check_report, plot
 from mixprec.report.jsonio import write_json
 
@@ -37,7 +38,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="FMT",
         help=f"also check an emulated format ({', '.join(EMULATABLE)}); repeatable",
     )
-    p.add_argument("--fix", action="store_true", help="search a keep_fp32 set for failing candidates")
+    p.add_argument(
+        "--fix",
+        action="store_true",
+        help="search a keep_fp32 set for failing candidates (for fp8, mxfp8, nvfp4: a precision map)",
+    )
     p.add_argument(
         "--keep-fp32",
         action="append",
@@ -45,6 +50,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="PATTERN",
         help="keep the modules matching this name pattern in fp32 under every policy (e.g. a --fix "
         "result, to check it again); repeatable",
+    )
+    p.add_argument(
+        "--keep-bf16",
+        action="append",
+        default=[],
+        metavar="ENTRY",
+        help="the low formats' precision map: keep this Linear (a name pattern, optionally with "
+        ":forward, :dgrad or :wgrad under mxfp8/nvfp4) in bf16 under fp8-*, mxfp8 and nvfp4 (e.g. a "
+        "--fix result, to check it again); repeatable",
     )
     p.add_argument(
         "--train-steps",
@@ -75,7 +89,14 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         result = check(
             workload,
             policies=[
-                Candidate(p, keep_fp32=tuple(args.keep_fp32), framework=framework.name) for p in policies
+                Candidate(
+                    p,
+                    keep_fp32=tuple(args.keep_fp32),
+                    framework=framework.name,
+                    # the map is the low formats' own: the other policies run no Linear in a low format
+                    keep_bf16=tuple(args.keep_bf16) if spec_of(p).low_format else (),
+                )
+                for p in policies
             ],
             emulate=args.emulate,
             steps=args.steps,
