@@ -393,22 +393,9 @@ def _assert_dtypes(
         assert all(model.get_parameter(n) is first for n in names), f"{when}: tie {names} was split"
 
 
-def train(r: Recipe, name: str, steps: int) -> str:
-    """prepare + training under ``name`` of a fresh copy until ``steps`` optimizer steps were taken
-    (a loss-scaled policy skips its first steps while the scale backs off from 2**16, at most
-    :data:`MAX_TRIES` in all); the outcome's name."""
-    workload = workload_of(r)
-    model = copy.deepcopy(workload.model)
-    keep = _keep_of(r, name)
-    expected, ties = _expected_dtypes(model, name, keep), _ties(model)
-    try:
-        finite_check = r.step == "finite_check" and not POLICIES[name].loss_scaling
-        policy = mixprec.get_policy(name, device="cpu", keep_fp32=list(keep), finite_check=finite_check)
-        model = policy.prepare(model)
-    except MixprecError as exc:
-        return _refusal(exc)
-    _assert_dtypes(model, expected, ties, f"after {name} prepare")
-    optimizer = workload.make_optimizer(model)
+def _train(r, name, policy, model, optimizer, workload, steps):
+    """Up to ``steps`` optimizer steps (at most MAX_TRIES tries): ``(stepped, tries)``, or the
+    one-line outcome of a refusal or of a kernel torch lacks; anything else fails the test."""
     stepped = tries = 0
     try:
         with policy.precision_scope():
@@ -426,6 +413,29 @@ def train(r: Recipe, name: str, steps: int) -> str:
         if _torch_gap(exc):
             return "torch kernel gap"
         raise AssertionError(f"{r} under {name}, step {tries}: {type(exc).__name__}: {exc}") from exc
+    return stepped, tries
+
+
+def train(r: Recipe, name: str, steps: int) -> str:
+    """prepare + training under ``name`` of a fresh copy until ``steps`` optimizer steps were taken
+    (a loss-scaled policy skips its first steps while the scale backs off from 2**16, at most
+    :data:`MAX_TRIES` in all); the outcome's name."""
+    workload = workload_of(r)
+    model = copy.deepcopy(workload.model)
+    keep = _keep_of(r, name)
+    expected, ties = _expected_dtypes(model, name, keep), _ties(model)
+    try:
+        finite_check = r.step == "finite_check" and not POLICIES[name].loss_scaling
+        policy = mixprec.get_policy(name, device="cpu", keep_fp32=list(keep), finite_check=finite_check)
+        model = policy.prepare(model)
+    except MixprecError as exc:
+        return _refusal(exc)
+    _assert_dtypes(model, expected, ties, f"after {name} prepare")
+    optimizer = workload.make_optimizer(model)
+    outcome = _train(r, name, policy, model, optimizer, workload, steps)
+    if isinstance(outcome, str):
+        return outcome
+    stepped, tries = outcome
     _assert_dtypes(model, expected, ties, f"after {tries} {name} steps")
     return "ran" if stepped == steps else "ran (steps skipped)"
 
@@ -630,26 +640,14 @@ def train_low(r: Recipe, name: str, steps: int) -> str:
     trained = {n: model.get_parameter(f"{n}.weight").detach().clone() for n in converted}
     seen: dict[str, tuple[torch.dtype, torch.dtype]] = {}
     hooks = _output_dtypes(model, seen)
-    stepped = tries = 0
     try:
-        with policy.precision_scope():
-            while stepped < steps and tries < MAX_TRIES:
-                batch = workload.make_batch(BATCH, torch.device("cpu"))
-                with policy.autocast():
-                    loss = workload.loss_fn(model, batch)
-                policy.backward(loss)
-                stepped += policy.step(optimizer, clip_grad_norm=1.0 if r.step == "clip" else None)
-                optimizer.zero_grad(set_to_none=True)
-                tries += 1
-    except MixprecError as exc:
-        return _refusal(exc)
-    except Exception as exc:
-        if _torch_gap(exc):
-            return "torch kernel gap"
-        raise AssertionError(f"{r} under {name}, step {tries}: {type(exc).__name__}: {exc}") from exc
+        outcome = _train(r, name, policy, model, optimizer, workload, steps)
     finally:
         for h in hooks:
             h.remove()
+    if isinstance(outcome, str):
+        return outcome
+    stepped, tries = outcome
     when = f"{r} after {tries} {name} steps"
     _assert_dtypes(model, expected, ties, when)
     narrowed = {n: d for n, d in seen.items() if d[0] != torch.float32 and d[1] != d[0]}
