@@ -177,7 +177,7 @@ _FP8_ON_CPU = DeviceOnly(
 
 _BLOCK_ON_BLACKWELL = DeviceOnly(
     "cuda",
-    "block-scaled formats (MXFP8, NVFP4) need Blackwell tensor cores (compute capability >= 10.0); "
+    "block-scaled formats (MXFP8, NVFP4) need Blackwell data-center tensor cores (compute capability 10.x); "
     "elsewhere mixprec emulates their numerics in fp32 to predict them, slowly",
     "export for device='cuda' on a Blackwell GPU, or 'bf16-mixed' here",
 )
