@@ -506,20 +506,12 @@ def map_report(cand: Candidate, census: Any, keep_bf16: Sequence[str]) -> dict[s
     format, the roofline's predicted speedup on the format's GPU (a prediction, labelled so), and
     the share of the step's FLOPs in the format whole-model and under the map ``keep_bf16``."""
     from mixprec.hardware.roofline import DEFAULT_GPU, estimate
-    from mixprec.policy.lowformat import LayerPlan, parse_entry
+    from mixprec.policy.lowformat import low_directions
 
     fmt = str(cand.spec.low_format)
     whole = dict(census.directions)
-    mapped = LayerPlan(low=dict(whole))
-    for entry in (*cand.keep_bf16, *keep_bf16):
-        pattern, direction = parse_entry(entry)
-        for name in list(mapped.low):
-            if fnmatch.fnmatchcase(name, pattern):
-                left = frozenset() if direction is None else mapped.low[name] - {direction}
-                if left:
-                    mapped.low[name] = left
-                else:
-                    del mapped.low[name]
+    entries = (*cand.keep_bf16, *keep_bf16)
+    mapped = {n: low for n, runs in whole.items() if (low := low_directions(n, entries, runs))}
     layers = []
     for name, (m, k, n) in census.shapes.items():
         speed = estimate(m, k, n, fmt)
@@ -531,7 +523,7 @@ def map_report(cand: Candidate, census: Any, keep_bf16: Sequence[str]) -> dict[s
                 "n": n,
                 "operand_sqnr_db": census.sqnr_db.get(name),
                 "predicted_speedup": speed.speedup,
-                "low_directions": sorted(mapped.low.get(name, ())),
+                "low_directions": sorted(mapped.get(name, ())),
             }
         )
     return {
@@ -540,7 +532,7 @@ def map_report(cand: Candidate, census: Any, keep_bf16: Sequence[str]) -> dict[s
         "speedup_is": "a roofline prediction from the shapes (mixprec.hardware.roofline), not measured",
         "layers": layers,
         "low_share_whole": census.low_share(whole),
-        "low_share_mapped": census.low_share(mapped.low),
+        "low_share_mapped": census.low_share(mapped),
         "map": [*cand.keep_bf16, *keep_bf16],
         "step_flops": census.step_flops,
         "no_gain": [x["name"] for x in layers if x["predicted_speedup"] < 1.0 and x["low_directions"]],

@@ -102,7 +102,7 @@ def plan_layers(
     """The model's Linear layers under ``spec`` and the precision map ``keep_bf16``; layers in fp32
     islands are in no list (they run in fp32 by design)."""
     islands = tuple(keep_fp32)
-    entries = [parse_entry(e) for e in validate_map(spec, tuple(keep_bf16))]
+    entries = validate_map(spec, tuple(keep_bf16))
     if isinstance(model, nn.Linear):
         # the conversion swaps a Linear in its parent, and the model itself has none
         raise PolicyError(
@@ -116,20 +116,24 @@ def plan_layers(
         if not _eligible(module, spec):
             plan.ineligible.append(name)
             continue
-        low = set(DIRECTIONS)
-        for pattern, direction in entries:
-            if fnmatch.fnmatchcase(name, pattern):
-                low -= set(DIRECTIONS) if direction is None else {direction}
+        low = low_directions(name, entries)
         if low:
-            plan.low[name] = frozenset(low)
+            plan.low[name] = low
         else:
             plan.kept.append(name)
     return plan
 
 
-def linear_names(model: nn.Module, spec: PolicySpec, keep_fp32: Iterable[str] = ()) -> list[str]:
-    """The Linear layers the format could run (the precision map's search space), in model order."""
-    return list(plan_layers(model, spec, keep_fp32).low)
+def low_directions(name: str, keep_bf16: Iterable[str], runs: Iterable[str] = DIRECTIONS) -> frozenset[str]:
+    """The GEMM directions of Linear ``name`` (of those it ``runs``) that the map ``keep_bf16``
+    leaves in the low format: an entry naming the layer whole takes them all, one with a direction
+    takes that one."""
+    low = set(runs)
+    for entry in keep_bf16:
+        pattern, direction = parse_entry(entry)
+        if fnmatch.fnmatchcase(name, pattern):
+            low -= low.copy() if direction is None else {direction}
+    return frozenset(low)
 
 
 def unmatched(model: nn.Module, keep_bf16: Iterable[str]) -> list[str]:
