@@ -1,63 +1,103 @@
 #!/usr/bin/env bash
-# Everything mixprec measures on a CUDA GPU, in stages that each fit a 10-minute lease.
+# Everything mixprec measures on a CUDA GPU, in two stages that each fit one ~6-minute command of a
+# 15-minute device lease (so that a failed first one can be rerun once).
 #
 #   bash benchmarks/gpu_run.sh OUT_DIR STAGE...
 #
 # Stages:
-#   check   nvidia-smi, `mixprec env` (also with NVIDIA_TF32_OVERRIDE=0), the TF32 probe,
-#           the gpu-marked tests, the GPU overhead ratio and the planted-overflow check
-#   tests   the whole pytest suite on the GPU machine (no CUDA test may skip)
+#   first   nvidia-smi, `mixprec env` (also with NVIDIA_TF32_OVERRIDE=0), the TF32 probe, the
+#           gpu-marked tests (tests/test_gpu.py, tests/test_gpu_paths.py: compile at both scopes,
+#           the race, fused optimizers, fp8 and the emulated block formats, the monitor, `mixprec
+#           train`, --batch auto, the exports executed, models by name, Lightning on the GPU; the
+#           CUDA parity, FSDP2 and HF Trainer tests), the overhead ratio, then as much of the whole
+#           suite as the stage's time allows (interrupted cleanly, the summary kept)
+#   second  benchmarks/fp8_gpt.py (fp8-rowwise/tensorwise vs bf16-mixed on the zoo GPT, eager and
+#           compiled, verdicts beside), `mixprec tune --budget 120` on ResNet-50 and on the GPT, and
+#           `mixprec run -- python <script>` where the script source exists
 #   seed    benchmarks/seed_table.py: ResNet-50 / VGG-19 / DenseNet-121 at 224 px
-#   tune    `mixprec tune` and an exhaustive `mixprec bench` of the same candidates, resnet50
-#   tune-gpt2  the same for the gpt2 zoo model
-# Runs from the repository root with the src/ tree on PYTHONPATH, so it needs no install
-# beyond what the GPU image has (torch, torchvision, rich, matplotlib, pytest).
+# Each step has its own time limit and none stops the next. After every step the results so far are
+# packed into OUT_DIR/<stage>.tgz, so a command cut short still returns what it measured.
+# Runs from the repository root with src/ on PYTHONPATH: no install beyond the GPU image's torch,
+# rich, matplotlib, jinja2, pytest (+ pytest-xdist, pytest-timeout) and torchao for fp8.
+#
+# Rehearse on a CPU first: MIXPREC_GPU_RUN_DEVICE=cpu bash benchmarks/gpu_run.sh /tmp/rehearsal first second
 set -uo pipefail
 out=$(realpath -m "$1"); shift
-mkdir -p "$out"
+work="$out/work"
+mkdir -p "$work"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export MIXPREC_CACHE_DIR="$out/cache"
+export MIXPREC_CACHE_DIR="$work/.cache"
 py=${PYTHON:-python3}
+dev=${MIXPREC_GPU_RUN_DEVICE:-cuda}
 log() { echo "=== $* ($(date -u +%T))"; }
+# GPU_RUN_PACK_DIR: where the packed results go (the device tool's $OUT), else OUT_DIR
+pack() { tar -C "$work" --exclude=.cache -czf "${GPU_RUN_PACK_DIR:-$out}/$1.tgz" . ; }
 
 for stage in "$@"; do
   case "$stage" in
-    check)
-      log check
-      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit,temperature.gpu \
-        --format=csv >"$out/nvidia-smi.csv"
-      cat "$out/nvidia-smi.csv"
-      $py -m mixprec env --json "$out/env.json"
-      NVIDIA_TF32_OVERRIDE=0 $py -m mixprec env --json "$out/env-tf32-override-0.json" | tail -n 12
-      $py benchmarks/tf32_probe.py --json "$out/tf32_probe.json"
-      $py -m pytest -q -p no:cacheprovider --timeout 180 -m gpu tests 2>&1 | tee "$out/pytest-gpu.log" | tail -n 30
-      $py benchmarks/overhead.py --device cuda --rounds 15 --steps 50 --json "$out/overhead-cuda.json"
-      $py -m mixprec check --workload examples/planted_overflow.py:workload --fix --device cuda \
-        --json "$out/check-planted-overflow-cuda.json" | tail -n 20
-      echo "check exit code (4 = a candidate failed, as planted): $?"
+    first)
+      log first
+      if [ "$dev" = cuda ]; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,power.limit,temperature.gpu \
+          --format=csv | tee "$work/nvidia-smi.csv"
+        gpu_tests=(-m gpu)
+      else
+        export MIXPREC_GPU_TEST_DEVICE=cpu
+        gpu_tests=(-m gpu tests/test_gpu_paths.py)
+      fi
+      # everything below needs mixprec to import and see the device: stop at once if it cannot
+      timeout 90 $py -m mixprec env --device "$dev" --json "$work/env.json" || { log "mixprec env failed"; pack first; exit 3; }
+      NVIDIA_TF32_OVERRIDE=0 timeout 60 $py -m mixprec env --device "$dev" --json "$work/env-tf32-override-0.json" >/dev/null
+      pack first
+      [ "$dev" = cuda ] && timeout 60 $py benchmarks/tf32_probe.py --json "$work/tf32_probe.json"
+      log gpu tests
+      timeout -s INT 220 $py -m pytest -q -p no:cacheprovider --timeout 200 -n 6 -rfEs --durations=20 \
+        "${gpu_tests[@]}" tests >"$work/pytest-gpu.log" 2>&1
+      tail -n 45 "$work/pytest-gpu.log"
+      pack first
+      log overhead
+      timeout 60 $py benchmarks/overhead.py --device "$dev" --rounds 15 --steps 50 --json "$work/overhead-$dev.json" | tail -n 6
+      pack first
+      log suite
+      # the rest of the suite, cut by SIGINT at the limit: pytest prints the summary of what ran
+      timeout -s INT "${SUITE_S:-110}" $py -m pytest -q -p no:cacheprovider --timeout 100 -n 12 -rfE \
+        -m "not gpu" tests >"$work/pytest-suite.log" 2>&1
+      tail -n 40 "$work/pytest-suite.log"
+      pack first
       ;;
-    tests)
-      log tests
-      timeout 420 $py -m pytest -q -p no:cacheprovider --timeout 180 -rs tests 2>&1 | tee "$out/pytest-all.log" | tail -n 40
+    second)
+      log second
+      log fp8 gpt
+      if [ "$dev" = cuda ]; then
+        timeout 210 $py benchmarks/fp8_gpt.py --out "$work/fp8" --device cuda
+      else  # a small GPT: the CPU refuses to time fp8 and predicts its verdict
+        timeout 210 $py benchmarks/fp8_gpt.py --out "$work/fp8" --device cpu --n-embd 128 --n-layer 1 \
+          --n-head 4 --seq-len 32 --batch-size 4 --steps 3 --check-steps 4
+      fi
+      pack second
+      log tune resnet50
+      timeout 170 $py -m mixprec tune --device "$dev" --model resnet50 --budget "${TUNE_BUDGET:-120}" \
+        --report "$work/tune-resnet50" --json "$work/tune-resnet50.json" | tail -n 25
+      echo "tune exit code: $?"
+      pack second
+      log tune gpt2
+      timeout 170 $py -m mixprec tune --device "$dev" --model gpt2 --seq-len 512 --batch-size 16 \
+        --budget "${TUNE_BUDGET:-120}" --report "$work/tune-gpt2" --json "$work/tune-gpt2.json" | tail -n 25
+      echo "tune exit code: $?"
+      pack second
+      if $py -m mixprec run --help >/dev/null 2>&1; then
+        log run script
+        timeout 120 $py -m mixprec run --policy bf16-mixed --out "$work/run-script" -- \
+          $py tests/scripts/plain_loop.py --steps 60 --device "$dev" | tail -n 15
+        pack second
+      else
+        log "run script: skipped, this checkout has no \`mixprec run\` (the script source)"
+      fi
       ;;
     seed)
       log seed
-      $py benchmarks/seed_table.py --out "$out/seed" --batch-size 256 --steps 15 --warmup 5
-      ;;
-    tune)
-      log tune resnet50
-      $py -m mixprec tune --model resnet50 --report "$out/tune-resnet50" --json "$out/tune-resnet50.json"
-      log bench resnet50
-      $py -m mixprec bench --model resnet50 --policies all --channels-last both \
-        --json "$out/bench-resnet50.json" --markdown "$out/bench-resnet50.md"
-      ;;
-    tune-gpt2)
-      log tune gpt2
-      $py -m mixprec tune --model gpt2 --seq-len 512 --batch-size 16 --report "$out/tune-gpt2" \
-        --json "$out/tune-gpt2.json"
-      log bench gpt2
-      $py -m mixprec bench --model gpt2 --seq-len 512 --batch-size 16 --policies all \
-        --json "$out/bench-gpt2.json" --markdown "$out/bench-gpt2.md"
+      $py benchmarks/seed_table.py --out "$work/seed" --batch-size 256 --steps 15 --warmup 5
+      pack seed
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
