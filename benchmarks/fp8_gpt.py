@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,10 +38,9 @@ def candidates(compiled: bool) -> list[Candidate]:
 
 
 def table(bench: mixprec.BenchResult, check: mixprec.CheckResult | None) -> list[dict[str, object]]:
-    """One row per candidate: throughput, speedup over strict fp32 and over bf16-mixed (same
-    compile mode), compile seconds, verdict."""
+    """One row per candidate: throughput, speedup over strict fp32 (the median of its paired rounds)
+    and over bf16-mixed of the same compile mode (the two speedups' ratio), compile seconds, verdict."""
     rows = {r.candidate: r for r in bench.rows if not r.baseline_repeat}
-    base = bench.baseline
     verdicts = {c.candidate: c for c in (check.candidates if check else [])}
     out = []
     for cand, row in rows.items():
@@ -48,6 +48,8 @@ def table(bench: mixprec.BenchResult, check: mixprec.CheckResult | None) -> list
             continue
         twin = rows.get(Candidate("bf16-mixed", compile=cand.compile))
         tput = row.throughput
+        speedup = statistics.median(row.paired_ratios) if row.paired_ratios else None
+        twin_speedup = statistics.median(twin.paired_ratios) if twin and twin.paired_ratios else None
         verdict = verdicts.get(cand)
         out.append(
             {
@@ -55,8 +57,8 @@ def table(bench: mixprec.BenchResult, check: mixprec.CheckResult | None) -> list
                 "status": row.status,
                 "reason": row.reason if row.status != "ok" else "",
                 "samples_per_s": tput,
-                "speedup_vs_fp32": tput / base.throughput if tput and base and base.throughput else None,
-                "vs_bf16_mixed": tput / twin.throughput if tput and twin and twin.throughput else None,
+                "speedup_vs_fp32": speedup,
+                "vs_bf16_mixed": speedup / twin_speedup if speedup and twin_speedup else None,
                 "compile_s": row.compile_s,
                 "mfu": row.mfu,
                 "verdict": verdict.verdict if verdict else None,
@@ -95,7 +97,7 @@ def markdown(rows: list[dict[str, object]], title: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
     parser.add_argument("--device", default=None)
     parser.add_argument("--n-embd", type=int, default=2048)
     parser.add_argument("--n-layer", type=int, default=2)
@@ -105,7 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--check-steps", type=int, default=8)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--table-from", metavar="BENCH_JSON", help="print the table of a saved bench and exit")
     args = parser.parse_args(argv)
+    if args.table_from:
+        saved = mixprec.BenchResult.from_dict(json.loads(Path(args.table_from).read_text()))
+        print(markdown(table(saved, None), f"{saved.description} on {saved.device}, batch {saved.batch_size}"))
+        return 0
+    if not args.out:
+        parser.error("--out is required")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -184,7 +184,7 @@ def test_planted_fp16_overflow_fails_on_cuda_and_the_fix_holds():
 
     workload = mixprec.load_workload(f"{EXAMPLES / 'planted_overflow.py'}:workload")
     result = check(workload, policies=("fp16-mixed", "bf16-mixed"), steps=6, device="cuda", fix=True)
-    by_policy = {c.policy: c for c in result.candidates}
+    by_policy = {c.candidate.policy: c for c in result.candidates}
     fp16 = by_policy["fp16-mixed"]
     assert fp16.verdict == "fail"
     assert fp16.first_nonfinite_forward == "amplify"

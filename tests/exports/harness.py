@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -234,10 +236,17 @@ def fresh_model(cls: type[nn.Module] = Net) -> nn.Module:
 
 
 def execute(text: str, namespace: dict[str, Any]) -> dict[str, Any]:
-    namespace = {"__name__": "exported_snippet", **namespace}
-    with restored_state():
-        exec(compile(text, "<exported snippet>", "exec"), namespace)
-    return namespace
+    """Run the pasted text as the module a user pastes it into: a real module while it runs (torch
+    2.11's dynamo looks a compiled step's ``__module__`` up in ``sys.modules``)."""
+    module = types.ModuleType("exported_snippet")
+    module.__dict__.update(namespace)
+    sys.modules[module.__name__] = module
+    try:
+        with restored_state():
+            exec(compile(text, "<exported snippet>", "exec"), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
+    return module.__dict__
 
 
 def python_part(text: str, target: str) -> str:

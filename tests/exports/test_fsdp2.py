@@ -35,6 +35,24 @@ def test_export_runs_the_policy(case):
     run_case("fsdp2", case, REFUSED, run_fsdp2)
 
 
+@pytest.mark.parametrize("policy", ["fp32", "bf16-mixed", "bf16-true"])
+def test_every_fully_shard_call_shards_onto_the_exported_device(policy, monkeypatch):
+    """fully_shard's default mesh is the accelerator's: on a machine with a GPU, the export written
+    for the CPU moved the model to CUDA and its first step met CPU batches (18 failures on the first
+    GPU run, H200). Every call takes a mesh on the exported device, as shard_model's does."""
+    import torch.distributed.fsdp as fsdp
+
+    meshes = []
+
+    def spy(module, *args, mesh=None, **kwargs):
+        meshes.append(mesh)
+        return fully_shard(module, *args, mesh=mesh, **kwargs)
+
+    monkeypatch.setattr(fsdp, "fully_shard", spy)
+    run_fsdp2(mixprec.PolicyConfig(policy, "cpu"), edit=with_sgd)
+    assert meshes and all(m is not None and m.device_type == "cpu" for m in meshes), meshes
+
+
 def test_fully_shard_refuses_channels_last_parameters():
     """Why channels_last is refused under FSDP2."""
     model = Net().to(memory_format=torch.channels_last)

@@ -475,7 +475,8 @@ def test_loop_axes_are_written_the_way_each_stack_runs_them():
         assert 'model = torch.compile(model, mode="max-autotune")' in texts[target], target
         assert "lr=1e-3, fused=True)" in texts[target], target
     fsdp2 = texts["fsdp2"]
-    assert fsdp2.index("fully_shard(model, mp_policy=mp_policy)") < fsdp2.index("model = torch.compile(model")
+    sharded = fsdp2.index("fully_shard(model, mesh=mesh, mp_policy=mp_policy)")
+    assert sharded < fsdp2.index("model = torch.compile(model")
     lightning = texts["lightning"].splitlines()
     compiled = lightning.index(next(line for line in lightning if line.startswith("model = torch.compile(")))
     assert lightning[compiled + 1].startswith("trainer.fit(model, ")  # a compiled LightningModule goes in

@@ -83,6 +83,13 @@ def test_tensorflow_missing_is_a_clear_unsupported_error(monkeypatch):
     from mixprec.frameworks.keras import backend
 
     monkeypatch.setenv("KERAS_BACKEND", "jax")
+    # as if TensorFlow and Keras were installed (the GPU image has neither: the message was about that)
+    found = backend.importlib.util.find_spec
+    monkeypatch.setattr(
+        backend.importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name in ("tensorflow", "keras") else found(name, *a),
+    )
     with pytest.raises(UnsupportedError, match="KERAS_BACKEND='jax'"):
         backend.tf()
 

@@ -312,6 +312,14 @@ def test_hadamard_rows_is_orthogonal_and_cancels_over_the_reduction():
     torch.testing.assert_close(back, a, rtol=1e-5, atol=1e-5)
 
 
+def test_hadamard_rows_runs_on_the_device_of_its_operands():
+    """The signs live on the input's device (a CUDA layer draws them on CUDA); the transform was
+    built on the CPU, and nvfp4's wgrad crashed on the first GPU run (H200). The meta device stands
+    in for CUDA here: it raises the same device mismatch."""
+    x, signs = torch.empty(32, 8, device="meta"), torch.empty(16, device="meta")
+    assert hadamard_rows(x, signs).device.type == "meta"
+
+
 def test_hadamard_rows_mixes_within_16_row_blocks_and_spreads_an_outlier():
     x = torch.zeros(32, 3)
     x[20, 1] = 1e6

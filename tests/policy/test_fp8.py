@@ -146,3 +146,35 @@ def test_deepcopy_of_a_converted_model_keeps_fp8():
     policy = mixprec.get_policy("fp8-rowwise", device="cpu", check=False)
     model = copy.deepcopy(policy.prepare(fresh()))
     assert isinstance(model.up, Float8Linear)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_a_cpu_without_the_scaled_mm_kernel_predicts_with_torchaos_emulated_matmul(recipe, monkeypatch):
+    """torch 2.11's CPU _scaled_mm takes per-tensor scales only: every rowwise prediction on a CPU
+    crashed there (seen on the GPU machine's CPU tests, torch 2.11). Without the kernel, the layers
+    run torchao's emulated matmul (the same e4m3 operands, multiplied in fp32): the same training
+    as the kernel, to the rounding of the accumulation."""
+    from mixprec.policy import fp8
+
+    def trained(kernel: bool) -> tuple[nn.Module, list[float]]:
+        monkeypatch.setattr(fp8, "cpu_scaled_mm_takes", lambda r: kernel)
+        policy = mixprec.get_policy(f"fp8-{recipe}", device="cpu", check=False)
+        model = policy.prepare(fresh())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for batch in batches():
+            with policy.autocast():
+                loss = loss_fn(model, batch)
+            policy.backward(loss)
+            policy.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+        return model, losses
+
+    emulated, emulated_losses = trained(kernel=False)
+    assert emulated.up.config.emulate and isinstance(emulated.mid, Float8Linear)
+    real, real_losses = trained(kernel=True)
+    assert not real.up.config.emulate
+    assert emulated_losses == pytest.approx(real_losses, rel=1e-2)
+    for a, b in zip(emulated.parameters(), real.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)

@@ -153,7 +153,11 @@ class FSDP2Target(PyTorchTarget):
         return plain_loop(facts, sync)
 
     def third_party(self, facts: Facts) -> list[str]:
-        return ["import torch", "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard"]
+        return [
+            "import torch",
+            "from torch.distributed.device_mesh import init_device_mesh",
+            "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
+        ]
 
     def snippet_names(self, facts: Facts) -> list[str]:
         return helper_names(facts) + loop_helper_names(facts)
@@ -212,6 +216,11 @@ class FSDP2Target(PyTorchTarget):
             "policies = {",
             *(f"    {py(role)}: {name}," for role, name in policies.items()),
             "}",
+            *comment(
+                "One rank per process on the exported device, as shard_model shards (fully_shard's own"
+                " default mesh is the accelerator's, CUDA wherever there is one)."
+            ),
+            "mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))",
             "blocks = list(model.layers)  # yours: your repeated blocks (transformer layers, ResNet stages)",
             *(self._autocast_fp32_groups(facts) if mixed else []),
             f"groups = fsdp_groups(model, blocks, {islands}, low_precision={facts.low is not None})",
@@ -230,16 +239,16 @@ class FSDP2Target(PyTorchTarget):
                     '    fp32 = role in ("block", "root") and params & fp32_ids',
                     "    group_policies[name] = fp32_policy if fp32 else policies[role]",
                     "for name, _ in groups[:-1]:  # the last is the root's, below",
-                    "    fully_shard(model.get_submodule(name), mp_policy=group_policies[name])",
+                    "    fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=group_policies[name])",
                     'mp_policy = group_policies[""]  # the root\'s: fp32 if it holds such a parameter',
                 ]
                 if mixed
                 else [
                     "for name, role in groups[:-1]:  # the last is the root's, below",
-                    "    fully_shard(model.get_submodule(name), mp_policy=policies[role])",
+                    "    fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=policies[role])",
                 ]
             ),
-            "fully_shard(model, mp_policy=mp_policy)",
+            "fully_shard(model, mesh=mesh, mp_policy=mp_policy)",
         ]
 
     def _autocast_fp32_groups(self, facts: Facts) -> list[str]:

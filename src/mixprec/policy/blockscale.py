@@ -184,8 +184,9 @@ def quantize(
 
 # ---------------------------------------------------------------------------- Hadamard transform
 def _hadamard16(signs: torch.Tensor) -> torch.Tensor:
-    """An orthogonal 16x16 matrix: Sylvester's Hadamard matrix times diag(signs), over 4."""
-    h = torch.ones(1, 1)
+    """An orthogonal 16x16 matrix: Sylvester's Hadamard matrix times diag(signs), over 4, on the
+    signs' device (the layer draws them on its input's)."""
+    h = torch.ones(1, 1, device=signs.device)
     for _ in range(4):
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h * signs.to(h.dtype)) / 4.0

@@ -11,11 +11,14 @@ torchao is an optional dependency (``pip install 'mixprec[fp8]'``) imported only
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
 import logging
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 from mixprec.errors import UnsupportedError
@@ -53,13 +56,34 @@ def fp8_eligible(module: nn.Module) -> bool:
     )
 
 
+@functools.cache
+def cpu_scaled_mm_takes(recipe: str) -> bool:
+    """Whether this torch's CPU ``torch._scaled_mm`` runs ``recipe``'s scales: one per tensor
+    everywhere, one per row only in newer releases (torch 2.11's oneDNN path asserts "only supports
+    per-tensor scaling for CPU backend"; 2.14's runs it)."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    b = torch.ones(16, 16).to(torch.float8_e4m3fn).t()
+    rows = recipe == "rowwise"
+    scale_a, scale_b = (torch.ones(16, 1), torch.ones(1, 16)) if rows else (torch.ones(()), torch.ones(()))
+    try:
+        torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
 def convert_layers(model: nn.Module, recipe: str, names: Iterable[str]) -> None:
-    """Convert the named Linear layers of the model to torchao's Float8Linear, in place."""
+    """Convert the named Linear layers of the model to torchao's Float8Linear, in place. On a CPU
+    whose torch has no ``_scaled_mm`` kernel for the recipe's scales, torchao's emulated matmul
+    (the same quantisation, the product of the dequantised operands in fp32) predicts it instead."""
     float8 = _float8()
     wanted = set(names)
-    if wanted:
-        float8.convert_to_float8_training(
-            model,
-            config=float8.Float8LinearConfig.from_recipe_name(recipe),
-            module_filter_fn=lambda module, name: name in wanted,
-        )
+    if not wanted:
+        return
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    weight = next((p for p in model.parameters()), None)
+    if weight is not None and weight.device.type == "cpu" and not cpu_scaled_mm_takes(recipe):
+        config = dataclasses.replace(config, emulate=True)
+    float8.convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda module, name: name in wanted
+    )
