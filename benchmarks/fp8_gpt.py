@@ -107,11 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--check-steps", type=int, default=8)
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--table-from", metavar="BENCH_JSON", help="print the table of a saved bench and exit")
+    parser.add_argument("--table-from", metavar="BENCH_JSON", help="print a saved bench's table and exit")
     args = parser.parse_args(argv)
     if args.table_from:
         saved = mixprec.BenchResult.from_dict(json.loads(Path(args.table_from).read_text()))
-        print(markdown(table(saved, None), f"{saved.description} on {saved.device}, batch {saved.batch_size}"))
+        title = f"{saved.description} on {saved.device}, batch {saved.batch_size}"
+        print(markdown(table(saved, None), title))
         return 0
     if not args.out:
         parser.error("--out is required")
