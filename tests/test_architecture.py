@@ -19,6 +19,7 @@ LAYERS = {
     "process": 0,
     "budget": 0,
     "events": 0,
+    "validation": 0,
     "hardware": 1,
     "policy": 2,
     "workload": 3,
