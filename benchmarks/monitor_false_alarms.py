@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 import mixprec
+from mixprec.monitor import MonitorConfig
 from mixprec.monitor.train import train
 
 EX = Path(__file__).resolve().parents[1] / "examples"
@@ -64,8 +65,8 @@ def main() -> None:
                 mixprec.load_workload(target, **options),
                 policy,
                 args.steps,
+                config=MonitorConfig(every=args.every),
                 batch_size=batch,
-                every=args.every,
             )
             failed = bool(result.stopped) or not all(math.isfinite(v) for v in result.losses)
             false = [] if failed else result.findings

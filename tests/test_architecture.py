@@ -19,7 +19,9 @@ LAYERS = {
     "process": 0,
     "budget": 0,
     "events": 0,
+    "findings": 0,
     "validation": 0,
+    "version": 0,
     "hardware": 1,
     "policy": 2,
     "workload": 3,
@@ -27,8 +29,8 @@ LAYERS = {
     "exports": 3,
     "demo": 3,
     "numerics": 4,
+    "linting": 4,
     "frameworks": 5,
-    "linting": 5,
     "measure": 6,
     "checking": 6,
     "monitor": 6,
@@ -46,12 +48,22 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _is_module(name: str) -> bool:
+    path = SRC.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def _imports(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mixprec"):
-            if node.module != "mixprec":  # `from mixprec import state` imports mixprec.state only
-                found.add(node.module)
+        if isinstance(node, ast.ImportFrom) and node.module == "mixprec":
+            # `from mixprec import state` imports mixprec.state only; `from mixprec import
+            # __version__` (or any other name of the top package) imports the top package
+            for alias in node.names:
+                name = f"mixprec.{alias.name}"
+                found.add(name if _is_module(name) else "mixprec")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mixprec"):
+            found.add(node.module)
             found.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("mixprec"))
@@ -80,10 +92,7 @@ def test_every_top_level_module_has_a_layer():
 
 def test_no_module_imports_a_layer_above_it():
     upward = [
-        f"{mod} -> {dep}"
-        for mod, deps in _graph().items()
-        for dep in deps
-        if _layer(dep) > _layer(mod) and not dep.startswith("mixprec.__")
+        f"{mod} -> {dep}" for mod, deps in _graph().items() for dep in deps if _layer(dep) > _layer(mod)
     ]
     assert not upward, "imports against the layering:\n" + "\n".join(sorted(upward))
 

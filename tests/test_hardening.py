@@ -319,8 +319,8 @@ def test_two_runs_on_one_output_are_refused_not_interleaved(tmp_path, capsys):
 # ------------------------------------------------------------------ caches
 
 
-def _cache_with_entry(path: Path, key: str, config: object) -> None:
-    path.write_text(json.dumps({"schema_version": 1, "entries": {key: {"config": config}}}))
+def _cache_with_entry(path: Path, key: str, candidate: object) -> None:
+    path.write_text(json.dumps({"schema_version": 2, "entries": {key: {"candidate": candidate}}}))
 
 
 @pytest.mark.parametrize(
@@ -329,7 +329,7 @@ def _cache_with_entry(path: Path, key: str, config: object) -> None:
         b"[]",
         b"null",
         b"\x00\xff binary",
-        b'{"schema_version": 1, "entries": {"k": {"config": 3}}}',
+        b'{"schema_version": 2, "entries": {"k": {"candidate": 3}}}',
         b'{"k": {"config": {"name": "fp32"}}}',
     ],
     ids=["list", "null", "binary", "wrong-schema-entry", "old-unversioned"],
@@ -348,22 +348,26 @@ def test_autotune_survives_every_broken_cache_and_keeps_the_tune(tmp_path, monke
     workload = load_workload("mlp")
     key = autotune_key(workload, torch.device("cpu"), None)
     path = tmp_path / "autotune.json"
-    unknown = {"name": "fp64-mixed", "device": "cpu"}
-    for broken in (b"[]", b"null", b"\x89PNG\r\n", None, unknown):
+    unknown = {"policy": "fp64-mixed"}
+    old_schema = {"schema_version": 1, "entries": {key: {"config": {"name": "bf16-mixed", "device": "cpu"}}}}
+    for broken in (b"[]", b"null", b"\x89PNG\r\n", None, unknown, old_schema):
         if isinstance(broken, bytes):
             path.write_bytes(broken)
         elif broken is None:
-            path.write_text(json.dumps({"schema_version": 1, "entries": {key: {"config": None}}}))
+            path.write_text(json.dumps({"schema_version": 2, "entries": {key: {"candidate": None}}}))
+        elif broken is old_schema:  # 1 held only the policy: tuned again rather than half-applied
+            path.write_text(json.dumps(old_schema))
         else:
             _cache_with_entry(path, key, broken)
         with pytest.warns(CacheWarning):
-            policy = autotune(workload, device="cpu", cache_path=path)
-        assert policy.name == tiny_tune_result.recommendation.candidate.policy
-    assert len(tuned) == 5
+            tuned_pick = autotune(workload, device="cpu", cache_path=path)
+        assert tuned_pick.candidate == tiny_tune_result.recommendation.candidate
+    assert len(tuned) == 6
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert autotune(workload, device="cpu", cache_path=path).name == policy.name  # a hit now
-    assert len(tuned) == 5
+        hit = autotune(workload, device="cpu", cache_path=path)  # a hit now
+        assert hit.candidate == tuned_pick.candidate
+    assert len(tuned) == 6
 
 
 def test_autotune_with_a_folder_in_place_of_its_cache_warns_and_leaves_nothing(
@@ -373,8 +377,8 @@ def test_autotune_with_a_folder_in_place_of_its_cache_warns_and_leaves_nothing(
     path = tmp_path / "autotune.json"
     path.mkdir()
     with pytest.warns(CacheWarning) as record:
-        policy = autotune(load_workload("mlp"), device="cpu", cache_path=path)
-    assert policy.name == tiny_tune_result.recommendation.candidate.policy  # the tune is not lost
+        tuned_pick = autotune(load_workload("mlp"), device="cpu", cache_path=path)
+    assert tuned_pick.candidate == tiny_tune_result.recommendation.candidate  # the tune is not lost
     assert any("not cached" in str(w.message) for w in record)
     assert [p.name for p in tmp_path.iterdir()] == ["autotune.json"] and path.is_dir()
     assert write_cache(tmp_path / "fresh.json", {}) is True

@@ -8,14 +8,16 @@ CUDA context and changes no global torch flag.
 """
 
 from mixprec.checking.check import check
+from mixprec.checking.config import CheckConfig
 from mixprec.errors import MixprecError, PolicyError, ScaleCollapseError, UnsupportedError, UsageError
 from mixprec.exports import EXPORT_TARGETS, export, export_all, export_status
 from mixprec.hardware import DeviceInfo, detect
-from mixprec.linting import lint
 from mixprec.measure.batches import BatchSweep, bench_batches
+from mixprec.measure.config import BenchConfig
+from mixprec.measure.lint_gains import lint
 from mixprec.measure.results import BenchResult, BenchRow
 from mixprec.measure.sweep import bench
-from mixprec.monitor import Monitor
+from mixprec.monitor import Monitor, MonitorConfig
 from mixprec.numerics.results import CandidateCheck, CheckResult
 from mixprec.policy import (
     POLICY_NAMES,
@@ -27,23 +29,25 @@ from mixprec.policy import (
     get_policy,
 )
 from mixprec.status import Status
-from mixprec.tuning import Recommendation, TuneResult, autotune, tune
+from mixprec.tuning import Recommendation, TuneConfig, Tuned, TuneResult, autotune, tune
+from mixprec.version import __version__
 from mixprec.workload import Workload, WorkloadSpec, load_workload
-
-__version__ = "0.2.0.dev0"
 
 __all__ = [
     "EXPORT_TARGETS",
     "POLICY_NAMES",
     "BatchSweep",
+    "BenchConfig",
     "BenchResult",
     "BenchRow",
     "Candidate",
     "CandidateCheck",
+    "CheckConfig",
     "CheckResult",
     "DeviceInfo",
     "MixprecError",
     "Monitor",
+    "MonitorConfig",
     "Policy",
     "PolicyConfig",
     "PolicyError",
@@ -51,7 +55,9 @@ __all__ = [
     "ScaleCollapseError",
     "Status",
     "Support",
+    "TuneConfig",
     "TuneResult",
+    "Tuned",
     "UnsupportedError",
     "UsageError",
     "Workload",

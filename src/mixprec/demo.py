@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from mixprec.errors import UsageError
+from mixprec import validation
 from mixprec.policy import Policy
 
 
@@ -27,9 +27,8 @@ class DemoResult:
 
 def run_demo(policy: Policy, steps: int = 20, batch_size: int = 64, seed: int = 0) -> DemoResult:
     """Train a 3-layer MLP on a fixed synthetic regression task for ``steps`` steps."""
-    for name, value in (("steps", steps), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UsageError(f"{name} must be an integer >= 1, got {value!r}.")
+    validation.positive_int("steps", steps)
+    validation.positive_int("batch_size", batch_size)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))

@@ -30,11 +30,21 @@ class UsageError(MixprecError, ValueError):
 
 class ExportRefused(UsageError):
     """An export target cannot express a policy faithfully on a device; the message says why and
-    names the nearest faithful alternative (see :func:`mixprec.exports.export_status`)."""
+    names the nearest faithful alternative (see :func:`mixprec.exports.export_status`). ``entry``:
+    the precision-map entry or Linear layer a precision-map target cannot express, else None."""
 
     exit_code = 2
 
-    def __init__(self, target: str, policy: str, device: str, reason: str, alternative: str) -> None:
+    def __init__(
+        self,
+        target: str,
+        policy: str,
+        device: str,
+        reason: str,
+        alternative: str,
+        *,
+        entry: str | None = None,
+    ) -> None:
         super().__init__(
             f"Cannot export policy {policy!r} on {device} to {target}: {reason}. "
             f"Nearest faithful alternative: {alternative}."
@@ -44,6 +54,7 @@ class ExportRefused(UsageError):
         self.device = device
         self.reason = reason
         self.alternative = alternative
+        self.entry = entry
 
 
 class UnsupportedError(MixprecError):

@@ -8,11 +8,15 @@ valid, the line the CLI prints. ``bool`` is refused where a number is asked for:
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from mixprec.errors import UsageError
+
+C = TypeVar("C")
 
 
 def _is_int(value: Any) -> bool:
@@ -23,9 +27,9 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def positive_int(name: str, value: Any, *, zero_ok: bool = False) -> int:
-    """An integer >= 1 (>= 0 with ``zero_ok``)."""
-    low = 0 if zero_ok else 1
+def positive_int(name: str, value: Any, *, zero_ok: bool = False, minimum: int | None = None) -> int:
+    """An integer >= 1 (>= 0 with ``zero_ok``, >= ``minimum`` where one is given)."""
+    low = minimum if minimum is not None else (0 if zero_ok else 1)
     if not _is_int(value) or value < low:
         raise UsageError(f"{name} must be an integer >= {low}, got {value!r}.")
     return int(value)
@@ -71,3 +75,15 @@ def one_of(name: str, value: Any, valid: Iterable[Any]) -> Any:
     if value not in options:
         raise UsageError(f"Invalid {name} {value!r}; valid: {', '.join(map(str, options))}.")
     return value
+
+
+def with_fields(config: C, changes: dict[str, Any], command: str) -> C:
+    """``dataclasses.replace(config, **changes)`` (so the config checks itself again), where a name
+    the config does not have is one UsageError naming it, the closest valid one and the rest."""
+    valid = [f.name for f in dataclasses.fields(config)]  # type: ignore[arg-type]
+    for name in changes:
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise UsageError(f"{command}() has no setting {name!r}.{hint} Valid: {', '.join(valid)}.")
+    return dataclasses.replace(config, **changes)  # type: ignore[type-var]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import types
 from pathlib import Path
 
@@ -282,7 +283,20 @@ def _fake_run(calls: list, whole_only_over: int):
     return run
 
 
+def _space(directions=()):
+    from mixprec.numerics.fix import MapSpace
+
+    return MapSpace(layers=["A", "B", "X", "C"], rules=["A", "C"], suspects=["X"], directions=directions)
+
+
+def _trials(budget):
+    from mixprec.numerics.fix import Trials
+
+    return Trials(steps=20, search_steps=4, budget=budget, stage=lambda text: None)
+
+
 def test_a_narrowed_layer_that_fails_the_whole_run_is_widened_back_not_grown_around():
+    from mixprec.budget import Budget
     from mixprec.numerics.fix import search_precision_map
 
     calls: list = []
@@ -291,35 +305,25 @@ def test_a_narrowed_layer_that_fails_the_whole_run_is_widened_back_not_grown_aro
         _fake_run(calls, whole_only_over=4),
         Candidate("mxfp8"),
         result,
-        layers=["A", "B", "X", "C"],
-        rules=["A", "C"],
-        suspects=["X"],
-        directions=("wgrad", "dgrad", "forward"),
-        steps=20,
-        search_steps=4,
-        deadline=float("inf"),
-        stage=lambda text: None,
+        _space(("wgrad", "dgrad", "forward")),
+        _trials(Budget.unlimited()),
     )
     assert result.fix_keep_bf16 == ["X"] and result.fix_verified
     assert sum(steps == 20 for _, steps in calls) == 2  # the narrowed map, then X whole
 
 
-def test_a_search_out_of_time_says_so_rather_than_blaming_the_model():
+@pytest.mark.parametrize("how", ["spent", "stopped"])
+def test_a_search_out_of_time_says_so_rather_than_blaming_the_model(how):
+    """Spent, or stopped by the budget's stop (a signal): the search took a float deadline and never
+    polled the stop."""
+    from mixprec.budget import Budget
     from mixprec.numerics.fix import search_precision_map
 
+    budget = Budget(0.001) if how == "spent" else Budget(3600, stop=lambda: True)
+    time.sleep(0.01)
     result = CandidateCheck(candidate=Candidate("mxfp8"), verdict="fail", reason="")
     search_precision_map(
-        _fake_run([], whole_only_over=0),
-        Candidate("mxfp8"),
-        result,
-        layers=["A", "B", "X", "C"],
-        rules=["A", "C"],
-        suspects=["X"],
-        directions=(),
-        steps=20,
-        search_steps=4,
-        deadline=0.0,  # spent already
-        stage=lambda text: None,
+        _fake_run([], whole_only_over=0), Candidate("mxfp8"), result, _space(), _trials(budget)
     )
     assert "time budget spent" in result.fix_note and "outside the Linear" not in result.fix_note
 

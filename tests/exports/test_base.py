@@ -1,4 +1,4 @@
-"""What every export target shares (exports/base.py): the facts of a Candidate or a config,
+"""What every export target shares (exports/facts.py): the facts of a Candidate or a config,
 converted once, and clear errors for what cannot be exported."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mixprec
-from mixprec.exports.base import Facts
+from mixprec.exports.facts import Facts
 from mixprec.policy import Candidate
 
 

@@ -1,4 +1,5 @@
-"""Precision maps written for other stacks (mixprec.exports.precision_map), checked with the real
+"""Precision maps written for other stacks (the precision-map targets, mixprec.exports.maps, through
+mixprec.export and its shorthand mixprec.exports.precision_map.render), checked with the real
 libraries where they are installed (torchao 0.18, accelerate 1.15): the rendered code is executed on
 a model and must convert exactly the layers mixprec converts; MXFP8Linear, emulated, must compute
 what mixprec's MXFP8 emulation computes. torchtitan (TOML), Megatron-LM (YAML) and Transformer
@@ -10,6 +11,7 @@ from __future__ import annotations
 import ast
 import copy
 import fnmatch
+import re
 import tomllib
 
 import pytest
@@ -20,7 +22,7 @@ from torch import nn
 import mixprec
 from mixprec import Candidate
 from mixprec.errors import ExportRefused, PolicyError, UsageError
-from mixprec.exports.precision_map import MAP_TARGETS, MapRefused, render
+from mixprec.exports.precision_map import MAP_TARGETS, render
 
 pytest.importorskip("torchao")
 
@@ -58,8 +60,11 @@ def run(text: str, **names: object) -> dict[str, object]:
     return namespace
 
 
-def refusal(policy: str, model: nn.Module, keep: list[str], target: str) -> MapRefused:
-    with pytest.raises(MapRefused) as info:
+def refusal(policy: str, model: nn.Module, keep: list[str], target: str) -> ExportRefused:
+    """The refusal, through the one entry of every target (render is its shorthand)."""
+    with pytest.raises(ExportRefused) as info:
+        mixprec.export(Candidate(policy, keep_bf16=tuple(keep)), target, device="cuda", model=model)
+    with pytest.raises(ExportRefused, match=re.escape(info.value.reason)):
         render(policy, model, keep, target)
     return info.value
 
@@ -130,7 +135,7 @@ def test_torchao_mxfp8_swaps_the_map_and_emulated_matches_mixprec_bit_for_bit():
 @pytest.mark.parametrize("entry", ["fc2:forward", "fc2:dgrad"])
 def test_torchao_mxfp8_refuses_a_kept_forward_or_dgrad(entry):
     refused = refusal("mxfp8", small(), [entry], "torchao")
-    assert refused.entry == entry and refused.format == "mxfp8"
+    assert refused.entry == entry and refused.policy == "mxfp8"
     assert "MXFP8Linear" in refused.reason and "wgrad_with_hp" in refused.reason
     assert "entry 'fc2'" in refused.alternative and "mixprec" in refused.alternative
 
@@ -196,7 +201,7 @@ def test_torchtitan_refuses_a_kept_name_inside_a_converted_one():
     model = mlp(64, 128, 128, 32, names=("proj", "proj2", "head"))
     refused = refusal("fp8-rowwise", model, ["proj"], "torchtitan")
     assert refused.entry == "proj" and "'proj2'" in refused.reason and "substring" in refused.reason
-    assert "torchao" in refused.alternative and "accelerate" in refused.alternative
+    assert "torchao" in refused.alternative and "accelerate-fp8" in refused.alternative
     assert titan_converts(model, ["proj"]) == ["head"]  # what torchtitan would have done
 
 
@@ -217,7 +222,7 @@ def test_accelerate_converts_exactly_the_map_through_ao_recipe_kwargs():
     from accelerate.utils import AORecipeKwargs
 
     model = small()
-    text = render("fp8-rowwise", model, ["head"], "accelerate")
+    text = render("fp8-rowwise", model, ["head"], "accelerate-fp8")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
         namespace = run(text, model=model, optimizer=optimizer)
@@ -239,11 +244,11 @@ def test_accelerate_converts_exactly_the_map_through_ao_recipe_kwargs():
 
 @pytest.mark.parametrize(("policy", "model"), [("mxfp8", small), ("nvfp4", wide)])
 def test_accelerate_refuses_the_block_formats(policy, model):
-    refused = refusal(policy, model(), ["head"], "accelerate")
-    assert refused.entry is None and refused.format == policy
+    refused = refusal(policy, model(), ["head"], "accelerate-fp8")
+    assert refused.entry is None and refused.policy == policy
     assert "AORecipeKwargs" in refused.reason and "Float8Linear only" in refused.reason
     assert "torchao" in refused.alternative
-    with_direction = refusal(policy, model(), ["fc2:wgrad"], "accelerate")
+    with_direction = refusal(policy, model(), ["fc2:wgrad"], "accelerate-fp8")
     assert "'fc2:wgrad'" in with_direction.reason and "override_linear_precision" in with_direction.reason
 
 
@@ -360,33 +365,42 @@ def test_transformer_engine_refuses_directions_and_rowwise():
 
 
 # ----------------------------------------------------------------------------- header and errors
-@pytest.mark.parametrize("target", MAP_TARGETS)
-def test_every_text_opens_with_its_header(target):
-    policy = "fp8-tensorwise" if target in ("accelerate", "megatron", "transformer-engine") else "fp8-rowwise"
-    text = render(policy, small(), ["head"], target)
+def header_text(text: str) -> str:
+    """The header's comment lines joined into one line, the ``#`` and the bullets' indents dropped."""
     header = text.split("\n\n")[0].splitlines()
     assert all(line.startswith("#") for line in header)
-    joined = "\n".join(header)
-    assert header[0] == f"# mixprec precision map for {target}"
+    return " ".join(line.removeprefix("#").strip() for line in header)
+
+
+@pytest.mark.parametrize("target", MAP_TARGETS)
+def test_every_text_opens_with_the_export_header(target):
+    policy = (
+        "fp8-tensorwise" if target in ("accelerate-fp8", "megatron", "transformer-engine") else "fp8-rowwise"
+    )
+    text = render(policy, small(), ["head"], target)
+    assert text.startswith(f"# mixprec export: policy '{policy}' on cuda (keep_bf16=[\"head\"]) -> ")
+    flat = header_text(text)
     for part in (
-        f"# policy: {policy}",
-        '# map (keep_bf16): ["head"]',
-        "# share: 2 of 3 Linear layers",
-        "# cannot express:",
+        "What runs: - " + policy,
+        "the map resolved against the model's Linear layers",
+        "- share: 2 of 3 Linear layers",
+        "Notes (what ",
+        "You fill in: ",
     ):
-        assert part in joined, part
+        assert part in flat, part
 
 
 def test_the_share_counts_layers_gemms_and_work():
-    text = render("mxfp8", small(), ["head", "fc2:wgrad"], "torchao")
-    flat = " ".join(line.removeprefix("#").strip() for line in text.splitlines() if line.startswith("#"))
+    flat = header_text(render("mxfp8", small(), ["head", "fc2:wgrad"], "torchao"))
     assert "2 of 3 Linear layers run in mxfp8; 5 of 9 Linear GEMMs, 66.7% of the Linear GEMM work" in flat
     assert "in mxfp8: fc1, fc2 (all but wgrad)" in flat and "kept in bf16 by the map: head" in flat
 
 
 def test_bad_input_is_refused_with_the_fix():
-    with pytest.raises(UsageError, match=r"Unknown precision-map target 'torchtitian'.*'torchtitan'"):
+    with pytest.raises(UsageError, match=r"Unknown export target 'torchtitian'.*'torchtitan'"):
         render("mxfp8", small(), [], "torchtitian")
+    with pytest.raises(UsageError, match=r"not a precision-map target.*Did you mean 'accelerate-fp8'"):
+        render("fp8-rowwise", small(), [], "accelerate")  # the training script, not the map
     with pytest.raises(PolicyError, match="'bf16-mixed' runs no Linear in a low format"):
         render("bf16-mixed", small(), [], "torchao")
     with pytest.raises(PolicyError, match="'lm_head' matches no Linear"):
@@ -395,14 +409,14 @@ def test_bad_input_is_refused_with_the_fix():
         render("fp8-rowwise", small(), ["fc2:wgrad"], "torchao")
     refused = refusal("fp8-rowwise", small(), ["head"], "megatron")
     assert isinstance(refused, ExportRefused) and isinstance(refused, UsageError) and refused.exit_code == 2
-    assert str(refused).startswith("Cannot write the fp8 precision map of 'fp8-rowwise' for megatron: ")
+    assert str(refused).startswith("Cannot export policy 'fp8-rowwise' on cuda to Megatron-LM: ")
 
 
 def test_fp32_islands_stay_out_of_the_format():
     model = small()
     text = render("fp8-rowwise", model, [], "torchtitan", keep_fp32=("head",))
     assert tomllib.loads(text)["quantize"]["linear"]["float8"]["filter_fqns"] == ["head"]
-    assert '"head",  # fp32 island' in text and "# resolved: fp32 islands (keep_fp32): head" in text
+    assert '"head",  # fp32 island' in text and "fp32 islands (keep_fp32): head" in header_text(text)
     converted = run(render("fp8-rowwise", model, [], "torchao", keep_fp32=("head",)), model=model)["model"]
     assert [type(converted.get_submodule(n)) for n in ("fc1", "fc2", "head")] == [
         Float8Linear,

@@ -30,10 +30,10 @@ from mixprec.exports import (
     FRAMEWORKS,
     ExportResult,
     ExportStatus,
-    base,
     export,
     export_all,
     export_status,
+    facts,
     snippets,
     split_sections,
 )
@@ -461,8 +461,8 @@ def test_compiled_exports_set_the_fp32_knobs_after_the_stack_touches_tf32(target
 
 
 def test_every_optimizer_implementation_has_its_flag():
-    assert set(base.OPTIMIZER_FLAGS) == set(OPTIMIZER_IMPLS)
-    for impl, flag in base.OPTIMIZER_FLAGS.items():  # each flag builds that implementation
+    assert set(facts.OPTIMIZER_FLAGS) == set(OPTIMIZER_IMPLS)
+    for impl, flag in facts.OPTIMIZER_FLAGS.items():  # each flag builds that implementation
         group = eval(f"torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))], {flag})").param_groups[0]
         assert (bool(group["fused"]), bool(group["foreach"])) == (impl == "fused", impl == "foreach")
 

@@ -36,11 +36,11 @@ def test_a_keras_tune_finishes_a_cut_speed_sweep_and_races_its_finalists(monkeyp
     import mixprec.measure.race as race_module
     import mixprec.tuning.search as search
 
-    real_bench = search.bench
+    real_sweep = search.run_sweep
     calls: list[list[str]] = []
 
-    def first_sweep_cut_after_two_candidates(workload, **kwargs):
-        calls.append([c.label for c in kwargs["candidates"]])
+    def first_sweep_cut_after_two_candidates(workload, framework, config, **kwargs):
+        calls.append([c.label for c in config.candidates])
         if len(calls) == 1:
             started: list[str] = []
             forward = kwargs["events"]
@@ -52,9 +52,9 @@ def test_a_keras_tune_finishes_a_cut_speed_sweep_and_races_its_finalists(monkeyp
 
             budget = replace(kwargs["budget"], stop=lambda: len(started) >= 3)
             kwargs = {**kwargs, "events": events, "budget": budget}
-        return real_bench(workload, **kwargs)
+        return real_sweep(workload, framework, config, **kwargs)
 
-    monkeypatch.setattr(search, "bench", first_sweep_cut_after_two_candidates)
+    monkeypatch.setattr(search, "run_sweep", first_sweep_cut_after_two_candidates)
     monkeypatch.setattr(search, "RACE_WINDOW", 1.0)  # every passing candidate is a finalist
     # ...on any CPU: only a candidate measured faster than strict fp32 has its numerics checked, and
     # only a checked one can race; on a CPU where Keras' bf16 is no faster (the mlp is a toss-up on

@@ -11,9 +11,10 @@ import torch
 import mixprec
 from mixprec.budget import Budget
 from mixprec.cli import main
+from mixprec.measure.config import parse_choice, parse_policies
 from mixprec.measure.results import BenchResult, BenchRow, read_csv, write_csv
 from mixprec.measure.rowstore import read_jsonl
-from mixprec.measure.sweep import bench, parse_choice, parse_policies
+from mixprec.measure.sweep import bench
 from mixprec.policy import Candidate
 from mixprec.schema import SCHEMA_VERSION
 from mixprec.workload.loader import load_workload

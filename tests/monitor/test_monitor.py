@@ -85,11 +85,11 @@ def test_a_scale_collapse_is_named_and_left_alone_without_rescue():
     from mixprec.policy.scaler import ScaleCollapseError
 
     with pytest.raises(ScaleCollapseError):  # the policy's own floor stops the run, as without a monitor
-        train(amplified(), "fp16-mixed", 200, fault=overflow_from(100), rescue=False, events=None)
+        train(amplified(), "fp16-mixed", 200, fault=overflow_from(100), rescue=False, findings=None)
     # the same run, watched: the findings name the module before the policy gives up
     findings = []
     with pytest.raises(ScaleCollapseError):
-        train(amplified(), "fp16-mixed", 200, fault=overflow_from(100), events=findings.append)
+        train(amplified(), "fp16-mixed", 200, fault=overflow_from(100), findings=findings.append)
     assert [(f.kind, f.module) for f in findings][:2] == [("overflow", "2"), ("scale_collapse", "2")]
     assert findings[0].step == 101 and findings[1].step <= 100 + EVERY  # its second skip: it persists
 
@@ -187,7 +187,7 @@ def test_findings_go_to_a_jsonl_file(tmp_path):
     import json
 
     events = tmp_path / "events.jsonl"
-    train(mixprec.load_workload(LATE), "fp16-mixed", 100, events=events)
+    train(mixprec.load_workload(LATE), "fp16-mixed", 100, findings=events)
     lines = [json.loads(line) for line in events.read_text().splitlines()]
     assert lines and lines[0]["kind"] == "predicted_overflow" and lines[0]["module"] == "head"
 
@@ -198,7 +198,7 @@ def test_findings_go_to_a_jsonl_file(tmp_path):
         ({"every": 0}, "every must be an integer >= 1, got 0"),
         ({"shadow_every": -1}, "shadow_every must be an integer >= 0, got -1"),
         ({"scaler": object()}, "scaler must be a torch.amp.GradScaler"),
-        ({"events": 3}, "events must be a path or a callable"),
+        ({"findings": 3}, "findings must be a path or a callable"),
         ({"schedule": {0.5: "fp32"}}, "a precision schedule needs the loop's mixprec Policy"),
     ],
 )
@@ -322,5 +322,42 @@ def test_gradscalers_own_back_offs_are_not_news():
     assert early.findings == [] and 2 in early.skipped
     late, _, _ = train(amplified(), "fp16-mixed", 130, fault=transient_overflow(120))
     assert late.findings == [] and 120 in late.skipped
-    persistent, _, _ = train(amplified(), "fp16-mixed", 130, fault=overflow_from(120), events=None)
+    persistent, _, _ = train(amplified(), "fp16-mixed", 130, fault=overflow_from(120), findings=None)
     assert [(f.step, f.kind, f.module) for f in persistent.findings][:1] == [(121, "overflow", "2")]
+
+
+def test_a_plain_loop_is_stopped_by_monitor_stop_once_the_rescues_are_spent():
+    """A plain loop has no framework flag: observe() raises MonitorStop, after a ``stop`` finding
+    that names what was left unanswered; record() is the same without the exception, and a
+    stopped monitor records nothing more."""
+    from mixprec.monitor import MonitorStop
+
+    w = stalling()
+    policy = mixprec.get_policy("bf16-true", device="cpu")
+    model = policy.prepare(w.model)
+    optimizer = w.make_optimizer(model)
+    seen = []
+    monitor = Monitor(
+        model,
+        policy,
+        optimizer=optimizer,
+        loss_fn=w.loss_fn,
+        every=EVERY,
+        rescue=True,
+        max_rescues=0,
+        findings=seen.append,
+    )
+    torch.manual_seed(0)
+    batch = w.make_batch(32, torch.device("cpu"))
+    with policy.autocast():
+        loss = w.loss_fn(model, batch)
+    policy.backward(loss)
+    policy.step(optimizer)
+    with pytest.raises(MonitorStop, match=r"step 0: stall .* after 0 rescues \(max_rescues=0\)"):
+        monitor.observe(loss, batch)
+    assert [f.kind for f in seen] == ["stall", "stop"] and seen[1].message == monitor.stopped
+    assert policy.name == "bf16-true" and not monitor.healthy  # nothing was changed, nothing answered
+    assert monitor.record(loss, batch) == [] and len(monitor.losses) == 1
+    with pytest.raises(MonitorStop):
+        monitor.observe(loss, batch)
+    monitor.close()

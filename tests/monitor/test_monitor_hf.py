@@ -82,3 +82,40 @@ def test_a_bf16_stall_is_rescued_by_fp32_weights_inside_the_trainer(tmp_path):
     assert all(p.dtype == torch.float32 for p in rescued.monitor.model.parameters())
     # the Trainer's AdamW goes on with the widened state: the rescued run ends where fp32's does
     assert abs(late(rescued) - late(fp32)) < 0.1 * abs(late(stalled) - late(fp32))
+
+
+def test_a_monitor_that_gives_up_stops_the_trainer_through_its_control(tmp_path):
+    """Rescues spent (none allowed) on the pure-bf16 stall of step 0: the callback sets
+    control.should_training_stop and the Trainer ends the run its own way after that step,
+    on_train_end called; no exception leaves Trainer.train()."""
+    require("transformers", "frameworks")
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from mixprec.monitor.hf import MonitorCallback
+
+    w = mixprec.load_workload("hf:gpt2", seq_len=16, n_layer=1, n_embd=32, n_head=2)
+    w.model.to(torch.bfloat16)  # weights, and so the updates, in bf16: they stall at lr 1e-7
+    data = [{k: v[0] for k, v in w.make_batch(1, torch.device("cpu")).items()} for _ in range(20)]
+    ends = []
+
+    class End(TrainerCallback):
+        def on_train_end(self, args, state, control, **kw):
+            ends.append(state.global_step)
+
+    monitor = MonitorCallback(every=5, rescue=True, max_rescues=0)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=10,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        learning_rate=1e-7,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=w.model, args=args, train_dataset=data, callbacks=[monitor, End()])
+    trainer.train()
+    assert [f.kind for f in monitor.monitor.findings] == ["stall", "stop"]
+    assert "max_rescues=0" in monitor.monitor.stopped
+    assert trainer.state.global_step == 1 and len(monitor.monitor.losses) == 1  # after the stalled step
+    assert ends == [1]

@@ -141,3 +141,57 @@ def test_lightning_never_writes_a_poisoned_checkpoint(tmp_path):
     assert not path.exists()
     assert monitor.findings[0].kind == "nonfinite_weights" and monitor.findings[0].step == 25
     assert monitor.findings[-1].kind == "checkpoint_refused"
+
+
+def test_a_monitor_that_gives_up_stops_the_fit_through_lightning(tmp_path):
+    """Rescues spent (none allowed) on the bf16-true stall of step 0: the callback sets
+    trainer.should_stop and Lightning ends the fit its own way after that batch, its end-of-fit
+    hooks called; no exception leaves the fit."""
+    require("lightning", "frameworks")
+    import lightning.pytorch as pl
+
+    from mixprec.monitor.lightning import MonitorCallback
+
+    w = mlp()
+    torch.manual_seed(0)
+    batches = [w.make_batch(32, torch.device("cpu")) for _ in range(50)]
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = w.model
+
+        def training_step(self, batch, batch_idx):
+            return w.loss_fn(self.net, batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.net.parameters(), lr=1e-3)
+
+    class Ends(pl.Callback):
+        def __init__(self):
+            self.calls = []
+
+        def on_train_end(self, trainer, pl_module):
+            self.calls.append(("on_train_end", trainer.global_step))
+
+        def on_fit_end(self, trainer, pl_module):
+            self.calls.append(("on_fit_end", trainer.global_step))
+
+    callback, ends = MonitorCallback(every=20, rescue=True, max_rescues=0), Ends()
+    trainer = pl.Trainer(
+        max_steps=50,
+        accelerator="cpu",
+        precision="bf16-true",
+        callbacks=[callback, ends],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Module(), torch.utils.data.DataLoader(batches, batch_size=None))
+    monitor = callback.monitor
+    assert [f.kind for f in monitor.findings] == ["stall", "stop"]
+    assert "max_rescues=0" in monitor.stopped and trainer.should_stop
+    assert trainer.global_step == 1 and len(monitor.losses) == 1  # stopped after the stalled step
+    assert ends.calls == [("on_train_end", 1), ("on_fit_end", 1)]

@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 import mixprec
 from mixprec.cli import main
@@ -221,11 +222,45 @@ def test_autotune_caches_its_decision(tmp_path, monkeypatch):
     opts.update(compile_modes=(), optimizers=False)
     first = autotune(w, **opts)
     second = autotune(w, **opts)
-    assert isinstance(first, mixprec.Policy) and first.config == second.config
+    assert isinstance(first.policy, mixprec.Policy) and first.candidate == second.candidate
+    assert first.policy.config == second.policy.config
     assert len(calls) == 1  # the second call read the cache
     autotune(mixprec.load_workload("mlp", hidden=128), **opts)  # another model: tuned again
     assert len(calls) == 2
     assert len(json.loads(cache.read_text())["entries"]) == 2
+
+
+def test_autotune_returns_and_caches_the_whole_pick_and_applies_it(tmp_path, monkeypatch):
+    """The cache kept a PolicyConfig: a compiled, fused, accumulating pick came back as its bare
+    policy, eager, with the optimizer as written and the whole batch at once."""
+    import types
+
+    import mixprec.tuning.cache as tune_mod
+    from mixprec.tuning.decide import Recommendation
+
+    pick = Candidate(
+        "bf16-mixed", compile="default", optimizer="foreach", micro_batch=8, accumulation_steps=4
+    )
+    rec = Recommendation(pick, 1.8, None, None, {}, "fastest passing")
+    calls = []
+
+    def fake_tune(workload, **kw):
+        calls.append(kw)
+        return types.SimpleNamespace(recommendation=rec, workload="mlp", created="2026-11-27T00:00:00Z")
+
+    monkeypatch.setattr(tune_mod, "tune", fake_tune)
+    cache = tmp_path / "autotune.json"
+    w = mixprec.load_workload("mlp")
+    first = autotune(w, device="cpu", cache_path=cache)
+    again = autotune(w, device="cpu", cache_path=cache)
+    assert len(calls) == 1 and first.candidate == again.candidate == pick
+    assert (again.micro_batch, again.accumulation_steps) == (8, 4)
+    assert again.policy.name == "bf16-mixed" and again.reason == "fastest passing"
+    model = again.prepare(torch.nn.Linear(4, 4))
+    assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule)  # compiled, as measured
+    optimizer = again.optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert optimizer.defaults["foreach"] is True
+    assert again.compile_step(len) is len  # the model, not the step, is what this pick compiles
 
 
 def test_report_command_errors(tmp_path, capsys):
@@ -258,11 +293,11 @@ def test_a_speed_sweep_cut_by_its_share_is_finished_with_the_time_left(monkeypat
     from mixprec.frameworks import framework_named
     from mixprec.hardware.device import detect
 
-    real_bench = search_module.bench
+    real_sweep = search_module.run_sweep
     calls: list[list[str]] = []
 
-    def first_sweep_cut_at_its_third_candidate(workload, **kwargs):
-        calls.append([c.label for c in kwargs["candidates"]])
+    def first_sweep_cut_at_its_third_candidate(workload, framework, config, **kwargs):
+        calls.append([c.label for c in config.candidates])
         if len(calls) == 1:
             started: list[str] = []
             forward = kwargs["events"]
@@ -274,9 +309,9 @@ def test_a_speed_sweep_cut_by_its_share_is_finished_with_the_time_left(monkeypat
 
             budget = replace(kwargs["budget"], stop=lambda: len(started) >= 3)
             kwargs = {**kwargs, "events": events, "budget": budget}
-        return real_bench(workload, **kwargs)
+        return real_sweep(workload, framework, config, **kwargs)
 
-    monkeypatch.setattr(search_module, "bench", first_sweep_cut_at_its_third_candidate)
+    monkeypatch.setattr(search_module, "run_sweep", first_sweep_cut_at_its_third_candidate)
     workload = mixprec.load_workload("mlp")
     result = mixprec.tune(
         workload, budget_s=120, steps=2, warmup=1, check_steps=3, device="cpu", lint=False,

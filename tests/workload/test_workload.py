@@ -187,11 +187,17 @@ def test_build_does_not_depend_on_the_callers_seed():
         (lambda: build_zoo_workload("gpt2", seq_len=2048), r"seq_len=2048 exceeds block_size=1024"),
         (lambda: build_zoo_workload("gpt2", n_layers=2), r"'n_layers'.*n_layer.*Did you mean 'n_layer'"),
         (lambda: build_zoo_workload("gpt2", n_embd=65, n_head=2), r"n_embd=65 is not divisible"),
-        (lambda: build_zoo_workload("resnet50", image_size=8), r"image_size=8.*>= 32"),
+        (
+            lambda: build_zoo_workload("resnet50", image_size=8),
+            r"image_size for model 'resnet50' must be an integer >= 32, got 8",
+        ),
         (lambda: build_zoo_workload("resnet50", width=2), r"'width'.*valid options: image_size"),
         (lambda: build_zoo_workload("mlp", hiden=8), r"'hiden'.*Did you mean 'hidden'"),
-        (lambda: build_zoo_workload("mlp", depth=0), r"depth=0.*integer >= 1"),
-        (lambda: build_zoo_workload("mlp").make_batch(0, CPU), r"batch_size 0"),
+        (lambda: build_zoo_workload("mlp", depth=0), r"depth for model 'mlp' must be an integer >= 1, got 0"),
+        (
+            lambda: build_zoo_workload("mlp").make_batch(0, CPU),
+            r"batch_size for workload 'mlp' must be an integer >= 1, got 0",
+        ),
     ],
 )
 def test_zoo_errors(call, fragment):

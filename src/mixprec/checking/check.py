@@ -18,13 +18,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
+from mixprec import validation
 from mixprec.budget import Budget
+from mixprec.checking.config import TRAIN_STEPS, CheckConfig
 from mixprec.errors import PolicyError, UsageError
 from mixprec.events import Events, ignore
 from mixprec.frameworks import Framework, framework_of
 from mixprec.hardware.device import detect
 from mixprec.numerics.compare import Comparison, Trajectory, compare
-from mixprec.numerics.fix import search_keep_fp32, search_precision_map
+from mixprec.numerics.fix import MapSpace, Trials, search_keep_fp32, search_precision_map
 from mixprec.numerics.limits import LOW_PRECISION_FORMATS
 from mixprec.numerics.ranges import RangeReport
 from mixprec.numerics.results import CandidateCheck, CheckResult
@@ -46,7 +48,6 @@ from mixprec.numerics.verdict import (
 )
 from mixprec.policy import Candidate, Thresholds
 from mixprec.policy.islands import is_fp32_island
-from mixprec.policy.registry import CHECK_DEFAULT
 from mixprec.policy.support import cures
 from mixprec.status import Status
 
@@ -60,7 +61,6 @@ SEARCH_STEPS = 4  # steps of each trial run of the search (the found set is veri
 VERIFY_MARGIN = 1.5
 MAX_VERIFY_STEPS = 1000
 # The run length verdicts are about when nobody names one (tune's --train-steps default too).
-TRAIN_STEPS = 10_000
 NEVER_RAN = "nothing was tested"
 # The reference learns when its fitted fall over the checked steps is this many times the median
 # distance of its losses from the fit (batch-to-batch noise).
@@ -407,16 +407,7 @@ class Checker:
             order = [risk.layer, *(n for n in order if n != risk.layer)]
             verify = max(self.steps, min(MAX_VERIFY_STEPS, int(VERIFY_MARGIN * ((risk.step or 0) + 1))))
         search_keep_fp32(
-            self.run,
-            cand,
-            result,
-            order,
-            MAX_FIX_SET,
-            steps=verify,
-            search_steps=self.steps if risk is not None else min(self.steps, SEARCH_STEPS),
-            deadline=self.budget.deadline,
-            stage=self.stage,
-            kind=self.framework.island_kind,
+            self.run, cand, result, order, MAX_FIX_SET, self.trials(verify, risk), self.framework.island_kind
         )
 
     def search_map(
@@ -438,20 +429,26 @@ class Checker:
         verify = self.steps
         if risk is not None:
             verify = max(self.steps, min(MAX_VERIFY_STEPS, int(VERIFY_MARGIN * ((risk.step or 0) + 1))))
-        search_precision_map(
-            lambda entries, steps: self.run(cand, (), steps, entries),
-            cand,
-            result,
+        space = MapSpace(
             layers=layers,
             rules=field_rules(self.workload, layers),
             suspects=ordered,
             directions=("wgrad", "dgrad", "forward") if cand.spec.block_format else (),
-            present=census.directions,
-            steps=verify,
-            search_steps=self.steps if risk is not None else min(self.steps, SEARCH_STEPS),
-            deadline=self.budget.deadline,
-            stage=self.stage,
+            present=census.directions or {},
         )
+        search_precision_map(
+            lambda entries, steps: self.run(cand, (), steps, entries),
+            cand,
+            result,
+            space,
+            self.trials(verify, risk),
+        )
+
+    def trials(self, verify: int, risk: Prediction | None) -> Trials:
+        """A fix search's trials: as long as the check where a failure is predicted late in the run
+        (a shorter trial cannot see it), else ``SEARCH_STEPS`` at most; verified over ``verify``."""
+        search_steps = self.steps if risk is not None else min(self.steps, SEARCH_STEPS)
+        return Trials(steps=verify, search_steps=search_steps, budget=self.budget, stage=self.stage)
 
     def result(self, results: list[CandidateCheck]) -> CheckResult:
         return CheckResult(
@@ -598,29 +595,31 @@ def broken_reference(reference: Trajectory) -> str:
 
 def make_checker(
     workload: Any,
+    config: CheckConfig | None = None,
     *,
-    steps: int = 8,
-    batch_size: int | None = None,
-    device: Any = None,
-    thresholds: dict[str, Thresholds] | None = None,
     events: Events | None = None,
     budget: Budget | None = None,
-    train_steps: int = TRAIN_STEPS,
 ) -> Checker:
-    """Run the fp32 reference, its per-layer ranges and the chaos floor once, for many checks."""
+    """Run the fp32 reference, its per-layer ranges and the chaos floor once, for many checks
+    (``config``'s steps, batch size, device, thresholds and run length)."""
+    config = config or CheckConfig()
     framework = framework_of(workload)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise UsageError(f"steps must be an integer >= 1, got {steps!r}.")
-    dev = framework.resolve_device(device)
+    dev = framework.resolve_device(config.device)
     events = events or ignore
-    bs = batch_size or framework.default_batch_size(workload)
+    bs = config.batch_size or framework.default_batch_size(workload)
     events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
     framework.validate_workload(workload, dev, bs)
-    merged = {**default_thresholds(), **(thresholds or {})}
-    if isinstance(train_steps, bool) or not isinstance(train_steps, int) or train_steps < 1:
-        raise UsageError(f"train_steps must be an integer >= 1, got {train_steps!r}.")
+    merged = {**default_thresholds(), **(config.thresholds or {})}
     return Checker(
-        workload, framework, dev, bs, steps, merged, events, budget or Budget.unlimited(), train_steps
+        workload,
+        framework,
+        dev,
+        bs,
+        config.steps,
+        merged,
+        events,
+        budget or Budget.unlimited(),
+        config.train_steps,
     )
 
 
@@ -685,22 +684,18 @@ def refuse_split_tie(workload: Any, cand: Candidate) -> None:
 
 def check(
     workload: Any,
+    config: CheckConfig | None = None,
     *,
-    policies: str | Sequence[str | Candidate] = CHECK_DEFAULT,
-    emulate: Sequence[str] = (),
-    steps: int = 8,
-    batch_size: int | None = None,
-    device: Any = None,
-    fix: bool = False,
-    thresholds: dict[str, Thresholds] | None = None,
     events: Events | None = None,
     budget: Budget | None = None,
     checker: Checker | None = None,
-    train_steps: int = TRAIN_STEPS,
+    **fields: Any,
 ) -> CheckResult:
     """Check each policy (and each emulated format) against a strict-fp32 reference on ``workload``
     (a :class:`mixprec.Workload` or another framework's, e.g. ``mixprec.keras.KerasWorkload``).
 
+    ``config``: a :class:`CheckConfig`; ``fields`` replace its fields
+    (``check(workload, policies="bf16-mixed", steps=12, fix=True)``), each described there. Its
     ``train_steps`` is the length of the run the verdicts are about: every layer's ranges are
     recorded at every checked step, and a trend predicted to overflow the candidate's format (or to
     stall its updates) within that many steps makes the candidate ``at-risk``, with the layer and the
@@ -709,23 +704,15 @@ def check(
     (from :func:`make_checker`) reuses an fp32 reference, its ranges and the chaos floor across
     calls, e.g. when candidates are checked one at a time. ``events`` receives 'stage' events and
     a ``{"event": "verdict", "check": CandidateCheck, "index": i, "count": n}`` as each candidate is
-    judged. The workload is
-    validated first (one strict-fp32 step).
+    judged. The workload is validated first (one strict-fp32 step).
     """
+    config = validation.with_fields(config or CheckConfig(), fields, "check")
+    policies, emulate, fix = config.policies, config.emulate, config.fix
     if checker is None:
         framework = framework_of(workload)
         cands = candidates_of(framework, policies, emulate)  # bad names fail before the reference runs
         check_islands(framework, workload, cands)
-        checker = make_checker(
-            workload,
-            steps=steps,
-            batch_size=batch_size,
-            device=device,
-            thresholds=thresholds,
-            events=events,
-            budget=budget,
-            train_steps=train_steps,
-        )
+        checker = make_checker(workload, config, events=events, budget=budget)
     else:
         cands = candidates_of(checker.framework, policies, emulate)
     framework, events = checker.framework, events or checker.events

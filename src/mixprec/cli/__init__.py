@@ -34,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mixprec import __version__
+    from mixprec.version import __version__
 
     parser = _Parser(
         prog="mixprec", description="Mixed precision for PyTorch training: apply, measure, verify."

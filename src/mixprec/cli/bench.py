@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -18,9 +19,10 @@ from mixprec.cli.common import (
 )
 from mixprec.errors import UsageError
 from mixprec.measure.batches import bench_batches, parse_batch_sizes
+from mixprec.measure.config import CHOICES, BenchConfig, parse_policies
 from mixprec.measure.memory import parse_size
 from mixprec.measure.results import write_csv
-from mixprec.measure.sweep import CHOICES, bench, parse_policies
+from mixprec.measure.sweep import bench
 from mixprec.report.batches import batch_table
 from mixprec.report.batches import plot as plot_batches
 from mixprec.report.bench import bench_table, error_tracebacks, plot, write_markdown
@@ -99,6 +101,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def bench_config(args: argparse.Namespace, defaults: Defaults) -> BenchConfig:
+    """The command line as a :class:`BenchConfig` (the framework's defaults where a flag is not given)."""
+    return BenchConfig(
+        policies=args.policies,
+        channels_last=args.channels_last,
+        compile=args.compile,
+        batch_size=defaults.batch_size(),
+        steps=args.steps or defaults["steps"],
+        warmup=args.warmup or defaults["warmup"],
+        min_time_s=defaults["min_time"] if args.min_time is None else args.min_time,
+        device=defaults.device,
+        jsonl=Path(args.json).with_suffix(".jsonl") if args.json else None,
+        resume=args.resume or args.resume_anyway,
+        resume_anyway=args.resume_anyway,
+        isolate=False if args.in_process else None,
+        prune_factor=args.prune_factor,
+        nproc=args.nproc,
+    )
+
+
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.batch_sizes or args.memory_budget or args.effective_batch:
         return run_batches(args, out, err)
@@ -111,28 +133,12 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.policies != "all":
         require_supported(parse_policies(args.policies), defaults)
     workload = workload_from_args(args, defaults)
-    jsonl = Path(args.json).with_suffix(".jsonl") if args.json else None
+    config = bench_config(args, defaults)
+    jsonl = config.jsonl
 
     with CandidateProgress(err, "checking the workload: one strict-fp32 step", verbose=args.verbose) as shown:
         try:
-            result = bench(
-                workload,
-                policies=args.policies,
-                channels_last=args.channels_last,
-                compile=args.compile,
-                batch_size=defaults.batch_size(),
-                steps=args.steps or defaults["steps"],
-                warmup=args.warmup or defaults["warmup"],
-                min_time_s=defaults["min_time"] if args.min_time is None else args.min_time,
-                device=defaults.device,
-                jsonl=jsonl,
-                resume=resume,
-                resume_anyway=args.resume_anyway,
-                isolate=False if args.in_process else None,
-                prune_factor=args.prune_factor,
-                events=shown.event,
-                nproc=args.nproc,
-            )
+            result = bench(workload, config, events=shown.event)
         except KeyboardInterrupt:
             if jsonl:
                 err.print(
@@ -177,22 +183,16 @@ def run_batches(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.policies != "all":
         require_supported(parse_policies(args.policies), defaults)
     workload = workload_from_args(args, defaults)
+    # each size's sweep has its own batch size; the rows stream to no .jsonl (--json is the sweep's)
+    config = replace(bench_config(args, defaults), batch_size=None, jsonl=None)
     with CandidateProgress(err, "peak memory at each batch size", verbose=args.verbose) as shown:
         sweep = bench_batches(
             workload,
             sizes,
             memory_budget=memory_budget,
             effective_batch=args.effective_batch,
-            policies=args.policies,
-            channels_last=args.channels_last,
-            compile=args.compile,
-            device=defaults.device,
+            config=config,
             events=shown.event,
-            steps=args.steps or defaults["steps"],
-            warmup=args.warmup or defaults["warmup"],
-            min_time_s=defaults["min_time"] if args.min_time is None else args.min_time,
-            isolate=False if args.in_process else None,
-            prune_factor=args.prune_factor,
         )
     out.print(batch_table(sweep))
     written = []

@@ -6,7 +6,8 @@ import argparse
 
 from rich.console import Console
 
-from mixprec.checking.check import TRAIN_STEPS, check
+from mixprec.checking.check import check
+from mixprec.checking.config import TRAIN_STEPS, CheckConfig
 from mixprec.cli.common import (
     CandidateProgress,
     Defaults,
@@ -16,7 +17,7 @@ from mixprec.cli.common import (
     workload_from_args,
 )
 from mixprec.errors import UsageError
-from mixprec.measure.sweep import parse_policies
+from mixprec.measure.config import parse_policies
 from mixprec.policy.candidate import EMULATABLE, Candidate
 from mixprec.policy.registry import spec_of
 from mixprec.report.check import check_report, plot
@@ -72,6 +73,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def check_config(args: argparse.Namespace, defaults: Defaults, policies: list[str]) -> CheckConfig:
+    """The command line as a :class:`CheckConfig`: each policy a Candidate with the islands and the
+    precision map given (the map is the low formats' own: other policies run no Linear in one)."""
+    framework = defaults.framework
+    return CheckConfig(
+        policies=tuple(
+            Candidate(
+                p,
+                keep_fp32=tuple(args.keep_fp32),
+                framework=framework.name,
+                keep_bf16=tuple(args.keep_bf16) if spec_of(p).low_format else (),
+            )
+            for p in policies
+        ),
+        emulate=tuple(args.emulate),
+        steps=args.steps,
+        batch_size=defaults.batch_size(),
+        device=defaults.device,
+        fix=args.fix,
+        train_steps=args.train_steps,
+    )
+
+
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     policies = [p for p in args.policies.split(",") if p.strip()]
     if not policies and not args.emulate:
@@ -86,26 +110,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     )
     workload = workload_from_args(args, defaults)
     with CandidateProgress(err, "checking", verbose=args.verbose) as shown:
-        result = check(
-            workload,
-            policies=[
-                Candidate(
-                    p,
-                    keep_fp32=tuple(args.keep_fp32),
-                    framework=framework.name,
-                    # the map is the low formats' own: the other policies run no Linear in a low format
-                    keep_bf16=tuple(args.keep_bf16) if spec_of(p).low_format else (),
-                )
-                for p in policies
-            ],
-            emulate=args.emulate,
-            steps=args.steps,
-            batch_size=defaults.batch_size(),
-            device=defaults.device,
-            fix=args.fix,
-            events=shown.event,
-            train_steps=args.train_steps,
-        )
+        result = check(workload, check_config(args, defaults, policies), events=shown.event)
     out.print(check_report(result))
     if args.json:
         env = framework.environment(defaults.device)

@@ -17,7 +17,8 @@ from mixprec.cli.common import (
 from mixprec.errors import UsageError
 from mixprec.frameworks import framework_named
 from mixprec.hardware import environment
-from mixprec.linting import TARGETS, measure_findings, parse_rule_ids, run_lint
+from mixprec.linting import TARGETS, parse_rule_ids, run_lint
+from mixprec.measure.lint_gains import measure_findings
 from mixprec.report.jsonio import write_json
 from mixprec.report.lint import lint_report, rules_table
 

@@ -10,7 +10,9 @@ from rich.console import Console
 
 from mixprec.cli.common import Defaults, add_workload_arguments, positive_int, workload_from_args
 from mixprec.errors import UsageError
+from mixprec.monitor.config import MonitorConfig
 from mixprec.monitor.train import train
+from mixprec.policy import Candidate
 from mixprec.policy.registry import POLICIES
 from mixprec.report.jsonio import write_json
 from mixprec.report.train import plot, train_report
@@ -50,18 +52,17 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     logging.getLogger("mixprec.monitor").propagate = False
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
-    events = folder / "events.jsonl"
-    events.unlink(missing_ok=True)
+    findings = folder / "events.jsonl"  # the monitor's findings, one JSON line each
+    findings.unlink(missing_ok=True)
+    config = MonitorConfig(rescue=args.rescue, every=args.every, shadow_every=args.shadow_every)
     result = train(
         workload,
-        args.policy,
+        Candidate(args.policy),
         args.steps,
+        config=config,
         device=str(defaults.device),
         batch_size=defaults.batch_size(),
-        rescue=args.rescue,
-        every=args.every,
-        shadow_every=args.shadow_every,
-        events=events,
+        findings=findings,
     )
     out.print(train_report(result))
     env = defaults.framework.environment(defaults.device)

@@ -13,7 +13,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from mixprec.checking.check import TRAIN_STEPS
+from mixprec.checking.config import TRAIN_STEPS, CheckConfig
 from mixprec.cli.common import (
     CandidateProgress,
     Defaults,
@@ -23,6 +23,7 @@ from mixprec.cli.common import (
 )
 from mixprec.errors import BudgetExhausted, MixprecError, NumericsFailed, UsageError
 from mixprec.exports import EXPORT_TARGETS
+from mixprec.measure.config import BenchConfig
 from mixprec.measure.memory import parse_size
 from mixprec.measure.noise import describe as describe_noise
 from mixprec.policy import Candidate
@@ -31,6 +32,7 @@ from mixprec.report.bench import drift_text
 from mixprec.report.format import fmt_bytes, fmt_phases, fmt_speedup_ci, rich_style, shorten
 from mixprec.report.jsonio import write_json
 from mixprec.status import Status
+from mixprec.tuning.config import TuneConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -239,37 +241,40 @@ def export_lines(data: dict[str, Any]) -> list[Text]:
     return lines
 
 
+def tune_config(args: argparse.Namespace, defaults: Defaults) -> TuneConfig:
+    """The command line as a :class:`TuneConfig` (the framework's defaults where a flag is not given)."""
+    return TuneConfig(
+        bench=BenchConfig(
+            device=defaults.device,
+            batch_size=defaults.batch_size(),
+            steps=args.steps or defaults["steps"],
+            warmup=defaults["warmup"],
+        ),
+        check=CheckConfig(steps=args.check_steps, fix=not args.no_fix, train_steps=args.train_steps),
+        budget_s=args.budget,
+        lint=not args.no_lint,
+        compile_modes=() if args.no_compile else args.compile,
+        optimizers=not args.no_optimizers,
+        batch=args.batch,
+        memory_budget=parse_size(args.memory_budget) if args.memory_budget else None,
+        effective_batch=args.effective_batch,
+    )
+
+
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     from mixprec.tuning import tune
 
     if args.batch is None and (args.memory_budget or args.effective_batch):
         flag = "--memory-budget" if args.memory_budget else "--effective-batch"
         raise UsageError(f"{flag} applies to the micro-batch search; pass --batch auto too.")
-    memory_budget = parse_size(args.memory_budget) if args.memory_budget else None
     defaults = Defaults(args, "tune")
     framework = defaults.framework
     for mode in args.compile or ():  # a typo fails before the workload is built
         framework.validate(Candidate("fp32", compile=mode, framework=framework.name))
     workload = workload_from_args(args, defaults)
+    config = tune_config(args, defaults)
     with CandidateProgress(err, "tuning", verbose=args.verbose, budget_s=args.budget) as shown:
-        result = tune(
-            workload,
-            budget_s=args.budget,
-            device=defaults.device,
-            batch_size=defaults.batch_size(),
-            steps=args.steps or defaults["steps"],
-            warmup=defaults["warmup"],
-            check_steps=args.check_steps,
-            fix=not args.no_fix,
-            lint=not args.no_lint,
-            compile_modes=() if args.no_compile else args.compile,
-            optimizers=not args.no_optimizers,
-            train_steps=args.train_steps,
-            events=shown.event,
-            batch=args.batch,
-            memory_budget=memory_budget,
-            effective_batch=args.effective_batch,
-        )
+        result = tune(workload, config, events=shown.event)
     result.command = "mixprec " + " ".join(sys.argv[1:])
     data = result.to_dict()
     out.print(summary(data))

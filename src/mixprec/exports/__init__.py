@@ -1,13 +1,17 @@
 """Export a candidate (a precision policy with its loop axes) as ready-to-paste code or
 configuration for other training stacks.
 
-One module per target, each an :class:`~mixprec.exports.base.ExportTarget` that states what it
-cannot express faithfully:
+One module per target, each an :class:`~mixprec.exports.target.ExportTarget` that states what it
+cannot express faithfully, all named in one vocabulary (:mod:`.registry`):
 
 - ``mixprec`` (:mod:`.native`): the ``get_policy(...)`` call with exactly the non-default options.
 - ``pytorch`` (:mod:`.pytorch`): plain PyTorch without mixprec, everything Policy does written out.
 - ``lightning``, ``accelerate``, ``deepspeed``, ``fsdp2``, ``hf``: that stack's own settings where they
   mean the policy, code where they do not, and a refusal where the stack cannot run the policy.
+- the precision-map targets ``torchao``, ``torchtitan``, ``accelerate-fp8``, ``megatron``,
+  ``transformer-engine`` (:mod:`.maps`): a low-format policy's precision map (``keep_bf16``) with
+  the model's Linear names, for the stack that trains with it; they take the model
+  (``export(candidate, "torchao", model=model)``).
 
 Each writes the candidate's ``torch.compile`` mode and optimizer implementation the way its stack
 runs them (Lightning compiles the LightningModule, Accelerate and the HF Trainer take a dynamo
@@ -24,10 +28,16 @@ Python, ``deepspeed``: JSON + Python) start each file with a ``# --- <file name>
 shared with :class:`mixprec.Policy`). Pure text: nothing is imported from the target stacks and no
 global state is touched.
 
+The module layout: :mod:`.facts` (a candidate as the facts every target writes from),
+:mod:`.target` (the target interface, its refusal and its contract header), :mod:`.text` (text
+helpers), :mod:`.prepare` and :mod:`.loop` (the model preparation and loop lines the loop-writing
+targets share), :mod:`.snippets` (the pasted helper code), one module per target, :mod:`.maps`
+(the precision-map family) and :mod:`.registry` (the vocabulary).
+
 Faithful or refused: :func:`export` raises :class:`~mixprec.errors.ExportRefused` (a
 :class:`~mixprec.errors.UsageError`) with the reason and the nearest faithful alternative;
 :func:`export_status` answers without raising; :func:`export_all` returns an :class:`ExportResult`
-per target, with the text of a faithful target and the reason of a refused one.
+per training-code target, with the text of a faithful target and the reason of a refused one.
 """
 
 from __future__ import annotations
@@ -35,22 +45,20 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
-from mixprec.errors import ExportRefused, UsageError, did_you_mean
-from mixprec.exports.accelerate import AccelerateTarget
-from mixprec.exports.base import SECTION_PREFIX, SECTION_SUFFIX, ExportTarget, Facts
-from mixprec.exports.deepspeed import DeepSpeedTarget
-from mixprec.exports.fsdp2 import FSDP2Target
-from mixprec.exports.hf import HFTarget
-from mixprec.exports.lightning import LightningTarget
-from mixprec.exports.native import MixprecTarget
-from mixprec.exports.pytorch import PyTorchTarget
+from mixprec.errors import ExportRefused
+from mixprec.exports.facts import Facts
+from mixprec.exports.registry import EXPORT_TARGETS, MAP_TARGETS, TARGETS, check_target
+from mixprec.exports.target import ExportTarget
+from mixprec.exports.text import SECTION_PREFIX, SECTION_SUFFIX
 from mixprec.policy.candidate import Candidate
 from mixprec.policy.policy import Policy, PolicyConfig
 
 __all__ = [
     "EXPORT_TARGETS",
     "FRAMEWORKS",
+    "MAP_TARGETS",
     "ExportRefused",
     "ExportResult",
     "ExportStatus",
@@ -60,22 +68,8 @@ __all__ = [
     "split_sections",
 ]
 
-TARGETS: dict[str, ExportTarget] = {
-    target.name: target
-    for target in (
-        MixprecTarget(),
-        PyTorchTarget(),
-        LightningTarget(),
-        AccelerateTarget(),
-        DeepSpeedTarget(),
-        FSDP2Target(),
-        HFTarget(),
-    )
-}
-EXPORT_TARGETS: tuple[str, ...] = tuple(TARGETS)
 # The PyPI package each framework target relies on -> the releases its exports were checked against.
 FRAMEWORKS: dict[str, str] = {t.package: t.verified for t in TARGETS.values() if t.package}
-_ALIASES = {alias: name for name, target in TARGETS.items() for alias in target.aliases}
 
 
 class ExportStatus(NamedTuple):
@@ -98,29 +92,43 @@ class ExportResult(NamedTuple):
 
 
 def export(
-    candidate: Candidate | PolicyConfig | Policy, target: str, *, device: str | torch.device | None = None
+    candidate: Candidate | PolicyConfig | Policy,
+    target: str,
+    *,
+    device: str | torch.device | None = None,
+    model: nn.Module | None = None,
 ) -> str:
-    """Ready-to-paste text that trains ``candidate`` with ``target`` (one of :data:`EXPORT_TARGETS`).
+    """Ready-to-paste text that trains ``candidate`` with ``target`` (one of :data:`EXPORT_TARGETS`,
+    or of :data:`MAP_TARGETS` with ``model``).
 
     ``candidate`` is a :class:`~mixprec.Candidate` (a recommendation's ``.candidate``: policy,
-    channels_last, keep_fp32, compile mode and scope, optimizer implementation), exported for
-    ``device`` (default: mixprec's, CUDA when available, else CPU). A :class:`PolicyConfig` or
+    channels_last, keep_fp32, keep_bf16, compile mode and scope, optimizer implementation), exported
+    for ``device`` (default: mixprec's, CUDA when available, else CPU). A :class:`PolicyConfig` or
     :class:`Policy` works too (it also carries finite_check and the scaler options): exported eager,
-    with the optimizer as written, for its own device unless ``device`` is given. Raises
-    :class:`UsageError` for an unknown target, another object, a non-torch candidate, loop axes
-    mixprec's torch backend does not run, or a policy or device mixprec does not know, and
-    :class:`ExportRefused` (a UsageError) where the target cannot train the candidate faithfully.
+    with the optimizer as written, for its own device unless ``device`` is given. ``model``: the
+    model a precision-map target resolves the candidate's ``keep_bf16`` against (its Linear names);
+    the other targets write code around your model and ignore it. Raises :class:`UsageError` for an
+    unknown target, another object, a non-torch candidate, loop axes mixprec's torch backend does
+    not run, a policy or device mixprec does not know, or a precision-map target without a model,
+    :class:`~mixprec.errors.PolicyError` for a precision map that is invalid or names no Linear of
+    the model, and :class:`ExportRefused` (a UsageError) where the target cannot train the candidate
+    faithfully.
     """
-    target_obj = TARGETS[_check_target(target)]
-    return target_obj.export(Facts.of(candidate, device))
+    target_obj = check_target(target)
+    return target_obj.export(target_obj.facts(candidate, device, model))
 
 
 def export_status(
-    candidate: Candidate | PolicyConfig | Policy, target: str, *, device: str | torch.device | None = None
+    candidate: Candidate | PolicyConfig | Policy,
+    target: str,
+    *,
+    device: str | torch.device | None = None,
+    model: nn.Module | None = None,
 ) -> ExportStatus:
-    """``(faithful, reason)`` for ``export(candidate, target, device=device)``, without raising a refusal."""
-    target_obj = TARGETS[_check_target(target)]
-    facts = Facts.of(candidate, device)
+    """``(faithful, reason)`` for ``export(candidate, target, device=device, model=model)``, without
+    raising a refusal."""
+    target_obj = check_target(target)
+    facts = target_obj.facts(candidate, device, model)
     if target_obj.refusal(facts) is None:
         return ExportStatus(True, "")
     return ExportStatus(False, _refusal_text(target_obj, facts))
@@ -162,14 +170,3 @@ def split_sections(text: str) -> dict[str, str]:
         else:
             sections[current].append(line)
     return {name: "\n".join(lines).strip("\n") + "\n" for name, lines in sections.items()}
-
-
-def _check_target(target: str) -> str:
-    key = target.strip().lower() if isinstance(target, str) else target
-    key = _ALIASES.get(key, key)
-    if key not in TARGETS:
-        raise UsageError(
-            f"Unknown export target {target!r}; valid: {', '.join(EXPORT_TARGETS)}."
-            f"{did_you_mean(str(target), EXPORT_TARGETS)}"
-        )
-    return key

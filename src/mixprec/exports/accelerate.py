@@ -36,30 +36,13 @@ from typing import ClassVar
 
 import torch
 
-from mixprec.exports.base import (
-    DTYPE_SHORT,
-    SCALER_ARGS,
-    SCHEDULER,
-    Contract,
-    Facts,
-    Refusal,
-    call_lines,
-    helper_lines,
-    helper_names,
-    helpers,
-    imports,
-    indent,
-    loop_head,
-    loop_helper_names,
-    loss_lines,
-    precision_lines,
-    prepare_lines,
-    py,
-    section,
-    step_scope_refusal,
-)
+from mixprec.exports.facts import Facts
+from mixprec.exports.loop import SCALER_ARGS, SCHEDULER, loop_head, loop_helper_names, loss_lines
 from mixprec.exports.native import expects
+from mixprec.exports.prepare import helper_names, precision_lines, prepare_lines
 from mixprec.exports.pytorch import PyTorchTarget
+from mixprec.exports.target import Contract, Refusal, step_scope_refusal
+from mixprec.exports.text import DTYPE_SHORT, call_lines, helper_lines, helpers, imports, indent, py, section
 
 
 class AccelerateTarget(PyTorchTarget):

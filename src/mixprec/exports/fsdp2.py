@@ -33,19 +33,12 @@ from typing import Any
 
 from mixprec.distributed.common import autocast_fp32_params
 from mixprec.distributed.fsdp2 import fsdp_groups
-from mixprec.exports.base import (
-    DTYPE_CODE,
-    DTYPE_SHORT,
-    Contract,
-    Facts,
-    Refusal,
-    comment,
-    helper_names,
-    loop_helper_names,
-    prepare_lines,
-    py,
-)
+from mixprec.exports.facts import Facts
+from mixprec.exports.loop import loop_helper_names
+from mixprec.exports.prepare import helper_names, prepare_lines
 from mixprec.exports.pytorch import PyTorchTarget, plain_loop
+from mixprec.exports.target import Contract, Refusal
+from mixprec.exports.text import DTYPE_CODE, DTYPE_SHORT, comment, py
 
 
 class FSDP2Target(PyTorchTarget):

@@ -27,24 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from mixprec.exports.base import (
-    DTYPE_CODE,
-    DTYPE_SHORT,
-    SCALER_ARGS,
-    Contract,
-    Facts,
-    Refusal,
-    call_lines,
-    helper_lines,
-    helper_names,
-    helpers,
-    imports,
-    precision_lines,
-    prepare_lines,
-    py,
-    step_scope_refusal,
-)
+from mixprec.exports.facts import Facts
+from mixprec.exports.loop import SCALER_ARGS
+from mixprec.exports.prepare import helper_names, precision_lines, prepare_lines
 from mixprec.exports.pytorch import PyTorchTarget
+from mixprec.exports.target import Contract, Refusal, step_scope_refusal
+from mixprec.exports.text import DTYPE_CODE, DTYPE_SHORT, call_lines, helper_lines, helpers, imports, py
 
 LABELS = ("labels",)  # TrainingArguments.label_names' default for models that take labels
 

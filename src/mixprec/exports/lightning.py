@@ -36,22 +36,19 @@ from pathlib import Path
 import torch
 
 from mixprec.exports import snippets
-from mixprec.exports.base import (
+from mixprec.exports.facts import Facts
+from mixprec.exports.loop import grad_scaler_lines
+from mixprec.exports.prepare import precision_lines
+from mixprec.exports.target import Contract, ExportTarget, Refusal, step_scope_refusal
+from mixprec.exports.text import (
     DTYPE_CODE,
     DTYPE_SHORT,
-    Contract,
-    ExportTarget,
-    Facts,
-    Refusal,
     call_lines,
     comment,
-    grad_scaler_lines,
     helper_lines,
     helpers,
     imports,
-    precision_lines,
     py,
-    step_scope_refusal,
 )
 
 _PLUGIN_FILE = str(Path(__file__).with_name("snippets_lightning.py"))

@@ -7,16 +7,10 @@ inside one ``torch.compile``'d function, the scheduler outside it.
 
 from __future__ import annotations
 
-from mixprec.exports.base import (
-    SCHEDULER,
-    Contract,
-    ExportTarget,
-    Facts,
-    accumulate_lines,
-    accumulation_lines,
-    loop_head,
-    py,
-)
+from mixprec.exports.facts import Facts
+from mixprec.exports.loop import SCHEDULER, accumulate_lines, accumulation_lines, loop_head
+from mixprec.exports.target import Contract, ExportTarget
+from mixprec.exports.text import py
 
 EXPECTS = "model (nn.Module), loader (iterable of batches), loss_fn(model, batch) -> scalar loss"
 

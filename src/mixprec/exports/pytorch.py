@@ -11,28 +11,20 @@ from typing import ClassVar
 
 import torch
 
-from mixprec.exports.base import (
-    DTYPE_SHORT,
+from mixprec.exports.facts import Facts
+from mixprec.exports.loop import (
     SCHEDULER,
-    Contract,
-    ExportTarget,
-    Facts,
     accumulate_lines,
     accumulation_lines,
-    comment,
     grad_scaler_lines,
-    helper_lines,
-    helper_names,
-    helpers,
-    imports,
     loop_head,
     loop_helper_names,
     loss_lines,
-    precision_lines,
-    prepare_lines,
-    py,
 )
 from mixprec.exports.native import expects
+from mixprec.exports.prepare import helper_names, precision_lines, prepare_lines
+from mixprec.exports.target import Contract, ExportTarget
+from mixprec.exports.text import DTYPE_SHORT, comment, helper_lines, helpers, imports, py
 
 
 class PyTorchTarget(ExportTarget):

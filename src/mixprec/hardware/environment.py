@@ -10,6 +10,7 @@ import torch
 
 from mixprec import state
 from mixprec.hardware.device import detect
+from mixprec.version import __version__
 
 
 def _collect_env_fields() -> dict[str, Any]:
@@ -32,8 +33,6 @@ def collect(device: str | torch.device | None = None, *, full: bool = False) -> 
 
     ``full`` adds the slower ``torch.utils.collect_env`` fields (OS, driver, CPU details).
     """
-    from mixprec import __version__
-
     info = detect(device)
     env: dict[str, Any] = {
         "mixprec_version": __version__,

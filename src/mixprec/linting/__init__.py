@@ -1,12 +1,11 @@
 """Lint: tensor-core-unfriendly shapes and precision mistakes, with stable rule ids.
 
-:func:`lint` returns the findings (``mixprec.lint`` is the same function); :func:`run_lint`
-returns them with their context (suppressed unavoidable cases, notes), and
-:func:`measure_findings` times the mechanical fixes.
+:func:`lint` returns the findings; :func:`run_lint` returns them with their context (suppressed
+unavoidable cases, notes). Timing the mechanical fixes (``lint --measure``) is a bench job:
+:mod:`mixprec.measure.lint_gains`, whose ``lint`` (``mixprec.lint``) adds ``measure=True``.
 """
 
 from mixprec.linting.context import LintContext
-from mixprec.linting.measure import measure_findings
 from mixprec.linting.model import SEVERITIES, Finding, LintResult, MeasuredGain, Remedy, Rule
 from mixprec.linting.rules import RULES
 from mixprec.linting.runner import TARGETS, lint, parse_rule_ids, run_lint
@@ -24,7 +23,6 @@ __all__ = [
     "Rule",
     "Trace",
     "lint",
-    "measure_findings",
     "parse_rule_ids",
     "run_lint",
     "trace_workload",

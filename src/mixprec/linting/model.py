@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mixprec import findings
 from mixprec.linting.context import LintContext
 from mixprec.linting.trace import Trace
 from mixprec.policy import Policy
@@ -107,8 +108,9 @@ class MeasuredGain:
 
 
 @dataclass
-class Finding:
-    """One problem at one place.
+class LintFinding(findings.Finding):
+    """One problem at one place, found before the model runs: mixprec's :class:`~mixprec.findings.Finding`
+    with its rule (``kind`` is the rule's ``name``, ``evidence`` its ``details``) and its fix.
 
     Attributes:
         rule: the rule's id, e.g. 'MP101'.
@@ -141,6 +143,18 @@ class Finding:
     measured: MeasuredGain | None = None
     order: int = 0
 
+    source = "lint"
+
+    @property
+    def kind(self) -> str:
+        """The rule's name: lint's kind of finding."""
+        return self.name
+
+    @property
+    def evidence(self) -> dict[str, Any]:
+        """The figures behind the finding (``details``)."""
+        return self.details
+
     @property
     def where(self) -> str:
         """The module's name, '(model forward)', or '(scope)' for model-wide findings."""
@@ -170,6 +184,8 @@ class Finding:
             "measured": self.measured.to_dict() if self.measured else None,
         }
 
+
+Finding = LintFinding  # the name the rules and lint's users import
 
 Check = Callable[[LintContext], Iterable[Finding]]
 
@@ -316,6 +332,7 @@ __all__ = [
     "SEVERITY_RANK",
     "Check",
     "Finding",
+    "LintFinding",
     "LintResult",
     "MeasuredGain",
     "Remedy",

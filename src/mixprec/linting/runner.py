@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
+from mixprec import validation
 from mixprec.errors import UnsupportedError, UsageError, did_you_mean
 from mixprec.hardware.device import DeviceInfo, detect, resolve_device
 from mixprec.linting.context import LintContext
-from mixprec.linting.measure import measure_findings
 from mixprec.linting.model import SEVERITY_RANK, Finding, LintResult
 from mixprec.linting.rules import RULES
 from mixprec.linting.trace import trace_workload
@@ -178,10 +178,7 @@ def run_lint(
     ignored = parse_rule_ids(ignore)
     if target is not None and target not in TARGETS:
         raise UsageError(f"unknown lint target {target!r}; valid: {', '.join(TARGETS)}.")
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-    ):
-        raise UsageError(f"batch_size {batch_size!r} is invalid; pass a positive integer.")
+    validation.optional_positive_int("batch_size", batch_size)
     pol, info, chosen = _resolve_policy(policy, device, device_info, channels_last)
     target = target or info.type
     _check_policy_support(pol, info, target)
@@ -265,18 +262,16 @@ def lint(
     ignore: str | Iterable[str] | None = (),
     target: str | None = None,
     channels_last: bool | None = None,
-    measure: bool = False,
 ) -> list[Finding]:
     """Lint ``workload`` for tensor-core-unfriendly shapes and precision mistakes.
 
     ``policy`` is a policy name, a :class:`mixprec.Candidate` (judged whole: its layout and fp32
     islands) or a :class:`mixprec.Policy`; ``channels_last`` sets that option of a policy given by
-    name. Returns the active
-    findings, most important first (suppressed unavoidable cases are in
-    :func:`run_lint`'s result). With ``measure=True`` the mechanical fixes are built and timed
-    (:func:`mixprec.linting.measure_findings`) and the findings are ranked by measured gain.
+    name. Returns the active findings, most important first (suppressed unavoidable cases are in
+    :func:`run_lint`'s result). ``mixprec.lint`` (:func:`mixprec.measure.lint_gains.lint`) adds
+    ``measure=True``: the mechanical fixes built, timed and ranked by measured gain.
     """
-    result = run_lint(
+    return run_lint(
         workload,
         policy,
         device=device,
@@ -284,10 +279,7 @@ def lint(
         ignore=ignore,
         target=target,
         channels_last=channels_last,
-    )
-    if measure:
-        measure_findings(workload, result)
-    return result.findings
+    ).findings
 
 
 __all__ = ["TARGETS", "find_grad_scalers", "lint", "parse_rule_ids", "run_lint"]

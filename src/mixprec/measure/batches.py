@@ -12,20 +12,22 @@ measures it). An out-of-memory at any point is a row (``oom``), never the end of
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
+from mixprec import validation
 from mixprec.budget import Budget
 from mixprec.errors import UsageError
 from mixprec.events import Events, ignore
 from mixprec.frameworks import Framework, framework_of
 from mixprec.frameworks.session import MemoryPoint
 from mixprec.hardware.device import detect
+from mixprec.measure.config import BenchConfig, parse_choice
 from mixprec.measure.failure import exception_status
 from mixprec.measure.memory import MemoryModel, fit, fit_and_check
 from mixprec.measure.results import BenchResult
-from mixprec.measure.sweep import bench, parse_choice, parse_policies, plan_candidates
+from mixprec.measure.sweep import plan_candidates, run_sweep
 from mixprec.policy import Candidate
 from mixprec.status import Status
 
@@ -139,8 +141,7 @@ def _accumulation(sizes: list[int], effective_batch: int | None) -> dict[int, in
     """Micro-batches per optimizer step at each size: ``effective_batch // size`` (1 without one)."""
     if effective_batch is None:
         return dict.fromkeys(sizes, 1)
-    if isinstance(effective_batch, bool) or not isinstance(effective_batch, int) or effective_batch < 1:
-        raise UsageError(f"effective_batch must be an integer >= 1, got {effective_batch!r}.")
+    validation.positive_int("effective_batch", effective_batch)
     bad = [s for s in sizes if effective_batch % s]
     if bad:
         divisors = [d for d in range(1, effective_batch + 1) if effective_batch % d == 0]
@@ -213,32 +214,33 @@ def bench_batches(
     *,
     memory_budget: int | None = None,
     effective_batch: int | None = None,
-    policies: str | Sequence[str] | None = "all",
-    channels_last: str | bool = "off",
-    compile: str | bool = "off",
-    device: Any = None,
+    config: BenchConfig | None = None,
     events: Events | None = None,
     budget: Budget | None = None,
-    **bench_options: Any,
+    **fields: Any,
 ) -> BatchSweep:
     """Throughput and peak memory of each candidate at each of ``batch_sizes``; under
     ``memory_budget`` (bytes) the largest micro-batch each can run, verified by one measured step.
     With ``effective_batch``, every size trains that many samples per optimizer step (gradient
     accumulation over ``effective_batch // size`` micro-batches; each size must divide it), so the
-    throughputs compare like with like. ``bench_options`` go to :func:`mixprec.bench` at every size
-    (steps, warmup, isolate, ...)."""
+    throughputs compare like with like. ``config`` (a :class:`BenchConfig`, NCHW only by default)
+    and its ``fields`` say what is timed at every size and how (policies, layouts, steps, warmup,
+    isolate, ...); its batch size and accumulation are each size's."""
+    config = validation.with_fields(config or BenchConfig(channels_last="off"), fields, "bench_batches")
     framework = framework_of(workload)
     sizes = parse_batch_sizes(batch_sizes)
     if memory_budget is not None and (isinstance(memory_budget, bool) or memory_budget <= 0):
         raise UsageError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}.")
     accumulation = _accumulation(sizes, effective_batch)
-    dev = framework.resolve_device(device)
+    dev = framework.resolve_device(config.device)
     events = events or ignore
     budget = budget or Budget.unlimited()
     info = detect(dev)
-    layouts, _ = framework.bench_layouts(workload, parse_choice(channels_last, "channels_last"))
-    plan = plan_candidates(framework, parse_policies(policies), layouts, parse_choice(compile, "compile"))
+    layouts, _ = framework.bench_layouts(workload, parse_choice(config.channels_last, "channels_last"))
+    plan = plan_candidates(framework, config.policy_names, layouts, parse_choice(config.compile, "compile"))
     plan = [c for c in plan if framework.support(c, info).supported]
+    events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
+    framework.validate_workload(workload, dev, sizes[0])
     sweep = BatchSweep(framework.workload_label(workload), dev, sizes, memory_budget, effective_batch)
 
     peaks: dict[tuple[Candidate, int], MemoryPoint] = {}
@@ -287,18 +289,12 @@ def bench_batches(
         if not fits:
             continue
         events({"event": "stage", "text": f"timing {len(fits)} candidates at batch {size}"})
+        at_size = replace(
+            config, candidates=tuple(fits), batch_size=size, accumulation_steps=accumulation[size], device=dev
+        )
         try:
-            result = bench(
-                workload,
-                candidates=fits,
-                batch_size=size,
-                accumulation_steps=accumulation[size],
-                device=dev,
-                events=events,
-                budget=budget,
-                **bench_options,
-            )
-        except Exception as exc:  # e.g. out of memory in the validating step: this size's rows say so
+            result = run_sweep(workload, framework, at_size, device=dev, events=events, budget=budget)
+        except Exception as exc:  # e.g. out of memory making the batches: this size's rows say so
             status, reason = _failure(exc)
             sweep.rows += [BatchRow(c, size, status, reason, accumulation[size]) for c in fits]
             continue

@@ -10,58 +10,28 @@ so far.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
+from mixprec import validation
 from mixprec.budget import Budget
-from mixprec.errors import PolicyError, UsageError
+from mixprec.errors import UsageError
 from mixprec.events import Events, ignore
 from mixprec.frameworks import Framework, framework_of
 from mixprec.frameworks.session import BenchSettings, distinct_batches
 from mixprec.hardware.device import DeviceInfo, detect
 from mixprec.hardware.peaks import cpu_peak
 from mixprec.measure import noise
+from mixprec.measure.config import BenchConfig, parse_choice
 from mixprec.measure.data_parallel import measure_data_parallel
 from mixprec.measure.failure import exception_status
 from mixprec.measure.isolate import SessionEnded
 from mixprec.measure.paired import PairedSweep
 from mixprec.measure.recorder import RowRecorder
 from mixprec.measure.results import NO_FLOPS_NOTE, BenchResult, BenchRow
-from mixprec.policy import POLICY_NAMES, Candidate, canonical_name
+from mixprec.policy import Candidate
 from mixprec.status import Status
-
-CHOICES = ("off", "on", "both")
-CHANNELS_LAST_CHOICES = CHOICES
-
-
-def parse_policies(policies: str | Sequence[str] | None) -> list[str]:
-    """'all', a comma-separated string or a list of names/aliases -> canonical names, in order."""
-    if policies is None or policies == "all" or policies == ["all"]:
-        return list(POLICY_NAMES)
-    items = policies.split(",") if isinstance(policies, str) else list(policies)
-    names: list[str] = []
-    for item in items:
-        name = canonical_name(item.strip())
-        if name not in names:
-            names.append(name)
-    if not names:
-        raise PolicyError(
-            f"No policy given; valid: all, or a comma-separated list of {', '.join(POLICY_NAMES)}."
-        )
-    return names
-
-
-def parse_choice(value: str | bool, option: str) -> list[bool]:
-    """'off' / 'on' / 'both' (or a bool) -> the values of an on/off axis to measure."""
-    if isinstance(value, bool):
-        return [value]
-    mapping = {"off": [False], "on": [True], "both": [False, True]}
-    if value not in mapping:
-        raise UsageError(f"Invalid {option} {value!r}; valid: {', '.join(CHOICES)}.")
-    return mapping[value]
 
 
 def plan_candidates(
@@ -78,177 +48,113 @@ def plan_candidates(
     return [framework.baseline, *[c for c in cands if c != framework.baseline]]
 
 
-def validate_settings(
-    steps: int, warmup: int, batch_size: int | None, min_time_s: float, prune_factor: float
-) -> None:
-    for name, value in (("steps", steps), ("warmup", warmup)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UsageError(f"{name} must be an integer >= 1, got {value!r}.")
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-    ):
-        raise UsageError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
-    if not (isinstance(min_time_s, (int, float)) and 0 <= min_time_s < math.inf):
-        raise UsageError(f"min_time_s must be a finite number of seconds >= 0, got {min_time_s!r}.")
-    if not (isinstance(prune_factor, (int, float)) and prune_factor > 1):
-        raise UsageError(f"prune_factor must be a number > 1, got {prune_factor!r}.")
-
-
 def bench(
     workload: Any,
+    config: BenchConfig | None = None,
     *,
-    policies: str | Sequence[str] | None = "all",
-    channels_last: str | bool = "both",
-    compile: str | bool = "off",
-    batch_size: int | None = None,
-    steps: int = 10,
-    warmup: int = 2,
-    min_time_s: float = 0.0,
-    device: Any = None,
-    jsonl: str | Path | None = None,
-    resume: bool = False,
-    resume_anyway: bool = False,
-    isolate: bool | None = None,
-    prune_factor: float = 5.0,
     events: Events | None = None,
-    candidates: Sequence[Candidate] | None = None,
-    nproc: int = 1,
-    cudnn_benchmark: bool = True,
     budget: Budget | None = None,
-    accumulation_steps: int = 1,
-    baseline: Candidate | None = None,
+    **fields: Any,
 ) -> BenchResult:
     """Measure every candidate policy on ``workload``'s real training step, paired with strict fp32.
 
-    Args:
-        workload: the model, its batches, loss and optimizer: a :class:`mixprec.Workload`, or another
-            framework's (``mixprec.keras.KerasWorkload``).
-        policies: 'all', or policy names (a list or a comma-separated string).
-        channels_last: 'off', 'on' or 'both' layouts, where the framework and the model have them.
-        compile: 'off', 'on' or 'both': each candidate eager and/or compiled (torch.compile's
-            default mode; XLA for Keras).
-        batch_size: samples per step (default: the workload's); per rank when ``nproc > 1``.
-        steps: timed steps (paired rounds) per candidate, at least.
-        warmup: untimed steps per candidate, at least (more until the step time is steady).
-        min_time_s: keep timing a candidate until this much timed time has passed (<= 200 steps).
-        device: 'cpu', 'cuda[:N]' (default: the framework's: CUDA when available).
-        jsonl: append each finished row to this JSON Lines file at once.
-        resume: keep the finished rows already in ``jsonl`` and measure the rest. Rows measured
-            under other settings (see :func:`resume_key`) are refused with a UsageError naming them.
-        resume_anyway: with ``resume``, keep rows measured under other settings too.
-        isolate: each candidate in its own process (default: when the workload has a spec):
-            isolated CPU peak memory, crash isolation, hard pruning.
-        prune_factor: stop a candidate that many times slower than the best so far (compared
-            like with like, retried once at the end; see :mod:`mixprec.measure.paired`).
-        events: the event stream (:mod:`mixprec.events`): 'stage', 'candidate', 'step', 'row', 'note'
-            and 'output' (what rebuilding the workload printed in a candidate's process).
-        candidates: replaces the policies x channels_last x compile grid (e.g. a keep_fp32
-            rescue); strict fp32 is always measured too, as the baseline.
-        nproc: train every candidate data-parallel on that many ranks (torch DDP; needs a spec);
-            these runs are sequential, not paired.
-        cudnn_benchmark: let cuDNN autotune its convolutions on CUDA, as NVIDIA's and timm's
-            training scripts do (the warm-up steps absorb the tuning).
-        budget: stops the sweep between steps when it runs out; it returns what it has.
-        accumulation_steps: micro-batches of ``batch_size`` per optimizer step (gradient
-            accumulation, each loss divided by it): a step is that many forward/backward passes and
-            one optimizer step, and throughput counts every micro-batch's samples.
-        baseline: what every candidate is paired with: strict fp32, eager, NCHW (default), or the
-            same at its own micro-batch (``tune --batch auto``: strict fp32 at the largest micro-batch
-            that fits the memory budget, accumulating to the run's samples per step).
+    ``workload``: the model, its batches, loss and optimizer: a :class:`mixprec.Workload`, or another
+    framework's (``mixprec.keras.KerasWorkload``). ``config``: a :class:`BenchConfig`; ``fields``
+    replace its fields (``bench(workload, policies="fp32,bf16-mixed", steps=5)``), each described
+    there. ``events``: the event stream (:mod:`mixprec.events`): 'stage', 'candidate', 'step',
+    'row', 'note' and 'output' (what rebuilding the workload printed in a candidate's process).
+    ``budget``: stops the sweep between steps when it runs out; it returns what it has.
 
     Before measuring, one strict-fp32 step in this process validates the workload
     (``Framework.validate_workload``): a broken ``make_batch``, ``loss_fn`` or ``optimizer_fn``
     raises one :class:`UsageError` instead of failing every row alike.
     """
+    config = validation.with_fields(config or BenchConfig(), fields, "bench")
     framework = framework_of(workload)
-    validate_settings(steps, warmup, batch_size, min_time_s, prune_factor)
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise UsageError(f"nproc must be an integer >= 1, got {nproc!r}.")
-    if nproc > 1 and framework.data_parallel() is None:
-        raise UsageError(f"nproc > 1 (data-parallel ranks) is not available for {framework.title}; drop it.")
-    if (
-        isinstance(accumulation_steps, bool)
-        or not isinstance(accumulation_steps, int)
-        or accumulation_steps < 1
-    ):
-        raise UsageError(f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}.")
-    if accumulation_steps > 1 and not framework.accumulates:
-        raise UsageError(f"gradient accumulation is not measured for {framework.title} yet; drop it.")
-    if accumulation_steps > 1 and nproc > 1:
+    device = framework.resolve_device(config.device)
+    events = events or ignore
+    reference = baseline_of(framework, config)
+    # One strict-fp32 step here first: a broken make_batch / loss_fn / optimizer_fn is one clear
+    # error now, not the same failure in every row.
+    events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
+    size = reference.micro_batch or config.batch_size or framework.default_batch_size(workload)
+    framework.validate_workload(workload, device, size)  # a size the budget fits
+    return run_sweep(workload, framework, config, device=device, events=events, budget=budget)
+
+
+def baseline_of(framework: Framework, config: BenchConfig) -> Candidate:
+    """What every candidate of ``config`` is paired with: strict fp32, eager, NCHW (at any micro-batch)."""
+    reference = framework.baseline if config.baseline is None else framework.validate(config.baseline)
+    if reference.policy != "fp32" or reference.channels_last or reference.compile or reference.keep_fp32:
         raise UsageError(
-            "gradient accumulation on DDP ranks is not measured yet; drop nproc or accumulation."
+            f"the baseline must be strict fp32, eager, NCHW (at any micro-batch), got {reference.label}."
         )
-    if nproc > 1 and workload.spec is None:
+    return reference
+
+
+def run_sweep(
+    workload: Any,
+    framework: Framework,
+    config: BenchConfig,
+    *,
+    device: str,
+    events: Events,
+    budget: Budget | None = None,
+) -> BenchResult:
+    """The sweep under :func:`bench`, for a workload already validated on ``device``: `tune` and
+    `bench_batches` run one per stage or size with a ``replace`` of their config."""
+    if config.nproc > 1 and framework.data_parallel() is None:
+        raise UsageError(f"nproc > 1 (data-parallel ranks) is not available for {framework.title}; drop it.")
+    if config.accumulation_steps > 1 and not framework.accumulates:
+        raise UsageError(f"gradient accumulation is not measured for {framework.title} yet; drop it.")
+    if config.nproc > 1 and workload.spec is None:
         raise UsageError("nproc > 1 needs a workload with a spec (built by load_workload or the zoo).")
     processes = workload.spec is not None and framework.session_builder() is not None
-    isolate = processes if isolate is None else isolate
+    isolate = processes if config.isolate is None else config.isolate
     if isolate and not processes:
         raise UsageError(
             "isolate=True needs a workload with a spec (built by load_workload or the zoo) and a framework "
             f"whose candidates can run in their own process ({framework.title}: "
             f"{'yes' if framework.session_builder() else 'no'})."
         )
-    dev = framework.resolve_device(device)
-    events = events or ignore
     notes = [] if framework.counts_flops else [NO_FLOPS_NOTE]
-    names = parse_policies(policies)
-    layouts, dropped = framework.bench_layouts(workload, parse_choice(channels_last, "channels_last"))
+    layouts, dropped = framework.bench_layouts(workload, parse_choice(config.channels_last, "channels_last"))
     if dropped:
         notes.append(dropped)
-    compiled = parse_choice(compile, "compile")
+    compiled = parse_choice(config.compile, "compile")
     if True in compiled and not framework.compile_modes:
         raise UsageError(f"{framework.title} has no compile mode; drop compile.")
-    bs = batch_size or framework.default_batch_size(workload)
-    reference = framework.baseline if baseline is None else framework.validate(baseline)
-    if reference.policy != "fp32" or reference.channels_last or reference.compile or reference.keep_fp32:
-        raise UsageError(
-            f"the baseline must be strict fp32, eager, NCHW (at any micro-batch), got {reference.label}."
-        )
-    # One strict-fp32 step here first: a broken make_batch / loss_fn / optimizer_fn is one clear
-    # error now, not the same failure in every row.
-    events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
-    framework.validate_workload(workload, dev, reference.micro_batch or bs)  # a size the budget fits
-    plan = plan_candidates(framework, names, layouts, compiled) if candidates is None else [reference]
-    plan = [reference if c == framework.baseline else c for c in plan]
-    plan += [framework.validate(c) for c in (candidates or []) if c not in plan]
+    reference = baseline_of(framework, config)
+    plan = (
+        plan_candidates(framework, config.policy_names, layouts, compiled)
+        if config.candidates is None
+        else []
+    )
+    plan = [reference, *(c for c in plan if c != framework.baseline)]
+    plan += [framework.validate(c) for c in (config.candidates or ()) if c not in plan]
     for cand in plan:
-        if cand.micro_batch is not None and nproc > 1:
+        if cand.micro_batch is not None and config.nproc > 1:
             raise UsageError(f"{cand.label}: a candidate's own micro-batch is not measured on DDP ranks yet.")
     settings = BenchSettings(
-        device=dev,
-        batch_size=bs,
-        steps=steps,
-        warmup=warmup,
+        device=device,
+        batch_size=config.batch_size or framework.default_batch_size(workload),
+        steps=config.steps,
+        warmup=config.warmup,
         threads=framework.threads(),
-        min_time_s=min_time_s,
-        cudnn_benchmark=cudnn_benchmark,
-        accumulation_steps=accumulation_steps,
+        min_time_s=config.min_time_s,
+        cudnn_benchmark=config.cudnn_benchmark,
+        accumulation_steps=config.accumulation_steps,
     )
     for cand in plan:  # a candidate with its own micro-batch must train the run's samples per step
         settings.for_candidate(cand)
-    info = detect(dev)
+    info = detect(device)
     result = BenchResult(
         workload=framework.workload_label(workload),
         description=workload.description,
-        device=dev,
-        batch_size=bs,
-        settings={
-            "framework": framework.name,
-            "steps": steps,
-            "warmup": warmup,
-            "prune_factor": prune_factor,
-            "isolate": isolate,
-            "policies": names,
-            "nproc": nproc,
-            "channels_last": channels_last,
-            "compile": compile,
-            "threads": settings.threads,
-            "min_time_s": min_time_s,
-            "cudnn_benchmark": cudnn_benchmark and dev.startswith("cuda"),
-            "paired": nproc == 1,
-            "accumulation_steps": accumulation_steps,
-        },
-        env=framework.environment(dev),
+        device=device,
+        batch_size=settings.batch_size,
+        settings=recorded_settings(framework, config, settings, isolate),
+        env=framework.environment(device),
         notes=notes,
         peaks=framework.peaks(info, list(dict.fromkeys(c.spec.peak_key for c in plan))),
     )
@@ -260,21 +166,48 @@ def bench(
         result,
         info=info,
         isolate=isolate,
-        prune_factor=prune_factor,
-        nproc=nproc,
+        prune_factor=config.prune_factor,
+        nproc=config.nproc,
         budget=budget or Budget.unlimited(),
         events=events,
         baseline=reference,
     )
     key = resume_key(
-        framework, result.workload, settings, prune_factor=prune_factor, isolate=isolate, nproc=nproc
+        framework,
+        result.workload,
+        settings,
+        prune_factor=config.prune_factor,
+        isolate=isolate,
+        nproc=config.nproc,
     )
-    rows = RowRecorder(result, events, len(plan), jsonl, key, resume=resume, resume_anyway=resume_anyway)
+    rows = RowRecorder(
+        result, events, len(plan), config.jsonl, key, resume=config.resume, resume_anyway=config.resume_anyway
+    )
     try:
         sweep.run(rows)
     finally:
         rows.close()
     return result
+
+
+def recorded_settings(
+    framework: Framework, config: BenchConfig, settings: BenchSettings, isolate: bool
+) -> dict[str, Any]:
+    """What a result records of its settings (``BenchResult.settings``): the config as given, with
+    what was resolved from it (the framework, threads, isolation, pairing)."""
+    recorded = {
+        k: v
+        for k, v in config.to_dict().items()
+        if k not in ("jsonl", "resume", "resume_anyway", "device", "batch_size", "candidates", "baseline")
+    }
+    return {
+        "framework": framework.name,
+        **recorded,
+        "isolate": isolate,
+        "threads": settings.threads,
+        "cudnn_benchmark": config.cudnn_benchmark and settings.device.startswith("cuda"),
+        "paired": config.nproc == 1,
+    }
 
 
 def resume_key(
@@ -290,7 +223,7 @@ def resume_key(
     comparable with this run's (a resumed sweep refuses them)."""
     import torch
 
-    from mixprec import __version__
+    from mixprec.version import __version__
 
     return {
         "framework": framework.name,

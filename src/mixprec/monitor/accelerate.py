@@ -7,7 +7,7 @@ non-finite state before Accelerate writes it.
         loss = loss_fn(model, batch)
         accelerator.backward(loss)
         optimizer.step(); optimizer.zero_grad()
-        monitor.observe(loss, batch)
+        monitor.observe(loss, batch)  # a plain loop: raises MonitorStop when the run must stop
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from mixprec.monitor.core import Monitor
 
 def watch(accelerator: Accelerator, model: nn.Module, optimizer: Any, **kwargs: Any) -> Monitor:
     """A :class:`Monitor` for the prepared ``model`` and ``optimizer`` of ``accelerator``;
-    ``kwargs`` are the Monitor's (``loss_fn``, ``every``, ``rescue``, ``events``, ...)."""
+    ``kwargs`` are the Monitor's (``loss_fn``, ``config``, ``findings``, ``every``, ``rescue``, ...)."""
     for key in ("policy", "scaler", "optimizer"):
         if key in kwargs:
             raise TypeError(f"watch() takes {key!r} from the Accelerator; do not pass it.")

@@ -1,15 +1,15 @@
-"""What the monitor concludes: one :class:`Finding` per event, classified, with its evidence, and
-where it goes (a JSONL file, a callback, the framework's logger)."""
+"""What the monitor concludes: one :class:`MonitorFinding` per event, classified, with its
+evidence, and where it goes (a JSONL file, a callback, the framework's logger)."""
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mixprec import findings
 
 # The kinds of finding, each a different cause with a different cure.
 SCALE_COLLAPSE = "scale_collapse"  # the loss scale keeps falling: gradients overflow at any scale
@@ -23,6 +23,7 @@ NONFINITE_WEIGHTS = "nonfinite_weights"  # weights or optimizer state hold inf/N
 CHECKPOINT_REFUSED = "checkpoint_refused"  # a checkpoint of non-finite state was not written
 RESCUE = "rescue"  # what the monitor changed about the run
 SCHEDULE = "schedule"  # a planned precision switch
+STOP = "stop"  # the rescues are spent and the run still fails: the monitor stopped it
 KINDS = (
     SCALE_COLLAPSE,
     OVERFLOW,
@@ -35,14 +36,16 @@ KINDS = (
     CHECKPOINT_REFUSED,
     RESCUE,
     SCHEDULE,
+    STOP,
 )
 # Findings that blame the precision (a rescue may act on them); the others do not.
 PRECISION_KINDS = (SCALE_COLLAPSE, OVERFLOW, PREDICTED_OVERFLOW, UNDERFLOW, STALL, DRIFT, NONFINITE_WEIGHTS)
 
 
 @dataclass(frozen=True)
-class Finding:
-    """One thing the monitor saw, at one step.
+class MonitorFinding(findings.Finding):
+    """One thing the monitor saw, at one step: mixprec's :class:`~mixprec.findings.Finding` with
+    the step and what the monitor did about it.
 
     Attributes:
         step: the training step (counted from 0) it was seen at.
@@ -60,6 +63,8 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)
     action: str = ""
 
+    source = "monitor"
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -69,14 +74,7 @@ class Finding:
         return f"mixprec monitor: step {self.step}: {self.kind}{where}: {self.message}{act}"
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
+Finding = MonitorFinding  # the name the monitor's users import
 
 
 class JsonlSink:
@@ -86,9 +84,9 @@ class JsonlSink:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def __call__(self, finding: Finding) -> None:
+    def __call__(self, finding: MonitorFinding) -> None:
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(_jsonable(finding.to_dict())) + "\n")
+            f.write(finding.to_json() + "\n")
 
 
-Sink = Callable[[Finding], None]
+Sink = Callable[[MonitorFinding], None]

@@ -1,10 +1,11 @@
 """The monitor as a Hugging Face ``TrainerCallback``: it reads each step's loss from the model's own
 output (a forward hook keeps the last ``outputs.loss`` and its batch), the Trainer's GradScaler
 through Accelerate, turns a checkpoint of non-finite state into no checkpoint
-(``control.should_save = False``, before the Trainer saves) and adds its findings to the Trainer's
-logs (``on_log``), so TensorBoard and W&B see them.
+(``control.should_save = False``, before the Trainer saves), stops a run it gives up on through
+the Trainer (``control.should_training_stop``: the Trainer ends the run its own way, ``on_train_end``
+included) and adds its findings to the Trainer's logs (``on_log``), so TensorBoard and W&B see them.
 
-    trainer = Trainer(..., callbacks=[MonitorCallback(rescue=True, events="run/events.jsonl")])
+    trainer = Trainer(..., callbacks=[MonitorCallback(rescue=True, findings="run/findings.jsonl")])
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from torch import nn
 from transformers import TrainerCallback
 
 from mixprec.monitor.core import Monitor
-from mixprec.monitor.findings import CHECKPOINT_REFUSED, Finding
+from mixprec.monitor.findings import CHECKPOINT_REFUSED, MonitorFinding
 
 
 class MonitorCallback(TrainerCallback):
-    """A :class:`~mixprec.monitor.Monitor` around ``Trainer.train``; ``kwargs`` are the Monitor's.
-    The Trainer's GradScaler (``fp16=True`` on a GPU) is found on the optimizer Accelerate wraps
+    """A :class:`~mixprec.monitor.Monitor` around ``Trainer.train``; ``kwargs`` are the Monitor's
+    (``config``, ``findings``, and the config's fields: ``every``, ``rescue``, ...). The Trainer's
+    GradScaler (``fp16=True`` on a GPU) is found on the optimizer Accelerate wraps
     (``AcceleratedOptimizer.scaler``)."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -58,12 +60,11 @@ class MonitorCallback(TrainerCallback):
             return
         loss, batch = self._last
         self._last = None
-        self.monitor.observe(loss, batch)
-        if control.should_save:
-            try:
-                self.monitor.check_checkpoint()
-            except Exception:  # PoisonedCheckpointError, recorded as a finding: the Trainer keeps going
-                control.should_save = False
+        self.monitor.record(loss, batch)
+        if self.monitor.stopped:
+            control.should_training_stop = True
+        if control.should_save and self.monitor.checkpoint_refusal() is not None:
+            control.should_save = False  # (recorded as a finding) the Trainer goes on without it
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any) -> None:
         if self.monitor is None or logs is None:
@@ -79,5 +80,5 @@ class MonitorCallback(TrainerCallback):
             self.monitor.close()
 
     @property
-    def refused(self) -> list[Finding]:
+    def refused(self) -> list[MonitorFinding]:
         return [f for f in (self.monitor.findings if self.monitor else []) if f.kind == CHECKPOINT_REFUSED]

@@ -1,9 +1,10 @@
 """The monitor as a Lightning ``Callback``: it watches ``training_step``'s loss after every
 optimizer step, reads the precision plugin's GradScaler, logs its findings through
 ``LightningModule.log`` (so TensorBoard and W&B see them), refuses a checkpoint of non-finite
-state and keeps its own state in the checkpoint.
+state, keeps its own state in the checkpoint and stops a run it gives up on through Lightning
+(``trainer.should_stop``: the fit ends its own way, ``on_train_end`` and ``on_fit_end`` included).
 
-    trainer = Trainer(..., callbacks=[MonitorCallback(rescue=True, events="run/events.jsonl")])
+    trainer = Trainer(..., callbacks=[MonitorCallback(rescue=True, findings="run/findings.jsonl")])
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def _loss_of(output: Any) -> torch.Tensor | None:
 
 class MonitorCallback(pl.Callback):
     """A :class:`~mixprec.monitor.Monitor` around a Lightning fit; ``kwargs`` are the Monitor's
-    (``every``, ``rescue``, ``events``, ...). The fp32 shadow calls ``training_step`` on the same
-    batch (its logging is switched off for that call)."""
+    (``config``, ``findings``, and the config's fields: ``every``, ``rescue``, ...). The fp32 shadow
+    calls ``training_step`` on the same batch (its logging is switched off for that call)."""
 
     def __init__(self, **kwargs: Any) -> None:
         for key in ("policy", "optimizer", "scaler", "loss_fn", "log_fn"):
@@ -67,7 +68,7 @@ class MonitorCallback(pl.Callback):
             log_fn=log_fn,
             **self.kwargs,
         )
-        self.monitor.rescuer.after_widening = lambda: self._to_mixed(trainer)
+        self.monitor.when_widened(lambda: self._to_mixed(trainer))
         if self._state is not None:
             self.monitor.load_state_dict(self._state)
 
@@ -91,14 +92,18 @@ class MonitorCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = _loss_of(outputs)
-        if self.monitor is not None and loss is not None:
-            self.monitor.observe(loss, batch)
+        if self.monitor is None or loss is None:
+            return
+        self.monitor.record(loss, batch)
+        if self.monitor.stopped:
+            trainer.should_stop = True  # Lightning ends the fit after this batch, its hooks called
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict
     ) -> None:
         if self.monitor is not None:
-            self.monitor.check_checkpoint()  # raises before Lightning writes anything
+            # raising is the one way to stop Lightning's save before it writes anything
+            self.monitor.check_checkpoint()
             checkpoint["mixprec_monitor"] = self.monitor.state_dict()
 
     def on_load_checkpoint(

@@ -63,12 +63,15 @@ def nonfinite_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer
     return None
 
 
+def module_of(param_name: str) -> str:
+    """The module that holds a parameter ('2' for '2.weight', '' for a top-level one)."""
+    return param_name.rsplit(".", 1)[0] if "." in param_name else ""
+
+
 def plan_schedule(schedule: Mapping[float, str], train_steps: int, policy: Policy | None) -> dict[int, str]:
-    """``{step or fraction of train_steps: policy}`` as ``{step: policy}``."""
+    """``{step or fraction of train_steps: policy}`` (checked by the config) as ``{step: policy}``."""
     planned = {}
     for at, name in schedule.items():
-        if isinstance(at, bool) or not isinstance(at, (int, float)) or at < 0:
-            raise UsageError(f"schedule keys are steps or fractions of train_steps, got {at!r}.")
         planned[int(at * train_steps) if isinstance(at, float) and at <= 1.0 else int(at)] = name
     if planned and policy is None:
         raise UsageError(
@@ -84,7 +87,7 @@ class Rescuer:
         self.model, self.policy, self.optimizers = model, policy, list(optimizers)
         self.snapshot: dict[str, Any] | None = None
         # a framework adapter's own step after the weights were widened without a Policy (Lightning
-        # swaps its bf16-true precision plugin for bf16-mixed); returns what it did
+        # swaps its bf16-true precision plugin for bf16-mixed; Monitor.when_widened sets it)
         self.after_widening: Callable[[], str] | None = None
 
     def island(self, module: str | None) -> str:
@@ -167,6 +170,7 @@ class Rescuer:
         }
 
     def roll_back(self) -> str:
+        """Load the last snapshot's model, optimizer and policy state and RNG (a switch since stays)."""
         snap = self.snapshot
         if snap is None:
             return ""
@@ -180,6 +184,7 @@ class Rescuer:
         return f"rolled back to the snapshot of step {snap['step']} (the batches since are skipped)"
 
     def switch(self, name: str) -> str:
+        """A planned switch to policy ``name``."""
         assert self.policy is not None
         before = self.policy.config.label
         self.policy.switch(name)

@@ -67,6 +67,13 @@ class ScaleWatch:
         """Whether ``step`` is in GradScaler's start-up, where a skip is its search for the scale."""
         return step < STARTUP_STEPS
 
+    def news(self, step: int) -> bool:
+        """Whether the skip of ``step`` is news: past the start-up, and the scale below the level the
+        run settled at (a back-off to that level after a growth is GradScaler's normal rhythm)."""
+        if self.settled is None or self.current is None or self.starting(step):
+            return False
+        return self.current < self.settled
+
     def _note(self, step: int, skipped: bool) -> None:
         if skipped:
             self.skipped.append(step)

@@ -4,15 +4,30 @@ the set over every checked step. What "suspicious" means (the search order) is t
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from mixprec.budget import Budget
 from mixprec.numerics.results import CandidateCheck
 from mixprec.policy import Candidate
 
 # run(candidate, keep_fp32, steps) -> (passed, reason, comparison, ...) for a differential run
 Run = Callable[[Candidate, Sequence[str], int | None], tuple]
+
+
+@dataclass(frozen=True)
+class Trials:
+    """How a search runs: each trial ``search_steps`` long, the found set verified over ``steps``,
+    while ``budget`` lasts (its ``stop`` too); ``stage`` reports each trial."""
+
+    steps: int
+    search_steps: int
+    budget: Budget
+    stage: Callable[[str], None]
+
+    def over(self) -> bool:
+        return self.budget.expired()
 
 
 def search_keep_fp32(
@@ -21,11 +36,7 @@ def search_keep_fp32(
     result: CandidateCheck,
     order: Sequence[str],
     max_set: int,
-    *,
-    steps: int,
-    search_steps: int,
-    deadline: float,
-    stage: Callable[[str], None],
+    trials: Trials,
     kind: str = "fp32 modules",
 ) -> None:
     """Fill ``result``'s fix fields from a search over the first ``max_set`` names of ``order``;
@@ -33,8 +44,9 @@ def search_keep_fp32(
     order = list(order)[:max_set]
     chosen: list[str] = []
     passed = False
+    stage, steps, search_steps = trials.stage, trials.steps, trials.search_steps
     for name in order:
-        if time.perf_counter() > deadline:
+        if trials.over():
             break
         chosen.append(name)
         stage(f"{cand.label}: trying keep_fp32={chosen}")
@@ -49,7 +61,7 @@ def search_keep_fp32(
         return
     # Delta-debugging-style minimisation: drop every module the candidate passes without.
     for name in list(chosen):
-        if time.perf_counter() > deadline:
+        if trials.over():
             break
         trial = [n for n in chosen if n != name]
         if trial and run(cand, trial, search_steps)[0]:
@@ -84,28 +96,38 @@ def record_verification(
 MapRun = Callable[[Sequence[str], int], tuple]
 
 
+@dataclass(frozen=True)
+class MapSpace:
+    """What a precision-map search may keep in bf16.
+
+    Attributes:
+        layers: the Linear layers the format converts.
+        rules: the field's fixed rules, tried first (first and last layers, the LM head, layers the
+            format cannot speed up).
+        suspects: the layers it quantises worst, tried next (then the other ``layers``).
+        directions: the GEMM directions a layer may be narrowed to (empty for fp8, whose layers
+            convert whole).
+        present: the directions each layer's step runs (a frozen weight has no wgrad).
+    """
+
+    layers: Sequence[str]
+    rules: Sequence[str] = ()
+    suspects: Sequence[str] = ()
+    directions: Sequence[str] = ()
+    present: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+
 def search_precision_map(
-    run: MapRun,
-    cand: Candidate,
-    result: CandidateCheck,
-    *,
-    layers: Sequence[str],
-    rules: Sequence[str],
-    suspects: Sequence[str],
-    directions: Sequence[str],
-    steps: int,
-    search_steps: int,
-    deadline: float,
-    stage: Callable[[str], None],
-    present: dict[str, frozenset[str]] | None = None,
+    run: MapRun, cand: Candidate, result: CandidateCheck, space: MapSpace, trials: Trials
 ) -> None:
     """The smallest precision map (Linear layers, or single GEMM directions of them, kept in bf16)
-    with which ``cand`` passes: start from the field's fixed rules (``rules``: first and last
-    layers, the LM head, layers the format cannot speed up), add the ``suspects`` (then the other
-    ``layers``) until it passes, drop every entry it passes without, narrow each remaining layer to
-    one GEMM direction where that passes (``directions``: empty for fp8, whose layers convert
-    whole; ``present``: the directions each layer's step runs, a frozen weight has no wgrad), then
-    verify over ``steps``. Fills ``result.fix_keep_bf16`` and the fix fields."""
+    with which ``cand`` passes: start from ``space``'s rules, add its suspects (then the other
+    layers) until it passes, drop every entry it passes without, narrow each remaining layer to one
+    GEMM direction where that passes, then verify over ``trials.steps``. Fills
+    ``result.fix_keep_bf16`` and the fix fields."""
+    layers, rules, suspects = space.layers, space.rules, space.suspects
+    directions, present = space.directions, space.present
+    stage, steps, search_steps = trials.stage, trials.steps, trials.search_steps
 
     def passes(entries: Sequence[str], n: int) -> bool:
         stage(f"{cand.label}: trying keep_bf16={list(entries)}")
@@ -114,7 +136,7 @@ def search_precision_map(
     chosen = [n for n in rules if n in layers]
     passed = bool(chosen) and passes(chosen, search_steps)
     for name in [*suspects, *layers]:
-        if passed or time.perf_counter() > deadline:
+        if passed or trials.over():
             break
         if name in chosen or name not in layers:
             continue
@@ -133,15 +155,15 @@ def search_precision_map(
             )
         return
     for name in list(chosen):  # drop every layer it passes without (the rules' included)
-        if time.perf_counter() > deadline:
+        if trials.over():
             break
         trial = [n for n in chosen if n != name]
         if trial and passes(trial, search_steps):
             chosen = trial
     for name in list(chosen):  # one GEMM direction instead of the whole layer, where one is enough
-        runs = (present or {}).get(name)
+        runs = present.get(name)
         for direction in (d for d in directions if runs is None or d in runs):
-            if time.perf_counter() > deadline:
+            if trials.over():
                 break
             trial = [f"{name}:{direction}" if n == name else n for n in chosen]
             if passes(trial, search_steps):
@@ -153,14 +175,14 @@ def search_precision_map(
     # (the late failure is the evidence: no trial shorter than it can see it): first a narrowed layer
     # back to the whole layer, then more layers.
     for entry in [e for e in chosen if ":" in e]:
-        if verified or time.perf_counter() > deadline:
+        if verified or trials.over():
             break
         chosen = [e.split(":")[0] if e == entry else e for e in chosen]
         stage(f"{cand.label}: verifying keep_bf16={chosen}")
         verified, reason, cmp, *_ = run(chosen, steps)
     rest = [n for n in [*suspects, *layers] if n in layers and not any(e.split(":")[0] == n for e in chosen)]
     for name in dict.fromkeys(rest):
-        if verified or time.perf_counter() > deadline:
+        if verified or trials.over():
             break
         chosen = [*chosen, name]
         stage(f"{cand.label}: verifying keep_bf16={chosen}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mixprec.errors import PolicyError
+from mixprec import validation
+from mixprec.errors import PolicyError, UsageError
 from mixprec.policy.registry import PolicySpec, canonical_name, spec_of
 
 # Formats `check` can emulate on hardware without them (mixprec.numerics.emulate).
@@ -103,9 +104,10 @@ class Candidate:
         if self.compile_scope == "model":
             object.__setattr__(self, "compile_scope", None)  # the default scope, one spelling
         for name in ("micro_batch", "accumulation_steps"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise PolicyError(f"{name} must be an integer >= 1, got {value!r}.")
+            try:
+                validation.optional_positive_int(name, getattr(self, name))
+            except UsageError as exc:  # a Candidate's fields are the policy's: PolicyError, as above
+                raise PolicyError(str(exc)) from None
         if self.accumulation_steps > 1 and self.micro_batch is None:
             raise PolicyError(
                 f"accumulation_steps={self.accumulation_steps} without a micro_batch: name the samples "

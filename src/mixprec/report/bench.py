@@ -1,4 +1,5 @@
-"""Presentation of bench results: the seed's table (rich and Markdown) and a PNG chart."""
+"""Presentation of bench results: the table of SURF's 'Deep Learning on A100 GPUs' benchmark, for any
+model (rich and Markdown), and a PNG chart."""
 
 from __future__ import annotations
 

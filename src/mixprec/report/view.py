@@ -14,7 +14,6 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from mixprec import __version__
 from mixprec.measure.noise import describe as describe_noise
 from mixprec.measure.results import BenchRow
 from mixprec.report.bench import drift_text
@@ -60,6 +59,7 @@ from mixprec.report.view_types import (
     Table,
 )
 from mixprec.status import Status, tone
+from mixprec.version import __version__
 
 if TYPE_CHECKING:
     from mixprec.numerics.results import CandidateCheck

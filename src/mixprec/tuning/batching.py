@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from mixprec import validation
 from mixprec.budget import Budget
 from mixprec.errors import UsageError
 from mixprec.events import Events
@@ -165,9 +166,7 @@ def effective(framework: Framework, effective_batch: int | None, batch_size: int
     if not framework.accumulates:
         raise UsageError(f"--batch auto needs gradient accumulation, not measured for {framework.title} yet.")
     size = batch_size if effective_batch is None else effective_batch
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise UsageError(f"effective_batch must be an integer >= 1, got {size!r}.")
-    return size
+    return validation.positive_int("effective_batch", size)
 
 
 def notes(plan: BatchPlan, workload_batch: int, batch_norm: bool = False) -> list[str]:
@@ -204,7 +203,7 @@ def memory_budget(framework: Framework, device: str, budget: int | str | None) -
     if isinstance(budget, str):
         budget = parse_size(budget)
     if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
             raise UsageError(f"memory_budget must be a positive number of bytes, got {budget!r}.")
         return budget, "--memory-budget"
     if device.startswith("cuda"):

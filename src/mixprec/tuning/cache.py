@@ -1,10 +1,11 @@
 """`autotune`: tune once, then read the decision from a cache file.
 
-The cache is ``{"schema_version": 1, "entries": {key: {"config": ..., ...}}}``. It is validated
-on read: a file that is missing is a miss; one that cannot be read (a directory, binary, not
-JSON, another schema) or an entry that does not rebuild a policy is a miss plus one
-:class:`~mixprec.errors.CacheWarning`. A cache that cannot be written is a warning too: the
-tune's decision is still returned.
+The cache is ``{"schema_version": 2, "entries": {key: {"candidate": ..., ...}}}``: the whole pick
+(policy, layout, islands, compile mode and scope, optimizer implementation, micro-batch), not only
+its policy. It is validated on read: a file that is missing is a miss; one that cannot be read (a
+directory, binary, not JSON, another schema) or an entry that does not rebuild a candidate is a miss
+plus one :class:`~mixprec.errors.CacheWarning`. A cache that cannot be written is a warning too:
+the tune's decision is still returned.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import torch
 from mixprec.errors import CacheWarning, MixprecError, UsageError
 from mixprec.files import atomic_write_text
 from mixprec.hardware.device import detect, resolve_device
-from mixprec.policy import Policy, get_policy, policy_from_config
+from mixprec.policy import Candidate, get_policy
 from mixprec.tuning.run import tune
+from mixprec.tuning.tuned import Tuned
 from mixprec.workload import Workload
 
-CACHE_SCHEMA_VERSION = 1
+CACHE_SCHEMA_VERSION = 2  # 1 held only the policy: its compile, optimizer and micro-batch were lost
 
 
 def _cache_file() -> Path:
@@ -34,7 +36,7 @@ def _cache_file() -> Path:
 
 def autotune_key(workload: Workload, device: torch.device, batch_size: int | None) -> str:
     """What the decision depends on: the model's shapes, the device, the batch, the versions."""
-    from mixprec import __version__
+    from mixprec.version import __version__
 
     shapes = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in workload.model.named_parameters())
     payload = "|".join(
@@ -52,10 +54,10 @@ def autotune_key(workload: Workload, device: torch.device, batch_size: int | Non
 
 
 def _valid_entry(entry: Any) -> bool:
-    if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
+    if not isinstance(entry, dict) or not isinstance(entry.get("candidate"), dict):
         return False
     try:
-        policy_from_config(entry["config"])
+        Candidate.from_dict(entry["candidate"])
     except (MixprecError, TypeError, KeyError, ValueError, AttributeError):
         return False
     return True
@@ -111,8 +113,11 @@ def autotune(
     cache_path: str | Path | None = None,
     refresh: bool = False,
     **tune_options: Any,
-) -> Policy:
-    """The recommended policy for ``workload``, tuned once and then read from a cache file.
+) -> Tuned:
+    """The candidate tune recommends for ``workload``, whole, tuned once and then read from a cache
+    file: a :class:`~mixprec.tuning.tuned.Tuned` whose ``prepare``, ``optimizer`` and
+    ``compile_step`` apply its compile mode and optimizer implementation as they were measured, with
+    its ``policy`` and micro-batch.
 
     The cache (``~/.cache/mixprec/autotune.json`` or ``$MIXPREC_CACHE_DIR``) is keyed by the
     model's parameter shapes, the device, the batch size and the torch/mixprec versions, so a
@@ -122,7 +127,7 @@ def autotune(
     """
     if not isinstance(workload, Workload):
         raise UsageError(
-            f"autotune() returns a torch mixprec.Policy and takes a mixprec.Workload, got "
+            f"autotune() returns a torch training configuration and takes a mixprec.Workload, got "
             f"{type(workload).__name__}; use mixprec.tune() for other frameworks."
         )
     dev = resolve_device(device)
@@ -130,15 +135,21 @@ def autotune(
     key = autotune_key(workload, dev, batch_size)
     cache = read_cache(path)
     if not refresh and key in cache:
-        return policy_from_config(cache[key]["config"])
+        entry = cache[key]
+        candidate = Candidate.from_dict(entry["candidate"])
+        return Tuned(candidate, get_policy(candidate, device=dev), str(entry.get("reason", "")))
     result = tune(workload, device=dev, batch_size=batch_size, **tune_options)
     rec = result.recommendation
-    config = rec.config(str(dev)) if rec else get_policy("fp32", device=dev).config
+    candidate = rec.candidate if rec else Candidate("fp32")
+    policy = get_policy(candidate, device=dev)
+    reason = rec.reason if rec else "nothing passed: fp32"
     cache[key] = {
-        "config": config.to_dict(),
+        "candidate": candidate.to_dict(),
+        "label": candidate.label,
+        "config": policy.config.to_dict(),
         "workload": result.workload,
-        "reason": rec.reason if rec else "nothing passed: fp32",
+        "reason": reason,
         "created": result.created,
     }
     write_cache(path, cache)
-    return policy_from_config(config)
+    return Tuned(candidate, policy, reason)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,11 +250,62 @@ def decide(
     def effective(row: BenchRow) -> float:
         return amortized(row, fp32, train_steps)
 
+    passing, table = _rank(measured, verdicts, fp32, effective)
+    if not passing:
+        return None, table
+    fastest = max(passing, key=effective)
+    if race is not None:
+        fastest = _race_leader(fastest, passing, race, fp32, train_steps)
+    outcome = _outcomes(fastest, race)
+    band = [
+        r
+        for r in passing
+        if outcome(r) == "tie"
+        or (
+            outcome(r) in (None, "open")
+            and within_noise(effective(r), effective(fastest), noise_band(r, fastest, noise))
+        )
+    ]
+    chosen = min(band, key=safety)
+    tie_break = _tie_break(chosen, fastest, race, effective)
+    noisy_with, too_noisy = _too_noisy(passing, fastest, outcome, effective, noise)
+    table = [
+        Ranked(r.candidate, Status.RECOMMENDED, r.reason, r.verdict, r.row)
+        if r.candidate == chosen.candidate
+        else r
+        for r in table
+    ]
+    verdict = verdicts.get(chosen.candidate.numerics)
     tf32 = max(
         (r for r in measured if r.policy == "tf32" and r.status == Status.OK),
         key=effective,
         default=None,
     )
+    saved = None
+    if fp32 and fp32.peak_memory_bytes and chosen.peak_memory_bytes:
+        saved = fp32.peak_memory_bytes - chosen.peak_memory_bytes
+    rec = Recommendation(
+        candidate=chosen.candidate,
+        speedup_vs_fp32=chosen.speedup_vs_fp32,
+        speedup_vs_tf32=effective(chosen) / effective(tf32) if tf32 and effective(tf32) else None,
+        memory_saved_bytes=saved,
+        margin=_margin(verdict),
+        reason=_reason(chosen, table, verdict, tie_break, too_noisy, fp32, train_steps, race),
+        tie_break=tie_break,
+        tied_with=fastest.candidate if tie_break else None,
+        too_noisy=too_noisy,
+        noisy_with=noisy_with.candidate if noisy_with is not None else None,
+    )
+    return rec, table
+
+
+Speed = Callable[[BenchRow], float]
+
+
+def _rank(
+    measured: Sequence[BenchRow], verdicts: Verdicts, fp32: BenchRow | None, effective: Speed
+) -> tuple[list[BenchRow], list[Ranked]]:
+    """The rows that passed, and the decision table: one entry per measured row with its status."""
     passing: list[BenchRow] = []
     table: list[Ranked] = []
     for row in measured:
@@ -285,24 +336,18 @@ def decide(
             ok = verdict.verdict == Status.PASS
             rejected = verdict.verdict if verdict.verdict in REJECTED else Status.FAIL
             table.append(
-                Ranked(
-                    row.candidate,
-                    Status.PASS if ok else rejected,
-                    verdict.reason,
-                    verdict.verdict,
-                    row,
-                )
+                Ranked(row.candidate, Status.PASS if ok else rejected, verdict.reason, verdict.verdict, row)
             )
             if ok:
                 passing.append(row)
-    if not passing:
-        return None, table
-    fastest = max(passing, key=effective)
-    if race is not None:
-        fastest = _race_leader(fastest, passing, race, fp32, train_steps)
+    return passing, table
+
+
+def _outcomes(fastest: BenchRow, race: Race | None) -> Callable[[BenchRow], str | None]:
+    """How a row did against ``fastest`` in a direct race, as seen from it: 'tie', 'faster',
+    'slower', 'open' (unresolved); None where the two never raced."""
 
     def outcome(r: BenchRow) -> str | None:
-        """How ``r`` did against ``fastest`` in a direct race, as seen from ``r``; None: no duel."""
         duel = race.duel(fastest.candidate, r.candidate) if race is not None else None
         if duel is None or r is fastest:
             return None
@@ -311,31 +356,36 @@ def decide(
         ahead = duel.ahead()
         return "open" if ahead is None else "faster" if ahead == r.candidate else "slower"
 
-    band = [
-        r
-        for r in passing
-        if outcome(r) == "tie"
-        or (
-            outcome(r) in (None, "open")
-            and within_noise(effective(r), effective(fastest), noise_band(r, fastest, noise))
+    return outcome
+
+
+def _tie_break(chosen: BenchRow, fastest: BenchRow, race: Race | None, effective: Speed) -> str | None:
+    """Why ``chosen`` won over the faster ``fastest`` (a measured tie, or within the noise); None
+    when the fastest won."""
+    if chosen is fastest:
+        return None
+    duel = race.duel(fastest.candidate, chosen.candidate) if race is not None else None
+    if duel is not None and duel.outcome == "tie":
+        return (
+            f"{fastest.label} and {chosen.label} measured against each other: {duel.describe()}; "
+            f"{chosen.label} is simpler/safer, so it is preferred"
         )
-    ]
-    chosen = min(band, key=safety)
-    tie_break = too_noisy = None
-    noisy_with: BenchRow | None = None
-    if chosen is not fastest:
-        duel = race.duel(fastest.candidate, chosen.candidate) if race is not None else None
-        if duel is not None and duel.outcome == "tie":
-            tie_break = (
-                f"{fastest.label} and {chosen.label} measured against each other: {duel.describe()}; "
-                f"{chosen.label} is simpler/safer, so it is preferred"
-            )
-        else:
-            gap = 1 - effective(chosen) / (effective(fastest) or 1)
-            tie_break = (
-                f"{fastest.label} measured {gap:.1%} faster than {chosen.label}, within measurement noise; "
-                f"{chosen.label} is simpler/safer, so it is preferred"
-            )
+    gap = 1 - effective(chosen) / (effective(fastest) or 1)
+    return (
+        f"{fastest.label} measured {gap:.1%} faster than {chosen.label}, within measurement noise; "
+        f"{chosen.label} is simpler/safer, so it is preferred"
+    )
+
+
+def _too_noisy(
+    passing: Sequence[BenchRow],
+    fastest: BenchRow,
+    outcome: Callable[[BenchRow], str | None],
+    effective: Speed,
+    noise: float,
+) -> tuple[BenchRow | None, str | None]:
+    """The first passing row the measurement could not separate from ``fastest`` (uncertain beyond
+    :data:`NOISE_CAP`, never raced to a result, intervals overlapping), and what to say of it."""
     for r in passing:
         uncertainty = noise_band(r, fastest, noise)
         if (
@@ -345,23 +395,18 @@ def decide(
             and effective(r) < effective(fastest) * (1 - NOISE_CAP)
             and not _separated(r, fastest)
         ):
-            noisy_with = r
-            too_noisy = (
+            return r, (
                 f"too noisy to separate {fastest.label} ({effective(fastest):.2f}x) and {r.label} "
                 f"({effective(r):.2f}x): their speedups are uncertain by +-{uncertainty:.0%} "
                 "here; rerun on a quiet machine"
             )
-            break
-    table = [
-        Ranked(r.candidate, Status.RECOMMENDED, r.reason, r.verdict, r.row)
-        if r.candidate == chosen.candidate
-        else r
-        for r in table
-    ]
-    verdict = verdicts.get(chosen.candidate.numerics)
-    # The figures with the limits that were applied to them (SQNR floors and the loss allowance
-    # adapt to how much this model amplifies noise, see docs/check.md).
-    margin = {
+    return None, None
+
+
+def _margin(verdict: Any) -> dict[str, float | None]:
+    """The figures with the limits that were applied to them (SQNR floors and the loss allowance
+    adapt to how much this model amplifies noise, see docs/check.md)."""
+    return {
         "output_sqnr_db": verdict.output_sqnr_db if verdict else None,
         "output_sqnr_db_limit": verdict.required_output_sqnr_db if verdict else None,
         "grad_sqnr_db": verdict.total_grad_sqnr_db if verdict else None,
@@ -369,22 +414,6 @@ def decide(
         "max_rel_loss_diff": verdict.max_rel_loss_diff if verdict else None,
         "max_rel_loss_diff_limit": verdict.allowed_rel_loss_diff if verdict else None,
     }
-    saved = None
-    if fp32 and fp32.peak_memory_bytes and chosen.peak_memory_bytes:
-        saved = fp32.peak_memory_bytes - chosen.peak_memory_bytes
-    rec = Recommendation(
-        candidate=chosen.candidate,
-        speedup_vs_fp32=chosen.speedup_vs_fp32,
-        speedup_vs_tf32=effective(chosen) / effective(tf32) if tf32 and effective(tf32) else None,
-        memory_saved_bytes=saved,
-        margin=margin,
-        reason=_reason(chosen, table, verdict, tie_break, too_noisy, fp32, train_steps, race),
-        tie_break=tie_break,
-        tied_with=fastest.candidate if tie_break else None,
-        too_noisy=too_noisy,
-        noisy_with=noisy_with.candidate if noisy_with is not None else None,
-    )
-    return rec, table
 
 
 def _separated(slower: BenchRow, faster: BenchRow) -> bool:

@@ -20,6 +20,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from mixprec.budget import Budget
 from mixprec.checking.check import Checker, check, cured, make_checker
 from mixprec.errors import UsageError
@@ -29,13 +31,15 @@ from mixprec.frameworks.session import BenchSettings
 from mixprec.hardware.device import DeviceInfo
 from mixprec.measure.race import FIRST_ROUNDS, Race, paired_rounds, race
 from mixprec.measure.results import BenchResult, BenchRow
-from mixprec.measure.sweep import bench
+from mixprec.measure.sweep import run_sweep
 from mixprec.numerics.results import CandidateCheck, CheckResult
 from mixprec.policy import POLICY_NAMES, Candidate
+from mixprec.policy.islands import batch_norm_layers
 from mixprec.status import Status
-from mixprec.tuning import compiling
+from mixprec.tuning import batching, compiling
 from mixprec.tuning.batching import BatchPlan
 from mixprec.tuning.compiling import MIN_COMPILE_S
+from mixprec.tuning.config import TuneConfig
 from mixprec.tuning.decide import Recommendation, amortized, decide, speed
 
 # Share of the budget the eager speed sweep takes first; numerics, compile and rescues get the
@@ -68,20 +72,19 @@ class Search:
         self,
         workload: Any,
         framework: Framework,
-        device: str,
-        sweep: dict[str, Any],
+        config: TuneConfig,
         *,
-        check_steps: int,
-        fix: bool,
-        noise: float,
-        train_steps: int,
+        device: str,
+        batch_size: int,
         budget: Budget,
         events: Events,
         batches: BatchPlan | None = None,
     ) -> None:
-        """``batches``: each candidate's micro-batch (``tune --batch auto``), None to run every
-        candidate at ``sweep['batch_size']``."""
-        self.workload, self.framework, self.device, self.sweep = workload, framework, device, sweep
+        """``batch_size``: the run's samples per optimizer step; ``batches``: each candidate's
+        micro-batch (``tune --batch auto``), None to run every candidate at ``batch_size``."""
+        self.workload, self.framework, self.device, self.config = workload, framework, device, config
+        # what every sweep of this tune measures with; each stage names its candidates and baseline
+        self.bench = replace(config.bench, device=device, batch_size=batch_size)
         self.batches = batches
         self.baseline = framework.baseline
         if batches is not None:
@@ -95,7 +98,7 @@ class Search:
                     "others against; raise --memory-budget."
                 )
             self.baseline = batched
-        self.check_steps, self.fix, self.noise, self.train_steps = check_steps, fix, noise, train_steps
+        self.noise, self.train_steps = config.noise, config.train_steps
         self.budget, self.events = budget, events
         self.notes: list[str] = []
         self.verdicts: dict[Candidate, CandidateCheck] = {}
@@ -106,6 +109,33 @@ class Search:
         self.race: Race | None = None
         self.phases: dict[str, float] = {}
         self.compile_s: dict[str | None, float] = {}  # the longest compile seen, per scope
+
+    def run(self, info: DeviceInfo, modes: Sequence[str]) -> tuple[Recommendation | None, list]:
+        """The stages in order (see the module docstring); the decision and its table."""
+        with self.phase("speed"):
+            self.measure_speed(info)
+        with self.phase("numerics"):
+            self.check_faster()
+        with self.phase("speed"):
+            self.finish_speed(info)
+        with self.phase("numerics"):
+            self.check_faster()  # the candidates measured late, if any beat strict fp32
+        with self.phase("compile"):
+            self.try_compile(modes)
+        with self.phase("race"):
+            self.race_finalists()
+        rec, ranked = self.decide()
+        if rec is not None and self.config.optimizers and not rec.candidate.compile_scope:
+            with self.phase("speed"):  # the pick's optimizer implementations: same numerics, maybe faster
+                self.try_optimizers(rec)
+            rec, ranked = self.decide()
+        if rec is not None and self.batches is not None:
+            with self.phase("speed"):
+                self.try_smaller_batch(rec)
+            rec, ranked = self.decide()
+        with self.phase("prediction"):
+            self.predict(info)  # a note for hardware that runs them; it cannot change the pick here
+        return rec, ranked
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -125,10 +155,11 @@ class Search:
             self.result.rows, self.verdicts, noise=self.noise, train_steps=self.train_steps, race=self.race
         )
 
-    def _bench(self, candidates: Sequence[Candidate], budget: Budget, **overrides: Any) -> BenchResult:
+    def _bench(self, candidates: Sequence[Candidate], budget: Budget) -> BenchResult:
+        """One paired sweep of ``candidates`` (the workload was validated once, by tune)."""
         if self.batches is not None:
             self.batches.timed.update(candidates)
-            overrides.setdefault("baseline", self.baseline)
+        baseline = self.baseline if self.batches is not None else None
 
         def on_bench(event: Event) -> None:
             if event["event"] == "candidate":
@@ -136,12 +167,9 @@ class Search:
             elif event["event"] in ("row", "output", "step"):
                 self.events(event)
 
-        return bench(
-            self.workload,
-            candidates=candidates,
-            events=on_bench,
-            budget=budget,
-            **{**self.sweep, **overrides},
+        config = replace(self.bench, candidates=tuple(candidates), baseline=baseline)
+        return run_sweep(
+            self.workload, self.framework, config, device=self.device, events=on_bench, budget=budget
         )
 
     def _add(self, rows: Sequence[BenchRow]) -> list[BenchRow]:
@@ -246,7 +274,7 @@ class Search:
         if base is not None and base.accumulation_steps > 1:  # a check step is one micro-batch
             step_s /= base.accumulation_steps
         runs = 1 if self._checkers else 3  # a new micro-batch's reference runs: see check_faster
-        return 2.0 * runs * (self.check_steps + 2) * step_s
+        return 2.0 * runs * (self.config.check.steps + 2) * step_s
 
     def check(
         self, candidate: Candidate, fix: bool | None = None, micro_batch: int | None = None
@@ -254,21 +282,18 @@ class Search:
         """The numerics of ``candidate`` (a numerics key), at ``micro_batch`` where the measured
         candidate runs one (``tune --batch auto``: checked at the micro-batch it would train at)."""
         if micro_batch not in self._checkers:
+            at_size = replace(
+                self.config.check, batch_size=micro_batch or self.bench.batch_size, device=self.device
+            )
             self._checkers[micro_batch] = make_checker(
-                self.workload,
-                steps=self.check_steps,
-                batch_size=micro_batch or self.sweep["batch_size"],
-                device=self.device,
-                events=self.events,
-                budget=self.budget,
-                train_steps=self.train_steps,
+                self.workload, at_size, events=self.events, budget=self.budget
             )
         at = f" at micro-batch {micro_batch}" if micro_batch else ""
         self.stage(f"checking numerics of {candidate.label}{at}")
         res = check(
             self.workload,
-            policies=[candidate],
-            fix=self.fix if fix is None else fix,
+            policies=(candidate,),
+            fix=self.config.check.fix if fix is None else fix,
             checker=self._checkers[micro_batch],
             events=self.events,
         )
@@ -451,7 +476,7 @@ class Search:
         base = self.result.baseline
         step_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
         # each variant warms up and runs its paired rounds next to strict fp32 (compiled: from cache)
-        cost = len(todo) * (1.3 * (self.sweep["warmup"] + 2 * self.sweep["steps"] + 2) * step_s)
+        cost = len(todo) * (1.3 * (self.bench.warmup + 2 * self.bench.steps + 2) * step_s)
         if rec.candidate.compile:
             cost += len(todo) * MIN_COMPILE_S / 3
         if todo and not self.budget.can_pay(cost):
@@ -476,7 +501,7 @@ class Search:
             assert self.result is not None
             base = self.result.baseline
             step_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
-            cost = 1.3 * (self.sweep["warmup"] + 2 * self.sweep["steps"] + 2) * step_s
+            cost = 1.3 * (self.bench.warmup + 2 * self.bench.steps + 2) * step_s
             if not self.budget.can_pay(cost):
                 self.notes.append(f"{smaller.label} not measured: budget spent (--budget raises it)")
                 return
@@ -581,3 +606,25 @@ class Search:
         except Exception as exc:  # lint is advice: its failure must not lose the recommendation
             self.notes.append(f"lint failed: {type(exc).__name__}: {exc}")
             return None
+
+    def complete(self, rec: Recommendation, findings: list[dict[str, Any]] | None) -> Recommendation:
+        """The pick whole: the micro-batch and accumulation it trains with, its measured peak memory,
+        the lint findings worth fixing under it; the notes about its batch and its compute share."""
+        assert self.result is not None
+        row = next((r for r in self.result.rows if r.candidate == rec.candidate), None)
+        plan = self.batches
+        measured = plan.peak(rec.candidate) if plan is not None else None
+        if plan is not None:
+            model = getattr(
+                self.workload, "model", None
+            )  # a torch workload's: BatchNorm follows the micro-batch
+            batch_norm = isinstance(model, torch.nn.Module) and bool(batch_norm_layers(model))
+            self.notes += batching.notes(plan, self.framework.default_batch_size(self.workload), batch_norm)
+        self.note_compute_share(rec)
+        return replace(
+            rec,
+            micro_batch=rec.candidate.micro_batch or self.bench.batch_size,
+            accumulation_steps=rec.candidate.accumulation_steps,
+            peak_memory_bytes=measured if measured is not None else (row.peak_memory_bytes if row else None),
+            lint_worth_fixing=[f for f in findings or [] if f.get("severity") in ("warning", "error")][:5],
+        )

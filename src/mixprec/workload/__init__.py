@@ -1,6 +1,7 @@
 """How a model enters mixprec: a :class:`Workload`, the loader that builds one from a name or a
-``file.py:function``, the built-in zoo (the seed's CNNs, a GPT-2-class LM, a tiny MLP), models by
-name from torchvision, timm and Hugging Face transformers, and the up-front validation."""
+``file.py:function``, the built-in zoo (the CNNs of SURF's A100 benchmark, a GPT-2-class LM, a tiny
+MLP), models by name from torchvision, timm and Hugging Face transformers, and the up-front
+validation."""
 
 from mixprec.workload.loader import load_workload, workload_from_spec
 from mixprec.workload.models import SOURCES, ModelSource, list_models, parse_model_config, register_source

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixprec import validation
 from mixprec.errors import UsageError, did_you_mean
 
 MODEL_SEED = 0
@@ -37,17 +38,11 @@ def batch_generators() -> Iterator[torch.Generator]:
 
 
 def check_batch_size(batch_size: Any, name: str) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise UsageError(
-            f"batch_size {batch_size!r} for workload {name!r} is invalid; pass a positive integer."
-        )
-    return batch_size
+    return validation.positive_int(f"batch_size for workload {name!r}", batch_size)
 
 
 def check_positive_int(key: str, value: Any, name: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UsageError(f"{key}={value!r} for model {name!r} is invalid; pass an integer >= {minimum}.")
-    return value
+    return validation.positive_int(f"{key} for model {name!r}", value, minimum=minimum)
 
 
 def reject_unknown(name: str, config: dict[str, Any], valid: tuple[str, ...], size_option: str = "") -> None:

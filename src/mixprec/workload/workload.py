@@ -32,7 +32,7 @@ SPEC_KINDS = ("zoo", "model", "factory")
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    """SGD with momentum, as in the seed's benchmark."""
+    """SGD with momentum, as in the benchmark of SURF's 'Deep Learning on A100 GPUs' guide."""
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 

@@ -1,5 +1,5 @@
 """The env block of TensorFlow runs: mixprec's own (versions, device, torch state) plus TensorFlow's
-version, devices, TF32 state, oneDNN and bf16 on the CPU, and the seed's caveat as a fact:
+version, devices, TF32 state, oneDNN and bf16 on the CPU, and SURF's A100 guide's caveat as a fact:
 TensorFlow does not honour ``NVIDIA_TF32_OVERRIDE``, it has its own switch."""
 
 from __future__ import annotations

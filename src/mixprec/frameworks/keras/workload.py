@@ -3,8 +3,9 @@
 A Keras workload is a model factory (called under the candidate's dtype policy, since Keras fixes
 a layer's dtype when it is constructed), a batch factory ``make_batch(batch_size) -> (x, y)``, the
 loss and an optimizer factory. The zoo builds ``keras.applications`` models with ``weights=None``
-on synthetic data, as the seed's TensorFlow benchmark did: nothing is downloaded. A spec
-(:class:`mixprec.WorkloadSpec`) rebuilds the same workload in a candidate's own process.
+on synthetic data, as the TensorFlow benchmark of SURF's 'Deep Learning on A100 GPUs' guide did:
+nothing is downloaded. A spec (:class:`mixprec.WorkloadSpec`) rebuilds the same workload in a
+candidate's own process.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ _MLP_IN, _MLP_HIDDEN, _MLP_CLASSES = 64, 256, 10
 
 
 def default_optimizer() -> Any:
-    """SGD with momentum, as in the seed's benchmark (and mixprec's torch workloads)."""
+    """SGD with momentum, as in SURF's A100 benchmark (and mixprec's torch workloads)."""
     return backend.keras().optimizers.SGD(learning_rate=0.01, momentum=0.9)
 
 

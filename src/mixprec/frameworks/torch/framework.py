@@ -28,9 +28,9 @@ from mixprec.workload.models import preload_modules, source_of
 
 # Sized so the default sweep (resnet50, every CPU policy, both layouts) ends in about two minutes
 # on a 2-core CPU, at a size where compute (not per-op overhead) dominates so the ranking means
-# something; on CUDA the seed's setup: 224 px and a batch that fills the GPU. A vision model by
-# name gets the same on a CPU: at most 128 px (where the model takes smaller inputs than its
-# recipe's) and batch 16.
+# something; on CUDA the setup of SURF's A100 benchmark: 224 px and a batch that fills the GPU. A
+# vision model by name gets the same on a CPU: at most 128 px (where the model takes smaller inputs
+# than its recipe's) and batch 16.
 CPU_DEFAULTS: dict[str, Any] = {
     "image_size": 128,
     "max_image_size": 128,

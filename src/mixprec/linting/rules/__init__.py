@@ -14,6 +14,11 @@ itself, and nothing there says an unaligned layer is slow. ``lint(target="cuda")
 ``--target cuda``) judges them at full severity from a machine without a GPU. Under a
 policy that computes in strict fp32 no tensor core runs at all, so the alignment rules do
 not apply and report nothing (the report says so).
+
+A rule's ``source`` names the public documents it follows. "SURF, 'Deep Learning on A100 GPUs'" is
+a tutorial in the user wiki of SURF, which runs the Dutch national supercomputers
+(https://servicedesk.surf.nl/wiki/display/WIKI/Deep+Learning+on+A100+GPUs); its tips condense
+NVIDIA's cuDNN developer guide.
 """
 
 from mixprec.linting.model import Rule

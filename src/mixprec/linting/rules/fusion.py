@@ -42,12 +42,12 @@ _ACTIVATION_SUBSTITUTES = {
     summary="Activations outside cuDNN's fused list run as a separate kernel.",
     rationale=(
         "cuDNN's fused convolution + bias + activation kernels and fused GEMM epilogues cover a "
-        "short list of activations (seed 002: relu, tanh, sigmoid, elu, gelu, softplus, swish); "
-        "any other runs as a separate kernel that reads and writes the whole activation again. "
-        "Eager PyTorch never fuses, so this matters once the model is compiled, exported or "
-        "fused (torch.compile, TensorRT): info." + CPU_NOTE
+        "short list of activations (SURF's A100 guide lists relu, tanh, sigmoid, elu, gelu, "
+        "softplus, swish); any other runs as a separate kernel that reads and writes the whole "
+        "activation again. Eager PyTorch never fuses, so this matters once the model is compiled, "
+        "exported or fused (torch.compile, TensorRT): info." + CPU_NOTE
     ),
-    source="seed 002 (activation functions)",
+    source="SURF, 'Deep Learning on A100 GPUs' (activation functions)",
     tensor_core=True,
 )
 def _unfused_activation(ctx: LintContext) -> Iterator[Finding]:

@@ -39,16 +39,16 @@ def _layout_fix(ctx: LintContext, on: bool) -> str:
     summary="Run convolutional models channels_last (NHWC) where the device's kernels are NHWC.",
     rationale=(
         "Tensor-core convolutions (cuDNN) and oneDNN on CPU work in NHWC; an NCHW model pays "
-        "layout transposes around its convolutions. Seed 002 and NVIDIA recommend channels_last "
-        "for CNNs, and it is much of the mixed-precision gain on ResNet-50 (A100: 938 img/s TF32 "
-        "NCHW vs 2470 img/s AMP + channels_last, NVIDIA DeepLearningExamples). Warning when the "
-        "policy computes in fp16/bf16/tf32, or on CPU with bf16 math; info under strict fp32 on "
-        "CPU; not reported under strict fp32 on CUDA (no tensor cores), nor for grouped/depthwise-"
-        "heavy models, where channels_last is known to regress (MP202)."
+        "layout transposes around its convolutions. SURF's A100 guide and NVIDIA recommend "
+        "channels_last for CNNs, and it is much of the mixed-precision gain on ResNet-50 (A100: "
+        "938 img/s TF32 NCHW vs 2470 img/s AMP + channels_last, NVIDIA DeepLearningExamples). "
+        "Warning when the policy computes in fp16/bf16/tf32, or on CPU with bf16 math; info under "
+        "strict fp32 on CPU; not reported under strict fp32 on CUDA (no tensor cores), nor for "
+        "grouped/depthwise-heavy models, where channels_last is known to regress (MP202)."
     ),
     source=(
-        "seed 002 (NHWC); NVIDIA Convolutional Layers guide (tensor layouts: NCHW vs NHWC); "
-        "PyTorch channels_last tutorial"
+        "SURF, 'Deep Learning on A100 GPUs' (NHWC); NVIDIA Convolutional Layers guide (tensor "
+        "layouts: NCHW vs NHWC); PyTorch channels_last tutorial"
     ),
     mechanical=True,
 )
@@ -123,10 +123,10 @@ def _channels_last_grouped(ctx: LintContext) -> Iterator[Finding]:
         "model.to(memory_format=torch.channels_last) converts the weights in place, but "
         "batch.to(memory_format=...) returns a new tensor: forgetting to reassign it, or to "
         "convert at all, feeds NCHW inputs to a channels_last model and the convolution converts "
-        "its input first (seed 002 spells out this trap). A channels_last policy converts the "
-        "model's inputs itself and is not reported."
+        "its input first (SURF's A100 guide spells out this trap). A channels_last policy converts "
+        "the model's inputs itself and is not reported."
     ),
-    source="seed 002 (model.to(...) is in place, batch.to(...) is not)",
+    source="SURF, 'Deep Learning on A100 GPUs' (model.to(...) is in place, batch.to(...) is not)",
     mechanical=True,
 )
 def _channels_last_input(ctx: LintContext) -> Iterator[Finding]:

@@ -26,7 +26,8 @@ _rule = partial(define_rule, SHAPE_RULES)
 SMALL_HEAD = 64
 VOCAB_MULTIPLE = 64
 MIN_CONV_CHANNELS = 32
-# cuDNN >= 8.3 fast grouped-convolution widths (channels per group), from seed 002.
+# cuDNN >= 8.3 fast grouped-convolution widths (channels per group), from SURF's 'Deep Learning on
+# A100 GPUs' guide, whose tips follow NVIDIA's cuDNN developer guide.
 GROUP_WIDTHS = (1, 4, 8, 16, 32, 64, 128, 256)
 
 _MEASURE_NOTE = (
@@ -90,8 +91,9 @@ def _misaligned(
         "model's matmul/conv FLOPs, info below." + CPU_NOTE
     ),
     source=(
-        "seed 002 (channel dim 0 mod 8); NVIDIA Deep Learning Performance guide: Convolutional "
-        "Layers (channels in and out) and Matrix Multiplication Background (Tensor Core requirements)"
+        "SURF, 'Deep Learning on A100 GPUs' (channel dim 0 mod 8); NVIDIA Deep Learning Performance "
+        "guide: Convolutional Layers (channels in and out) and Matrix Multiplication Background "
+        "(Tensor Core requirements)"
     ),
     tensor_core=True,
     mechanical=True,
@@ -148,12 +150,15 @@ def _conv_channels(ctx: LintContext) -> Iterator[Finding]:
     "info",
     summary="Convolutions with fewer than 32 channels underuse tensor cores.",
     rationale=(
-        "Seed 002 asks for channel dims >= 32 whenever possible: a narrow convolution is "
-        "memory-bound and fills only part of a tensor-core tile. Reported only for counts that "
+        "SURF's A100 guide asks for channel dims >= 32 whenever possible: a narrow convolution "
+        "is memory-bound and fills only part of a tensor-core tile. Reported only for counts that "
         "are already aligned (MP101 reports the others), and always at info: narrow layers are "
         "often deliberate. The fix --measure times is zero-padding the channels to 32." + CPU_NOTE
     ),
-    source="seed 002 (channel dim >= 32); NVIDIA Convolutional Layers guide (quantization effects)",
+    source=(
+        "SURF, 'Deep Learning on A100 GPUs' (channel dim >= 32); NVIDIA Convolutional Layers guide "
+        "(quantization effects)"
+    ),
     tensor_core=True,
     mechanical=True,
 )
@@ -195,12 +200,12 @@ def _conv_channels_small(ctx: LintContext) -> Iterator[Finding]:
     "warning",
     summary="Grouped convolutions need equal in/out channels and a supported group width.",
     rationale=(
-        "Seed 002: for grouped convolutions make in_channels equal out_channels and the channels "
-        "per group one of {4, 8, 16, 32} (cuDNN 8.2) or {1, 4, 8, 16, 32, 64, 128, 256} (cuDNN "
+        "SURF's A100 guide: for grouped convolutions make in_channels equal out_channels and the "
+        "channels per group one of {4, 8, 16, 32} (cuDNN 8.2) or {1, 4, 8, 16, 32, 64, 128, 256} (cuDNN "
         "8.3 and later; 1 is depthwise). Other grouped shapes run generic, much slower kernels. "
         "Warning from 1% of the model's FLOPs, info below." + CPU_NOTE
     ),
-    source="seed 002 (grouped convolutions)",
+    source="SURF, 'Deep Learning on A100 GPUs' (grouped convolutions)",
     tensor_core=True,
 )
 def _grouped_conv(ctx: LintContext) -> Iterator[Finding]:

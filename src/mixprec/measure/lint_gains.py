@@ -1,4 +1,8 @@
-"""--measure: build the mechanical fixes, time them, and rank the findings by measured gain.
+"""lint --measure: build the mechanical fixes, time them, and rank the findings by measured gain.
+
+A bench job over lint's findings, so it lives with the measuring (it runs the training step through
+the torch backend's session) and :mod:`mixprec.linting` knows nothing of it. :func:`lint` is
+``mixprec.lint``: :func:`mixprec.linting.lint` plus ``measure=True``.
 
 For every finding with a :class:`~mixprec.linting.model.Remedy`:
 
@@ -22,7 +26,7 @@ from __future__ import annotations
 import copy
 import functools
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -34,6 +38,7 @@ from mixprec.errors import UsageError
 from mixprec.frameworks.session import BenchSettings, distinct_batches
 from mixprec.frameworks.torch.session import make_batches, run_candidate
 from mixprec.linting.model import Finding, LintResult, MeasuredGain, Remedy
+from mixprec.linting.runner import run_lint
 from mixprec.linting.trace import ModuleRecord, TensorInfo, memory_format_of
 from mixprec.policy import Candidate, Policy
 from mixprec.workload import Workload, validate_workload
@@ -415,4 +420,35 @@ def _rank(result: LintResult) -> None:
     result.findings.sort(key=key)
 
 
-__all__ = ["drop_in_fix", "measure_findings", "pad_module"]
+def lint(
+    workload: Workload,
+    policy: str | Candidate | Policy | None = None,
+    *,
+    device: str | torch.device | None = None,
+    batch_size: int | None = None,
+    ignore: str | Iterable[str] | None = (),
+    target: str | None = None,
+    channels_last: bool | None = None,
+    measure: bool = False,
+) -> list[Finding]:
+    """Lint ``workload`` for tensor-core-unfriendly shapes and precision mistakes.
+
+    :func:`mixprec.linting.lint` (the arguments are its own), and with ``measure=True`` the
+    mechanical fixes are built and timed (:func:`measure_findings`) and the findings are ranked by
+    measured gain.
+    """
+    result = run_lint(
+        workload,
+        policy,
+        device=device,
+        batch_size=batch_size,
+        ignore=ignore,
+        target=target,
+        channels_last=channels_last,
+    )
+    if measure:
+        measure_findings(workload, result)
+    return result.findings
+
+
+__all__ = ["drop_in_fix", "lint", "measure_findings", "pad_module"]

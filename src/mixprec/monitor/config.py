@@ -1,0 +1,100 @@
+"""What the monitor watches and may do: one frozen :class:`MonitorConfig`, checked once on creation.
+
+``Monitor(model, policy, config=..., **fields)`` takes it whole or field by field (``fields``
+replace the config's); the adapters (Lightning, the HF Trainer, Accelerate) and ``mixprec train``
+pass it on. ``to_dict`` is what a run records of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from mixprec import validation
+from mixprec.errors import UsageError, did_you_mean
+
+HOLD = 50
+MAX_RESCUES = 3
+TRAIN_STEPS = 10_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorConfig:
+    """One monitored run's settings. Every field is checked when the config is made."""
+
+    every: int | None = None
+    """Steps between sampled steps (per-layer ranges, the losses since the last one, trends, the
+    finite check of the weights). None: 100, or less often where sampled steps would cost more than
+    0.25% of the run's time (:mod:`mixprec.monitor.sampler`); a number is kept as it is."""
+
+    shadow_every: int = 0
+    """Steps between fp32 shadow steps (forward and backward in the policy and in fp32 on the same
+    batch, for the ``drift`` finding); 0: only the forward shadow of a skipped step."""
+
+    rescue: bool = False
+    """Act on what blames the precision (fp32 islands, bf16 for a collapsing fp16 run, fp32 master
+    weights, a roll-back). False: alert only, the run is never touched."""
+
+    train_steps: int = TRAIN_STEPS
+    """The run's length in steps: a layer predicted to overflow within it is a finding now, and a
+    schedule's fractions are of it."""
+
+    snapshot_every: int = 0
+    """Steps between in-memory snapshots of the model, optimizers and policy that poisoned weights
+    roll back to (0: none, and nothing to roll back to)."""
+
+    schedule: Mapping[float, str] | None = None
+    """Planned precision switches, ``{step, or fraction of train_steps: policy name}`` (e.g.
+    ``{0.9: "fp32"}`` to finish the run in fp32); needs the loop's mixprec Policy."""
+
+    hold: int = HOLD
+    """Steps between two actions, and within which the same finding is not reported again: an
+    action's effect shows before the next one."""
+
+    max_rescues: int = MAX_RESCUES
+    """Actions before the monitor stops the run rather than train on garbage (a plain loop:
+    :class:`~mixprec.monitor.MonitorStop`; Lightning and the HF Trainer stop through their own
+    flag)."""
+
+    def __post_init__(self) -> None:
+        validation.optional_positive_int("every", self.every)
+        validation.positive_int("shadow_every", self.shadow_every, zero_ok=True)
+        validation.boolean("rescue", self.rescue)
+        validation.positive_int("train_steps", self.train_steps)
+        validation.positive_int("snapshot_every", self.snapshot_every, zero_ok=True)
+        validation.positive_int("hold", self.hold, zero_ok=True)
+        validation.positive_int("max_rescues", self.max_rescues, zero_ok=True)
+        if self.schedule is not None:
+            if not isinstance(self.schedule, Mapping):
+                raise UsageError(f"schedule must map steps to policy names, got {self.schedule!r}.")
+            for at, name in self.schedule.items():
+                if isinstance(at, bool) or not isinstance(at, (int, float)) or at < 0:
+                    raise UsageError(f"schedule keys are steps or fractions of train_steps, got {at!r}.")
+                if not isinstance(name, str):
+                    raise UsageError(f"schedule values are policy names, got {name!r}.")
+            object.__setattr__(self, "schedule", dict(self.schedule))
+
+    def replace(self, **changes: Any) -> MonitorConfig:
+        """This config with ``changes``; an unknown name is one line that lists the valid ones."""
+        names = [f.name for f in fields(self)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            hint = " (the findings sink is findings= now)" if unknown[0] == "events" else ""
+            raise UsageError(
+                f"Unknown monitor setting {unknown[0]!r}{hint}; valid: {', '.join(names)}."
+                f"{did_you_mean(unknown[0], names)}"
+            )
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "every": self.every,
+            "shadow_every": self.shadow_every,
+            "rescue": self.rescue,
+            "train_steps": self.train_steps,
+            "snapshot_every": self.snapshot_every,
+            "schedule": {str(k): v for k, v in (self.schedule or {}).items()},
+            "hold": self.hold,
+            "max_rescues": self.max_rescues,
+        }

@@ -1,0 +1,173 @@
+"""The interface of a detector: what it sees of the run (:class:`Run`), of a step
+(:class:`StepView`) and of a sampled step (:class:`SampleView`), and how it reports (:meth:`Run.report`).
+
+A detector looks for one kind of trouble. The :class:`~mixprec.monitor.Monitor` owns the run's
+state (the losses, the loss scale, the sampled ranges, the findings, the actions); detectors read
+it and report, and the Monitor decides what becomes of a report (a finding, an action, a stop). To
+add one (a loss-spike detector, say): subclass :class:`Detector` in a module of its own, override
+the hooks it needs (:meth:`~Detector.on_suspect`, :meth:`~Detector.on_step`,
+:meth:`~Detector.on_sample`), and add it to :func:`mixprec.monitor.detectors.detectors_for`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from mixprec.monitor.config import MonitorConfig
+from mixprec.monitor.findings import MonitorFinding
+from mixprec.monitor.rescue import Rescuer
+from mixprec.monitor.sampler import Sampler
+from mixprec.monitor.scale import ScaleWatch
+from mixprec.numerics.trend import LayerSeries
+from mixprec.policy import Policy
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+Action = Callable[[], str]
+"""A rescue: changes the run and says what it did ('' when it could not)."""
+
+SKIP = "skip"  # a skipped step below the scale the run settled at (not GradScaler's own rhythm)
+NONFINITE = "nonfinite"  # a non-finite loss the host holds on a step the scaler did not skip
+
+
+class Run(Protocol):
+    """What a detector sees of the run (the :class:`~mixprec.monitor.Monitor` is one). Read it,
+    never change it: the run changes only through an action passed to :meth:`report`."""
+
+    model: nn.Module
+    policy: Policy | None
+    optimizers: list[torch.optim.Optimizer]
+    loss_fn: LossFn | None
+    """``loss_fn(model, batch)``, for shadows and to locate a fault (None: the loop gave none)."""
+    config: MonitorConfig
+    scale: ScaleWatch
+    """What the loss scaler did: the steps skipped, the scale now and the level it settled at."""
+    sampler: Sampler
+    """The sampled steps: per-layer range series, stalled-update shares, the interval."""
+    rescuer: Rescuer
+    """The actions a report may ask for (``rescuer.island(module)``, ``rescuer.to_bf16``, ...)."""
+    range_format: str | None
+    """The low-precision format whose range the policy computes in ('fp16', 'bf16'), or None."""
+
+    @property
+    def every(self) -> int:
+        """The steps between two sampled steps now."""
+        ...
+
+    def read_losses(self) -> list[float]:
+        """Every step's loss so far (reads the ones still on the device: a sync; sampled steps only)."""
+        ...
+
+    def report(
+        self, finding: MonitorFinding, rescue: Action | None = None, *, per_module: bool = True
+    ) -> bool:
+        """Record ``finding`` and, with ``rescue=True`` in the config, run ``rescue`` (when ``hold``
+        steps have passed since the last action; with ``max_rescues`` spent the run is stopped
+        instead). The same kind about the same module (any module: ``per_module=False``) within
+        ``hold`` steps is no news: nothing is recorded and it returns False."""
+        ...
+
+
+@dataclass(slots=True)
+class StepView:
+    """One step, after its optimizer step, as the detectors see it: host values only, nothing that
+    syncs a device."""
+
+    step: int
+    """The step, counted from 0."""
+    skipped: bool
+    """The loss scaler skipped it: the weights did not move."""
+    loss: float | None
+    """Its loss where the host holds it already (a CPU run); None where it is still on the device
+    (read at the next sampled step)."""
+    batch: Any
+    """Its batch, for a shadow; None where the loop gave none or the monitor has no ``loss_fn``. Valid
+    for this call only."""
+    suspect: str | None
+    """Why the step needs explaining: :data:`SKIP`, :data:`NONFINITE`, or None (a normal step)."""
+    explained: bool = False
+    """A suspect step a detector has explained (poisoned weights, a bad batch, an overflow)."""
+
+
+@dataclass(slots=True)
+class SampleView:
+    """A sampled step, after the sampler recorded it: the losses since the last one are read."""
+
+    step: int
+    losses: Sequence[float]
+    """The losses of the steps since the last sampled step, this one included; ``losses[i]`` is
+    the loss of step ``start + i``."""
+    start: int
+    judged: set[int]
+    """Steps whose loss a finding has judged already (skipped, or explained)."""
+    islands: tuple[str, ...]
+    """Modules that compute in fp32 now: their ranges are fp32's and cannot overflow the policy's."""
+    series: list[LayerSeries]
+    """Every layer's range series, the fp32 islands' left out."""
+    explained: bool = False
+    """A detector before this one has explained the sample (poisoned weights, a non-finite loss
+    since the last one): the trends on it are not news."""
+
+    def first_nonfinite(self) -> int | None:
+        """The first step since the last sample whose loss is not finite and not judged yet."""
+        return next(
+            (
+                self.start + i
+                for i, v in enumerate(self.losses)
+                if not math.isfinite(v) and self.start + i not in self.judged
+            ),
+            None,
+        )
+
+
+class Detector:
+    """One kind of trouble, looked for on suspect steps, on every step and/or at sampled steps.
+
+    After each optimizer step the Monitor asks its detectors, in their order
+    (:func:`~mixprec.monitor.detectors.detectors_for`):
+
+    1. :meth:`on_suspect`, only on a step that needs explaining (``view.suspect``: a skip below the
+       scale the run settled at, a non-finite loss the host holds), until one explains it (returns
+       True): what blames the weights or the batch comes before what blames the precision;
+    2. :meth:`on_step`, every step: it must be cheap and stay on the host (``view.explained`` says
+       whether step 1 explained the step);
+    3. :meth:`on_sample`, at a sampled step, after the sampler recorded it: a hook that returns True
+       has explained the sample, and the detectors after it see ``view.explained`` (the trends of a
+       run whose weights or loss are already non-finite are not news).
+
+    A detector reports a finding with ``run.report(finding, action)``, the action a
+    :class:`~mixprec.monitor.rescue.Rescuer` method (or None: an alert only); whether the action
+    runs is the Monitor's to decide (``rescue``, ``hold``, ``max_rescues``; spent, it stops the
+    run). A detector's own state (a start-up baseline) goes in :meth:`state_dict`, merged into the
+    Monitor's, so a resumed run judges as the straight one.
+    """
+
+    kinds: ClassVar[tuple[str, ...]] = ()
+    """The kinds of finding it reports (:data:`mixprec.monitor.findings.KINDS`)."""
+
+    def __init__(self, config: MonitorConfig) -> None:
+        self.config = config
+
+    def on_suspect(self, run: Run, view: StepView) -> bool:
+        """Look at a suspect step; True: explained, the detectors after it are not asked."""
+        return False
+
+    def on_step(self, run: Run, view: StepView) -> bool:
+        """Look at one step (every step: cheap, host values only); True: explained."""
+        return False
+
+    def on_sample(self, run: Run, view: SampleView) -> bool:
+        """Look at a sampled step; True: the sample is explained."""
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs of this detector (its keys join the Monitor's state)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from the Monitor's state (this detector's keys in it)."""

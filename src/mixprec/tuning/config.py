@@ -1,0 +1,153 @@
+"""What a `tune` run searches and how: one frozen :class:`TuneConfig` holding the
+:class:`~mixprec.measure.config.BenchConfig` its sweeps measure with and the
+:class:`~mixprec.checking.config.CheckConfig` its numerics checks judge with.
+
+`mixprec.tune(workload, config, **fields)` takes it whole or field by field; the keyword API's flat
+names for the nested settings (``steps``, ``warmup``, ``batch_size``, ``device`` for the sweeps,
+``check_steps``, ``fix``, ``train_steps`` for the checks) are mapped by :meth:`TuneConfig.with_fields`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from mixprec import validation
+from mixprec.checking.config import TRAIN_STEPS, CheckConfig
+from mixprec.errors import UsageError
+from mixprec.measure.config import BenchConfig
+
+# The keyword API's flat names of the nested configs' fields.
+BENCH_FIELDS = {"device": "device", "batch_size": "batch_size", "steps": "steps", "warmup": "warmup"}
+CHECK_FIELDS = {"check_steps": "steps", "fix": "fix", "train_steps": "train_steps"}
+
+
+def _nested(config: Any, changes: dict[str, Any], names: dict[str, str]) -> Any:
+    """``replace(config, **changes)``, a refused value named by the flat name it was given as
+    (``check_steps must be ...``, not the nested ``steps must be ...``)."""
+    try:
+        return replace(config, **changes)
+    except UsageError as exc:
+        text = str(exc)
+        for flat, nested in names.items():
+            if nested in changes and text.startswith(f"{nested} "):
+                raise UsageError(flat + text[len(nested) :]) from None
+        raise
+
+
+def _default_bench() -> BenchConfig:
+    return BenchConfig(steps=4, warmup=1)
+
+
+def _default_check() -> CheckConfig:
+    return CheckConfig(steps=6, fix=True, train_steps=TRAIN_STEPS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneConfig:
+    """One `tune` run's settings. Every field is checked when the config is made."""
+
+    bench: BenchConfig = field(default_factory=_default_bench)
+    """How each sweep measures: paired rounds (``steps``) and untimed steps (``warmup``) per
+    candidate, the batch size, the device. Its candidates and baseline are tune's to choose."""
+
+    check: CheckConfig = field(default_factory=_default_check)
+    """How each candidate is judged: training steps compared with strict fp32 (``steps``), the
+    keep_fp32 rescue search (``fix``), the run length the verdicts are about (``train_steps``: also
+    the run a compile is amortised over). Its policies are tune's to choose."""
+
+    budget_s: float = 300.0
+    """Seconds for the whole search (measuring, checking, compiling, re-measuring)."""
+
+    lint: bool = True
+    """Lint the model under the recommended candidate (where the framework has a linter)."""
+
+    noise: float = 0.03
+    """The smallest relative speed difference treated as real."""
+
+    compile_modes: tuple[str, ...] | None = None
+    """Compile modes tried on the best eager candidates (() for none; default: the framework's first,
+    torch.compile's "default" or Keras' "xla")."""
+
+    optimizers: bool = True
+    """Try the pick with its optimizer's other implementations (foreach, fused)."""
+
+    batch: str | None = None
+    """"auto" to search the micro-batch with the precision (:mod:`mixprec.tuning.batching`): each
+    candidate at the largest micro-batch that fits ``memory_budget``, accumulating to
+    ``effective_batch``; None: every candidate at the bench config's batch size."""
+
+    memory_budget: int | str | None = None
+    """With ``batch="auto"``: bytes (or '16GiB') a step may take; on CUDA by default the free memory
+    less 10%."""
+
+    effective_batch: int | None = None
+    """With ``batch="auto"``: samples per optimizer step (default: the batch size, else the workload's)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bench, BenchConfig):
+            raise UsageError(f"bench must be a mixprec BenchConfig, got {type(self.bench).__name__}.")
+        if not isinstance(self.check, CheckConfig):
+            raise UsageError(f"check must be a mixprec CheckConfig, got {type(self.check).__name__}.")
+        validation.seconds("budget", self.budget_s, zero_ok=False)
+        validation.boolean("lint", self.lint)
+        validation.fraction("noise", self.noise)
+        validation.boolean("optimizers", self.optimizers)
+        if self.compile_modes is not None:
+            modes = (
+                (self.compile_modes,) if isinstance(self.compile_modes, str) else tuple(self.compile_modes)
+            )
+            object.__setattr__(self, "compile_modes", modes)
+        if self.batch is not None and self.batch != "auto":
+            raise UsageError(
+                f"batch must be 'auto' (or None: batch_size for every candidate), got {self.batch!r}."
+            )
+        validation.optional_positive_int("effective_batch", self.effective_batch)
+        if self.batch is None and (self.memory_budget is not None or self.effective_batch is not None):
+            raise UsageError(
+                "memory_budget and effective_batch apply to batch='auto' (--batch auto); pass it too."
+            )
+        if self.check.device is not None and self.check.device != self.bench.device:
+            raise UsageError(
+                f"tune measures and checks on one device: bench.device={self.bench.device!r}, "
+                f"check.device={self.check.device!r}; set device once (TuneConfig().with_fields(device=...))."
+            )
+
+    @property
+    def device(self) -> Any:
+        return self.bench.device
+
+    @property
+    def train_steps(self) -> int:
+        return self.check.train_steps
+
+    def with_fields(self, **changes: Any) -> TuneConfig:
+        """A copy with ``changes`` applied: TuneConfig's own fields by name, and the nested configs'
+        by the keyword API's flat names (``steps``, ``warmup``, ``batch_size``, ``device``;
+        ``check_steps``, ``fix``, ``train_steps``). An unknown name is one UsageError listing them."""
+        own = {f.name for f in fields(self)}
+        bench = {BENCH_FIELDS[k]: changes.pop(k) for k in list(changes) if k in BENCH_FIELDS}
+        check = {CHECK_FIELDS[k]: changes.pop(k) for k in list(changes) if k in CHECK_FIELDS}
+        unknown = sorted(set(changes) - own)
+        if unknown:
+            valid = sorted(own | set(BENCH_FIELDS) | set(CHECK_FIELDS))
+            raise UsageError(f"tune() got unknown settings {', '.join(unknown)}; valid: {', '.join(valid)}.")
+        if bench:
+            changes["bench"] = _nested(changes.get("bench", self.bench), bench, BENCH_FIELDS)
+        if check:
+            changes["check"] = _nested(changes.get("check", self.check), check, CHECK_FIELDS)
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bench": self.bench.to_dict(),
+            "check": self.check.to_dict(),
+            "budget_s": self.budget_s,
+            "lint": self.lint,
+            "noise": self.noise,
+            "compile_modes": None if self.compile_modes is None else list(self.compile_modes),
+            "optimizers": self.optimizers,
+            "batch": self.batch,
+            "memory_budget": self.memory_budget,
+            "effective_batch": self.effective_batch,
+        }
