@@ -462,7 +462,9 @@ class Checker:
             chaos_floor_losses=self.chaos.losses,
             candidates=results,
             reference_layers=layer_headroom(self.reference_ranges),
-            reference_note=not_learning(self.reference.losses),
+            reference_note="; ".join(
+                filter(None, [self.reference.note, not_learning(self.reference.losses)])
+            ),
         )
 
 
@@ -609,6 +611,7 @@ def make_checker(
     bs = config.batch_size or framework.default_batch_size(workload)
     events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
     framework.validate_workload(workload, dev, bs)
+    bs = config.batch_size or framework.default_batch_size(workload)  # a script's is known only now
     merged = {**default_thresholds(), **(config.thresholds or {})}
     return Checker(
         workload,
@@ -708,6 +711,7 @@ def check(
     """
     config = validation.with_fields(config or CheckConfig(), fields, "check")
     policies, emulate, fix = config.policies, config.emulate, config.fix
+    alone = checker is None  # not one check of many (tune's): the source's own candidates too
     if checker is None:
         framework = framework_of(workload)
         cands = candidates_of(framework, policies, emulate)  # bad names fail before the reference runs
@@ -716,6 +720,8 @@ def check(
     else:
         cands = candidates_of(checker.framework, policies, emulate)
     framework, events = checker.framework, events or checker.events
+    if alone:  # a script as written, checked beside what was asked
+        cands += [c for c in framework.source_candidates(checker.workload) if c not in cands]
     check_islands(framework, checker.workload, cands)  # again: Keras lists its layers once built
     info = detect(checker.device)
     results = []

@@ -19,13 +19,15 @@ from typing import Any, NoReturn
 
 from rich.console import Console
 
-from mixprec.cli import bench, check, demo, env, lint, train, tune
+from mixprec.cli import bench, check, demo, env, lint, run, train, tune
 from mixprec.cli.outputs import check_outputs
 from mixprec.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, MixprecError, MixprecWarning, UsageError
 from mixprec.files import OutputLock
 from mixprec.quiet import quiet_known_noise
 
-SUBCOMMANDS = (env, demo, bench, check, lint, tune, train)
+SUBCOMMANDS = (env, demo, bench, check, lint, tune, train, run)
+# The commands that take the user's training command after `--` (the script source).
+SCRIPT_COMMANDS = ("bench", "check", "tune", "run")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,10 +92,32 @@ def list_models(pattern: str, out: Console) -> int:
     return 0
 
 
+def split_command(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
+    """mixprec's own arguments, and the user's training command after the first ``--`` (None when
+    there is no ``--``): ``mixprec tune --budget 60 -- python train.py --lr 3e-4``."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, None
+    at = argv.index("--")
+    return argv[:at], argv[at + 1 :]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; errors become one line on stderr and an exit code (docs/cli.md)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    own, command = split_command(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(own)
+    args.script = command
+    args.argv = [*own, *(["--", *command] if command is not None else [])]  # what a result records
+    if command is not None and args.command not in SCRIPT_COMMANDS:
+        parser.error(
+            f"`mixprec {args.command}` takes no training command after '--' "
+            f"(the commands that run your script: {', '.join(SCRIPT_COMMANDS)})"
+        )
+    if args.command == "run" and command is None:
+        parser.error(
+            "`mixprec run` runs your training command: mixprec run --policy bf16-mixed -- python train.py"
+        )
     # Piped output (CI logs, files) gets a wide fixed width instead of rich's 80 columns.
     stdout = Console()
     if not stdout.is_terminal:

@@ -88,7 +88,15 @@ class Defaults:
 
     def __init__(self, args: argparse.Namespace, command: str) -> None:
         self.args = args
-        self.framework: Framework = framework_named(args.framework)
+        if getattr(args, "script", None) is not None:  # the command after --: the script backend
+            if args.framework != "torch":
+                raise UsageError(
+                    f"--framework {args.framework} and a command after '--': your script trains "
+                    "with whatever it imports; drop --framework."
+                )
+            self.framework: Framework = framework_named("script")
+        else:
+            self.framework = framework_named(args.framework)
         self.device = self.framework.resolve_device(args.device)
         self.values = self.framework.cli_defaults(self.device, command)
 
@@ -108,7 +116,20 @@ class Defaults:
 
 
 def workload_from_args(args: argparse.Namespace, defaults: Defaults) -> Any:
-    """The workload --model / --workload names, in --framework's terms, with the size options."""
+    """The source of training steps: the user's command after ``--`` (run unchanged), or the
+    workload --model / --workload names, in --framework's terms, with the size options."""
+    if getattr(args, "script", None) is not None:
+        from mixprec.frameworks.script import ScriptWorkload
+
+        names = ("model", "workload", "model_config", "image_size", "seq_len", "batch_size")
+        given = [flag for flag in names if getattr(args, flag, None)]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise UsageError(
+                f"{flag} and a command after '--' both name what to train: your script builds its own "
+                f"model; drop {flag}."
+            )
+        return ScriptWorkload.from_command(args.script)
     sizes: dict[str, Any] = {}
     target = args.workload or args.model or "resnet50"
     sized = defaults._sized()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -183,10 +183,16 @@ def summary(data: dict[str, Any]) -> Group:
         parts.append(Text(budget_exhausted(data).args[0], style="red"))
     for finding in rec.get("lint_worth_fixing") or []:
         parts.append(Text(f"  lint {finding.get('rule')}: {finding.get('message')} -> {finding.get('fix')}"))
-    # the backend's own export comes first: mixprec's get_policy for torch, Keras code for Keras
-    snippet = next(iter((data.get("exports") or {}).values()), None)
+    # the backend's own export comes first: mixprec's get_policy for torch, Keras code for Keras; a
+    # script's: the `mixprec run` line that runs the pick with no edit, then the change in its terms
+    exports = dict(data.get("exports") or {})
+    line = exports.pop("run", None)
+    if line:
+        parts += [Text("run your script unchanged with it:", style="bold"), Text(line)]
+    snippet = next(iter(exports.values()), None)
     if snippet:
-        parts += [Text("paste into your training script:", style="bold"), Syntax(snippet, "python")]
+        where = "or change your script:" if line else "paste into your training script:"
+        parts += [Text(where, style="bold"), Syntax(snippet, "python")]
     parts += export_lines(data)
     for note in data.get("notes") or []:
         parts.append(Text(f"note: {note}", style="yellow"))
@@ -275,7 +281,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     config = tune_config(args, defaults)
     with CandidateProgress(err, "tuning", verbose=args.verbose, budget_s=args.budget) as shown:
         result = tune(workload, config, events=shown.event)
-    result.command = "mixprec " + " ".join(sys.argv[1:])
+    result.command = "mixprec " + shlex.join(args.argv)
     data = result.to_dict()
     out.print(summary(data))
     if args.json:

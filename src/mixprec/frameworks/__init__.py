@@ -16,14 +16,17 @@ from mixprec.frameworks.registry import (
     register_framework,
     unregister_framework,
 )
+from mixprec.frameworks.script.framework import ScriptFramework
 from mixprec.frameworks.torch.framework import TorchFramework
 
 register_framework(TorchFramework())
 register_framework(KerasFramework())
+register_framework(ScriptFramework())
 
 __all__ = [
     "Framework",
     "KerasFramework",
+    "ScriptFramework",
     "SessionBuilder",
     "TorchFramework",
     "framework_named",

@@ -62,6 +62,9 @@ class Framework:
             have MFU; elsewhere MFU is n/a and a bench result says why once.
         scaler_name: the loss scaler's name in this framework, for reports.
         install_hint: how to install what the backend needs, for errors.
+        runs_as_written: its source runs unchanged as well as under a candidate (a training script),
+            so ``Candidate.as_written`` is a candidate here: the source's own precision, a row of
+            every sweep and check.
     """
 
     name: ClassVar[str]
@@ -79,6 +82,8 @@ class Framework:
     counts_flops: ClassVar[bool] = False
     scaler_name: ClassVar[str] = "the loss scaler"
     install_hint: ClassVar[str] = ""
+    runs_as_written: ClassVar[bool] = False
+    named: ClassVar[bool] = True  # ``--framework NAME`` selects it
 
     # ------------------------------------------------------------------ workloads
     def owns(self, workload: Any) -> bool:
@@ -160,6 +165,11 @@ class Framework:
             raise PolicyError(
                 f"{self.title} has no optimizer implementation {candidate.optimizer!r}; valid: {valid}."
             )
+        if candidate.as_written and not self.runs_as_written:
+            raise PolicyError(
+                f"{candidate.label}: 'as written' is a training script's own precision; a {self.title} "
+                "workload has none of its own. Drop as_written."
+            )
         if candidate.emulate is not None and not self.emulation:
             raise PolicyError(
                 f"{self.title} candidates cannot emulate a format ({candidate.emulate}); drop it."
@@ -183,6 +193,11 @@ class Framework:
         """Where a candidate cannot run fast here but its numerics can be computed here anyway (fp8
         through torchao's reference kernels), the label of that prediction; None otherwise."""
         return None
+
+    def source_candidates(self, workload: Any) -> list[Candidate]:
+        """Candidates the source brings itself, measured and checked beside whatever was asked (a
+        script's own precision, as written); none by default."""
+        return []
 
     def tune_candidates(self, workload: Any, info: DeviceInfo) -> list[Candidate]:
         """What tune's speed sweep measures: every policy, in every useful layout where supported;

@@ -29,7 +29,9 @@ def unregister_framework(name: str) -> None:
 
 
 def framework_names() -> tuple[str, ...]:
-    return tuple(_FRAMEWORKS)
+    """The frameworks ``--framework`` may name (a source entered otherwise, a script after ``--``,
+    is not one of them)."""
+    return tuple(name for name, f in _FRAMEWORKS.items() if f.named)
 
 
 def framework_named(name: str) -> Framework:

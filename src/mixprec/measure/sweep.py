@@ -118,6 +118,7 @@ def run_sweep(
             f"{'yes' if framework.session_builder() else 'no'})."
         )
     notes = [] if framework.counts_flops else [NO_FLOPS_NOTE]
+    notes += list(getattr(workload, "notes", None) or [])  # what a source says of how it ran (one rank)
     layouts, dropped = framework.bench_layouts(workload, parse_choice(config.channels_last, "channels_last"))
     if dropped:
         notes.append(dropped)
@@ -131,6 +132,8 @@ def run_sweep(
         else []
     )
     plan = [reference, *(c for c in plan if c != framework.baseline)]
+    if config.candidates is None:  # a script's own precision, beside the grid
+        plan += [c for c in framework.source_candidates(workload) if c not in plan]
     plan += [framework.validate(c) for c in (config.candidates or ()) if c not in plan]
     for cand in plan:
         if cand.micro_batch is not None and config.nproc > 1:

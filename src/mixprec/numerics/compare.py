@@ -53,6 +53,7 @@ class Trajectory:
     observed_layer: str | None = None
     nonfinite_buffers: list[str] = field(default_factory=list)  # e.g. BatchNorm running stats
     dropped_imaginary: str | None = None  # complex values cast to real somewhere in the step
+    note: str = ""  # what a reader of the comparison must know about how this run was recorded
 
     @property
     def stalled_update_fraction(self) -> float | None:

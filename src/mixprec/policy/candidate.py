@@ -54,6 +54,10 @@ class Candidate:
             apply is the framework's to say (:meth:`~mixprec.frameworks.Framework.validate`: Keras
             is NHWC already, so no channels_last); a candidate is checked against them where it
             enters bench, check, tune or an export.
+        as_written: the source's own precision, untouched (a training script as its author wrote it:
+            its own autocast, GradScaler and flags); ``policy`` then names what that precision is
+            (detected), so verdicts and peaks apply. Only sources that run unchanged have it
+            (:attr:`mixprec.frameworks.Framework.runs_as_written`).
     """
 
     policy: str
@@ -67,6 +71,7 @@ class Candidate:
     micro_batch: int | None = None
     accumulation_steps: int = 1
     keep_bf16: tuple[str, ...] = ()
+    as_written: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", canonical_name(self.policy))
@@ -82,6 +87,8 @@ class Candidate:
         from mixprec.policy.lowformat import validate_map
 
         object.__setattr__(self, "keep_bf16", validate_map(self.spec, self.keep_bf16))
+        if not isinstance(self.as_written, bool):
+            raise PolicyError(f"as_written must be True or False, got {self.as_written!r}.")
         if not isinstance(self.channels_last, bool):
             raise PolicyError(f"channels_last must be True or False, got {self.channels_last!r}.")
         if self.emulate is not None and self.emulate not in EMULATABLE:
@@ -146,7 +153,8 @@ class Candidate:
             batch = f"@{self.micro_batch}" + (
                 f"x{self.accumulation_steps}" if self.accumulation_steps > 1 else ""
             )
-        return self.policy + ("+cl" if self.channels_last else "") + islands + compiled + optimizer + batch
+        label = self.policy + ("+cl" if self.channels_last else "") + islands + compiled + optimizer + batch
+        return f"{label} (as written)" if self.as_written else label
 
     @property
     def unbatched(self) -> Candidate:
@@ -190,6 +198,7 @@ class Candidate:
             "framework": self.framework,
             "micro_batch": self.micro_batch,
             "accumulation_steps": self.accumulation_steps,
+            "as_written": self.as_written,
         }
 
     @classmethod
@@ -208,6 +217,7 @@ class Candidate:
             framework=data.get("framework", "torch"),
             micro_batch=data.get("micro_batch"),
             accumulation_steps=int(data.get("accumulation_steps") or 1),
+            as_written=bool(data.get("as_written", False)),
         )
 
 

@@ -131,6 +131,8 @@ def plan(
     scopes: list[str | None] = [None, *[s for s in framework.compile_scopes if s != "model"]]
     firsts, seconds = [], []
     for row in families(rows, failed):
+        if row.candidate.as_written:
+            continue  # the script's own precision: what mixprec changes is not part of it
         attempts = []
         for mode in modes:
             for scope in scopes:

@@ -317,7 +317,12 @@ def _rank(
             how = [f"compiled: {row.candidate.compile}"] if row.candidate.compile else []
             how += ["channels_last"] if row.channels_last else []
             how += [f"{row.candidate.optimizer} optimizer"] if row.candidate.optimizer else []
-            why = "the strict fp32 reference" if row is fp32 else f"fp32 numerics ({', '.join(how)})"
+            if row is fp32:
+                why = "the strict fp32 reference"
+            elif row.candidate.as_written:
+                why = "the script as written: fp32 numerics"
+            else:
+                why = f"fp32 numerics ({', '.join(how)})"
             table.append(Ranked(row.candidate, Status.PASS, why, Status.PASS, row))
             passing.append(row)
         elif verdict is None:

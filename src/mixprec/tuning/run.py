@@ -59,6 +59,8 @@ def tune(
     events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
     # under --batch auto, at the smallest size: the effective batch may not fit strict fp32 at once
     framework.validate_workload(workload, dev, batching.fit_sizes(bs)[0] if auto else bs)
+    if not auto:  # a script's samples per step are known once its first steps ran
+        bs = config.bench.batch_size or framework.default_batch_size(workload)
     started = time.perf_counter()
     plan = _batch_plan(framework, workload, config, dev, bs, info, events, budget) if auto else None
     search = Search(

@@ -100,7 +100,7 @@ class Search:
             self.baseline = batched
         self.noise, self.train_steps = config.noise, config.train_steps
         self.budget, self.events = budget, events
-        self.notes: list[str] = []
+        self.notes: list[str] = list(getattr(workload, "notes", None) or [])  # a source's own (one rank)
         self.verdicts: dict[Candidate, CandidateCheck] = {}
         self.checked: CheckResult | None = None
         self._checkers: dict[int | None, Checker] = {}  # per micro-batch: the fp32 reference runs there

@@ -316,19 +316,29 @@ def collect_ranges(
             for p, g in zip(params, old_grads, strict=True):
                 p.grad = g
     grads = [p.grad for p in params if p.grad is not None]
-    divisor = 1.0 if loss_scale is None else float(loss_scale)
-    underflow = _grad_underflow_fp16(grads, divisor, loss_scale if loss_scale is not None else DEFAULT_SCALE)
+    report = collected_report(collector, grads, loss_scale, loss_value)
     if loss_scale is not None:
         with torch.no_grad():
             for g in grads:
                 g.div_(loss_scale)
-    layers = sorted(collector.layers.values(), key=lambda lr: lr.order)
+    return report
+
+
+def collected_report(
+    collector: _Collector, grads: list[torch.Tensor], loss_scale: float | None, loss: float | None
+) -> RangeReport:
+    """What ``collector`` saw over one step, as a report: the layers in forward order, the first
+    non-finite module forward and backward, and the fp16 underflow of ``grads`` (scaled by
+    ``loss_scale``; GradScaler's initial scale where None). A training script's step is collected
+    this way too (:mod:`mixprec.frameworks.script.agent`): its own backward, not ``collect_ranges``'."""
+    divisor = 1.0 if loss_scale is None else float(loss_scale)
+    underflow = _grad_underflow_fp16(grads, divisor, loss_scale if loss_scale is not None else DEFAULT_SCALE)
     return RangeReport(
-        layers=layers,
+        layers=sorted(collector.layers.values(), key=lambda lr: lr.order),
         first_nonfinite_forward=collector.first_forward,
         first_nonfinite_backward=collector.first_backward,
         grad_underflow_fp16=underflow,
-        loss=loss_value,
+        loss=loss,
     )
 
 

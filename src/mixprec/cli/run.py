@@ -1,0 +1,108 @@
+"""`mixprec run --policy P -- python train.py ...`: the user's script, unchanged, trained under a
+candidate (what `tune` recommends, with no edit), with the precision monitor when asked."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from mixprec.cli.common import positive_int
+from mixprec.errors import UsageError
+from mixprec.policy import Candidate
+from mixprec.policy.registry import canonical_name
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run your training script unchanged under a policy: mixprec run --policy P -- python train.py",
+        description="Everything after '--' is your command, run as it is, with the candidate applied: "
+        "its precision (autocast, loss scaling with unscale-before-clip, *-true casts, the fp32 math mode), "
+        "channels_last, fp32 islands and torch.compile in a plain loop; through the HF Trainer, Lightning "
+        "or Accelerate, their own precision switch.",
+    )
+    p.add_argument("--policy", required=True, help="the policy to train under (mixprec env lists them)")
+    p.add_argument("--channels-last", action="store_true", help="channels_last weights and inputs")
+    p.add_argument(
+        "--keep-fp32", default="", metavar="MODULES", help="modules kept in fp32 (comma-separated)"
+    )
+    p.add_argument("--compile", default=None, metavar="MODE", help="torch.compile the model in this mode")
+    p.add_argument("--monitor", action="store_true", help="watch the run with mixprec's precision monitor")
+    p.add_argument(
+        "--rescue", action="store_true", help="let the monitor act on what it finds (implies --monitor)"
+    )
+    p.add_argument("--every", type=positive_int, default=None, help="the monitor's sampling interval")
+    p.add_argument(
+        "--out", default="mixprec-out/run", help="folder for run.json and events.jsonl (with --monitor)"
+    )
+    p.set_defaults(run=run)
+
+
+def candidate_of(args: argparse.Namespace) -> Candidate:
+    keep = tuple(n.strip() for n in args.keep_fp32.split(",") if n.strip())
+    return Candidate(
+        canonical_name(args.policy),
+        channels_last=args.channels_last,
+        keep_fp32=keep,
+        compile=args.compile,
+        framework="script",
+    )
+
+
+def run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    from mixprec.frameworks import framework_named
+    from mixprec.frameworks.script import ScriptWorkload
+    from mixprec.frameworks.script.agent import Plan
+    from mixprec.frameworks.script.launch import launch
+    from mixprec.hardware.device import detect
+
+    framework = framework_named("script")
+    candidate = framework.validate(candidate_of(args))
+    info = detect(framework.resolve_device(None))
+    support = framework.support(candidate, info)
+    if not support:
+        hint = f"; try {support.suggestion}" if support.suggestion else ""
+        from mixprec.errors import UnsupportedError
+
+        raise UnsupportedError(f"--policy {candidate.policy} is not supported here: {support.reason}{hint}")
+    workload = ScriptWorkload.from_command(args.script)
+    for note in workload.notes:
+        err.print(f"note: {note}", soft_wrap=True)
+    folder = Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    observer, observe = None, None
+    if args.monitor or args.rescue:
+        findings = folder / "events.jsonl"
+        findings.unlink(missing_ok=True)
+        observer = "mixprec.monitor.script:attach"
+        observe = {"rescue": args.rescue, "every": args.every, "findings": str(findings)}
+    plan = Plan(
+        mode="run", candidate=candidate.to_dict(), out=str(folder), observer=observer, observe=observe
+    )
+    child = launch(workload, plan, inherit_output=True)
+    try:
+        code = child.process.wait()
+    except KeyboardInterrupt:
+        child.process.terminate()
+        child.process.wait()
+        raise
+    record = folder / "run.json"
+    if not record.exists():
+        if code != 0:
+            raise UsageError(f"the script exited with code {code} (its output is above)")
+        raise UsageError("the script ran no optimizer step under mixprec's agent: nothing was applied")
+    data = json.loads(record.read_text())
+    steps = data.get("steps", 0)
+    framework_name = (data.get("facts") or {}).get("framework", "plain")
+    err.print(
+        f"mixprec run: {steps} optimizer steps of {candidate.label} ({framework_name}); wrote {record}",
+        soft_wrap=True,
+    )
+    for finding in data.get("findings") or []:
+        err.print(f"  step {finding['step']}: {finding['kind']}: {finding['message']}", soft_wrap=True)
+    if code != 0:
+        return code
+    return 4 if data.get("healthy") is False else 0

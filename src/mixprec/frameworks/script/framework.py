@@ -1,0 +1,337 @@
+"""The script backend: the user's training command as a source of training steps, run unchanged.
+
+bench, check and tune run over it as over a :class:`~mixprec.Workload`: each candidate is the
+script itself, in its own process, with the candidate injected (:mod:`.agent`); the strict-fp32
+baseline is one such run, and the script as written (``Candidate.as_written``: its own autocast,
+GradScaler and framework flags) is always one more row. What is measured is what the user runs:
+for a script that trains through the HF Trainer, Lightning or Accelerate the candidate goes through
+that framework's own precision switch, so a candidate its export refuses is not a candidate here.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mixprec.errors import UsageError
+from mixprec.frameworks.base import Framework
+from mixprec.frameworks.script.session import ScriptFailed, ScriptSession, trace
+from mixprec.frameworks.script.workload import TRAINED_BY, ScriptFacts, ScriptWorkload
+from mixprec.frameworks.session import BenchSettings, Session
+from mixprec.hardware.device import DeviceInfo
+from mixprec.numerics.compare import Trajectory
+from mixprec.numerics.ranges import RangeReport
+from mixprec.numerics.trend import LayerSeries
+from mixprec.policy import POLICY_NAMES, Candidate, Support, check_support
+
+VALIDATE_STEPS = 2  # strict-fp32 steps of the validating run (it also finds what the script is)
+# the export target that writes a candidate the way each framework trains it
+EXPORT_OF = {"plain": "pytorch", "hf": "hf", "lightning": "lightning", "accelerate": "accelerate"}
+FRAMEWORK_TITLES = TRAINED_BY
+
+
+class ScriptFramework(Framework):
+    """The user's own training script, after ``--``.
+
+    Which candidates the script can run depends on what it trains through (its own loop, the HF
+    Trainer, Lightning, Accelerate): the facts of the script validated last (one per process) decide
+    :meth:`support`."""
+
+    _facts: ScriptFacts | None = None
+    _workload: ScriptWorkload | None = None
+
+    name = "script"
+    title = "your training script"
+    workload_type = ScriptWorkload
+    workload_name = "a training command after --"
+    layouts = True
+    compile_modes = ("default",)
+    island_kind = "fp32 modules"
+    runs_as_written = True
+    named = False  # entered by the command after --, not --framework
+
+    # ------------------------------------------------------------------ workloads
+    def workload_label(self, workload: ScriptWorkload) -> str:
+        return workload.name
+
+    def validate_workload(self, workload: ScriptWorkload, device: str, batch_size: int) -> None:
+        """A few strict-fp32 steps: the script runs, reaches optimizer steps, and shows what it is
+        (its framework, its own precision, its model); a script that fails is one UsageError with its
+        last line."""
+        if workload.facts is None:
+            try:
+                record = trace(workload, self.baseline, VALIDATE_STEPS)
+            except ScriptFailed as exc:
+                raise UsageError(f"the script does not train in strict fp32: {exc}") from None
+            workload.facts = facts_of(record)
+            for name in (record.get("facts") or {}).get("unknown_frameworks") or []:
+                workload.notes.append(
+                    f"the script imports {name}, whose precision switches mixprec does not know: its loop "
+                    "was measured as a plain one (torch.autocast, GradScaler and the optimizer step "
+                    "intercepted where it calls them)"
+                )
+        # the script being measured: what its framework expresses decides support (one per process)
+        self._facts, self._workload = workload.facts, workload
+
+    def default_batch_size(self, workload: ScriptWorkload) -> int:
+        return workload.default_batch_size
+
+    def resolve_device(self, device: Any) -> str:
+        return str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    # ------------------------------------------------------------------ candidates
+    def support(self, candidate: Candidate, info: DeviceInfo) -> Support:
+        if candidate.as_written:
+            return Support(True, "the script's own precision")
+        base = check_support(candidate.policy, info)
+        if not base:
+            return base
+        if candidate.spec.low_format is not None:
+            return Support(False, f"{candidate.policy} is not injected into scripts yet", "bf16-mixed", False)
+        framework = self._facts.framework if self._facts is not None else "plain"
+        if framework != "plain":
+            return self._framework_support(candidate, info, framework, base)
+        return base
+
+    def _framework_support(
+        self, candidate: Candidate, info: DeviceInfo, framework: str, base: Support
+    ) -> Support:
+        """Whether the framework's own switch expresses ``candidate`` (its export's verdict)."""
+        from mixprec.exports import export_status
+
+        if candidate.spec.param_dtype is not None and framework in ("hf", "accelerate"):
+            return Support(
+                False,
+                f"{candidate.policy} through {FRAMEWORK_TITLES[framework]}: its flags (bf16/fp16, "
+                "mixed_precision) are autocast over fp32 weights; half weights need the model cast by "
+                f"hand (the '{EXPORT_OF[framework]}' export's lines), which mixprec does not measure in "
+                "your script",
+                "bf16-mixed",
+                False,
+            )
+        torch_cand = as_torch(candidate)
+        status = export_status(torch_cand, EXPORT_OF[framework], device=info.type)
+        if not status.faithful:
+            return Support(False, f"through {FRAMEWORK_TITLES[framework]}: {status.reason}", None, False)
+        if candidate.channels_last or candidate.keep_fp32:
+            return Support(
+                False,
+                f"through {FRAMEWORK_TITLES[framework]} mixprec sets the precision flag only; channels_last "
+                "and fp32 islands are measured in plain loops",
+                None,
+                False,
+            )
+        return base
+
+    def source_candidates(self, workload: ScriptWorkload) -> list[Candidate]:
+        """The script as written: its own precision, named by what it asks for."""
+        facts = workload.facts
+        return [Candidate(facts.own_policy if facts else "fp32", framework=self.name, as_written=True)]
+
+    def tune_candidates(self, workload: ScriptWorkload, info: DeviceInfo) -> list[Candidate]:
+        """The script as written, then every policy eager (channels_last too for a model with
+        convolutions, in a plain loop)."""
+        facts = workload.facts
+        self._facts = facts
+        own = self.source_candidates(workload)[0]
+        layouts = (
+            [False, True] if facts is not None and facts.has_conv and facts.framework == "plain" else [False]
+        )
+        cands = [Candidate(p, cl, framework=self.name) for p in POLICY_NAMES for cl in layouts]
+        return [own, *cands]
+
+    def bench_layouts(
+        self, workload: ScriptWorkload, wanted: Sequence[bool]
+    ) -> tuple[list[bool], str | None]:
+        facts = workload.facts
+        if True in wanted and facts is not None and not facts.has_conv:
+            return [False], "channels_last dropped: the script's model has no convolution"
+        return list(wanted), None
+
+    # ------------------------------------------------------------------ measuring
+    def make_batches(self, workload: Any, batch_size: int, device: str, seed: int, n: int) -> list[Any]:
+        return [None] * n  # the script draws its own batches, the same for every run (seeded)
+
+    def session(
+        self, workload: ScriptWorkload, candidate: Candidate, settings: BenchSettings, batches: list | None
+    ) -> Session:
+        self._facts = workload.facts
+        return ScriptSession(workload, candidate, settings)
+
+    # ------------------------------------------------------------------ checking
+    def trajectory(
+        self,
+        workload: ScriptWorkload,
+        candidate: Candidate,
+        batches: Sequence[Any],
+        steps: int,
+        device: str,
+        *,
+        perturb: float = 0.0,
+    ) -> Trajectory:
+        traj = Trajectory(candidate.label)
+        try:
+            record = trace(workload, candidate, steps, perturb=perturb)
+        except ScriptFailed as exc:
+            traj.error = str(exc)
+            return traj
+        fill(traj, record)
+        facts = workload.facts
+        if facts is not None and candidate == self.baseline and not perturb and facts.deterministic is None:
+            first = traj.losses[:1]
+            facts.deterministic = first == facts.first_losses[:1]
+        if facts is not None and facts.deterministic is False:
+            as_trend(traj, facts)
+        return traj
+
+    def layer_ranges(
+        self,
+        workload: ScriptWorkload,
+        candidate: Candidate,
+        batch: Any,
+        device: str,
+        loss_scale: float | None,
+    ) -> RangeReport:
+        record = trace(workload, candidate, 1, ranges=True)
+        ranges = record.get("ranges")
+        if not isinstance(ranges, RangeReport):
+            raise ScriptFailed("the script's first step recorded no ranges")
+        return ranges
+
+    def island_names(self, workload: ScriptWorkload) -> tuple[list[str], dict[str, str]]:
+        facts = workload.facts
+        if facts is None:
+            return [], {}
+        owners = {n: n.rsplit(".", 1)[0] for n in facts.params if "." in n}
+        return facts.module_names, owners
+
+    def fix_snippet(self, candidate: Candidate, keep_fp32: Sequence[str]) -> str:
+        return f"mixprec run --policy {candidate.policy} --keep-fp32 {','.join(keep_fp32)} -- <your command>"
+
+    # ------------------------------------------------------------------ after the pick
+    def exports(self, candidate: Candidate, device: str) -> tuple[dict[str, str], dict[str, str]]:
+        """The change in the script's own terms (its framework's export), mixprec's, and the
+        ``mixprec run`` line that runs the pick with no edit."""
+        from mixprec.exports import export_status
+
+        target = EXPORT_OF[self._facts.framework if self._facts is not None else "plain"]
+        texts: dict[str, str] = {}
+        refusals: dict[str, str] = {}
+        if candidate.as_written:
+            return {"run": "keep the script as it is: its own precision was the pick"}, {}
+        if self._workload is not None:
+            texts["run"] = run_line(candidate, self._workload.given)
+        torch_cand = as_torch(candidate)
+        for name in dict.fromkeys([target, "mixprec"]):
+            status = export_status(torch_cand, name, device=device)
+            if status.faithful:
+                from mixprec.exports import export
+
+                texts[name] = export(torch_cand, name, device=device)
+            else:
+                refusals[name] = status.reason
+        return texts, refusals
+
+
+def as_torch(candidate: Candidate) -> Candidate:
+    """The same candidate as a torch one (what the exports write for the script's model)."""
+    from dataclasses import replace
+
+    return replace(candidate, framework="torch", as_written=False)
+
+
+def run_line(candidate: Candidate, given: Sequence[str]) -> str:
+    """``mixprec run`` with ``candidate``'s options, then the user's own command."""
+    parts = ["mixprec", "run", "--policy", candidate.policy]
+    if candidate.channels_last:
+        parts.append("--channels-last")
+    if candidate.keep_fp32:
+        parts += ["--keep-fp32", ",".join(candidate.keep_fp32)]
+    if candidate.compile:
+        parts += ["--compile", candidate.compile]
+    return shlex.join([*parts, "--", *given])
+
+
+def facts_of(record: dict[str, Any]) -> ScriptFacts:
+    """What the validating run's record says about the script."""
+    facts = record.get("facts") or {}
+    steps = record.get("steps") or []
+    if not steps:
+        raise UsageError("the script never called an optimizer step")
+    return ScriptFacts(
+        framework=facts.get("framework", "plain"),
+        own_policy=own_policy(facts),
+        own=facts.get("own") or {},
+        model=facts.get("model", "?"),
+        modules=[(str(m[0]), str(m[1])) for m in facts.get("modules") or []],
+        params=list(facts.get("params") or []),
+        device=facts.get("device", "cpu"),
+        samples_per_step=int(steps[0].get("samples") or 0) or 1,
+        first_losses=[float(s["loss"]) for s in steps],
+    )
+
+
+def own_policy(facts: dict[str, Any]) -> str:
+    """The policy that names what the script does itself: its framework's flags, its autocast dtype,
+    its weights' dtype; fp32 where it asks for nothing."""
+    own = facts.get("own") or {}
+    framework = own.get("framework") or {}
+    wanted = {str(v) for v in framework.values() if v}
+    if framework.get("bf16") or wanted & {"bf16-mixed", "bf16"}:
+        return "bf16-mixed"
+    if framework.get("fp16") or wanted & {"16-mixed", "fp16"}:
+        return "fp16-mixed"
+    if wanted & {"bf16-true"}:
+        return "bf16-true"
+    if wanted & {"16-true"}:
+        return "fp16-true"
+    dtypes = set(facts.get("param_dtypes") or [])
+    if dtypes == {"bfloat16"}:
+        return "bf16-true"
+    if dtypes == {"float16"}:
+        return "fp16-true"
+    casts = {a["dtype"] for a in own.get("autocast") or []}
+    if "torch.float16" in casts or (own.get("scaler") and "None" in casts):
+        return "fp16-mixed"
+    if casts & {"torch.bfloat16", "None"}:
+        return "bf16-mixed"
+    return "fp32"
+
+
+def fill(traj: Trajectory, record: dict[str, Any]) -> None:
+    """A trace record as the Trajectory a check compares."""
+    steps = record.get("steps") or []
+    traj.losses = [float(s.get("loss", math.nan)) for s in steps]
+    traj.stepped = [not s.get("skipped") for s in steps]
+    traj.scales = [s.get("scale") for s in steps]
+    traj.first_output = record.get("first_output")
+    traj.first_grads = dict(record.get("first_grads") or {})
+    stalls = [s["stall"] for s in steps if "stall" in s]
+    traj.stalls = [a / b if b else 0.0 for a, b in stalls]
+    for a, b in stalls[:2]:
+        traj.stall_counts[0] += a
+        traj.stall_counts[1] += b
+    traj.series = [LayerSeries.from_dict(d) for d in record.get("series") or []]
+    observed = record.get("observed") or {}
+    traj.observed_dtype, traj.observed_layer = observed.get("observed_dtype"), observed.get("observed_layer")
+    traj.nonfinite_buffers = list(record.get("nonfinite_buffers") or [])
+
+
+def as_trend(traj: Trajectory, facts: ScriptFacts) -> None:
+    """A script whose data differs between two identical runs: compare the loss trends (running
+    means over the run so far) rather than step by step, and no first-step SQNR (another batch)."""
+    means, total = [], 0.0
+    for i, loss in enumerate(traj.losses):
+        total += loss
+        means.append(total / (i + 1))
+    traj.losses = means
+    traj.first_output, traj.first_grads = None, {}
+    traj.note = (
+        "two strict-fp32 runs of the script disagree at the first step (its data is not the same "
+        f"from run to run: loss {facts.first_losses[0]:.6g} before): compared the loss trends (running "
+        "means), not step by step; no output or gradient SQNR (another batch)"
+    )

@@ -1,0 +1,161 @@
+"""The training frameworks a script may train through, and the precision switch of each that the
+agent sets: the HF Trainer's ``TrainingArguments(bf16=, fp16=)``, Lightning's
+``Trainer(precision=)`` and ``Accelerator(mixed_precision=)``, as mixprec's export for that framework
+writes them, so that what is measured is what the user will run.
+
+Each is patched where the framework reads it (``TrainingArguments.__post_init__``,
+``Trainer.__init__``, ``Accelerator.__init__``), once its module is imported by the script (an
+import hook: the agent is installed before the script imports anything). In the modes that measure
+(``measure``, ``trace``) the framework's outputs go to the scratch folder and it saves nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# What trains the script: the frameworks whose precision switch the agent sets, or its own loop.
+HF, LIGHTNING, ACCELERATE, PLAIN = "hf", "lightning", "accelerate", "plain"
+# Training frameworks whose switches the agent does not know: their loop is measured as a plain one.
+UNKNOWN_FRAMEWORKS = ("ignite", "fastai", "composer", "mmengine", "deepspeed", "colossalai", "keras")
+
+Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
+# a framework module -> the patch of its precision switch
+Patch = Callable[[Any, Agent], None]
+
+
+def _hf_arguments(module: Any, agent: Agent) -> None:
+    cls = module.TrainingArguments
+    original = cls.__post_init__
+
+    def __post_init__(self: Any) -> None:
+        agent.framework = HF
+        agent.own["framework"] = {"bf16": bool(self.bf16), "fp16": bool(self.fp16)}
+        if agent.inject:
+            spec = agent.candidate.spec
+            if spec.param_dtype is not None or spec.accelerate is None:
+                agent.fail(
+                    "UnsupportedError",
+                    f"{agent.candidate.label} is not a precision the HF Trainer's flags express "
+                    "(TrainingArguments has bf16= and fp16=): not measured through the Trainer",
+                )
+            self.bf16, self.fp16 = spec.accelerate == "bf16", spec.accelerate == "fp16"
+            self.tf32 = None  # mixprec sets the fp32 math mode (the HF export's knobs)
+            if (self.bf16 or self.fp16) and not torch.cuda.is_available():
+                self.use_cpu = True  # as the HF export writes it: bf16 on a CPU needs it said
+            if agent.candidate.compile:
+                self.torch_compile, self.torch_compile_mode = True, agent.candidate.compile
+            agent.framework_flags = {"bf16": self.bf16, "fp16": self.fp16}
+        if agent.plan.mode in ("measure", "trace") and agent.plan.scratch:
+            self.output_dir = agent.plan.scratch
+            self.save_strategy = "no"
+            self.report_to = []
+        original(self)
+
+    cls.__post_init__ = __post_init__
+
+
+def _lightning_trainer(module: Any, agent: Agent) -> None:
+    cls = module.Trainer
+    original = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kw: Any) -> None:
+        agent.framework = LIGHTNING
+        agent.own["framework"] = {"precision": kw.get("precision")}
+        if agent.inject:
+            wanted = agent.candidate.spec.lightning
+            if wanted is None:
+                agent.fail(
+                    "UnsupportedError",
+                    f"{agent.candidate.label} is not a Lightning precision (Trainer(precision=...)): not "
+                    "measured through the Trainer",
+                )
+            kw["precision"] = wanted
+            if _is_precision_plugin(kw.get("plugins")):  # the script's own precision plugin: replaced
+                kw.pop("plugins")
+            agent.framework_flags = {"precision": wanted}
+        if agent.plan.mode in ("measure", "trace") and agent.plan.scratch:
+            kw.update(default_root_dir=agent.plan.scratch, logger=False, enable_checkpointing=False)
+        original(self, *args, **kw)
+
+    cls.__init__ = __init__
+
+
+def _is_precision_plugin(plugins: Any) -> bool:
+    items = plugins if isinstance(plugins, (list, tuple)) else [plugins]
+    return any(type(p).__name__.endswith("Precision") for p in items if p is not None)
+
+
+def _accelerator(module: Any, agent: Agent) -> None:
+    cls = module.Accelerator
+    original = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kw: Any) -> None:
+        if agent.framework == HF:  # the Trainer's own Accelerator: its flags were set on TrainingArguments
+            original(self, *args, **kw)
+            return
+        agent.framework = ACCELERATE
+        agent.own["framework"] = {"mixed_precision": kw.get("mixed_precision")}
+        if agent.inject:
+            wanted = agent.candidate.spec.accelerate
+            if wanted is None or agent.candidate.spec.param_dtype is not None:
+                agent.fail(
+                    "UnsupportedError",
+                    f"{agent.candidate.label} is not an Accelerate precision "
+                    "(Accelerator(mixed_precision=...)): not measured through the Accelerator",
+                )
+            kw["mixed_precision"] = wanted
+            agent.framework_flags = {"mixed_precision": wanted}
+        original(self, *args, **kw)
+
+    cls.__init__ = __init__
+
+
+PATCHES: dict[str, Patch] = {
+    "transformers.training_args": _hf_arguments,
+    "lightning.pytorch.trainer.trainer": _lightning_trainer,
+    "pytorch_lightning.trainer.trainer": _lightning_trainer,
+    "accelerate.accelerator": _accelerator,
+}
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the module as its own loader would, then the patch."""
+
+    def __init__(self, loader: Any, patch: Patch, agent: Agent) -> None:
+        self.loader, self.patch, self.agent = loader, patch, agent
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        self.patch(module, self.agent)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        patch = PATCHES.get(name)
+        if patch is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _PatchingLoader(spec.loader, patch, self.agent)
+        return spec
+
+
+def install_import_hooks(agent: Agent) -> None:
+    """Patch each framework module the script imports, as it is imported (or now, if it was)."""
+    for name, patch in PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name], agent)
+    sys.meta_path.insert(0, _Finder(agent))

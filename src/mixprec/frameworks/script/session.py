@@ -1,0 +1,228 @@
+"""The parent's side of a script run: a measured session paced step by step over a pipe
+(:class:`ScriptSession`, what the paired sweep alternates), and a traced run for the numerics check
+(:func:`trace`).
+
+A session's child runs the script until its first optimizer step ends, reports it and waits; each
+:meth:`ScriptSession.step` lets it run one more step. The strict-fp32 baseline's child and the
+candidate's wait side by side, so their steps alternate on the same machine as every paired sweep's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import select
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mixprec.errors import UsageError
+from mixprec.frameworks.script.agent import Plan
+from mixprec.frameworks.script.launch import Child, launch
+from mixprec.frameworks.script.workload import ScriptWorkload
+from mixprec.frameworks.session import (
+    BenchSettings,
+    Emit,
+    HonestyError,
+    Measurement,
+    NonFiniteLossError,
+    run_warm_up,
+    steady,
+)
+from mixprec.policy import Candidate
+
+# Seconds a script may take to reach its first optimizer step (imports, data, model, compile).
+START_TIMEOUT_S = 600.0
+# Seconds one more step may take.
+STEP_TIMEOUT_S = 600.0
+
+
+class ScriptFailed(UsageError):
+    """The script stopped before mixprec had what it asked for; the message holds its last line."""
+
+
+def _ended(child: Child, what: str) -> ScriptFailed:
+    """Why the child is gone, in the script's own words where it left some."""
+    code = child.process.poll()
+    last = child.last_error_line()
+    said = f": {last}" if last else ""
+    if code == 0:
+        return ScriptFailed(f"the script ended before {what} (exit 0){said}")
+    return ScriptFailed(f"the script stopped with exit code {code} before {what}{said} (log: {child.log})")
+
+
+class ScriptSession:
+    """A candidate's run of the script, one optimizer step at a time (the Session interface)."""
+
+    def __init__(self, workload: ScriptWorkload, candidate: Candidate, settings: BenchSettings) -> None:
+        self.workload, self.candidate, self.settings = workload, candidate, settings
+        self.result = Measurement()
+        self.index = 0
+        down_r, down_w = os.pipe()  # parent -> child
+        up_r, up_w = os.pipe()  # child -> parent
+        plan = Plan(
+            mode="measure",
+            candidate=candidate.to_dict(),
+            read_fd=down_r,
+            write_fd=up_w,
+            seed=settings.seed,
+        )
+        try:
+            self.child = launch(workload, plan, pass_fds=(down_r, up_w))
+        finally:
+            os.close(down_r)
+            os.close(up_w)
+        self._to = os.fdopen(down_w, "w", buffering=1)
+        self._from = up_r  # read raw: a buffered reader would hide a second line from select()
+        self._buffer = b""
+        self._first: dict[str, Any] | None = None
+        self.facts: dict[str, Any] = {}
+        ready = self._next(START_TIMEOUT_S, "its first optimizer step")
+        if ready["event"] != "ready":
+            raise ScriptFailed(f"the script's agent said {ready['event']!r} before its first step")
+        self.facts = ready.get("facts") or {}
+        self._first = self._next(STEP_TIMEOUT_S, "its first optimizer step")
+
+    def _next(self, timeout_s: float, what: str) -> dict[str, Any]:
+        """The child's next event; ScriptFailed when it ends, errs or exceeds ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close()
+                raise ScriptFailed(
+                    f"the script did not reach {what} within {timeout_s:.0f} s (log: {self.child.log})"
+                )
+            if select.select([self._from], [], [], min(left, 0.5))[0]:
+                chunk = os.read(self._from, 1 << 16)
+                if not chunk:  # the child closed its end: it is gone
+                    self.child.process.wait(timeout=30)
+                    raise _ended(self.child, what)
+                self._buffer += chunk
+            elif self.child.process.poll() is not None:
+                raise _ended(self.child, what)
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        event = json.loads(line)
+        if event["event"] == "error":
+            self.child.process.wait(timeout=30)
+            raise ScriptFailed(event["message"])
+        return event
+
+    def step(self, timed: bool) -> dict[str, Any]:
+        """One optimizer step of the script: its wall time, loss and samples."""
+        if self._first is not None:
+            event, self._first = self._first, None
+        else:
+            self._to.write(json.dumps({"cmd": "go"}) + "\n")
+            event = self._next(STEP_TIMEOUT_S, f"step {self.index}")
+        loss = float(event.get("loss", math.nan))
+        if self.index == 0:
+            self.result.first_loss = loss
+        if not math.isfinite(loss) and not event.get("skipped"):
+            raise NonFiniteLossError(f"non-finite loss ({loss}) at step {self.index}")
+        self.result.last_loss = loss
+        (self.result.step_times_s if timed else self.result.warmup_times_s).append(event["seconds"])
+        self.index += 1
+        return {
+            "event": "step",
+            "index": self.index - 1,
+            "seconds": event["seconds"],
+            "timed": timed,
+            "loss": loss,
+        }
+
+    def warm_up(self, emit: Emit) -> bool:
+        return run_warm_up(self, emit)
+
+    def warm_enough(self, times: list[float]) -> bool:
+        return steady(self.settings, times)
+
+    def finish(self) -> Measurement:
+        """Stop the script at this step boundary; its peak memory and what really ran."""
+        self._to.write(json.dumps({"cmd": "stop"}) + "\n")
+        done = self._next(60.0, "stopping")
+        self.close()
+        measured = done.get("measurement") or {}
+        self.result.peak_memory_bytes = measured.get("peak_memory_bytes")
+        self.result.memory_method = measured.get("memory_method", "")
+        self.result.skipped_steps = int(measured.get("skipped_steps", 0))
+        self.result.observed_dtype = measured.get("observed_dtype")
+        self.result.observed_layer = measured.get("observed_layer")
+        check_honesty(self.candidate, self.facts, self.result)
+        return self.result
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._to.close()
+        with contextlib.suppress(OSError):
+            os.close(self._from)
+        process = self.child.process
+        try:
+            process.wait(timeout=30)
+        except Exception:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def check_honesty(candidate: Candidate, facts: dict[str, Any], result: Measurement) -> None:
+    """An injected candidate's first matmul/conv computed in its format (not the script's own
+    autocast, not fp32 because autocast never reached the model)."""
+    if candidate.as_written or result.observed_dtype is None:
+        return
+    from mixprec.policy import get_policy
+
+    device = facts.get("device") or "cpu"
+    torch_candidate = replace(candidate, framework="torch", as_written=False)
+    expected = str(get_policy(torch_candidate, device=device, check=False).compute_dtype).removeprefix(
+        "torch."
+    )
+    if result.observed_dtype != expected:
+        raise HonestyError(
+            f"labelled {candidate.label} but the script's first matmul/conv layer {result.observed_layer!r} "
+            f"computed in {result.observed_dtype}, not {expected}: the candidate did not take effect "
+            f"(the script trains through {facts.get('framework', 'its own loop')})"
+        )
+
+
+def trace(
+    workload: ScriptWorkload,
+    candidate: Candidate,
+    steps: int,
+    *,
+    seed: int = 0,
+    perturb: float = 0.0,
+    ranges: bool = False,
+    timeout_s: float = START_TIMEOUT_S,
+) -> dict[str, Any]:
+    """Run the script under ``candidate`` for ``steps`` optimizer steps, recording what a numerics
+    check compares (losses, the first step's output and gradients, ranges); the record, or a
+    ScriptFailed naming why the script stopped first."""
+    out = Path(workload.scratch) / f"trace-{os.getpid()}-{time.monotonic_ns()}.pt"
+    plan = Plan(
+        mode="trace",
+        candidate=candidate.to_dict(),
+        steps=steps,
+        out=str(out),
+        seed=seed,
+        perturb=perturb,
+        ranges=ranges,
+    )
+    child = launch(workload, plan)
+    try:
+        child.process.wait(timeout=timeout_s + STEP_TIMEOUT_S * steps)
+    except Exception:
+        child.process.kill()
+        child.process.wait()
+        raise ScriptFailed(f"the script did not finish {steps} steps in time (log: {child.log})") from None
+    if not out.exists():
+        raise _ended(child, f"{steps} optimizer steps")
+    record = torch.load(out, weights_only=False)
+    out.unlink(missing_ok=True)
+    if record.get("error"):
+        raise ScriptFailed(record["error"].split(": ", 1)[-1])
+    return record

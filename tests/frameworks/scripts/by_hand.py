@@ -1,0 +1,53 @@
+"""A plain loop with no precision code at all, and the same loop edited by hand the way the PyTorch
+AMP recipe says (``--hand bf16``: torch.autocast around forward and loss; ``--hand fp16``: also a
+GradScaler, unscaled before clipping). ``mixprec run --policy P`` on the loop with ``--hand none``
+must leave the weights the hand edit leaves (tests/frameworks/test_script_run.py).
+
+    python by_hand.py --steps 12 --out weights.pt [--hand none|bf16|fp16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--hand", choices=["none", "bf16", "fp16"], default="none")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(4)]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.hand)
+    scaler = torch.amp.GradScaler("cpu") if args.hand == "fp16" else None
+    for step in range(args.steps):
+        x, y = data[step % len(data)]
+        ctx = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        with ctx:
+            loss = F.cross_entropy(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+        else:
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.save(model.state_dict(), args.out)
+
+
+if __name__ == "__main__":
+    main()

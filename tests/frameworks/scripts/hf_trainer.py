@@ -1,0 +1,45 @@
+"""A transformers-examples-style script: a small causal LM built from its config (no download), a
+dataset of token blocks, TrainingArguments from the command line, Trainer.train().
+
+    python hf_trainer.py --output_dir out --max_steps 200 [--bf16] [--per_device_train_batch_size 8]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer, TrainingArguments
+
+BLOCK = 64
+
+
+class Blocks(Dataset):
+    """Token blocks from a fixed random bigram table (learnable, the same every run)."""
+
+    def __init__(self, n: int, vocab: int) -> None:
+        g = torch.Generator().manual_seed(1234)
+        table = torch.softmax(torch.randn(vocab, vocab, generator=g) * 3, dim=-1)
+        ids = torch.empty(n, BLOCK, dtype=torch.long)
+        ids[:, 0] = torch.randint(0, vocab, (n,), generator=g)
+        for t in range(BLOCK - 1):
+            ids[:, t + 1] = torch.multinomial(table[ids[:, t]], 1, generator=g).squeeze(1)
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def main() -> None:
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=512, n_positions=BLOCK, n_embd=256, n_layer=4, n_head=4)
+    model = GPT2LMHeadModel(config)
+    trainer = Trainer(model=model, args=args, train_dataset=Blocks(4096, config.vocab_size))
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""The user's script as the source: `mixprec run|check|tune -- python train.py ...` on scripts written
+the way people write them (tests/frameworks/scripts/), each unchanged.
+
+Differential: `mixprec run --policy P` leaves the weights the same script edited by hand leaves
+(bitwise, on the CPU); through the HF Trainer and Lightning the framework's own switch is the one
+set and the model's matmuls compute in the candidate's dtype; the script's own autocast and
+GradScaler are overridden, never stacked; real data that overflows fp16 is found and the layer
+named; and every refusal is one line with exit 2."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from extras import require
+from mixprec.cli import main
+from mixprec.frameworks import framework_named
+from mixprec.frameworks.script import ScriptWorkload
+from mixprec.frameworks.script.session import trace
+from mixprec.policy import Candidate
+
+SCRIPTS = Path(__file__).parent / "scripts"
+PY = sys.executable
+
+
+def script(name: str, *args: str) -> ScriptWorkload:
+    return ScriptWorkload.from_command([PY, str(SCRIPTS / name), *args])
+
+
+def cand(policy: str, **kw) -> Candidate:
+    return Candidate(policy, framework="script", **kw)
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("policy, hand", [("bf16-mixed", "bf16"), ("fp16-mixed", "fp16")])
+def test_run_leaves_the_weights_of_the_script_edited_by_hand(tmp_path, policy, hand):
+    """bf16: torch.autocast around forward and loss; fp16: and a GradScaler, unscaled before the
+    script's own clip_grad_norm_ (the script has no precision code; mixprec injects it all)."""
+    import subprocess
+
+    by_hand, injected, plain = tmp_path / "hand.pt", tmp_path / "run.pt", tmp_path / "none.pt"
+    subprocess.run([PY, SCRIPTS / "by_hand.py", "--hand", hand, "--out", by_hand], check=True)
+    subprocess.run([PY, SCRIPTS / "by_hand.py", "--out", plain], check=True)
+    command = ["run", "--policy", policy, "--out", str(tmp_path / "out"), "--"]
+    assert main([*command, PY, str(SCRIPTS / "by_hand.py"), "--out", str(injected)]) == 0
+    assert same(weights(injected), weights(by_hand))
+    assert not same(weights(injected), weights(plain))  # the policy did something
+
+
+def test_the_scripts_own_autocast_and_scaler_are_overridden_not_stacked():
+    """nanoGPT-style: its own fp16 autocast and GradScaler; under bf16-mixed the autocast computes
+    bf16 and the scaler is off (no fp16 anywhere, no scale); as written it is fp16 with a scale."""
+    workload = script("plain_loop.py", "--steps", "100", "--amp", "fp16", "--d-model", "64", "--layers", "1")
+    own = trace(workload, cand("fp16-mixed", as_written=True), 2)
+    assert own["observed"]["observed_dtype"] == "float16" and own["steps"][0]["scale"] == 65536.0
+    assert own["facts"]["own"]["autocast"][0]["dtype"] == "torch.float16" and own["facts"]["own"]["scaler"]
+    bf16 = trace(workload, cand("bf16-mixed"), 2)
+    assert bf16["observed"]["observed_dtype"] == "bfloat16"
+    assert bf16["steps"][0]["scale"] is None  # the script's GradScaler was turned off
+
+
+def test_validation_finds_the_framework_the_model_and_the_scripts_own_precision():
+    framework = framework_named("script")
+    own = script("plain_loop.py", "--steps", "100", "--amp", "bf16", "--d-model", "64", "--layers", "1")
+    framework.validate_workload(own, "cpu", 1)
+    facts = own.facts
+    assert (facts.framework, facts.own_policy, facts.model, facts.samples_per_step) == (
+        "plain",
+        "bf16-mixed",
+        "GPT",
+        16,
+    )
+    assert "blocks.0.mlp.0" in facts.module_names and facts.first_losses
+    plain = script("plain_loop.py", "--steps", "100", "--d-model", "64", "--layers", "1")
+    framework.validate_workload(plain, "cpu", 1)
+    assert plain.facts.own_policy == "fp32"
+
+
+def test_the_hf_trainer_is_set_through_its_own_bf16_flag(tmp_path):
+    require("transformers", "frameworks")
+    workload = script("hf_trainer.py", "--output_dir", str(tmp_path), "--max_steps", "100")
+    record = trace(workload, cand("bf16-mixed"), 2)
+    facts = record["facts"]
+    assert facts["framework"] == "hf" and facts["framework_flags"] == {"bf16": True, "fp16": False}
+    assert record["observed"]["observed_dtype"] == "bfloat16"
+    as_written = trace(workload, cand("fp32", as_written=True), 1)
+    assert as_written["observed"]["observed_dtype"] == "float32"
+    assert not list(tmp_path.iterdir())  # measured runs write into mixprec's scratch folder, not yours
+
+
+def test_lightning_is_set_through_its_own_precision_flag():
+    require("lightning", "frameworks")
+    workload = script("lightning_module.py", "--max-steps", "100")
+    record = trace(workload, cand("bf16-mixed"), 2)
+    assert record["facts"]["framework"] == "lightning"
+    assert record["facts"]["framework_flags"] == {"precision": "bf16-mixed"}
+    assert record["observed"]["observed_dtype"] == "bfloat16"
+
+
+@pytest.mark.slow
+def test_check_finds_the_fp16_overflow_of_the_scripts_real_data_and_names_the_layer(capsys):
+    """raw_sensors.py feeds unnormalised readings (tens of thousands): its first layer's outputs pass
+    65504 on that data. No synthetic batch shows it; the script's own DataLoader does."""
+    command = ["check", "--policies", "fp16-mixed,bf16-mixed", "--steps", "4", "--"]
+    code = main([*command, PY, str(SCRIPTS / "raw_sensors.py"), "--steps", "1000"])
+    out = capsys.readouterr().out
+    assert code == 4
+    row = next(line for line in out.splitlines() if line.startswith("│ fp16-mixed"))
+    assert "fail" in row and "proj / -" in row
+    assert next(line for line in out.splitlines() if line.startswith("│ bf16-mixed")).count("pass") == 1
+    assert "fp32 (as written)" in out  # the script as written is always a row
+
+
+@pytest.mark.parametrize(
+    "command, message",
+    [
+        (["ls", "-l"], "'ls' is not a Python interpreter"),
+        ([], "nothing after '--'"),
+        (
+            [PY, "-c", "raise SystemExit('bad config: lr missing')"],
+            "does not train in strict fp32.*bad config: lr missing",
+        ),
+        ([PY, "-c", "print('no training here')"], "never called an optimizer step|ended before"),
+    ],
+)
+def test_a_command_that_cannot_be_measured_is_one_line_and_exit_2(command, message, capsys):
+    import re
+
+    assert main(["check", "--policies", "bf16-mixed", "--", *command]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message, err[0]), err
+
+
+def test_a_second_model_the_script_trains_is_refused(tmp_path, capsys):
+    two = tmp_path / "gan.py"
+    two.write_text(
+        "import torch\n"
+        "g, d = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)\n"
+        "og, od = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)\n"
+        "for _ in range(5):\n"
+        "    d(g(torch.randn(2, 4))).sum().backward(); og.step(); od.step()\n"
+    )
+    assert main(["check", "--policies", "bf16-mixed", "--", PY, str(two)]) == 2
+    assert "second model" in capsys.readouterr().err
+
+
+def test_the_commands_that_take_a_script_and_those_that_do_not(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["env", "--", PY, "train.py"])
+    assert exc.value.code == 2 and "takes no training command" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["run", "--policy", "bf16-mixed"])
+    assert "mixprec run --policy bf16-mixed -- python train.py" in capsys.readouterr().err
+    assert main(["check", "--model", "mlp", "--", PY, "train.py"]) == 2
+    assert "--model and a command after '--'" in capsys.readouterr().err
+
+
+def test_a_distributed_launch_is_measured_as_one_rank():
+    workload = ScriptWorkload.from_command(["torchrun", "--nproc_per_node=8", "train.py", "--lr", "3e-4"])
+    assert workload.command == (sys.executable, "train.py", "--lr", "3e-4")
+    assert workload.env["WORLD_SIZE"] == "1" and "one rank measured" in workload.notes[0]
+    accelerate = ScriptWorkload.from_command(["accelerate", "launch", "--num_processes", "2", "train.py"])
+    assert accelerate.command == (sys.executable, "train.py")
+
+
+def test_a_script_whose_data_differs_run_to_run_is_compared_by_its_trends(tmp_path, capsys):
+    """Two strict-fp32 runs disagree at the first step (the script seeds from the clock): the check
+    says so and compares running means, with no first-step SQNR (another batch)."""
+    noisy = tmp_path / "noisy.py"
+    noisy.write_text(
+        "import time, torch\n"
+        "torch.manual_seed(time.time_ns() % 2**31)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+        "for _ in range(1000):\n"
+        "    x = torch.randn(16, 32)\n"
+        "    loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()\n"
+        "    opt.zero_grad(); loss.backward(); opt.step()\n"
+    )
+    json_path = tmp_path / "check.json"
+    main(
+        ["check", "--policies", "bf16-mixed", "--steps", "4", "--json", str(json_path), "--", PY, str(noisy)]
+    )
+    import json
+
+    data = json.loads(json_path.read_text())
+    assert "two strict-fp32 runs of the script disagree at the first step" in data["reference_note"]
+    bf16 = next(c for c in data["candidates"] if c["candidate"]["policy"] == "bf16-mixed")
+    assert bf16["output_sqnr_db"] is None
+
+
+def test_the_readmes_run_line_runs_a_script_as_written(tmp_path):
+    """README: `mixprec run --policy bf16-mixed -- python train.py --lr 3e-4`, here with train.py a
+    copy of the nanoGPT-style script."""
+    import re
+    import shutil
+    import subprocess
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    line = next(m for m in re.findall(r"^mixprec run [^#\n]*", readme, flags=re.M) if "train.py" in m)
+    shutil.copy(SCRIPTS / "plain_loop.py", tmp_path / "train.py")
+    args = line.split()[1:]
+    args[args.index("python")] = PY
+    args += ["--steps", "20", "--d-model", "64", "--layers", "1"]
+    done = subprocess.run(
+        [PY, "-m", "mixprec", *args], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "20 optimizer steps of bf16-mixed (plain)" in done.stderr
+
+
+@pytest.mark.slow
+def test_tune_over_a_script_recommends_from_the_script_and_answers_in_its_terms(tmp_path):
+    """A short tune of the nanoGPT-style script: every row is the script itself (as written among
+    them), and the answer is the `mixprec run` line and the change for its framework."""
+    import json
+
+    out = tmp_path / "tune.json"
+    command = [PY, str(SCRIPTS / "plain_loop.py"), "--steps", "100000"]
+    code = main(["tune", "--budget", "150", "--no-compile", "--json", str(out), "--", *command])
+    data = json.loads(out.read_text())
+    assert code in (0, 4, 5), code
+    labels = {r["label"] for r in data["bench"]["rows"]}
+    assert {"fp32", "fp32 (as written)", "bf16-mixed"} <= labels
+    assert "-- " + " ".join(command) in data["command"] and "trained by its own loop" in data["description"]
+    rec = data["recommendation"]
+    if rec is not None and rec["candidate"]["policy"] != "fp32":
+        assert data["exports"]["run"].startswith(f"mixprec run --policy {rec['candidate']['policy']} --")
+        assert "pytorch" in data["exports"]
