@@ -6,11 +6,20 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: setup demo test lint clean
 
-$(STAMP): pyproject.toml
+DEMO_STAMP := $(VENV)/.demo-installed
+
+# What `make demo` needs: torch and mixprec (5.6 GB, most of it torch's CUDA libraries, which the
+# torch 2.14.1 wheel brings even on a CPU machine).
+$(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# pinned torch first: on these machines pip takes both wheels from local disk
 	$(BIN)/pip install --quiet torch==2.14.1 torchvision==0.29.1
+	$(BIN)/pip install --quiet -e .
+	touch $(DEMO_STAMP)
+
+# What `make test` needs on top: the test tools and every stack mixprec exports to or measures.
+$(STAMP): $(DEMO_STAMP) pyproject.toml
 	# The frameworks extra (the stacks mixprec exports to, tested in tests/exports). DeepSpeed is an
 	# sdist: built against the torch above (no build isolation, which would fetch another torch), no
 	# CUDA ops, its CPU shared-memory comm op compiled now (else its first use JIT-compiles it, ~1.5 min;
@@ -24,7 +33,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/mixprec env
 	$(BIN)/mixprec tune --report mixprec-out/report --json mixprec-out/tune.json
 
@@ -34,8 +43,11 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # MIXPREC_REQUIRE_FRAMEWORKS=1: the frameworks tier fails instead of skipping when one is missing.
+# -n auto: one pytest-xdist worker per core (each on one intra-op thread: tests/conftest.py); most of
+# the suite's time is single-threaded (process start-up, Python) and CI has 2 cores. --durations
+# lists the slowest tests in the log, where a slow one shows up first.
 test: $(STAMP) lint
-	MIXPREC_REQUIRE_FRAMEWORKS=1 $(BIN)/python -m pytest -q
+	MIXPREC_REQUIRE_FRAMEWORKS=1 $(BIN)/python -m pytest -q -n auto --durations=25
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build src/*.egg-info

@@ -1,12 +1,13 @@
 """Overhead of mixprec's Policy over a plain torch.amp training loop.
 
 A plain autocast (+ GradScaler for fp16) loop and the same loop through mixprec train
-4 x Linear(1024) at batch 64. Rounds are interleaved (plain, mixprec, plain, ...) so machine
-drift hits both alike; the figure is the median of the per-round time ratios. On a GPU this
+4 x Linear(1024) at batch 64. Rounds are interleaved ABBA (plain, mixprec, mixprec, plain) so
+machine drift hits both alike; the figure is the median of the per-round time ratios. On a GPU this
 model is launch-bound, so every host-side microsecond mixprec adds per step would show.
 Target: mixprec / plain <= 1.02.
 
-    python benchmarks/overhead.py [--device cuda] [--rounds 15] [--steps 20] [--json out.json]
+    python benchmarks/overhead.py [--device cuda] [--rounds 15] [--steps 20] [--optimizer adamw]
+        [--clip 1.0] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,10 +31,18 @@ def make_model() -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(4)])
 
 
-def plain_step_fn(model: nn.Module, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor):
+def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+
+def plain_step_fn(
+    model: nn.Module, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor, opt_name: str, clip
+):
     device_type = x.device.type
     model.to(x.device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    opt = make_optimizer(model, opt_name)
     scaler = torch.amp.GradScaler(device_type) if dtype == torch.float16 else None
 
     def step() -> None:
@@ -41,45 +50,59 @@ def plain_step_fn(model: nn.Module, dtype: torch.dtype, x: torch.Tensor, y: torc
             loss = nn.functional.mse_loss(model(x).float(), y)
         if scaler is not None:
             scaler.scale(loss).backward()
+            if clip:
+                scaler.unscale_(opt)
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
             scaler.step(opt)
             scaler.update()
         else:
             loss.backward()
+            if clip:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
         opt.zero_grad(set_to_none=True)
 
     return step
 
 
-def mixprec_step_fn(model: nn.Module, policy_name: str, x: torch.Tensor, y: torch.Tensor):
+def mixprec_step_fn(
+    model: nn.Module, policy_name: str, x: torch.Tensor, y: torch.Tensor, opt_name: str, clip
+):
     policy = mixprec.get_policy(policy_name, device=x.device)
     model = policy.prepare(model)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    opt = make_optimizer(model, opt_name)
 
     def step() -> None:
         with policy.autocast():
             loss = nn.functional.mse_loss(model(x).float(), y)
         policy.backward(loss)
-        policy.step(opt)
+        policy.step(opt, clip_grad_norm=clip)
         opt.zero_grad(set_to_none=True)
 
     return step, policy
 
 
-def measure(policy_name: str, rounds: int, steps: int, device: str) -> dict[str, object]:
+def measure(
+    policy_name: str, rounds: int, steps: int, device: str, opt_name: str = "sgd", clip: float | None = None
+) -> dict[str, object]:
     dtype = torch.float16 if policy_name.startswith("fp16") else torch.bfloat16
     x, y = torch.randn(64, 1024, device=device), torch.randn(64, 1024, device=device)
     base = make_model()
-    plain = plain_step_fn(copy.deepcopy(base), dtype, x, y)
-    ours, policy = mixprec_step_fn(copy.deepcopy(base), policy_name, x, y)
+    plain = plain_step_fn(copy.deepcopy(base), dtype, x, y, opt_name, clip)
+    ours, policy = mixprec_step_fn(copy.deepcopy(base), policy_name, x, y, opt_name, clip)
     with policy.precision_scope():  # both loops run under the same (strict) fp32 math state
         for fn in (plain, ours):  # warm-up (CUDA: context, cuBLAS handles, kernel selection)
             for _ in range(10):
                 fn()
         plain_t, ours_t = [], []
-        for _ in range(rounds):
-            plain_t.append(benchmark.Timer("f()", globals={"f": plain}).timeit(steps).median)
-            ours_t.append(benchmark.Timer("f()", globals={"f": ours}).timeit(steps).median)
+
+        def timed(fn) -> float:
+            return benchmark.Timer("f()", globals={"f": fn}).timeit(steps).median
+
+        for _ in range(rounds):  # ABBA: a drift within a round hits both sides alike
+            a1, b1, b2, a2 = timed(plain), timed(ours), timed(ours), timed(plain)
+            plain_t.append((a1 + a2) / 2)
+            ours_t.append((b1 + b2) / 2)
     ratios = [o / p for o, p in zip(ours_t, plain_t, strict=True)]
     return {
         "policy": policy_name,
@@ -89,6 +112,8 @@ def measure(policy_name: str, rounds: int, steps: int, device: str) -> dict[str,
         "rounds": rounds,
         "steps_per_round": steps,
         "device": device,
+        "optimizer": opt_name,
+        "clip_grad_norm": clip,
     }
 
 
@@ -100,9 +125,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--policies", default="bf16-mixed,fp16-mixed")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (timed with a synchronising timer)")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    parser.add_argument(
+        "--clip", type=float, default=None, help="clip the gradient norm to this (both loops)"
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    results = [measure(name, args.rounds, args.steps, args.device) for name in args.policies.split(",")]
+    results = [
+        measure(name, args.rounds, args.steps, args.device, args.optimizer, args.clip)
+        for name in args.policies.split(",")
+    ]
     for r in results:
         print(
             f"{r['policy']:>11}: plain {r['plain_step_ms']:.2f} ms/step, mixprec {r['mixprec_step_ms']:.2f} "

@@ -22,6 +22,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs the suite on every core (pytest-xdist): each worker computes on one intra-op
+    # thread, so two workers on a 2-core machine do not oversubscribe it (OpenMP threads waiting on
+    # a core another worker holds made steps many times slower). Commands a test starts in a
+    # process of their own keep torch's default count.
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def single_thread():
     """Tiny tensors: one intra-op thread is much faster than two contending ones, and deterministic."""

@@ -103,6 +103,15 @@ class NumericsFailed(MixprecError):
     exit_code = 4
 
 
+class NumericsInconclusive(MixprecError):
+    """The numerics could not be verified: the strict-fp32 reference did not learn over the checked
+    steps (beyond its own run-to-run spread), so a comparison with it has no power. ``check`` exits
+    with it when no candidate failed but some were inconclusive; ``tune`` when its pick was made on
+    speed alone ("numerics not verified")."""
+
+    exit_code = 6
+
+
 class BudgetExhausted(MixprecError):
     """``tune`` ran out of its time budget before it could decide anything; the message says how
     far it got and how much budget to give it."""

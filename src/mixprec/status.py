@@ -2,11 +2,15 @@
 
 Bench rows end ``ok``, ``unsupported``, ``oom``, ``error``, ``pruned`` or ``no-effect`` (a math
 mode that computes what strict fp32 computes on this workload), and in a precision x batch sweep
-``over-budget`` (a micro-batch whose peak memory is past the budget, not timed); checks ``pass``
-or ``fail`` (or ``unsupported``); tune's decision table uses the checks' words for what passed
-and failed and adds ``recommended``, ``slower`` and ``unchecked``. Statuses are strings
-(``StrEnum``), so comparisons with plain strings keep working, and JSON written by older versions
-loads: their ``passed`` and ``rejected`` read as ``pass`` and ``fail``.
+``over-budget`` (a micro-batch whose peak memory is past the budget, not timed); checks ``pass``,
+``fail``, ``at-risk``, ``error``, ``unsupported`` or ``inconclusive`` (nothing failed, but the fp32
+reference did not learn over the checked steps, so the comparison had no power: never a pass);
+tune's decision table uses the checks' words for what passed and failed and adds
+``recommended``, ``slower``, ``unchecked``, ``noisy`` (measured, passed, but too uncertain to rank:
+set aside and re-measured when the budget allows), ``not-measured`` (planned, but the budget ended
+before it ran) and ``predicted`` (numerics predicted here, speed not measurable).
+Statuses are strings (``StrEnum``), so comparisons with plain strings keep working, and JSON
+written by older versions loads: their ``passed`` and ``rejected`` read as ``pass`` and ``fail``.
 """
 
 from __future__ import annotations
@@ -24,10 +28,14 @@ class Status(StrEnum):
     OVER_BUDGET = "over-budget"  # precision x batch: its measured peak is past the memory budget (not timed)
     PASS = "pass"
     FAIL = "fail"
+    INCONCLUSIVE = "inconclusive"  # no failure seen, but the fp32 reference did not learn: never a pass
     AT_RISK = "at-risk"  # passes the checked steps, but a trend predicts a failure within the run
     RECOMMENDED = "recommended"
     SLOWER = "slower"
     UNCHECKED = "unchecked"
+    NOISY = "noisy"  # passed, its speedup too uncertain to rank: set aside, re-measured if the budget allows
+    NOT_MEASURED = "not-measured"  # planned, but the budget ended before it was measured
+    PREDICTED = "predicted"  # numerics predicted on this machine; its speed cannot be measured here
 
     @classmethod
     def _missing_(cls, value: object) -> Status | None:
@@ -42,11 +50,15 @@ TONES: dict[Status, str] = {
     Status.PASS: "good",
     Status.RECOMMENDED: "best",
     Status.FAIL: "bad",
+    Status.INCONCLUSIVE: "warn",
     Status.AT_RISK: "bad",
     Status.ERROR: "bad",
     Status.OOM: "bad",
     Status.PRUNED: "warn",
     Status.UNCHECKED: "warn",
+    Status.NOISY: "warn",
+    Status.NOT_MEASURED: "warn",
+    Status.PREDICTED: "muted",
     Status.UNSUPPORTED: "muted",
     Status.SLOWER: "muted",
     Status.NO_EFFECT: "muted",

@@ -75,15 +75,25 @@ def _tiny_loss_workload() -> mixprec.Workload:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        teacher = torch.randn(16, 4)  # learnable targets: the fp32 reference learns, the check has power
 
     def make_batch(batch_size, device):
-        return torch.randn(batch_size, 16, device=device), torch.randn(batch_size, 4, device=device)
+        x = torch.randn(batch_size, 16)
+        return x.to(device), (x @ teacher).to(device)
 
     def loss_fn(model, batch):
         # Gradients around 1e-9: far below fp16's smallest subnormal (6e-8) unless scaled.
         return nn.functional.mse_loss(model(batch[0]).float(), batch[1]) * 1e-9
 
-    return mixprec.Workload(model, make_batch, loss_fn, name="tiny_loss", default_batch_size=16)
+    return mixprec.Workload(
+        model,
+        make_batch,
+        loss_fn,
+        # the 1e-9 undone by the learning rate: the weights move as under lr 0.05 at loss scale 1
+        optimizer_fn=lambda params: torch.optim.SGD(params, lr=5e7),
+        name="tiny_loss",
+        default_batch_size=16,
+    )
 
 
 def test_tiny_loss_underflows_fp16_without_scaling_and_the_scaler_rescues_it():

@@ -46,7 +46,7 @@ def test_train_with_rescue_ends_healthy_with_the_policy_for_the_next_run(tmp_pat
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--policy", "fp17"], "unknown --policy 'fp17'"),
+        (["--policy", "fp17"], "--policy: Unknown policy 'fp17'"),
         (["--shadow-every", "-1"], "--shadow-every must be >= 0, got -1"),
     ],
 )

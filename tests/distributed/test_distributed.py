@@ -585,7 +585,11 @@ def test_sharding_plan_keeps_ties_in_one_group_and_batch_norm_fp32():
         ("", "root"),  # wte and head share their weight: neither is a group of its own
     ]
     with pytest.raises(PolicyError, match=r"keep_fp32 module 'head' shares a parameter with 'wte' \(tied"):
-        sharding_plan(lm, mixprec.get_policy("bf16-mixed", device="cpu", keep_fp32=["head"]))
+        sharding_plan(lm, mixprec.get_policy("bf16-true", device="cpu", keep_fp32=["head"]))
+    # *-mixed: every weight is fp32 as on one device; the tied island is left to the root, gathered in fp32
+    island = sharding_plan(lm, mixprec.get_policy("bf16-mixed", device="cpu", keep_fp32=["head"]))
+    assert [(g.name, g.role, g.mp_policy.param_dtype) for g in island][-1] == ("", "root", torch.float32)
+    assert "head" not in [g.name for g in island]
     plan = {g.name: (g.role, g.mp_policy.param_dtype) for g in sharding_plan(_bn_cnn(), policy)}
     assert plan["0.1"] == ("batch norm", torch.float32) and plan["0"] == ("block", torch.bfloat16)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import os
 import sys
 import types
@@ -291,10 +292,19 @@ def run_accelerate(source: Source, *, loader: Any = None, edit: Edit | None = No
     return Run(model, ns["accelerator"].scaler, ns, ns["optimizer"].optimizer, is_compiled(ns["model"]))
 
 
-def run_deepspeed(source: Source, workdir: Path, *, loader: Any = None, edit: Edit | None = None) -> Run:
+def run_deepspeed(
+    source: Source,
+    workdir: Path,
+    *,
+    loader: Any = None,
+    edit: Edit | None = None,
+    config: dict[str, Any] | None = None,
+) -> Run:
+    """``config``: entries the user adds to the exported ds_config.json."""
     model = fresh_model()
     sections = split_sections(export(source, "deepspeed", device="cpu"))
-    (workdir / "ds_config.json").write_text(sections["ds_config.json"])
+    ds_config = {**json.loads(sections["ds_config.json"]), **(config or {})}
+    (workdir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
     text = sections["train.py"]
     cwd = os.getcwd()
     os.chdir(workdir)

@@ -112,3 +112,17 @@ def test_a_checkpoint_carries_the_loss_scale_and_the_scheduler(name, tmp_path):
     assert scheduler.last_epoch == first.namespace["scheduler"].last_epoch > 0
     if name == "fp16-mixed":
         assert resumed.scaler.get_scale() == first.scaler.get_scale() == SCALE_AFTER
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_accumulation_added_to_ds_config_steps_the_scheduler_per_optimizer_step(policy, tmp_path):
+    """Issue 39: the export without accumulation stepped the scheduler after every engine.step(); a
+    user who adds gradient_accumulation_steps to its ds_config.json got a scheduler that stepped 8
+    times for 4 optimizer steps. The loop checks the boundary in every DeepSpeed export."""
+    from harness import PROBE, cases
+
+    with counting_steps():
+        run = run_deepspeed(cases()[policy], tmp_path, config={"gradient_accumulation_steps": 2})
+    optimizer_steps = sum(event is None for event in PROBE.events)  # fp16: the overflowing one is skipped
+    assert run.namespace["model_engine"].global_steps == 2  # 4 micro-batches, 2 per optimizer step
+    assert run.namespace["scheduler"].last_epoch == optimizer_steps == (2 if policy == "bf16-mixed" else 1)

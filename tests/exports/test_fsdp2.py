@@ -196,12 +196,13 @@ class _TiedLM(torch.nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("name", ["bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("name", ["bf16-true"])
 def test_the_export_refuses_keep_fp32_on_one_side_of_a_tied_weight_as_shard_model_does(name):
-    """keep_fp32 on a head tied to the embedding: refused before sharding with mixprec's reason (under
-    *-true refuse_split_ties, as Policy.prepare; under *-mixed the plan's, as shard_model: one
-    all-gather, one dtype). Before, FSDP2 sharded the tie in the head's group and the embedding
-    failed. Without keep_fp32 the tie stays one parameter, sharded by the root's group, and trains."""
+    """keep_fp32 on a head tied to the embedding under *-true: refused before sharding with mixprec's
+    reason (refuse_split_ties, as Policy.prepare: the island fp32, the embedding bf16, one
+    parameter). Before, FSDP2 sharded the tie in the head's group and the embedding failed. Without
+    keep_fp32 the tie stays one parameter, sharded by the root's group, and trains. (*-mixed: the
+    test below.)"""
     from harness import execute
 
     from mixprec.errors import PolicyError
@@ -228,6 +229,49 @@ def test_the_export_refuses_keep_fp32_on_one_side_of_a_tied_weight_as_shard_mode
     )
     assert ns["model"].head.weight is ns["model"].wte.weight
     assert set(_fsdp_groups(ns["model"])) == {"layers.0", "layers.1", ""}
+
+
+def _tied_run(target: str, keep: tuple[str, ...]) -> dict:
+    """Two SGD steps of _TiedLM through ``target``'s bf16-mixed export: losses, trained weights, model."""
+    from harness import execute
+
+    from mixprec.exports import export
+
+    generator = torch.Generator().manual_seed(1)
+    loader = [(torch.randint(0, 16, (2, 3), generator=generator),) * 2 for _ in range(2)]
+    losses: list[torch.Tensor] = []
+
+    def loss_fn(model, batch):
+        loss = torch.nn.functional.cross_entropy(model(batch[0]).flatten(0, 1).float(), batch[1].flatten())
+        losses.append(loss.detach())
+        return loss
+
+    text = with_sgd(export(mixprec.PolicyConfig("bf16-mixed", "cpu", keep_fp32=keep), target))
+    ns = execute(text, {"model": _TiedLM(), "loader": loader, "loss_fn": loss_fn})
+    params = {n: p.detach() for n, p in ns["model"].named_parameters()}
+    if target == "fsdp2":
+        params = {n: p.full_tensor() for n, p in params.items()}
+    return {"losses": losses, "params": params, "model": ns["model"]}
+
+
+def test_bf16_mixed_keeps_a_tied_head_fp32_as_one_device_does():
+    """Issue 39: bf16-mixed with keep_fp32=['head'] on a head tied to the embedding was refused by
+    the export and shard_model ("cannot be fp32 in one and low precision in the other"), which is
+    false under *-mixed: every weight is fp32 on one device and autocast casts per op. Left to the
+    root's group, gathered in fp32, the export trains bit for bit as the pytorch export on one device,
+    and shard_model makes the same groups."""
+    one, fsdp = _tied_run("pytorch", ("head",)), _tied_run("fsdp2", ("head",))
+    assert len(one["losses"]) == 2 and all(map(torch.equal, one["losses"], fsdp["losses"]))
+    for name, value in one["params"].items():
+        assert torch.equal(value, fsdp["params"][name]), name
+    model = fsdp["model"]
+    assert model.head.weight is model.wte.weight
+    groups = _fsdp_groups(model)
+    assert "head" not in groups and groups[""].param_dtype == torch.float32  # the root holds the tie
+    policy = mixprec.get_policy("bf16-mixed", device="cpu", keep_fp32=["head"])
+    assert groups == {g.name: g.mp_policy for g in sharding_plan(policy.prepare(_TiedLM()), policy)}
+    sharded = shard_model(policy.prepare(_TiedLM()), policy)
+    assert sharded.head.weight is sharded.wte.weight
 
 
 def test_the_bf16_mixed_export_runs_a_gpt_as_one_device_does():

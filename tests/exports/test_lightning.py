@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from harness import (
@@ -318,3 +320,32 @@ def test_keep_fp32_on_one_side_of_a_tied_weight_is_refused_at_the_start_of_fit(t
         )
     with pytest.raises(mixprec.errors.PolicyError, match=reason):
         mixprec.get_policy("bf16-true", device="cpu", keep_fp32=["head"]).prepare(_TiedLM())
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_your_own_fused_optimizer_is_clipped_under_mixed_precision(policy, tmp_path):
+    """Issue 39: a LightningModule whose own configure_optimizers builds AdamW(fused=True) crashed at
+    the first step with the bf16-mixed or fp16-mixed export ('does not allow for gradient clipping'):
+    the export now clips such an optimizer's (unscaled) gradients itself at gradient_clip_val=1.0."""
+    norms: list[float] = []
+
+    def fused(parameters):
+        optimizer = torch.optim.AdamW(parameters, lr=1e-3, fused=True)
+
+        def seen(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+            grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+            norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+        optimizer.register_step_post_hook(seen)  # the closure ran and clipped: the gradients it stepped on
+        return optimizer
+
+    base = lightning_module_class(fused)
+
+    class Loud(base):  # gradients far past the clip: clipping shows
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) * 30
+
+    run = run_lightning(CASES[policy], tmp_path, module=Loud)
+    assert run.namespace["trainer"].global_step > 0
+    finite = [n for n in norms if math.isfinite(n)]  # fp16: the overflowing batch's step is skipped
+    assert len(finite) >= 3 and max(finite) <= 1.0 + 1e-3, norms

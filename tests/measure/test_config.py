@@ -56,9 +56,12 @@ def test_bench_takes_a_config_whole_or_field_by_field(monkeypatch):
     seen = []
     monkeypatch.setattr(sweep_module, "run_sweep", lambda w, f, config, **kw: seen.append(config))
     workload = mixprec.load_workload("mlp")
-    mixprec.bench(workload, policies="fp32,bf16-mixed", steps=3, device="cpu")
-    mixprec.bench(workload, BenchConfig(policies="fp32,bf16-mixed", steps=3, device="cpu"))
-    mixprec.bench(workload, BenchConfig(policies="fp32,bf16-mixed", steps=9, device="cpu"), steps=3)
+    # (threads fixed: 'auto' times the step at 1..N threads, and a busy machine may answer otherwise)
+    mixprec.bench(workload, policies="fp32,bf16-mixed", steps=3, device="cpu", threads=1)
+    mixprec.bench(workload, BenchConfig(policies="fp32,bf16-mixed", steps=3, device="cpu", threads=1))
+    mixprec.bench(
+        workload, BenchConfig(policies="fp32,bf16-mixed", steps=9, device="cpu", threads=1), steps=3
+    )
     assert seen[0] == seen[1] == seen[2]
     with pytest.raises(UsageError, match=r"bench\(\) has no setting 'stepz'. Did you mean 'steps'"):
         mixprec.bench(workload, stepz=3)  # a misspelt field is one clear line

@@ -174,6 +174,7 @@ def test_bf32_on_a_cnn_is_reported_as_no_effect_exactly_where_the_probe_finds_no
         warmup=1,
         device="cpu",
         isolate=False,
+        threads=torch.get_num_threads(),  # the probe's above: oneDNN picks kernels by thread count
     )
     bf32 = {r.label: r for r in result.rows}["bf32"]
     if effect.no_effect:

@@ -17,6 +17,18 @@ def _one_thread(single_thread):
     """Tiny models: one thread (see conftest.single_thread)."""
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    """Accelerate keeps its state process-wide (the Trainer makes an Accelerator too): each test
+    starts and ends without one, whichever framework's test ran before it in this process."""
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def test_accelerate_save_state_refuses_poisoned_weights(tmp_path):
     require("accelerate", "frameworks")
     from accelerate import Accelerator
@@ -44,3 +56,53 @@ def test_accelerate_save_state_refuses_poisoned_weights(tmp_path):
     with pytest.raises(PoisonedCheckpointError, match="holds inf/NaN"):
         accelerator.save_state(str(tmp_path / "state"))
     assert not any((tmp_path / "state").glob("*.bin")) and not any((tmp_path / "state").glob("*.safetensors"))
+
+
+def accelerate_run(w, steps, **monitor_kw):
+    """The regression MLP in an Accelerate loop (bf16 on a CPU) that hands the loss and batch over
+    before the optimizer step, with a prepared scheduler; returns (monitor, learning rates)."""
+    from accelerate import Accelerator
+
+    from mixprec.monitor.accelerate import watch
+
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    optimizer = w.make_optimizer(w.model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / 1000)
+    model, optimizer, scheduler = accelerator.prepare(w.model, optimizer, scheduler)
+    monitor = watch(accelerator, model, optimizer, loss_fn=w.loss_fn, every=20, **monitor_kw)
+    torch.manual_seed(0)
+    lrs = []
+    for step in range(steps):
+        batch = w.make_batch(32, torch.device("cpu"))
+        loss = w.loss_fn(model, batch)
+        accelerator.backward(loss)
+        monitor.before_step(loss, batch, batch_index=step)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        monitor.observe(loss, batch)
+        lrs.append(scheduler.get_last_lr()[0])
+    monitor.close()
+    return monitor, lrs
+
+
+def test_accelerate_withholds_a_data_spike_and_its_scheduler_step(tmp_path):
+    require("accelerate", "frameworks")
+    from monitor_faults import regression
+
+    monitor, lrs = accelerate_run(regression(70), 80, rescue=True, skip_list=tmp_path / "skip.json")
+    assert [(f.step, f.evidence["verdict"]) for f in monitor.findings] == [(70, "data")]
+    assert monitor.withheld == [70] and monitor.healthy
+    assert lrs[70] == lrs[69] and lrs[71] < lrs[70] and lrs[69] < lrs[68]  # as after an overflow
+
+
+def test_accelerate_replays_in_fp32_through_its_autocast_wrapper():
+    """Accelerate wraps the model's forward in its autocast: the fp32 replay runs the forward it
+    keeps, so a bf16-only overflow is the precision, not the data."""
+    require("accelerate", "frameworks")
+    from monitor_faults import regression
+
+    monitor, _ = accelerate_run(regression(offset_at=70, norm=True), 75)
+    assert [(f.step, f.kind, f.evidence.get("verdict"), f.module) for f in monitor.findings][:1] == [
+        (70, "overflow", "precision", "norm")
+    ]

@@ -84,5 +84,6 @@ def test_to_dict_is_json():
 
 def test_the_detectors_are_composed_from_the_config():
     names = [type(d).__name__ for d in detectors_for(MonitorConfig())]
-    assert names == ["PoisonedWeights", "BadBatch", "Overflow", "PredictedRange", "Stall"]
+    assert names == ["PoisonedWeights", "BadBatch", "Overflow", "PredictedRange", "Stall", "Spike"]
+    assert "Spike" not in [type(d).__name__ for d in detectors_for(MonitorConfig(spikes=False))]
     assert isinstance(detectors_for(MonitorConfig(shadow_every=50))[-1], Drift)  # only when asked for

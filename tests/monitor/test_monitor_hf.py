@@ -17,6 +17,18 @@ def _one_thread(single_thread):
     """Tiny models: one thread (see conftest.single_thread)."""
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerator_state():
+    """Accelerate keeps its state process-wide (the Trainer makes an Accelerator too): each test
+    starts and ends without one, whichever framework's test ran before it in this process."""
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def train(tmp_path, steps, *, poison_at=None, pure_bf16=False, fp32=False, lr=5e-5, **monitor_kw):
     """bf16 autocast by default; ``pure_bf16``: bf16 weights, no autocast; ``fp32``: neither."""
     require("transformers", "frameworks")

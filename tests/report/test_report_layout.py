@@ -25,8 +25,8 @@ from mixprec.status import Status
 from mixprec.tuning import TuneResult
 from mixprec.tuning.decide import Ranked
 
-ROOT = Path(__file__).resolve().parents[2]
-OLD_FILE = ROOT / "benchmarks" / "results" / "tune-resnet50-cpu.json"
+# a schema-1 tune file as 0.1 wrote it (a copy, so regenerating benchmarks/results leaves it be)
+OLD_FILE = Path(__file__).parent / "data" / "tune-resnet50-schema1.json"
 # seconds per phase, out of order, with one too short to show
 PHASES = {"other": 4.6, "speed": 120.4, "numerics": 80.2, "compile": 60.0, "race": 20.0, "prediction": 0.2}
 LONG_LABEL = "bf16-mixed+cl+fp32[head]+compile-step:max-autotune"

@@ -94,7 +94,10 @@ def test_timm_model_is_timms_own_with_timms_optimizer():
     assert images.shape == (2, 3, 32, 32)
     reference = create_optimizer_v2(w.model, "adamw", lr=1e-3, weight_decay=0.05)
     opt = w.make_optimizer(w.model)
-    assert type(opt) is type(reference) and _groups(opt) == _groups(reference)
+    # timm's AdamW and its parameter groups, the rate scaled by the square root to the task's batch
+    assert isinstance(opt, type(reference)) and _groups(opt) == _groups(reference)
+    # (at the task's default batch: one rate for every run of the workload, whatever was drawn)
+    assert opt.param_groups[0]["base_lr"] == pytest.approx(1e-3 * (w.default_batch_size / 32) ** 0.5)
     validate_workload(w, device="cpu", batch_size=2)
     assert load_workload("timm:convnext_atto").description.count("3x224x224") == 1  # timm's input_size
 

@@ -1,6 +1,7 @@
 """Up-front validation: one strict-fp32 step before any measuring turns each workload mistake into
 one line naming the function and what it returned (exit 2), in bench (isolated or in-process),
-check, lint and tune; and optimizer_fn receives the module, or its parameters in the older form."""
+check, lint and tune; and optimizer_fn receives the module (one that fails on it and builds on its
+parameters, the older form, gets those: told apart by calling it, never by a parameter's name)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from mixprec.errors import UsageError
 from mixprec.frameworks.session import BenchSettings
 from mixprec.frameworks.torch.session import TrainingSession
 from mixprec.policy import Candidate
-from mixprec.workload import Workload, optimizer_takes_module, validate_workload
+from mixprec.workload import Workload, validate_workload
 
 CPU = torch.device("cpu")
 
@@ -93,9 +94,11 @@ OTHER = _model()
             r"optimizer_fn returned torch\.optim\.sgd\.SGD over 4 parameter\(s\), none of them the "
             r"model's: build it from the model it is given",
         ),
-        (
+        (  # issue 37: one line naming the function and the fix, not "name its first parameter `model`"
             lambda: _workload(optimizer_fn=lambda m: m.configure_optimizers()),
-            r"optimizer_fn\(model\.parameters\(\)\) raised AttributeError.*name its first parameter `model`",
+            r"optimizer_fn <lambda> \(test_validate\.py:\d+\) of workload 'sequential' fails with the "
+            r"model \(AttributeError: .*configure_optimizers.*\) and with model\.parameters\(\) .*; "
+            r"optimizer_fn takes the model: return e\.g\. torch\.optim\.AdamW\(model\.parameters\(\)",
         ),
         (lambda: _workload(optimizer_fn=lambda params: "sgd"), r"returned str, expected a torch\.optim"),
         (  # issue 26: it said "without a gradient path ... computed under torch.no_grad()?"
@@ -234,37 +237,40 @@ def test_an_output_object_instead_of_a_loss_is_one_line_and_exit_2(broken, comma
 
 
 class _Recipe:
-    def __call__(self, model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.SGD(model.parameters(), lr=0.1)
+    def __call__(self, anything) -> torch.optim.Optimizer:
+        return torch.optim.SGD(anything.parameters(), lr=0.1)
 
 
-def _annotated(m: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(m.parameters(), lr=0.1)
-
-
-def _annotated_text(m: "nn.Module") -> torch.optim.Optimizer:  # noqa: UP037 - the string form is the case
-    return torch.optim.SGD(m.parameters(), lr=0.1)
+def _grouped(m):
+    decay = [p for p in m.parameters() if p.dim() >= 2]
+    return torch.optim.AdamW([{"params": decay}, {"params": [p for p in m.parameters() if p.dim() < 2]}])
 
 
 @pytest.mark.parametrize(
-    ("fn", "takes_module"),
+    "fn",
     [
-        (lambda model: None, True),
-        (lambda module: None, True),
-        (lambda net: None, True),
-        (_annotated, True),
-        (_annotated_text, True),
-        (_Recipe(), True),
-        (lambda params: None, False),
-        (lambda parameters: None, False),
-        (lambda p: None, False),
-        (torch.optim.AdamW, False),
-        (functools.partial(torch.optim.SGD, lr=0.1), False),
-        (mixprec.workload.default_optimizer, False),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=3e-3),  # issue 37: 'generator' has no 'parameters'
+        lambda model: torch.optim.AdamW(model.parameters(), lr=3e-3),
+        lambda net, lr=0.1: torch.optim.SGD(net.parameters(), lr=lr),
+        _grouped,
+        _Recipe(),
+        lambda p: torch.optim.SGD(p, lr=0.1),  # the older form: told apart by calling, not by a name
+        lambda params: torch.optim.Adam(params),
+        lambda model: torch.optim.Adam(model),  # named `model`, but it wants the parameters
+        torch.optim.AdamW,
+        functools.partial(torch.optim.SGD, lr=0.1),
+        mixprec.workload.default_optimizer,
     ],
 )
-def test_the_form_is_read_from_the_signature(fn, takes_module):
-    assert optimizer_takes_module(fn) is takes_module
+def test_optimizer_fn_is_told_apart_by_calling_it_never_by_a_parameters_name(fn):
+    """optimizer_fn takes the model; one that turns out to want the parameters (it fails on the
+    module and builds on model.parameters()) still works. Never decided by a parameter's name."""
+    w = _workload(optimizer_fn=fn)
+    opt = w.make_optimizer(w.model)
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert held == {id(p) for p in w.model.parameters()}
+    assert isinstance(w.make_optimizer(w.model), type(opt))  # the form it found is kept
+    validate_workload(w, device="cpu")
 
 
 def test_optimizer_fn_gets_the_prepared_model_being_trained():
@@ -291,8 +297,8 @@ def test_the_parameter_form_still_works_and_a_module_form_refuses_parameters():
     assert isinstance(opt, torch.optim.Adam)
     assert {id(p) for p in opt.param_groups[0]["params"]} == {id(p) for p in w.model.parameters()}
     assert isinstance(w.make_optimizer(w.model.parameters()), torch.optim.Adam)  # as before
-    modern = _workload(optimizer_fn=lambda model: torch.optim.Adam(model.parameters()))
-    with pytest.raises(UsageError, match=r"takes the model.*pass the module"):
+    modern = _workload(optimizer_fn=lambda m: torch.optim.Adam(m.parameters()))
+    with pytest.raises(UsageError, match=r"optimizer_fn <lambda> .* was given parameters.*pass the module"):
         modern.make_optimizer(modern.model.parameters())
 
 

@@ -14,6 +14,7 @@ import difflib
 import fnmatch
 import math
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
@@ -25,6 +26,7 @@ from mixprec.errors import PolicyError, UsageError
 from mixprec.events import Events, ignore
 from mixprec.frameworks import Framework, framework_of
 from mixprec.hardware.device import detect
+from mixprec.hardware.formats import slow_formats
 from mixprec.numerics.compare import Comparison, Trajectory, compare
 from mixprec.numerics.fix import MapSpace, Trials, search_keep_fp32, search_precision_map
 from mixprec.numerics.limits import LOW_PRECISION_FORMATS
@@ -62,9 +64,17 @@ VERIFY_MARGIN = 1.5
 MAX_VERIFY_STEPS = 1000
 # The run length verdicts are about when nobody names one (tune's --train-steps default too).
 NEVER_RAN = "nothing was tested"
-# The reference learns when its fitted fall over the checked steps is this many times the median
-# distance of its losses from the fit (batch-to-batch noise).
+# The reference learns when its fitted fall over the checked steps is this many times the larger of
+# the median distance of its losses from the fit (batch-to-batch noise) and the largest distance
+# between two fp32 runs' losses (the chaos run: run-to-run spread).
 LEARNING_MARGIN = 1.0
+# Power first: where the reference does not learn over the steps asked for, the check runs it over
+# twice as many, then twice again, up to this many times the steps asked and at most MAX_POWER_STEPS
+# (and only what the budget can pay): the steps the verdicts need to mean something.
+POWER_FACTOR = 4
+MAX_POWER_STEPS = 64
+# What an inconclusive verdict's reason starts with.
+INCONCLUSIVE = "inconclusive"
 
 
 def never_ran(cand: Candidate, traj: Trajectory) -> str:
@@ -160,9 +170,22 @@ class Checker:
         self._eager: dict[tuple[Candidate, int], Trajectory] = {}  # compiled candidates' eager twins
         self.workload, self.framework, self.device, self.steps = workload, framework, device, steps
         self.batch_size, self.thresholds, self.events, self.budget = batch_size, thresholds, events, budget
-        self.batches = framework.make_batches(workload, batch_size, device, 0, steps)
+        self.asked_steps = steps
+        started = time.perf_counter()
+        self.fp32_runs(steps)
+        self.reference_ranges = framework.layer_ranges(
+            workload, framework.baseline, self.batches[0], device, None
+        )
+        self.power = self.power_first(steps, time.perf_counter() - started)
+        self.learning = not_learning(self.reference.losses, run_spread(self.reference, self.chaos))
+
+    def fp32_runs(self, steps: int) -> None:
+        """The strict-fp32 reference and the chaos run over ``steps`` steps, and the chaos floor."""
+        workload, framework, device = self.workload, self.framework, self.device
+        self.steps = steps
+        self.batches = framework.make_batches(workload, self.batch_size, device, 0, steps)
         baseline = framework.baseline
-        self.stage("fp32 reference")
+        self.stage("fp32 reference" + (f" over {steps} steps" if steps != self.asked_steps else ""))
         self.reference = framework.trajectory(workload, baseline, self.batches, steps, device)
         broken = broken_reference(self.reference)
         if broken:
@@ -172,7 +195,6 @@ class Checker:
                 f"it. Fix {getattr(workload, 'name', 'it')!r} so it trains in fp32 first (mixprec --debug "
                 "shows where)."
             )
-        self.reference_ranges = framework.layer_ranges(workload, baseline, self.batches[0], device, None)
         self.stage("fp32 chaos floor")
         self.chaos = framework.trajectory(
             workload, baseline, self.batches, steps, device, perturb=CHAOS_PERTURBATION
@@ -182,6 +204,50 @@ class Checker:
             Floor(chaos.max_rel_loss_diff, chaos.output_sqnr_db, chaos.total_grad_sqnr_db)
             if not self.chaos.error
             else Floor()
+        )
+
+    def power_first(self, steps: int, took_s: float) -> str:
+        """Before judging: does the fp32 reference learn over the compared steps, beyond its
+        batch-to-batch noise and its run-to-run spread? Where not, run it (and the chaos run) over
+        twice the steps, then twice again, up to ``POWER_FACTOR`` times the steps asked (at most
+        ``MAX_POWER_STEPS``) while the budget can pay: the reference and chaos runs again, plus each
+        candidate's longer run. What was done, in words ('' when the steps asked for were enough)."""
+        limit = max(steps, min(POWER_FACTOR * steps, MAX_POWER_STEPS))
+        why = not_learning(self.reference.losses, run_spread(self.reference, self.chaos))
+        tried = steps
+        while why and self.steps < limit:
+            more = min(2 * self.steps, limit)
+            per_step = took_s / (2 * self.steps)  # one fp32 run's step, from the runs so far
+            if not self.budget.can_pay(per_step * more * 4):  # reference, chaos, two candidates
+                return (
+                    f"the fp32 reference did not learn over {self.steps} steps; the budget could not pay "
+                    f"for {more}"
+                )
+            started = time.perf_counter()
+            before = (self.steps, self.batches, self.reference, self.chaos, self.floor)
+            try:
+                self.fp32_runs(more)
+            except UsageError as exc:  # fp32 itself fails further on: judge over the steps that ran
+                self.steps, self.batches, self.reference, self.chaos, self.floor = before
+                return (
+                    f"the fp32 reference did not learn over {tried} steps; over {more} it failed itself "
+                    f"({str(exc).split(';')[0].removeprefix('the workload itself fails in strict fp32: ')}), "
+                    f"so the candidates are judged over {self.steps}"
+                )
+            took_s = time.perf_counter() - started
+            why = not_learning(self.reference.losses, run_spread(self.reference, self.chaos))
+        if self.steps == tried:
+            return ""
+        if why:
+            return (
+                f"the fp32 reference did not learn over {tried} steps; checked {self.steps} steps "
+                f"({POWER_FACTOR}x at most): it does not learn over those either"
+            )
+        losses = self.reference.losses
+        return (
+            f"the fp32 reference did not learn over {tried} steps; checked {self.steps} steps, over which "
+            f"it learns (loss {losses[0]:.4g} -> {losses[-1]:.4g}, beyond its run-to-run spread of "
+            f"{run_spread(self.reference, self.chaos):.3g})"
         )
 
     def stage(self, text: str) -> None:
@@ -339,6 +405,16 @@ class Checker:
                 self.search_fix(cand, result, rfmt, seen.at_risk)
         if census is not None:
             result.precision_map = map_report(cand, census, result.fix_keep_bf16)
+        spread = self.floor.rel_loss_diff
+        if cmp.max_rel_loss_diff is not None and math.isfinite(cmp.max_rel_loss_diff):
+            result.spread_ratio = cmp.max_rel_loss_diff / spread if spread > 0 else None
+            result.randomness = against_spread(cmp.max_rel_loss_diff, spread)
+        if result.verdict == Status.PASS and result.randomness:
+            result.reason += f"; {result.randomness}"
+        if result.verdict == Status.PASS and self.learning:
+            # no failure seen, but two runs that do not learn cannot show one: never a pass
+            result.verdict = Status.INCONCLUSIVE
+            result.reason = f"{INCONCLUSIVE}: {self.learning} (its figures: {result.reason})"
         return result
 
     def evidence(self, cand: Candidate, traj: Trajectory, seen: Outlook) -> str:
@@ -462,9 +538,10 @@ class Checker:
             chaos_floor_losses=self.chaos.losses,
             candidates=results,
             reference_layers=layer_headroom(self.reference_ranges),
-            reference_note="; ".join(
-                filter(None, [self.reference.note, not_learning(self.reference.losses)])
-            ),
+            reference_note="; ".join(filter(None, [self.reference.note, self.learning])),
+            learns=not self.learning,
+            asked_steps=self.asked_steps,
+            power=self.power,
         )
 
 
@@ -563,24 +640,55 @@ def cured(rejected: CandidateCheck, rescued: CandidateCheck) -> str:
     )
 
 
-def not_learning(losses: Sequence[float]) -> str:
-    """Why the verdicts have little power when the fp32 reference's loss does not fall over the
-    checked steps (random labels, a learning rate of 0): two runs that do not learn drift apart like
-    chaos, and the chaos floor they set lets anything through. '' when it learns."""
+def run_spread(reference: Trajectory, chaos: Trajectory) -> float:
+    """How far two strict-fp32 runs' losses lie apart over the same steps (the reference and the
+    chaos run, whose weights differ by 2^-20): the run-to-run spread, in loss units."""
+    pairs = [(a, b) for a, b in zip(reference.losses, chaos.losses, strict=False) if math.isfinite(a + b)]
+    return max((abs(a - b) for a, b in pairs), default=0.0)
+
+
+def not_learning(losses: Sequence[float], spread: float = 0.0) -> str:
+    """Why the verdicts have no power when the fp32 reference's loss does not fall over the checked
+    steps by more than its batch-to-batch noise (the median distance from its Theil-Sen fit) and its
+    run-to-run ``spread`` (random labels, a learning rate of 0 or far too high): two runs that do
+    not learn drift apart like chaos, and the chaos floor they set lets anything through; a
+    candidate is then inconclusive, never a pass. '' when it learns."""
     points = [(t, v) for t, v in enumerate(losses) if math.isfinite(v)]
     if len(points) < 4:
         return ""
     ts, values = [float(t) for t, _ in points], [v for _, v in points]
     slope, intercept = theil_sen(ts, values)
     noise = statistics.median(abs(v - (intercept + slope * t)) for t, v in points)
-    if -slope * (ts[-1] - ts[0]) > LEARNING_MARGIN * noise:  # a fall the batch-to-batch noise cannot make
+    fall = -slope * (ts[-1] - ts[0])
+    if fall > LEARNING_MARGIN * max(noise, spread):  # a fall neither noise nor chaos can make
         return ""
+    beyond = f", a fall within its run-to-run spread of {spread:.3g}" if spread > noise and fall > 0 else ""
     return (
         f"the fp32 reference did not learn over the {len(losses)} checked steps (loss {losses[0]:.4g} "
-        f"-> {losses[-1]:.4g}, trend {slope:+.3g}/step): the verdicts compare runs that do not learn "
-        "and have little power. Give the workload data its model can learn (real data, or labels "
-        "from a fixed teacher), or check more steps."
+        f"-> {losses[-1]:.4g}, trend {slope:+.3g}/step{beyond}): the "
+        "verdicts compare runs that do not learn and have little power. Make it learn: data its "
+        "model can learn (real data, or labels from a fixed teacher, not random ones), a learning "
+        "rate scaled to the batch (linearly for SGD, by its square root for Adam, with a warm-up), "
+        "or more checked steps (`check --steps`, `tune --check-steps`)"
     )
+
+
+def against_spread(diff: float, spread: float) -> str:
+    """A candidate's largest loss difference against fp32's own run-to-run spread on the same
+    steps: "within training randomness" where it is inside it (DeepSeek-V3's wording for FP8 against
+    BF16), else how many times it."""
+    if spread <= 0:
+        return f"{_pct(diff)} apart; two fp32 runs do not drift apart at all here"
+    if diff <= spread:
+        return (
+            f"within training randomness: {_pct(diff)} against fp32's own run-to-run spread of {_pct(spread)}"
+        )
+    return f"{diff / spread:.3g}x fp32's own run-to-run spread of {_pct(spread)}"
+
+
+def _pct(x: float) -> str:
+    """A relative difference with the digits it needs: '1.3%', '0.0021%', '0%'."""
+    return f"{100 * x:.2g}%" if x else "0%"
 
 
 def broken_reference(reference: Trajectory) -> str:
@@ -724,6 +832,11 @@ def check(
         cands += [c for c in framework.source_candidates(checker.workload) if c not in cands]
     check_islands(framework, checker.workload, cands)  # again: Keras lists its layers once built
     info = detect(checker.device)
+    if alone and info.type == "cpu":  # a format slow here, said before its check runs for minutes
+        conv = framework.bench_layouts(checker.workload, [True])[0] == [True]  # channels_last: convs
+        formats = {c.policy: c.spec.peak_key for c in cands if not c.emulate and framework.support(c, info)}
+        for warning in slow_formats(formats, info, conv=conv):
+            events({"event": "note", "text": f"warning: {warning}"})
     results = []
     for index, cand in enumerate(cands):
         support = framework.support(cand, info)

@@ -9,12 +9,14 @@ from pathlib import Path
 from rich.console import Console
 
 from mixprec.cli.common import (
+    THREADS_HELP,
     CandidateProgress,
     Defaults,
     add_workload_arguments,
     first_failure,
     positive_int,
     require_supported,
+    threads_arg,
     workload_from_args,
 )
 from mixprec.errors import UsageError
@@ -46,6 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="each candidate eager and/or compiled: torch.compile (torch), XLA (tensorflow); default off",
     )
     p.add_argument("--steps", type=positive_int, help="timed steps per candidate (at least)")
+    p.add_argument("--threads", type=threads_arg, default="auto", help=THREADS_HELP)
     p.add_argument("--warmup", type=positive_int, help="untimed warm-up steps per candidate")
     p.add_argument(
         "--min-time", type=float, help="keep timing a candidate until this many seconds (at most 200 steps)"
@@ -118,6 +121,7 @@ def bench_config(args: argparse.Namespace, defaults: Defaults) -> BenchConfig:
         isolate=False if args.in_process else None,
         prune_factor=args.prune_factor,
         nproc=args.nproc,
+        threads=args.threads,
     )
 
 

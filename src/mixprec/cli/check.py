@@ -16,7 +16,7 @@ from mixprec.cli.common import (
     require_supported,
     workload_from_args,
 )
-from mixprec.errors import UsageError
+from mixprec.errors import NumericsFailed, NumericsInconclusive, UsageError
 from mixprec.measure.config import parse_policies
 from mixprec.policy.candidate import EMULATABLE, Candidate
 from mixprec.policy.registry import spec_of
@@ -117,4 +117,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         err.print(f"wrote {write_json(args.json, 'check', env, result.to_dict())}")
     if args.plot:
         err.print(f"wrote {plot(args.plot, result)}")
-    return 4 if result.failed else 0
+    if result.failed:
+        return NumericsFailed.exit_code
+    # nothing failed, but the reference did not learn: no pass either (the report says why)
+    return NumericsInconclusive.exit_code if result.inconclusive else 0

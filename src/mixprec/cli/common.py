@@ -11,6 +11,7 @@ from mixprec.cli.progress import CandidateProgress, sweep_progress
 from mixprec.errors import UnsupportedError, UsageError
 from mixprec.frameworks import Framework, framework_named, framework_names
 from mixprec.hardware.device import DeviceInfo, detect
+from mixprec.hardware.formats import slow_formats
 from mixprec.measure.results import BenchRow
 from mixprec.policy import Candidate, canonical_name
 from mixprec.status import Status
@@ -37,6 +38,17 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def threads_arg(text: str) -> int | str:
+    """--threads: 'auto' (the fastest count now) or a positive count."""
+    return "auto" if text == "auto" else positive_int(text)
+
+
+THREADS_HELP = (
+    "intra-op threads on a CPU: auto (default) times the strict-fp32 step at 1..N threads and measures "
+    "at the fastest now (fewer on a busy machine), or a count"
+)
 
 
 def add_workload_arguments(p: argparse.ArgumentParser, *, verbose: bool = True) -> None:
@@ -166,6 +178,19 @@ def require_supported(
                 f"{option} names {canonical_name(name)!r}, which is not supported on {info.type}: "
                 f"{support.reason}{hint} (drop it, or pass {option} all to list it as unsupported)."
             )
+
+
+def slow_format_warnings(
+    policies: Sequence[str], framework: Framework, workload: Any, device: str
+) -> list[str]:
+    """Warnings for the formats that are slow on this device for ``workload`` (measured: a CPU flag
+    is not a fast kernel), to print before a check or a run spends minutes in them."""
+    info = detect(device)
+    if info.type != "cpu":
+        return []
+    conv = framework.bench_layouts(workload, [True])[0] == [True]  # channels_last only for convolutions
+    formats = {name: Candidate(name).spec.peak_key for name in map(canonical_name, policies)}
+    return slow_formats(formats, info, conv=conv)
 
 
 def first_failure(rows: Sequence[BenchRow]) -> UsageError | None:

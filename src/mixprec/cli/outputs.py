@@ -115,7 +115,8 @@ def check_outputs(args: argparse.Namespace) -> Prepared:
                 )
             _folder_problem(out.option, out.path)
             folders.append((out.option, out.path))
-            files += [(f"{out.option} {str(out.path)!r}", out.path / name) for name in REPORT_FILES]
+            names = getattr(args, "out_files", None) or REPORT_FILES  # a command's own, else a report's
+            files += [(f"{out.option} {str(out.path)!r}", out.path / name) for name in names]
             locks.append(lock_path(out.path, is_dir=True))
             continue
         check_regular_target(out.path, out.option)

@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--out", default="mixprec-out/run", help="folder for run.json and events.jsonl (with --monitor)"
     )
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, out_files=("run.json", "events.jsonl"))  # checked before the script starts
 
 
 def candidate_of(args: argparse.Namespace) -> Candidate:

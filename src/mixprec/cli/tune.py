@@ -15,13 +15,15 @@ from rich.text import Text
 
 from mixprec.checking.config import TRAIN_STEPS, CheckConfig
 from mixprec.cli.common import (
+    THREADS_HELP,
     CandidateProgress,
     Defaults,
     add_workload_arguments,
     positive_int,
+    threads_arg,
     workload_from_args,
 )
-from mixprec.errors import BudgetExhausted, MixprecError, NumericsFailed, UsageError
+from mixprec.errors import BudgetExhausted, MixprecError, NumericsFailed, NumericsInconclusive, UsageError
 from mixprec.exports import EXPORT_TARGETS
 from mixprec.measure.config import BenchConfig
 from mixprec.measure.memory import parse_size
@@ -42,6 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_workload_arguments(p)
     p.add_argument("--budget", type=float, default=300.0, help="seconds for the whole search (default 300)")
     p.add_argument("--steps", type=positive_int, help="timed steps per candidate")
+    p.add_argument("--threads", type=threads_arg, default="auto", help=THREADS_HELP)
     p.add_argument("--check-steps", type=positive_int, default=6, help="training steps compared with fp32")
     p.add_argument(
         "--no-fix", action="store_true", help="do not search keep_fp32 rescues for failing policies"
@@ -165,8 +168,14 @@ def summary(data: dict[str, Any]) -> Group:
     time_line = [Text(f"time: {spent}", style="dim")] if spent else []  # where the budget went
     if rec is None:
         parts.append(Text(no_recommendation(data).args[0], style="red"))
+        parts += [Text(line, style="yellow") for line in untried_lines(data)]
         return Group(*parts, *time_line)
-    head = Text.assemble(("recommended: ", "bold"), (rec["label"], "bold green"))
+    verified = not rec.get("numerics_unverified")
+    head = Text.assemble(
+        ("recommended: ", "bold"), (rec["label"], "bold green" if verified else "bold yellow")
+    )
+    if not verified:
+        head.append(" (on speed alone: numerics not verified)", style="yellow")
     if rec.get("speedup_vs_fp32"):
         head.append(f"  {rec['speedup_vs_fp32']:.2f}x strict fp32")
     if rec.get("speedup_vs_tf32"):
@@ -179,6 +188,8 @@ def summary(data: dict[str, Any]) -> Group:
             f"per optimizer step{peak}"
         )
     parts += [head, Text(rec["reason"])]
+    if rec.get("numerics_unverified"):  # picked on speed alone: said under the pick, not only in a note
+        parts.append(Text(f"{rec['label']}: {rec['numerics_unverified']}", style="yellow"))
     if data.get("budget_exhausted"):
         parts.append(Text(budget_exhausted(data).args[0], style="red"))
     for finding in rec.get("lint_worth_fixing") or []:
@@ -196,6 +207,9 @@ def summary(data: dict[str, Any]) -> Group:
     parts += export_lines(data)
     for note in data.get("notes") or []:
         parts.append(Text(f"note: {note}", style="yellow"))
+    power = (data.get("check") or {}).get("power")
+    if power:  # the checks compared more steps than asked: the reference needed them to learn
+        parts.append(Text(f"note: {power}", style="yellow"))
     reference = (data.get("check") or {}).get("reference_note")
     if reference:
         parts.append(Text(f"note: {reference}", style="yellow"))
@@ -203,7 +217,34 @@ def summary(data: dict[str, Any]) -> Group:
     measured = [drift_text(bench.get("baseline_drift")), describe_noise(bench.get("noise") or {})]
     if any(measured):
         parts.append(Text("measured: " + "; ".join(m for m in measured if m), style="dim"))
+    parts += [Text(line, style="yellow") for line in untried_lines(data)]  # the last word: what did not run
     return Group(*parts, *time_line)
+
+
+def untried_lines(data: dict[str, Any]) -> list[str]:
+    """What the decision did not see measured, a line per kind: not measured (the budget ended
+    first, with the budget that would try them), predicted only, too noisy to rank."""
+    rows = data.get("candidates") or []
+
+    def labels(status: str) -> list[str]:
+        return [c["label"] for c in rows if c.get("status") == status]
+
+    lines = []
+    rec = data.get("recommendation") or {}
+    if missing := labels(Status.NOT_MEASURED):
+        more = rec.get("budget_to_try_s")
+        tail = f"; about --budget {more:g} would try them" if more else "; raise --budget to try them"
+        lines.append(f"not measured, the budget ended first: {', '.join(missing)}{tail}")
+    predicted = [
+        f"{c['label']} ({_predicted_verdict(c['verdict'])})" if c.get("verdict") else c["label"]
+        for c in rows
+        if c.get("status") == Status.PREDICTED
+    ]
+    if predicted:
+        lines.append(f"predicted only, speed not measurable on this device: {', '.join(predicted)}")
+    if noisy := labels(Status.NOISY):
+        lines.append(f"too noisy to rank, set aside: {', '.join(noisy)}")
+    return lines
 
 
 def budget_exhausted(data: dict[str, Any]) -> BudgetExhausted:
@@ -247,6 +288,13 @@ def export_lines(data: dict[str, Any]) -> list[Text]:
     return lines
 
 
+def _predicted_verdict(verdict: str) -> str:
+    """A predicted row's verdict in words: pass and fail as predicted, inconclusive as it is."""
+    if verdict == Status.PASS:
+        return "would pass"
+    return "inconclusive" if verdict == Status.INCONCLUSIVE else "would fail"
+
+
 def tune_config(args: argparse.Namespace, defaults: Defaults) -> TuneConfig:
     """The command line as a :class:`TuneConfig` (the framework's defaults where a flag is not given)."""
     return TuneConfig(
@@ -255,6 +303,7 @@ def tune_config(args: argparse.Namespace, defaults: Defaults) -> TuneConfig:
             batch_size=defaults.batch_size(),
             steps=args.steps or defaults["steps"],
             warmup=defaults["warmup"],
+            threads=args.threads,
         ),
         check=CheckConfig(steps=args.check_steps, fix=not args.no_fix, train_steps=args.train_steps),
         budget_s=args.budget,
@@ -295,6 +344,11 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         raise no_recommendation(data)
     if result.budget_exhausted:
         raise budget_exhausted(data)
+    if result.recommendation.numerics_unverified:
+        raise NumericsInconclusive(
+            f"{result.recommendation.label} was picked on speed alone: "
+            f"{result.recommendation.numerics_unverified}."
+        )
     return 0
 
 

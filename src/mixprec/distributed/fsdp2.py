@@ -129,11 +129,14 @@ def sharding_plan(
     cast: gathered in half, the weights would not match them; kept fp32, the layer takes half
     inputs as it does under autocast on one device). A parameter shared by two modules (tied
     weights) must be sharded by one group: a block that would split a tie is left to the group
-    around it, and a keep_fp32 module that would is refused (one all-gather, one dtype). Under
-    *-mixed only Linear/conv parameters are gathered in the compute dtype (autocast casts them
-    anyway): every other module holding parameters (LayerNorm, embeddings, ...) is an
-    "autocast fp32" group, and a block or the root still holding such a parameter (its own, or a
-    tie) gets the fp32 policy; see :func:`mixprec.distributed.common.autocast_fp32_params`.
+    around it, and under *-true a keep_fp32 module that would is refused (one all-gather, one
+    dtype: the island fp32, the other side half). Under *-mixed only Linear/conv parameters are
+    gathered in the compute dtype (autocast casts them anyway): every other module holding
+    parameters (LayerNorm, embeddings, ...) is an "autocast fp32" group, and a block or the root
+    still holding such a parameter (its own, a tie, or a keep_fp32 module's left to it because it
+    is tied to a module outside: a head tied to the embedding) gets the fp32 policy, so every op
+    sees the dtypes it sees on one device; see
+    :func:`mixprec.distributed.common.autocast_fp32_params`.
     """
     if not isinstance(model, nn.Module):
         raise PolicyError(f"sharding_plan takes a torch.nn.Module, got {type(model).__name__}.")
@@ -147,6 +150,8 @@ def sharding_plan(
     mixed = policy_spec(policy).autocast_dtype is not None
     by_module = autocast_fp32_params(model) if mixed else {}
     keep32 = set().union(*by_module.values())
+    if mixed:  # an island tied to a module outside it is left to the group around both: fp32 there
+        keep32 |= {id(p) for name in islands for p in model.get_submodule(name).parameters()}
     extra = [
         n
         for n in by_module
@@ -155,7 +160,7 @@ def sharding_plan(
     blocks = [model.get_submodule(name) for name in [*block_names, *extra]]
     low = policy_spec(policy).low_precision_dtype is not None
     try:
-        groups = fsdp_groups(model, blocks, islands, low)
+        groups = fsdp_groups(model, blocks, islands, low, mixed)
     except ValueError as exc:
         raise PolicyError(str(exc)) from None
     policies = {"block": fsdp_mp_policy(policy), "batch norm": batch_norm_mp_policy()}
@@ -172,15 +177,22 @@ def sharding_plan(
 
 
 def fsdp_groups(
-    model: torch.nn.Module, blocks: list[torch.nn.Module], islands: list[str], low_precision: bool
+    model: torch.nn.Module,
+    blocks: list[torch.nn.Module],
+    islands: list[str],
+    low_precision: bool,
+    mixed: bool = False,
 ) -> list[tuple[str, str]]:
     """The fully_shard calls for model, in order (deepest first, the root "" last), each as (module
     name, role): "block" and "root" (the policy's MixedPrecisionPolicy), "keep_fp32" and "block in
     keep_fp32" (fp32 params and inputs), "batch norm" under a low-precision policy (fp32 params, the
     inputs left as they come: BatchNorm takes half inputs with fp32 weights and statistics). blocks:
     the repeated modules; islands: the keep_fp32 module names. A tied weight is sharded by one group:
-    a block that would split a tie is left to the group around it; a keep_fp32 module raises.
-    Plain torch: mixprec's sharding_plan and the fsdp2 export (which pastes it) share this plan."""
+    a block that would split a tie is left to the group around it. A keep_fp32 module that would
+    raises where that splits the tie's dtype (*-true: one side half, the island fp32); under *-mixed
+    (``mixed``) every weight is fp32 as on one device and autocast casts it per op, so the island is
+    left to the group around it, which the caller gathers in fp32. Plain torch: mixprec's
+    sharding_plan and the fsdp2 export (which pastes it) share this plan."""
     names = {id(module): name for name, module in model.named_modules()}
 
     def inside(name: str, group: str) -> bool:
@@ -207,7 +219,7 @@ def fsdp_groups(
         if not params:
             continue
         outside = sorted({o for p in params for o in owners[p] if not inside(o, name)})
-        if outside and candidates[name] == "keep_fp32":
+        if outside and candidates[name] == "keep_fp32" and not mixed:
             raise ValueError(
                 f"keep_fp32 module {name!r} shares a parameter with {outside[0]!r} (tied weights); FSDP2 "
                 "all-gathers a tied parameter once, in one dtype, so it cannot be fp32 in one and "

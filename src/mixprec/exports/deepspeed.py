@@ -150,6 +150,11 @@ class DeepSpeedTarget(PyTorchTarget):
             )
         if facts.low is None:
             contract.runs.append("No precision section: fp32 parameters and math.")
+        contract.runs.append(
+            "The loop steps the scheduler once per optimizer step: where"
+            " model_engine.is_gradient_accumulation_boundary(), read before model_engine.step(), also"
+            " when you add gradient_accumulation_steps to ds_config.json yourself."
+        )
         contract.instead.append(
             "DeepSpeed's checkpoint holds the weights and the optimizer, not this loop's scheduler"
             + (" nor its GradScaler" if facts.scaler is not None else "")
@@ -245,25 +250,22 @@ class DeepSpeedTarget(PyTorchTarget):
         elif opts:
             backward += "  # scaled by the GradScaler above"
         lines.append(backward)
-        if facts.accumulates:
-            lines.append(
-                "    boundary = model_engine.is_gradient_accumulation_boundary()  # whether step() steps"
-            )
+        # read before step(), which counts the micro-batch; checked without accumulation too, so a
+        # gradient_accumulation_steps added to ds_config.json keeps the scheduler per optimizer step
+        lines.append(
+            "    boundary = model_engine.is_gradient_accumulation_boundary()  # whether step() steps"
+        )
         if opts is None:
             lines += [
-                "    model_engine.step()  # clips, steps, zeroes the gradients"
-                + (" (on the boundary only)" if facts.accumulates else ""),
-                *(
-                    ["    if boundary:", "        scheduler.step()"]
-                    if facts.accumulates
-                    else ["    scheduler.step()"]
-                ),
+                "    model_engine.step()  # clips, steps, zeroes the gradients (on the boundary only)",
+                "    if boundary:  # an optimizer step: the scheduler's",
+                "        scheduler.step()",
             ]
         else:
             lines += [
                 "    scale = scaler.get_scale()",
                 "    model_engine.step()  # unscales, clips, steps unless it overflowed, updates the scale"
-                + (" (on the boundary)" if facts.accumulates else ""),
+                " (on the boundary)",
                 "    skipped = scaler.get_scale() < scale  # it backs off exactly when it skipped the step",
             ]
             if opts.min_scale is not None:
@@ -272,9 +274,8 @@ class DeepSpeedTarget(PyTorchTarget):
                     f"    if scaler.get_scale() < {floor}:",
                     f"        scaler.update({floor})  # min_scale floor: GradScaler has none",
                 ]
-            if_stepped = "if boundary and not skipped:" if facts.accumulates else "if not skipped:"
             lines += [
-                f"    {if_stepped}",
+                "    if boundary and not skipped:",
                 "        scheduler.step()  # a skipped step skips the scheduler too",
             ]
         return lines

@@ -75,7 +75,8 @@ class FSDP2Target(PyTorchTarget):
                 " gradients reduce-scattered in fp32 into the fp32 sharded master weights. Every other"
                 " parameter (norms, embeddings) is all-gathered in fp32, in a group of its own, or with"
                 " its block's or the root's group made fp32 where it cannot be split off (a weight tied"
-                " to the head). Inputs are not cast: the autocast stays and does the casting, so every op"
+                " to the head, a keep_fp32 head tied to the embedding). Inputs are not cast: the autocast"
+                " stays and does the casting, so every op"
                 " runs in the dtypes it runs in on one device (norms, embeddings and the residual stream"
                 " in fp32)."
             )
@@ -100,7 +101,14 @@ class FSDP2Target(PyTorchTarget):
         if facts.keep:
             contract.runs.append(
                 "fp32 islands: a fully_shard group of their own with an fp32 policy (else the enclosing group"
-                " would all-gather their parameters in low precision)."
+                " would all-gather their parameters in low precision)"
+                + (
+                    "; an island tied to a module outside it (a head tied to the embedding) is left to the"
+                    " group around both, gathered in fp32: every weight is fp32 under *-mixed, as on one"
+                    " device."
+                    if facts.mixed is not None
+                    else "; one tied to a module outside it is refused (fp32 on one side, half on the other)."
+                )
             )
         if low is not None:
             statistics = " and running statistics" if facts.true is not None else ""
@@ -216,7 +224,8 @@ class FSDP2Target(PyTorchTarget):
             "mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))",
             "blocks = list(model.layers)  # yours: your repeated blocks (transformer layers, ResNet stages)",
             *(self._autocast_fp32_groups(facts) if mixed else []),
-            f"groups = fsdp_groups(model, blocks, {islands}, low_precision={facts.low is not None})",
+            f"groups = fsdp_groups(model, blocks, {islands}, low_precision={facts.low is not None}"
+            + (", mixed=True)" if mixed else ")"),
             *(
                 [
                     *comment(
@@ -258,6 +267,15 @@ class FSDP2Target(PyTorchTarget):
             ),
             "fp32_params = autocast_fp32_params(model)",
             "fp32_ids = set().union(*fp32_params.values())",
+            *(
+                [
+                    "# an island tied to a module outside it (a head tied to the embedding) is left to the",
+                    "# group around both: that group is gathered in fp32, as the island runs on one device",
+                    "fp32_ids |= {id(p) for island in islands.values() for p in island.parameters()}",
+                ]
+                if facts.keep
+                else []
+            ),
             "extra = [name for name in fp32_params if name and model.get_submodule(name) not in blocks]",
             *outside,
             "blocks += [model.get_submodule(name) for name in extra]",

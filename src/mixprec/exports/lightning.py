@@ -20,8 +20,9 @@ Checked in lightning 2.6's source and run by the frameworks tier:
   ``optimizer.step(closure)`` around training_step and backward): the step scope is refused. The
   optimizer flag goes into ``configure_optimizers``; ``MixedPrecision.clip_gradients`` raises for an
   optimizer that unscales in its step (``_step_supports_amp_scaling``: the fused ones), bf16 too, so
-  a fused optimizer under *-mixed clips in ``configure_gradient_clipping`` (after ``unscale_`` for
-  fp16, which Lightning skips for such optimizers).
+  every *-mixed export writes ``configure_gradient_clipping``: a fused optimizer (the candidate's,
+  or one the user's own ``configure_optimizers`` builds) is clipped there (after ``unscale_`` for
+  fp16, which Lightning skips for such optimizers), any other by Lightning's own clipping.
 - ``Trainer(accumulate_grad_batches=k)``: automatic optimization divides training_step's loss by k
   (``ClosureResult.from_training_step_output``), skips the optimizer step while
   ``fit_loop._should_accumulate()`` (every k-th batch steps, and the epoch's last), and steps the
@@ -163,8 +164,11 @@ class LightningTarget(ExportTarget):
         if self.clips_in_hook(facts):
             contract.instead.append(
                 "Lightning's MixedPrecision refuses gradient_clip_val with a fused optimizer (it expects the"
-                " fused step to unscale); configure_gradient_clipping() below clips at gradient_clip_val"
-                + (", after unscaling the fp16 gradients." if facts.scaler is not None else ".")
+                " fused step to unscale), yours too (a fused AdamW your configure_optimizers builds):"
+                " configure_gradient_clipping() below clips such an optimizer's gradients at"
+                " gradient_clip_val itself"
+                + (", after unscaling the fp16 gradients" if facts.scaler is not None else "")
+                + "; any other optimizer is clipped by Lightning, as without it."
             )
         m, k = facts.micro_batch, facts.accumulation_steps
         contract.runs += facts.batch_runs(
@@ -194,9 +198,10 @@ class LightningTarget(ExportTarget):
 
     @staticmethod
     def clips_in_hook(facts: Facts) -> bool:
-        """Whether gradients are clipped in configure_gradient_clipping(): Lightning's MixedPrecision
-        raises on gradient_clip_val when the optimizer is fused (``_step_supports_amp_scaling``)."""
-        return facts.optimizer == "fused" and facts.mixed is not None
+        """Whether configure_gradient_clipping() is written: under *-mixed Lightning's MixedPrecision
+        raises on gradient_clip_val when the optimizer is fused (``_step_supports_amp_scaling``),
+        the candidate's or the user's own (their configure_optimizers is theirs to write)."""
+        return facts.mixed is not None
 
     def monitor(self, facts: Facts) -> list[str]:
         return [
@@ -302,13 +307,26 @@ class LightningTarget(ExportTarget):
                 "",
                 "    def configure_gradient_clipping(self, optimizer, gradient_clip_val,"
                 " gradient_clip_algorithm):",
-                "        # MixedPrecision.clip_gradients refuses a fused optimizer: clip here",
+                "        # MixedPrecision.clip_gradients refuses an optimizer that unscales in its step (a",
+                "        # fused one, as a fused AdamW): Lightning clips the others, this clips that one",
+                '        if not getattr(optimizer, "_step_supports_amp_scaling", False):  # what Lightning'
+                " reads",
+                "            super().configure_gradient_clipping(optimizer, gradient_clip_val,"
+                " gradient_clip_algorithm)",
+                "            return",
+                "        if not gradient_clip_val:",
+                "            return",
             ]
             if facts.scaler is not None:
                 lines.append(
                     "        self.trainer.precision_plugin.scaler.unscale_(optimizer)  # true gradients first"
                 )
-            lines.append("        torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)")
+            lines += [
+                '        if gradient_clip_algorithm == "value":',
+                "            torch.nn.utils.clip_grad_value_(self.parameters(), gradient_clip_val)",
+                "        else:",
+                "            torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)",
+            ]
         lines += ["", ""]
         accelerator = "gpu" if facts.device_type == "cuda" else "cpu"
         args = [f'accelerator="{accelerator}"']

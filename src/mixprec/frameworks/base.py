@@ -127,6 +127,14 @@ class Framework:
 
         return torch.get_num_threads()
 
+    def thread_probe(
+        self, workload: Any, device: str, batch_size: int, counts: Sequence[int]
+    ) -> dict[int, float] | None:
+        """Median seconds of a strict-fp32 step at each intra-op thread count of ``counts`` on a CPU
+        (:mod:`mixprec.measure.threads` picks from them); None where the framework cannot change
+        its threads in this process (the sweep then keeps :meth:`threads`)."""
+        return None
+
     def environment(self, device: str | None, *, full: bool = False) -> dict[str, Any]:
         """The env block of a result: versions, device, precision state (``full``: everything
         ``mixprec env`` shows); a backend adds its own facts under its ``name``."""

@@ -99,6 +99,11 @@ class BenchConfig:
     """Train every candidate data-parallel on that many ranks (torch DDP; needs a spec); these runs
     are sequential, not paired."""
 
+    threads: int | str = "auto"
+    """Intra-op threads on a CPU: 'auto' times the strict-fp32 step at 1..N threads first and
+    measures every candidate at the fastest count (on a busy machine fewer threads can be many
+    times faster; :mod:`mixprec.measure.threads`), unless OMP_NUM_THREADS is set; or a count."""
+
     cudnn_benchmark: bool = True
     """Let cuDNN autotune its convolutions on CUDA, as NVIDIA's and timm's training scripts do (the
     warm-up steps absorb the tuning)."""
@@ -136,6 +141,8 @@ class BenchConfig:
         validation.seconds("min_time_s", self.min_time_s)
         validation.number_above("prune_factor", self.prune_factor, 1)
         validation.positive_int("nproc", self.nproc)
+        if self.threads != "auto":
+            validation.positive_int("threads", self.threads)
         if self.isolate is not None:
             validation.boolean("isolate", self.isolate)
         for name in ("cudnn_benchmark", "resume", "resume_anyway"):

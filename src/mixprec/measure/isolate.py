@@ -30,6 +30,7 @@ from typing import Any
 from mixprec.frameworks.base import SessionBuilder
 from mixprec.frameworks.session import BenchSettings, Measurement, Session
 from mixprec.measure import preload
+from mixprec.measure.compile_cache import use_inductor_cache
 from mixprec.measure.failure import exception_status, failure_status
 from mixprec.policy import Candidate
 from mixprec.process import current_rss_bytes, die_with_parent, main_module_hidden
@@ -101,6 +102,7 @@ def _child(
     """Child process body: build the session, then obey commands; errors are sent, never raised."""
     die_with_parent()
     quiet_known_noise()  # e.g. a compiling candidate's "No CUDA runtime" line on a CPU machine
+    use_inductor_cache()  # a compile another candidate (or an earlier run) did is reused
     try:
         rss_before = current_rss_bytes()
         # The factory (and the optimizer factory) already ran, and printed, in the parent.

@@ -3,6 +3,7 @@ stream when there is one (:class:`~mixprec.measure.rowstore.RowStore`), and to t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,18 @@ class RowRecorder:
             for note in self.store.notes:
                 result.notes.append(note)
                 events({"event": "note", "text": note})
-            self.done = {r.key: r for r in self.store.rows if r.status in self.KEPT}
+            # the closing strict-fp32 row (baseline_repeat in the stream) is the baseline's last word
+            kept = [replace(r, baseline_repeat=False) for r in self.store.rows if r.status in self.KEPT]
+            self.done = {r.key: r for r in kept}
 
-    def record(self, row: BenchRow, index: int, resumed: bool = False) -> None:
+    def record(self, row: BenchRow, index: int, resumed: bool = False, *, closing: bool = False) -> None:
+        """``closing``: strict fp32's row again at the end of the sweep, over every step it timed; it
+        replaces its first row in the result, and is marked ``baseline_repeat`` in the stream, where
+        the first stays (a reader sees which of the two fp32 rows is the repeat)."""
         self.result.update(row)
         shown = next(r for r in self.result.rows if r.key == row.key)
         if self.store is not None and not resumed:
-            self.store.append(shown)
+            self.store.append(replace(shown, baseline_repeat=True) if closing else shown)
         self.events({"event": "row", "row": shown, "index": index, "count": self.count, "resumed": resumed})
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ from mixprec.measure.isolate import SessionEnded
 from mixprec.measure.paired import PairedSweep
 from mixprec.measure.recorder import RowRecorder
 from mixprec.measure.results import NO_FLOPS_NOTE, BenchResult, BenchRow
+from mixprec.measure.threads import pick_threads, threads_kept
 from mixprec.policy import Candidate
 from mixprec.status import Status
 
@@ -79,7 +80,13 @@ def bench(
     events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
     size = reference.micro_batch or config.batch_size or framework.default_batch_size(workload)
     framework.validate_workload(workload, device, size)  # a size the budget fits
-    return run_sweep(workload, framework, config, device=device, events=events, budget=budget)
+    choice = pick_threads(framework, workload, config, device, size)
+    if choice is not None:
+        config = replace(config, threads=choice.threads)
+    result = run_sweep(workload, framework, config, device=device, events=events, budget=budget)
+    if choice is not None and choice.step_s:
+        result.notes += [choice.reason] + ([choice.contended] if choice.contended else [])
+    return result
 
 
 def baseline_of(framework: Framework, config: BenchConfig) -> Candidate:
@@ -143,7 +150,7 @@ def run_sweep(
         batch_size=config.batch_size or framework.default_batch_size(workload),
         steps=config.steps,
         warmup=config.warmup,
-        threads=framework.threads(),
+        threads=config.threads if isinstance(config.threads, int) else framework.threads(),
         min_time_s=config.min_time_s,
         cudnn_benchmark=config.cudnn_benchmark,
         accumulation_steps=config.accumulation_steps,
@@ -187,7 +194,8 @@ def run_sweep(
         result, events, len(plan), config.jsonl, key, resume=config.resume, resume_anyway=config.resume_anyway
     )
     try:
-        sweep.run(rows)
+        with threads_kept():
+            sweep.run(rows)
     finally:
         rows.close()
     return result
@@ -430,7 +438,7 @@ class Sweep:
             rows.record(again, i)
         final = sweep.finish_baseline()
         result.flops_per_step = result.flops_per_step or final.flops_per_step
-        rows.record(final, 0)
+        rows.record(final, 0, closing=True)
 
     def _data_parallel(self, rows: RowRecorder) -> None:
         """Each candidate on ``nproc`` ranks, one after another (no pairing, no pruning)."""

@@ -6,8 +6,12 @@ non-finite state before Accelerate writes it.
     for batch in loader:
         loss = loss_fn(model, batch)
         accelerator.backward(loss)
-        optimizer.step(); optimizer.zero_grad()
+        monitor.before_step(loss, batch)  # a spike is diagnosed (and withheld) before its update
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()
         monitor.observe(loss, batch)  # a plain loop: raises MonitorStop when the run must stop
+
+An update the monitor withheld is a skipped step to Accelerate (``optimizer.step_was_skipped``, what
+its GradScaler's overflow sets), so a prepared scheduler leaves its step out too.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from mixprec.monitor.core import Monitor
+from mixprec.monitor.core import Monitor, _unwrapped
 
 
 def watch(accelerator: Accelerator, model: nn.Module, optimizer: Any, **kwargs: Any) -> Monitor:
@@ -30,4 +34,21 @@ def watch(accelerator: Accelerator, model: nn.Module, optimizer: Any, **kwargs: 
     scaler = accelerator.scaler if isinstance(accelerator.scaler, torch.amp.GradScaler) else None
     monitor = Monitor(accelerator.unwrap_model(model), optimizer=optimizer, scaler=scaler, **kwargs)
     accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: monitor.check_checkpoint())
+    if hasattr(optimizer, "_is_overflow"):
+        monitor._hooks.append(_unwrapped(optimizer).register_step_post_hook(_skip_flag(monitor, optimizer)))
     return monitor
+
+
+def _skip_flag(monitor: Monitor, wrapper: Any) -> Any:
+    """A post-step hook telling Accelerate's optimizer whether its step was skipped: a withheld
+    update is (with a GradScaler, Accelerate concludes so itself when the step it patched is not
+    seen as called; without one, the flag is set here and cleared at the next step)."""
+
+    def hook(*_: Any) -> None:
+        if monitor.withheld and monitor.withheld[-1] == monitor.step:
+            wrapper._is_overflow = True
+            wrapper._accelerate_step_called = False
+        elif getattr(wrapper, "scaler", None) is None:
+            wrapper._is_overflow = False
+
+    return hook

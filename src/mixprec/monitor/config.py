@@ -26,7 +26,9 @@ class MonitorConfig:
     every: int | None = None
     """Steps between sampled steps (per-layer ranges, the losses since the last one, trends, the
     finite check of the weights). None: 100, or less often where sampled steps would cost more than
-    0.25% of the run's time (:mod:`mixprec.monitor.sampler`); a number is kept as it is."""
+    0.25% of the run's time (:mod:`mixprec.monitor.sampler`), but at least 8 samples over
+    ``train_steps`` (the trend rules need points: a 300-step run is sampled every 37 steps); a
+    number is kept as it is."""
 
     shadow_every: int = 0
     """Steps between fp32 shadow steps (forward and backward in the policy and in fp32 on the same
@@ -57,6 +59,21 @@ class MonitorConfig:
     :class:`~mixprec.monitor.MonitorStop`; Lightning and the HF Trainer stop through their own
     flag)."""
 
+    spikes: bool = True
+    """Find loss (and gradient-norm) spikes as they happen, against the run's own range (the
+    median/MAD of its log over a warm-up, then running averages), and diagnose each before its
+    update lands: its batch replayed from the same weights in fp32 and in the policy says data,
+    precision or transient (the loop hands the loss and batch over before the optimizer step:
+    :meth:`~mixprec.monitor.Monitor.before_step`; the adapters and ``mixprec train`` do). With
+    ``rescue=True`` a data spike's update is withheld and its batch added to the skip list, a
+    precision spike's module becomes an fp32 island (its update withheld), a transient one is retried."""
+
+    spike_grad_norm: bool = False
+    """Also compute the gradient norm every step for the spike test: one pass over the gradients a
+    step (a few % of a CPU ResNet-50 step; the default budget cannot pay it). Off, the norm is
+    tested where the loop hands it over for free (``before_step(grad_norm=...)``, e.g. the norm
+    ``clip_grad_norm_`` returned)."""
+
     def __post_init__(self) -> None:
         validation.optional_positive_int("every", self.every)
         validation.positive_int("shadow_every", self.shadow_every, zero_ok=True)
@@ -65,6 +82,8 @@ class MonitorConfig:
         validation.positive_int("snapshot_every", self.snapshot_every, zero_ok=True)
         validation.positive_int("hold", self.hold, zero_ok=True)
         validation.positive_int("max_rescues", self.max_rescues, zero_ok=True)
+        validation.boolean("spikes", self.spikes)
+        validation.boolean("spike_grad_norm", self.spike_grad_norm)
         if self.schedule is not None:
             if not isinstance(self.schedule, Mapping):
                 raise UsageError(f"schedule must map steps to policy names, got {self.schedule!r}.")
@@ -97,4 +116,6 @@ class MonitorConfig:
             "schedule": {str(k): v for k, v in (self.schedule or {}).items()},
             "hold": self.hold,
             "max_rescues": self.max_rescues,
+            "spikes": self.spikes,
+            "spike_grad_norm": self.spike_grad_norm,
         }

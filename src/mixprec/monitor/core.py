@@ -11,6 +11,12 @@ It costs what the user can afford:
 * **every** ``every`` **steps** (default 100): per-layer forward/backward abs-max and underflow
   share on the real step (:mod:`mixprec.monitor.sampler`), the losses since the last sample, a
   finite check of the weights, and the detectors' trends;
+* **before each update** (where the loop hands its loss and batch over: :meth:`Monitor.before_step`;
+  the adapters and ``mixprec train`` do): the spike test of the loss (and gradient norm) against
+  the run's own range, a few float operations on a value the host holds; on a spike, its batch
+  replayed from the same weights in fp32 and in the policy says data, precision or transient, and
+  the update is withheld, rescued or retried before it lands
+  (:mod:`~mixprec.monitor.detectors.spike`);
 * **on a suspect step** (a skip below the scale the run settled at, a non-finite loss the host
   holds): an fp32 **shadow** of the same batch, to tell the data from the precision, and the first
   module whose output or gradient is not finite on it;
@@ -26,9 +32,11 @@ run rather than train on garbage: a plain loop's :meth:`Monitor.observe` raises
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +45,19 @@ from torch import nn
 
 from mixprec.errors import MixprecError, UsageError
 from mixprec.monitor.config import MonitorConfig
-from mixprec.monitor.detectors import NONFINITE, SKIP, Detector, SampleView, StepView, detectors_for
-from mixprec.monitor.detectors.base import Action, LossFn
+from mixprec.monitor.detectors import (
+    NONFINITE,
+    SKIP,
+    Detector,
+    SampleView,
+    StepView,
+    UpdateView,
+    detectors_for,
+)
+from mixprec.monitor.detectors.base import FEED, Action, LossFn
 from mixprec.monitor.findings import (
     CHECKPOINT_REFUSED,
-    PRECISION_KINDS,
+    OPEN_KINDS,
     RESCUE,
     SCHEDULE,
     STOP,
@@ -52,6 +68,7 @@ from mixprec.monitor.findings import (
 from mixprec.monitor.rescue import Rescuer, module_of, nonfinite_state, plan_schedule
 from mixprec.monitor.sampler import Sampler
 from mixprec.monitor.scale import ScaleWatch
+from mixprec.monitor.shadow import grad_norm
 from mixprec.numerics.limits import LOW_PRECISION_FORMATS
 from mixprec.policy import Policy
 from mixprec.policy.islands import is_fp32_island
@@ -95,6 +112,14 @@ def _check_run(model: Any, policy: Any, scaler: Any) -> None:
         raise UsageError("this model already has a mixprec Monitor; close() it first (one monitor per run).")
 
 
+def _readable(loss: Any, scaler: Any) -> bool:
+    """Whether the host can read a loss tensor before the update without a new device sync: one
+    element on the CPU, or on a device on a loop whose GradScaler has just read its inf check."""
+    if not isinstance(loss, torch.Tensor):
+        return False
+    return loss.numel() == 1 and (loss.device.type == "cpu" or scaler is not None)
+
+
 def _sinks(findings: str | Path | Sink | None) -> list[Sink]:
     """Where each finding goes besides the log: a JSONL file, or a callable."""
     if findings is None:
@@ -107,7 +132,9 @@ def _sinks(findings: str | Path | Sink | None) -> list[Sink]:
 
 
 class Monitor:
-    """Watches one training run. Call :meth:`observe` once per step, after the optimizer step.
+    """Watches one training run. Call :meth:`observe` once per step, after the optimizer step, and
+    (so a spike is diagnosed and withheld before its update lands) :meth:`before_step` after the
+    backward, before the optimizer step.
 
     Args:
         model: the model being trained (prepared by ``policy`` when one is given).
@@ -121,6 +148,12 @@ class Monitor:
         findings: a path (JSONL, appended) or a callable receiving each
             :class:`~mixprec.monitor.findings.MonitorFinding`.
         log_fn: ``log_fn(name, value)``, the framework's metric logger (Lightning ``log``).
+        skip_list: where the batches whose update a data spike withheld are listed (a JSON list of
+            batch indices, Lightning's ``skip_batches.json`` form; None: kept in
+            :attr:`skipped_batches` only).
+        autocast: the loop's own precision context, to replay a batch in it (default: the policy's
+            autocast; a plain loop with a GradScaler: fp16 autocast; else none). An adapter passes
+            its framework's.
     """
 
     def __init__(
@@ -134,6 +167,8 @@ class Monitor:
         config: MonitorConfig | None = None,
         findings: str | Path | Sink | None = None,
         log_fn: Callable[[str, float], None] | None = None,
+        skip_list: str | Path | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         **fields: Any,
     ) -> None:
         if config is not None and not isinstance(config, MonitorConfig):
@@ -146,19 +181,27 @@ class Monitor:
         self.sinks = _sinks(findings)  # (a JSONL sink makes its folder: after every check)
         self.model, self.policy, self.loss_fn, self.log_fn = model, policy, loss_fn, log_fn
         self.scale = ScaleWatch(policy, scaler)
-        self.rescuer = Rescuer(model, policy, self.optimizers)
+        self.rescuer = Rescuer(model, policy, self.optimizers, skip_list)
+        self._autocast = autocast
         fmt = policy.spec.range_format if policy is not None else ("fp16" if scaler is not None else None)
         self.range_format = fmt if fmt in LOW_PRECISION_FORMATS else None
-        self.sampler = Sampler(model, self.range_format, self.config.every)
+        self.sampler = Sampler(model, self.range_format, self.config.every, self.config.train_steps)
         self.detectors = detectors_for(self.config)
         # each hook asks only the detectors that have it (most steps ask none)
         self._explaining = [d for d in self.detectors if type(d).on_suspect is not Detector.on_suspect]
         self._stepping = [d for d in self.detectors if type(d).on_step is not Detector.on_step]
         self._sampling = [d for d in self.detectors if type(d).on_sample is not Detector.on_sample]
+        self._updating = [d for d in self.detectors if type(d).on_update is not Detector.on_update]
+        self._feeding = [d for d in self.detectors if type(d).on_losses is not Detector.on_losses]
+        self._grad_each = self.config.spike_grad_norm
         self._reset()
-        # stalls are counted right after the optimizer step, while the gradients are still there
-        count = lambda *_: self.sampler.count_stalls(self.step)  # noqa: E731
-        self._hooks = [o.register_step_post_hook(count) for o in self.optimizers]
+        self._quiet = min((d.quiet_below for d in self._updating), default=math.inf)
+        # before the update: the check of what before_step handed over (and withholding it); right
+        # after it, while the gradients are still there: the stalls, and a withheld step's gradients back
+        self._hooks = [o.register_step_post_hook(self._after_update) for o in self.optimizers]
+        # the pre-step hooks are armed only while something waits for them (a CPU run's normal
+        # step has none: an optimizer hook costs microseconds of cold Python a step)
+        self._armed: list[Any] = []
         model._mixprec_monitor = self  # type: ignore[assignment]
         self.sampler.begin(0)
 
@@ -175,6 +218,17 @@ class Monitor:
         self._seen: dict[tuple[str, str | None], int] = {}  # (kind, module): the step last reported
         self._analysed_to = -1
         self._explained: set[int] = set()  # steps a detector explained since the last sample
+        self.withheld: list[int] = []  # steps whose update the monitor withheld
+        # what before_step handed over and its quick test did not clear: (step, loss, batch, batch
+        # index, gradient norm, the loss's value where read)
+        self._staged: tuple[int, Any, Any, int | None, float | None, float | None] | None = None
+        self._read: tuple[Any, float] | None = None  # (the loss tensor, its value) read before the update
+        self._withheld_at = -1  # the last step whose update the monitor withheld
+        self._held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # optimizer: its gradients
+        self._on_host: bool | None = None  # whether a staged loss tensor is read before the update
+        self._on_cpu = False  # and whether it is a CPU one (read at once, in before_step)
+        self._quiet = -math.inf  # a staged loss at or below it needs no detector (their quick test)
+        self._fed_to = -1  # the last step whose loss the detectors' ranges have seen
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -217,30 +271,193 @@ class Monitor:
         (``control.should_training_stop``, ``trainer.should_stop``). A stopped monitor records
         nothing more."""
         if self.stopped:
+            self._staged = self._read = None
             return []
         step, before = self.step, len(self.findings)
         sampled = step % self.sampler.interval == 0
         skipped = self.scale.after_step(step, sampled)
         value = self._keep_loss(loss)
+        self._staged = self._read = None
+        if self._armed and self._on_cpu:
+            self._disarm()
         if sampled:
             self.sampler.end(step, self.scale.current if self.policy is None else self.scale.read(), skipped)
         batch = batch if self.loss_fn is not None else None  # without a loss_fn nothing can run it
-        suspect = self._suspect(step, skipped, value, batch)
+        suspect = None  # (a normal step: a finite loss, not skipped, costs one comparison here)
+        if (
+            skipped or (value is not None and not -math.inf < value < math.inf)
+        ) and step not in self._explained:
+            suspect = self._suspect(step, skipped, value, batch)  # (one diagnosed before its update is not)
         if (suspect is not None or self._stepping) and not self._ask(
             StepView(step, skipped, value, batch, suspect)
         ):
             return self.findings[before:]
         if sampled and not self._sample(step):
             return self.findings[before:]
-        name = self.schedule.get(step)
-        if name is not None:
-            done = self.rescuer.switch(name)
-            self._emit(MonitorFinding(step, SCHEDULE, done, action=done))
+        if (
+            self._feeding
+            and (sampled or (value is not None and step - self._fed_to >= FEED))
+            and not self._feed()
+        ):
+            return self.findings[before:]
+        if self.schedule:
+            name = self.schedule.get(step)
+            if name is not None:
+                done = self.rescuer.switch(name)
+                self._emit(MonitorFinding(step, SCHEDULE, done, action=done))
         if self.config.snapshot_every and step % self.config.snapshot_every == 0:
             self.rescuer.take_snapshot(step)
         self.step += 1
         self.sampler.next(self.step)
         return self.findings[before:]
+
+    # ------------------------------------------------------------------ before the update
+    def before_step(
+        self,
+        loss: torch.Tensor | float,
+        batch: Any = None,
+        *,
+        batch_index: int | None = None,
+        grad_norm: float | None = None,
+    ) -> None:
+        """Hand the step's loss and batch over after the backward and before the optimizer step: when
+        the optimizer steps (its pre-step hook), a spike in them is found and diagnosed from the same
+        weights and, with ``rescue=True``, its update withheld, rescued or retried before it lands.
+        ``batch_index``: where the loop gives it (what a skip list names; default: the step);
+        ``grad_norm``: the gradient norm where the loop has it for free (what ``clip_grad_norm_``
+        returned). A CPU loss is read here (the read :meth:`observe` would make) and compared with
+        the detectors' quick limit: a normal step arms no optimizer hook. A device loss is read in
+        the optimizer's pre-step hook only where the step's GradScaler has just synchronised (else
+        it is judged when a sampled step reads it). :meth:`observe` still follows the step."""
+        if self._on_host is None:  # (the first step: whether its loss can be read without a sync)
+            scaler = self.scale.scaler or (self.policy.scaler if self.policy is not None else None)
+            self._on_host = _readable(loss, scaler)
+            self._on_cpu = self._on_host and isinstance(loss, torch.Tensor) and loss.device.type == "cpu"
+        value = None
+        if self._on_cpu and grad_norm is None and not self._grad_each:
+            # the quick test now, on a value the host holds (it stays cold code: keep it short)
+            value = loss.item()  # type: ignore[union-attr]
+            self._read = (loss, value)
+            if value <= self._quiet:
+                return  # a normal step: its value joins the detectors' ranges with the next batch
+        self._staged = (self.step, loss, batch, batch_index, grad_norm, value)
+        if not self._armed:
+            self._armed = [o.register_step_pre_hook(self._before_update) for o in self.optimizers]
+
+    def check_update(self, optimizer: Any) -> bool:
+        """Check what :meth:`before_step` handed over, once per step, before ``optimizer`` applies
+        the update (the optimizers' pre-step hooks do; an adapter whose framework runs the backward
+        inside ``optimizer.step``, Lightning's closure, calls it from its own hook after the
+        backward). Returns whether the update is withheld: ``optimizer`` is then handed no gradient
+        (they are back after its step). A step its GradScaler found inf/NaN in is the skip path's."""
+        optimizer = _unwrapped(optimizer)
+        if self._staged is not None and self._scaler_skips(optimizer):
+            self._staged = None
+        self._before_update(optimizer)
+        return self._withheld_at == self.step
+
+    def _before_update(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """The optimizer's pre-step hook (a GradScaler that found inf/NaN does not reach it): what
+        the quick test did not clear goes to the detectors, and a withheld update is held."""
+        staged = self._staged
+        if staged is None:  # a normal step, or decided for an optimizer before this one
+            if self._withheld_at == self.step and id(optimizer) not in self._held:
+                self._hold(optimizer)
+            return
+        self._staged = None
+        step, loss, batch, index, norm, value = staged
+        if self.stopped or step != self.step:
+            return
+        if value is None and isinstance(loss, torch.Tensor) and self._on_host:
+            value = loss.item()  # (a device loss: its GradScaler has just synchronised)
+        elif not isinstance(loss, torch.Tensor):
+            value = float(loss)
+        if value is not None:
+            self._read = (loss, value)
+        if norm is None and self._grad_each:
+            norm = grad_norm([p for o in self.optimizers for g in o.param_groups for p in g["params"]])
+        if (value is None or value <= self._quiet) and norm is None:
+            return
+        batch = batch if self.loss_fn is not None else None
+        if self._ask_update(UpdateView(step, value, norm, batch, index)):
+            self._withheld_at = step
+            self._hold(optimizer)
+
+    def _disarm(self) -> None:
+        for handle in self._armed:
+            handle.remove()
+        self._armed = []
+
+    def _hold(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hand ``optimizer`` no gradient for this step (they are back after it)."""
+        held = [(p, p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        for p, _ in held:
+            p.grad = None
+        self._held[id(optimizer)] = held
+
+    def _after_update(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        held = self._held.pop(id(optimizer), None) if self._held else None
+        if held is None:
+            self.sampler.count_stalls(self.step)
+            return
+        for p, g in held:  # the gradients back, as the loop left them
+            p.grad = g
+        self.sampler.discard_stalls()  # a withheld update moved nothing: no stall to count
+
+    def _ask_update(self, view: UpdateView) -> bool:
+        self.rescuer.withholding = False
+        for detector in self._updating:
+            if detector.on_update(self, view):
+                self._explained.add(view.step)
+                break
+            if self.stopped:
+                break
+        withheld = self.rescuer.withholding or bool(self.stopped)
+        if withheld:
+            self.withheld.append(view.step)
+        self._quiet = min(d.quiet_below for d in self._updating)
+        return withheld
+
+    def _feed(self) -> bool:
+        """The host's losses since the last feed to the detectors that keep a range of them (every
+        :data:`FEED` steps, and at sampled steps where a GPU run's losses are read); False when the
+        run was stopped."""
+        start, values = self._fed_to + 1, self.losses[self._fed_to + 1 :]
+        if not values:
+            return True
+        self._fed_to += len(values)
+        judged = set(self.skipped[-len(values) :]) | self._explained
+        for detector in self._feeding:
+            detector.on_losses(self, start, values, judged)
+            if self.stopped:
+                return False
+        self._quiet = min((d.quiet_below for d in self._updating), default=math.inf)
+        return True
+
+    def _scaler_skips(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the run's GradScaler has found inf/NaN in ``optimizer``'s gradients (it will skip
+        the step itself: the skip path explains it, the weights do not move)."""
+        scaler = self.scale.scaler or (self.policy.scaler if self.policy is not None else None)
+        if scaler is None or not scaler.is_enabled():
+            return False
+        found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device") or {}
+        return bool(found) and bool(sum(float(v) for v in found.values()))
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The run's own precision context (a replay in the policy runs in it)."""
+        if self._autocast is not None:
+            return self._autocast()
+        if self.policy is not None:
+            return self.policy.autocast()
+        if self.scale.scaler is not None and self.scale.scaler.is_enabled():
+            device = next(self.model.parameters()).device.type
+            return torch.autocast(device, dtype=torch.float16)
+        return contextlib.nullcontext()
+
+    @property
+    def skipped_batches(self) -> list[int]:
+        """The batches whose update a data spike withheld (the skip list's content)."""
+        return self.rescuer.skipped_batches
 
     def _ask(self, view: StepView) -> bool:
         """A suspect step to the detectors until one explains it, then the step to those that look
@@ -277,7 +494,8 @@ class Monitor:
             if not self._host:
                 self._pending.append(loss.detach())
                 return None
-            value = loss.item()
+            read = self._read
+            value = read[1] if read is not None and read[0] is loss else loss.item()
         else:
             value = float(loss)
         if self._pending:
@@ -316,17 +534,29 @@ class Monitor:
 
     # ------------------------------------------------------------------ findings and actions
     def report(
-        self, finding: MonitorFinding, rescue: Action | None = None, *, per_module: bool = True
+        self,
+        finding: MonitorFinding,
+        rescue: Action | None = None,
+        *,
+        per_module: bool = True,
+        local: Action | None = None,
+        dedupe: bool = True,
     ) -> bool:
         """Record a detector's ``finding`` unless it is no news (the same kind about the same module,
-        or about any module with ``per_module=False``, within ``hold`` steps); with ``rescue=True``
-        run ``rescue`` once ``hold`` steps passed since the last action, or stop the run when
-        ``max_rescues`` are spent. Returns whether it was recorded."""
+        or about any module with ``per_module=False``, within ``hold`` steps; ``dedupe=False``: each
+        is news); with ``rescue=True`` run ``local`` (an action on this step's update only: not
+        held, not counted; what it did is the finding's action), then ``rescue`` once ``hold`` steps
+        passed since the last action, or stop the run when ``max_rescues`` are spent. Returns
+        whether it was recorded."""
         key = (finding.kind, finding.module if per_module else None)
         last = self._seen.get(key)
-        if last is not None and finding.step - last < max(self.config.hold, 1):
+        if dedupe and last is not None and finding.step - last < max(self.config.hold, 1):
             return False
         self._seen[key] = finding.step
+        if local is not None and self.config.rescue:
+            done = local()
+            if done:
+                finding = replace(finding, action=done)
         self._emit(finding)
         if rescue is not None:
             self._act(finding, rescue)
@@ -398,9 +628,13 @@ class Monitor:
         torch.save(obj, path)
 
     def close(self) -> None:
-        """Read the losses still on the device, remove the hooks and detach from the model."""
+        """Read the losses still on the device (the detectors that keep a range of them see the
+        last ones), remove the hooks and detach from the model."""
         self.read_losses()
+        if self._feeding and not self.stopped:
+            self._feed()
         self.sampler.abandon()
+        self._disarm()
         for hook in self._hooks:
             hook.remove()
         if getattr(self.model, "_mixprec_monitor", None) is self:
@@ -408,9 +642,10 @@ class Monitor:
 
     @property
     def healthy(self) -> bool:
-        """No finding that blames the precision or the weights is left unanswered by a rescue."""
+        """No finding that blames the precision or the weights, and no spike, is left unanswered (by a
+        rescue, a withheld or retried update)."""
         acted = {f.step for f in self.findings if f.kind == RESCUE}
-        open_ = [f for f in self.findings if f.kind in PRECISION_KINDS and not (f.action or f.step in acted)]
+        open_ = [f for f in self.findings if f.kind in OPEN_KINDS and not (f.action or f.step in acted)]
         return not open_ and all(math.isfinite(v) for v in self.losses[-1:])
 
     # ------------------------------------------------------------------ resume
@@ -429,6 +664,9 @@ class Monitor:
             "sampler": self.sampler.state_dict(),
             "findings": [f.to_dict() for f in self.findings],
             "policy": self.policy.config.to_dict() if self.policy is not None else None,
+            "withheld": list(self.withheld),
+            "skipped_batches": list(self.skipped_batches),
+            "fed_to": self._fed_to,
         }
         for detector in self.detectors:
             state.update(detector.state_dict())
@@ -445,7 +683,11 @@ class Monitor:
         self._seen = {(kind, module): int(step) for kind, module, step in state.get("seen") or []}
         self.sampler.load_state_dict(state.get("sampler") or {})
         self.findings = [MonitorFinding(**f) for f in state.get("findings") or []]
+        self.withheld = [int(v) for v in state.get("withheld") or []]
+        self.rescuer.skipped_batches = [int(v) for v in state.get("skipped_batches") or []]
         self.scale.load_state_dict(dict(state))
         for detector in self.detectors:
             detector.load_state_dict(state)
+        self._fed_to = int(state.get("fed_to", self.step - 1))
+        self._quiet = min((d.quiet_below for d in self._updating), default=math.inf)
         self.sampler.begin(self.step)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from mixprec import findings
+from mixprec.files import check_regular_target
 
 # The kinds of finding, each a different cause with a different cure.
 SCALE_COLLAPSE = "scale_collapse"  # the loss scale keeps falling: gradients overflow at any scale
@@ -19,6 +19,7 @@ UNDERFLOW = "underflow"  # a growing share of a layer's gradients flushes to zer
 STALL = "stall"  # half-precision weight updates rounded away
 DRIFT = "drift"  # the fp32 shadow step disagrees more than at start-up
 BAD_BATCH = "bad_batch"  # the fp32 shadow shows the same spike: the data, not the precision
+SPIKE = "spike"  # the loss or gradient norm far above the run's range, diagnosed before its update
 NONFINITE_WEIGHTS = "nonfinite_weights"  # weights or optimizer state hold inf/NaN
 CHECKPOINT_REFUSED = "checkpoint_refused"  # a checkpoint of non-finite state was not written
 RESCUE = "rescue"  # what the monitor changed about the run
@@ -32,6 +33,7 @@ KINDS = (
     STALL,
     DRIFT,
     BAD_BATCH,
+    SPIKE,
     NONFINITE_WEIGHTS,
     CHECKPOINT_REFUSED,
     RESCUE,
@@ -40,6 +42,17 @@ KINDS = (
 )
 # Findings that blame the precision (a rescue may act on them); the others do not.
 PRECISION_KINDS = (SCALE_COLLAPSE, OVERFLOW, PREDICTED_OVERFLOW, UNDERFLOW, STALL, DRIFT, NONFINITE_WEIGHTS)
+# Findings that leave the run unhealthy until something answered them: the precision's, and a spike
+# (whatever its cause, its update damaged the run unless it was withheld, retried or rescued).
+OPEN_KINDS = (*PRECISION_KINDS, SPIKE)
+
+# A spike's diagnosis (the ``verdict`` in its evidence): the replay of its batch from the same weights
+# in fp32 and once more in the policy says which.
+DATA = "data"  # fp32 spikes too: the batch
+PRECISION = "precision"  # fp32 is fine, the policy spikes again: the precision (the module named)
+TRANSIENT = "transient"  # neither replay spikes: a fault that does not reproduce
+UNDIAGNOSED = "undiagnosed"  # no replay from the same weights was possible (no batch, or found late)
+VERDICTS = (DATA, PRECISION, TRANSIENT, UNDIAGNOSED)
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,7 @@ class JsonlSink:
     """Appends each finding as one JSON line to ``path`` (flushed, so a killed run keeps them)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
+        self.path = check_regular_target(path, "findings")  # not a folder or a link: refused now
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def __call__(self, finding: MonitorFinding) -> None:

@@ -4,12 +4,20 @@ optimizer step, reads the precision plugin's GradScaler, logs its findings throu
 state, keeps its own state in the checkpoint and stops a run it gives up on through Lightning
 (``trainer.should_stop``: the fit ends its own way, ``on_train_end`` and ``on_fit_end`` included).
 
+A spike is checked in ``on_before_optimizer_step`` (after Lightning's backward, its GradScaler's
+unscale included, and before the optimizer applies the update: Lightning runs the backward inside
+``optimizer.step``'s closure, so the optimizer's own pre-step hook would come too early): its batch
+is replayed in ``training_step`` under the precision plugin's own context and in strict fp32; a data
+spike's update is withheld inside that optimizer step and its ``batch_idx`` written to
+``skip_batches.json`` in ``default_root_dir``, the form of Lightning's own ``SpikeDetection``.
+
     trainer = Trainer(..., callbacks=[MonitorCallback(rescue=True, findings="run/findings.jsonl")])
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -41,6 +49,8 @@ class MonitorCallback(pl.Callback):
         self.kwargs = kwargs
         self.monitor: Monitor | None = None
         self._state: dict[str, Any] | None = None
+        self._batch: tuple[Any, int] | None = None  # this step's batch and batch_idx
+        self._loss: torch.Tensor | None = None  # this step's loss, as it went into the backward
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
@@ -60,13 +70,18 @@ class MonitorCallback(pl.Callback):
             with contextlib.suppress(MisconfigurationException):
                 pl_module.log(name, value, on_step=True, on_epoch=False)
 
+        kwargs = dict(self.kwargs)
+        kwargs.setdefault("skip_list", os.path.join(trainer.default_root_dir, "skip_batches.json"))
         self.monitor = Monitor(
             pl_module,
             optimizer=trainer.optimizers,
             scaler=scaler if isinstance(scaler, torch.amp.GradScaler) else None,
             loss_fn=loss_fn,
             log_fn=log_fn,
-            **self.kwargs,
+            # a replay in the run's precision: the plugin's own context, which Lightning enters
+            # around training_step (a callback's call of it runs outside)
+            autocast=lambda: trainer.strategy.precision_plugin.train_step_context(),
+            **kwargs,
         )
         self.monitor.when_widened(lambda: self._to_mixed(trainer))
         if self._state is not None:
@@ -88,10 +103,38 @@ class MonitorCallback(pl.Callback):
             self.monitor.scaler = scaler
         return f"Lightning's precision plugin {plugin.precision} replaced by {mixed}"
 
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch, self._loss = (batch, batch_idx), None
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        # training_step's loss: Lightning hands this hook the one its backward takes, divided by the
+        # accumulation and multiplied by its GradScaler's scale (a tensor: no sync to undo it)
+        loss, n = loss.detach(), trainer.accumulate_grad_batches
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() and scaler._scale is not None:
+            loss = loss / scaler._scale
+        self._loss = loss if n == 1 else loss * n
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        """After the backward, before the update: hand the step over and check it (a withheld
+        update: the optimizer is handed no gradient inside its step, they are back after it)."""
+        if self.monitor is None or self._loss is None or self._batch is None:
+            return
+        batch, batch_idx = self._batch
+        self.monitor.before_step(self._loss, batch, batch_index=batch_idx)
+        self.monitor.check_update(optimizer)
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = _loss_of(outputs)
+        self._batch = self._loss = None
         if self.monitor is None or loss is None:
             return
         self.monitor.record(loss, batch)

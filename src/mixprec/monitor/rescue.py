@@ -1,12 +1,17 @@
 """What the monitor can do about a finding, each action one method that says what it did ('' when
 it could not): an fp32 island made live, fp16 switched to bf16, a roll-back to an in-memory
-snapshot, a planned precision switch. Every action keeps the weights and the optimizer state."""
+snapshot, a planned precision switch; and, on one step's update only, withholding it (its batch on
+the skip list) or retrying it with a replay's gradients. Every action keeps the weights and the
+optimizer state."""
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,9 +88,18 @@ def plan_schedule(schedule: Mapping[float, str], train_steps: int, policy: Polic
 class Rescuer:
     """The actions, on one run's model, policy and optimizers."""
 
-    def __init__(self, model: nn.Module, policy: Policy | None, optimizers: Sequence[torch.optim.Optimizer]):
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: Policy | None,
+        optimizers: Sequence[torch.optim.Optimizer],
+        skip_list: str | os.PathLike[str] | None = None,
+    ):
         self.model, self.policy, self.optimizers = model, policy, list(optimizers)
         self.snapshot: dict[str, Any] | None = None
+        self.skip_list = Path(skip_list) if skip_list is not None else None
+        self.skipped_batches: list[int] = []  # what the skip list holds, in the order they were skipped
+        self.withholding = False  # this step's update is withheld (the Monitor clears the gradients)
         # a framework adapter's own step after the weights were widened without a Policy (Lightning
         # swaps its bf16-true precision plugin for bf16-mixed; Monitor.when_widened sets it)
         self.after_widening: Callable[[], str] | None = None
@@ -156,6 +170,38 @@ class Rescuer:
         done = "the half weights, buffers and optimizer state widened to fp32 (exactly)"
         after = self.after_widening() if self.after_widening is not None else ""
         return f"{done}; {after}" if after else f"{done}; the loop computes in fp32 from here"
+
+    # ------------------------------------------------------------------ this step's update only
+    def withhold(self, skip: int | None = None) -> str:
+        """Withhold this step's update, as an overflow skip does: the optimizer steps no parameter
+        (the Monitor hands it no gradient; they are back after its step), its state untouched.
+        ``skip``: the batch's index, added to the skip list."""
+        self.withholding = True
+        done = "the update was withheld (weights and optimizer state as before the step)"
+        if skip is None:
+            return done
+        self.skipped_batches.append(int(skip))
+        if self.skip_list is None:
+            return f"{done}; batch {skip} is to skip"
+        self.skip_list.parent.mkdir(parents=True, exist_ok=True)
+        self.skip_list.write_text(json.dumps(self.skipped_batches, indent=4) + "\n", encoding="utf-8")
+        return f"{done}; batch {skip} added to {self.skip_list}"
+
+    def retry(self, grads: Sequence[torch.Tensor | None] | None) -> str:
+        """Retry this step once: its update is computed from the replay's gradients (the same batch
+        through the same weights, where the fault did not recur) instead of the spiked ones."""
+        if grads is None:
+            return ""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if len(params) != len(grads):
+            return ""
+        for p, g in zip(params, grads, strict=True):
+            if p.grad is not None and g is not None:
+                with torch.no_grad():
+                    p.grad.copy_(g)
+            else:
+                p.grad = g
+        return "retried: the update is the replay's, whose gradients did not spike"
 
     def take_snapshot(self, step: int) -> None:
         """Keep the run's state in memory to roll back to (never a non-finite one)."""

@@ -5,7 +5,8 @@ precision."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,13 +41,85 @@ def untouched(model: nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
+@contextlib.contextmanager
+def _own_forward(model: nn.Module) -> Iterator[None]:
+    """The model's own forward for the body, where Accelerate wrapped it in its autocast (the HF
+    Trainer's model, an Accelerate loop's: ``model._original_forward``), so fp32 is fp32."""
+    original, wrapped = model.__dict__.get("_original_forward"), model.__dict__.get("forward")
+    if original is None or wrapped is None:
+        yield
+        return
+    model.forward = original
+    try:
+        yield
+    finally:
+        model.forward = wrapped
+
+
 def _fp32(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
     """Strict fp32 for the body: autocast off, TF32/bf32 off (weights are fp32 under *-mixed)."""
     stack = contextlib.ExitStack()
     device = next(model.parameters()).device.type
     stack.enter_context(torch.autocast(device, enabled=False))
     stack.enter_context(state.precision_settings(POLICIES["fp32"].precision))
+    stack.enter_context(_own_forward(model))
     return stack
+
+
+@dataclass
+class Replay:
+    """A batch replayed from the run's weights: its loss, its gradient norm (when the backward ran)
+    and, where asked, its gradients (unscaled), for a retry."""
+
+    loss: float
+    grad_norm: float | None = None
+    grads: list[torch.Tensor | None] | None = None
+
+
+def grad_norm(params: Sequence[torch.Tensor]) -> float:
+    """The 2-norm of the gradients of ``params`` (one read)."""
+    grads = [dense(p.grad).detach() for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norms = torch._foreach_norm(grads)
+    return float(torch.linalg.vector_norm(torch.stack([n.float().to(norms[0].device) for n in norms])))
+
+
+def replay(
+    model: nn.Module,
+    loss_fn: LossFn,
+    batch: Any,
+    context: Callable[[], contextlib.AbstractContextManager[Any]] | None,
+    *,
+    fp32: bool = False,
+    backward: bool = True,
+    scale: float | None = None,
+    keep_grads: bool = False,
+) -> Replay:
+    """``batch`` once more from the weights as they are (the update not applied yet): in strict fp32
+    (``fp32=True``) or under the run's ``context`` (its autocast), forward and, with ``backward``,
+    backward (scaled by ``scale``, the gradients unscaled after); the run left as it was (its
+    gradients, buffers and RNG restored). ``keep_grads``: the replay's gradients come back, for a
+    retry."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    with untouched(model), torch.enable_grad() if backward else torch.no_grad():
+        if backward:
+            for p in params:
+                p.grad = None
+        with _fp32(model) if fp32 else context() if context is not None else contextlib.nullcontext():
+            loss = loss_fn(model, batch)
+            value = float(loss.detach().float())
+            if not backward:
+                return Replay(value)
+            (loss.float() * scale if scale else loss).backward()
+        if scale:
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(1.0 / scale)
+        norm = grad_norm(params)
+        grads = [p.grad for p in params] if keep_grads else None
+    return Replay(value, norm, grads)
 
 
 def fp32_loss(model: nn.Module, loss_fn: LossFn, batch: Any) -> float:

@@ -77,17 +77,35 @@ class Comparison:
     median_grad_sqnr_db: float | None
     skipped_steps: int
     nonfinite_loss_step: int | None
+    # The loss difference apart from the loss's level: a constant added to the loss (a regulariser's
+    # offset, a +1000) dilutes |loss - loss_fp32| / |loss_fp32| but changes none of these.
+    max_loss_diff: float = 0.0  # the largest |loss - loss_fp32|
+    loss_range: float | None = None  # how far fp32's loss moved over the steps (max - min); None: < 4 steps
+    loss_level: float = 0.0  # the largest |loss_fp32|: what the relative difference divides by
+
+    @property
+    def loss_diff_of_range(self) -> float | None:
+        """The largest loss difference as a fraction of the range fp32's loss covered (offset-free)."""
+        return self.max_loss_diff / self.loss_range if self.loss_range else None
+
+
+# Fewer steps than this: fp32's loss range says too little about the loss's scale.
+MIN_RANGE_STEPS = 4
 
 
 def compare(reference: Trajectory, candidate: Trajectory) -> Comparison:
-    rel = []
+    rel, diffs = [], []
     nonfinite_at = None
     for i, (r, c) in enumerate(zip(reference.losses, candidate.losses, strict=False)):
         if not math.isfinite(c):
             nonfinite_at = i if nonfinite_at is None else nonfinite_at
             rel.append(math.inf)
+            diffs.append(math.inf)
         else:
             rel.append(abs(c - r) / max(abs(r), 1e-12))
+            diffs.append(abs(c - r))
+    ref = [r for r in reference.losses[: len(rel)] if math.isfinite(r)]
+    loss_range = max(ref) - min(ref) if len(ref) >= MIN_RANGE_STEPS else None
     out_sqnr = None
     ref_out, cand_out = reference.first_output, candidate.first_output
     if ref_out is not None and cand_out is not None and ref_out.shape == cand_out.shape:
@@ -115,4 +133,7 @@ def compare(reference: Trajectory, candidate: Trajectory) -> Comparison:
         median_grad_sqnr_db=values[len(values) // 2] if values else None,
         skipped_steps=sum(1 for s in candidate.stepped if not s),
         nonfinite_loss_step=nonfinite_at,
+        max_loss_diff=max(diffs, default=0.0),
+        loss_range=loss_range or None,
+        loss_level=max((abs(r) for r in ref), default=0.0),
     )

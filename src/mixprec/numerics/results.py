@@ -17,7 +17,9 @@ class CandidateCheck:
     Attributes:
         candidate: what was checked.
         verdict: pass, fail, at-risk (passes the checked steps but a trend predicts a failure
-            within the run), error (nothing was tested: the format never ran) or unsupported.
+            within the run), error (nothing was tested: the format never ran), unsupported, or
+            inconclusive (nothing failed, but the fp32 reference did not learn over the checked
+            steps beyond its own run-to-run spread: the comparison had no power, so no pass).
         reason: the first failed criterion with its figure, or the margins of a pass.
         max_rel_loss_diff: largest |loss - loss_fp32| / |loss_fp32| over the checked steps.
         output_sqnr_db: SQNR of the model output at the first step (dB).
@@ -57,6 +59,11 @@ class CandidateCheck:
         train_steps: the length of the run the verdict is about.
         evidence: what the verdict cannot see, in words (e.g. "not enough evidence: rerun with
             --steps 40"); empty when nothing is missing.
+        spread_ratio: ``max_rel_loss_diff`` over the fp32 run-to-run spread on the same workload and
+            steps (the chaos floor): at most 1 is within training randomness; None where fp32 runs
+            do not drift apart at all.
+        randomness: that comparison in words ("within training randomness: 0.12% against fp32's own
+            run-to-run spread of 0.31%").
     """
 
     candidate: Candidate
@@ -96,6 +103,8 @@ class CandidateCheck:
     outlook: dict[str, Any] | None = None
     train_steps: int | None = None
     evidence: str = ""
+    spread_ratio: float | None = None
+    randomness: str = ""
 
     @property
     def label(self) -> str:
@@ -104,6 +113,12 @@ class CandidateCheck:
     @property
     def passed(self) -> bool:
         return self.verdict == Status.PASS
+
+    @property
+    def acceptable(self) -> bool:
+        """May be recommended: passed, or inconclusive (nothing failed; the reference did not learn,
+        so the pick is on speed alone, labelled "numerics not verified")."""
+        return self.verdict in (Status.PASS, Status.INCONCLUSIVE)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -126,7 +141,14 @@ class CandidateCheck:
 
 @dataclass
 class CheckResult:
-    """Everything one `check` run measured: the fp32 reference, its chaos floor and each candidate."""
+    """Everything one `check` run measured: the fp32 reference, its chaos floor and each candidate.
+
+    ``steps`` are the steps compared; ``asked_steps`` the steps asked for (more were checked where
+    the reference did not learn over those, and the budget allowed). ``learns``: whether the fp32
+    reference's loss fell over the compared steps beyond its batch-to-batch noise and its run-to-run
+    spread (None in files written before it was recorded); ``reference_note`` says why not, and
+    ``power`` what was done for it ("checked 16 steps: it did not learn over 8").
+    """
 
     workload: str
     device: str
@@ -140,11 +162,19 @@ class CheckResult:
     chaos_floor_losses: list[float] = field(default_factory=list)
     chaos_floor_sqnr_db: dict[str, float | None] = field(default_factory=dict)
     reference_note: str = ""
+    learns: bool | None = None
+    asked_steps: int | None = None
+    power: str = ""
 
     @property
     def failed(self) -> list[CandidateCheck]:
         """The candidates that failed, are at risk within the run, or could not be tested (exit 4)."""
         return [c for c in self.candidates if c.verdict in (Status.FAIL, Status.AT_RISK, Status.ERROR)]
+
+    @property
+    def inconclusive(self) -> list[CandidateCheck]:
+        """The candidates judged against a reference that did not learn (exit 6 when none failed)."""
+        return [c for c in self.candidates if c.verdict == Status.INCONCLUSIVE]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -158,6 +188,9 @@ class CheckResult:
             "chaos_floor_losses": self.chaos_floor_losses,
             "chaos_floor_sqnr_db": self.chaos_floor_sqnr_db,
             "reference_note": self.reference_note,
+            "learns": self.learns,
+            "asked_steps": self.asked_steps,
+            "power": self.power,
             "reference_layers": self.reference_layers,
             "candidates": [c.to_dict() for c in self.candidates],
         }

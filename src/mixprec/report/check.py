@@ -67,6 +67,8 @@ def check_report(result: CheckResult) -> Group:
                 style="dim",
             )
         )
+    if result.power:  # power first: more steps were checked than asked for
+        parts.append(Text(f"power: {result.power}", style="yellow"))
     if result.reference_note:
         parts.append(Text(f"warning: {result.reference_note}", style="yellow"))
     for c in result.candidates:

@@ -38,6 +38,10 @@ def env_report(env: dict[str, Any], policies: list[dict[str, Any]]) -> Group:
         ("tf32", _yes_no(dev["tf32"])),
         ("fp8", _yes_no(dev["fp8"])),
     ]
+    for key, speed in env.get("format_speeds", {}).items():
+        rates = [(op, speed.get(f"{op}_vs_fp32")) for op in ("matmul", "conv")]
+        shown = ", ".join(f"{op} {rate:.2f}x" for op, rate in rates if rate is not None)
+        rows.append((f"{key} measured (vs fp32)", shown or "not measured"))
     for key, value in env.get("system", {}).items():
         if key != "cpu_info" and value:
             rows.append((key, value))

@@ -44,7 +44,18 @@ def figure(result: TrainResult) -> Any:
 
     from mixprec.numerics.trend import LayerSeries, headroom_bits, least_headroom
 
-    fig, (ax_loss, ax_scale, ax_head) = plt.subplots(3, 1, figsize=(11, 10), sharex=True)
+    fmt = result.range_format
+    series = [LayerSeries.from_dict(s) for s in result.series]
+    # no empty panels: the loss scale only where a scaler ran or a step was skipped, the headroom
+    # only where ranges were sampled
+    panels = ["loss"]
+    if result.scales or result.skipped:
+        panels.append("scale")
+    if fmt and series:
+        panels.append("headroom")
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.4 * len(panels)), sharex=True, squeeze=False)
+    ax = dict(zip(panels, axes[:, 0], strict=True))
+    ax_loss = ax["loss"]
     finite = [(i, v) for i, v in enumerate(result.losses) if math.isfinite(v)]
     if finite:
         ax_loss.plot(*zip(*finite, strict=True), linewidth=1, color="black")
@@ -54,15 +65,17 @@ def figure(result: TrainResult) -> Any:
         ax_loss.scatter(bad, [top] * len(bad), marker="x", color="red", label="loss not finite")
         ax_loss.legend(fontsize=8)
     ax_loss.set_ylabel("loss")
-    if result.scales:
-        ax_scale.semilogy(*zip(*result.scales, strict=True), color="#1f77b4")
-    if result.skipped:
-        ax_scale.scatter(result.skipped, [1] * len(result.skipped), marker="|", color="red", label="skipped")
-        ax_scale.legend(fontsize=8)
-    ax_scale.set_ylabel("loss scale")
-    fmt = result.range_format
-    series = [LayerSeries.from_dict(s) for s in result.series]
-    if fmt and series:
+    if "scale" in ax:
+        ax_scale = ax["scale"]
+        if result.scales:
+            ax_scale.semilogy(*zip(*result.scales, strict=True), color="#1f77b4")
+        if result.skipped:
+            skipped = [1] * len(result.skipped)
+            ax_scale.scatter(result.skipped, skipped, marker="|", color="red", label="skipped")
+            ax_scale.legend(fontsize=8)
+        ax_scale.set_ylabel("loss scale")
+    if "headroom" in ax and fmt:
+        ax_head = ax["headroom"]
         worst = {row["layer"] for row in least_headroom(series, fmt, n=4)}
         for s in series:
             if s.name not in worst:
@@ -77,11 +90,11 @@ def figure(result: TrainResult) -> Any:
                 ax_head.plot(*zip(*points, strict=True), "o-", markersize=3, label=f"{s.name} ({fmt})")
         ax_head.axhline(0, color="black", linewidth=1)
         ax_head.legend(fontsize=8)
-    ax_head.set_ylabel("headroom (bits)")
-    ax_head.set_xlabel("step")
+        ax_head.set_ylabel("headroom (bits)")
+    axes[-1, 0].set_xlabel("step")
     for f in result.findings:
-        for ax in (ax_loss, ax_scale, ax_head):
-            ax.axvline(
+        for panel in ax.values():
+            panel.axvline(
                 f["step"], color="green" if f["kind"] == "rescue" else "orange", alpha=0.4, linewidth=1
             )
     ax_loss.set_title(

@@ -162,21 +162,79 @@ def budget_view(result: TuneResult) -> BudgetView | None:
 
 
 def verdict_line(result: TuneResult) -> tuple[str, str]:
-    """(tone, one sentence) for the banner at the top of the report."""
+    """(tone, the banner at the top of the report): the pick, then what was not tried: candidates
+    the budget left unmeasured (and the budget that would try them), those only predicted, those
+    too noisy to rank; "measured and slower or failed" is never said of what did not run."""
     rec = result.recommendation
+    tried = tried_line(result)
     if rec is None:
         if not result.ranked:
             return "muted", "This result holds no candidates and no recommendation."
-        return "bad", "No candidate passed the numerics check, not even strict fp32."
+        return "bad", _join("No candidate passed the numerics check, not even strict fp32.", tried)
     if rec.candidate.policy == "fp32" and not rec.candidate.keep_fp32:
-        return "warn", "Keep strict fp32: no lower-precision candidate was both faster and numerically sound."
+        lower = [
+            r
+            for r in result.ranked
+            if r.row is not None and r.row.status == Status.OK and r.row.policy != "fp32"
+        ]
+        if not lower and _labels(result, Status.NOT_MEASURED):
+            budget = fmt_seconds(result.budget_s) if result.budget_s else "the"
+            return "warn", _join(
+                f"Strict fp32 by default, not by measurement: the {budget} budget ended before any "
+                "lower-precision candidate was measured.",
+                tried,
+            )
+        return "warn", _join(
+            "Keep strict fp32: no lower-precision candidate that was measured was both faster and "
+            "numerically sound.",
+            tried,
+        )
     pieces = []
     speedup = fmt_speedup(rec.speedup_vs_fp32)
     if speedup:
         pieces.append(f"{speedup} the throughput of strict fp32")
+    if rec.numerics_unverified:  # an inconclusive check: on speed alone, never "numerics pass"
+        pieces.append(rec.numerics_unverified)
+        return "warn", _join(f"Use {rec.label} on speed alone: " + ", ".join(pieces) + ".", tried)
     sqnr = fmt_db(rec.margin.get("output_sqnr_db"))
     pieces.append("numerics pass" + (f" (output SQNR {sqnr})" if sqnr else ""))
-    return "good", f"Use {rec.label}: " + ", ".join(pieces) + "."
+    return "good", _join(f"Use {rec.label}: " + ", ".join(pieces) + ".", tried)
+
+
+def tried_line(result: TuneResult) -> str:
+    """What the decision did not see measured, one clause per kind: 'Not measured (budget): ...;
+    about --budget 640 would try them. Predicted only (speed not measurable here): ... Too noisy to
+    rank: ...'; empty when everything planned was measured."""
+    parts = []
+    missing = _labels(result, Status.NOT_MEASURED)
+    if missing:
+        rec = result.recommendation
+        more = rec.budget_to_try_s if rec is not None else None
+        tail = f"; about --budget {more:g} would try them" if more else "; a larger --budget would try them"
+        parts.append(f"Not measured, the budget ended first: {_named(missing)}{tail}.")
+    predicted = [
+        f"{r.label} (would {'pass' if r.verdict == Status.PASS else 'fail'})" if r.verdict else r.label
+        for r in result.ranked
+        if r.status == Status.PREDICTED
+    ]
+    if predicted:
+        parts.append(f"Predicted only, speed not measurable on this device: {_named(predicted)}.")
+    noisy = _labels(result, Status.NOISY)
+    if noisy:
+        parts.append(f"Too noisy to rank (set aside): {_named(noisy)}.")
+    return " ".join(parts)
+
+
+def _labels(result: TuneResult, status: Status) -> list[str]:
+    return [r.label for r in result.ranked if r.status == status]
+
+
+def _named(labels: list[str], most: int = 6) -> str:
+    return ", ".join(labels[:most]) + (f" and {len(labels) - most} more" if len(labels) > most else "")
+
+
+def _join(*sentences: str) -> str:
+    return " ".join(s for s in sentences if s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,7 +271,11 @@ def cards(result: TuneResult, rec: Recommendation) -> tuple[Card, ...]:
     if fmt_speedup(rec.speedup_vs_tf32):
         out.append(Card("speedup vs tf32", fmt_speedup(rec.speedup_vs_tf32), "throughput ratio"))
     if num(rec.memory_saved_bytes) is not None:
-        out.append(Card("memory saved", fmt_bytes(rec.memory_saved_bytes) or "0 B", "peak, vs strict fp32"))
+        saved = rec.memory_saved_bytes
+        if saved is not None and saved < 0:  # the pick uses more than strict fp32: say so, unsigned
+            out.append(Card("memory used", f"{fmt_bytes(-saved)} more", "peak, vs strict fp32"))
+        else:
+            out.append(Card("memory saved", fmt_bytes(saved) or "0 B", "peak, vs strict fp32"))
     check = _check_of(result, rec)
     thresholds = check.thresholds if check else {}
     for key, name, fmt, threshold, rel in _MARGINS:
@@ -337,6 +399,8 @@ def measurement_notes(result: TuneResult) -> tuple[str, ...]:
     if result.recommendation is not None and result.recommendation.too_noisy:
         notes.append(result.recommendation.too_noisy)
     notes += [_text(n) for n in result.notes]
+    if result.check is not None and result.check.power:
+        notes.append("numerics: " + result.check.power)
     if result.check is not None and result.check.reference_note:
         notes.append("numerics: " + result.check.reference_note)
     return tuple(n.rstrip(".") + "." for n in notes if n)

@@ -1,9 +1,16 @@
-"""The decision: the fastest candidate whose numerics passed; ties within noise go to the safer one.
+"""The decision: the fastest resolved candidate whose numerics passed; ties within noise go to the
+safer one, never to one measured slower than another passing candidate.
 
 :func:`decide` is a pure function of measurements and verdicts, so it is tested on synthetic
-numbers. Safer means simpler to live with: fp32 master weights beat half-precision storage, no
-loss scaling beats loss scaling, NCHW beats a layout change, fewer fp32 islands beat more
-(``PolicySpec.safety_rank`` orders the policies).
+numbers (property tests in ``tests/tuning/test_decide_resolved.py``). It works from what is
+resolved: a passing candidate whose own speedup is uncertain beyond :data:`NOISE_CAP` (and that no
+race resolved) is *noisy*: set aside and named for a re-measure, never the reference a tie-break is
+measured against. Safer means simpler to live with: fp32 master weights beat half-precision
+storage, no loss scaling beats loss scaling, NCHW beats a layout change, fewer fp32 islands beat
+more (``PolicySpec.safety_rank`` orders the policies); a safer candidate whose interval lies
+entirely below another passing candidate's (:func:`dominates`) is never preferred. What was not
+measured (the budget ended first) or only predicted (fp8 on hardware without it) are rows of the
+table too (:class:`Untried`), and the recommendation says what trying them would take.
 """
 
 from __future__ import annotations
@@ -24,16 +31,39 @@ Verdicts = Mapping[Candidate, CandidateCheck]  # keyed by Candidate.numerics
 
 
 @dataclass(frozen=True)
+class Untried:
+    """A candidate tune planned but did not measure: its row in the decision table.
+
+    Attributes:
+        candidate: what was not measured.
+        status: ``not-measured`` (the budget ended before it) or ``predicted`` (its numerics were
+            predicted here; its speed cannot be measured on this device).
+        reason: why, in one sentence ("not measured: the speed sweep stopped at the deadline").
+        cost_s: about what measuring (and checking) it would take, from what the candidates measured
+            so far cost; None where unknown or not a matter of budget.
+        verdict: a prediction's verdict (pass/fail), None otherwise.
+    """
+
+    candidate: Candidate
+    status: str
+    reason: str
+    cost_s: float | None = None
+    verdict: str | None = None
+
+
+@dataclass(frozen=True)
 class Ranked:
     """One row of tune's decision table: a measured candidate and what the decision made of it.
 
     Attributes:
         candidate: what was measured.
-        status: recommended, passed, rejected, slower, unchecked, or the bench status
-            (pruned, unsupported, oom, error).
+        status: recommended, pass, fail, at-risk, slower, unchecked, noisy (passed, too uncertain
+            to rank: set aside for a re-measure), not-measured (the budget ended first), predicted
+            (numerics only), or the bench status (pruned, unsupported, oom, error).
         reason: why, in one sentence.
         verdict: the numerics verdict (pass/fail), None when not checked.
-        row: the bench row with its figures (throughput, speedup, memory, MFU).
+        row: the bench row with its figures (throughput, speedup, memory, MFU); None for a
+            candidate that was not measured.
     """
 
     candidate: Candidate
@@ -82,8 +112,17 @@ class Recommendation:
         reason: one paragraph: why it won and what lost.
         tie_break: set when a faster candidate within noise lost to this safer one.
         tied_with: that faster candidate.
-        too_noisy: set when the machine's noise was too large to separate two candidates.
-        noisy_with: the candidate the pick could not be separated from.
+        too_noisy: set when passing candidates were too noisy to rank: which, and that they were set
+            aside (re-measured when the budget allows).
+        noisy_with: the first of them (the most promising).
+        remeasure: every noisy candidate that could still beat the pick, and the pick itself where
+            it is noisy (chosen as measured apart above the rest): what tune re-measures.
+        untried: set when candidates were not measured because the budget ended: which (the
+            precisions of which nothing ran first) and the budget that would try them.
+        budget_to_try_s: that budget in seconds: the run's budget plus what the untried
+            candidates would cost, from what the measured ones cost.
+        numerics_unverified: set when the pick's numerics check was inconclusive (the fp32
+            reference did not learn over the checked steps): why; the pick is then on speed alone.
         lint_worth_fixing: lint findings of warning severity or worse under this policy.
         micro_batch / accumulation_steps: samples per forward/backward pass, and passes per optimizer
             step (set by tune: the candidate's own under ``--batch auto``, else the run's batch and 1).
@@ -100,6 +139,10 @@ class Recommendation:
     tied_with: Candidate | None = None
     too_noisy: str | None = None
     noisy_with: Candidate | None = None
+    remeasure: tuple[Candidate, ...] = ()
+    untried: str | None = None
+    budget_to_try_s: float | None = None
+    numerics_unverified: str | None = None
     lint_worth_fixing: list[dict[str, Any]] = field(default_factory=list)
     micro_batch: int | None = None
     accumulation_steps: int = 1
@@ -130,6 +173,10 @@ class Recommendation:
             "tied_with_candidate": self.tied_with.to_dict() if self.tied_with else None,
             "too_noisy": self.too_noisy,
             "noisy_with": self.noisy_with.to_dict() if self.noisy_with else None,
+            "remeasure": [c.to_dict() for c in self.remeasure],
+            "untried": self.untried,
+            "budget_to_try_s": self.budget_to_try_s,
+            "numerics_unverified": self.numerics_unverified,
             "lint_worth_fixing": self.lint_worth_fixing,
             "micro_batch": self.micro_batch,
             "accumulation_steps": self.accumulation_steps,
@@ -150,6 +197,10 @@ class Recommendation:
             tied_with=Candidate.from_dict(tied) if tied else None,
             too_noisy=data.get("too_noisy"),
             noisy_with=Candidate.from_dict(data["noisy_with"]) if data.get("noisy_with") else None,
+            remeasure=tuple(Candidate.from_dict(c) for c in data.get("remeasure") or ()),
+            untried=data.get("untried"),
+            budget_to_try_s=data.get("budget_to_try_s"),
+            numerics_unverified=data.get("numerics_unverified"),
             lint_worth_fixing=list(data.get("lint_worth_fixing") or []),
             micro_batch=data.get("micro_batch"),
             accumulation_steps=int(data.get("accumulation_steps") or 1),
@@ -190,12 +241,15 @@ def log_speed_se(row: BenchRow) -> float:
 
 # About 95% of the sampling noise of a difference lies within two standard errors.
 Z = 2.0
-# Beyond this relative uncertainty two candidates cannot be told apart on this machine: the
-# decision says so instead of pretending a tie (or a winner) was measured.
+# Beyond this relative uncertainty a candidate's speedup is not resolved on this machine: it is set
+# aside (and re-measured when the budget allows) instead of widening every comparison with it
+# into a tie-break; two resolved candidates' noise band is capped here too.
 NOISE_CAP = 0.25
 # The verdicts that keep a candidate out of the recommendation, each shown as its row's status:
 # a fail, a failure predicted within the run (at-risk), a format that never ran (error).
 REJECTED = (Status.FAIL, Status.AT_RISK, Status.ERROR)
+# The decision table names at most this many untried candidates in one sentence.
+NAMED = 6
 
 
 def noise_band(a: BenchRow, b: BenchRow, noise: float) -> float:
@@ -206,6 +260,66 @@ def noise_band(a: BenchRow, b: BenchRow, noise: float) -> float:
 
 def within_noise(speedup: float, best: float, band: float) -> bool:
     return speedup >= best * (1 - min(band, NOISE_CAP))
+
+
+def _raw_interval(row: BenchRow, reference: bool) -> tuple[float, float]:
+    """The row's 95% interval of its speedup: its paired rounds' bootstrap interval, else two
+    standard errors of log(speedup) either side; a point for the reference (1x by definition)."""
+    s = speed(row)
+    if reference or s <= 0:
+        return s, s
+    if row.speedup_ci:
+        lo, hi = row.speedup_ci
+        return min(lo, s), max(hi, s)
+    spread = math.exp(Z * log_speed_se(row))
+    return s / spread, s * spread
+
+
+def uncertainty(row: BenchRow, *, reference: bool = False) -> float:
+    """How uncertain ``row``'s speedup is on its own: the relative half-width of its 95% interval
+    in log terms (0.3: about +-30%). Above :data:`NOISE_CAP` (and unresolved by a race) the row is
+    noisy: set aside by :func:`decide`."""
+    lo, hi = _raw_interval(row, reference)
+    if lo <= 0 or hi <= 0:
+        return 0.0 if lo == hi else math.inf
+    return math.expm1((math.log(hi) - math.log(lo)) / 2)
+
+
+def interval(
+    row: BenchRow, noise: float = 0.03, *, scale: float = 1.0, reference: bool = False
+) -> tuple[float, float]:
+    """The speedup interval the decision compares: the 95% interval, never narrower than the noise
+    floor around the median (+-``noise``/2, so two candidates closer than ``noise`` always
+    overlap), times ``scale`` (a compiled row's amortised over its per-step speedup)."""
+    s = speed(row)
+    lo, hi = _raw_interval(row, reference)
+    return min(lo, s * (1 - noise / 2)) * scale, max(hi, s * (1 + noise / 2)) * scale
+
+
+def dominates(
+    faster: BenchRow,
+    slower: BenchRow,
+    noise: float = 0.03,
+    *,
+    effective: Speed | None = None,
+    race: Race | None = None,
+    reference: BenchRow | None = None,
+) -> bool:
+    """``faster``'s :func:`interval` lies entirely above ``slower``'s: measured apart, however wide
+    each is (with ``effective``, compile time amortised). A race that measured the two head to head
+    has the last word: dominated only where it found ``faster`` faster."""
+    if faster is slower or faster.candidate == slower.candidate:
+        return False
+    duel = race.duel(faster.candidate, slower.candidate) if race is not None else None
+    if duel is not None and duel.resolved:
+        return duel.faster() == faster.candidate
+
+    def scaled(row: BenchRow) -> tuple[float, float]:
+        s = speed(row)
+        scale = effective(row) / s if effective is not None and s else 1.0
+        return interval(row, noise, scale=scale, reference=row is reference)
+
+    return scaled(slower)[1] < scaled(faster)[0]
 
 
 def amortized(row: BenchRow, baseline: BenchRow | None, train_steps: int | None) -> float:
@@ -222,6 +336,42 @@ def amortized(row: BenchRow, baseline: BenchRow | None, train_steps: int | None)
     return run_s / (extra + run_s / s)
 
 
+Speed = Callable[[BenchRow], float]
+
+
+@dataclass(frozen=True)
+class _Judge:
+    """What the decision knows of the passing rows: which are resolved, which dominate which."""
+
+    fp32: BenchRow | None
+    effective: Speed
+    noise: float
+    race: Race | None
+
+    def raced(self, row: BenchRow) -> bool:
+        """A race measured ``row`` head to head and resolved the duel (a tie counts)."""
+        race = self.race
+        return race is not None and any(
+            d.resolved and row.candidate in (d.leader, d.rival) for d in race.duels
+        )
+
+    def noisy(self, row: BenchRow) -> bool:
+        """Too uncertain on its own to rank, and no race resolved it."""
+        if row is self.fp32 or speed(row) <= 0:
+            return False
+        return uncertainty(row) > NOISE_CAP and not self.raced(row)
+
+    def dominates(self, faster: BenchRow, slower: BenchRow) -> bool:
+        return dominates(
+            faster, slower, self.noise, effective=self.effective, race=self.race, reference=self.fp32
+        )
+
+    def interval(self, row: BenchRow) -> tuple[float, float]:
+        s = speed(row)
+        scale = self.effective(row) / s if s else 1.0
+        return interval(row, self.noise, scale=scale, reference=row is self.fp32)
+
+
 def decide(
     rows: Sequence[BenchRow],
     verdicts: Verdicts,
@@ -229,20 +379,36 @@ def decide(
     noise: float = 0.03,
     train_steps: int | None = None,
     race: Race | None = None,
+    untried: Sequence[Untried] = (),
+    not_checked: Mapping[Candidate, str] | None = None,
+    budget_s: float | None = None,
 ) -> tuple[Recommendation | None, list[Ranked]]:
-    """The fastest candidate whose numerics passed; ties within noise go to the safer one.
+    """The fastest resolved candidate whose numerics passed; ties within noise go to the safer one.
 
     ``verdicts`` maps a candidate's :attr:`~mixprec.Candidate.numerics` to its check; strict
     fp32 is the reference and passes by definition. Candidates are ranked by their speedup over
-    strict fp32 (the median paired ratio). ``noise`` is the smallest relative difference treated
-    as real; two combined standard errors of the speedups widen it, up to :data:`NOISE_CAP`.
-    When the measurement cannot separate the fastest candidate from a safer one within that
-    cap, the recommendation says so (``too_noisy``) rather than calling a tie or a winner.
-    With ``train_steps``, a compiled candidate's speedup is its :func:`amortized` one: its
-    compile time is paid once over that many steps. A ``race`` (:mod:`mixprec.measure.race`) has
-    the last word between the candidates it measured against each other: a resolved duel orders
-    them whatever their fp32-relative figures say, a measured tie goes to the safer one, and only
-    an unresolved duel can leave them "too noisy to separate".
+    strict fp32 (the median paired ratio). With ``train_steps``, a compiled candidate's speedup is
+    its :func:`amortized` one: its compile time is paid once over that many steps.
+
+    The decision works from what is resolved. A passing candidate whose own speedup is uncertain
+    beyond :data:`NOISE_CAP` (:func:`uncertainty`) and that no race resolved is *noisy*: set aside
+    (status ``noisy``, listed in ``remeasure`` where it could beat the pick), never the reference of
+    a tie-break. Among the resolved ones the fastest wins, unless a safer one is within the noise
+    of that pair: ``noise`` is the smallest relative difference treated as real; two combined
+    standard errors widen it, up to :data:`NOISE_CAP`. A safer candidate never wins when its
+    interval lies entirely below another passing candidate's (:func:`dominates`), nor when it is
+    slower than a candidate the race measured slower than the fastest. Where a noisy candidate's
+    interval lies entirely above the fastest resolved one's, it is faster whatever its noise and the
+    pick is among such candidates.
+
+    A ``race`` (:mod:`mixprec.measure.race`) has the last word between the candidates it measured
+    against each other: a resolved duel orders them whatever their fp32-relative figures say, a
+    measured tie goes to the safer one.
+
+    ``untried``: candidates planned but not measured (the budget ended first) or only predicted,
+    each a row of the table; with ``budget_s`` (the run's budget) the recommendation names the
+    budget that would try them. ``not_checked``: why a measured candidate's numerics were not
+    checked (keyed by its numerics), where the budget ended first.
     """
     measured = [r for r in rows if not r.baseline_repeat]
     fp32 = baseline_row(measured)
@@ -250,28 +416,38 @@ def decide(
     def effective(row: BenchRow) -> float:
         return amortized(row, fp32, train_steps)
 
-    passing, table = _rank(measured, verdicts, fp32, effective)
+    passing, table = _rank(measured, verdicts, fp32, effective, not_checked or {})
+    seen = {r.candidate for r in measured}
+    untried = [u for u in untried if u.candidate not in seen]
+    table += [Ranked(u.candidate, u.status, u.reason, u.verdict) for u in untried]
     if not passing:
         return None, table
-    fastest = max(passing, key=effective)
+    judge = _Judge(fp32, effective, noise, race)
+    resolved = [r for r in passing if not judge.noisy(r)] or list(passing)
+    fastest = max(resolved, key=effective)
     if race is not None:
-        fastest = _race_leader(fastest, passing, race, fp32, train_steps)
-    outcome = _outcomes(fastest, race)
-    band = [
-        r
-        for r in passing
-        if outcome(r) == "tie"
-        or (
-            outcome(r) in (None, "open")
-            and within_noise(effective(r), effective(fastest), noise_band(r, fastest, noise))
-        )
-    ]
-    chosen = min(band, key=safety)
-    tie_break = _tie_break(chosen, fastest, race, effective)
-    noisy_with, too_noisy = _too_noisy(passing, fastest, outcome, effective, noise)
+        fastest = _race_leader(fastest, resolved, race, fp32, train_steps)
+    chosen, band = _choose(fastest, resolved, passing, judge)
+    tie_break = _tie_break(chosen, fastest, race, effective) if band else None
+    above = None if band else _above(chosen, fastest, judge)
+    rivals = sorted(
+        (
+            r
+            for r in passing
+            if r is not chosen and judge.noisy(r) and judge.interval(r)[1] > effective(chosen)
+        ),
+        key=effective,
+        reverse=True,
+    )
+    too_noisy = _too_noisy(rivals, chosen, judge)
+    remeasure = [chosen, *rivals] if judge.noisy(chosen) else rivals  # a noisy pick: its figure too
+    untried_text, budget_to_try = _untried(untried, measured, budget_s)
+    noisy = {r.candidate for r in passing if r is not chosen and judge.noisy(r)}
     table = [
         Ranked(r.candidate, Status.RECOMMENDED, r.reason, r.verdict, r.row)
         if r.candidate == chosen.candidate
+        else Ranked(r.candidate, Status.NOISY, _noisy_reason(r.row, r.row in rivals), r.verdict, r.row)
+        if r.candidate in noisy and r.row is not None
         else r
         for r in table
     ]
@@ -284,26 +460,124 @@ def decide(
     saved = None
     if fp32 and fp32.peak_memory_bytes and chosen.peak_memory_bytes:
         saved = fp32.peak_memory_bytes - chosen.peak_memory_bytes
+    reason = _reason(
+        chosen,
+        table,
+        verdict,
+        tie_break,
+        too_noisy,
+        fp32,
+        train_steps,
+        race,
+        above=above,
+        untried=untried_text,
+    )
     rec = Recommendation(
         candidate=chosen.candidate,
         speedup_vs_fp32=chosen.speedup_vs_fp32,
         speedup_vs_tf32=effective(chosen) / effective(tf32) if tf32 and effective(tf32) else None,
         memory_saved_bytes=saved,
         margin=_margin(verdict),
-        reason=_reason(chosen, table, verdict, tie_break, too_noisy, fp32, train_steps, race),
+        reason=reason,
         tie_break=tie_break,
         tied_with=fastest.candidate if tie_break else None,
         too_noisy=too_noisy,
-        noisy_with=noisy_with.candidate if noisy_with is not None else None,
+        noisy_with=rivals[0].candidate if rivals else None,
+        remeasure=tuple(r.candidate for r in remeasure),
+        untried=untried_text,
+        budget_to_try_s=budget_to_try,
+        numerics_unverified=unverified(verdict),
     )
     return rec, table
 
 
-Speed = Callable[[BenchRow], float]
+def unverified(verdict: CandidateCheck | None) -> str | None:
+    """Why a pick's numerics are not verified (its check was inconclusive), or None."""
+    if verdict is None or verdict.verdict != Status.INCONCLUSIVE:
+        return None
+    why = verdict.reason.removeprefix(f"{Status.INCONCLUSIVE}: ").split(" (its figures:")[0]
+    return f"numerics not verified: {why}"
+
+
+def _choose(
+    fastest: BenchRow, resolved: Sequence[BenchRow], passing: Sequence[BenchRow], judge: _Judge
+) -> tuple[BenchRow, list[BenchRow]]:
+    """The pick and the band it was chosen from (empty when a noisy candidate's interval lies
+    above every candidate of the band: the pick is then among those measured apart above it)."""
+    effective, race = judge.effective, judge.race
+    outcome = _outcomes(fastest, race)
+    # a candidate the race measured slower than the fastest bounds the band: whatever is slower
+    # than it is slower than the fastest too, however noisy the fastest's fp32-relative figure
+    beaten = [r for r in resolved if outcome(r) == "slower"]
+
+    def in_band(r: BenchRow) -> bool:
+        if r is fastest:
+            return True
+        if outcome(r) == "tie":
+            return True
+        if outcome(r) not in (None, "open") or any(effective(r) <= effective(b) for b in beaten):
+            return False
+        return within_noise(effective(r), effective(fastest), noise_band(r, fastest, judge.noise))
+
+    band = [r for r in resolved if in_band(r) and not any(judge.dominates(d, r) for d in passing)]
+    if band:
+        return min(band, key=safety), band
+    # every candidate of the band lies below another passing one: the pick is among those whose
+    # interval lies above the fastest resolved one's and that nothing lies above in turn
+    above = [d for d in passing if judge.dominates(d, fastest)]
+    top = [d for d in above if not any(judge.dominates(e, d) for e in passing)] or above or [fastest]
+    return min(top, key=safety), []
+
+
+def _above(chosen: BenchRow, fastest: BenchRow, judge: _Judge) -> str:
+    lo, hi = judge.interval(chosen)
+    flo, fhi = judge.interval(fastest)
+    return (
+        f"{chosen.label}'s 95% interval ({lo:.2f}-{hi:.2f}x) lies entirely above that of {fastest.label}, "
+        f"the fastest well-measured candidate ({flo:.2f}-{fhi:.2f}x): it is faster however noisy its "
+        "own figure"
+    )
+
+
+def _noisy_reason(row: BenchRow, rival: bool) -> str:
+    """A noisy row's reason: its interval, and whether it could still beat the pick (re-measured)."""
+    lo, hi = _raw_interval(row, False)
+    then = "re-measured when the budget allows" if rival else "even its interval's top is below the pick"
+    return (
+        f"too noisy to rank: {speed(row):.2f}x, 95% interval {lo:.2f}-{hi:.2f}x "
+        f"(+-{uncertainty(row):.0%}, beyond {NOISE_CAP:.0%}); set aside, {then}"
+    )
+
+
+def _untried(
+    untried: Sequence[Untried], measured: Sequence[BenchRow], budget_s: float | None
+) -> tuple[str | None, float | None]:
+    """What the budget left unmeasured, in one sentence, and the budget that would try it: the
+    run's budget plus what the untried candidates would cost, from what the measured ones cost."""
+    missing = [u for u in untried if u.status == Status.NOT_MEASURED]
+    if not missing:
+        return None, None
+    ran = {r.policy for r in measured if r.status == Status.OK}
+    families = list(dict.fromkeys(u.candidate.policy for u in missing if u.candidate.policy not in ran))
+    labels = [u.candidate.label for u in missing]
+    named = ", ".join(labels[:NAMED]) + (f" and {len(labels) - NAMED} more" if len(labels) > NAMED else "")
+    text = f"not measured because the budget ended first: {named}"
+    if families:
+        text += f" (nothing in {', '.join(families)} ran)"
+    costs = [u.cost_s for u in missing if u.cost_s]
+    budget = None
+    if costs and budget_s:
+        budget = float(10 * math.ceil((budget_s + sum(costs)) / 10))
+        text += f"; about --budget {budget:g} would try them"
+    return text, budget
 
 
 def _rank(
-    measured: Sequence[BenchRow], verdicts: Verdicts, fp32: BenchRow | None, effective: Speed
+    measured: Sequence[BenchRow],
+    verdicts: Verdicts,
+    fp32: BenchRow | None,
+    effective: Speed,
+    not_checked: Mapping[Candidate, str],
 ) -> tuple[list[BenchRow], list[Ranked]]:
     """The rows that passed, and the decision table: one entry per measured row with its status."""
     passing: list[BenchRow] = []
@@ -333,16 +607,19 @@ def _rank(
                     Status.SLOWER if slower else Status.UNCHECKED,
                     "not faster than strict fp32"
                     if slower
-                    else "numerics not checked: a faster candidate passed first, or the budget ran out",
+                    else not_checked.get(
+                        row.candidate.numerics,
+                        "numerics not checked: a faster candidate passed first, or the budget ran out",
+                    ),
                     row=row,
                 )
             )
         else:
-            ok = verdict.verdict == Status.PASS
+            # an inconclusive verdict (the reference did not learn) may still win on speed, labelled
+            ok = verdict.acceptable
             rejected = verdict.verdict if verdict.verdict in REJECTED else Status.FAIL
-            table.append(
-                Ranked(row.candidate, Status.PASS if ok else rejected, verdict.reason, verdict.verdict, row)
-            )
+            status = verdict.verdict if ok else rejected
+            table.append(Ranked(row.candidate, status, verdict.reason, verdict.verdict, row))
             if ok:
                 passing.append(row)
     return passing, table
@@ -382,30 +659,20 @@ def _tie_break(chosen: BenchRow, fastest: BenchRow, race: Race | None, effective
     )
 
 
-def _too_noisy(
-    passing: Sequence[BenchRow],
-    fastest: BenchRow,
-    outcome: Callable[[BenchRow], str | None],
-    effective: Speed,
-    noise: float,
-) -> tuple[BenchRow | None, str | None]:
-    """The first passing row the measurement could not separate from ``fastest`` (uncertain beyond
-    :data:`NOISE_CAP`, never raced to a result, intervals overlapping), and what to say of it."""
-    for r in passing:
-        uncertainty = noise_band(r, fastest, noise)
-        if (
-            r is not fastest
-            and outcome(r) in (None, "open")
-            and uncertainty > NOISE_CAP
-            and effective(r) < effective(fastest) * (1 - NOISE_CAP)
-            and not _separated(r, fastest)
-        ):
-            return r, (
-                f"too noisy to separate {fastest.label} ({effective(fastest):.2f}x) and {r.label} "
-                f"({effective(r):.2f}x): their speedups are uncertain by +-{uncertainty:.0%} "
-                "here; rerun on a quiet machine"
-            )
-    return None, None
+def _too_noisy(remeasure: Sequence[BenchRow], chosen: BenchRow, judge: _Judge) -> str | None:
+    """What to say of the noisy candidates that could still beat the pick: set aside, not ranked."""
+    if not remeasure:
+        return None
+    named = ", ".join(
+        f"{r.label} ({judge.effective(r):.2f}x, 95% interval {lo:.2f}-{hi:.2f}x)"
+        for r in remeasure
+        for lo, hi in [judge.interval(r)]
+    )
+    return (
+        f"too noisy to separate {named} from {chosen.label} ({judge.effective(chosen):.2f}x): uncertain "
+        f"beyond +-{NOISE_CAP:.0%}, so set aside rather than ranked (re-measured when the budget allows); "
+        "rerun on a quiet machine for a firmer answer"
+    )
 
 
 def _margin(verdict: Any) -> dict[str, float | None]:
@@ -419,12 +686,6 @@ def _margin(verdict: Any) -> dict[str, float | None]:
         "max_rel_loss_diff": verdict.max_rel_loss_diff if verdict else None,
         "max_rel_loss_diff_limit": verdict.allowed_rel_loss_diff if verdict else None,
     }
-
-
-def _separated(slower: BenchRow, faster: BenchRow) -> bool:
-    """The two speedups' 95% intervals do not overlap: measured apart, however wide each is."""
-    a, b = slower.speedup_ci, faster.speedup_ci
-    return a is not None and b is not None and a[1] < b[0]
 
 
 def _race_leader(
@@ -458,6 +719,9 @@ def _reason(
     fp32: BenchRow | None = None,
     train_steps: int | None = None,
     race: Race | None = None,
+    *,
+    above: str | None = None,
+    untried: str | None = None,
 ) -> str:
     parts = [f"{r.label} rejected: {r.reason}" for r in table if r.status in REJECTED]
     pruned = [r.label for r in table if r.status == Status.PRUNED]
@@ -473,7 +737,13 @@ def _reason(
                 f" per step, {amortized(chosen, fp32, train_steps):.2f}x over {train_steps} steps "
                 f"after {chosen.compile_s:.0f} s of compilation"
             )
-    if chosen.policy == "fp32":
+    lower = [r for r in table if r.row is not None and r.row.status == Status.OK and r.row.policy != "fp32"]
+    if chosen.policy == "fp32" and untried and not lower:
+        parts.append(
+            "no lower-precision candidate was measured before the budget ended: strict fp32 by default, "
+            "not by measurement"
+        )
+    elif chosen.policy == "fp32":
         parts.append(
             "no lower-precision candidate both beat strict fp32 and passed the numerics check: stay in fp32"
         )
@@ -481,12 +751,21 @@ def _reason(
         match = ""
         if verdict is not None and verdict.max_rel_loss_diff is not None:
             match = f" and matches its loss within {verdict.max_rel_loss_diff:.2%} over the checked steps"
+            if verdict.randomness:
+                match += f" ({verdict.randomness})"
+        unchecked = unverified(verdict)
+        if unchecked:  # on speed alone: the comparison had no power
+            match = f"; {unchecked}"
         islands = f" with {', '.join(chosen.keep_fp32)} kept in fp32" if chosen.keep_fp32 else ""
         parts.append(f"{chosen.label}{islands} is {how_fast}{match}")
+    if above:
+        parts.append(above)
     if tie:
         parts.append(tie)
     elif race is not None:  # how the pick fared against the finalists, measured head to head
         parts += [f"raced: {d.describe()}" for d in race.duels if chosen.candidate in (d.leader, d.rival)]
     if too_noisy:
         parts.append(too_noisy)
+    if untried:
+        parts.append(untried)
     return "; ".join(parts) + "."

@@ -9,6 +9,7 @@ the exports of the pick.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,10 +17,13 @@ from mixprec.budget import Budget
 from mixprec.events import Events, ignore
 from mixprec.frameworks import framework_of
 from mixprec.hardware.device import detect
+from mixprec.measure.compile_cache import inductor_cache
+from mixprec.measure.threads import pick_threads, threads_kept
 from mixprec.policy import Candidate
 from mixprec.tuning import batching
 from mixprec.tuning.batching import BatchPlan
 from mixprec.tuning.config import TuneConfig
+from mixprec.tuning.order import ordered
 from mixprec.tuning.result import TuneResult
 from mixprec.tuning.search import RESERVE_S, Search
 
@@ -61,14 +65,23 @@ def tune(
     framework.validate_workload(workload, dev, batching.fit_sizes(bs)[0] if auto else bs)
     if not auto:  # a script's samples per step are known once its first steps ran
         bs = config.bench.batch_size or framework.default_batch_size(workload)
+    # the threads every stage measures at (the fastest now on a CPU), chosen once for the whole tune
+    choice = pick_threads(framework, workload, config.bench, dev, batching.fit_sizes(bs)[0] if auto else bs)
+    if choice is not None:
+        config = replace(config, bench=replace(config.bench, threads=choice.threads))
     started = time.perf_counter()
     plan = _batch_plan(framework, workload, config, dev, bs, info, events, budget) if auto else None
     search = Search(
         workload, framework, config, device=dev, batch_size=bs, budget=budget, events=events, batches=plan
     )
+    if choice is not None and choice.step_s:
+        search.notes += [choice.reason] + ([choice.contended] if choice.contended else [])
     if plan is not None:
         search.phases["batch"] = time.perf_counter() - started
-    rec, ranked = search.run(info, modes)
+    # the race's in-process sessions set the chosen thread count; compiled artefacts are shared by
+    # every candidate process and later runs (Inductor's caches in mixprec's cache directory)
+    with threads_kept(), inductor_cache():
+        rec, ranked = search.run(info, modes)
     result = search.result
     assert result is not None
     findings: list[dict[str, Any]] | None = None
@@ -90,6 +103,8 @@ def tune(
     if budget.cuts and (rec is None or rec.candidate.policy == "fp32"):
         pick = "nothing could be recommended" if rec is None else "only strict fp32 could be recommended"
         exhausted = f"the {config.budget_s:g} s budget ran out: {'; '.join(budget.cuts)}, so {pick}"
+        if rec is not None and rec.untried:  # what was not tried, and the budget that would try it
+            exhausted += f"; {rec.untried}"
     return TuneResult(
         budget_exhausted=exhausted,
         workload=result.workload,
@@ -126,7 +141,7 @@ def _batch_plan(
     limit, source = batching.memory_budget(framework, device, config.memory_budget)
     candidates = [
         framework.validate(c)
-        for c in framework.tune_candidates(workload, info)
+        for c in ordered(framework.tune_candidates(workload, info), info)
         if framework.support(c, info).supported
     ]
     return batching.plan_micro_batches(

@@ -9,7 +9,12 @@
    numerics, since fused kernels round differently), and the pick with the optimizer's other
    implementations. Compilation is paid once: candidates are compared over ``train_steps``.
 4. Race the finalists against each other (:mod:`mixprec.measure.race`), then decide
-   (:func:`mixprec.tuning.decide.decide`) with the race's verdicts.
+   (:func:`mixprec.tuning.decide.decide`) with the race's verdicts; a passing candidate still too
+   noisy to rank is re-measured once when the budget allows, and the decision taken again.
+
+What the budget left unmeasured (the sweep's unreached candidates, compiled candidates it could not
+pay for, numerics it could not check) and what was only predicted are rows of the decision table
+(:class:`mixprec.tuning.decide.Untried`), with what measuring them would have cost.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from mixprec.errors import UsageError
 from mixprec.events import Event, Events
 from mixprec.frameworks import Framework
 from mixprec.frameworks.session import BenchSettings
-from mixprec.hardware.device import DeviceInfo
+from mixprec.hardware.device import DeviceInfo, detect
+from mixprec.measure.compile_cache import CompileCosts, cost_key
 from mixprec.measure.race import FIRST_ROUNDS, Race, paired_rounds, race
 from mixprec.measure.results import BenchResult, BenchRow
 from mixprec.measure.sweep import run_sweep
@@ -40,7 +46,8 @@ from mixprec.tuning import batching, compiling
 from mixprec.tuning.batching import BatchPlan
 from mixprec.tuning.compiling import MIN_COMPILE_S
 from mixprec.tuning.config import TuneConfig
-from mixprec.tuning.decide import Recommendation, amortized, decide, speed
+from mixprec.tuning.decide import Recommendation, Untried, amortized, decide, speed
+from mixprec.tuning.order import ordered
 
 # Share of the budget the eager speed sweep takes first; numerics, compile and rescues get the
 # rest, and what the sweep did not reach is measured after the numerics checks if time is left.
@@ -109,6 +116,9 @@ class Search:
         self.race: Race | None = None
         self.phases: dict[str, float] = {}
         self.compile_s: dict[str | None, float] = {}  # the longest compile seen, per scope
+        self.untried: dict[Candidate, Untried] = {}  # planned, not measured (or only predicted)
+        self.not_checked: dict[Candidate, str] = {}  # numerics key -> why its check did not run
+        self.compile_costs = CompileCosts()
 
     def run(self, info: DeviceInfo, modes: Sequence[str]) -> tuple[Recommendation | None, list]:
         """The stages in order (see the module docstring); the decision and its table."""
@@ -124,18 +134,20 @@ class Search:
             self.try_compile(modes)
         with self.phase("race"):
             self.race_finalists()
-        rec, ranked = self.decide()
+        with self.phase("speed"):
+            self.remeasure_noisy()
+        rec, _ = self.decide()
         if rec is not None and self.config.optimizers and not rec.candidate.compile_scope:
             with self.phase("speed"):  # the pick's optimizer implementations: same numerics, maybe faster
                 self.try_optimizers(rec)
-            rec, ranked = self.decide()
+            rec, _ = self.decide()
         if rec is not None and self.batches is not None:
             with self.phase("speed"):
                 self.try_smaller_batch(rec)
-            rec, ranked = self.decide()
+            rec, _ = self.decide()
         with self.phase("prediction"):
-            self.predict(info)  # a note for hardware that runs them; it cannot change the pick here
-        return rec, ranked
+            self.predict(info)  # rows and notes for hardware that runs them; they cannot change the pick
+        return self.decide()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -152,11 +164,49 @@ class Search:
     def decide(self) -> tuple[Recommendation | None, list]:
         assert self.result is not None
         return decide(
-            self.result.rows, self.verdicts, noise=self.noise, train_steps=self.train_steps, race=self.race
+            self.result.rows,
+            self.verdicts,
+            noise=self.noise,
+            train_steps=self.train_steps,
+            race=self.race,
+            untried=list(self.untried.values()),
+            not_checked=self.not_checked,
+            budget_s=self.config.budget_s,
         )
 
-    def _bench(self, candidates: Sequence[Candidate], budget: Budget) -> BenchResult:
-        """One paired sweep of ``candidates`` (the workload was validated once, by tune)."""
+    def measure_cost_s(self) -> float:
+        """About what measuring one more eager candidate costs: the median wall time of the rows
+        measured so far (set-up, warm-up and paired rounds), else the paired rounds' own time."""
+        assert self.result is not None
+        walls = sorted(
+            r.wall_s
+            for r in self.result.rows
+            if r.wall_s and r.status == Status.OK and not r.baseline_repeat and r.candidate != self.baseline
+        )
+        if walls:
+            return walls[len(walls) // 2]
+        base = self.result.baseline
+        step_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
+        return 1.3 * (self.bench.warmup + 2 * self.bench.steps + 2) * step_s
+
+    def not_measured(self, candidates: Sequence[Candidate], why: str, cost_s: float | None = None) -> None:
+        """Record ``candidates`` as planned but not measured because the budget ended (each a
+        ``not-measured`` row of the decision table), with what measuring and checking each would
+        cost: its measurement, plus a check where its numerics are not known yet."""
+        assert self.result is not None
+        families: set[Candidate] = set(self.verdicts)
+        for cand in candidates:
+            cost = self.measure_cost_s() if cost_s is None else cost_s
+            if cand.policy != "fp32" and cand.numerics not in families:
+                cost += self.check_cost_s()
+                families.add(cand.numerics)
+            self.untried[cand] = Untried(cand, Status.NOT_MEASURED, why, round(cost, 1))
+
+    def _bench(
+        self, candidates: Sequence[Candidate], budget: Budget, steps: int | None = None
+    ) -> BenchResult:
+        """One paired sweep of ``candidates`` (the workload was validated once, by tune); ``steps``
+        paired rounds each instead of the run's."""
         if self.batches is not None:
             self.batches.timed.update(candidates)
         baseline = self.baseline if self.batches is not None else None
@@ -167,7 +217,9 @@ class Search:
             elif event["event"] in ("row", "output", "step"):
                 self.events(event)
 
-        config = replace(self.bench, candidates=tuple(candidates), baseline=baseline)
+        config = replace(
+            self.bench, candidates=tuple(candidates), baseline=baseline, steps=steps or self.bench.steps
+        )
         return run_sweep(
             self.workload, self.framework, config, device=self.device, events=on_bench, budget=budget
         )
@@ -183,7 +235,8 @@ class Search:
     # ------------------------------------------------------------------ 1. speed
     def plan(self, info: DeviceInfo) -> list[Candidate]:
         """The backend's tune plan; with a batch plan, each at its micro-batch (those that fit)."""
-        plan = [self.framework.validate(c) for c in self.framework.tune_candidates(self.workload, info)]
+        candidates = self.framework.tune_candidates(self.workload, info)
+        plan = [self.framework.validate(c) for c in ordered(candidates, info)]
         if self.batches is None:
             return plan
         return [b for c in plan if (b := self.batches.batched(c)) is not None]
@@ -194,8 +247,32 @@ class Search:
         if self.result.stopped:
             self.notes.append(f"speed sweep {self.result.stopped}")
             self.budget.cut(f"the speed sweep {self.result.stopped}")
+            self._unreached(plan, f"not measured: the speed sweep {self.result.stopped}", info)
         self._over_budget()
         self._not_planned(info, {c.policy for c in plan} | self._unfit())
+
+    def _unreached(self, planned: Sequence[Candidate], why: str, info: DeviceInfo) -> None:
+        """The planned candidates the sweep did not reach: not measured, for the budget; those this
+        device does not run get the row the sweep would have given them (unsupported: nothing
+        to measure, so not something the budget prevented)."""
+        assert self.result is not None
+        seen = {r.candidate for r in self.result.rows}
+        todo = [c for c in planned if c not in seen]
+        for cand in todo:
+            support = self.framework.support(cand, info)
+            if not support:
+                hint = f"; try {support.suggestion}" if support.suggestion else ""
+                self.result.add(
+                    BenchRow(
+                        self.result.workload,
+                        cand,
+                        self.device,
+                        self.result.batch_size,
+                        Status.UNSUPPORTED,
+                        support.reason + hint,
+                    )
+                )
+        self.not_measured([c for c in todo if self.framework.support(c, info)], why)
 
     def _unfit(self) -> set[str]:
         """The policies the batch plan found no micro-batch for (their rows say why)."""
@@ -259,6 +336,7 @@ class Search:
         if more.stopped:
             self.notes.append(f"{first}{what}; the rest of the sweep {more.stopped}")
             self.budget.cut(f"the speed sweep {more.stopped}")
+            self._unreached(todo, f"not measured: the rest of the speed sweep {more.stopped}", info)
             return
         self.result.stopped = None
         self.notes.append(f"{first}{what}")
@@ -274,7 +352,9 @@ class Search:
         if base is not None and base.accumulation_steps > 1:  # a check step is one micro-batch
             step_s /= base.accumulation_steps
         runs = 1 if self._checkers else 3  # a new micro-batch's reference runs: see check_faster
-        return 2.0 * runs * (self.config.check.steps + 2) * step_s
+        # the steps the checks compare: more than asked where the reference needed them to learn
+        steps = max((c.steps for c in self._checkers.values()), default=self.config.check.steps)
+        return 2.0 * runs * (steps + 2) * step_s
 
     def check(
         self, candidate: Candidate, fix: bool | None = None, micro_batch: int | None = None
@@ -303,6 +383,7 @@ class Search:
             self.checked.candidates.extend(res.candidates)
         verdict = res.candidates[0]
         self.verdicts[candidate] = verdict
+        self.not_checked.pop(candidate, None)
         return verdict
 
     def check_faster(self) -> None:
@@ -319,7 +400,7 @@ class Search:
             ),
             key=lambda r: -speed(r),
         )
-        passed = [r for r in faster if (v := self.verdicts.get(r.candidate.numerics)) and v.passed]
+        passed = [r for r in faster if (v := self.verdicts.get(r.candidate.numerics)) and v.acceptable]
         best_pass: BenchRow | None = max(passed, key=speed) if passed else None  # from a first round
         for numerics in dict.fromkeys(r.candidate.numerics for r in faster):
             if numerics in self.verdicts:
@@ -332,9 +413,15 @@ class Search:
                     f"numerics of {numerics.label} not checked: budget spent (--budget raises it)"
                 )
                 self.budget.cut(f"the numerics of {numerics.label} were not checked")
+                for left in dict.fromkeys(r.candidate.numerics for r in faster):
+                    if left not in self.verdicts:
+                        self.not_checked[left] = (
+                            f"numerics not checked: the budget ended first (about "
+                            f"{self.check_cost_s():.0f} s more would check it)"
+                        )
                 break
             verdict = self.check(numerics, micro_batch=top.candidate.micro_batch)
-            if verdict.passed and (best_pass is None or speed(top) > speed(best_pass)):
+            if verdict.acceptable and (best_pass is None or speed(top) > speed(best_pass)):
                 best_pass = top
             elif (
                 (verdict.fix_keep_fp32 or verdict.fix_keep_bf16)
@@ -383,12 +470,32 @@ class Search:
         measured speed."""
         predicted, notes = self.framework.predictions(self.workload, info)
         self.notes += notes
-        for cand in predicted:
+        for i, cand in enumerate(predicted):
             if not self.budget.can_pay(self.check_cost_s()):
                 self.notes.append(f"{cand.label} numerics not predicted: budget spent (--budget raises it)")
+                for left in predicted[i:]:
+                    self.untried[left] = Untried(
+                        left,
+                        Status.PREDICTED,
+                        f"not predicted: the budget ended first; its speed cannot be measured on this "
+                        f"device (no {left.spec.compute_format} tensor cores)",
+                    )
                 return
             verdict = self.check(cand, micro_batch=self.baseline.micro_batch)
-            outcome = "would pass" if verdict.passed else "would fail"
+            outcome = (
+                "would pass"
+                if verdict.passed
+                else "is inconclusive on"
+                if verdict.verdict == Status.INCONCLUSIVE
+                else "would fail"
+            )
+            self.untried[cand] = Untried(
+                cand,
+                Status.PREDICTED,
+                f"predicted only: {outcome} the numerics check ({verdict.reason}); its speed cannot be "
+                f"measured on this device (no {cand.spec.compute_format} tensor cores)",
+                verdict=str(verdict.verdict),
+            )
             mapped = ""
             if verdict.fix_keep_bf16 and verdict.fix_verified:
                 mapped = (
@@ -413,17 +520,17 @@ class Search:
         budget = self.budget.share(1 - RACE_SHARE)  # what compiling may take: the race gets the rest
         skipped: dict[Candidate, str] = {}
         while True:
-            failed = {c for c, v in self.verdicts.items() if not v.passed}
+            failed = {c for c, v in self.verdicts.items() if not v.acceptable}
             tried = {r.candidate for r in self.result.rows} | set(skipped)
             todo = compiling.plan(self.framework, self.result.rows, failed, modes, self.calibration)
             attempt = next((a for a in todo if a.candidate not in tried), None)
             if attempt is None:
                 break
             candidate = attempt.candidate
-            compile_s = self.compile_s.get(candidate.compile_scope, MIN_COMPILE_S)
+            compile_s, priced = self._compile_price(candidate)
             best = self.decide()[0]
             best_speed = (best.speedup_vs_fp32 or 1.0) if best is not None else 1.0
-            predicted = f"predicted {attempt.speedup:.2f}x: {attempt.basis}"
+            predicted = f"predicted {attempt.speedup:.2f}x: {attempt.basis}; compile priced {priced}"
             unchecked = (
                 attempt.eager.policy != "fp32" and attempt.eager.candidate.numerics not in self.verdicts
             )
@@ -435,16 +542,29 @@ class Search:
             # measuring it compiles once, checking it compiles again (mostly from inductor's cache)
             if not budget.can_pay(1.5 * compile_s + self.check_cost_s()):
                 skipped[candidate] = f"{candidate.label} (the budget could not pay; {predicted})"
+                self.not_measured(
+                    [candidate],
+                    f"not compiled: the budget could not pay for its compile and check ({predicted})",
+                    1.5 * compile_s + self.measure_cost_s(),
+                )
                 continue
             self.stage(f"compiling {candidate.label}: {predicted}")
             measured = self._add(self._bench([candidate], budget).measured)
             row = next((r for r in measured if r.candidate == candidate), None)
             if row is None:
                 skipped[candidate] = f"{candidate.label} (stopped by the budget while compiling)"
+                self.not_measured(
+                    [candidate],
+                    f"not measured: the budget ended while it compiled ({predicted})",
+                    1.5 * compile_s + self.measure_cost_s(),
+                )
                 continue
             if row.status != Status.OK:
                 continue
-            self.compile_s[candidate.compile_scope] = max(compile_s, row.compile_s or 0.0)
+            if row.compile_s is not None:
+                self.compile_costs.record(self._cost_key(candidate), row.compile_s)
+                scope = candidate.compile_scope
+                self.compile_s[scope] = max(self.compile_s.get(scope, 0.0), row.compile_s)
             self.calibration.update(attempt, row)
             self._note_graphs(row)
             if candidate.numerics not in self.verdicts and budget.can_pay(self.check_cost_s()):
@@ -453,6 +573,26 @@ class Search:
             self.notes.append(f"not compiled: {'; '.join(skipped.values())} (--budget raises the budget)")
             if any("budget" in why for why in skipped.values()):
                 self.budget.cut("compiled candidates were not measured")
+
+    def _cost_key(self, candidate: Candidate) -> str:
+        assert self.result is not None
+        machine = detect(self.device).name
+        batch = self.bench.batch_size or 0
+        threads = self.bench.threads if isinstance(self.bench.threads, int) else self.framework.threads()
+        return cost_key(self.framework.name, self.result.workload, batch, candidate.label, machine, threads)
+
+    def _compile_price(self, candidate: Candidate) -> tuple[float, str]:
+        """Seconds compiling ``candidate`` should take, and why: what it cost here before (a
+        compile whose artefacts are in Inductor's cache is cheap), else the longest compile of its
+        scope this run, else the cold prior."""
+        before = self.compile_costs.price(self._cost_key(candidate))
+        if before is not None:
+            return before.seconds, f"{before.seconds:.0f} s ({before.basis})"
+        seen = self.compile_s.get(candidate.compile_scope)
+        if seen is not None:
+            seen = max(seen, MIN_COMPILE_S)  # another family's graphs: maybe not in the cache
+            return seen, f"{seen:.0f} s (its scope's longest compile this run)"
+        return MIN_COMPILE_S, f"{MIN_COMPILE_S:.0f} s (a first compile here)"
 
     def _note_graphs(self, row: BenchRow) -> None:
         """Say when a compiled candidate breaks into more graphs than its scope needs: each break
@@ -545,8 +685,11 @@ class Search:
         if rec is None:
             return
         base = self.result.baseline
-        passing = [
-            r.row for r in table if r.status in (Status.PASS, Status.RECOMMENDED) and r.row is not None
+        passing = [  # a noisy candidate races too: a duel with the leader resolves it
+            r.row
+            for r in table
+            if r.status in (Status.PASS, Status.RECOMMENDED, Status.NOISY, Status.INCONCLUSIVE)
+            and r.row is not None
         ]
 
         def effective(row: BenchRow) -> float:
@@ -579,7 +722,7 @@ class Search:
             steps=FIRST_ROUNDS,
             warmup=RACE_WARMUP,
             adaptive_warmup=False,
-            threads=self.framework.threads(),
+            threads=self.bench.threads if isinstance(self.bench.threads, int) else self.framework.threads(),
         )
         isolate = self.workload.spec is not None and self.framework.session_builder() is not None
         measure = paired_rounds(
@@ -597,6 +740,42 @@ class Search:
             self.notes.append(f"race: {duel.describe()}")
         if self.race.stopped:
             self.notes.append(f"race stopped: {self.race.stopped}")
+
+    def remeasure_noisy(self) -> None:
+        """The passing candidates the decision set aside as too noisy to rank that could still beat
+        the pick (:attr:`Recommendation.remeasure`), measured once more with twice the paired rounds
+        while the budget pays; the new row replaces the noisy one. What the budget cannot pay stays
+        set aside, and the recommendation says so."""
+        assert self.result is not None
+        rec = self.decide()[0]
+        if rec is None or not rec.remeasure:
+            return
+        steps = 2 * self.bench.steps
+        for cand in rec.remeasure:
+            old = next((r for r in self.result.rows if r.candidate == cand), None)
+            cost = 2 * self.measure_cost_s() + (MIN_COMPILE_S / 3 if cand.compile else 0.0)
+            if old is None:
+                continue  # nothing measured to replace
+            if not self.budget.can_pay(cost):
+                self.notes.append(f"{cand.label} not re-measured: budget spent (--budget raises it)")
+                return
+            self.stage(f"re-measuring {cand.label}: too noisy to rank")
+            row = next(
+                (r for r in self._bench([cand], self.budget, steps=steps).measured if r.candidate == cand),
+                None,
+            )
+            if row is None or row.status != Status.OK:
+                self.notes.append(f"{cand.label} not re-measured: {row.reason if row else 'budget spent'}")
+                continue
+            first = f"{old.speedup_vs_fp32 or 0:.2f}x"
+            if old.speedup_ci:
+                first += f" [{old.speedup_ci[0]:.2f}-{old.speedup_ci[1]:.2f}]"
+            note = (
+                f"re-measured with {steps} paired rounds: the first measurement ({first}) was too noisy to "
+                "rank"
+            )
+            self.result.update(replace(row, notes=(*row.notes, note)))
+            self.notes.append(f"{cand.label} {note}")
 
     # ------------------------------------------------------------------ after the pick
     def lint(self, rec: Recommendation) -> list[dict[str, Any]] | None:

@@ -6,7 +6,7 @@ validation."""
 from mixprec.workload.loader import load_workload, workload_from_spec
 from mixprec.workload.models import SOURCES, ModelSource, list_models, parse_model_config, register_source
 from mixprec.workload.validate import validate_workload
-from mixprec.workload.workload import Workload, WorkloadSpec, default_optimizer, optimizer_takes_module
+from mixprec.workload.workload import Workload, WorkloadSpec, default_optimizer
 from mixprec.workload.zoo import ZOO_NAMES, build_zoo_workload
 
 __all__ = [
@@ -19,7 +19,6 @@ __all__ = [
     "default_optimizer",
     "list_models",
     "load_workload",
-    "optimizer_takes_module",
     "parse_model_config",
     "register_source",
     "validate_workload",

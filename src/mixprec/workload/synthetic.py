@@ -110,12 +110,18 @@ def bigram_tokens(table: torch.Tensor, batch_size: int, length: int, gen: torch.
 
 
 def image_classification_task(
-    name: str, channels: int, image_size: int, num_classes: int
+    name: str,
+    channels: int,
+    image_size: int,
+    num_classes: int,
+    saw: Callable[[int], None] | None = None,
 ) -> tuple[Callable[[int, torch.device], ImageBatch], Callable[[nn.Module, ImageBatch], torch.Tensor]]:
     """``make_batch`` (seeded images and labels, the same for every candidate) and a cross-entropy
     ``loss_fn`` for an image classifier, as the zoo CNNs and models by name use. An image is its
     class's fixed random pattern (:func:`class_prototypes`, upsampled) plus unit noise, from a fixed
-    set of ``ACTIVE_CLASSES`` classes: learnable, and learnt from the first steps on."""
+    set of ``ACTIVE_CLASSES`` classes: learnable, and learnt from the first steps on. ``saw`` is told
+    each batch size drawn (the optimizer's learning rate follows it:
+    :class:`mixprec.workload.optimizers.BatchScaled`)."""
     generators = batch_generators()
     active = torch.randperm(num_classes, generator=teacher_generator(3))[:ACTIVE_CLASSES]
     # upsampled per batch: 1000 full-size ones would take 600 MB
@@ -123,6 +129,8 @@ def image_classification_task(
 
     def make_batch(batch_size: int, device: torch.device) -> ImageBatch:
         b = check_batch_size(batch_size, name)
+        if saw is not None:
+            saw(b)
         gen = next(generators)
         labels = active[torch.randint(0, len(active), (b,), generator=gen)]
         noise = torch.randn(b, channels, image_size, image_size, generator=gen)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import UsageError, did_you_mean
-from mixprec.workload.optimizers import adamw
+from mixprec.workload.optimizers import BatchScaled, Recipe
 from mixprec.workload.synthetic import (
     as_device,
     batch_generators,
@@ -63,17 +63,21 @@ _NO_DROPOUT_KEYS = (
 )
 
 
-@dataclass(frozen=True)
-class Recipe:
-    """AdamW's settings in the architecture's reference training recipe."""
-
-    lr: float
-    weight_decay: float
-    betas: tuple[float, float] = (0.9, 0.999)
-
-
-BERT_RECIPE = Recipe(lr=5e-5, weight_decay=0.01)  # BERT fine-tuning, the HF examples' no_decay
-LLM_RECIPE = Recipe(lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95))  # GPT-3 / LLaMA pre-training
+# AdamW's settings in the architecture's reference training recipe, taken at the task's default 8
+# sequences and scaled by the square root to the batch a run draws, with a warm-up
+# (mixprec.workload.optimizers.Recipe): the recipes' own batches (millions of tokens) scaled down
+# that way would leave rates that learn nothing in a check's steps.
+BERT_RECIPE = Recipe(  # BERT fine-tuning, the HF examples' no_decay
+    "BERT fine-tuning, at the task's 8 sequences", "adamw", 5e-5, TEXT_BATCH_SIZE, weight_decay=0.01
+)
+LLM_RECIPE = Recipe(  # GPT-3 / LLaMA pre-training
+    "GPT-3 / LLaMA pre-training's AdamW, at the task's 8 sequences",
+    "adamw",
+    3e-4,
+    TEXT_BATCH_SIZE,
+    weight_decay=0.1,
+    betas=(0.9, 0.95),
+)
 
 
 @dataclass(frozen=True)
@@ -213,9 +217,11 @@ def build_hf(arch: str, options: dict[str, Any]) -> Workload:
     # token, as BERT's, or the last, as GPT-2's).
     table = bigram_table(vocab, low)
     shift = max((vocab - low) // max(num_labels, 1), 1)
+    optimizer = BatchScaled(spec.recipe, TEXT_BATCH_SIZE)
 
     def make_batch(batch_size: int, device: torch.device) -> dict[str, torch.Tensor]:
         b = check_batch_size(batch_size, target)
+        optimizer.saw(b)
         gen = next(generators)
         ids = bigram_tokens(table, b, seq_len, gen)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -236,10 +242,6 @@ def build_hf(arch: str, options: dict[str, Any]) -> Workload:
     def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(**batch).loss
 
-    def optimizer_fn(model: nn.Module) -> torch.optim.Optimizer:
-        recipe = spec.recipe
-        return adamw(model, lr=recipe.lr, weight_decay=recipe.weight_decay, betas=recipe.betas)
-
     what = (
         spec.size_note
         if not overrides
@@ -249,13 +251,13 @@ def build_hf(arch: str, options: dict[str, Any]) -> Workload:
         model=model,
         make_batch=make_batch,
         loss_fn=loss_fn,
-        optimizer_fn=optimizer_fn,
+        optimizer_fn=optimizer,
         name=target,
         default_batch_size=TEXT_BATCH_SIZE,
         spec=WorkloadSpec("model", target, tuple(sorted(options.items()))),
         description=(
             f"{target} ({type(model).__name__}, transformers {transformers.__version__}, {what}, "
             f"{param_millions(model):.1f}M params), {task}, seq_len {seq_len}, "
-            "tokens from a random bigram table"
+            f"tokens from a random bigram table; {spec.recipe.describe()}"
         ),
     )

@@ -102,16 +102,9 @@ def _one_step(workload: Workload, dev: torch.device, bs: int) -> None:
 
 
 def _make_optimizer(workload: Workload, model: nn.Module) -> torch.optim.Optimizer:
-    takes_module = workload.optimizer_takes_module
-    older_form = workload.optimizer_fn is not None and not takes_module
-    hint = (
-        " It was given model.parameters(), the older form: to receive the module, name its first "
-        "parameter `model` (or annotate it `nn.Module`)."
-        if older_form
-        else ""
-    )
-    args = "(model)" if takes_module else "(model.parameters())"
-    return _call("optimizer_fn", workload.make_optimizer, model, args=args, own=False, hint=hint)
+    """``workload.make_optimizer(model)``: it calls optimizer_fn with the module (or, the older form
+    found by calling it, the parameters); an optimizer_fn that fails both ways is its one line."""
+    return _call("optimizer_fn", workload.make_optimizer, model, args="(model)", own=False)
 
 
 def _call(

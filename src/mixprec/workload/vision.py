@@ -15,14 +15,12 @@ records the size used, so another process rebuilds the same workload.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from mixprec.errors import UsageError, did_you_mean
-from mixprec.workload.optimizers import sgd
+from mixprec.workload.optimizers import TORCHVISION_RECIPE, BatchScaled, Groups, Recipe
 from mixprec.workload.synthetic import (
     check_positive_int,
     image_classification_task,
@@ -45,22 +43,26 @@ def image_classification(
     channels: int,
     image_size: int,
     num_classes: int,
-    optimizer_fn: Callable[[nn.Module], torch.optim.Optimizer],
+    recipe: Recipe,
     what: str,
+    groups: Groups | None = None,
 ) -> Workload:
-    """A workload around an image classifier: seeded learnable synthetic images, cross-entropy."""
-    make_batch, loss_fn = image_classification_task(name, channels, image_size, num_classes)
+    """A workload around an image classifier: seeded learnable synthetic images, cross-entropy, and
+    the library's ``recipe`` scaled to the batch each run draws (with a warm-up)."""
+    optimizer = BatchScaled(recipe, VISION_BATCH_SIZE, groups)
+    make_batch, loss_fn = image_classification_task(name, channels, image_size, num_classes, optimizer.saw)
     return Workload(
         model=model,
         make_batch=make_batch,
         loss_fn=loss_fn,
-        optimizer_fn=optimizer_fn,
+        optimizer_fn=optimizer,
         name=target,
         default_batch_size=VISION_BATCH_SIZE,
         spec=WorkloadSpec("model", target, tuple(sorted(options.items()))),
         description=(
             f"{target} ({what}, random init, {param_millions(model):.1f}M params), "
-            f"{channels}x{image_size}x{image_size} synthetic images, {num_classes} classes"
+            f"{channels}x{image_size}x{image_size} synthetic images, {num_classes} classes; "
+            f"{recipe.describe()}"
         ),
     )
 
@@ -88,12 +90,6 @@ def _torchvision_sizes(name: str) -> tuple[int, int]:
     crop = int(getattr(weights.transforms, "keywords", {}).get("crop_size", 224))
     minimum = int(min(weights.meta.get("min_size", (32, 32))))
     return crop, minimum
-
-
-def _torchvision_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """torchvision's classification recipe (references/classification/train.py): SGD, lr 0.1,
-    momentum 0.9, weight decay 1e-4, ``--norm-weight-decay 0.0`` (no decay on norms, biases)."""
-    return sgd(model, lr=0.1, momentum=0.9, weight_decay=1e-4)
 
 
 def build_torchvision(name: str, options: dict[str, Any]) -> Workload:
@@ -134,7 +130,7 @@ def build_torchvision(name: str, options: dict[str, Any]) -> Workload:
         channels=3,
         image_size=size,
         num_classes=int(num_classes),
-        optimizer_fn=_torchvision_optimizer,
+        recipe=TORCHVISION_RECIPE,
         what="torchvision",
     )
     return _recorded(workload, options, image_size)
@@ -154,13 +150,22 @@ def timm_names() -> list[str]:
     return list(timm.list_models())
 
 
-def _timm_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """timm's train.py defaults for AdamW: ``create_optimizer_v2(model, "adamw", ...)``, which
-    exempts biases, norm weights and ``model.no_weight_decay()`` from the weight decay; lr 1e-3 and
-    weight decay 0.05 as in the ConvNeXt / DeiT recipes."""
-    from timm.optim import create_optimizer_v2
+# timm's AdamW settings of the ConvNeXt / DeiT recipes (lr 1e-3, weight decay 0.05), taken at the
+# task's default batch of 32 and scaled by the square root from there (timm's own --lr-base-scale
+# for Adam); the recipes' batch of 1024 scaled down that way would leave a rate that learns nothing
+# in a check's steps.
+TIMM_RECIPE = Recipe(
+    "timm's AdamW, at the task's 32 images", "adamw", 1e-3, VISION_BATCH_SIZE, weight_decay=0.05
+)
 
-    return create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05)
+
+def _timm_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """timm's parameter groups (``create_optimizer_v2``'s): no decay on biases, norm weights and
+    ``model.no_weight_decay()``."""
+    from timm.optim import param_groups_weight_decay
+
+    skip: set[str] = set(getattr(model, "no_weight_decay", lambda: set())())
+    return list(param_groups_weight_decay(model, weight_decay, no_weight_decay_list=skip))
 
 
 def build_timm(name: str, options: dict[str, Any]) -> Workload:
@@ -203,8 +208,9 @@ def build_timm(name: str, options: dict[str, Any]) -> Workload:
         channels=int(channels),
         image_size=size,
         num_classes=int(getattr(model, "num_classes", 1000)),
-        optimizer_fn=_timm_optimizer,
+        recipe=TIMM_RECIPE,
         what=f"timm {timm.__version__}",
+        groups=_timm_groups,
     )
     return _recorded(workload, options, image_size)
 

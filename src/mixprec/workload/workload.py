@@ -8,9 +8,10 @@ can be measured in isolation.
 
 from __future__ import annotations
 
-import inspect
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,13 +23,15 @@ from mixprec.workload.output import quiet_after_first
 Batch = Any
 MakeBatch = Callable[[int, torch.device], Batch]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
-# optimizer_fn(model) -> Optimizer, or the older parameter-only form optimizer_fn(params).
+# optimizer_fn(model) -> Optimizer; one written for the older optimizer_fn(params) still works (it is
+# told apart by calling it: see Workload.make_optimizer).
 OptimizerFn = Callable[[Any], torch.optim.Optimizer]
 
-# First-parameter names that ask for the module itself (see :func:`optimizer_takes_module`).
-MODULE_PARAMETER_NAMES = ("model", "module", "net", "network")
 # The kinds of WorkloadSpec: a model by name (built-in, torchvision:, timm:, hf:) or a factory.
 SPEC_KINDS = ("zoo", "model", "factory")
+# What an optimizer_fn of the parameter form raises when it is handed the module (torch.optim's
+# "optimizer can only optimize Tensors", "'Linear' object is not iterable", an attribute a module lacks).
+_WRONG_FORM = (TypeError, AttributeError)
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -36,40 +39,18 @@ def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
-def optimizer_takes_module(fn: Callable[..., Any]) -> bool:
-    """Whether ``optimizer_fn`` wants the model (``optimizer_fn(model)``) rather than its
-    parameters (``optimizer_fn(params)``, the form mixprec accepted first).
+def function_name(fn: Callable[..., Any]) -> str:
+    """``fn`` as a person finds it: its name and, for a Python function, ``file.py:line``."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    name = getattr(target, "__qualname__", None) or type(target).__name__
+    code = getattr(target, "__code__", None)
+    where = f" ({Path(code.co_filename).name}:{code.co_firstlineno})" if code is not None else ""
+    return f"{name.rsplit('.', 1)[-1] if '<locals>' in name else name}{where}"
 
-    Decided by the signature, never by calling it: the first parameter annotated as an
-    ``nn.Module`` (or a subclass), or named ``model``, ``module``, ``net`` or ``network``, gets the
-    module; anything else (``params``, ``parameters``, a ``torch.optim`` class, a
-    ``functools.partial`` of one) gets ``model.parameters()``.
-    """
-    try:
-        signature = inspect.signature(fn, eval_str=True)  # resolves "nn.Module" and subclasses
-    except (NameError, SyntaxError, AttributeError, TypeError):
-        signature = None
-    except ValueError:  # a builtin without a signature: the old form
-        return False
-    try:
-        params = list((signature or inspect.signature(fn)).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    positional = [
-        p
-        for p in params
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
-    if not positional:
-        return False
-    first = positional[0]
-    annotation = first.annotation
-    if isinstance(annotation, str):  # an annotation that did not resolve: read its text
-        if annotation.strip("'\" ").rsplit(".", 1)[-1] == "Module":
-            return True
-    elif inspect.isclass(annotation) and issubclass(annotation, nn.Module):
-        return True
-    return first.name in MODULE_PARAMETER_NAMES
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -95,9 +76,10 @@ class Workload:
 
     ``make_batch(batch_size, device)`` returns a batch; ``loss_fn(model, batch)`` returns a
     scalar loss tensor; ``optimizer_fn(model)`` builds the optimizer from the module (so it can
-    group parameters, e.g. no weight decay for norms and biases), or, in the older form,
-    ``optimizer_fn(params)`` from its parameters (see :func:`optimizer_takes_module`). Default:
-    SGD with momentum.
+    group parameters, e.g. no weight decay for norms and biases). One written for the older
+    ``optimizer_fn(params)`` still works: it fails on the module and builds on its parameters,
+    which :meth:`make_optimizer` then hands it (decided by calling it, never by a parameter's
+    name). Default: SGD with momentum.
     """
 
     model: nn.Module
@@ -128,36 +110,69 @@ class Workload:
         if self.name is None:
             self.name = type(self.model).__name__.lower()
         self._quiet_optimizer_fn: Callable[..., Any] | None = None
+        self._optimizer_form: tuple[Any, bool] | None = None  # (optimizer_fn, takes the module)
 
     @property
     def optimizer_takes_module(self) -> bool:
-        """True when ``optimizer_fn`` is called with the module, False with its parameters."""
-        return self.optimizer_fn is not None and optimizer_takes_module(self.optimizer_fn)
+        """True when ``optimizer_fn`` is called with the module (the contract), False when calling
+        it showed it wants the parameters (the older form)."""
+        form = self._optimizer_form
+        return form is None or form[0] is not self.optimizer_fn or form[1]
 
     def make_optimizer(self, model: nn.Module | Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         """The optimizer for ``model`` (the prepared copy being trained).
 
-        ``optimizer_fn`` is called with the module or with ``model.parameters()``, as its
-        signature asks. What it prints (nanoGPT's "num decayed parameter tensors ...") shows
-        the first time in this process only: every candidate builds an optimizer.
+        ``optimizer_fn`` is called with the module. One that fails on it (``TypeError`` or
+        ``AttributeError``: torch.optim's "optimizer can only optimize Tensors", a module's missing
+        attribute) is called once more with ``model.parameters()``; if that builds, it is the older
+        form and gets the parameters from then on. Failing both ways is one :class:`UsageError` line
+        naming the function and the fix. What it prints (nanoGPT's "num decayed parameter tensors
+        ...") shows the first time in this process only: every candidate builds an optimizer.
         """
         fn = self.optimizer_fn or default_optimizer
-        if isinstance(model, nn.Module):
-            argument: Any = model if self.optimizer_takes_module else model.parameters()
-        elif self.optimizer_takes_module:
-            raise UsageError(
-                f"optimizer_fn of workload {self.name!r} takes the model (its first parameter is "
-                "named or annotated as a module), but make_optimizer() was given parameters; "
-                "pass the module: workload.make_optimizer(model)."
-            )
-        else:
-            argument = model
         if self._quiet_optimizer_fn is None:
             self._quiet_optimizer_fn = quiet_after_first(fn)
-        opt = self._quiet_optimizer_fn(argument)
+        call = self._quiet_optimizer_fn
+        name = f"optimizer_fn {function_name(fn)} of workload {self.name!r}"
+        if self.optimizer_fn is None:
+            opt = call(model.parameters() if isinstance(model, nn.Module) else model)
+        elif not isinstance(model, nn.Module):
+            if self.optimizer_takes_module and self._optimizer_form is not None:
+                raise UsageError(
+                    f"{name} takes the model, but make_optimizer() was given parameters; pass the "
+                    "module: workload.make_optimizer(model)."
+                )
+            try:
+                opt = call(model)
+            except _WRONG_FORM as exc:
+                raise UsageError(
+                    f"{name} was given parameters and failed ({_first_line(exc)}); it takes the model: "
+                    "pass the module: workload.make_optimizer(model)."
+                ) from exc
+        elif self._optimizer_form is not None and self._optimizer_form[0] is self.optimizer_fn:
+            opt = call(model if self._optimizer_form[1] else model.parameters())
+        else:
+            opt, takes_module = self._first_optimizer(call, model, name)
+            self._optimizer_form = (self.optimizer_fn, takes_module)
         if not isinstance(opt, torch.optim.Optimizer):
             raise UsageError(
-                f"optimizer_fn of workload {self.name!r} returned {type(opt).__name__}, "
-                "expected a torch.optim.Optimizer; return e.g. torch.optim.AdamW(model.parameters())."
+                f"{name} returned {type(opt).__name__}, expected a torch.optim.Optimizer; return e.g. "
+                "torch.optim.AdamW(model.parameters())."
             )
         return opt
+
+    @staticmethod
+    def _first_optimizer(call: Callable[[Any], Any], model: nn.Module, name: str) -> tuple[Any, bool]:
+        """The first call: with the module, then (the older form) with its parameters."""
+        try:
+            return call(model), True
+        except _WRONG_FORM as with_model:
+            try:
+                return call(model.parameters()), False
+            except _WRONG_FORM as with_params:
+                raise UsageError(
+                    f"{name} fails with the model ({_first_line(with_model)}) and with "
+                    f"model.parameters() ({_first_line(with_params)}); optimizer_fn takes the model: "
+                    "return e.g. torch.optim.AdamW(model.parameters(), lr=3e-4) from "
+                    "optimizer_fn=lambda model: ..."
+                ) from with_model

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import UsageError, did_you_mean
-from mixprec.workload.optimizers import adamw
+from mixprec.workload.optimizers import TORCHVISION_RECIPE, BatchScaled, Recipe
 from mixprec.workload.synthetic import BATCH_SEED as _BATCH_SEED
 from mixprec.workload.synthetic import as_device as _device
 from mixprec.workload.synthetic import batch_generators as _batch_generators
@@ -41,6 +41,21 @@ _CNN_BATCH_SIZE = {"resnet50": 32, "vgg19": 16, "densenet121": 32}
 _MLP_IN = 64
 _MLP_CLASSES = 10
 _MLP_DEFAULTS = {"hidden": 256, "depth": 2}
+
+# The built-in tasks' optimizers (mixprec.workload.optimizers.Recipe): a recipe's learning rate at
+# the batch it was tuned for, scaled to the batch a run draws with a warm-up, so the strict-fp32
+# reference learns over the checked steps (a check against a reference that does not learn has no
+# power). The CNNs: torchvision's classification recipe (TORCHVISION_RECIPE).
+# nanoGPT's AdamW (6e-4, betas 0.9/0.95, weight decay 0.1 on matrices and embeddings), taken at the
+# task's default 8 sequences: its own 0.5M-token batch scaled down by the square root would leave a
+# rate that learns nothing in a check's steps.
+GPT_RECIPE = Recipe(
+    "nanoGPT's AdamW, at the task's 8 sequences", "adamw", 6e-4, 8, weight_decay=0.1, betas=(0.9, 0.95)
+)
+# SGD 0.1 with momentum for the MLP's 64 samples: the loss falls within a check's steps (at the
+# default 0.01 it needs hundreds); Adam would too, but its eps (1e-8) is 0 in fp16 and fp16-true
+# would divide by it.
+MLP_RECIPE = Recipe("mixprec's MLP task", "sgd", 0.1, 64)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -171,26 +186,23 @@ def _build_cnn(name: str, image_size: int | None, config: dict[str, Any]) -> Wor
 
     constructor = getattr(tvm, name)
     model = _seeded_model(lambda: constructor(weights=None, num_classes=_NUM_CLASSES))
-    make_batch, loss_fn = image_classification_task(name, 3, size, _NUM_CLASSES)
+    optimizer = BatchScaled(TORCHVISION_RECIPE, _CNN_BATCH_SIZE[name])
+    make_batch, loss_fn = image_classification_task(name, 3, size, _NUM_CLASSES, saw=optimizer.saw)
 
     return Workload(
         model=model,
         make_batch=make_batch,
         loss_fn=loss_fn,
+        optimizer_fn=optimizer,
         name=name,
         default_batch_size=_CNN_BATCH_SIZE[name],
         spec=WorkloadSpec("zoo", name, tuple(sorted(sizes.items()))),
         description=(
             f"{name} (torchvision, random init, {_param_millions(model):.1f}M params), "
-            f"3x{size}x{size} synthetic images, {_NUM_CLASSES} classes"
+            f"3x{size}x{size} synthetic images, {_NUM_CLASSES} classes; "
+            f"{TORCHVISION_RECIPE.describe()}"
         ),
     )
-
-
-def _gpt_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """nanoGPT's recipe: AdamW, lr 6e-4, betas (0.9, 0.95), weight decay 0.1 on matrices and
-    embeddings only (``configure_optimizers``: every parameter with ``dim() >= 2`` decays)."""
-    return adamw(model, lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95))
 
 
 def _build_gpt2(seq_len: int | None, config: dict[str, Any]) -> Workload:
@@ -215,9 +227,11 @@ def _build_gpt2(seq_len: int | None, config: dict[str, Any]) -> Workload:
     generators = _batch_generators()
     vocab = cfg.vocab_size
     table = bigram_table(vocab)  # learnable: tokens walk a fixed random bigram table
+    optimizer = BatchScaled(GPT_RECIPE, 8)
 
     def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         b = _check_batch_size(batch_size, name)
+        optimizer.saw(b)
         tokens = bigram_tokens(table, b, t + 1, next(generators))
         dev = _device(device)
         return tokens[:, :-1].contiguous().to(dev), tokens[:, 1:].contiguous().to(dev)
@@ -231,14 +245,14 @@ def _build_gpt2(seq_len: int | None, config: dict[str, Any]) -> Workload:
         model=model,
         make_batch=make_batch,
         loss_fn=loss_fn,
-        optimizer_fn=_gpt_optimizer,
+        optimizer_fn=optimizer,
         name=name,
         default_batch_size=8,
         spec=WorkloadSpec("zoo", name, tuple(sorted(sizes.items()))),
         description=(
             f"gpt2 ({cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} dim, "
             f"{_param_millions(model):.1f}M params), seq_len {t}, vocab {vocab}, "
-            "tokens from a random bigram table"
+            f"tokens from a random bigram table; {GPT_RECIPE.describe()}"
         ),
     )
 
@@ -261,9 +275,11 @@ def _build_mlp(config: dict[str, Any]) -> Workload:
     # Labels come from a fixed random teacher, so the task is learnable and a loss curve means something.
     teacher = torch.randn(_MLP_IN, _MLP_CLASSES, generator=torch.Generator().manual_seed(_BATCH_SEED - 1))
     generators = _batch_generators()
+    optimizer = BatchScaled(MLP_RECIPE, 64)
 
     def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         b = _check_batch_size(batch_size, name)
+        optimizer.saw(b)
         x = torch.randn(b, _MLP_IN, generator=next(generators))
         y = (x @ teacher).argmax(dim=1)
         dev = _device(device)
@@ -277,16 +293,13 @@ def _build_mlp(config: dict[str, Any]) -> Workload:
         model=model,
         make_batch=make_batch,
         loss_fn=loss_fn,
-        # SGD at 0.1: the loss falls within a check's steps (at the default 0.01 it needs hundreds),
-        # so the fp32 reference learns where the verdicts look; Adam would too, but its eps (1e-8)
-        # is 0 in fp16 and fp16-true would divide by it
-        optimizer_fn=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        optimizer_fn=optimizer,
         name=name,
         default_batch_size=64,
         spec=WorkloadSpec("zoo", name, tuple(sorted(sizes.items()))),
         description=(
             f"mlp ({depth} hidden layers of {hidden}, {_param_millions(model) * 1e3:.1f}K params), "
-            f"{_MLP_IN} synthetic features, {_MLP_CLASSES} classes"
+            f"{_MLP_IN} synthetic features, {_MLP_CLASSES} classes; {MLP_RECIPE.describe()}"
         ),
     )
 

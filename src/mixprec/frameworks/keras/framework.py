@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from mixprec.errors import UsageError
 from mixprec.frameworks.base import Framework, SessionBuilder
 from mixprec.frameworks.keras import backend
 from mixprec.frameworks.keras.export import keras_code
@@ -58,6 +59,7 @@ class KerasFramework(Framework):
         # initial weights every check run of that workload starts from.
         self._trainer: tuple[tuple[int, Candidate, str], KerasTrainer] | None = None
         self._weights: tuple[tuple[int, str], list[Any]] | None = None
+        self._validated: set[tuple[int, int, str]] = set()  # workloads (and devices) that can train
 
     # ------------------------------------------------------------------ workloads
     def load_workload(self, target: str, **sizes: Any) -> KerasWorkload:
@@ -65,6 +67,28 @@ class KerasFramework(Framework):
 
     def workload_label(self, workload: KerasWorkload) -> str:
         return workload_label(workload)
+
+    def validate_workload(self, workload: KerasWorkload, device: str, batch_size: int) -> None:
+        """The strict-fp32 model, built (called on one batch where its layers build lazily): a model
+        with no trainable weight is refused, as the torch backend refuses one whose parameters are all
+        frozen (nothing would train, and every policy would match fp32 trivially)."""
+        key = (id(workload), id(workload.make_model), device)
+        if key in self._validated:
+            return
+        tf = backend.tf()
+        policy = KerasPolicy(Candidate("fp32", framework=self.name))
+        self._trainer = None  # building clears the Keras session a cached trainer was traced in
+        with tf.device(backend.device_name(device)):
+            model = policy.build_model(workload.make_model, 0)
+            if not model.built:
+                model(tf.constant(workload.batch(batch_size, 0)[0]), training=False)
+        if not model.trainable_weights:
+            raise UsageError(
+                f"the Keras model of {workload.name!r} has no trainable weights ({len(model.weights)} "
+                "weights, all frozen): nothing would train, and no precision can be measured on it; make "
+                "the layers to train trainable (layer.trainable = True, or trainable=True when built)."
+            )
+        self._validated.add(key)
 
     def cli_defaults(self, device: str, command: str) -> dict[str, Any]:
         defaults = dict(CUDA_DEFAULTS if device.startswith("cuda") else CPU_DEFAULTS)

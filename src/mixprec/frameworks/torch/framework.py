@@ -67,6 +67,10 @@ def emulation_context(fmt: str | None) -> Callable[[], contextlib.AbstractContex
     return lambda: emulate(fmt)
 
 
+# Timed steps per thread count of the thread probe (after one untimed): the median of three.
+PROBE_STEPS = 3
+
+
 class TorchFramework(Framework):
     """PyTorch: eager or ``torch.compile``d steps, channels_last, the optimizer's implementations,
     emulated formats, DDP ranks, lint and every export target."""
@@ -113,6 +117,37 @@ class TorchFramework(Framework):
         if source is not None and "image_size" in source.sizes and "max_image_size" in defaults:
             return "max_image_size"
         return None
+
+    def thread_probe(
+        self, workload: Workload, device: str, batch_size: int, counts: Sequence[int]
+    ) -> dict[int, float] | None:
+        import statistics
+        import time
+
+        model = copy.deepcopy(workload.model).to(device)
+        optimizer = workload.make_optimizer(model)
+        batch = torch_session.make_batches(workload, batch_size, torch.device(device), 0, 1)[0]
+        policy = get_policy("fp32", device=device)
+
+        def step() -> float:
+            start = time.perf_counter()
+            loss = workload.loss_fn(model, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return time.perf_counter() - start
+
+        before = torch.get_num_threads()
+        found: dict[int, float] = {}
+        try:
+            with policy.precision_scope():
+                for n in counts:
+                    torch.set_num_threads(n)
+                    step()  # the first at a new count pays OpenMP's thread start
+                    found[n] = statistics.median(step() for _ in range(PROBE_STEPS))
+        finally:
+            torch.set_num_threads(before)
+        return found
 
     # ------------------------------------------------------------------ devices
     def resolve_device(self, device: Any) -> str:
@@ -225,7 +260,14 @@ class TorchFramework(Framework):
             batch = (
                 batches or self.make_batches(workload, settings.batch_size, settings.device, settings.seed, 1)
             )[0]
-            effect = math_mode_effect(workload, candidate, batch, device)
+            # at the threads the candidate runs at: oneDNN picks its kernels (and whether the bf32
+            # mode reaches them) by thread count
+            before = torch.get_num_threads()
+            torch.set_num_threads(settings.threads or before)
+            try:
+                effect = math_mode_effect(workload, candidate, batch, device)
+            finally:
+                torch.set_num_threads(before)
         except Exception:  # the probe is an optimisation: when it cannot run, measure instead
             return None
         return (Status.NO_EFFECT, effect.describe(candidate)) if effect.no_effect else None

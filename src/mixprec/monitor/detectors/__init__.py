@@ -6,19 +6,21 @@ from __future__ import annotations
 
 from mixprec.monitor.config import MonitorConfig
 from mixprec.monitor.detectors.bad_batch import BadBatch
-from mixprec.monitor.detectors.base import NONFINITE, SKIP, Detector, Run, SampleView, StepView
+from mixprec.monitor.detectors.base import NONFINITE, SKIP, Detector, Run, SampleView, StepView, UpdateView
 from mixprec.monitor.detectors.drift import Drift
 from mixprec.monitor.detectors.overflow import Overflow
 from mixprec.monitor.detectors.poisoned import PoisonedWeights
 from mixprec.monitor.detectors.ranges import PredictedRange
+from mixprec.monitor.detectors.spike import Spike
 from mixprec.monitor.detectors.stall import Stall
 
 
 def detectors_for(config: MonitorConfig) -> list[Detector]:
     """The detectors a run with ``config`` uses, in the order they are asked: what blames the
     weights, then the batch, comes before what blames the precision (a step or sample they
-    explain is not the precision's); the trends after the faults; the fp32 shadow step (drift)
-    only where ``shadow_every`` asks for it."""
+    explain is not the precision's); the trends after the faults; spikes (``spikes``: the only one
+    asked before the update lands); the fp32 shadow step (drift) only where ``shadow_every`` asks
+    for it."""
     detectors: list[Detector] = [
         PoisonedWeights(config),
         BadBatch(config),
@@ -26,6 +28,8 @@ def detectors_for(config: MonitorConfig) -> list[Detector]:
         PredictedRange(config),
         Stall(config),
     ]
+    if config.spikes:
+        detectors.append(Spike(config))
     if config.shadow_every:
         detectors.append(Drift(config))
     return detectors
@@ -42,7 +46,9 @@ __all__ = [
     "PredictedRange",
     "Run",
     "SampleView",
+    "Spike",
     "Stall",
     "StepView",
+    "UpdateView",
     "detectors_for",
 ]

@@ -4,13 +4,15 @@
 A detector looks for one kind of trouble. The :class:`~mixprec.monitor.Monitor` owns the run's
 state (the losses, the loss scale, the sampled ranges, the findings, the actions); detectors read
 it and report, and the Monitor decides what becomes of a report (a finding, an action, a stop). To
-add one (a loss-spike detector, say): subclass :class:`Detector` in a module of its own, override
-the hooks it needs (:meth:`~Detector.on_suspect`, :meth:`~Detector.on_step`,
-:meth:`~Detector.on_sample`), and add it to :func:`mixprec.monitor.detectors.detectors_for`.
+add one: subclass :class:`Detector` in a module of its own, override the hooks it needs
+(:meth:`~Detector.on_update`, :meth:`~Detector.on_suspect`, :meth:`~Detector.on_step`,
+:meth:`~Detector.on_sample`), and add it to :func:`mixprec.monitor.detectors.detectors_for`
+(:mod:`~mixprec.monitor.detectors.spike` is one that acts before the update lands).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 Action = Callable[[], str]
 """A rescue: changes the run and says what it did ('' when it could not)."""
 
+FEED = 32  # steps between two calls of on_losses where the host holds the losses (a CPU run)
 SKIP = "skip"  # a skipped step below the scale the run settled at (not GradScaler's own rhythm)
 NONFINITE = "nonfinite"  # a non-finite loss the host holds on a step the scaler did not skip
 
@@ -54,6 +57,11 @@ class Run(Protocol):
     range_format: str | None
     """The low-precision format whose range the policy computes in ('fp16', 'bf16'), or None."""
 
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The run's own precision context, to replay a batch in it: the policy's autocast, a plain
+        loop's (fp16 where it has a GradScaler), or the framework's (an adapter passes it)."""
+        ...
+
     @property
     def every(self) -> int:
         """The steps between two sampled steps now."""
@@ -64,12 +72,22 @@ class Run(Protocol):
         ...
 
     def report(
-        self, finding: MonitorFinding, rescue: Action | None = None, *, per_module: bool = True
+        self,
+        finding: MonitorFinding,
+        rescue: Action | None = None,
+        *,
+        per_module: bool = True,
+        local: Action | None = None,
+        dedupe: bool = True,
     ) -> bool:
         """Record ``finding`` and, with ``rescue=True`` in the config, run ``rescue`` (when ``hold``
         steps have passed since the last action; with ``max_rescues`` spent the run is stopped
         instead). The same kind about the same module (any module: ``per_module=False``) within
-        ``hold`` steps is no news: nothing is recorded and it returns False."""
+        ``hold`` steps is no news: nothing is recorded and it returns False (``dedupe=False``: each
+        is news, a spike on its own step). ``local``: an action on this step's update only
+        (withhold it, retry it), which changes nothing about the run: with ``rescue=True`` it runs
+        whatever ``hold`` and ``max_rescues`` say, is not counted, and what it did is the finding's
+        ``action``."""
         ...
 
 
@@ -92,6 +110,27 @@ class StepView:
     """Why the step needs explaining: :data:`SKIP`, :data:`NONFINITE`, or None (a normal step)."""
     explained: bool = False
     """A suspect step a detector has explained (poisoned weights, a bad batch, an overflow)."""
+
+
+@dataclass(slots=True)
+class UpdateView:
+    """One step after its backward and before the optimizer applies its update, as the loop handed
+    it over (:meth:`~mixprec.monitor.Monitor.before_step`): host values only, read where the host
+    holds them already or the loop has just synchronised (a GradScaler's inf check)."""
+
+    step: int
+    loss: float | None
+    """Its loss (None where reading it would add a device sync)."""
+    grad_norm: float | None
+    """Its gradient norm, where the loop handed it over or ``spike_grad_norm`` computes it."""
+    batch: Any
+    """Its batch, to replay from the same weights (None: the loop gave none, or no ``loss_fn``)."""
+    batch_index: int | None
+    """Where the loop gives it, the batch's index (what a skip list names)."""
+    landed: bool = False
+    """The update has landed already: the loop handed nothing over before it, so the view is made
+    after the step (a loss the host holds, no batch) and a spike can only be reported, undiagnosed;
+    a non-finite loss there is the overflow path's."""
 
 
 @dataclass(slots=True)
@@ -128,8 +167,12 @@ class SampleView:
 class Detector:
     """One kind of trouble, looked for on suspect steps, on every step and/or at sampled steps.
 
-    After each optimizer step the Monitor asks its detectors, in their order
-    (:func:`~mixprec.monitor.detectors.detectors_for`):
+    Before the optimizer applies a step's update (where the loop handed its loss and batch over and
+    the loss is above a detector's :attr:`quiet_below`), the Monitor asks :meth:`on_update` until
+    one explains the step; an action it reports may withhold or replace the update
+    (:meth:`~mixprec.monitor.rescue.Rescuer.withhold`, :meth:`~mixprec.monitor.rescue.Rescuer.retry`).
+    The losses reach :meth:`on_losses` in batches. After each optimizer step it asks, in their
+    order (:func:`~mixprec.monitor.detectors.detectors_for`):
 
     1. :meth:`on_suspect`, only on a step that needs explaining (``view.suspect``: a skip below the
        scale the run settled at, a non-finite loss the host holds), until one explains it (returns
@@ -150,12 +193,28 @@ class Detector:
     kinds: ClassVar[tuple[str, ...]] = ()
     """The kinds of finding it reports (:data:`mixprec.monitor.findings.KINDS`)."""
 
+    quiet_below: float = -math.inf
+    """An :meth:`on_update` detector's quick test: a loss at or below it (and no gradient norm)
+    needs no look before the update, and the Monitor does not ask (one comparison on a normal
+    step); the detector keeps it current. -inf: ask every step."""
+
     def __init__(self, config: MonitorConfig) -> None:
         self.config = config
+
+    def on_update(self, run: Run, view: UpdateView) -> bool:
+        """Look at a step before its update lands (cheap on a normal step: host values only); True:
+        explained, the detectors after it are not asked, and the step is not suspect afterwards."""
+        return False
 
     def on_suspect(self, run: Run, view: StepView) -> bool:
         """Look at a suspect step; True: explained, the detectors after it are not asked."""
         return False
+
+    def on_losses(self, run: Run, start: int, losses: Sequence[float], judged: set[int]) -> None:
+        """The losses of the steps from ``start`` on, in batches: every :data:`FEED` steps where the
+        host holds them (a CPU run), else at the sampled steps that read them; ``judged``: steps a
+        finding or a skip judged already. For a running range of them, cheap per value (a hot loop
+        instead of a cold line each step)."""
 
     def on_step(self, run: Run, view: StepView) -> bool:
         """Look at one step (every step: cheap, host values only); True: explained."""

@@ -1,0 +1,85 @@
+"""One truth for one configuration: `mixprec tune` (its defaults), then `mixprec bench` of tune's
+pick right after it, on the same machine, and the two figures for the pick side by side.
+
+Both pair the candidate with strict fp32 step by step and report the median of the paired ratios
+with its 95% interval; a repeat measurement outside the other's interval is a bug in one of them
+(issue 36). Run it on a quiet machine; the load average before each run is printed with it.
+
+    python benchmarks/bench_vs_tune.py --model resnet50 [--budget 300] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODELS = {
+    "gpt": ["--model", "gpt2", "--model-config", "n_layer=4,n_head=4,n_embd=256", "--seq-len", "128"],
+    "resnet50": ["--model", "resnet50", "--image-size", "128"],
+}
+
+
+def _run(argv: list[str]) -> tuple[float, float]:
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "mixprec", *argv], check=False, stdout=subprocess.DEVNULL)
+    return load, time.perf_counter() - start
+
+
+def _row(path: Path, label: str) -> dict:
+    data = json.loads(path.read_text())
+    rows = data.get("bench", data).get("rows", [])
+    return next(r for r in rows if r.get("label") == label and not r.get("baseline_repeat"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=sorted(MODELS), default="resnet50")
+    parser.add_argument("--budget", type=float, default=None, help="tune's budget (default: its own)")
+    parser.add_argument("--json", help="write both figures here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tune_json, bench_json = Path(tmp) / "tune.json", Path(tmp) / "bench.json"
+        budget = ["--budget", str(args.budget)] if args.budget else []
+        tune_load, tune_s = _run(["tune", *MODELS[args.model], *budget, "--json", str(tune_json)])
+        rec = json.loads(tune_json.read_text())["recommendation"]
+        pick, label = rec["candidate"], rec["label"]
+        policy, layout = pick["policy"], "on" if pick.get("channels_last") else "off"
+        compile_ = ["--compile", "on"] if pick.get("compile") else []
+        argv = ["bench", *MODELS[args.model], "--policies", f"fp32,{policy}", "--channels-last", layout]
+        bench_load, bench_s = _run([*argv, *compile_, "--json", str(bench_json)])
+        tuned, benched = _row(tune_json, label), _row(bench_json, label)
+    out = {
+        "model": args.model,
+        "pick": label,
+        "tune": {"speedup": tuned["speedup_vs_fp32"], "ci": tuned.get("speedup_ci"), "load": tune_load},
+        "bench": {"speedup": benched["speedup_vs_fp32"], "ci": benched.get("speedup_ci"), "load": bench_load},
+        "seconds": {"tune": round(tune_s), "bench": round(bench_s)},
+    }
+    for name in ("tune", "bench"):
+        r = out[name]
+        ci = f" [{r['ci'][0]:.2f}-{r['ci'][1]:.2f}]" if r["ci"] else ""
+        print(f"{name:>5}: {label} {r['speedup']:.2f}x{ci} (load average {r['load']:.1f} before)")
+    a, b = out["tune"], out["bench"]
+    inside = (b["ci"] and b["ci"][0] <= a["speedup"] <= b["ci"][1]) or (
+        a["ci"] and a["ci"][0] <= b["speedup"] <= a["ci"][1]
+    )
+    print(
+        "agree: each within the other's interval"
+        if inside
+        else "DISAGREE: neither within the other's interval"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps({**out, "agree": bool(inside), "argv": sys.argv}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The order tune measures its candidates in: where the answer is predicted to be, first.
+
+A budget that ends early should still leave the best candidates measured, so the sweep (and the
+``--batch auto`` memory search before it) runs the strict-fp32 family first (the reference every
+speedup is paired with), then each precision family in the order of its predicted speed on this
+device, each family's variants (layouts) right after its leader, and last the families predicted
+to be slower than strict fp32 (measured only if the budget reaches them).
+
+The prediction is the format's measured speed here over fp32's (:mod:`mixprec.hardware.formats`:
+a cached matmul and convolution probe on a CPU, the datasheet on a GPU), so on a Xeon with AMX bf16
+leads, on one without AVX512-BF16 it comes last, and fp16 without a fast convolution kernel comes
+last for a CNN. It orders; it never prunes: every candidate is still measured when the
+budget allows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from mixprec.hardware.device import DeviceInfo
+from mixprec.hardware.formats import FormatSpeed, format_speed
+from mixprec.policy import POLICY_NAMES, Candidate
+
+Gain = Callable[[Candidate], float | None]
+
+
+def measured_gain(info: DeviceInfo, *, conv: bool) -> Gain:
+    """A candidate's predicted speed over strict fp32: its format's measured rate on ``info``
+    (:mod:`mixprec.hardware.formats`), the convolutions' for a model with ``conv`` layers; None
+    where there is none (fp8 on a CPU): the order then falls back on the registry's."""
+    speeds: dict[str, FormatSpeed] = {}
+
+    def gain(candidate: Candidate) -> float | None:
+        key = candidate.spec.peak_key  # fp32's own rate is 1.0; a format not measurable here, None
+        if key not in speeds:
+            speeds[key] = format_speed(info, key, conv=conv)
+        return speeds[key].rate(conv)
+
+    return gain
+
+
+def sweep_order(candidates: Sequence[Candidate], gain: Gain) -> list[Candidate]:
+    """``candidates`` grouped by precision family, strict fp32's first, the rest by predicted
+    ``gain`` (highest first; ties: the format that computes in half precision, then the
+    registry's order), families predicted slower than fp32 last; within a family the order given.
+    A script's own precision (``as_written``) leads: it is what the user runs today."""
+    families: dict[str, list[Candidate]] = {}
+    for cand in candidates:
+        if not cand.as_written:
+            families.setdefault(cand.policy, []).append(cand)
+
+    def key(policy: str) -> tuple:
+        if policy == "fp32":
+            return (0, 0.0, 0, 0)
+        predicted = gain(families[policy][0])
+        value = 1.0 if predicted is None else predicted
+        half = families[policy][0].spec.low_precision_dtype is not None
+        registry = POLICY_NAMES.index(policy) if policy in POLICY_NAMES else len(POLICY_NAMES)
+        return (1 if value >= 1.0 else 2, -value, 0 if half else 1, registry)
+
+    ordered = [cand for policy in sorted(families, key=key) for cand in families[policy]]
+    return [c for c in candidates if c.as_written] + ordered
+
+
+def ordered(candidates: Sequence[Candidate], info: DeviceInfo) -> list[Candidate]:
+    """Tune's plan in its measuring order on ``info``. A plan with channels_last variants is a
+    model with convolutions (backends plan that layout only for 4-D weights): their rate decides."""
+    conv = any(c.channels_last for c in candidates)
+    return sweep_order(candidates, measured_gain(info, conv=conv))

@@ -1,0 +1,72 @@
+"""Compiles priced from what they cost on this machine before, and Inductor's cache in mixprec's."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+from mixprec.errors import CacheWarning
+from mixprec.measure import compile_cache
+from mixprec.measure.compile_cache import WARM_SHARE, CompileCosts, cost_key
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
+    # set, then deleted: monkeypatch records the variable's original state only when it changes it,
+    # so it is put back after the test whatever use_inductor_cache() wrote meanwhile
+    monkeypatch.setenv(compile_cache.ENV, "unset-by-the-fixture")
+    monkeypatch.delenv(compile_cache.ENV)
+    return tmp_path
+
+
+def _artefacts(cache):
+    (cache / "inductor" / "fxgraph").mkdir(parents=True)
+    (cache / "inductor" / "fxgraph" / "entry").write_text("x")
+
+
+KEY = cost_key("torch", "gpt", 8, "bf16-mixed+compile-step", "AMD EPYC", 2)
+
+
+def test_a_compile_already_in_the_cache_is_priced_cheap(cache):
+    _artefacts(cache)
+    CompileCosts().record(KEY, 40.0)  # the first (cold) compile
+    price = CompileCosts().price(KEY)  # a later run reads it back
+    assert price is not None and price.seconds == pytest.approx(40.0 * WARM_SHARE)
+    assert "40.0 s" in price.basis
+    CompileCosts().record(KEY, 2.5)  # then compiled from the cache: its own figure from now on
+    assert CompileCosts().price(KEY).seconds == pytest.approx(2.5)
+
+
+def test_no_price_for_a_compile_never_seen_or_whose_artefacts_are_gone(cache):
+    CompileCosts().record(KEY, 40.0)
+    assert CompileCosts().price(KEY) is None  # no Inductor artefacts: it would compile cold
+    _artefacts(cache)
+    assert (
+        CompileCosts().price(cost_key("torch", "gpt", 16, "bf16-mixed+compile-step", "AMD EPYC", 2)) is None
+    )
+
+
+def test_a_corrupt_cost_file_reads_as_empty_with_a_warning(cache):
+    (cache / "compile_costs.json").write_text("{not json")
+    with pytest.warns(CacheWarning, match="unreadable"):
+        assert CompileCosts().entries == {}
+    (cache / "compile_costs.json").write_text('{"version": 1, "entries": {"k": {"cold_s": "x"}}}')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert CompileCosts().entries == {}  # a bad entry is dropped, the file is otherwise fine
+
+
+def test_inductor_uses_mixprecs_cache_unless_the_user_chose(cache, tmp_path, monkeypatch):
+    assert compile_cache.use_inductor_cache() == cache / "inductor"
+    assert os.environ[compile_cache.ENV] == str(cache / "inductor")
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "mine"))
+    assert compile_cache.use_inductor_cache() == tmp_path / "mine"
+
+
+def test_tunes_inductor_cache_is_its_own_and_the_callers_environment_comes_back(cache):
+    with compile_cache.inductor_cache() as used:
+        assert used == cache / "inductor" and os.environ[compile_cache.ENV] == str(used)
+    assert compile_cache.ENV not in os.environ  # the caller's own torch.compile is left alone

@@ -1,0 +1,82 @@
+"""The thread count a CPU sweep measures at, and contention seen (scripted timings, no clock)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixprec
+from mixprec.errors import UsageError
+from mixprec.measure.config import BenchConfig
+from mixprec.measure.threads import ThreadChoice, choose, counts
+
+
+def test_counts_up_to_the_default():
+    assert counts(1) == [1]
+    assert counts(2) == [1, 2]
+    assert counts(6) == [1, 2, 4, 6]
+
+
+def test_a_quiet_machine_keeps_the_default():
+    choice = choose({1: 0.18, 2: 0.10}, default=2)
+    assert choice.threads == 2 and choice.contended is None
+    assert "measured at 2 threads, the fastest count now" in choice.reason
+
+
+def test_noise_between_counts_keeps_the_default():
+    assert choose({1: 0.100, 2: 0.105}, default=2).threads == 2
+
+
+def test_a_busy_core_is_contention_and_one_thread_is_measured():
+    # the shared Xeon: 9.9 samples/s at 2 threads, ~400 at 1 (another process on the second core)
+    choice = choose({1: 16 / 400, 2: 16 / 9.9}, default=2)
+    assert choice.threads == 1
+    assert choice.contended is not None and "40.4x as long at 2 threads as at 1" in choice.contended
+    assert "instead of 2" in choice.reason
+    assert choice.to_dict()["contended"] == choice.contended
+
+
+def test_mildly_faster_at_fewer_threads_is_not_called_contention():
+    choice = choose({1: 0.08, 2: 0.10}, default=2)
+    assert choice.threads == 1 and choice.contended is None
+
+
+def test_nothing_timed_is_an_error_naming_the_fix():
+    with pytest.raises(UsageError, match="pass threads=N"):
+        choose({}, default=2)
+
+
+def test_a_bad_threads_setting_is_refused_in_one_line():
+    with pytest.raises(UsageError, match="threads"):
+        BenchConfig(threads=0)
+    with pytest.raises(UsageError, match="threads"):
+        BenchConfig(threads="many")
+
+
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads to choose from (an xdist worker runs on one: tests/conftest.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_bench_measures_at_the_chosen_threads_and_says_so(monkeypatch, two_threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    w = mixprec.load_workload("mlp", hidden=64, depth=1)
+    result = mixprec.bench(w, policies="fp32", channels_last="off", steps=2, warmup=1, isolate=False)
+    assert result.settings["threads"] in counts(torch.get_num_threads())
+    assert any(n.startswith(f"measured at {result.settings['threads']} threads") for n in result.notes)
+    assert ThreadChoice(1, 2, {1: 1.0, 2: 1.0}).contended is None
+    fixed = mixprec.bench(
+        w, policies="fp32", channels_last="off", steps=2, warmup=1, isolate=False, threads=1
+    )
+    assert fixed.settings["threads"] == 1 and not any(n.startswith("measured at") for n in fixed.notes)
+
+
+def test_an_in_process_sweep_leaves_the_callers_threads_as_they_were(two_threads):
+    before = torch.get_num_threads()
+    w = mixprec.load_workload("mlp", hidden=64, depth=1)
+    mixprec.bench(w, policies="fp32", channels_last="off", steps=1, warmup=1, isolate=False, threads=1)
+    assert torch.get_num_threads() == before

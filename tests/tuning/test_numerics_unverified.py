@@ -1,0 +1,93 @@
+"""A tune whose strict-fp32 reference does not learn (issue 38): its checks are inconclusive, never
+a pass; the pick is made on speed alone and says "numerics not verified: <why>" in the console,
+the JSON, the report's banner, and its exit code (6). On planted step times whose training loss is
+flat (tests/tuning/scripted.py), so nothing but the decision runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import mixprec
+import mixprec.tuning
+from mixprec.checking.check import MAX_POWER_STEPS, POWER_FACTOR
+from mixprec.cli import main
+from mixprec.errors import NumericsInconclusive
+from mixprec.frameworks import register_framework, unregister_framework
+from mixprec.report import view as report_view
+from mixprec.report.html import render_report
+from mixprec.status import Status
+
+from .scripted import Planted, PlantedFramework
+
+
+class FlatPlanted(PlantedFramework):
+    """Every run's loss is flat: the reference learns nothing over any number of steps."""
+
+    def trajectory(self, workload, candidate, batches, steps, device, *, perturb=0.0):
+        traj = super().trajectory(workload, candidate, batches, steps, device, perturb=perturb)
+        traj.losses = [1.0] * steps
+        return traj
+
+
+@pytest.fixture(autouse=True)
+def flat_framework():
+    register_framework(FlatPlanted())
+    yield
+    unregister_framework("planted")
+
+
+def _tune():
+    return mixprec.tune(
+        Planted({"fp32": 0.20, "bf16-mixed": 0.10}),
+        budget_s=60,
+        steps=4,
+        warmup=1,
+        check_steps=4,
+        compile_modes=(),
+    )
+
+
+def test_a_check_against_a_flat_reference_is_inconclusive_after_more_steps():
+    planted = Planted({"fp32": 0.2, "bf16-mixed": 0.1})
+    FlatPlanted().tune_candidates(planted, None)  # what the planted device supports
+    result = mixprec.check(planted, policies=["bf16-mixed"], steps=4)
+    (cand,) = result.candidates
+    assert cand.verdict == Status.INCONCLUSIVE and not cand.passed and cand.acceptable
+    assert result.learns is False and result.steps == min(POWER_FACTOR * 4, MAX_POWER_STEPS)
+    assert "did not learn over 4 steps; checked 16 steps" in result.power
+
+
+def test_tune_recommends_on_speed_alone_and_says_numerics_not_verified_everywhere():
+    result = _tune()
+    rec = result.recommendation
+    assert rec is not None and rec.candidate.policy == "bf16-mixed"
+    assert rec.numerics_unverified and rec.numerics_unverified.startswith(
+        "numerics not verified: the fp32 reference did not learn"
+    )
+    assert "numerics not verified" in rec.reason
+    assert {r.label: r.status for r in result.ranked}["bf16-mixed"] == Status.RECOMMENDED
+    assert {c.label: c.verdict for c in result.check.candidates}["bf16-mixed"] == Status.INCONCLUSIVE
+    tone, banner = report_view.verdict_line(result)
+    assert tone == "warn" and "on speed alone" in banner and "numerics not verified" in banner
+    assert "numerics pass" not in banner
+    page = render_report(result, charts={})["html"][1].decode()
+    assert "numerics not verified" in page and "numerics pass" not in page
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["recommendation"]["numerics_unverified"] == rec.numerics_unverified
+    assert data["check"]["learns"] is False
+    again = mixprec.TuneResult.from_dict(data)
+    assert again.recommendation.numerics_unverified == rec.numerics_unverified
+
+
+def test_the_cli_prints_it_under_the_pick_and_exits_6(tmp_path, capsys, monkeypatch):
+    result = _tune()
+    monkeypatch.setattr(mixprec.tuning, "tune", lambda *a, **k: result)
+    out = tmp_path / "tune.json"
+    code = main(["tune", "--model", "mlp", "--budget", "60", "--no-lint", "--json", str(out)])
+    assert code == NumericsInconclusive.exit_code == 6
+    captured = capsys.readouterr()
+    assert "on speed alone: numerics not verified" in captured.out
+    assert "numerics not verified" in captured.err.strip().splitlines()[-1]
+    assert json.loads(out.read_text())["recommendation"]["numerics_unverified"]

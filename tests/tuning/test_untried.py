@@ -1,0 +1,105 @@
+"""Say what was not tried (issue 40): a tune cut by its budget before any lower-precision candidate
+ran says so in the banner, the console's last lines and the JSON (`not-measured` rows with the
+reason and the budget that would try them), and exits with the budget code; a noisy passing row is
+re-measured when the budget allows. On planted step times (tests/tuning/scripted.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+import mixprec
+import mixprec.tuning
+from mixprec.cli import main
+from mixprec.errors import BudgetExhausted
+from mixprec.frameworks import register_framework, unregister_framework
+from mixprec.report import view as report_view
+from mixprec.report.html import render_report
+from mixprec.status import Status
+
+from .scripted import Planted, PlantedFramework
+
+
+@pytest.fixture(autouse=True)
+def planted_framework():
+    register_framework(PlantedFramework())
+    yield
+    unregister_framework("planted")
+
+
+def _cut_after_strict_fp32():
+    """A tune whose budget ends once the sweep has measured strict fp32 (the default `make demo`'s
+    fate on a slow machine: fp32 measured, nothing in lower precision)."""
+    rows: list[dict] = []
+
+    def events(event):
+        if event["event"] == "row":
+            rows.append(event)
+
+    return mixprec.tune(
+        Planted({"fp32": 0.20, "bf16-mixed": 0.10, "bf16-true": 0.09}),
+        budget_s=60,
+        steps=4,
+        warmup=1,
+        check_steps=2,
+        compile_modes=(),
+        events=events,
+        stop=lambda: len(rows) >= 1,
+    )
+
+
+def test_a_tune_cut_before_any_lower_precision_candidate_ran_says_so_everywhere():
+    result = _cut_after_strict_fp32()
+    rec = result.recommendation
+    assert rec is not None and rec.candidate.policy == "fp32"
+    status = {r.label: (r.status, r.reason) for r in result.ranked}
+    for label in ("bf16-mixed", "bf16-true"):
+        assert status[label][0] == Status.NOT_MEASURED and status[label][1].startswith("not measured")
+    assert rec.budget_to_try_s is not None and rec.budget_to_try_s > 60
+    assert result.budget_exhausted and "not measured" in result.budget_exhausted
+    assert f"--budget {rec.budget_to_try_s:g}" in result.budget_exhausted
+    # the banner: not "no lower-precision candidate was both faster and numerically sound"
+    tone, banner = report_view.verdict_line(result)
+    assert tone == "warn" and "not by measurement" in banner and "budget ended" in banner
+    assert "bf16-mixed" in banner and f"--budget {rec.budget_to_try_s:g}" in banner
+    assert "was both faster and numerically sound" not in banner
+    page = render_report(result, charts={})["html"][1].decode()
+    assert "not by measurement" in page
+    # the JSON: not-measured rows with their reasons
+    data = json.loads(json.dumps(result.to_dict()))
+    rows = {c["label"]: c for c in data["candidates"]}
+    assert rows["bf16-mixed"]["status"] == "not-measured" and rows["bf16-mixed"]["throughput"] is None
+    assert data["recommendation"]["budget_to_try_s"] == rec.budget_to_try_s
+    again = mixprec.TuneResult.from_dict(data)
+    assert {r.label: r.status for r in again.ranked}["bf16-true"] == Status.NOT_MEASURED
+
+
+def test_the_console_ends_with_what_was_not_measured_and_exits_with_the_budget_code(
+    tmp_path, capsys, monkeypatch
+):
+    result = _cut_after_strict_fp32()
+    monkeypatch.setattr(mixprec.tuning, "tune", lambda *a, **k: result)
+    out = tmp_path / "tune.json"
+    code = main(["tune", "--model", "mlp", "--budget", "60", "--no-lint", "--json", str(out)])
+    assert code == BudgetExhausted.exit_code == 5
+    captured = capsys.readouterr()
+    last = [line for line in captured.out.splitlines() if line.strip()][-3:]
+    assert any("not measured, the budget ended first: bf16-mixed, bf16-true" in line for line in last), last
+    error = captured.err.strip().splitlines()[-1]
+    assert "budget exhausted" in error and "not measured" in error and "bf16-mixed" in error
+    data = json.loads(out.read_text())
+    assert {c["label"]: c["status"] for c in data["candidates"]}["bf16-mixed"] == "not-measured"
+
+
+def test_a_noisy_passing_row_is_re_measured_when_the_budget_allows():
+    """bf16-true's steps jitter +-60%: too noisy to rank from its first 4 rounds; it is measured
+    again with twice the rounds, and the row says so."""
+    planted = Planted({"fp32": 0.20, "bf16-mixed": 0.10, "bf16-true": 0.06}, jitter=0.6, rng=random.Random(2))
+    result = mixprec.tune(planted, budget_s=60, steps=4, warmup=1, check_steps=2, compile_modes=())
+    assert result.recommendation is not None
+    again = [n for n in result.notes if n.startswith("bf16-true re-measured with 8 paired rounds")]
+    assert again and "was too noisy to rank" in again[0], result.notes
+    row = next(r.row for r in result.ranked if r.label == "bf16-true")
+    assert len(row.paired_ratios) >= 8 and any("re-measured" in n for n in row.notes)
