@@ -47,7 +47,7 @@ lint: $(STAMP)
 # the suite's time is single-threaded (process start-up, Python) and CI has 2 cores. --durations
 # lists the slowest tests in the log, where a slow one shows up first.
 test: $(STAMP) lint
-	MIXPREC_REQUIRE_FRAMEWORKS=1 $(BIN)/python -m pytest -q -n auto --durations=25
+	MIXPREC_REQUIRE_FRAMEWORKS=1 $(BIN)/python -m pytest -q -n auto --dist worksteal --durations=25
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build src/*.egg-info
