@@ -239,14 +239,16 @@ def test_tune_over_a_script_recommends_from_the_script_and_answers_in_its_terms(
 
     out = tmp_path / "tune.json"
     command = [PY, str(SCRIPTS / "plain_loop.py"), "--steps", "100000"]
-    code = main(["tune", "--budget", "45", "--no-compile", "--json", str(out), "--", *command])
+    code = main(["tune", "--budget", "75", "--no-compile", "--json", str(out), "--", *command])
     data = json.loads(out.read_text())
-    assert code in (0, 4, 5), code
-    labels = {r["label"] for r in data["bench"]["rows"]}
-    assert {"fp32", "fp32 (as written)"} <= labels
-    # bf16-mixed (predicted to lead on a CPU with fast bf16) measured, or said to be left by the budget
+    assert code in (0, 4, 5, 6), code  # 6: its fp32 run did not learn in the checked steps (warm-up)
+    labels = {r["label"] for r in data["bench"]["rows"] if r["status"] == "ok"}
+    assert "fp32" in labels  # the script itself, in strict fp32: the reference every row is paired with
+    # each candidate measured on the script, or said to be left by the budget (a short budget on a
+    # busy machine: CI runs this beside another test)
     table = {c["label"]: c for c in data["candidates"]}
-    assert "bf16-mixed" in labels or table["bf16-mixed"]["status"] == "not-measured", table.get("bf16-mixed")
+    for label in ("fp32 (as written)", "bf16-mixed"):
+        assert label in labels or table[label]["status"] == "not-measured", table.get(label)
     assert "-- " + " ".join(command) in data["command"] and "trained by its own loop" in data["description"]
     rec = data["recommendation"]
     if rec is not None and rec["candidate"]["policy"] != "fp32":
