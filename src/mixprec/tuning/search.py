@@ -258,21 +258,22 @@ class Search:
         assert self.result is not None
         seen = {r.candidate for r in self.result.rows}
         todo = [c for c in planned if c not in seen]
+        supported = []
         for cand in todo:
             support = self.framework.support(cand, info)
-            if not support:
+            if support:
+                supported.append(cand)
+            else:
                 hint = f"; try {support.suggestion}" if support.suggestion else ""
-                self.result.add(
-                    BenchRow(
-                        self.result.workload,
-                        cand,
-                        self.device,
-                        self.result.batch_size,
-                        Status.UNSUPPORTED,
-                        support.reason + hint,
-                    )
-                )
-        self.not_measured([c for c in todo if self.framework.support(c, info)], why)
+                self._add_unmeasured(cand, Status.UNSUPPORTED, support.reason + hint)
+        self.not_measured(supported, why)
+
+    def _add_unmeasured(self, cand: Candidate, status: str, reason: str) -> None:
+        """A row for ``cand`` that was not timed (unsupported, over the memory budget), saying why."""
+        assert self.result is not None
+        self.result.add(
+            BenchRow(self.result.workload, cand, self.device, self.result.batch_size, status, reason)
+        )
 
     def _unfit(self) -> set[str]:
         """The policies the batch plan found no micro-batch for (their rows say why)."""
@@ -289,11 +290,7 @@ class Search:
         for cand, choice in self.batches.choices.items():
             if choice.micro_batch is None:
                 reason = choice.reason or f"no micro-batch dividing {self.batches.effective_batch} fits"
-                self.result.add(
-                    BenchRow(
-                        self.result.workload, cand, self.device, self.result.batch_size, choice.status, reason
-                    )
-                )
+                self._add_unmeasured(cand, choice.status, reason)
 
     def _not_planned(self, info: DeviceInfo, planned: set[str]) -> None:
         """One row for each policy the plan leaves out, with why (unsupported, or not worth trying
@@ -305,16 +302,7 @@ class Search:
             cand = Candidate(name, framework=self.framework.name)
             support = self.framework.support(cand, info)
             why = support.reason + (f"; try {support.suggestion}" if support.suggestion else "")
-            self.result.add(
-                BenchRow(
-                    self.result.workload,
-                    cand,
-                    self.device,
-                    self.result.batch_size,
-                    Status.UNSUPPORTED,
-                    ("not tried by tune: " if support else "") + why,
-                )
-            )
+            self._add_unmeasured(cand, Status.UNSUPPORTED, ("not tried by tune: " if support else "") + why)
 
     def finish_speed(self, info: DeviceInfo) -> None:
         """The candidates the speed sweep's share of the budget did not reach, measured with the
