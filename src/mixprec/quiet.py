@@ -6,7 +6,10 @@ Importing transformers imports torchao when it is installed (the ``fp8`` extra),
 warning per Enum on stderr: two ``W... torch/utils/_pytree.py`` lines before anything mixprec
 says (a one-line error included), about code that is neither the user's nor mixprec's. And on a
 machine without CUDA, every process that compiles (each torch.compile candidate) logs that
-cpp_extension found no CUDA runtime, the expected state of a CPU run, once per candidate.
+cpp_extension found no CUDA runtime, the expected state of a CPU run, once per candidate. A
+compiled training step traces ``optimizer.step()``, whose profiler ``record_function`` Dynamo says
+it ignores (``W... torch/_logging/_internal.py ... Profiler record function ... will be ignored``),
+once per compiling process, in the middle of tune's progress lines.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 KNOWN_NOISE = (
     ("torch.utils._pytree", "is an Enum subclass and is now natively supported"),
     ("torch.utils.cpp_extension", "No CUDA runtime is found"),
+    ("torch._dynamo.variables.ctx_manager", "Profiler record function"),
 )
 
 

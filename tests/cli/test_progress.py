@@ -88,7 +88,18 @@ def test_a_captured_tune_prints_one_line_per_candidate(capsys, tmp_path):
     assert verdicts == checked
 
 
-def test_known_third_party_noise_is_dropped_and_other_lines_kept(caplog):
+@pytest.mark.parametrize(
+    "name, noise",
+    [
+        ("torch.utils.cpp_extension", "No CUDA runtime is found, using CUDA_HOME='/usr/local'"),
+        # a compiled step tracing optimizer.step(): printed amid tune's progress lines (issue 38's run)
+        (
+            "torch._dynamo.variables.ctx_manager",
+            "Profiler record function <class 'torch.autograd.profiler.record_function'> will be ignored",
+        ),
+    ],
+)
+def test_known_third_party_noise_is_dropped_and_other_lines_kept(caplog, name, noise):
     """A compiling candidate on a CPU machine used to print cpp_extension's "No CUDA runtime" line
     once per candidate process (isolate's child calls quiet_known_noise too)."""
     import logging
@@ -96,8 +107,8 @@ def test_known_third_party_noise_is_dropped_and_other_lines_kept(caplog):
     from mixprec.quiet import quiet_known_noise
 
     quiet_known_noise()
-    logger = logging.getLogger("torch.utils.cpp_extension")
-    with caplog.at_level(logging.WARNING, logger="torch.utils.cpp_extension"):
-        logger.warning("No CUDA runtime is found, using CUDA_HOME='/usr/local'")
+    logger = logging.getLogger(name)
+    with caplog.at_level(logging.WARNING, logger=name):
+        logger.warning(noise)
         logger.warning("something else worth seeing")
     assert [r.getMessage() for r in caplog.records] == ["something else worth seeing"]

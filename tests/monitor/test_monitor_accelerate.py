@@ -20,13 +20,17 @@ def _one_thread(single_thread):
 @pytest.fixture(autouse=True)
 def _fresh_accelerator_state():
     """Accelerate keeps its state process-wide (the Trainer makes an Accelerator too): each test
-    starts and ends without one, whichever framework's test ran before it in this process."""
+    starts and ends without one, whichever framework's test ran before it in this process. Its
+    GradientState too: a Trainer that stops at max_steps leaves its dataloader active at its end, and
+    the next Accelerator's accumulate() would sync every micro-batch."""
     pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 def test_accelerate_save_state_refuses_poisoned_weights(tmp_path):
@@ -106,3 +110,36 @@ def test_accelerate_replays_in_fp32_through_its_autocast_wrapper():
     assert [(f.step, f.kind, f.evidence.get("verdict"), f.module) for f in monitor.findings][:1] == [
         (70, "overflow", "precision", "norm")
     ]
+
+
+def test_accelerate_accumulated_micro_batches_are_no_stalled_updates():
+    """Issue 39 item 7: bf16 weights, gradient_accumulation_steps=4, every iteration observed as the
+    module's docstring shows: `stall` at step 0 with stalled_fraction 1.0 (a micro-batch steps no
+    optimizer: its weights do not move, and nothing stalled). The stalls are counted at the updates."""
+    require("accelerate", "frameworks")
+    from accelerate import Accelerator
+
+    from mixprec.monitor.accelerate import watch
+
+    w = mlp()
+    w.model.to(torch.bfloat16)  # weights, and so the updates, in bf16
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    optimizer = torch.optim.AdamW(w.model.parameters(), lr=1e-2)  # updates bf16 holds
+    model, optimizer = accelerator.prepare(w.model, optimizer)
+    loss_fn = lambda m, batch: w.loss_fn(m, (batch[0].bfloat16(), batch[1]))  # noqa: E731
+    monitor = watch(accelerator, model, optimizer, loss_fn=loss_fn, every=8)
+    torch.manual_seed(0)
+    for _ in range(48):
+        batch = w.make_batch(32, torch.device("cpu"))
+        with accelerator.accumulate(model):
+            loss = loss_fn(model, batch)
+            accelerator.backward(loss)
+            monitor.before_step(loss, batch)
+            optimizer.step()
+            optimizer.zero_grad()
+        monitor.observe(loss, batch)
+    monitor.close()
+    assert monitor.findings == []
+    # each sample's share counted at the update that ends its accumulation (the 4th micro-batch)
+    assert [step for step, _ in monitor.sampler.stalls] == [3, 11, 19, 27, 35, 43]
+    assert max(share for _, share in monitor.sampler.stalls) < 0.05

@@ -26,11 +26,22 @@ def _one_thread(single_thread):
 
 
 def fit(
-    workload, steps, tmp_path, *, fault=None, data_fault=None, precision="16-mixed", lr=None, **monitor_kw
+    workload,
+    steps,
+    tmp_path,
+    *,
+    fault=None,
+    data_fault=None,
+    precision="16-mixed",
+    lr=None,
+    optimizer=None,
+    accumulate=1,
+    **monitor_kw,
 ):
     """``workload`` trained by Lightning for ``steps`` steps with a MonitorCallback; ``fault(step,
     net, batch)`` as in test_monitor.py, ``data_fault`` the same applied to the data itself (what
-    the DataLoader yields). Returns (monitor, trainer)."""
+    the DataLoader yields); ``optimizer(params)`` in place of the workload's (``lr``: SGD at it);
+    ``accumulate``: Lightning's accumulate_grad_batches. Returns (monitor, trainer)."""
     require("lightning", "frameworks")
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import MixedPrecision
@@ -38,7 +49,8 @@ def fit(
     from mixprec.monitor.lightning import MonitorCallback
 
     torch.manual_seed(0)
-    batches = [workload.make_batch(workload.default_batch_size, torch.device("cpu")) for _ in range(steps)]
+    size, count = workload.default_batch_size, steps * accumulate
+    batches = [workload.make_batch(size, torch.device("cpu")) for _ in range(count)]
     if data_fault is not None:
         batches = [data_fault(i, None, b) for i, b in enumerate(batches)]
 
@@ -55,11 +67,13 @@ def fit(
             return loss
 
         def configure_optimizers(self):
+            if optimizer is not None:
+                return optimizer(self.net.parameters())
             if lr is not None:
                 return torch.optim.SGD(self.net.parameters(), lr=lr)
             return workload.make_optimizer(self.net)
 
-    callback = MonitorCallback(every=20, **monitor_kw)
+    callback = MonitorCallback(**{"every": 20, **monitor_kw})
     plugins = (
         [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
         if precision == "16-mixed"
@@ -70,6 +84,7 @@ def fit(
         accelerator="cpu",
         plugins=plugins,
         precision=None if plugins else precision,
+        accumulate_grad_batches=accumulate,
         callbacks=[callback],
         logger=False,
         enable_checkpointing=False,
@@ -195,3 +210,66 @@ def test_a_monitor_that_gives_up_stops_the_fit_through_lightning(tmp_path):
     assert "max_rescues=0" in monitor.stopped and trainer.should_stop
     assert trainer.global_step == 1 and len(monitor.losses) == 1  # stopped after the stalled step
     assert ends.calls == [("on_train_end", 1), ("on_fit_end", 1)]
+
+
+def test_lightning_accumulated_micro_batches_are_no_stalled_updates(tmp_path):
+    """Issue 39 item 7: bf16-true with accumulate_grad_batches=4 raised `stall` at step 0 with
+    stalled_fraction 1.0: each micro-batch was a step, and the three that step no optimizer had
+    gradients and unmoved weights. A step is an optimizer step; its stalls are counted at its update."""
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-2)  # noqa: E731 (bf16 holds its updates)
+    monitor, trainer = fit(mlp(), 12, tmp_path, precision="bf16-true", optimizer=adamw, accumulate=4, every=2)
+    assert monitor.findings == []
+    assert trainer.global_step == 12 and len(monitor.losses) == 12  # one a step: its micro-batches' mean
+    assert [step for step, _ in monitor.sampler.stalls] == [0, 2, 4, 6, 8, 10]
+    assert max(share for _, share in monitor.sampler.stalls) < 0.05
+
+
+def test_manual_optimization_is_never_stepped_by_the_monitor_and_a_bad_batch_is_the_data(tmp_path):
+    """Issue 39 item 3: under manual optimization the fp32 shadow called training_step, which steps
+    the optimizer itself (opt.step() ran 122 times for 120 steps), and two corrupt batches in a row
+    were an `overflow`. Its replay now ends at training_step's manual_backward."""
+    require("lightning", "frameworks")
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from mixprec.monitor.lightning import MonitorCallback
+
+    w, first, second = mlp(), corrupt_batch(100), corrupt_batch(101)
+    torch.manual_seed(0)
+    batches = [first(i, None, second(i, None, w.make_batch(32, torch.device("cpu")))) for i in range(110)]
+    stepped = []
+
+    class Manual(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = w.model
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            loss = w.loss_fn(self.net, batch)
+            self.manual_backward(loss)
+            opt.step()
+            stepped.append(batch_idx)
+            return loss
+
+        def configure_optimizers(self):
+            return w.make_optimizer(self.net)
+
+    callback = MonitorCallback(every=20, rescue=True)
+    trainer = pl.Trainer(
+        max_steps=110,
+        accelerator="cpu",
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Manual(), torch.utils.data.DataLoader(batches, batch_size=None))
+    assert stepped == list(range(110))  # one optimizer step a batch: the user's own
+    assert kinds(callback.monitor) == [("bad_batch", None)] and callback.monitor.findings[0].step == 100
+    assert len(callback.monitor.losses) == 110

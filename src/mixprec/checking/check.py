@@ -46,6 +46,7 @@ from mixprec.numerics.verdict import (
     Floor,
     allowed_rel_loss_diff,
     default_thresholds,
+    format_perturbation,
     judge,
 )
 from mixprec.policy import Candidate, Thresholds
@@ -195,6 +196,7 @@ class Checker:
                 f"it. Fix {getattr(workload, 'name', 'it')!r} so it trains in fp32 first (mixprec --debug "
                 "shows where)."
             )
+        self._apart: dict[str, Trajectory] = {}  # fp32 runs a half format's rounding apart, by format
         self.stage("fp32 chaos floor")
         self.chaos = framework.trajectory(
             workload, baseline, self.batches, steps, device, perturb=CHAOS_PERTURBATION
@@ -272,8 +274,7 @@ class Checker:
             traj.dropped_imaginary = None
         ref = replace(self.reference, losses=self.reference.losses[:steps])
         cmp = compare(ref, traj)
-        chaos = compare(ref, replace(self.chaos, losses=self.chaos.losses[:steps]))
-        floor = replace(self.floor, rel_loss_diff=chaos.max_rel_loss_diff)
+        floor = self.loss_floor(cand, steps)
         untested = never_ran(cand, traj)
         if untested:
             return False, untested, cmp, traj
@@ -285,6 +286,28 @@ class Checker:
             if risk is not None:
                 return False, risk, cmp, traj
         return passed, reason, cmp, traj
+
+    def loss_floor(self, cand: Candidate, steps: int) -> Floor:
+        """What ``cand``'s loss is judged against over ``steps``: how far the 2^-20 chaos run drifts
+        from the reference, or, for a half format, how far an fp32 run whose weights are off by one
+        rounding to it drifts, where that is further (the run made once per format)."""
+        ref = replace(self.reference, losses=self.reference.losses[:steps])
+        drift = compare(ref, replace(self.chaos, losses=self.chaos.losses[:steps])).max_rel_loss_diff
+        floor = replace(self.floor, rel_loss_diff=drift)
+        fmt = rounding_format(cand)
+        perturb = format_perturbation(fmt)
+        if perturb is None:
+            return floor
+        if fmt not in self._apart:
+            self.stage(f"fp32 run whose weights are one {fmt} rounding apart")
+            self._apart[fmt] = self.framework.trajectory(
+                self.workload, self.framework.baseline, self.batches, self.steps, self.device, perturb=perturb
+            )
+        run = self._apart[fmt]
+        own = compare(ref, replace(run, losses=run.losses[:steps])).max_rel_loss_diff
+        if run.error or not math.isfinite(own) or own <= drift:
+            return floor
+        return replace(floor, rel_loss_diff=own, apart=f"whose weights differ by one {fmt} rounding")
 
     def ranged(self, trial: Candidate, traj: Trajectory, steps: int) -> Trajectory:
         """``traj``, or for a compiled candidate (whose graph range hooks would change) its eager
@@ -325,6 +348,7 @@ class Checker:
         passed, reason, cmp, traj = self.run(cand)
         thr = self.thresholds[cand.threshold_key]
         fmt = rounding_format(cand)
+        floor = self.loss_floor(cand, self.steps)  # made by run(): no new run here
         ranged = self.ranged(cand, traj, self.steps)  # a compiled candidate's ranges: its eager twin's
         seen = self.outlook(cand, ranged)
         verdict = Status.PASS if passed else Status.AT_RISK if reason.startswith("at risk") else Status.FAIL
@@ -342,7 +366,7 @@ class Checker:
             skipped_steps=cmp.skipped_steps,
             scaler_warmup_skips=traj.warmup_skips,
             stalled_update_fraction=traj.stalled_update_fraction,
-            allowed_rel_loss_diff=allowed_rel_loss_diff(thr, self.floor.rel_loss_diff),
+            allowed_rel_loss_diff=allowed_rel_loss_diff(thr, floor.rel_loss_diff),
             required_output_sqnr_db=self.floor.required(
                 thr.min_output_sqnr_db, self.floor.output_sqnr_db, fmt
             ),
@@ -405,10 +429,10 @@ class Checker:
                 self.search_fix(cand, result, rfmt, seen.at_risk)
         if census is not None:
             result.precision_map = map_report(cand, census, result.fix_keep_bf16)
-        spread = self.floor.rel_loss_diff
+        spread = floor.rel_loss_diff
         if cmp.max_rel_loss_diff is not None and math.isfinite(cmp.max_rel_loss_diff):
             result.spread_ratio = cmp.max_rel_loss_diff / spread if spread > 0 else None
-            result.randomness = against_spread(cmp.max_rel_loss_diff, spread)
+            result.randomness = against_spread(cmp.max_rel_loss_diff, spread, floor.apart)
         if result.verdict == Status.PASS and result.randomness:
             result.reason += f"; {result.randomness}"
         if result.verdict == Status.PASS and self.learning:
@@ -673,17 +697,16 @@ def not_learning(losses: Sequence[float], spread: float = 0.0) -> str:
     )
 
 
-def against_spread(diff: float, spread: float) -> str:
+def against_spread(diff: float, spread: float, apart: str = Floor.apart) -> str:
     """A candidate's largest loss difference against fp32's own run-to-run spread on the same
-    steps: "within training randomness" where it is inside it (DeepSeek-V3's wording for FP8 against
-    BF16), else how many times it."""
+    steps (two fp32 runs ``apart``): "within training randomness" where it is inside it
+    (DeepSeek-V3's wording for FP8 against BF16), else how many times it."""
     if spread <= 0:
         return f"{_pct(diff)} apart; two fp32 runs do not drift apart at all here"
+    of = f"fp32's own run-to-run spread of {_pct(spread)} (two runs {apart})"
     if diff <= spread:
-        return (
-            f"within training randomness: {_pct(diff)} against fp32's own run-to-run spread of {_pct(spread)}"
-        )
-    return f"{diff / spread:.3g}x fp32's own run-to-run spread of {_pct(spread)}"
+        return f"within training randomness: {_pct(diff)} against {of}"
+    return f"{diff / spread:.3g}x {of}"
 
 
 def _pct(x: float) -> str:
@@ -833,9 +856,8 @@ def check(
     check_islands(framework, checker.workload, cands)  # again: Keras lists its layers once built
     info = detect(checker.device)
     if alone and info.type == "cpu":  # a format slow here, said before its check runs for minutes
-        conv = framework.bench_layouts(checker.workload, [True])[0] == [True]  # channels_last: convs
         formats = {c.policy: c.spec.peak_key for c in cands if not c.emulate and framework.support(c, info)}
-        for warning in slow_formats(formats, info, conv=conv):
+        for warning in slow_formats(formats, info, conv=framework.has_convolutions(checker.workload)):
             events({"event": "note", "text": f"warning: {warning}"})
     results = []
     for index, cand in enumerate(cands):

@@ -188,9 +188,8 @@ def slow_format_warnings(
     info = detect(device)
     if info.type != "cpu":
         return []
-    conv = framework.bench_layouts(workload, [True])[0] == [True]  # channels_last only for convolutions
     formats = {name: Candidate(name).spec.peak_key for name in map(canonical_name, policies)}
-    return slow_formats(formats, info, conv=conv)
+    return slow_formats(formats, info, conv=framework.has_convolutions(workload))
 
 
 def first_failure(rows: Sequence[BenchRow]) -> UsageError | None:

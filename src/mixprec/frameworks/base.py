@@ -218,6 +218,11 @@ class Framework:
             return [False], None
         return list(wanted), None
 
+    def has_convolutions(self, workload: Any) -> bool:
+        """Whether the workload's model has convolutions: a CNN's format speed is its conv rate, and
+        only then does channels_last change anything."""
+        return self.bench_layouts(workload, [True])[0] == [True]
+
     def optimizer_variants(self, workload: Any, candidate: Candidate) -> list[Candidate]:
         """``candidate`` with the other implementations of the workload's optimizer (tune tries them
         on its pick: same numerics, maybe faster steps)."""

@@ -257,13 +257,13 @@ def gpu_peak(name: str, dtype_key: str) -> tuple[float, str] | None:
 
 # --------------------------------------------------------------------------- CPU: measured
 
-_TORCH_DTYPES: dict[str, torch.dtype] = {
+CPU_TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "tf32": torch.float32,  # TF32 does not exist on CPU: the fp32 peak applies
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
-CPU_DTYPES: tuple[str, ...] = tuple(_TORCH_DTYPES)  # the dtype keys a CPU probe can time
+CPU_DTYPES: tuple[str, ...] = tuple(CPU_TORCH_DTYPES)  # the dtype keys a CPU probe can time
 _MAX_ONE_S = 0.5  # a size whose single matmul would take longer is halved
 _BUDGET_S = 0.8  # cap on the timed blocks of one measurement (warm-up and probe come on top)
 _PROBE_SIZE = 512
@@ -306,11 +306,11 @@ def measure_cpu_peak(dtype_key: str, *, size: int = 2048, repeats: int = 5) -> f
     from mixprec.state import PrecisionSettings, precision_settings
 
     _check_dtype_key(dtype_key)
-    if dtype_key not in _TORCH_DTYPES:
-        raise UsageError(f"No CPU matmul for dtype key {dtype_key!r}; valid: {', '.join(_TORCH_DTYPES)}.")
+    if dtype_key not in CPU_TORCH_DTYPES:
+        raise UsageError(f"No CPU matmul for dtype key {dtype_key!r}; valid: {', '.join(CPU_TORCH_DTYPES)}.")
     if size < 1 or repeats < 1:
         raise UsageError(f"size and repeats must be positive, got size={size}, repeats={repeats}.")
-    dtype = _TORCH_DTYPES[dtype_key]
+    dtype = CPU_TORCH_DTYPES[dtype_key]
     with precision_settings(PrecisionSettings(mkldnn="ieee")), torch.no_grad():
         # Probe at a moderate size (halved while even that is too slow), then extrapolate with the
         # cube law so a slow dtype never starts at the full size.
@@ -353,47 +353,11 @@ def measure_cpu_peak(dtype_key: str, *, size: int = 2048, repeats: int = 5) -> f
     return rate
 
 
-# The convolution probe: a 3x3 conv of a ResNet stage (64 channels, 28x28, batch 8, channels_last),
-# forward only. oneDNN's convolution kernels are not its matmul kernels: on a Xeon with AVX512-FP16
-# fp16 matmuls are fast while an fp16 convolution ran ~35x slower than fp32 (no fast kernel).
-_CONV_STMT = "torch.nn.functional.conv2d(x, w, padding=1)"
-_CONV_FLOPS = 2 * 8 * 64 * 28 * 28 * 64 * 9
-
-
-def measure_cpu_conv(dtype_key: str) -> float:
-    """Achieved FLOP/s of the convolution probe in ``dtype_key`` on this CPU (best of blocks within
-    about 0.5 s; one call only where a single call already takes that long)."""
-    from torch.utils.benchmark import Timer
-
-    from mixprec.state import PrecisionSettings, precision_settings
-
-    _check_dtype_key(dtype_key)
-    if dtype_key not in _TORCH_DTYPES:
-        raise UsageError(
-            f"No CPU convolution for dtype key {dtype_key!r}; valid: {', '.join(_TORCH_DTYPES)}."
-        )
-    dtype = _TORCH_DTYPES[dtype_key]
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 64, 28, 28, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
-    w = torch.randn(64, 64, 3, 3, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
-    with precision_settings(PrecisionSettings(mkldnn="ieee")), torch.no_grad():
-        start = time.perf_counter()
-        torch.nn.functional.conv2d(x, w, padding=1)  # warm-up: primitive creation
-        one = time.perf_counter() - start
-        if one > _MAX_ONE_S:
-            return _CONV_FLOPS / one
-        timer = Timer(
-            stmt=_CONV_STMT, globals={"torch": torch, "x": x, "w": w}, num_threads=torch.get_num_threads()
-        )
-        best = min(timer.blocked_autorange(min_run_time=min(max(5 * one, 0.05), _MAX_ONE_S)).times)
-    return _CONV_FLOPS / best
-
-
 def default_cache_dir() -> Path:
     return Path(os.environ.get("MIXPREC_CACHE_DIR", "~/.cache/mixprec")).expanduser()
 
 
-def _cache_key(measure_key: str, info: DeviceInfo) -> str:
+def cache_key(measure_key: str, info: DeviceInfo) -> str:
     flags = ",".join(sorted(info.cpu_flags))
     return (
         f"{info.name}|{flags}|threads={torch.get_num_threads()}|torch={torch.__version__}|{measure_key}"
@@ -453,12 +417,8 @@ def cpu_peak(
     *,
     cache_dir: Path | None = None,
     refresh: bool = False,
-    op: str = "matmul",
 ) -> tuple[float, str]:
     """(measured peak FLOP/s, source) for this CPU, measured once and then read from the cache.
-
-    ``op``: "matmul" (the MFU denominator) or "conv" (the convolution probe: oneDNN's convolutions
-    are other kernels, fast in one format where its matmuls are fast in another).
 
     The cache is ``cpu_peaks.json`` in ``cache_dir``, else ``$MIXPREC_CACHE_DIR``, else
     ``~/.cache/mixprec``, keyed by CPU name, flags, torch thread count, torch version and dtype.
@@ -468,25 +428,21 @@ def cpu_peak(
     _check_dtype_key(dtype_key)
     measure_key = "fp32" if dtype_key == "tf32" else dtype_key  # TF32 does not exist on CPU
     path = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "cpu_peaks.json"
-    if op not in ("matmul", "conv"):
-        raise UsageError(f"Unknown CPU probe op {op!r}; valid: matmul, conv.")
-    key = _cache_key(measure_key if op == "matmul" else f"{measure_key}|conv={_CONV_STMT}", info)
+    key = cache_key(measure_key, info)
     entries = _read_cache(path)
     if key in entries and not refresh:
         return float(entries[key]["flops"]), str(entries[key]["source"])  # type: ignore[arg-type]
 
     _LAST_SIZE.pop(measure_key, None)
-    flops = float(measure_cpu_peak(measure_key) if op == "matmul" else measure_cpu_conv(measure_key))
+    flops = float(measure_cpu_peak(measure_key))
     if key in entries and float(entries[key]["flops"]) >= flops:  # type: ignore[arg-type]
         return float(entries[key]["flops"]), str(entries[key]["source"])  # type: ignore[arg-type]
     size = _LAST_SIZE.get(measure_key, 2048)
     threads = torch.get_num_threads()
-    what = (
-        f"{size}^3 {measure_key} matmul"
-        if op == "matmul"
-        else f"{measure_key} 3x3 convolution (64 ch, 28 px)"
+    plural = "s" if threads != 1 else ""
+    source = (
+        f"measured: {size}^3 {measure_key} matmul on this CPU, {threads} thread{plural}, cached in {path}"
     )
-    source = f"measured: {what} on this CPU, {threads} thread{'s' if threads != 1 else ''}, cached in {path}"
     entries[key] = {"flops": flops, "source": source}
     try:
         _write_cache(path, entries)
@@ -509,7 +465,7 @@ def peak_flops(
             return None, f"no datasheet entry for {info.name} {dtype_key}"
         return found
     if info.type == "cpu":
-        if dtype_key not in _TORCH_DTYPES:
+        if dtype_key not in CPU_TORCH_DTYPES:
             return None, f"no CPU {dtype_key} matmul to measure"
         try:
             return cpu_peak(dtype_key, info, cache_dir=cache_dir)

@@ -10,6 +10,11 @@ non-finite state before Accelerate writes it.
         optimizer.step(); scheduler.step(); optimizer.zero_grad()
         monitor.observe(loss, batch)  # a plain loop: raises MonitorStop when the run must stop
 
+With gradient accumulation (the same body inside ``with accelerator.accumulate(model):``) every
+iteration is observed all the same: each micro-batch is a step to the monitor, and the stalled share
+of half weights is counted at the optimizer's own updates only (a micro-batch that does not step it
+moves nothing, and nothing stalled).
+
 An update the monitor withheld is a skipped step to Accelerate (``optimizer.step_was_skipped``, what
 its GradScaler's overflow sets), so a prepared scheduler leaves its step out too.
 """

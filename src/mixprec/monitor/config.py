@@ -12,11 +12,49 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from mixprec import validation
-from mixprec.errors import UsageError, did_you_mean
+from mixprec.errors import PolicyError, UsageError, did_you_mean
+from mixprec.policy.registry import ALIASES, POLICIES, canonical_name, mixed_twin
 
 HOLD = 50
 MAX_RESCUES = 3
 TRAIN_STEPS = 10_000
+
+
+def switch_targets() -> list[str]:
+    """The policies a run may switch to mid-run: those with fp32 weights (``Policy.switch``)."""
+    return [n for n, s in POLICIES.items() if s.param_dtype is None and s.low_format is None]
+
+
+def schedule_target(at: float, name: Any) -> str:
+    """The canonical name of the policy ``schedule[at]`` switches to, checked when the config is
+    made (not at the step it is due, halfway through the run): a known policy (or alias) with fp32
+    weights, since narrowing weights and optimizer state to half precision mid-run is not exact."""
+    valid = switch_targets()
+    entry = f"schedule {{{at!r}: {name!r}}}"
+    if not isinstance(name, str):
+        raise UsageError(
+            f"schedule values are policy names, got {name!r} ({entry}); valid: {', '.join(valid)}."
+        )
+    try:
+        canonical = canonical_name(name)
+    except PolicyError:
+        raise UsageError(
+            f"{entry}: unknown policy {name!r}; valid: {', '.join(valid)}."
+            f"{did_you_mean(name.strip().lower(), [*valid, *ALIASES])}"
+        ) from None
+    if canonical in valid:
+        return canonical
+    twin = mixed_twin(canonical)
+    why = (
+        "would narrow the weights and optimizer state to half precision mid-run (not exact)"
+        if twin
+        else "needs its layers converted when the model is prepared, not mid-run"
+    )
+    fix = f"{twin!r} (the same compute with fp32 master weights)" if twin else "'bf16-mixed' or 'fp32'"
+    raise UsageError(
+        f"{entry}: a switch to {canonical!r} {why}; a schedule switches to a policy with fp32 "
+        f"weights: {', '.join(valid)}. Use {fix}."
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +86,9 @@ class MonitorConfig:
 
     schedule: Mapping[float, str] | None = None
     """Planned precision switches, ``{step, or fraction of train_steps: policy name}`` (e.g.
-    ``{0.9: "fp32"}`` to finish the run in fp32); needs the loop's mixprec Policy."""
+    ``{0.9: "fp32"}`` to finish the run in fp32), to a policy with fp32 weights (*-mixed, fp32,
+    tf32, bf32; aliases are kept as their canonical names); needs the loop's mixprec Policy, one
+    with fp32 weights too (a *-true run has no fp32 master weights to switch from)."""
 
     hold: int = HOLD
     """Steps between two actions, and within which the same finding is not reported again: an
@@ -87,12 +127,12 @@ class MonitorConfig:
         if self.schedule is not None:
             if not isinstance(self.schedule, Mapping):
                 raise UsageError(f"schedule must map steps to policy names, got {self.schedule!r}.")
+            planned = {}
             for at, name in self.schedule.items():
                 if isinstance(at, bool) or not isinstance(at, (int, float)) or at < 0:
                     raise UsageError(f"schedule keys are steps or fractions of train_steps, got {at!r}.")
-                if not isinstance(name, str):
-                    raise UsageError(f"schedule values are policy names, got {name!r}.")
-            object.__setattr__(self, "schedule", dict(self.schedule))
+                planned[at] = schedule_target(at, name)
+            object.__setattr__(self, "schedule", planned)
 
     def replace(self, **changes: Any) -> MonitorConfig:
         """This config with ``changes``; an unknown name is one line that lists the valid ones."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -47,6 +48,7 @@ from mixprec.errors import MixprecError, UsageError
 from mixprec.monitor.config import MonitorConfig
 from mixprec.monitor.detectors import (
     NONFINITE,
+    SCALER_SKIPPED_NONFINITE,
     SKIP,
     Detector,
     SampleView,
@@ -61,11 +63,12 @@ from mixprec.monitor.findings import (
     RESCUE,
     SCHEDULE,
     STOP,
+    UNWATCHED,
     JsonlSink,
     MonitorFinding,
     Sink,
 )
-from mixprec.monitor.rescue import Rescuer, module_of, nonfinite_state, plan_schedule
+from mixprec.monitor.rescue import Rescuer, module_of, plan_schedule
 from mixprec.monitor.sampler import Sampler
 from mixprec.monitor.scale import ScaleWatch
 from mixprec.monitor.shadow import grad_norm
@@ -74,6 +77,11 @@ from mixprec.policy import Policy
 from mixprec.policy.islands import is_fp32_island
 
 log = logging.getLogger("mixprec.monitor")
+
+# Steps after which a policy (or GradScaler) the loop has never stepped is not the loop's, where the
+# monitor holds no optimizer whose post-step hook says the loop stepped one (more micro-batches of
+# gradient accumulation than this between two optimizer steps are not a loop anyone runs)
+UNCONFIRMED_STEPS = 50
 
 
 class MonitorStop(MixprecError):
@@ -118,6 +126,22 @@ def _readable(loss: Any, scaler: Any) -> bool:
     if not isinstance(loss, torch.Tensor):
         return False
     return loss.numel() == 1 and (loss.device.type == "cpu" or scaler is not None)
+
+
+def _check_loss(loss: Any, call: str) -> None:
+    """One line for a loss the monitor cannot keep: it records one number a step (a per-sample
+    vector would otherwise fail deep inside, at the sampled step that reads the losses)."""
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() == 1:
+            return
+        raise UsageError(
+            f"{call}() takes the step's loss as a scalar, got a tensor of shape {list(loss.shape)} (a "
+            f"per-sample loss?); reduce it first, as the backward does: {call}(loss.mean(), batch)."
+        )
+    if isinstance(loss, bool) or not isinstance(loss, numbers.Real):  # (numpy's scalars are Real)
+        raise UsageError(
+            f"{call}() takes the step's loss, a scalar tensor or a number, got {type(loss).__name__}."
+        )
 
 
 def _sinks(findings: str | Path | Sink | None) -> list[Sink]:
@@ -185,7 +209,9 @@ class Monitor:
         self._autocast = autocast
         fmt = policy.spec.range_format if policy is not None else ("fp16" if scaler is not None else None)
         self.range_format = fmt if fmt in LOW_PRECISION_FORMATS else None
-        self.sampler = Sampler(model, self.range_format, self.config.every, self.config.train_steps)
+        # the stalls are counted at each update, by the optimizers' post-step hook (_after_update)
+        every, steps, hooked = self.config.every, self.config.train_steps, bool(self.optimizers)
+        self.sampler = Sampler(model, self.range_format, every, steps, updates_hooked=hooked)
         self.detectors = detectors_for(self.config)
         # each hook asks only the detectors that have it (most steps ask none)
         self._explaining = [d for d in self.detectors if type(d).on_suspect is not Detector.on_suspect]
@@ -202,6 +228,12 @@ class Monitor:
         # the pre-step hooks are armed only while something waits for them (a CPU run's normal
         # step has none: an optimizer hook costs microseconds of cold Python a step)
         self._armed: list[Any] = []
+        # whether the loop steps the policy (or GradScaler) the monitor reads its skips from is not
+        # known until it steps: checked at each step until it is (_confirm_loop)
+        self._unconfirmed = policy is not None or (scaler is not None and scaler.is_enabled())
+        self._policy_steps = policy.stats.steps if policy is not None else 0
+        self._updates = 0  # optimizer steps (the post-step hook), while that is unconfirmed
+        self._closed = False
         model._mixprec_monitor = self  # type: ignore[assignment]
         self.sampler.begin(0)
 
@@ -257,10 +289,17 @@ class Monitor:
     def observe(self, loss: torch.Tensor | float, batch: Any = None) -> list[MonitorFinding]:
         """Record step ``self.step`` (call after the optimizer step); returns its new findings.
 
-        ``batch``: the step's batch, for the fp32 shadow on a suspect step (kept only for this call).
+        ``loss``: the step's loss, a scalar tensor or a number (a per-sample vector is refused:
+        reduce it as the backward did). ``batch``: the step's batch, for the fp32 shadow on a
+        suspect step (kept only for this call). After :meth:`close` it refuses (``UsageError``).
         A plain loop has no flag to stop by: when the monitor stops the run (its rescues spent and
         the run still failing: a ``stop`` finding) this raises :class:`MonitorStop`."""
-        new = self.record(loss, batch)
+        if self._closed:
+            raise UsageError(
+                f"observe() after close(): this Monitor was closed at step {self.step} and watches "
+                "nothing more (its hooks are removed); make a new Monitor to watch another run."
+            )
+        new = self._record(loss, batch, "observe")
         if self.stopped:
             raise MonitorStop(self.stopped)
         return new
@@ -269,13 +308,19 @@ class Monitor:
         """:meth:`observe` for a framework adapter: it never raises; when the monitor stops the run,
         :attr:`stopped` says why and the adapter stops the framework its own way
         (``control.should_training_stop``, ``trainer.should_stop``). A stopped monitor records
-        nothing more."""
-        if self.stopped:
+        nothing more, and a closed one stays closed (a framework hook after the run's end)."""
+        return self._record(loss, batch, "record")
+
+    def _record(self, loss: torch.Tensor | float, batch: Any, call: str) -> list[MonitorFinding]:
+        if self.stopped or self._closed:
             self._staged = self._read = None
             return []
+        _check_loss(loss, call)
         step, before = self.step, len(self.findings)
         sampled = step % self.sampler.interval == 0
         skipped = self.scale.after_step(step, sampled)
+        if self._unconfirmed:
+            self._confirm_loop(step)
         value = self._keep_loss(loss)
         self._staged = self._read = None
         if self._armed and self._on_cpu:
@@ -311,6 +356,39 @@ class Monitor:
         self.sampler.next(self.step)
         return self.findings[before:]
 
+    def _confirm_loop(self, step: int) -> None:
+        """Whether the loop steps the policy (or plain GradScaler) the monitor reads its skips and
+        loss scale from. A loop that steps its own GradScaler instead skips steps the monitor never
+        hears of. Once the optimizer has stepped (its post-step hook) while the policy's ``step()``
+        never ran (a GradScaler never scaled a loss), or, where the monitor holds no optimizer, once
+        :data:`UNCONFIRMED_STEPS` steps passed so, that is an ``unwatched`` finding (once)."""
+        if self.policy is not None:
+            used = self.policy.stats.steps != self._policy_steps
+            what = f"the monitor's Policy ({self.policy.name}) never did"
+            fix = (
+                "step through the policy (policy.backward(loss); policy.step(optimizer)), or give the "
+                "monitor what the loop steps (Monitor(model, scaler=the_loops_scaler) for a plain "
+                "torch.amp loop)"
+            )
+        else:
+            used = getattr(self.scale.scaler, "_scale", None) is not None  # made at its first scale()
+            what = "the monitor's GradScaler never scaled a loss"
+            fix = "pass the GradScaler the loop steps (Monitor(model, scaler=scaler))"
+        if used:
+            self._unconfirmed = False
+            return
+        if not self._updates and step + 1 < UNCONFIRMED_STEPS:
+            return  # nothing has stepped yet (skips, accumulation): not clear yet
+        self._unconfirmed = False
+        n = self._updates
+        seen = f"the optimizer stepped {n} time{'s' if n > 1 else ''}" if n else f"{step + 1} steps ran"
+        message = (
+            f"{seen} but {what}: the loop steps its own, so the monitor sees none of its skipped steps "
+            f"or its loss scale and vouches for nothing; {fix}"
+        )
+        evidence = {"optimizer_steps": self._updates, "steps": step + 1}
+        self._emit(MonitorFinding(step, UNWATCHED, message, None, evidence))
+
     # ------------------------------------------------------------------ before the update
     def before_step(
         self,
@@ -329,6 +407,9 @@ class Monitor:
         the detectors' quick limit: a normal step arms no optimizer hook. A device loss is read in
         the optimizer's pre-step hook only where the step's GradScaler has just synchronised (else
         it is judged when a sampled step reads it). :meth:`observe` still follows the step."""
+        if self._closed:
+            return
+        _check_loss(loss, "before_step")
         if self._on_host is None:  # (the first step: whether its loss can be read without a sync)
             scaler = self.scale.scaler or (self.policy.scaler if self.policy is not None else None)
             self._on_host = _readable(loss, scaler)
@@ -396,6 +477,7 @@ class Monitor:
         self._held[id(optimizer)] = held
 
     def _after_update(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self._updates += self._unconfirmed
         held = self._held.pop(id(optimizer), None) if self._held else None
         if held is None:
             self.sampler.count_stalls(self.step)
@@ -478,11 +560,12 @@ class Monitor:
 
     def _suspect(self, step: int, skipped: bool, value: float | None, batch: Any) -> str | None:
         """Why ``step`` needs explaining: a skip that is news (not GradScaler's own rhythm), or a
-        non-finite loss the host holds with a batch to shadow; None for a normal step."""
-        if skipped:
-            return SKIP if self.scale.news(step) else None
+        non-finite loss the host holds with a batch to shadow, skipped or not (a NaN batch during the
+        loss scaler's start-up is the data's, not the scaler's search); None for a normal step."""
+        if skipped and self.scale.news(step):
+            return SKIP
         if value is not None and batch is not None and not math.isfinite(value):
-            return NONFINITE
+            return SCALER_SKIPPED_NONFINITE if skipped else NONFINITE
         return None
 
     def _keep_loss(self, loss: torch.Tensor | float) -> float | None:
@@ -575,12 +658,23 @@ class Monitor:
             evidence = {"answers": finding.kind}
             self._emit(MonitorFinding(finding.step, RESCUE, done, finding.module, evidence, action=done))
 
-    def _stop(self, finding: MonitorFinding) -> None:
-        """Stop the run: a ``stop`` finding, and :attr:`stopped` for the loop or adapter to act on."""
+    def stop(self, finding: MonitorFinding, why: str) -> None:
+        """Stop the run now, whatever ``rescue`` says, for what ``finding`` found and no rescue can
+        answer (``why``: the cause, and what to do), before a guard of the loop's own stops it
+        blaming something else (a broken data pipeline collapses an fp16 loss scale, whose error
+        names the precision)."""
+        self._stop(finding, why)
+
+    def _stop(self, finding: MonitorFinding, why: str | None = None) -> None:
+        """Stop the run: a ``stop`` finding, and :attr:`stopped` for the loop or adapter to act on;
+        ``why`` where it is not that the rescues are spent."""
+        spent = (
+            f"after {self.rescues} rescues (max_rescues={self.config.max_rescues}): the run is stopped "
+            "rather than trained on garbage"
+        )
         self.stopped = (
-            f"step {finding.step}: {finding.kind} ({finding.message}) after {self.rescues} rescues "
-            f"(max_rescues={self.config.max_rescues}): the run is stopped rather than trained on "
-            "garbage; the findings so far are the monitor's (Monitor.findings, its findings= sink)."
+            f"step {finding.step}: {finding.kind} ({finding.message}) {why or spent}; the findings so "
+            "far are the monitor's (Monitor.findings, its findings= sink)."
         )
         evidence = {"answers": finding.kind, "rescues": self.rescues}
         self._emit(MonitorFinding(finding.step, STOP, self.stopped, finding.module, evidence))
@@ -601,18 +695,20 @@ class Monitor:
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_refusal(self) -> str | None:
-        """Why a checkpoint must not be written now (the weights or the optimizer state hold
-        inf/NaN: every run resumed from it would train on garbage), recorded as a finding; None
-        when it may be."""
-        bad = nonfinite_state(self.model, self.optimizers)
+        """Why a checkpoint must not be written now (the weights, the optimizer state or a saved
+        buffer hold inf/NaN: every run resumed from it would train, or evaluate, on garbage),
+        recorded as a finding; None when it may be. A buffer that held inf/NaN when the monitor was
+        made (an attention mask of -inf) is by design and not checked."""
+        bad = self.rescuer.nonfinite()
         if bad is None:
             return None
         message = f"checkpoint refused: {bad} is not finite"
         self._emit(MonitorFinding(self.step, CHECKPOINT_REFUSED, message, module_of(bad)))
         return (
             f"checkpoint refused at step {self.step}: {bad} holds inf/NaN, and every run resumed "
-            "from it would train on garbage; roll back (Monitor(snapshot_every=...)) or fix the "
-            "precision first (the monitor's findings say where)."
+            f"from it would {'evaluate' if bad.endswith('(buffer)') else 'train'} on garbage; roll "
+            "back (Monitor(snapshot_every=...)) or fix the precision first (the monitor's findings "
+            "say where)."
         )
 
     def check_checkpoint(self) -> None:
@@ -629,7 +725,12 @@ class Monitor:
 
     def close(self) -> None:
         """Read the losses still on the device (the detectors that keep a range of them see the
-        last ones), remove the hooks and detach from the model."""
+        last ones), remove the hooks and detach from the model. A closed monitor stays closed:
+        :meth:`observe` refuses, :meth:`record` and :meth:`before_step` do nothing (a framework
+        hook after the run's end); its record, :meth:`state_dict` and the checkpoint guard stay."""
+        if self._closed:
+            return
+        self._closed = True
         self.read_losses()
         if self._feeding and not self.stopped:
             self._feed()
@@ -643,7 +744,8 @@ class Monitor:
     @property
     def healthy(self) -> bool:
         """No finding that blames the precision or the weights, and no spike, is left unanswered (by a
-        rescue, a withheld or retried update)."""
+        rescue, a withheld or retried update), and none that no rescue answers (a ``divergence``
+        fp32 shares, an ``unwatched`` loop) was found (:data:`~mixprec.monitor.findings.OPEN_KINDS`)."""
         acted = {f.step for f in self.findings if f.kind == RESCUE}
         open_ = [f for f in self.findings if f.kind in OPEN_KINDS and not (f.action or f.step in acted)]
         return not open_ and all(math.isfinite(v) for v in self.losses[-1:])

@@ -24,7 +24,9 @@ NONFINITE_WEIGHTS = "nonfinite_weights"  # weights or optimizer state hold inf/N
 CHECKPOINT_REFUSED = "checkpoint_refused"  # a checkpoint of non-finite state was not written
 RESCUE = "rescue"  # what the monitor changed about the run
 SCHEDULE = "schedule"  # a planned precision switch
-STOP = "stop"  # the rescues are spent and the run still fails: the monitor stopped it
+STOP = "stop"  # the rescues are spent and the run still fails, or the data is broken: the monitor stopped it
+DIVERGENCE = "divergence"  # a layer's range trend passes fp32's own limit: the run diverges in any precision
+UNWATCHED = "unwatched"  # the loop does not step the policy (or GradScaler) the monitor reads its skips from
 KINDS = (
     SCALE_COLLAPSE,
     OVERFLOW,
@@ -39,12 +41,15 @@ KINDS = (
     RESCUE,
     SCHEDULE,
     STOP,
+    DIVERGENCE,
+    UNWATCHED,
 )
 # Findings that blame the precision (a rescue may act on them); the others do not.
 PRECISION_KINDS = (SCALE_COLLAPSE, OVERFLOW, PREDICTED_OVERFLOW, UNDERFLOW, STALL, DRIFT, NONFINITE_WEIGHTS)
-# Findings that leave the run unhealthy until something answered them: the precision's, and a spike
-# (whatever its cause, its update damaged the run unless it was withheld, retried or rescued).
-OPEN_KINDS = (*PRECISION_KINDS, SPIKE)
+# Findings that leave the run unhealthy until something answered them: the precision's, a spike
+# (whatever its cause, its update damaged the run unless it was withheld, retried or rescued), a
+# divergence (no precision answers it) and a loop the monitor cannot watch (it vouches for nothing).
+OPEN_KINDS = (*PRECISION_KINDS, SPIKE, DIVERGENCE, UNWATCHED)
 
 # A spike's diagnosis (the ``verdict`` in its evidence): the replay of its batch from the same weights
 # in fp32 and once more in the policy says which.

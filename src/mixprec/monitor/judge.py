@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mixprec.numerics.limits import FORMATS
 from mixprec.numerics.trend import LayerSeries, least_headroom, outlook, predict
 
 WINDOW = 32  # sampled steps a trend is fitted on (the latest)
@@ -26,6 +27,12 @@ class Risk:
     step: int
     headroom_bits: float
     message: str
+
+
+def has_fp32_range(fmt: str) -> bool:
+    """Whether ``fmt`` has fp32's exponent range (bf16): its largest value is fp32's to within a
+    rounding (3.39e38 against 3.40e38), so what overflows it overflows fp32 too."""
+    return FORMATS[fmt].exponent_bits >= FORMATS["fp32"].exponent_bits
 
 
 def range_risk(

@@ -11,6 +11,11 @@ is replayed in ``training_step`` under the precision plugin's own context and in
 spike's update is withheld inside that optimizer step and its ``batch_idx`` written to
 ``skip_batches.json`` in ``default_root_dir``, the form of Lightning's own ``SpikeDetection``.
 
+A step is an optimizer step: with ``accumulate_grad_batches`` its loss is the mean of its
+micro-batches' and a replay runs every one of them. Under manual optimization
+(``automatic_optimization = False``) the monitor never steps an optimizer: training_step steps them
+itself, so a replay of it ends at its first ``manual_backward`` (the loss is all a replay needs).
+
     trainer = Trainer(..., callbacks=[MonitorCallback(rescue=True, findings="run/findings.jsonl")])
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -37,10 +43,80 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     return None
 
 
+def _mean(losses: list[torch.Tensor]) -> torch.Tensor:
+    return losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+
+
+class _Backward(Exception):
+    """Ends a replay of a manual-optimization ``training_step`` at its ``manual_backward``, the loss
+    in hand: what follows it (the optimizers' steps, the schedulers') must not run again."""
+
+    def __init__(self, loss: torch.Tensor) -> None:
+        super().__init__("the replay ends at manual_backward")
+        self.loss = loss
+
+
+def _stop_at_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    raise _Backward(loss)
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, **attrs: Any) -> Iterator[None]:
+    """``obj``'s attributes replaced for the body, as they were after it."""
+    before = {name: vars(obj)[name] for name in attrs if name in vars(obj)}
+    for name, value in attrs.items():
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for name in attrs:
+            if name in before:
+                setattr(obj, name, before[name])
+            else:
+                delattr(obj, name)
+
+
+def replay_loss(pl_module: pl.LightningModule, batches: list[tuple[Any, int]]) -> torch.Tensor:
+    """The mean loss of ``training_step`` over a step's micro-batches ``(batch, batch_idx)``, its
+    logging off. Under manual optimization each call ends at its first ``manual_backward`` (the
+    optimizer steps after it would apply an update the monitor is judging), and what it toggled
+    (``requires_grad``, ``toggle_optimizer``) is as it was after."""
+    manual = not pl_module.automatic_optimization
+    flags = [(p, p.requires_grad) for p in pl_module.parameters()]
+    silence = {"log": lambda *a, **k: None}
+    if manual:
+        silence["manual_backward"] = _stop_at_backward
+    losses = []
+    try:
+        with _patched(pl_module, **silence):
+            for batch, batch_idx in batches:
+                losses.append(_replayed(pl_module, batch, batch_idx, manual))
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+    return _mean(losses)
+
+
+def _replayed(pl_module: pl.LightningModule, batch: Any, batch_idx: int, manual: bool) -> torch.Tensor:
+    try:
+        loss = _loss_of(pl_module.training_step(batch, batch_idx))
+    except _Backward as ended:
+        return ended.loss
+    if manual:
+        raise TypeError(
+            "training_step called no manual_backward: under manual optimization its replay ends there, "
+            "and without one the fp32 shadow has nothing to compare"
+        )
+    if loss is None:
+        raise TypeError("training_step returned no loss: the fp32 shadow has nothing to compare")
+    return loss
+
+
 class MonitorCallback(pl.Callback):
     """A :class:`~mixprec.monitor.Monitor` around a Lightning fit; ``kwargs`` are the Monitor's
     (``config``, ``findings``, and the config's fields: ``every``, ``rescue``, ...). The fp32 shadow
-    calls ``training_step`` on the same batch (its logging is switched off for that call)."""
+    calls ``training_step`` on the same batches (its logging switched off; under manual optimization
+    up to its ``manual_backward``: :func:`replay_loss`)."""
 
     def __init__(self, **kwargs: Any) -> None:
         for key in ("policy", "optimizer", "scaler", "loss_fn", "log_fn"):
@@ -49,21 +125,17 @@ class MonitorCallback(pl.Callback):
         self.kwargs = kwargs
         self.monitor: Monitor | None = None
         self._state: dict[str, Any] | None = None
-        self._batch: tuple[Any, int] | None = None  # this step's batch and batch_idx
-        self._loss: torch.Tensor | None = None  # this step's loss, as it went into the backward
+        # the step so far: its micro-batches (batch, batch_idx), their losses as they went into the
+        # backward, and whether an optimizer stepped (the end of an accumulation)
+        self._batches: list[tuple[Any, int]] = []
+        self._losses: list[torch.Tensor] = []
+        self._stepped = False
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
 
-        def loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
-            log, pl_module.log = pl_module.log, lambda *a, **k: None  # type: ignore[method-assign]
-            try:
-                loss = _loss_of(pl_module.training_step(batch, 0))
-            finally:
-                pl_module.log = log  # type: ignore[method-assign]
-            if loss is None:
-                raise TypeError("training_step returned no loss: the fp32 shadow has nothing to compare")
-            return loss
+        def loss_fn(module: nn.Module, batches: list[tuple[Any, int]]) -> torch.Tensor:
+            return replay_loss(pl_module, batches)
 
         def log_fn(name: str, value: float) -> None:
             # outside Lightning's loop (a checkpoint after fit) there is nothing to log into
@@ -106,7 +178,7 @@ class MonitorCallback(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._batch, self._loss = (batch, batch_idx), None
+        self._batches.append((batch, batch_idx))
 
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
@@ -117,27 +189,32 @@ class MonitorCallback(pl.Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() and scaler._scale is not None:
             loss = loss / scaler._scale
-        self._loss = loss if n == 1 else loss * n
+        self._losses.append(loss if n == 1 else loss * n)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         """After the backward, before the update: hand the step over and check it (a withheld
         update: the optimizer is handed no gradient inside its step, they are back after it)."""
-        if self.monitor is None or self._loss is None or self._batch is None:
+        self._stepped = True
+        if self.monitor is None or not self._losses or not self._batches:
             return
-        batch, batch_idx = self._batch
-        self.monitor.before_step(self._loss, batch, batch_index=batch_idx)
+        batch_index = self._batches[-1][1]
+        self.monitor.before_step(_mean(self._losses), list(self._batches), batch_index=batch_index)
         self.monitor.check_update(optimizer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        loss = _loss_of(outputs)
-        self._batch = self._loss = None
-        if self.monitor is None or loss is None:
+        if not self._stepped:
+            return  # a micro-batch that stepped no optimizer: the step ends with the one that does
+        returned = _loss_of(outputs)  # (a manual training_step whose backward was not manual_backward)
+        losses = self._losses or ([returned.detach()] if returned is not None else [])
+        batches = self._batches
+        self._batches, self._losses, self._stepped = [], [], False
+        if self.monitor is None or not losses:
             return
-        self.monitor.record(loss, batch)
+        self.monitor.record(_mean(losses), batches)
         if self.monitor.stopped:
             trainer.should_stop = True  # Lightning ends the fit after this batch, its hooks called
 

@@ -10,7 +10,7 @@ import copy
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,22 +36,25 @@ def _wide_sum(t: torch.Tensor) -> torch.Tensor:
     return t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
 
 
-def nonfinite_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> str | None:
-    """The first parameter (or its optimizer state) holding inf/NaN, or None.
+def _saved_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The floating buffers a checkpoint of ``model`` holds (its persistent ones: a BatchNorm's
+    running statistics; a non-persistent one is not in its ``state_dict``)."""
+    found = []
+    for prefix, module in model.named_modules():
+        skipped = module._non_persistent_buffers_set
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.is_floating_point() and b.numel() and name not in skipped:
+                found.append((f"{prefix}.{name}" if prefix else name, _local(b.detach())))
+    return found
+
+
+def _first_nonfinite(tensors: Sequence[tuple[str, torch.Tensor]]) -> str | None:
+    """The name of the first of ``tensors`` holding inf/NaN, or None.
 
     One sum per tensor screens them all (an inf or NaN makes the sum non-finite), read once per
     device; only a tensor whose sum is not finite is searched element by element, since a large
     finite tensor can sum past the float32 range too. About a tenth of an element-wise check of
     every tensor (ResNet-50's weights and SGD momentum on a CPU: 4 ms instead of 52)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    tensors: list[tuple[str, torch.Tensor]] = [
-        (name, _local(p.detach())) for name, p in model.named_parameters() if p.is_floating_point()
-    ]
-    for o in optimizers:
-        for param, state in o.state.items():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
-                    tensors.append((f"{names.get(id(param), '?')} (optimizer {key})", _local(value)))
     by_device: dict[torch.device, list[int]] = {}
     for i, (_, t) in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
@@ -68,19 +71,64 @@ def nonfinite_state(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer
     return None
 
 
+def nonfinite_buffers(model: nn.Module) -> frozenset[str]:
+    """The saved floating buffers of ``model`` that hold inf/NaN now: made at the start of a run,
+    they are by design (an attention mask of -inf), not state gone bad."""
+    bad, buffers = set(), _saved_buffers(model)
+    while (name := _first_nonfinite(buffers)) is not None:
+        bad.add(name)
+        buffers = [(n, b) for n, b in buffers if n != name]
+    return frozenset(bad)
+
+
+def nonfinite_state(
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    buffers: bool = False,
+    by_design: Collection[str] = (),
+) -> str | None:
+    """The first parameter (or its optimizer state) holding inf/NaN, or None. ``buffers``: the
+    saved floating buffers too (what a checkpoint holds: an inf BatchNorm ``running_var`` makes
+    every eval-mode output of a resumed model garbage), named ``'<name> (buffer)'``, except
+    ``by_design`` (:func:`nonfinite_buffers` at the start of the run)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors: list[tuple[str, torch.Tensor]] = [
+        (name, _local(p.detach())) for name, p in model.named_parameters() if p.is_floating_point()
+    ]
+    for o in optimizers:
+        for param, state in o.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+                    tensors.append((f"{names.get(id(param), '?')} (optimizer {key})", _local(value)))
+    if buffers:
+        tensors += [(f"{n} (buffer)", b) for n, b in _saved_buffers(model) if n not in by_design]
+    return _first_nonfinite(tensors)
+
+
 def module_of(param_name: str) -> str:
     """The module that holds a parameter ('2' for '2.weight', '' for a top-level one)."""
     return param_name.rsplit(".", 1)[0] if "." in param_name else ""
 
 
 def plan_schedule(schedule: Mapping[float, str], train_steps: int, policy: Policy | None) -> dict[int, str]:
-    """``{step or fraction of train_steps: policy}`` (checked by the config) as ``{step: policy}``."""
+    """``{step or fraction of train_steps: policy}`` (its names checked by the config) as ``{step:
+    policy}``; the run's policy is checked here, when the monitor is made, not at the step a switch
+    is due: a switch needs a Policy with fp32 weights to switch from."""
     planned = {}
     for at, name in schedule.items():
         planned[int(at * train_steps) if isinstance(at, float) and at <= 1.0 else int(at)] = name
     if planned and policy is None:
         raise UsageError(
             "a precision schedule needs the loop's mixprec Policy (Monitor(model, policy, ...))."
+        )
+    if planned and policy is not None and policy.spec.param_dtype is not None:
+        twin = mixed_twin(policy.name)
+        raise UsageError(
+            f"schedule {dict(schedule)!r} on a {policy.name!r} run: a schedule switches between "
+            "policies with fp32 weights, and a *-true run keeps its weights in half precision; train "
+            f"under {twin!r} (the same compute with fp32 master weights) to schedule a switch, or drop "
+            "the schedule (with rescue=True a stall still gets fp32 master weights live)."
         )
     return planned
 
@@ -103,6 +151,14 @@ class Rescuer:
         # a framework adapter's own step after the weights were widened without a Policy (Lightning
         # swaps its bf16-true precision plugin for bf16-mixed; Monitor.when_widened sets it)
         self.after_widening: Callable[[], str] | None = None
+        # buffers that hold inf/NaN before the run (an attention mask of -inf) are by design: the
+        # checks of the state a checkpoint or snapshot keeps leave them out
+        self.by_design = nonfinite_buffers(model)
+
+    def nonfinite(self) -> str | None:
+        """The first weight, optimizer state or saved buffer holding inf/NaN (what a checkpoint or
+        snapshot keeps), or None."""
+        return nonfinite_state(self.model, self.optimizers, buffers=True, by_design=self.by_design)
 
     def island(self, module: str | None) -> str:
         """Make ``module`` an fp32 island (*-mixed policies, or a plain autocast loop over fp32
@@ -205,7 +261,7 @@ class Rescuer:
 
     def take_snapshot(self, step: int) -> None:
         """Keep the run's state in memory to roll back to (never a non-finite one)."""
-        if nonfinite_state(self.model, self.optimizers) is not None:
+        if self.nonfinite() is not None:
             return
         self.snapshot = {
             "step": step,

@@ -43,9 +43,18 @@ class Sampler:
     :data:`MIN_SAMPLES` samples, whatever the budget."""
 
     def __init__(
-        self, model: nn.Module, range_format: str | None, every: int | None, run_steps: int | None = None
+        self,
+        model: nn.Module,
+        range_format: str | None,
+        every: int | None,
+        run_steps: int | None = None,
+        *,
+        updates_hooked: bool = False,
     ) -> None:
         self.model = model
+        # whether the optimizer's post-step hook calls count_stalls (the monitor holds the
+        # optimizer): then a sampled step is counted at its update and never without one
+        self.updates_hooked = updates_hooked
         self.fixed = every is not None
         self.most = MAX_WIDENING * EVERY  # the widest automatic interval
         if run_steps:
@@ -84,12 +93,16 @@ class Sampler:
         self.steps.append(step)
         if skipped:
             self._before = []  # a skipped step moved nothing: no stall to count
-        self.count_stalls(step)
+        if not self.updates_hooked:
+            self.count_stalls(step)  # (no optimizer hook: the step is taken to have updated)
+        # else the update counts it: a micro-batch of gradient accumulation (the loop observes every
+        # one) does not step the optimizer, moves nothing and stalls nothing; its snapshot waits
+        # for the optimizer step that ends the accumulation
 
     def count_stalls(self, step: int) -> None:
-        """The share of weights with a gradient that the step left bit-identical (*-true); run
-        right after the optimizer step, while the gradients are still there (the HF Trainer zeroes
-        them before its callbacks run)."""
+        """The share of weights with a gradient that the update left bit-identical (*-true); run
+        right after the optimizer step (its post-step hook), while the gradients are still there
+        (the HF Trainer zeroes them before its callbacks run)."""
         if not self._before:
             return
         stalled = total = 0

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from mixprec.policy import Policy
+from mixprec.policy.scaler import MAX_CONSECUTIVE_SKIPS
 
 # GradScaler's start-up: from its initial 65536 it backs off until the gradients fit, which a model
 # may need a few steps into the run to show (a ViT in fp16 skipped its third step). The scale it
@@ -67,12 +68,38 @@ class ScaleWatch:
         """Whether ``step`` is in GradScaler's start-up, where a skip is its search for the scale."""
         return step < STARTUP_STEPS
 
+    def unscaled(self) -> bool:
+        """Whether the run's skips are a finite check's (a Policy with ``finite_check`` and no loss
+        scaler, bf16-mixed say): no scale, so no scaler's rhythm."""
+        return self.policy is not None and self.policy.scaler is None
+
     def news(self, step: int) -> bool:
-        """Whether the skip of ``step`` is news: past the start-up, and the scale below the level the
-        run settled at (a back-off to that level after a growth is GradScaler's normal rhythm)."""
+        """Whether the skip of ``step`` is news: a finite check's skip always is (no scaler backs off
+        and searches: the gradients were not finite, and the fp32 shadow says whose fault that is);
+        a loss scaler's, past the start-up and with the scale below the level the run settled at (a
+        back-off to that level after a growth is GradScaler's normal rhythm)."""
+        if self.unscaled():
+            return True
         if self.settled is None or self.current is None or self.starting(step):
             return False
         return self.current < self.settled
+
+    def gives_up_next(self) -> bool:
+        """Whether one more skip makes the policy raise its own error, which blames the precision:
+        ``ScaleCollapseError`` with the scale at its ``min_scale`` floor
+        (``max_skips_at_min_scale`` skips there), ``NonFiniteGradientsError`` after
+        ``MAX_CONSECUTIVE_SKIPS`` skips in a row under a finite check. A plain GradScaler never
+        gives up."""
+        if self.policy is None:
+            return False
+        stats = self.policy.stats
+        if self.unscaled():
+            return self.policy.config.finite_check and stats.consecutive_skips + 1 >= MAX_CONSECUTIVE_SKIPS
+        options = self.policy.config.scaler
+        if options is None or options.min_scale is None or self.current is None:
+            return False
+        at_floor = self.current <= options.min_scale
+        return at_floor and stats.skips_at_min_scale + 1 >= options.max_skips_at_min_scale
 
     def _note(self, step: int, skipped: bool) -> None:
         if skipped:

@@ -24,13 +24,18 @@ class ScriptMonitor:
         self.monitor: Monitor | None = None
 
     def discovered(self, agent: Any) -> None:
-        # a plain loop's own GradScaler (where the policy does not scale: its scaler is the script's)
-        scaler = None if agent.policy is not None else next(iter(agent.script_scalers), None)
+        # Whatever steps the script's optimizer is what the monitor reads skips and the loss scale
+        # from: the candidate's Policy where it routes the steps, else the script's own enabled
+        # GradScaler (its shadow replays still run under the candidate's autocast). Handing the
+        # monitor a Policy the loop never steps is the `unwatched` mistake it reports.
+        own = next((s for s in agent.script_scalers if s.is_enabled()), None)
+        policy = agent.policy if agent.policy is not None and (agent.routing or own is None) else None
         self.monitor = Monitor(
             agent.model,
-            agent.policy,
+            policy,
             optimizer=agent.optimizers,
-            scaler=scaler,
+            scaler=None if policy is not None else own,
+            autocast=agent.policy.autocast if agent.policy is not None and policy is None else None,
             config=self.config,
             findings=self.findings,
         )

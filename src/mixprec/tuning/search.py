@@ -66,6 +66,13 @@ RACE_RIVALS = 2
 RACE_WINDOW = 0.25
 # The share of the budget compiling leaves to the race (the last word on the pick).
 RACE_SHARE = 0.15
+# What checking a compiled candidate's numerics costs on top of an eager check, in multiples of its
+# measured compile (its first step beyond a steady one): its training step compiles again (other
+# graphs than the speed run's: no cache hit), and recompiles as its optimizer state appears. On the
+# default tune (ResNet-50, the EPYC) bf16-mixed+compile-step's speed run compiled in 19 s; its check,
+# unpriced, took 189 s and ran the 300 s budget to 6 min 39 s (it compiled a first-step probe and
+# recompiled when the probe's hooks came off; both gone: the whole check now takes 66 s).
+CHECK_COMPILES = 3.0
 # Warm-up steps of a racing session: fixed (the first compiles, the second may recompile); the
 # first step of each round is left out of its figure anyway.
 RACE_WARMUP = 3
@@ -339,10 +346,19 @@ class Search:
         step_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
         if base is not None and base.accumulation_steps > 1:  # a check step is one micro-batch
             step_s /= base.accumulation_steps
-        runs = 1 if self._checkers else 3  # a new micro-batch's reference runs: see check_faster
+        # a new micro-batch's fp32 runs (reference, chaos, one a half format's rounding apart) and
+        # the candidate; later, the candidate and perhaps its format's fp32 run: see check_faster
+        runs = 2 if self._checkers else 4
         # the steps the checks compare: more than asked where the reference needed them to learn
         steps = max((c.steps for c in self._checkers.values()), default=self.config.check.steps)
         return 2.0 * runs * (steps + 2) * step_s
+
+    def check_compile_s(self, row: BenchRow) -> float:
+        """What compiling adds to the check of ``row``'s numerics: :data:`CHECK_COMPILES` times its
+        measured compile (the cold prior where none was measured); nothing for an eager one."""
+        if not row.candidate.compile:
+            return 0.0
+        return CHECK_COMPILES * (row.compile_s if row.compile_s is not None else MIN_COMPILE_S)
 
     def check(
         self, candidate: Candidate, fix: bool | None = None, micro_batch: int | None = None
@@ -396,9 +412,11 @@ class Search:
             top = max((r for r in faster if r.candidate.numerics == numerics), key=speed)
             if best_pass is not None and speed(top) < speed(best_pass) * (1 - RACE_WINDOW):
                 break  # too slow to be a finalist: it cannot win
-            if not self.budget.can_pay(self.check_cost_s()):
+            cost = self.check_cost_s() + self.check_compile_s(top)
+            if not self.budget.can_pay(cost):
                 self.notes.append(
-                    f"numerics of {numerics.label} not checked: budget spent (--budget raises it)"
+                    f"numerics of {numerics.label} not checked: the budget could not pay the about "
+                    f"{cost:.0f} s its check would take (--budget raises it)"
                 )
                 self.budget.cut(f"the numerics of {numerics.label} were not checked")
                 for left in dict.fromkeys(r.candidate.numerics for r in faster):
@@ -527,8 +545,8 @@ class Search:
                     f"{candidate.label} (too far below the best {best_speed:.2f}x to race; {predicted})"
                 )
                 continue
-            # measuring it compiles once, checking it compiles again (mostly from inductor's cache)
-            if not budget.can_pay(1.5 * compile_s + self.check_cost_s()):
+            # measuring it compiles once, checking it compiles again (other graphs: CHECK_COMPILES)
+            if not budget.can_pay((1.5 + CHECK_COMPILES) * compile_s + self.check_cost_s()):
                 skipped[candidate] = f"{candidate.label} (the budget could not pay; {predicted})"
                 self.not_measured(
                     [candidate],
@@ -555,7 +573,8 @@ class Search:
                 self.compile_s[scope] = max(self.compile_s.get(scope, 0.0), row.compile_s)
             self.calibration.update(attempt, row)
             self._note_graphs(row)
-            if candidate.numerics not in self.verdicts and budget.can_pay(self.check_cost_s()):
+            check_s = self.check_cost_s() + self.check_compile_s(row)
+            if candidate.numerics not in self.verdicts and budget.can_pay(check_s):
                 self.check(candidate.numerics, micro_batch=candidate.micro_batch)
         if skipped:
             self.notes.append(f"not compiled: {'; '.join(skipped.values())} (--budget raises the budget)")

@@ -144,11 +144,13 @@ class ScriptFramework(Framework):
         cands = [Candidate(p, cl, framework=self.name) for p in POLICY_NAMES for cl in layouts]
         return [own, *cands]
 
+    def has_convolutions(self, workload: ScriptWorkload) -> bool:
+        return workload.facts is None or workload.facts.has_conv  # not yet run: assume it may
+
     def bench_layouts(
         self, workload: ScriptWorkload, wanted: Sequence[bool]
     ) -> tuple[list[bool], str | None]:
-        facts = workload.facts
-        if True in wanted and facts is not None and not facts.has_conv:
+        if True in wanted and not self.has_convolutions(workload):
             return [False], "channels_last dropped: the script's model has no convolution"
         return list(wanted), None
 

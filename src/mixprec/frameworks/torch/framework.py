@@ -183,8 +183,11 @@ class TorchFramework(Framework):
             Candidate(p, cl) for p in POLICY_NAMES for cl in (layouts if check_support(p, info) else (False,))
         ]
 
+    def has_convolutions(self, workload: Workload) -> bool:
+        return has_4d_weights(workload.model)
+
     def bench_layouts(self, workload: Workload, wanted: Sequence[bool]) -> tuple[list[bool], str | None]:
-        if True in wanted and not has_4d_weights(workload.model):
+        if True in wanted and not self.has_convolutions(workload):
             return [False], (
                 "channels_last candidates skipped: the model has no 4-D (conv) weights, so it changes nothing"
             )

@@ -233,12 +233,17 @@ def _steps(
     compile_scope: str | None,
 ) -> None:
     """The first-step probe, then ``steps`` training steps recorded into ``traj``."""
-    probe_first_step(workload, policy, batches[0], traj, context, perturb, compile_mode)
+    whole_step = compile_mode is not None and compile_scope == "step"
+    # A compiled step's first-step SQNRs are probed on the eager model: compiling the model for the
+    # probe as well would compile a second graph for one forward/backward (the losses that follow
+    # come from the compiled step)
+    probe_first_step(
+        workload, policy, batches[0], traj, context, perturb, None if whole_step else compile_mode
+    )
     if settle_scale and policy.scaler is not None and traj.probe_scale is not None:
         policy = _settled(policy, traj)
     torch.manual_seed(0)
     model = _prepared_copy(workload, policy, perturb)
-    whole_step = compile_mode is not None and compile_scope == "step"
     run = model if whole_step else _run_model(model, compile_mode)
     optimizer = workload.make_optimizer(model)
 
@@ -253,7 +258,9 @@ def _steps(
     # ranges at every step where the hooks cannot change what runs (not inside a compiled graph)
     low = policy.spec.range_format if policy.spec.range_format in LOW_PRECISION_FORMATS else None
     recorder = StepRecorder(model, underflow_format=low) if compile_mode is None else None
-    probe: FirstComputeLayer | None = FirstComputeLayer(model, policy.config.keep_fp32)
+    # (not inside a compiled step: taking its hooks off after the first step recompiles the step;
+    # the speed run's session saw what a compiled candidate computes in)
+    probe = None if whole_step else FirstComputeLayer(model, policy.config.keep_fp32)
     with policy.precision_scope():
         for i in range(steps):
             watch = policy.spec.param_dtype is not None

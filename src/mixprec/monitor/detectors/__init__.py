@@ -6,7 +6,16 @@ from __future__ import annotations
 
 from mixprec.monitor.config import MonitorConfig
 from mixprec.monitor.detectors.bad_batch import BadBatch
-from mixprec.monitor.detectors.base import NONFINITE, SKIP, Detector, Run, SampleView, StepView, UpdateView
+from mixprec.monitor.detectors.base import (
+    NONFINITE,
+    SCALER_SKIPPED_NONFINITE,
+    SKIP,
+    Detector,
+    Run,
+    SampleView,
+    StepView,
+    UpdateView,
+)
 from mixprec.monitor.detectors.drift import Drift
 from mixprec.monitor.detectors.overflow import Overflow
 from mixprec.monitor.detectors.poisoned import PoisonedWeights
@@ -37,6 +46,7 @@ def detectors_for(config: MonitorConfig) -> list[Detector]:
 
 __all__ = [
     "NONFINITE",
+    "SCALER_SKIPPED_NONFINITE",
     "SKIP",
     "BadBatch",
     "Detector",

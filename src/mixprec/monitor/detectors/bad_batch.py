@@ -6,6 +6,12 @@ not blamed.
 Only skipped steps and non-finite losses are shadowed: a finite spike on a step that moved the
 weights cannot be, since the weights that made it are gone (an earlier version shadowed every
 finite spike and blamed about 50 batches of an unstable ResNet-50 run, wrongly).
+
+Bad batches in a row are a broken data pipeline: after :data:`DATA_STREAK` of them, or where the
+next skip would make the policy give up with its own error (an fp16 loss scale at its floor raises
+``ScaleCollapseError``, which names the precision), the run is stopped with the data as its reason,
+whatever ``rescue`` says: no precision answers it (:class:`InARow`; the spike detector's ``data``
+verdicts, whose updates are withheld, count the same way).
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from mixprec.monitor.config import MonitorConfig
 from mixprec.monitor.detectors.base import Detector, Run, StepView
 from mixprec.monitor.findings import BAD_BATCH, MonitorFinding
 from mixprec.monitor.shadow import fp32_loss
@@ -23,6 +31,46 @@ log = logging.getLogger("mixprec.monitor")
 
 SPIKE_MADS = 10.0  # a loss this many median absolute deviations above the recent median is a spike
 RECENT = 50  # losses the spike test compares with
+DATA_STREAK = 8  # bad batches in a row: the data pipeline, not a bad record
+
+
+class InARow:
+    """The latest bad batches in a row (their first and last step), to stop a run whose data
+    pipeline broke (:meth:`stop_if_broken`)."""
+
+    def __init__(self) -> None:
+        self.since, self.last = -1, -2
+
+    def stop_if_broken(self, run: Run, finding: MonitorFinding, *, skipped: bool) -> None:
+        """Count ``finding`` (a bad batch at its step) and stop the run on a broken pipeline:
+        :data:`DATA_STREAK` bad batches in a row, or fewer where the policy's own guard would stop
+        it at the next skip, blaming the precision (an fp16 run whose every batch is NaN halves its
+        loss scale each step, to the floor)."""
+        if finding.step != self.last + 1:
+            self.since = finding.step
+        self.last = finding.step
+        count = finding.step - self.since + 1
+        guard = skipped and run.scale.gives_up_next()
+        if count < DATA_STREAK and not guard:
+            return
+        gives_up = (
+            "the policy's finite check gives up (NonFiniteGradientsError)"
+            if run.scale.unscaled()
+            else "the policy's loss scale collapses (ScaleCollapseError)"
+        )
+        run.stop(
+            finding,
+            f"on {count} batches in a row (steps {self.since}..{finding.step}): the data pipeline is "
+            f"broken, not the precision, and no precision rescues it; the run is stopped before "
+            f"{gives_up if guard else 'it trains on nothing but bad batches'}; fix the data (the first "
+            f"bad batch is step {self.since})",
+        )
+
+    def state_dict(self) -> list[int]:
+        return [self.since, self.last]
+
+    def load_state_dict(self, state: Sequence[int] | None) -> None:
+        self.since, self.last = (int(v) for v in state) if state else (-1, -2)
 
 
 def spikes(value: float, recent: Sequence[float]) -> bool:
@@ -38,6 +86,10 @@ class BadBatch(Detector):
     """The fp32 shadow of a suspect step's batch."""
 
     kinds = (BAD_BATCH,)
+
+    def __init__(self, config: MonitorConfig) -> None:
+        super().__init__(config)
+        self.in_a_row = InARow()
 
     def on_suspect(self, run: Run, view: StepView) -> bool:
         if view.batch is None:
@@ -59,5 +111,13 @@ class BadBatch(Detector):
             f"{skipped}the policy is not blamed"
         )
         evidence = {"fp32_loss": shadow, "recent_median": statistics.median(recent) if recent else None}
-        run.report(MonitorFinding(view.step, BAD_BATCH, message, None, evidence))
+        finding = MonitorFinding(view.step, BAD_BATCH, message, None, evidence)
+        run.report(finding)
+        self.in_a_row.stop_if_broken(run, finding, skipped=view.skipped)
         return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"bad_batches_in_a_row": self.in_a_row.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.in_a_row.load_state_dict(state.get("bad_batches_in_a_row"))

@@ -36,6 +36,9 @@ Action = Callable[[], str]
 FEED = 32  # steps between two calls of on_losses where the host holds the losses (a CPU run)
 SKIP = "skip"  # a skipped step below the scale the run settled at (not GradScaler's own rhythm)
 NONFINITE = "nonfinite"  # a non-finite loss the host holds on a step the scaler did not skip
+# a non-finite loss on a step the loss scaler skipped in its own rhythm (its start-up search, one
+# back-off): the data's where the fp32 shadow is not finite either, else the scaler's job
+SCALER_SKIPPED_NONFINITE = "scaler_skipped_nonfinite"
 
 
 class Run(Protocol):
@@ -90,6 +93,11 @@ class Run(Protocol):
         ``action``."""
         ...
 
+    def stop(self, finding: MonitorFinding, why: str) -> None:
+        """Stop the run now, whatever ``rescue`` says, for a cause no rescue answers (a broken data
+        pipeline): a ``stop`` finding that names ``finding`` and ``why``."""
+        ...
+
 
 @dataclass(slots=True)
 class StepView:
@@ -107,7 +115,8 @@ class StepView:
     """Its batch, for a shadow; None where the loop gave none or the monitor has no ``loss_fn``. Valid
     for this call only."""
     suspect: str | None
-    """Why the step needs explaining: :data:`SKIP`, :data:`NONFINITE`, or None (a normal step)."""
+    """Why the step needs explaining: :data:`SKIP`, :data:`NONFINITE`,
+    :data:`SCALER_SKIPPED_NONFINITE`, or None (a normal step)."""
     explained: bool = False
     """A suspect step a detector has explained (poisoned weights, a bad batch, an overflow)."""
 

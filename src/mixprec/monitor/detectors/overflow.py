@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-from mixprec.monitor.detectors.base import NONFINITE, Detector, Run, SampleView, StepView
+from mixprec.monitor.detectors.base import (
+    NONFINITE,
+    SCALER_SKIPPED_NONFINITE,
+    Detector,
+    Run,
+    SampleView,
+    StepView,
+)
 from mixprec.monitor.findings import OVERFLOW, SCALE_COLLAPSE, MonitorFinding
 from mixprec.monitor.judge import culprit
 from mixprec.monitor.rescue import module_of
@@ -52,6 +59,8 @@ class Overflow(Detector):
     kinds = (OVERFLOW, SCALE_COLLAPSE)
 
     def on_suspect(self, run: Run, view: StepView) -> bool:
+        if view.suspect == SCALER_SKIPPED_NONFINITE:
+            return False  # fp32 was finite (the batch detector said nothing): the scaler's own skip
         if view.suspect == NONFINITE:
             # a non-finite loss the scaler did not skip (no scaler, or a finite gradient), whose fp32
             # shadow (the bad-batch detector's) was finite
@@ -65,8 +74,10 @@ class Overflow(Detector):
         return self._skip(run, view)
 
     def _skip(self, run: Run, view: StepView) -> bool:
+        if run.scale.unscaled():
+            return self._unscaled_skip(run, view)
         scale, settled = run.scale.current, run.scale.settled
-        assert scale is not None and settled is not None  # (a SKIP suspect has both)
+        assert scale is not None and settled is not None  # (a loss scaler's SKIP suspect has both)
         halvings = math.log2(settled / scale)
         if view.step - 1 not in run.scale.skipped[-2:] and halvings < COLLAPSE_HALVINGS:
             # one skip the next step does not repeat: the scaler backed off to fit gradients that
@@ -91,6 +102,19 @@ class Overflow(Detector):
         run.report(
             MonitorFinding(view.step, OVERFLOW, message, module, evidence), lambda: run.rescuer.island(module)
         )
+        return True
+
+    def _unscaled_skip(self, run: Run, view: StepView) -> bool:
+        """A finite check's skip (no loss scaler) the bad-batch detector did not put on the data:
+        no scaler backs off and retries, so one is the finding."""
+        module = locate(run, view.batch, None)
+        where = f"first non-finite in {module!r}" if module else "module not located"
+        shadow = ", finite in fp32" if view.batch is not None and run.loss_fn is not None else ""
+        message = (
+            f"the step's gradients were not finite under the policy{shadow} ({where}); the finite "
+            "check skipped it"
+        )
+        run.report(MonitorFinding(view.step, OVERFLOW, message, module), lambda: run.rescuer.island(module))
         return True
 
     def on_sample(self, run: Run, view: SampleView) -> bool:

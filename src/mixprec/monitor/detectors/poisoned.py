@@ -8,6 +8,11 @@ that was itself poisoned.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
 from mixprec.monitor.detectors.base import Detector, Run, SampleView, StepView
 from mixprec.monitor.findings import NONFINITE_WEIGHTS, MonitorFinding
 from mixprec.monitor.rescue import module_of, nonfinite_state
@@ -22,15 +27,35 @@ class PoisonedWeights(Detector):
     def on_suspect(self, run: Run, view: StepView) -> bool:
         if view.batch is None:
             return False
-        return self._found(run, view.step)
+        return self._found(run, view.step, view.batch)
 
     def on_sample(self, run: Run, view: SampleView) -> bool:
         return self._found(run, view.step)
 
-    def _found(self, run: Run, step: int) -> bool:
+    def _found(self, run: Run, step: int, batch: Any = None) -> bool:
         bad = nonfinite_state(run.model, run.optimizers)
         if bad is None:
             return False
-        finding = MonitorFinding(step, NONFINITE_WEIGHTS, f"{bad} holds inf/NaN", module_of(bad))
+        message = f"{bad} holds inf/NaN"
+        evidence: dict[str, Any] = {}
+        if holds_nonfinite(batch):  # (the step's batch, scanned only now that the weights broke)
+            message += (
+                ": this step's batch holds inf/NaN, and an update without a finite check (strict fp32, "
+                "bf16) applied it; the data, not the precision (a finite check, or a loss scaler, "
+                "would have skipped it)"
+            )
+            evidence["batch_nonfinite"] = True
+        finding = MonitorFinding(step, NONFINITE_WEIGHTS, message, module_of(bad), evidence)
         run.report(finding, run.rescuer.roll_back)
         return True
+
+
+def holds_nonfinite(batch: Any) -> bool:
+    """Whether a floating tensor anywhere in ``batch`` (tensors, mappings, sequences) holds inf/NaN."""
+    if isinstance(batch, torch.Tensor):
+        return batch.is_floating_point() and not bool(torch.isfinite(batch).all())
+    if isinstance(batch, Mapping):
+        return any(holds_nonfinite(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return any(holds_nonfinite(v) for v in batch)
+    return False

@@ -1,20 +1,24 @@
 """A layer whose range trend crosses the policy's format within the run (``predicted_overflow``,
 ``underflow``): the fits of :mod:`mixprec.numerics.trend` on the latest samples
 (:func:`mixprec.monitor.judge.range_risk`), found before the overflow happens. Rescued by an fp32
-island for the layer."""
+island for the layer.
+
+A format with fp32's exponent range (bf16) overflows where fp32 does: a layer predicted to overflow
+it is predicted to overflow strict fp32 too, so the run diverges whatever the precision
+(``divergence``): the format is not blamed, and no fp32 island is added (it would not help)."""
 
 from __future__ import annotations
 
 from mixprec.monitor.detectors.base import Detector, Run, SampleView
-from mixprec.monitor.findings import PREDICTED_OVERFLOW, UNDERFLOW, MonitorFinding
-from mixprec.monitor.judge import WINDOW, range_risk
+from mixprec.monitor.findings import DIVERGENCE, PREDICTED_OVERFLOW, UNDERFLOW, MonitorFinding
+from mixprec.monitor.judge import WINDOW, has_fp32_range, range_risk
 from mixprec.policy.islands import is_fp32_island
 
 
 class PredictedRange(Detector):
     """The earliest crossing the evidence supports, at each sampled step of a low-precision run."""
 
-    kinds = (PREDICTED_OVERFLOW, UNDERFLOW)
+    kinds = (PREDICTED_OVERFLOW, UNDERFLOW, DIVERGENCE)
 
     def on_sample(self, run: Run, view: SampleView) -> bool:
         if view.explained or run.range_format is None:
@@ -25,9 +29,17 @@ class PredictedRange(Detector):
         risk = range_risk(window, first, run.every, run.range_format, run.config.train_steps)
         if risk is None:
             return False
-        kind = UNDERFLOW if risk.direction == "underflow" else PREDICTED_OVERFLOW
         evidence = {"predicted_step": risk.step, "headroom_bits": risk.headroom_bits}
         layer = risk.layer
+        if risk.direction != "underflow" and has_fp32_range(run.range_format):
+            message = (
+                f"{risk.message}: {run.range_format} has fp32's exponent range, so strict fp32 overflows "
+                "there too: the run diverges whatever the precision, and an fp32 island would not help "
+                "(lower the learning rate, clip the gradients, or look at the objective)"
+            )
+            run.report(MonitorFinding(view.step, DIVERGENCE, message, layer, evidence))
+            return False
+        kind = UNDERFLOW if risk.direction == "underflow" else PREDICTED_OVERFLOW
         run.report(
             MonitorFinding(view.step, kind, risk.message, layer, evidence), lambda: run.rescuer.island(layer)
         )

@@ -46,6 +46,7 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.monitor.config import MonitorConfig
+from mixprec.monitor.detectors.bad_batch import InARow
 from mixprec.monitor.detectors.base import Detector, Run, UpdateView
 from mixprec.monitor.findings import DATA, OVERFLOW, PRECISION, SPIKE, TRANSIENT, UNDIAGNOSED, MonitorFinding
 from mixprec.monitor.rescue import nonfinite_state
@@ -171,6 +172,7 @@ class Spike(Detector):
         self.grad = Level(recent=True)
         self.taken: set[int] = set()  # steps on_update took (joined or judged): not fed again
         self.quiet_below = sys.float_info.max  # the warm-up: only a non-finite loss is a spike
+        self.data_in_a_row = InARow()  # data verdicts in a row: a broken pipeline stops the run
 
     def _refresh(self) -> None:
         """The quick test's limit: the loss level's (a loss above it, or not finite, is looked at)."""
@@ -290,6 +292,7 @@ class Spike(Detector):
                 local=lambda: rescuer.withhold(skip=view.step if index is None else index),
                 dedupe=False,
             )
+            self.data_in_a_row.stop_if_broken(run, finding, skipped=False)
         elif verdict == PRECISION:
             run.report(
                 finding, lambda: rescuer.island(module), local=rescuer.withhold, dedupe=kind == OVERFLOW
@@ -348,12 +351,14 @@ class Spike(Detector):
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
         return {"spike_loss": self.loss.state_dict(), "spike_grad_norm": self.grad.state_dict(),
-                "spike_taken": sorted(self.taken)}  # fmt: skip
+                "spike_taken": sorted(self.taken),
+                "spike_data_in_a_row": self.data_in_a_row.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.loss.load_state_dict(state.get("spike_loss") or {})
         self.grad.load_state_dict(state.get("spike_grad_norm") or {})
         self.taken = {int(s) for s in state.get("spike_taken") or []}
+        self.data_in_a_row.load_state_dict(state.get("spike_data_in_a_row"))
         self._refresh()
 
     _retry: list[torch.Tensor | None] | None = None
