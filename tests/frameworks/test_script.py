@@ -92,10 +92,24 @@ def test_the_hf_trainer_is_set_through_its_own_bf16_flag(tmp_path):
     record = trace(workload, cand("bf16-mixed"), 2)
     facts = record["facts"]
     assert facts["framework"] == "hf" and facts["framework_flags"] == {"bf16": True, "fp16": False}
+    # transformers imports deepspeed where it is installed: the Trainer is still what trains (tune
+    # said "the script imports deepspeed ... its loop was measured as a plain one", untrue)
+    assert facts["unknown_frameworks"] == []
     assert record["observed"]["observed_dtype"] == "bfloat16"
     as_written = trace(workload, cand("fp32", as_written=True), 1)
     assert as_written["observed"]["observed_dtype"] == "float32"
     assert not list(tmp_path.iterdir())  # measured runs write into mixprec's scratch folder, not yours
+
+
+def test_lightning_fp16_mixed_runs_fp16_through_the_plugin_on_a_cpu():
+    # Trainer(accelerator="cpu", precision="16-mixed") silently runs bf16: tune over a Lightning
+    # script stopped with "labelled fp16-mixed but ... computed in bfloat16" (exit 1)
+    require("lightning", "frameworks")
+    workload = script("lightning_module.py", "--max-steps", "100")
+    record = trace(workload, cand("fp16-mixed"), 2)
+    assert record["facts"]["framework"] == "lightning"
+    assert record["facts"]["framework_flags"] == {"precision": "16-mixed"}
+    assert record["observed"]["observed_dtype"] == "float16"
 
 
 def test_lightning_is_set_through_its_own_precision_flag():

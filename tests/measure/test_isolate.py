@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mixprec.frameworks import framework_named
-from mixprec.frameworks.session import BenchSettings
+from mixprec.frameworks.session import BenchSettings, HonestyError
 from mixprec.measure.isolate import ChildSession, LocalSession, SessionEnded
 from mixprec.policy import Candidate
 from mixprec.workload import load_workload
@@ -63,3 +63,14 @@ def test_a_local_session_turns_a_failing_build_or_step_into_a_status():
     with pytest.raises(SessionEnded) as ended:
         session.steps(1, no_limit, lambda event: None)
     assert ended.value.status == "error" and "RuntimeError: step broke" in ended.value.reason
+
+    # a script's candidate that did not take effect is found when its session finishes: that
+    # candidate's row, not the end of the whole tune (a Lightning script's fp16-mixed ran bf16 on a
+    # CPU and `tune -- python script.py` exited 1, its measured rows lost)
+    def dishonest():
+        raise HonestyError("labelled fp16-mixed but 'net.0' computed in bfloat16")
+
+    session._session.finish = dishonest  # type: ignore[method-assign]
+    with pytest.raises(SessionEnded) as ended:
+        session.finish()
+    assert ended.value.status == "error" and "HonestyError: labelled fp16-mixed" in ended.value.reason

@@ -560,6 +560,7 @@ class Checker:
             chaos_floor_rel_loss_diff=self.floor.rel_loss_diff,
             chaos_floor_sqnr_db={"output": self.floor.output_sqnr_db, "grad": self.floor.grad_sqnr_db},
             chaos_floor_losses=self.chaos.losses,
+            format_floor_losses={fmt: run.losses for fmt, run in self._apart.items() if not run.error},
             candidates=results,
             reference_layers=layer_headroom(self.reference_ranges),
             reference_note="; ".join(filter(None, [self.reference.note, self.learning])),

@@ -69,7 +69,7 @@ def format_speed(info: DeviceInfo, dtype_key: str, *, conv: bool = True) -> Form
         base, own = peak_flops(info, "fp32")[0], peak_flops(info, dtype_key)[0]
         ratio = own / base if base and own else None
         return FormatSpeed(dtype_key, ratio, ratio, "the datasheet's peaks")
-    if dtype_key in ("fp32", "tf32"):  # the yardstick itself (TF32 does not exist on a CPU)
+    if CPU_TORCH_DTYPES.get(dtype_key) is torch.float32:  # the yardstick (TF32 is fp32 on a CPU)
         return FormatSpeed(dtype_key, 1.0, 1.0, "fp32 itself")
     rates: dict[str, float | None] = {}
     for op in ("matmul", "conv") if conv else ("matmul",):

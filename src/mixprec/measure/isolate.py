@@ -317,7 +317,15 @@ class LocalSession:
         return [self._step(True, limit, on_step)["seconds"] for _ in range(n)]
 
     def finish(self) -> Measurement:
-        result = self._session.finish()
+        try:
+            result = self._session.finish()
+        except Exception as exc:  # (a script's candidate that did not take effect): a row, not the end
+            raise SessionEnded(
+                exception_status(exc),
+                f"{type(exc).__name__}: {_first_line(exc)}",
+                self.steps_seen,
+                _format(exc),
+            ) from exc
         if result.peak_memory_bytes is None:
             result.memory_method = "n/a: in-process run (isolated CPU memory needs a workload spec)"
         return result

@@ -161,6 +161,9 @@ class CheckResult:
     chaos_floor_rel_loss_diff: float | None = None
     chaos_floor_losses: list[float] = field(default_factory=list)
     chaos_floor_sqnr_db: dict[str, float | None] = field(default_factory=dict)
+    # fp32 runs whose weights are one rounding of a half format apart, by format (bf16, fp16, tf32):
+    # the loss floor of that format's candidates where it drifts further than the 2^-20 run
+    format_floor_losses: dict[str, list[float]] = field(default_factory=dict)
     reference_note: str = ""
     learns: bool | None = None
     asked_steps: int | None = None
@@ -187,6 +190,7 @@ class CheckResult:
             "chaos_floor_rel_loss_diff": self.chaos_floor_rel_loss_diff,
             "chaos_floor_losses": self.chaos_floor_losses,
             "chaos_floor_sqnr_db": self.chaos_floor_sqnr_db,
+            "format_floor_losses": self.format_floor_losses,
             "reference_note": self.reference_note,
             "learns": self.learns,
             "asked_steps": self.asked_steps,

@@ -63,7 +63,13 @@ def check_report(result: CheckResult) -> Group:
             Text(
                 f"chaos floor: two fp32 runs whose weights differ by 1 part in 2^20 drift "
                 f"{result.chaos_floor_rel_loss_diff:.2%} apart in {result.steps} steps; candidates may drift "
-                "a few times that.",
+                "a few times that"
+                + "".join(
+                    f"; runs one {fmt} rounding apart {_max_rel(losses, result.reference_losses):.2%} "
+                    f"(the floor of the {fmt} candidates where further)"
+                    for fmt, losses in result.format_floor_losses.items()
+                )
+                + ".",
                 style="dim",
             )
         )
@@ -210,19 +216,20 @@ def figure(result: CheckResult) -> Any:
         if limit and round(limit, 6) not in drawn_limits:  # candidates often share one allowance
             drawn_limits.add(round(limit, 6))
             ax_diff.axhline(limit, color=color, linestyle=":", label=f"allowed ({c.label})")
-    floor = [
-        (i, max(abs(a - b) / max(abs(b), 1e-12), 1e-9))
-        for i, (a, b) in enumerate(zip(result.chaos_floor_losses, result.reference_losses, strict=False))
-        if math.isfinite(a)
+    floors = [(result.chaos_floor_losses, "-", "fp32 vs fp32 (weights off by 2^-20)")] + [
+        (losses, "--", f"fp32 vs fp32 (weights off by one {fmt} rounding)")
+        for fmt, losses in result.format_floor_losses.items()
     ]
-    if floor:
-        ax_diff.semilogy(
-            *zip(*floor, strict=True),
-            color="gray",
-            linewidth=3,
-            alpha=0.4,
-            label="fp32 vs fp32 (weights off by 2^-20)",
-        )
+    for losses, line, label in floors:  # the runs the allowances come from
+        floor = [
+            (i, max(abs(a - b) / max(abs(b), 1e-12), 1e-9))
+            for i, (a, b) in enumerate(zip(losses, result.reference_losses, strict=False))
+            if math.isfinite(a)
+        ]
+        if floor:
+            ax_diff.semilogy(
+                *zip(*floor, strict=True), line, color="gray", linewidth=3, alpha=0.4, label=label
+            )
     ax_loss.set_title("training loss (same weights and batches)")
     ax_loss.set_xlabel("step")
     ax_loss.legend(fontsize=7)
@@ -362,6 +369,16 @@ def plot(path: str | os.PathLike[str], result: CheckResult) -> Path:
 def png(result: CheckResult) -> bytes:
     """The chart of :func:`figure` as PNG bytes."""
     return figure_bytes(figure(result), "png", dpi=110)
+
+
+def _max_rel(losses: list[float], reference: list[float]) -> float:
+    """The largest relative distance of ``losses`` from ``reference`` over their finite steps."""
+    rel = [
+        abs(a - b) / max(abs(b), 1e-12)
+        for a, b in zip(losses, reference, strict=False)
+        if math.isfinite(a + b)
+    ]
+    return max(rel, default=0.0)
 
 
 def _nan(x: float | None) -> float:

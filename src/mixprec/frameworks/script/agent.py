@@ -482,7 +482,10 @@ class Agent:
     def facts(self) -> dict[str, Any]:
         facts = dict(self.record["facts"])
         facts.update(framework=self.framework, framework_flags=self.framework_flags, own=self.own)
-        facts["unknown_frameworks"] = [name for name in UNKNOWN_FRAMEWORKS if name in sys.modules]
+        # only where the script's own loop trains: a known framework imports some of these itself
+        # (transformers imports deepspeed where it is installed), and its switches are the ones set
+        unknown = [name for name in UNKNOWN_FRAMEWORKS if name in sys.modules]
+        facts["unknown_frameworks"] = unknown if self.framework == PLAIN else []
         facts["samples_per_step"] = self.record["steps"][0]["samples"] if self.record["steps"] else None
         return facts
 

@@ -75,15 +75,48 @@ def _lightning_trainer(module: Any, agent: Agent) -> None:
                     f"{agent.candidate.label} is not a Lightning precision (Trainer(precision=...)): not "
                     "measured through the Trainer",
                 )
-            kw["precision"] = wanted
             if _is_precision_plugin(kw.get("plugins")):  # the script's own precision plugin: replaced
                 kw.pop("plugins")
+            if wanted == "16-mixed":
+                # Trainer(accelerator="cpu", precision="16-mixed") silently runs bf16: the plugin, as
+                # mixprec's lightning export writes it, runs fp16 autocast with the loss scaler anywhere
+                kw.pop("precision", None)
+                kw["plugins"] = [*_as_list(kw.get("plugins")), _fp16_plugin(kw)]
+            else:
+                kw["precision"] = wanted
             agent.framework_flags = {"precision": wanted}
         if agent.plan.mode in ("measure", "trace") and agent.plan.scratch:
             kw.update(default_root_dir=agent.plan.scratch, logger=False, enable_checkpointing=False)
         original(self, *args, **kw)
 
     cls.__init__ = __init__
+
+
+def _as_list(plugins: Any) -> list[Any]:
+    return list(plugins) if isinstance(plugins, (list, tuple)) else ([] if plugins is None else [plugins])
+
+
+def _fp16_plugin(kw: dict[str, Any]) -> Any:
+    """``MixedPrecision("16-mixed", device, scaler=GradScaler(device, <mixprec's options>))``."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from mixprec.policy.scaler import ScalerOptions
+
+    accelerator = str(kw.get("accelerator", "auto"))
+    device = (
+        "cuda"
+        if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+        else "cpu"
+    )
+    options = ScalerOptions()
+    scaler = torch.amp.GradScaler(
+        device,
+        init_scale=options.init_scale,
+        growth_factor=options.growth_factor,
+        backoff_factor=options.backoff_factor,
+        growth_interval=options.growth_interval,
+    )
+    return MixedPrecision("16-mixed", device, scaler=scaler)
 
 
 def _is_precision_plugin(plugins: Any) -> bool:
