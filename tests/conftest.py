@@ -39,6 +39,22 @@ def single_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def fresh_accelerator_state():
+    """Accelerate keeps its state process-wide (the HF Trainer makes an Accelerator too): a test
+    starts and ends without one, whichever framework's test ran before it in this process. Its
+    GradientState too: a Trainer that stops at max_steps leaves its dataloader active at its end, and
+    the next Accelerator's accumulate() would sync every micro-batch."""
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 @pytest.fixture(autouse=True)
 def _torch_state_unchanged():
     """Every test leaves TF32/bf32 flags, matmul precision, cudnn.benchmark and default dtype as found."""

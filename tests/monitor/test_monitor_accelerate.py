@@ -9,28 +9,12 @@ from monitor_faults import mlp
 
 from extras import require
 
-pytestmark = pytest.mark.frameworks
+pytestmark = [pytest.mark.frameworks, pytest.mark.usefixtures("fresh_accelerator_state")]
 
 
 @pytest.fixture(autouse=True)
 def _one_thread(single_thread):
     """Tiny models: one thread (see conftest.single_thread)."""
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerator_state():
-    """Accelerate keeps its state process-wide (the Trainer makes an Accelerator too): each test
-    starts and ends without one, whichever framework's test ran before it in this process. Its
-    GradientState too: a Trainer that stops at max_steps leaves its dataloader active at its end, and
-    the next Accelerator's accumulate() would sync every micro-batch."""
-    pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 def test_accelerate_save_state_refuses_poisoned_weights(tmp_path):

@@ -221,11 +221,7 @@ def figure(result: CheckResult) -> Any:
         for fmt, losses in result.format_floor_losses.items()
     ]
     for losses, line, label in floors:  # the runs the allowances come from
-        floor = [
-            (i, max(abs(a - b) / max(abs(b), 1e-12), 1e-9))
-            for i, (a, b) in enumerate(zip(losses, result.reference_losses, strict=False))
-            if math.isfinite(a)
-        ]
+        floor = [(i, max(d, 1e-9)) for i, d in _rel_diffs(losses, result.reference_losses)]
         if floor:
             ax_diff.semilogy(
                 *zip(*floor, strict=True), line, color="gray", linewidth=3, alpha=0.4, label=label
@@ -371,14 +367,18 @@ def png(result: CheckResult) -> bytes:
     return figure_bytes(figure(result), "png", dpi=110)
 
 
-def _max_rel(losses: list[float], reference: list[float]) -> float:
-    """The largest relative distance of ``losses`` from ``reference`` over their finite steps."""
-    rel = [
-        abs(a - b) / max(abs(b), 1e-12)
-        for a, b in zip(losses, reference, strict=False)
+def _rel_diffs(losses: list[float], reference: list[float]) -> list[tuple[int, float]]:
+    """(step, relative distance of ``losses`` from ``reference``) over their finite steps."""
+    return [
+        (i, abs(a - b) / max(abs(b), 1e-12))
+        for i, (a, b) in enumerate(zip(losses, reference, strict=False))
         if math.isfinite(a + b)
     ]
-    return max(rel, default=0.0)
+
+
+def _max_rel(losses: list[float], reference: list[float]) -> float:
+    """The largest relative distance of ``losses`` from ``reference`` over their finite steps."""
+    return max((d for _, d in _rel_diffs(losses, reference)), default=0.0)
 
 
 def _nan(x: float | None) -> float:
