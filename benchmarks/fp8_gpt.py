@@ -37,11 +37,11 @@ def candidates(compiled: bool) -> list[Candidate]:
     return [Candidate(p, compile=m) for m in modes for p in POLICIES]
 
 
-def table(bench: mixprec.BenchResult, check: mixprec.CheckResult | None) -> list[dict[str, object]]:
+def table(bench: mixprec.BenchResult, *checks: mixprec.CheckResult) -> list[dict[str, object]]:
     """One row per candidate: throughput, speedup over strict fp32 (the median of its paired rounds)
     and over bf16-mixed of the same compile mode (the two speedups' ratio), compile seconds, verdict."""
     rows = {r.candidate: r for r in bench.rows if not r.baseline_repeat}
-    verdicts = {c.candidate: c for c in (check.candidates if check else [])}
+    verdicts = {c.candidate: c for check in checks for c in check.candidates}
     out = []
     for cand, row in rows.items():
         if cand.policy == "fp32":
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.table_from:
         saved = mixprec.BenchResult.from_dict(json.loads(Path(args.table_from).read_text()))
         title = f"{saved.description} on {saved.device}, batch {saved.batch_size}"
-        print(markdown(table(saved, None), title))
+        print(markdown(table(saved), title))
         return 0
     if not args.out:
         parser.error("--out is required")
@@ -135,19 +135,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench_s = time.perf_counter() - started
     (out / "fp8-gpt-bench.json").write_text(json.dumps(bench.to_dict(), indent=1))
-    rows = table(bench, None)
+    rows = table(bench)
     print(markdown(rows, "speed (no verdicts yet)"), flush=True)
 
     started = time.perf_counter()
-    try:
-        check = mixprec.check(workload, policies=cands, steps=args.check_steps, device=args.device)
-    except mixprec.MixprecError as exc:  # keep the speed table: it was measured
-        print(f"check failed: {exc}", file=sys.stderr)
-        check = None
+    # the eager candidates' verdicts first, written as soon as they exist: the compiled ones (each a
+    # compile per run) come second, so a stage cut by its time limit still has a verdict per format
+    checks = []
+    for group in ([c for c in cands if c.compile is None], [c for c in cands if c.compile is not None]):
+        if not group:
+            continue
+        try:
+            checks.append(mixprec.check(workload, policies=group, steps=args.check_steps, device=args.device))
+        except mixprec.MixprecError as exc:  # keep the speed table: it was measured
+            print(f"check failed: {exc}", file=sys.stderr)
+            continue
+        name = "fp8-gpt-check.json" if len(checks) == 1 else "fp8-gpt-check-compiled.json"
+        (out / name).write_text(json.dumps(checks[-1].to_dict(), indent=1))
+        print(markdown(table(bench, *checks), f"with verdicts ({len(checks)} of 2 checks)"), flush=True)
     check_s = time.perf_counter() - started
-    if check is not None:
-        (out / "fp8-gpt-check.json").write_text(json.dumps(check.to_dict(), indent=1))
-    rows = table(bench, check)
+    rows = table(bench, *checks)
     title = f"{bench.description} on {bench.device}, batch {args.batch_size}"
     text = markdown(rows, title)
     (out / "fp8-gpt.md").write_text(text)

@@ -9,12 +9,14 @@
 #           gpu-marked tests (tests/test_gpu.py, tests/test_gpu_paths.py: compile at both scopes,
 #           the race, fused optimizers, fp8 and the emulated block formats, the monitor, `mixprec
 #           train`, --batch auto, the exports executed, models by name, Lightning on the GPU; the
-#           CUDA parity, FSDP2 and HF Trainer tests), the overhead ratio, then as much of the whole
-#           suite as the stage's time allows (interrupted cleanly, the summary kept)
+#           CUDA parity, FSDP2 and HF Trainer tests), the Policy's overhead ratio, the monitor's
+#           cost, then as much of the whole suite as the stage's time allows (interrupted cleanly,
+#           the summary kept)
 #   second  benchmarks/fp8_gpt.py (fp8-rowwise/tensorwise vs bf16-mixed on the zoo GPT, eager and
-#           compiled, verdicts beside), `mixprec tune --budget 120` on ResNet-50 and on the GPT, and
-#           `mixprec run -- python <script>` where the script source exists
+#           compiled, verdicts beside), `mixprec tune --budget 80` on ResNet-50 (128 px) and on GPT-2, and
+#           `mixprec run --monitor -- python <script>` (the script source) on a nanoGPT-style script
 #   seed    benchmarks/seed_table.py: ResNet-50 / VGG-19 / DenseNet-121 at 224 px
+# A 15-minute lease holds a machine start (1-2 min) and both stages: first ~5 min, second ~7 min.
 # Each step has its own time limit and none stops the next. After every step the results so far are
 # packed into OUT_DIR/<stage>.tgz, so a command cut short still returns what it measured.
 # Runs from the repository root with src/ on PYTHONPATH: no install beyond the GPU image's torch,
@@ -51,16 +53,19 @@ for stage in "$@"; do
       pack first
       [ "$dev" = cuda ] && timeout 60 $py benchmarks/tf32_probe.py --json "$work/tf32_probe.json"
       log gpu tests
-      timeout -s INT 220 $py -m pytest -q -p no:cacheprovider --timeout 200 -n 6 -rfEs --durations=20 \
+      timeout -s INT "${GPU_TESTS_S:-180}" $py -m pytest -q -p no:cacheprovider --timeout 170 -n 8 -rfEs --durations=20 \
         "${gpu_tests[@]}" tests >"$work/pytest-gpu.log" 2>&1
       tail -n 45 "$work/pytest-gpu.log"
       pack first
       log overhead
       timeout 60 $py benchmarks/overhead.py --device "$dev" --rounds 15 --steps 50 --json "$work/overhead-$dev.json" | tail -n 6
       pack first
+      log monitor overhead
+      timeout 60 $py benchmarks/monitor_overhead.py --device "$dev" --rounds 9 --steps 200 --out "$work"
+      pack first
       log suite
       # the rest of the suite, cut by SIGINT at the limit: pytest prints the summary of what ran
-      timeout -s INT "${SUITE_S:-110}" $py -m pytest -q -p no:cacheprovider --timeout 100 -n 12 -rfE \
+      timeout -s INT "${SUITE_S:-60}" $py -m pytest -q -p no:cacheprovider --timeout 100 -n 12 -rfE \
         -m "not gpu" tests >"$work/pytest-suite.log" 2>&1
       tail -n 40 "$work/pytest-suite.log"
       pack first
@@ -69,26 +74,30 @@ for stage in "$@"; do
       log second
       log fp8 gpt
       if [ "$dev" = cuda ]; then
-        timeout 210 $py benchmarks/fp8_gpt.py --out "$work/fp8" --device cuda
+        timeout -k 10 "${FP8_S:-150}" $py benchmarks/fp8_gpt.py --out "$work/fp8" --device cuda
       else  # a small GPT: the CPU refuses to time fp8 and predicts its verdict
         timeout 210 $py benchmarks/fp8_gpt.py --out "$work/fp8" --device cpu --n-embd 128 --n-layer 1 \
           --n-head 4 --seq-len 32 --batch-size 4 --steps 3 --check-steps 4
       fi
       pack second
       log tune resnet50
-      timeout 170 $py -m mixprec tune --device "$dev" --model resnet50 --budget "${TUNE_BUDGET:-120}" \
+      # 128 px, batch 64: at the default CUDA size (224 px, batch 256) cuDNN's autotuning of strict
+      # fp32 alone took 17 s of the H200's last 120 s budget, and nothing below fp32 was measured
+      timeout -k 10 "${TUNE_S:-105}" $py -m mixprec tune --device "$dev" --model resnet50 --image-size 128 --batch-size 64 \
+        --budget "${TUNE_BUDGET:-80}" \
         --report "$work/tune-resnet50" --json "$work/tune-resnet50.json" | tail -n 25
-      echo "tune exit code: $?"
+      echo "tune exit code: ${PIPESTATUS[0]}"
       pack second
       log tune gpt2
-      timeout 170 $py -m mixprec tune --device "$dev" --model gpt2 --seq-len 512 --batch-size 16 \
-        --budget "${TUNE_BUDGET:-120}" --report "$work/tune-gpt2" --json "$work/tune-gpt2.json" | tail -n 25
-      echo "tune exit code: $?"
+      timeout -k 10 "${TUNE_S:-105}" $py -m mixprec tune --device "$dev" --model gpt2 --seq-len 512 --batch-size 16 \
+        --budget "${TUNE_BUDGET:-80}" --report "$work/tune-gpt2" --json "$work/tune-gpt2.json" | tail -n 25
+      echo "tune exit code: ${PIPESTATUS[0]}"
       pack second
       if $py -m mixprec run --help >/dev/null 2>&1; then
         log run script
-        timeout 120 $py -m mixprec run --policy bf16-mixed --out "$work/run-script" -- \
-          $py tests/scripts/plain_loop.py --steps 60 --device "$dev" | tail -n 15
+        timeout -k 10 60 $py -m mixprec run --policy bf16-mixed --monitor --out "$work/run-script" -- \
+          $py tests/frameworks/scripts/plain_loop.py --steps 60 --device "$dev" | tail -n 15
+        echo "run exit code: ${PIPESTATUS[0]}"
         pack second
       else
         log "run script: skipped, this checkout has no \`mixprec run\` (the script source)"

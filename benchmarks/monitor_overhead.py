@@ -71,12 +71,13 @@ MODELS = {
 class Loop:
     """One model, policy and optimizer, with or without a monitor, run a few steps at a time."""
 
-    def __init__(self, build, batch: int, policy: str, monitored: bool) -> None:
+    def __init__(self, build, batch: int, policy: str, monitored: bool, device: str = "cpu") -> None:
         self.w = build()
-        self.policy = mixprec.get_policy(policy, device="cpu")
+        self.device = torch.device(device)
+        self.policy = mixprec.get_policy(policy, device=self.device)
         self.model = self.policy.prepare(self.w.model)
         self.optimizer = self.w.make_optimizer(self.model)
-        self.batches = [self.w.make_batch(batch, torch.device("cpu")) for _ in range(8)]
+        self.batches = [self.w.make_batch(batch, self.device) for _ in range(8)]
         self.monitor = (
             mixprec.Monitor(self.model, self.policy, optimizer=self.optimizer, loss_fn=self.w.loss_fn)
             if monitored
@@ -87,7 +88,9 @@ class Loop:
         self.step_s: dict[bool, list[float]] = {True: [], False: []}  # sampled?: whole-step times
 
     def run(self, steps: int) -> float:
-        """Seconds per step over ``steps`` steps."""
+        """Seconds per step over ``steps`` steps (on a GPU, the queue drained at both ends: the
+        per-step and component times stay host-side, which is what a launch-bound step pays)."""
+        self._sync()
         start = time.perf_counter()
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -112,7 +115,12 @@ class Loop:
                 self.observe_s[sampled].append(t2 - t1 + own)
                 self.step_s[sampled].append(t2 - t0)
             self.i += 1
+        self._sync()
         return (time.perf_counter() - start) / steps
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def components(self) -> dict[str, float]:
         """The monitor's own cost, timed directly: before_step(), its optimizer hooks and observe()
@@ -137,11 +145,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=21, help="rounds for the MLP (ResNet-50: a quarter)")
     parser.add_argument("--steps", type=int, default=400, help="steps per round and variant for the MLP")
     parser.add_argument("--policy", default="bf16-mixed")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu"))
     args = parser.parse_args()
     results = {}
     for name, (build, batch, share) in MODELS.items():
-        plain, watched = Loop(build, batch, args.policy, False), Loop(build, batch, args.policy, True)
+        plain, watched = (
+            Loop(build, batch, args.policy, False, args.device),
+            Loop(build, batch, args.policy, True, args.device),
+        )
         plain.run(20), watched.run(20)  # warm-up
         ratios, times = [], {"plain": [], "monitor": []}
         rounds, steps = max(3, args.rounds // share) | 1, max(100, args.steps // share)
@@ -181,6 +193,7 @@ def main() -> None:
                 "machine": platform.processor() or platform.machine(),
                 "torch": torch.__version__,
                 "policy": args.policy,
+                "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                 "results": results,
             },
             indent=2,

@@ -342,3 +342,23 @@ def test_lightning_fit_on_the_device_rescues_the_late_overflow(tmp_path):
     found = [(f.kind, f.module) for f in callback.monitor.findings]
     assert found[:2] == [("predicted_overflow", "net.head"), ("rescue", "net.head")], found
     assert all(math.isfinite(v) for v in callback.monitor.losses)
+
+
+@pytest.mark.parametrize("policy, hand", [("bf16-mixed", "bf16"), ("fp16-mixed", "fp16")])
+def test_run_on_a_script_leaves_the_weights_of_the_hand_edit_on_the_device(tmp_path, policy, hand):
+    """The script source on the device: `mixprec run --policy P -- python by_hand.py --device D`
+    (a loop with no precision code) trains the weights the same loop edited by hand (autocast, and
+    for fp16 a GradScaler on the device unscaled before the clip) trains; the same kernels in the
+    same order, so bit for bit on CUDA as on the CPU."""
+    from mixprec.cli import main
+
+    script = ROOT / "tests" / "frameworks" / "scripts" / "by_hand.py"
+    by_hand, injected, plain = tmp_path / "hand.pt", tmp_path / "run.pt", tmp_path / "none.pt"
+    common = ["--device", DEVICE, "--steps", "12"]
+    subprocess.run([sys.executable, script, "--hand", hand, "--out", by_hand, *common], check=True)
+    subprocess.run([sys.executable, script, "--out", plain, *common], check=True)
+    command = ["run", "--policy", policy, "--out", str(tmp_path / "out"), "--"]
+    assert main([*command, sys.executable, str(script), "--out", str(injected), *common]) == 0
+    a, b, none = (torch.load(p, weights_only=True) for p in (injected, by_hand, plain))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], none[k]) for k in a)  # the policy did something
