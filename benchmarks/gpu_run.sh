@@ -53,7 +53,7 @@ for stage in "$@"; do
       pack first
       [ "$dev" = cuda ] && timeout 60 $py benchmarks/tf32_probe.py --json "$work/tf32_probe.json"
       log gpu tests
-      timeout -s INT "${GPU_TESTS_S:-180}" $py -m pytest -q -p no:cacheprovider --timeout 170 -n 8 -rfEs --durations=20 \
+      timeout -k 15 -s INT "${GPU_TESTS_S:-180}" $py -m pytest -q -p no:cacheprovider --timeout 170 -n 8 -rfEs --durations=20 \
         "${gpu_tests[@]}" tests >"$work/pytest-gpu.log" 2>&1
       tail -n 45 "$work/pytest-gpu.log"
       pack first
@@ -65,7 +65,7 @@ for stage in "$@"; do
       pack first
       log suite
       # the rest of the suite, cut by SIGINT at the limit: pytest prints the summary of what ran
-      timeout -s INT "${SUITE_S:-60}" $py -m pytest -q -p no:cacheprovider --timeout 100 -n 12 -rfE \
+      timeout -k 15 -s INT "${SUITE_S:-60}" $py -m pytest -q -p no:cacheprovider --timeout 100 -n 12 -rfE \
         -m "not gpu" tests >"$work/pytest-suite.log" 2>&1
       tail -n 40 "$work/pytest-suite.log"
       pack first
