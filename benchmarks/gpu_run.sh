@@ -72,6 +72,11 @@ for stage in "$@"; do
       ;;
     second)
       log second
+      if [ -n "${MONITOR_OVERHEAD_IN_SECOND:-}" ]; then  # the H200 run of 2026-11-27: it broke in first
+        log monitor overhead
+        timeout 50 $py benchmarks/monitor_overhead.py --device "$dev" --rounds 5 --steps 200 --out "$work"
+        pack second
+      fi
       log fp8 gpt
       if [ "$dev" = cuda ]; then
         timeout -k 10 "${FP8_S:-150}" $py benchmarks/fp8_gpt.py --out "$work/fp8" --device cuda

@@ -77,7 +77,9 @@ class Loop:
         self.policy = mixprec.get_policy(policy, device=self.device)
         self.model = self.policy.prepare(self.w.model)
         self.optimizer = self.w.make_optimizer(self.model)
-        self.batches = [self.w.make_batch(batch, self.device) for _ in range(8)]
+        # the MLP's make_batch makes CPU tensors whatever the device: moved here
+        made = [self.w.make_batch(batch, self.device) for _ in range(8)]
+        self.batches = [tuple(t.to(self.device) for t in b) for b in made]
         self.monitor = (
             mixprec.Monitor(self.model, self.policy, optimizer=self.optimizer, loss_fn=self.w.loss_fn)
             if monitored
