@@ -188,5 +188,5 @@ def test_planted_fp16_overflow_fails_on_cuda_and_the_fix_holds():
     fp16 = by_policy["fp16-mixed"]
     assert fp16.verdict == "fail"
     assert fp16.first_nonfinite_forward == "amplify"
-    assert fp16.keep_fp32 == ["amplify"] and fp16.fix_verified
+    assert fp16.fix_keep_fp32 == ["amplify"] and fp16.fix_verified, fp16.fix_note
     assert by_policy["bf16-mixed"].verdict == "pass"

@@ -14,6 +14,7 @@ Each is compared with what a plain PyTorch loop does on the same run where that 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 
@@ -274,6 +275,21 @@ def test_a_bf16_finite_check_skip_of_a_nan_batch_is_a_bad_batch():
     assert kinds(monitor) == [("bad_batch", None)], kinds(monitor)
     assert monitor.findings[0].step == 80 and "the data, not the precision" in monitor.findings[0].message
     assert policy.config.keep_fp32 == () and monitor.healthy and math.isfinite(losses[-1])
+
+
+def test_an_fp16_skip_of_a_nan_batch_with_a_fused_optimizer_is_a_bad_batch_not_a_spike():
+    """A fused AdamW takes GradScaler's inf flag into its own kernel, so GradScaler.step calls its
+    step (and the monitor's pre-step hook) on a skipped step too: the first GPU run with the HF
+    Trainer (fused AdamW by default on CUDA) called such a batch a data spike and the scaler's skip
+    went unexplained. The skip path judges it, as it does for a for-loop optimizer."""
+    w = dataclasses.replace(
+        mlp(), optimizer_fn=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+    )
+    monitor, losses, policy, _ = train(w, "fp16-mixed", 100, fault=nan_at(80), rescue=True)
+    assert monitor.skipped == [80] and not math.isfinite(losses[80])
+    assert kinds(monitor) == [("bad_batch", None)], kinds(monitor)
+    assert "the data, not the precision" in monitor.findings[0].message
+    assert monitor.healthy and math.isfinite(losses[-1]) and policy.config.keep_fp32 == ()
 
 
 def test_a_bf16_finite_check_skip_that_fp32_does_not_share_is_the_precisions():

@@ -438,8 +438,10 @@ class Monitor:
         return self._withheld_at == self.step
 
     def _before_update(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        """The optimizer's pre-step hook (a GradScaler that found inf/NaN does not reach it): what
-        the quick test did not clear goes to the detectors, and a withheld update is held."""
+        """The optimizer's pre-step hook: what the quick test did not clear goes to the detectors,
+        and a withheld update is held. A GradScaler that found inf/NaN does not step a for-loop or
+        foreach optimizer, but it does step a fused one (the kernel takes the inf flag and skips
+        itself): such a step is the skip path's, as :meth:`check_update` has it."""
         staged = self._staged
         if staged is None:  # a normal step, or decided for an optimizer before this one
             if self._withheld_at == self.step and id(optimizer) not in self._held:
@@ -458,6 +460,8 @@ class Monitor:
         if norm is None and self._grad_each:
             norm = grad_norm([p for o in self.optimizers for g in o.param_groups for p in g["params"]])
         if (value is None or value <= self._quiet) and norm is None:
+            return
+        if self._scaler_skips(optimizer):  # (read after the loss: the host has synchronised)
             return
         batch = batch if self.loss_fn is not None else None
         if self._ask_update(UpdateView(step, value, norm, batch, index)):
