@@ -57,3 +57,20 @@ def test_the_cpu_prediction_comes_from_the_measured_rates():
     assert gain(Candidate("bf32")) == bf16  # oneDNN's bf16 kernels
     conv = measured_gain(info, conv=True)(Candidate("fp16-mixed"))
     assert conv == format_speed(info, "fp16").conv  # a CNN is ranked by its convolutions' rate
+
+
+def test_a_low_format_is_measured_right_after_its_carrier_not_by_its_peak():
+    """The H200's datasheet ranks fp8 at twice bf16; the tune of 2026-11-27 measured fp8 first and
+    never reached bf16-mixed (eager fp8 ran at 0.75x bf16-mixed on a 2048-wide GPT)."""
+    gpu = {"fp32": 1.0, "tf32": 7.4, "bf16-mixed": 14.8, "fp16-mixed": 14.8, "fp8-rowwise": 29.5,
+           "fp8-tensorwise": 29.5, "mxfp8": 29.5, "nvfp4": 59.0}  # fmt: skip
+    plan = [Candidate(p) for p in ("fp32", "fp8-rowwise", "nvfp4", "tf32", "fp16-mixed", "fp8-tensorwise")]
+    plan.append(Candidate("bf16-mixed"))
+    order = labels(sweep_order(plan, lambda c: gpu[c.policy]))
+    assert order[:2] == ["fp32", "bf16-mixed"]
+    assert set(order[2:5]) == {"fp8-rowwise", "fp8-tensorwise", "nvfp4"}  # after their carrier
+    assert order[5:] == ["fp16-mixed", "tf32"]
+    # without bf16-mixed in the plan, a low format still waits for where bf16-mixed would be
+    no_carrier = labels(sweep_order([c for c in plan if c.policy != "bf16-mixed"], lambda c: gpu[c.policy]))
+    assert no_carrier.index("fp16-mixed") > no_carrier.index("fp8-rowwise")
+    assert no_carrier.index("tf32") > no_carrier.index("fp8-rowwise")

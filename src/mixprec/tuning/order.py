@@ -11,6 +11,13 @@ a cached matmul and convolution probe on a CPU, the datasheet on a GPU), so on a
 leads, on one without AVX512-BF16 it comes last, and fp16 without a fast convolution kernel comes
 last for a CNN. It orders; it never prunes: every candidate is still measured when the
 budget allows.
+
+A low-format family (fp8, MXFP8, NVFP4) is not ranked by its format's peak: it runs only the
+eligible Linear GEMMs in that format and everything else in its carrier (bf16-mixed), and in eager
+mode its scaling casts cost more than those GEMMs save. On an H200 (2026-11-27, the zoo GPT at 2
+layers x 2048) eager fp8-rowwise/tensorwise ran at 0.75x/0.77x bf16-mixed and compiled at 0.96x/1.005x,
+while the datasheet ranks fp8 at twice bf16; a tune ordered by the peak spent its 80 s budget on
+fp8 and never measured bf16-mixed. So a low format is measured right after its carrier.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from mixprec.hardware.device import DeviceInfo
 from mixprec.hardware.formats import FormatSpeed, format_speed
-from mixprec.policy import POLICY_NAMES, Candidate
+from mixprec.policy import POLICIES, POLICY_NAMES, Candidate
 
 Gain = Callable[[Candidate], float | None]
 
@@ -51,15 +58,31 @@ def sweep_order(candidates: Sequence[Candidate], gain: Gain) -> list[Candidate]:
 
     def key(policy: str) -> tuple:
         if policy == "fp32":
-            return (0, 0.0, 0, 0)
-        predicted = gain(families[policy][0])
+            return (0, 0.0, 0, 0, 0)
+        carrier = _carrier(policy)
+        if carrier is not None:  # right after its carrier, never ahead of it (the module docstring)
+            return (*key(carrier)[:-1], 1)
+        leader = families[policy][0] if policy in families else Candidate(policy)
+        predicted = gain(leader)
         value = 1.0 if predicted is None else predicted
-        half = families[policy][0].spec.low_precision_dtype is not None
+        half = leader.spec.low_precision_dtype is not None
         registry = POLICY_NAMES.index(policy) if policy in POLICY_NAMES else len(POLICY_NAMES)
-        return (1 if value >= 1.0 else 2, -value, 0 if half else 1, registry)
+        return (1 if value >= 1.0 else 2, -value, 0 if half else 1, registry, 0)
 
     ordered = [cand for policy in sorted(families, key=key) for cand in families[policy]]
     return [c for c in candidates if c.as_written] + ordered
+
+
+def _carrier(policy: str) -> str | None:
+    """The *-mixed policy a low-format policy computes everything but its eligible GEMMs in
+    (fp8-rowwise -> bf16-mixed); None for every other policy."""
+    spec = POLICIES.get(policy)
+    if spec is None or spec.low_format is None:
+        return None
+    return next(
+        (n for n, s in POLICIES.items() if s.autocast_dtype == spec.autocast_dtype and s.low_format is None),
+        None,
+    )
 
 
 def ordered(candidates: Sequence[Candidate], info: DeviceInfo) -> list[Candidate]:
