@@ -120,7 +120,8 @@ def test_same_initial_weights_and_batches_give_the_same_first_loss():
     """Every candidate starts from the same weights and sees the same batches: bf32's first loss is
     strict fp32's bit for bit exactly where this CPU's oneDNN ignores the bf32 mode for matmuls (an
     Intel Xeon without AMX here); where it honours it (AMD EPYC with AVX512-BF16), bf32 rounds
-    matmul inputs to bf16 and its first loss agrees to bf16's precision only."""
+    matmul inputs to bf16 and its first loss agrees to bf16's precision only; where it honours it
+    for large matmuls only (a Xeon with AMX), the row says bf32 has no effect on this model."""
     from mixprec.hardware.device import detect
 
     w = load_workload("mlp")
@@ -142,7 +143,17 @@ def test_same_initial_weights_and_batches_give_the_same_first_loss():
     if bf32.status == "unsupported":
         return  # no native bf16 on this CPU: nothing ran
     changes = detect("cpu").bf32_changes
-    if changes and "matmul" in changes:
+    if bf32.status == "no-effect":
+        # oneDNN changed the 1024-wide probe matmul but (nearly) none of this model's: on a Sapphire
+        # Rapids Xeon with AMX (the GPU machine's host, 2026-11-27) its small matmuls stay fp32. The
+        # label must be the model's own effect probe's, on the batch the bench ran
+        from mixprec.frameworks.torch.effect import math_mode_effect
+        from mixprec.policy import Candidate
+
+        batch = w.make_batch(w.default_batch_size, torch.device("cpu"))
+        assert math_mode_effect(w, Candidate("bf32"), batch, torch.device("cpu")).no_effect
+        assert bf32.first_loss in (None, fp32.first_loss)
+    elif changes and "matmul" in changes:
         assert bf32.status == "ok" and bf32.first_loss != fp32.first_loss
         assert bf32.first_loss == pytest.approx(fp32.first_loss, rel=2**-7)  # bf16 has 8 significand bits
     else:
