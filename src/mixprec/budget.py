@@ -76,6 +76,12 @@ class Budget:
         end = min(self.end or math.inf, self.start + fraction * self.seconds + self.reserve_s)
         return Budget(self.seconds, self.reserve_s, self.start, self.stop, self.cuts, end)
 
+    def keeping(self, seconds: float) -> Budget:
+        """The same clock ending ``seconds`` before this one's end: a stage that must leave time for
+        the work after it (the late speed sweep, a numerics check)."""
+        assert self.end is not None
+        return Budget(self.seconds, self.reserve_s, self.start, self.stop, self.cuts, self.end - seconds)
+
     def whole(self) -> Budget:
         """This budget to its end (a share taken back to the full length)."""
         return Budget(self.seconds, self.reserve_s, self.start, self.stop, self.cuts)

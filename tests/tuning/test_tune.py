@@ -336,6 +336,58 @@ def test_a_speed_sweep_cut_by_its_share_is_finished_with_the_time_left(monkeypat
     assert len(late) == 1 and late[0].startswith("speed sweep stopped by the deadline")
 
 
+@pytest.mark.slow
+def test_a_late_sweep_that_takes_all_its_time_leaves_the_check_of_what_it_found(monkeypatch):
+    """A busy machine: the first sweep is cut after strict fp32, and the late sweep takes every second
+    it is given (each candidate as slow as the machine allows). It used to be given the whole
+    budget, so a lower precision it measured faster than fp32 could not be checked and was not
+    recommended (`make demo` beside two busy processes: fp32+cl picked, bf16-mixed at ~2x unchecked).
+    The late sweep leaves one check's time: whatever it measured fastest among the lower precisions
+    is judged."""
+    import time
+
+    import mixprec.tuning.search as search_module
+
+    real_sweep = search_module.run_sweep
+    late_budgets = []
+
+    def busy_machine(workload, framework, config, **kwargs):
+        budget = kwargs["budget"]
+        if not late_budgets and len(config.candidates) > 1 and config.baseline is None:
+            late_budgets.append(None)  # the first sweep: stopped once strict fp32 is measured
+            started: list[str] = []
+            forward = kwargs["events"]
+
+            def events(event):
+                if event["event"] == "candidate":
+                    started.append(event["label"])
+                forward(event)
+
+            budget = replace(budget, stop=lambda: len(started) >= 2)
+            return real_sweep(workload, framework, config, **{**kwargs, "events": events, "budget": budget})
+        late_budgets.append(budget)
+        result = real_sweep(workload, framework, config, **kwargs)
+        time.sleep(max(0.0, budget.left()))  # and then the rest of its time: a busy machine
+        return result
+
+    monkeypatch.setattr(search_module, "run_sweep", busy_machine)
+    # wide enough for bf16 to beat fp32 where the CPU has fast bf16 (the EPYC, a Xeon with AMX)
+    workload = mixprec.load_workload("mlp", hidden=1024, depth=3)
+    result = mixprec.tune(
+        workload, budget_s=45, batch_size=128, steps=2, warmup=1, check_steps=3, device="cpu", lint=False,
+        compile_modes=(), optimizers=False,
+    )  # fmt: skip
+    assert len(late_budgets) >= 2 and late_budgets[1] is not None  # there was a late sweep
+    rows = [r for r in result.bench.rows if r.status == "ok" and not r.baseline_repeat]
+    faster = [r for r in rows if r.policy != "fp32" and (r.speedup_vs_fp32 or 0) > 1.0]
+    if not faster:
+        seen = [(r.label, r.speedup_vs_fp32) for r in rows]
+        pytest.skip(f"no lower precision beat strict fp32 on this CPU: nothing to check ({seen})")
+    fastest = max(faster, key=lambda r: r.speedup_vs_fp32)
+    judged = {c.candidate.numerics for c in result.check.candidates} if result.check else set()
+    assert fastest.candidate.numerics in judged, (fastest.label, result.notes)
+
+
 def test_an_at_risk_candidate_is_not_recommended_and_its_row_says_why():
     measured = rows(row("fp32", 100), row("fp16-mixed", 300), row("bf16-mixed", 250))
     risk = "at risk: layer 'head': its outputs, predicted to overflow fp16 (|x| > 65504) at about step 133"

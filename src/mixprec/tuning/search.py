@@ -73,6 +73,9 @@ RACE_SHARE = 0.15
 # unpriced, took 189 s and ran the 300 s budget to 6 min 39 s (it compiled a first-step probe and
 # recompiled when the probe's hooks came off; both gone: the whole check now takes 66 s).
 CHECK_COMPILES = 3.0
+# The late speed sweep leaves this many times one check's estimated cost (stopping a candidate's
+# process and the estimate's error take some of it)
+CHECK_ROOM = 1.5
 # Warm-up steps of a racing session: fixed (the first compiles, the second may recompile); the
 # first step of each round is left out of its figure anyway.
 RACE_WARMUP = 3
@@ -322,7 +325,7 @@ class Search:
         todo = [c for c in self.plan(info) if c not in seen]
         if not todo or self.budget.expired():
             return
-        more = self._bench(todo, self.budget)
+        more = self._bench(todo, self._leaving_a_check(todo))
         added = self._add(more.measured)
         self.notes.remove(first)
         self.budget.restore(f"the {first}")
@@ -335,6 +338,17 @@ class Search:
             return
         self.result.stopped = None
         self.notes.append(f"{first}{what}")
+
+    def _leaving_a_check(self, todo: Sequence[Candidate]) -> Budget:
+        """The late sweep's budget: all that is left, less about one numerics check (with room to
+        stop a candidate process) where the late candidates hold a lower precision whose numerics
+        are not known yet. A sweep on a busy machine takes all the time it is given, and a faster
+        candidate measured with none left to check it cannot be recommended: `make demo` beside
+        two busy processes measured bf16-mixed at ~2x late and recommended fp32+cl, its numerics
+        unpaid. (The time kept goes to the later stages when no check needs it.)"""
+        if all(c.policy == "fp32" or c.numerics in self.verdicts for c in todo):
+            return self.budget
+        return self.budget.keeping(CHECK_ROOM * self.check_cost_s())
 
     # ------------------------------------------------------------------ 2. numerics
     def check_cost_s(self) -> float:
