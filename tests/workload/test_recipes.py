@@ -58,3 +58,37 @@ def test_the_warm_up_ramps_the_rate_and_survives_another_implementation(cls):
         other.step()  # every implementation warms up alike (Adam's foreach with a float rate)
         assert float(other.param_groups[0]["lr"]) == pytest.approx(0.1)
         other.zero_grad()
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_a_step_compiled_whole_warms_up_like_the_eager_step(foreach):
+    """torch.compile around the whole step (compile_scope='step'). Adam's foreach kernels take a float
+    rate, set on the host each warm-up step: inside the compiled step torch 2.14's Dynamo dropped
+    the optimizer's counter update (the rate stayed at a third for the whole run) and torch 2.11's
+    refused it (the H200 run's `bf16-mixed+compile-step` error row; foreach is AdamW's default on
+    CUDA). The for-loop kernels take a tensor rate, updated in place."""
+    torch._dynamo.reset()
+
+    def run(compiled: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+        opt = WarmupAdamW(model.parameters(), lr=6e-3, warmup_steps=3, foreach=foreach)
+        x, y = torch.randn(16, 8), torch.randn(16, 1)
+
+        def step() -> torch.Tensor:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        fn = torch.compile(step) if compiled else step
+        rates = []
+        for _ in range(5):
+            fn()
+            rates.append(float(opt.param_groups[0]["lr"]))
+        return rates
+
+    eager = run(False)
+    assert eager == pytest.approx([2e-3, 4e-3, 6e-3, 6e-3, 6e-3])
+    assert run(True) == pytest.approx(eager)

@@ -107,6 +107,14 @@ class _Warmup:
             for group in self.param_groups:
                 group["lr"].copy_(group["base_lr"] * frac)
             return
+        self._advance_float()
+
+    @torch.compiler.disable
+    def _advance_float(self) -> None:
+        # Host bookkeeping, always run eagerly: in a step compiled whole (compile_scope='step')
+        # Dynamo refuses setattr on an optimizer (torch 2.11: "Attempted setattr on a user-defined
+        # object that does not have an AttributeMutation mutation_type") or drops it (2.14: the
+        # warm-up never advanced). The step after it recompiles for the new float rate.
         self._float_count += 1
         ratio = min(1.0, self._float_count / self.warmup_steps)
         for group in self.param_groups:
