@@ -60,19 +60,18 @@ def test_the_warm_up_ramps_the_rate_and_survives_another_implementation(cls):
         other.zero_grad()
 
 
-@pytest.mark.parametrize("foreach", [False, True])
-def test_a_step_compiled_whole_warms_up_like_the_eager_step(foreach):
+def test_a_step_compiled_whole_warms_up_like_the_eager_step():
     """torch.compile around the whole step (compile_scope='step'). Adam's foreach kernels take a float
     rate, set on the host each warm-up step: inside the compiled step torch 2.14's Dynamo dropped
     the optimizer's counter update (the rate stayed at a third for the whole run) and torch 2.11's
     refused it (the H200 run's `bf16-mixed+compile-step` error row; foreach is AdamW's default on
-    CUDA). The for-loop kernels take a tensor rate, updated in place."""
+    CUDA). (The for-loop kernels take a tensor rate, updated in place: test_compile_step.py.)"""
     torch._dynamo.reset()
 
     def run(compiled: bool) -> list[float]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
-        opt = WarmupAdamW(model.parameters(), lr=6e-3, warmup_steps=3, foreach=foreach)
+        opt = WarmupAdamW(model.parameters(), lr=6e-3, warmup_steps=3, foreach=True)
         x, y = torch.randn(16, 8), torch.randn(16, 1)
 
         def step() -> torch.Tensor:
