@@ -61,7 +61,7 @@ for stage in "$@"; do
       timeout 60 $py benchmarks/overhead.py --device "$dev" --rounds 15 --steps 50 --json "$work/overhead-$dev.json" | tail -n 6
       pack first
       log monitor overhead
-      timeout 60 $py benchmarks/monitor_overhead.py --device "$dev" --rounds 9 --steps 200 --out "$work"
+      timeout 75 $py benchmarks/monitor_overhead.py --device "$dev" --rounds 9 --steps 200 --profile --out "$work"
       pack first
       log suite
       # the rest of the suite, cut by SIGINT at the limit: pytest prints the summary of what ran
@@ -74,7 +74,7 @@ for stage in "$@"; do
       log second
       if [ -n "${MONITOR_OVERHEAD_IN_SECOND:-}" ]; then  # the H200 run of 2026-11-27: it broke in first
         log monitor overhead
-        timeout 50 $py benchmarks/monitor_overhead.py --device "$dev" --rounds 5 --steps 200 --out "$work"
+        timeout 60 $py benchmarks/monitor_overhead.py --device "$dev" --rounds 5 --steps 200 --profile --out "$work"
         pack second
       fi
       log fp8 gpt
