@@ -1,10 +1,13 @@
 """The order tune measures its candidates in: where the answer is predicted to be, first.
 
 A budget that ends early should still leave the best candidates measured, so the sweep (and the
-``--batch auto`` memory search before it) runs the strict-fp32 family first (the reference every
-speedup is paired with), then each precision family in the order of its predicted speed on this
-device, each family's variants (layouts) right after its leader, and last the families predicted
-to be slower than strict fp32 (measured only if the budget reaches them).
+``--batch auto`` memory search before it) runs strict fp32 first (the reference every speedup is
+paired with), then each precision family in the order of its predicted speed on this device, each
+family's variants (layouts) right after its leader, and last the families predicted to be slower
+than strict fp32 (measured only if the budget reaches them). strict fp32's own variants (channels_last)
+are a family predicted at fp32's speed: after the families predicted faster. (With them second, a
+busy 2-core EPYC spent the default budget's sweep and a race on fp32 and fp32+cl, and bf16-mixed,
+predicted twice as fast, was never measured.)
 
 The prediction is the format's measured speed here over fp32's (:mod:`mixprec.hardware.formats`:
 a cached matmul and convolution probe on a CPU, the datasheet on a GPU), so on a Xeon with AMX bf16
@@ -47,18 +50,20 @@ def measured_gain(info: DeviceInfo, *, conv: bool) -> Gain:
 
 
 def sweep_order(candidates: Sequence[Candidate], gain: Gain) -> list[Candidate]:
-    """``candidates`` grouped by precision family, strict fp32's first, the rest by predicted
-    ``gain`` (highest first; ties: the format that computes in half precision, then the
-    registry's order), families predicted slower than fp32 last; within a family the order given.
-    A script's own precision (``as_written``) leads: it is what the user runs today."""
+    """``candidates`` grouped by precision family after strict fp32 (the first fp32 candidate), by
+    predicted ``gain`` (highest first; ties: the format that computes in half precision, then
+    strict fp32's variants, then the registry's order), families predicted slower than fp32 last;
+    within a family the order given. A script's own precision (``as_written``) leads: it is what
+    the user runs today."""
     families: dict[str, list[Candidate]] = {}
+    reference = next((c for c in candidates if c.policy == "fp32" and not c.as_written), None)
     for cand in candidates:
-        if not cand.as_written:
+        if not cand.as_written and cand is not reference:
             families.setdefault(cand.policy, []).append(cand)
 
     def key(policy: str) -> tuple:
-        if policy == "fp32":
-            return (0, 0.0, 0, 0, 0)
+        if policy == "fp32":  # its variants: at strict fp32's own speed (1.0), ties after the half formats
+            return (1, -1.0, 1, -1, 0)
         carrier = _carrier(policy)
         if carrier is not None:  # right after its carrier, never ahead of it (the module docstring)
             return (*key(carrier)[:-1], 1)
@@ -70,7 +75,8 @@ def sweep_order(candidates: Sequence[Candidate], gain: Gain) -> list[Candidate]:
         return (1 if value >= 1.0 else 2, -value, 0 if half else 1, registry, 0)
 
     ordered = [cand for policy in sorted(families, key=key) for cand in families[policy]]
-    return [c for c in candidates if c.as_written] + ordered
+    first = [c for c in candidates if c.as_written] + ([reference] if reference is not None else [])
+    return first + ordered
 
 
 def _carrier(policy: str) -> str | None:
