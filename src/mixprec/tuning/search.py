@@ -345,10 +345,15 @@ class Search:
         are not known yet. A sweep on a busy machine takes all the time it is given, and a faster
         candidate measured with none left to check it cannot be recommended: `make demo` beside
         two busy processes measured bf16-mixed at ~2x late and recommended fp32+cl, its numerics
-        unpaid. (The time kept goes to the later stages when no check needs it.)"""
+        unpaid. (The time kept goes to the later stages when no check needs it.) Where what is
+        left cannot pay for one more candidate and its check, nothing is kept: a speed measured
+        without its verdict still tells the user what a larger --budget would check."""
         if all(c.policy == "fp32" or c.numerics in self.verdicts for c in todo):
             return self.budget
-        return self.budget.keeping(CHECK_ROOM * self.check_cost_s())
+        keep = CHECK_ROOM * self.check_cost_s()
+        if not self.budget.can_pay(self.measure_cost_s() + keep):
+            return self.budget
+        return self.budget.keeping(keep)
 
     # ------------------------------------------------------------------ 2. numerics
     def check_cost_s(self) -> float:
