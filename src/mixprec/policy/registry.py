@@ -387,7 +387,18 @@ def mixed_twin(name: str) -> str | None:
     """The *-mixed policy that computes what the *-true policy ``name`` computes, with fp32 master
     weights (bf16-true -> bf16-mixed): where a run whose half weights stall continues; None for a
     policy without half weights."""
-    half = POLICIES[name].param_dtype
+    return _plain_mixed(POLICIES[name].param_dtype)
+
+
+def carrier(name: str) -> str | None:
+    """The *-mixed policy a low-format policy computes everything but its eligible GEMMs in
+    (fp8-rowwise -> bf16-mixed); None for a policy without a low format."""
+    spec = POLICIES.get(name)
+    return _plain_mixed(spec.autocast_dtype) if spec is not None and spec.low_format else None
+
+
+def _plain_mixed(half: torch.dtype | None) -> str | None:
+    """The *-mixed policy autocasting to ``half`` with no low format (bf16 -> bf16-mixed)."""
     if half is None:
         return None
     return next((n for n, s in POLICIES.items() if s.autocast_dtype == half and s.low_format is None), None)

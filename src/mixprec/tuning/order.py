@@ -29,7 +29,8 @@ from collections.abc import Callable, Sequence
 
 from mixprec.hardware.device import DeviceInfo
 from mixprec.hardware.formats import FormatSpeed, format_speed
-from mixprec.policy import POLICIES, POLICY_NAMES, Candidate
+from mixprec.policy import POLICY_NAMES, Candidate
+from mixprec.policy.registry import carrier
 
 Gain = Callable[[Candidate], float | None]
 
@@ -64,9 +65,9 @@ def sweep_order(candidates: Sequence[Candidate], gain: Gain) -> list[Candidate]:
     def key(policy: str) -> tuple:
         if policy == "fp32":  # its variants: at strict fp32's own speed (1.0), ties after the half formats
             return (1, -1.0, 1, -1, 0)
-        carrier = _carrier(policy)
-        if carrier is not None:  # right after its carrier, never ahead of it (the module docstring)
-            return (*key(carrier)[:-1], 1)
+        low_format_carrier = carrier(policy)  # right after it, never ahead of it (the docstring)
+        if low_format_carrier is not None:
+            return (*key(low_format_carrier)[:-1], 1)
         leader = families[policy][0] if policy in families else Candidate(policy)
         predicted = gain(leader)
         value = 1.0 if predicted is None else predicted
@@ -77,18 +78,6 @@ def sweep_order(candidates: Sequence[Candidate], gain: Gain) -> list[Candidate]:
     ordered = [cand for policy in sorted(families, key=key) for cand in families[policy]]
     first = [c for c in candidates if c.as_written] + ([reference] if reference is not None else [])
     return first + ordered
-
-
-def _carrier(policy: str) -> str | None:
-    """The *-mixed policy a low-format policy computes everything but its eligible GEMMs in
-    (fp8-rowwise -> bf16-mixed); None for every other policy."""
-    spec = POLICIES.get(policy)
-    if spec is None or spec.low_format is None:
-        return None
-    return next(
-        (n for n, s in POLICIES.items() if s.autocast_dtype == spec.autocast_dtype and s.low_format is None),
-        None,
-    )
 
 
 def ordered(candidates: Sequence[Candidate], info: DeviceInfo) -> list[Candidate]:
