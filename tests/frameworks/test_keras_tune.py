@@ -4,11 +4,11 @@ and exit-code behaviour, where its own copy once had none of them."""
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import pytest
 
 import mixprec
+from sweep_cuts import cut_at_candidate
 
 if os.environ.get("MIXPREC_REQUIRE_FRAMEWORKS") == "1":
     import tensorflow  # noqa: F401  (make test installs the extra: a missing one is a failure)
@@ -42,16 +42,7 @@ def test_a_keras_tune_finishes_a_cut_speed_sweep_and_races_its_finalists(monkeyp
     def first_sweep_cut_after_two_candidates(workload, framework, config, **kwargs):
         calls.append([c.label for c in config.candidates])
         if len(calls) == 1:
-            started: list[str] = []
-            forward = kwargs["events"]
-
-            def events(event):
-                if event["event"] == "candidate":
-                    started.append(event["label"])
-                forward(event)
-
-            budget = replace(kwargs["budget"], stop=lambda: len(started) >= 3)
-            kwargs = {**kwargs, "events": events, "budget": budget}
+            kwargs = cut_at_candidate(kwargs, 3)
         return real_sweep(workload, framework, config, **kwargs)
 
     monkeypatch.setattr(search, "run_sweep", first_sweep_cut_after_two_candidates)

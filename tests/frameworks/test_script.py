@@ -101,24 +101,19 @@ def test_the_hf_trainer_is_set_through_its_own_bf16_flag(tmp_path):
     assert not list(tmp_path.iterdir())  # measured runs write into mixprec's scratch folder, not yours
 
 
-def test_lightning_fp16_mixed_runs_fp16_through_the_plugin_on_a_cpu():
-    # Trainer(accelerator="cpu", precision="16-mixed") silently runs bf16: tune over a Lightning
-    # script stopped with "labelled fp16-mixed but ... computed in bfloat16" (exit 1)
+@pytest.mark.parametrize(
+    "policy, flag, dtype", [("bf16-mixed", "bf16-mixed", "bfloat16"), ("fp16-mixed", "16-mixed", "float16")]
+)
+def test_lightning_is_set_through_its_own_precision_flag(policy, flag, dtype):
+    # fp16-mixed: Trainer(accelerator="cpu", precision="16-mixed") silently runs bf16, so it goes
+    # through the MixedPrecision plugin; tune over a Lightning script stopped with "labelled
+    # fp16-mixed but ... computed in bfloat16" (exit 1)
     require("lightning", "frameworks")
     workload = script("lightning_module.py", "--max-steps", "100")
-    record = trace(workload, cand("fp16-mixed"), 2)
+    record = trace(workload, cand(policy), 2)
     assert record["facts"]["framework"] == "lightning"
-    assert record["facts"]["framework_flags"] == {"precision": "16-mixed"}
-    assert record["observed"]["observed_dtype"] == "float16"
-
-
-def test_lightning_is_set_through_its_own_precision_flag():
-    require("lightning", "frameworks")
-    workload = script("lightning_module.py", "--max-steps", "100")
-    record = trace(workload, cand("bf16-mixed"), 2)
-    assert record["facts"]["framework"] == "lightning"
-    assert record["facts"]["framework_flags"] == {"precision": "bf16-mixed"}
-    assert record["observed"]["observed_dtype"] == "bfloat16"
+    assert record["facts"]["framework_flags"] == {"precision": flag}
+    assert record["observed"]["observed_dtype"] == dtype
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from mixprec.measure.results import BenchRow, assemble
 from mixprec.numerics.results import CandidateCheck
 from mixprec.policy import Candidate
 from mixprec.tuning import autotune, decide, tune
+from sweep_cuts import cut_at_candidate
 
 
 def step_times(median: float, iqr: float, n: int = 11) -> tuple[float, ...]:
@@ -300,16 +301,7 @@ def test_a_speed_sweep_cut_by_its_share_is_finished_with_the_time_left(monkeypat
     def first_sweep_cut_at_its_third_candidate(workload, framework, config, **kwargs):
         calls.append([c.label for c in config.candidates])
         if len(calls) == 1:
-            started: list[str] = []
-            forward = kwargs["events"]
-
-            def events(event):
-                if event["event"] == "candidate":
-                    started.append(event["label"])
-                forward(event)
-
-            budget = replace(kwargs["budget"], stop=lambda: len(started) >= 3)
-            kwargs = {**kwargs, "events": events, "budget": budget}
+            kwargs = cut_at_candidate(kwargs, 3)
         return real_sweep(workload, framework, config, **kwargs)
 
     monkeypatch.setattr(search_module, "run_sweep", first_sweep_cut_at_its_third_candidate)
@@ -355,16 +347,7 @@ def test_a_late_sweep_that_takes_all_its_time_leaves_the_check_of_what_it_found(
         budget = kwargs["budget"]
         if not late_budgets and len(config.candidates) > 1 and config.baseline is None:
             late_budgets.append(None)  # the first sweep: stopped once strict fp32 is measured
-            started: list[str] = []
-            forward = kwargs["events"]
-
-            def events(event):
-                if event["event"] == "candidate":
-                    started.append(event["label"])
-                forward(event)
-
-            budget = replace(budget, stop=lambda: len(started) >= 2)
-            return real_sweep(workload, framework, config, **{**kwargs, "events": events, "budget": budget})
+            return real_sweep(workload, framework, config, **cut_at_candidate(kwargs, 2))
         late_budgets.append(budget)
         result = real_sweep(workload, framework, config, **kwargs)
         time.sleep(max(0.0, budget.left()))  # and then the rest of its time: a busy machine

@@ -283,6 +283,12 @@ class LocalSession:
                 traceback=_format(exc),
             ) from exc
 
+    def _ended_by(self, exc: Exception) -> SessionEnded:
+        """The candidate's error row for ``exc``, with the steps it ran."""
+        return SessionEnded(
+            exception_status(exc), f"{type(exc).__name__}: {_first_line(exc)}", self.steps_seen, _format(exc)
+        )
+
     def _step(self, timed: bool, limit: StepLimit, on_step: OnStep) -> dict[str, Any]:
         if self.should_stop():
             raise SessionEnded("stopped", "stopped by the deadline", self.steps_seen)
@@ -290,12 +296,7 @@ class LocalSession:
         try:
             event = self._session.step(timed)
         except Exception as exc:  # one candidate's failure must not stop the sweep
-            raise SessionEnded(
-                exception_status(exc),
-                f"{type(exc).__name__}: {_first_line(exc)}",
-                self.steps_seen,
-                _format(exc),
-            ) from exc
+            raise self._ended_by(exc) from exc
         self.steps_seen.append(event["seconds"])
         on_step(event)
         allowed = limit(index, timed)
@@ -320,12 +321,7 @@ class LocalSession:
         try:
             result = self._session.finish()
         except Exception as exc:  # (a script's candidate that did not take effect): a row, not the end
-            raise SessionEnded(
-                exception_status(exc),
-                f"{type(exc).__name__}: {_first_line(exc)}",
-                self.steps_seen,
-                _format(exc),
-            ) from exc
+            raise self._ended_by(exc) from exc
         if result.peak_memory_bytes is None:
             result.memory_method = "n/a: in-process run (isolated CPU memory needs a workload spec)"
         return result
