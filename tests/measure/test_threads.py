@@ -80,3 +80,30 @@ def test_an_in_process_sweep_leaves_the_callers_threads_as_they_were(two_threads
     w = mixprec.load_workload("mlp", hidden=64, depth=1)
     mixprec.bench(w, policies="fp32", channels_last="off", steps=1, warmup=1, isolate=False, threads=1)
     assert torch.get_num_threads() == before
+
+
+def test_tune_judges_numerics_at_the_threads_it_measures_at(monkeypatch, two_threads):
+    """The numerics checks run in tune's own process. They ran at torch's default count while every
+    sweep measured at the chosen one: beside two busy processes on the 2-core EPYC a strict-fp32
+    step took 2.9 s at the chosen 1 thread and 10.2 s at the default 2, so the check tune priced
+    from its sweep's steps would have taken 3.5x as long."""
+    from mixprec.frameworks.torch.framework import TorchFramework
+    from mixprec.tuning import run as tune_run
+
+    seen: list[int] = []
+    real = TorchFramework.trajectory
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TorchFramework, "trajectory", spy)
+    contended = ThreadChoice(1, 2, {1: 2.9, 2: 10.2})
+    monkeypatch.setattr(tune_run, "pick_threads", lambda *args, **kwargs: contended)
+    w = mixprec.load_workload("mlp", hidden=64, depth=1)
+    mixprec.tune(
+        w, budget_s=60, steps=2, warmup=1, check_steps=2, device="cpu", lint=False,
+        compile_modes=(), optimizers=False,
+    )  # fmt: skip
+    assert seen and set(seen) == {1}, seen
+    assert torch.get_num_threads() == 2  # the caller's count, back

@@ -287,6 +287,12 @@ class Checker:
                 return False, risk, cmp, traj
         return passed, reason, cmp, traj
 
+    def floor_run_needed(self, cand: Candidate) -> bool:
+        """Whether judging ``cand`` still takes an fp32 run of its own: the one a rounding of its
+        half format apart, made once per format (:meth:`loss_floor`)."""
+        fmt = rounding_format(cand)
+        return format_perturbation(fmt) is not None and fmt not in self._apart
+
     def loss_floor(self, cand: Candidate, steps: int) -> Floor:
         """What ``cand``'s loss is judged against over ``steps``: how far the 2^-20 chaos run drifts
         from the reference, or, for a half format, how far an fp32 run whose weights are off by one

@@ -127,6 +127,14 @@ class Framework:
 
         return torch.get_num_threads()
 
+    def use_threads(self, threads: int) -> None:
+        """Compute with ``threads`` intra-op threads in this process from now on: tune's in-process
+        stages (the numerics checks) run at the count its sweeps measure at. The caller puts the
+        count back (:func:`mixprec.measure.threads.threads_kept`)."""
+        import torch
+
+        torch.set_num_threads(threads)
+
     def thread_probe(
         self, workload: Any, device: str, batch_size: int, counts: Sequence[int]
     ) -> dict[int, float] | None:

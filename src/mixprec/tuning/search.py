@@ -73,6 +73,14 @@ RACE_SHARE = 0.15
 # unpriced, took 189 s and ran the 300 s budget to 6 min 39 s (it compiled a first-step probe and
 # recompiled when the probe's hooks came off; both gone: the whole check now takes 66 s).
 CHECK_COMPILES = 3.0
+# A checked training step over a measured one of the same candidate: deep copies, the range
+# recorder's hooks, the loss read at every step (the default tune on the quiet EPYC: 7.8-8.4 s for an
+# fp32 run of 6 steps and its first-step probe, against 1.04-1.14 s steps).
+CHECK_STEP_COST = 1.15
+# One per-layer range collection (the reference's once, then each candidate's), in strict-fp32
+# steps: every module's forward and backward tensors folded into full range histograms (ResNet-50
+# at 128 px on that EPYC: 6.3 s each against the 1.04 s step).
+RANGES_STEPS = 6.0
 # The late speed sweep leaves this many times one check's estimated cost (stopping a candidate's
 # process and the estimate's error take some of it)
 CHECK_ROOM = 1.5
@@ -129,6 +137,8 @@ class Search:
         self.untried: dict[Candidate, Untried] = {}  # planned, not measured (or only predicted)
         self.not_checked: dict[Candidate, str] = {}  # numerics key -> why its check did not run
         self.compile_costs = CompileCosts()
+        # what the numerics checks took here over what check_cost_s estimated (the last one's)
+        self._check_pace = 1.0
 
     def run(self, info: DeviceInfo, modes: Sequence[str]) -> tuple[Recommendation | None, list]:
         """The stages in order (see the module docstring); the decision and its table."""
@@ -208,7 +218,7 @@ class Search:
         for cand in candidates:
             cost = self.measure_cost_s() if cost_s is None else cost_s
             if cand.policy != "fp32" and cand.numerics not in families:
-                cost += self.check_cost_s()
+                cost += self.check_cost_s(cand.numerics)
                 families.add(cand.numerics)
             self.untried[cand] = Untried(cand, Status.NOT_MEASURED, why, round(cost, 1))
 
@@ -356,21 +366,45 @@ class Search:
         return self.budget.keeping(keep)
 
     # ------------------------------------------------------------------ 2. numerics
-    def check_cost_s(self) -> float:
-        """About what checking one more candidate costs: its training run and first-step probe,
-        plus the fp32 reference and chaos-floor runs when no check has run yet, each a little
-        slower than a measured fp32 step (deep copies, hooks)."""
+    def check_cost_s(self, candidate: Candidate | None = None, micro_batch: int | None = None) -> float:
+        """About what checking ``candidate``'s numerics costs (None: a lower precision not measured
+        yet, priced at strict fp32's step): its training run and first-step probe at its measured
+        step, its per-layer ranges, and the strict-fp32 runs it still needs (the reference and
+        chaos runs and the reference's ranges for the first check at a micro-batch, one run a
+        rounding of its half format apart once per format), times what checks cost here against
+        that estimate so far (:attr:`_check_pace`). Priced 2x per fp32 step and 4 runs for every
+        first check, the default tune's check of bf16-mixed was estimated at 220 s beside two busy
+        processes on the 2-core EPYC (it takes about 140 s) and was never started. ``micro_batch``:
+        the one it is checked at (``tune --batch auto``)."""
         assert self.result is not None
-        base = self.result.baseline
-        step_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
-        if base is not None and base.accumulation_steps > 1:  # a check step is one micro-batch
-            step_s /= base.accumulation_steps
-        # a new micro-batch's fp32 runs (reference, chaos, one a half format's rounding apart) and
-        # the candidate; later, the candidate and perhaps its format's fp32 run: see check_faster
-        runs = 2 if self._checkers else 4
-        # the steps the checks compare: more than asked where the reference needed them to learn
-        steps = max((c.steps for c in self._checkers.values()), default=self.config.check.steps)
-        return 2.0 * runs * (steps + 2) * step_s
+        fp32_s = self._step_s(self.baseline)
+        cand_s = self._step_s(candidate) if candidate is not None else fp32_s
+        checker = self._checkers.get(micro_batch or self.baseline.micro_batch)
+        # the steps the checks compare (more than asked where the reference needed them to learn),
+        # and each run's first-step probe
+        steps = (checker.steps if checker is not None else self.config.check.steps) + 1
+        fp32_runs = 0 if checker is not None else 2
+        if candidate is None or checker is None or checker.floor_run_needed(candidate):
+            fp32_runs += 1
+        ranges = 1 if checker is not None else 2
+        seconds = CHECK_STEP_COST * steps * (fp32_runs * fp32_s + cand_s) + RANGES_STEPS * ranges * fp32_s
+        return self._check_pace * seconds
+
+    def _step_s(self, candidate: Candidate) -> float:
+        """Seconds of one checked step of ``candidate``: the median step of its measured row (the
+        slowest row of its numerics where it was not measured itself, strict fp32's where none
+        was), per micro-batch."""
+        assert self.result is not None
+        rows = [r for r in self.result.rows if r.status == Status.OK and r.step_time_ms is not None]
+        own = (
+            [r for r in rows if r.candidate == candidate]
+            or [r for r in rows if r.candidate.numerics == candidate.numerics]
+            or [r for r in rows if r.candidate == self.baseline]
+        )
+        if not own:
+            return 1.0
+        row = max(own, key=lambda r: r.step_time_ms.median_ms)  # type: ignore[union-attr]
+        return row.step_time_ms.median_ms / 1e3 / max(row.accumulation_steps, 1)  # type: ignore[union-attr]
 
     def check_compile_s(self, row: BenchRow) -> float:
         """What compiling adds to the check of ``row``'s numerics: :data:`CHECK_COMPILES` times its
@@ -393,6 +427,8 @@ class Search:
             )
         at = f" at micro-batch {micro_batch}" if micro_batch else ""
         self.stage(f"checking numerics of {candidate.label}{at}")
+        estimate = self.check_cost_s(candidate, micro_batch) / self._check_pace
+        started = time.perf_counter()
         res = check(
             self.workload,
             policies=(candidate,),
@@ -407,6 +443,11 @@ class Search:
         verdict = res.candidates[0]
         self.verdicts[candidate] = verdict
         self.not_checked.pop(candidate, None)
+        searched = verdict.fix_keep_fp32 or verdict.fix_keep_bf16 or verdict.fix_note
+        if estimate and not candidate.compile and not searched:
+            # the next estimate follows this machine's pace (a busy one, hooks that cost more here);
+            # a compile or a rescue search in the time would say nothing about the next check
+            self._check_pace = min(max((time.perf_counter() - started) / estimate, 0.5), 4.0)
         return verdict
 
     def check_faster(self) -> None:
@@ -431,7 +472,7 @@ class Search:
             top = max((r for r in faster if r.candidate.numerics == numerics), key=speed)
             if best_pass is not None and speed(top) < speed(best_pass) * (1 - RACE_WINDOW):
                 break  # too slow to be a finalist: it cannot win
-            cost = self.check_cost_s() + self.check_compile_s(top)
+            cost = self.check_cost_s(numerics, top.candidate.micro_batch) + self.check_compile_s(top)
             if not self.budget.can_pay(cost):
                 self.notes.append(
                     f"numerics of {numerics.label} not checked: the budget could not pay the about "
@@ -442,7 +483,7 @@ class Search:
                     if left not in self.verdicts:
                         self.not_checked[left] = (
                             f"numerics not checked: the budget ended first (about "
-                            f"{self.check_cost_s():.0f} s more would check it)"
+                            f"{self.check_cost_s(left):.0f} s more would check it)"
                         )
                 break
             verdict = self.check(numerics, micro_batch=top.candidate.micro_batch)
@@ -496,7 +537,7 @@ class Search:
         predicted, notes = self.framework.predictions(self.workload, info)
         self.notes += notes
         for i, cand in enumerate(predicted):
-            if not self.budget.can_pay(self.check_cost_s()):
+            if not self.budget.can_pay(self.check_cost_s(cand)):
                 self.notes.append(f"{cand.label} numerics not predicted: budget spent (--budget raises it)")
                 for left in predicted[i:]:
                     self.untried[left] = Untried(
@@ -565,7 +606,7 @@ class Search:
                 )
                 continue
             # measuring it compiles once, checking it compiles again (other graphs: CHECK_COMPILES)
-            if not budget.can_pay((1.5 + CHECK_COMPILES) * compile_s + self.check_cost_s()):
+            if not budget.can_pay((1.5 + CHECK_COMPILES) * compile_s + self.check_cost_s(candidate.numerics)):
                 skipped[candidate] = f"{candidate.label} (the budget could not pay; {predicted})"
                 self.not_measured(
                     [candidate],
@@ -592,7 +633,7 @@ class Search:
                 self.compile_s[scope] = max(self.compile_s.get(scope, 0.0), row.compile_s)
             self.calibration.update(attempt, row)
             self._note_graphs(row)
-            check_s = self.check_cost_s() + self.check_compile_s(row)
+            check_s = self.check_cost_s(candidate.numerics, candidate.micro_batch) + self.check_compile_s(row)
             if candidate.numerics not in self.verdicts and budget.can_pay(check_s):
                 self.check(candidate.numerics, micro_batch=candidate.micro_batch)
         if skipped:

@@ -106,6 +106,10 @@ class KerasFramework(Framework):
     def threads(self) -> int:
         return backend.tf().config.threading.get_intra_op_parallelism_threads() or super().threads()
 
+    def use_threads(self, threads: int) -> None:
+        """Nothing: TensorFlow fixes its threads when its runtime starts (validating the workload
+        started it in this process), and a candidate process sets its own."""
+
     def environment(self, device: str | None, *, full: bool = False) -> dict[str, Any]:
         from mixprec.frameworks.keras.environment import collect
 

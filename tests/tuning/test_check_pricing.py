@@ -1,0 +1,99 @@
+"""What tune expects a numerics check to cost: the runs the check still needs at their measured
+steps, then what checks took on this machine. On planted step times (tests/tuning/scripted.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from mixprec.budget import Budget
+from mixprec.events import ignore
+from mixprec.frameworks import register_framework, unregister_framework
+from mixprec.hardware.device import detect
+from mixprec.policy import Candidate
+from mixprec.tuning import search as search_module
+from mixprec.tuning.config import TuneConfig
+from mixprec.tuning.search import CHECK_STEP_COST, Search
+
+from .scripted import Planted, PlantedFramework
+
+# the busy 2-core EPYC's default tune: strict fp32 2.9-3.4 s a step at 1 thread, bf16-mixed 1.98x
+BUSY = {"fp32": 3.4, "bf16-mixed": 1.7}
+STEPS = 6
+
+
+class SlowChecks(PlantedFramework):
+    """Every training run of a check takes ``run_s`` of wall time (the speed sweep stays planted)."""
+
+    run_s = 0.0
+
+    def trajectory(self, workload, candidate, batches, steps, device, *, perturb=0.0):
+        time.sleep(self.run_s)
+        return super().trajectory(workload, candidate, batches, steps, device, perturb=perturb)
+
+
+@pytest.fixture
+def framework():
+    fw = SlowChecks()
+    register_framework(fw)
+    yield fw
+    unregister_framework("planted")
+
+
+def swept(framework, seconds, budget_s=300.0):
+    config = TuneConfig(budget_s=budget_s, compile_modes=(), lint=False).with_fields(
+        steps=4, warmup=1, check_steps=STEPS
+    )
+    search = Search(
+        Planted(seconds, jitter=0.0),
+        framework,
+        config,
+        device="cpu",
+        batch_size=8,
+        budget=Budget(budget_s, reserve_s=search_module.RESERVE_S),
+        events=ignore,
+    )
+    search.measure_speed(detect("cpu"))
+    return search
+
+
+def bf16(policy="bf16-mixed"):
+    return Candidate(policy, framework="planted")
+
+
+def test_the_first_check_is_priced_from_its_runs_at_their_measured_steps(framework):
+    """The busy `make demo`: 168 s were left after the speed sweep and the first check was priced
+    at 220 s (2x a strict-fp32 step for each of 4 runs of 8 steps), so bf16-mixed (1.98x) was never
+    checked and fp32+cl was recommended. Its runs: the fp32 reference, the chaos run and the run a
+    bf16 rounding apart at 3.4 s a step, bf16-mixed at 1.7 s, 7 steps each with the probe."""
+    search = swept(framework, BUSY)
+    first = search.check_cost_s(bf16())
+    runs_alone = (STEPS + 1) * (3 * BUSY["fp32"] + BUSY["bf16-mixed"])
+    assert runs_alone < first < 168 - search_module.RESERVE_S
+    # no lower-precision step measured yet (the late sweep's reserve): priced at strict fp32's
+    assert search.check_cost_s() > first
+
+
+def test_a_later_check_prices_only_its_own_runs(framework):
+    search = swept(framework, BUSY)
+    first = search.check_cost_s(bf16())
+    search.check(bf16())
+    pace = search._check_pace
+    # bf16-true: its own run and ranges; the bf16 rounding's fp32 run is made already
+    later = search.check_cost_s(bf16("bf16-true")) / pace
+    assert later < first / 2.5
+    assert later >= CHECK_STEP_COST * (STEPS + 1) * BUSY["fp32"]  # bf16-true unmeasured: fp32's step
+
+
+def test_checks_that_take_longer_here_price_the_next_one_higher(framework):
+    """A busy machine (or hooks that cost more on this model): the next check's price follows what
+    the last took against its estimate, so the budget does not start a check it cannot finish."""
+    search = swept(framework, {"fp32": 0.01, "bf16-mixed": 0.005, "bf16-true": 0.005})
+    search.check(bf16())  # planted runs take no time: faster than estimated
+    assert search._check_pace == 0.5
+    unpaced = search.check_cost_s(bf16("bf16-true")) / search._check_pace
+    framework.run_s = 3.0 * unpaced  # the next check's one run alone takes 3x its estimate
+    search.check(bf16("bf16-true"))
+    assert search._check_pace >= 3.0
+    assert search.check_cost_s(bf16("bf16-true")) >= 3.0 * unpaced
