@@ -47,7 +47,9 @@ class ThreadChoice:
             return None
         return (
             f"contention: the strict-fp32 step took {slow / best:.1f}x as long at {self.default} threads "
-            f"as at {self.threads} (another process holds a core; OpenMP's threads wait for it)"
+            f"as at {self.threads} (another process holds a core; OpenMP's threads wait for it): "
+            "samples/s are what the cores free now give, not the quiet machine's; the speedups are "
+            "paired step by step and hold"
         )
 
     @property
