@@ -80,6 +80,8 @@ def main() -> None:
             "out": str(bench_json),
         }
         bench_load, bench_s = _run(["-c", BENCH, json.dumps(spec)], module=False)
+        if not bench_json.exists():
+            raise SystemExit(f"mixprec.bench of {label} wrote no result (its error is above)")
         tuned, benched = _row(tune_json, label), _row(bench_json, label)
     out = {
         "model": args.model,

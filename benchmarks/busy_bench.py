@@ -46,6 +46,7 @@ def _bench(argv: list[str], neighbours: int) -> dict:
                 text=True,
             )
             wall = time.perf_counter() - started
+            load_after = os.getloadavg()[0]  # (the 1-minute average: the neighbours show by the end)
             if proc.returncode != 0 or not out.exists():
                 raise SystemExit(f"mixprec bench exited {proc.returncode}: {proc.stderr[-2000:]}")
             result = json.loads(out.read_text())
@@ -53,7 +54,7 @@ def _bench(argv: list[str], neighbours: int) -> dict:
         for loop in loops:
             loop.kill()
     rows = {
-        r["policy"] + ("+cl" if r.get("channels_last") else ""): {
+        r["label"]: {
             "samples_per_s": r.get("throughput"),
             "speedup": r.get("speedup_vs_fp32"),
             "status": r.get("status"),
@@ -65,6 +66,7 @@ def _bench(argv: list[str], neighbours: int) -> dict:
     return {
         "neighbours": neighbours,
         "load_before": round(load, 2),
+        "load_after": round(load_after, 2),
         "wall_s": round(wall, 1),
         "threads": result.get("settings", {}).get("threads"),
         "notes": notes,
@@ -79,25 +81,45 @@ def main() -> None:
     parser.add_argument("--neighbours", type=int, default=1, help="busy loops beside the second run")
     parser.add_argument("--json", help="write both runs here")
     args, rest = parser.parse_known_args()
-    argv = [a for a in rest if a != "--"] or DEFAULT
+    if rest[:1] == ["--"]:  # (only the first: `bench -- python train.py` keeps its own)
+        rest = rest[1:]
+    argv = rest or DEFAULT
     quiet = _bench(argv, 0)
     busy = _bench(argv, args.neighbours)
     print(f"mixprec bench {' '.join(argv)}")
     for run in (quiet, busy):
         print(
-            f"  {run['neighbours']} neighbours (load {run['load_before']}): threads {run['threads']}, "
+            f"  {run['neighbours']} neighbours (load {run['load_before']} before, {run['load_after']} at the "
+            f"end): threads {run['threads']}, "
             f"{run['wall_s']} s; {'; '.join(run['notes']) or 'no thread note'}"
         )
     for label, q in quiet["rows"].items():
         b = busy["rows"].get(label, {})
-        qs, bs = q.get("samples_per_s"), b.get("samples_per_s")
-        ratio = f"{bs / qs:.2f}" if qs and bs else "-"
-        print(
-            f"  {label}: quiet {qs or 0:.1f} samples/s ({q.get('speedup') or 1:.2f}x), busy {bs or 0:.1f} "
-            f"samples/s ({b.get('speedup') or 1:.2f}x): busy/quiet {ratio}"
-        )
+        print(f"  {label}: quiet {_figure(q)}, busy {_figure(b)}: busy/quiet {_ratio(q, b)}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"argv": argv, "quiet": quiet, "busy": busy}, indent=1) + "\n")
+        out = {"command": " ".join(["python", *sys.argv]), "machine": _machine(), "argv": argv}
+        Path(args.json).write_text(json.dumps({**out, "quiet": quiet, "busy": busy}, indent=1) + "\n")
+
+
+def _figure(row: dict) -> str:
+    if row.get("status") != "ok" or not row.get("samples_per_s"):
+        return f"{row.get('status', 'not measured')}"
+    return f"{row['samples_per_s']:.1f} samples/s ({row.get('speedup') or 0:.2f}x)"
+
+
+def _ratio(quiet: dict, busy: dict) -> str:
+    q, b = quiet.get("samples_per_s"), busy.get("samples_per_s")
+    return f"{b / q:.2f}" if q and b else "-"
+
+
+def _machine() -> str:
+    """The CPU's model name and core count (the figures are this machine's only)."""
+    name = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")),
+        "unknown CPU",
+    ) if Path("/proc/cpuinfo").exists() else "unknown CPU"  # fmt: skip
+    return f"{os.cpu_count()}-core {name}"
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ def test_tune_judges_numerics_at_the_threads_it_measures_at(monkeypatch, two_thr
     from its sweep's steps would have taken 3.5x as long."""
     from mixprec.frameworks.torch.framework import TorchFramework
     from mixprec.tuning import run as tune_run
+    from mixprec.tuning.search import Search
 
     seen: list[int] = []
     real = TorchFramework.trajectory
@@ -100,6 +101,8 @@ def test_tune_judges_numerics_at_the_threads_it_measures_at(monkeypatch, two_thr
     monkeypatch.setattr(TorchFramework, "trajectory", spy)
     contended = ThreadChoice(1, 2, {1: 2.9, 2: 10.2})
     monkeypatch.setattr(tune_run, "pick_threads", lambda *args, **kwargs: contended)
+    # no race: its in-process sessions set the chosen count themselves, and would hide the checks'
+    monkeypatch.setattr(Search, "race_finalists", lambda self: None)
     w = mixprec.load_workload("mlp", hidden=64, depth=1)
     mixprec.tune(
         w, budget_s=60, steps=2, warmup=1, check_steps=2, device="cpu", lint=False,

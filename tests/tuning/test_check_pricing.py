@@ -91,9 +91,32 @@ def test_checks_that_take_longer_here_price_the_next_one_higher(framework):
     the last took against its estimate, so the budget does not start a check it cannot finish."""
     search = swept(framework, {"fp32": 0.01, "bf16-mixed": 0.005, "bf16-true": 0.005})
     search.check(bf16())  # planted runs take no time: faster than estimated
-    assert search._check_pace == 0.5
-    unpaced = search.check_cost_s(bf16("bf16-true")) / search._check_pace
+    first = search._check_pace
+    assert first < 1.0
+    unpaced = search.check_cost_s(bf16("bf16-true")) / first
     framework.run_s = 3.0 * unpaced  # the next check's one run alone takes 3x its estimate
     search.check(bf16("bf16-true"))
-    assert search._check_pace >= 3.0
-    assert search.check_cost_s(bf16("bf16-true")) >= 3.0 * unpaced
+    # the mean of the two checks' paces (the first pays one-time costs: not the last one's alone)
+    assert search._check_pace >= (first + 3.0) / 2 > 1.5
+    assert search.check_cost_s(bf16("bf16-true")) >= 1.5 * unpaced
+
+
+def test_a_check_at_a_micro_batch_is_priced_at_that_micro_batchs_steps(framework):
+    """`tune --batch auto`: the check runs at the candidate's micro-batch, strict fp32 included,
+    while strict fp32 was measured at another (32 x 2 against bf16-mixed at 64): each run is
+    priced per sample of its measured rows, times the samples of a checked step."""
+    from dataclasses import replace
+
+    from mixprec.measure.results import BenchRow
+
+    search = swept(framework, BUSY)
+    at_64 = replace(bf16(), micro_batch=64, accumulation_steps=1)
+    fp32_at_32 = replace(search.framework.baseline, micro_batch=32, accumulation_steps=2)
+    # 64 samples a step: bf16-mixed 0.8 s at 64 x 1, strict fp32 1.6 s at 32 x 2 (the batched rows only)
+    search.result.measured = [
+        BenchRow("planted", fp32_at_32, "cpu", 32, "ok", step_times_ms=(1600.0,) * 5, accumulation_steps=2),
+        BenchRow("planted", at_64, "cpu", 64, "ok", step_times_ms=(800.0,) * 5),
+    ]
+    assert search._step_s(bf16(), 64) == pytest.approx(0.8)
+    assert search._step_s(search.framework.baseline, 64) == pytest.approx(1.6)  # 64 samples, not 32
+    assert search._step_s(search.framework.baseline, 32) == pytest.approx(0.8)

@@ -49,7 +49,7 @@ class ThreadChoice:
             f"contention: the strict-fp32 step took {slow / best:.1f}x as long at {self.default} threads "
             f"as at {self.threads} (another process holds a core; OpenMP's threads wait for it): "
             "samples/s are what the cores free now give, not the quiet machine's; the speedups are "
-            "paired step by step and hold"
+            "paired step by step, which contention moves far less"
         )
 
     @property

@@ -137,8 +137,9 @@ class Search:
         self.untried: dict[Candidate, Untried] = {}  # planned, not measured (or only predicted)
         self.not_checked: dict[Candidate, str] = {}  # numerics key -> why its check did not run
         self.compile_costs = CompileCosts()
-        # what the numerics checks took here over what check_cost_s estimated (the last one's)
+        # what the numerics checks took here over what check_cost_s estimated (the mean so far)
         self._check_pace = 1.0
+        self._paces: list[float] = []
 
     def run(self, info: DeviceInfo, modes: Sequence[str]) -> tuple[Recommendation | None, list]:
         """The stages in order (see the module docstring); the decision and its table."""
@@ -218,7 +219,7 @@ class Search:
         for cand in candidates:
             cost = self.measure_cost_s() if cost_s is None else cost_s
             if cand.policy != "fp32" and cand.numerics not in families:
-                cost += self.check_cost_s(cand.numerics)
+                cost += self.check_cost_s(cand.numerics, cand.micro_batch)
                 families.add(cand.numerics)
             self.untried[cand] = Untried(cand, Status.NOT_MEASURED, why, round(cost, 1))
 
@@ -358,31 +359,34 @@ class Search:
         unpaid. (The time kept goes to the later stages when no check needs it.) Where what is
         left cannot pay for one more candidate and its check, nothing is kept: a speed measured
         without its verdict still tells the user what a larger --budget would check."""
-        if all(c.policy == "fp32" or c.numerics in self.verdicts for c in todo):
+        unknown = [c for c in todo if c.policy != "fp32" and c.numerics not in self.verdicts]
+        if not unknown:
             return self.budget
-        keep = CHECK_ROOM * self.check_cost_s()
+        keep = CHECK_ROOM * max(self.check_cost_s(c.numerics, c.micro_batch) for c in unknown)
         if not self.budget.can_pay(self.measure_cost_s() + keep):
             return self.budget
         return self.budget.keeping(keep)
 
     # ------------------------------------------------------------------ 2. numerics
     def check_cost_s(self, candidate: Candidate | None = None, micro_batch: int | None = None) -> float:
-        """About what checking ``candidate``'s numerics costs (None: a lower precision not measured
-        yet, priced at strict fp32's step): its training run and first-step probe at its measured
-        step, its per-layer ranges, and the strict-fp32 runs it still needs (the reference and
-        chaos runs and the reference's ranges for the first check at a micro-batch, one run a
-        rounding of its half format apart once per format), times what checks cost here against
+        """About what checking ``candidate``'s numerics at ``micro_batch`` costs (``tune --batch
+        auto``; None: the run's batch). ``candidate`` None: a lower precision not measured yet,
+        priced at strict fp32's step. The candidate's training run and first-step probe at its
+        measured step, its per-layer ranges, and the strict-fp32 runs it still needs (the reference
+        and chaos runs and the reference's ranges for the first check at a micro-batch, one run a
+        rounding of its half format apart once per format), times what checks took here against
         that estimate so far (:attr:`_check_pace`). Priced 2x per fp32 step and 4 runs for every
-        first check, the default tune's check of bf16-mixed was estimated at 220 s beside two busy
-        processes on the 2-core EPYC (it takes about 140 s) and was never started. ``micro_batch``:
-        the one it is checked at (``tune --batch auto``)."""
+        first check, the default tune's first check of bf16-mixed was estimated at 220 s beside two
+        busy processes on the 2-core EPYC and never started (priced from its runs, it took 113 s)."""
         assert self.result is not None
-        fp32_s = self._step_s(self.baseline)
-        cand_s = self._step_s(candidate) if candidate is not None else fp32_s
-        checker = self._checkers.get(micro_batch or self.baseline.micro_batch)
-        # the steps the checks compare (more than asked where the reference needed them to learn),
-        # and each run's first-step probe
-        steps = (checker.steps if checker is not None else self.config.check.steps) + 1
+        key = micro_batch or self.baseline.micro_batch
+        fp32_s = self._step_s(self.framework.baseline, key)
+        cand_s = self._step_s(candidate, key) if candidate is not None else fp32_s
+        checker = self._checkers.get(key)
+        # the steps the checks compare (more than asked where a reference needed them to learn: a
+        # new micro-batch's will too), and each run's first-step probe
+        asked = max((c.steps for c in self._checkers.values()), default=self.config.check.steps)
+        steps = (checker.steps if checker is not None else asked) + 1
         fp32_runs = 0 if checker is not None else 2
         if candidate is None or checker is None or checker.floor_run_needed(candidate):
             fp32_runs += 1
@@ -390,21 +394,32 @@ class Search:
         seconds = CHECK_STEP_COST * steps * (fp32_runs * fp32_s + cand_s) + RANGES_STEPS * ranges * fp32_s
         return self._check_pace * seconds
 
-    def _step_s(self, candidate: Candidate) -> float:
-        """Seconds of one checked step of ``candidate``: the median step of its measured row (the
-        slowest row of its numerics where it was not measured itself, strict fp32's where none
-        was), per micro-batch."""
+    def _step_s(self, candidate: Candidate, micro_batch: int | None) -> float:
+        """Seconds of one measured training step of ``candidate`` (a numerics key) at ``micro_batch``
+        samples (None: the run's batch), from the rows measured so far: the time per sample of its
+        own rows (those at that micro-batch first), else of the slowest row of its numerics, else
+        of strict fp32's, times the samples of a checked step."""
         assert self.result is not None
+        size = micro_batch or self.bench.batch_size or self.result.batch_size
+
+        def per_sample(r: BenchRow) -> float:
+            samples = max(r.world_size, 1) * r.batch_size * max(r.accumulation_steps, 1)
+            return r.step_time_ms.median_ms / 1e3 / max(samples, 1)  # type: ignore[union-attr]
+
+        def key(c: Candidate) -> Candidate:
+            return replace(c, micro_batch=None, accumulation_steps=1)
+
         rows = [r for r in self.result.rows if r.status == Status.OK and r.step_time_ms is not None]
-        own = (
-            [r for r in rows if r.candidate == candidate]
+        own = [r for r in rows if key(r.candidate) == key(candidate)]
+        found = (
+            [r for r in own if r.batch_size == size]
+            or own
             or [r for r in rows if r.candidate.numerics == candidate.numerics]
-            or [r for r in rows if r.candidate == self.baseline]
+            or [r for r in rows if key(r.candidate) == key(self.framework.baseline)]
         )
-        if not own:
+        if not found:
             return 1.0
-        row = max(own, key=lambda r: r.step_time_ms.median_ms)  # type: ignore[union-attr]
-        return row.step_time_ms.median_ms / 1e3 / max(row.accumulation_steps, 1)  # type: ignore[union-attr]
+        return max(per_sample(r) for r in found) * size
 
     def check_compile_s(self, row: BenchRow) -> float:
         """What compiling adds to the check of ``row``'s numerics: :data:`CHECK_COMPILES` times its
@@ -444,10 +459,13 @@ class Search:
         self.verdicts[candidate] = verdict
         self.not_checked.pop(candidate, None)
         searched = verdict.fix_keep_fp32 or verdict.fix_keep_bf16 or verdict.fix_note
-        if estimate and not candidate.compile and not searched:
-            # the next estimate follows this machine's pace (a busy one, hooks that cost more here);
-            # a compile or a rescue search in the time would say nothing about the next check
-            self._check_pace = min(max((time.perf_counter() - started) / estimate, 0.5), 4.0)
+        whole = verdict.verdict != Status.ERROR and len(verdict.losses) >= self._checkers[micro_batch].steps
+        if estimate and whole and not candidate.compile and not searched:
+            # the next estimate follows this machine's pace (a busy one, hooks that cost more here),
+            # the mean of the checks so far (the first pays one-time costs); a compile, a rescue
+            # search or a run that ended early in the time says nothing about the next check
+            self._paces.append(min(max((time.perf_counter() - started) / estimate, 0.5), 4.0))
+            self._check_pace = sum(self._paces) / len(self._paces)
         return verdict
 
     def check_faster(self) -> None:
@@ -606,7 +624,8 @@ class Search:
                 )
                 continue
             # measuring it compiles once, checking it compiles again (other graphs: CHECK_COMPILES)
-            if not budget.can_pay((1.5 + CHECK_COMPILES) * compile_s + self.check_cost_s(candidate.numerics)):
+            check_s = self.check_cost_s(candidate.numerics, candidate.micro_batch)
+            if not budget.can_pay((1.5 + CHECK_COMPILES) * compile_s + check_s):
                 skipped[candidate] = f"{candidate.label} (the budget could not pay; {predicted})"
                 self.not_measured(
                     [candidate],
