@@ -113,13 +113,10 @@ def _ratio(quiet: dict, busy: dict) -> str:
 
 
 def _machine() -> str:
-    """The CPU's model name and core count (the figures are this machine's only)."""
-    name = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")),
-        "unknown CPU",
-    ) if Path("/proc/cpuinfo").exists() else "unknown CPU"  # fmt: skip
-    return f"{os.cpu_count()}-core {name}"
+    """The CPU's name and core count (the figures are this machine's only)."""
+    from mixprec.hardware.device import detect
+
+    return f"{os.cpu_count()}-core {detect('cpu').name}"
 
 
 if __name__ == "__main__":

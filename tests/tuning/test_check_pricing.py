@@ -89,7 +89,8 @@ def test_a_later_check_prices_only_its_own_runs(framework):
 def test_checks_that_take_longer_here_price_the_next_one_higher(framework):
     """A busy machine (or hooks that cost more on this model): the next check's price follows what
     the last took against its estimate, so the budget does not start a check it cannot finish."""
-    search = swept(framework, {"fp32": 0.01, "bf16-mixed": 0.005, "bf16-true": 0.005})
+    # steps long enough that a planted check (no run time) is faster than its estimate on a busy machine
+    search = swept(framework, {"fp32": 0.05, "bf16-mixed": 0.025, "bf16-true": 0.025})
     search.check(bf16())  # planted runs take no time: faster than estimated
     first = search._check_pace
     assert first < 1.0

@@ -137,8 +137,7 @@ class Search:
         self.untried: dict[Candidate, Untried] = {}  # planned, not measured (or only predicted)
         self.not_checked: dict[Candidate, str] = {}  # numerics key -> why its check did not run
         self.compile_costs = CompileCosts()
-        # what the numerics checks took here over what check_cost_s estimated (the mean so far)
-        self._check_pace = 1.0
+        # what each eager numerics check took here over what check_cost_s estimated
         self._paces: list[float] = []
 
     def run(self, info: DeviceInfo, modes: Sequence[str]) -> tuple[Recommendation | None, list]:
@@ -401,25 +400,17 @@ class Search:
         of strict fp32's, times the samples of a checked step."""
         assert self.result is not None
         size = micro_batch or self.bench.batch_size or self.result.batch_size
-
-        def per_sample(r: BenchRow) -> float:
-            samples = max(r.world_size, 1) * r.batch_size * max(r.accumulation_steps, 1)
-            return r.step_time_ms.median_ms / 1e3 / max(samples, 1)  # type: ignore[union-attr]
-
-        def key(c: Candidate) -> Candidate:
-            return replace(c, micro_batch=None, accumulation_steps=1)
-
-        rows = [r for r in self.result.rows if r.status == Status.OK and r.step_time_ms is not None]
-        own = [r for r in rows if key(r.candidate) == key(candidate)]
+        rows = [r for r in self.result.rows if r.status == Status.OK and r.throughput]
+        own = [r for r in rows if r.candidate.unbatched == candidate.unbatched]
         found = (
             [r for r in own if r.batch_size == size]
             or own
             or [r for r in rows if r.candidate.numerics == candidate.numerics]
-            or [r for r in rows if key(r.candidate) == key(self.framework.baseline)]
+            or [r for r in rows if r.candidate.unbatched == self.framework.baseline.unbatched]
         )
         if not found:
             return 1.0
-        return max(per_sample(r) for r in found) * size
+        return size / min(t for r in found if (t := r.throughput))
 
     def check_compile_s(self, row: BenchRow) -> float:
         """What compiling adds to the check of ``row``'s numerics: :data:`CHECK_COMPILES` times its
@@ -465,8 +456,13 @@ class Search:
             # the mean of the checks so far (the first pays one-time costs); a compile, a rescue
             # search or a run that ended early in the time says nothing about the next check
             self._paces.append(min(max((time.perf_counter() - started) / estimate, 0.5), 4.0))
-            self._check_pace = sum(self._paces) / len(self._paces)
         return verdict
+
+    @property
+    def _check_pace(self) -> float:
+        """What checks took here over their estimates: the mean of the eager ones so far (1.0
+        before any)."""
+        return sum(self._paces) / len(self._paces) if self._paces else 1.0
 
     def check_faster(self) -> None:
         """Check the candidates that beat strict fp32, fastest policy first; stop once one passed
