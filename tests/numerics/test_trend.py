@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import pytest
 
+from mixprec.numerics import trend
 from mixprec.numerics.limits import FORMATS
 from mixprec.numerics.trend import (
     HORIZON,
     UNDERFLOW_LIMIT,
+    UNSURE_MAX_BITS,
     LayerSeries,
+    Outlook,
     headroom_bits,
     least_headroom,
     outlook,
     predict,
+    theil_sen,
 )
 
 FP16_MAX = FORMATS["fp16"].max_finite
@@ -122,3 +127,123 @@ def test_least_headroom_names_the_layer_and_the_step():
     assert headroom_bits(math.inf, "fp16") == -math.inf
     assert headroom_bits(0.0, "fp16") is None
     assert headroom_bits(FP16_MAX, "fp16") == pytest.approx(0.0)
+
+
+def _kendall_tau(values):
+    pairs = concordant = 0
+    for i in range(len(values)):
+        for j in range(i + 1, len(values)):
+            pairs += 1
+            concordant += (values[j] > values[i]) - (values[j] < values[i])
+    return concordant / pairs if pairs else 0.0
+
+
+def _predict_in_python(values, limit, *, layer, direction, fmt, start=1):
+    """predict() as it was before its pairwise slopes were computed in batches: pure Python, one
+    series at a time (the reference the batched fits must equal, figure for figure)."""
+    points = [(t, v) for t, v in enumerate(values) if t >= start and math.isfinite(v) and v > 0]
+    if len(points) < 4:
+        return None
+    ts = [float(t) for t, _ in points]
+    logs = [math.log2(v) for _, v in points]
+    target = math.log2(limit)
+    last_t, last_log = ts[-1], logs[-1]
+    best = None
+    for shape in ("exponential", "power", "linear"):
+        if shape == "exponential":
+            slope, icpt = theil_sen(ts, logs)
+            fitted = [icpt + slope * t for t in ts]
+            growth = slope
+            step = last_t + (target - fitted[-1]) / slope if slope > 0 else None
+        elif shape == "power":
+            lts = [math.log2(t + 1) for t in ts]
+            slope, icpt = theil_sen(lts, logs)
+            fitted = [icpt + slope * lt for lt in lts]
+            growth = slope * (math.log2(last_t + 2) - math.log2(last_t + 1))
+            exponent = (target - icpt) / slope if slope > 0 else math.inf
+            step = 2**exponent - 1 if exponent < 60 else None
+        else:
+            vals = [2**y for y in logs]
+            slope, icpt = theil_sen(ts, vals)
+            fitted = [math.log2(max(icpt + slope * t, 1e-300)) for t in ts]
+            end = icpt + slope * last_t
+            growth = math.log2((end + slope) / end) if slope > 0 and end > 0 else 0.0
+            step = (limit - icpt) / slope if slope > 0 else None
+        residual = statistics.median(abs(y - f) for y, f in zip(logs, fitted, strict=True))
+        crossing = None if step is None or step > 1e9 else max(int(last_t), math.ceil(step))
+        if best is None or residual < best[0]:
+            best = (residual, shape, trend._r2(logs, fitted), crossing, growth, fitted[-1] - fitted[0])
+    _, shape, r2, crossing, growth, gained = best
+    if last_log >= target:
+        crossing = int(last_t)
+    return trend.Prediction(
+        layer=layer, direction=direction, fmt=fmt, limit=limit, shape=shape, step=crossing,
+        growth_bits=growth, gained_bits=gained, headroom_bits=target - last_log, points=len(points),
+        tau=_kendall_tau(logs), r2=r2, horizon=int(HORIZON * (last_t + 1)),
+    )  # fmt: skip
+
+
+def _outlook_in_python(series, fmt, train_steps, start=1):
+    """outlook() as it was: every series fitted, one at a time, in pure Python."""
+    limit = FORMATS[fmt].max_finite
+    supported, beyond, watched = [], [], 0
+    for s in series:
+        for direction, values, bound in (
+            ("forward", s.forward, limit),
+            ("backward", s.backward, limit),
+            ("underflow", s.underflow, UNDERFLOW_LIMIT),
+        ):
+            p = _predict_in_python(values, bound, layer=s.name, direction=direction, fmt=fmt, start=start)
+            if p is None:
+                continue
+            watched += 1
+            if p.step is None or p.step > train_steps or not p.trending:
+                continue
+            (supported if p.within_evidence else beyond if p.headroom_bits <= UNSURE_MAX_BITS else []).append(
+                p
+            )
+    key = lambda p: (p.step, -p.layer.count("."))  # noqa: E731
+    return Outlook(min(supported, key=key, default=None), min(beyond, key=key, default=None), watched)
+
+
+def _random_series(rng, n):
+    growth, noise = rng.choice([0.0, 0.02, 0.3, 2.0]), rng.choice([0.0, 0.05, 0.5])
+
+    def walk(level):
+        return [
+            level * 2 ** (growth * t + rng.gauss(0, noise)) if rng.random() > 0.05 else float("nan")
+            for t in range(n)
+        ]
+
+    return walk
+
+
+def test_the_batched_fits_give_every_figure_the_python_fits_gave():
+    """The fits' pairwise slopes are computed in batches (series with the same steps at once: a
+    monitor's sampled step on a small model was mostly these fits); every prediction and every
+    outlook must be what the pure-Python fits gave, to the last bit."""
+    rng = random.Random(0)
+    at_risk = 0
+    for case in range(300):
+        n = rng.randint(2, 34)
+        walk = _random_series(rng, n)
+        series = [
+            LayerSeries(
+                f"l{i}",
+                "Linear",
+                walk(rng.choice([1.0, 1e3])),
+                walk(1e-2),
+                [min(0.3, v * 1e-3) for v in walk(1.0)],
+            )
+            for i in range(3)
+        ]
+        fmt, steps = rng.choice(["fp16", "bf16"]), rng.choice([100, 10_000])
+        for s in series:
+            for values in (s.forward, s.backward, s.underflow):
+                for start in (0, 1):
+                    kw = {"layer": s.name, "direction": "forward", "fmt": fmt, "start": start}
+                    assert predict(values, FP16_MAX, **kw) == _predict_in_python(values, FP16_MAX, **kw), case
+        got = outlook(series, fmt, steps)
+        assert got == _outlook_in_python(series, fmt, steps), case
+        at_risk += got.at_risk is not None
+    assert at_risk > 20  # (the cases include trends at risk, not only noise)

@@ -14,6 +14,7 @@ from mixprec.measure.results import BenchRow, assemble
 from mixprec.numerics.results import CandidateCheck
 from mixprec.policy import Candidate
 from mixprec.tuning import autotune, decide, tune
+from mixprec.tuning.decide import speed
 from sweep_cuts import cut_at_candidate
 
 
@@ -190,10 +191,9 @@ def test_tune_end_to_end_on_the_tiny_mlp(tmp_path):
     chosen = measured[rec.label]
     assert chosen.status == "recommended"
     assert chosen.verdict == "pass"
-    # nothing that passed is meaningfully faster than the recommendation
-    faster = [
-        c for c in result.ranked if c.status == "pass" and c.row.throughput > chosen.row.throughput * 1.5
-    ]
+    # nothing that passed is meaningfully faster than the recommendation, by the paired speedup tune
+    # ranks by (throughputs measured minutes apart differ by more than that under the suite's load)
+    faster = [c for c in result.ranked if c.status == "pass" and speed(c.row) > speed(chosen.row) * 1.5]
     assert not faster
     data = result.to_dict()
     # every target either exports the pick faithfully or says why it cannot

@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=None,
         help="steps between sampled steps (default: 100, or less often where sampling would cost "
-        "more than 0.25%% of the run)",
+        "more than 0.15%% of the run)",
     )
     p.add_argument("--shadow-every", type=int, default=0, help="steps between fp32 shadow steps (0: off)")
     p.add_argument(

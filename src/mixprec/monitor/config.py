@@ -64,7 +64,7 @@ class MonitorConfig:
     every: int | None = None
     """Steps between sampled steps (per-layer ranges, the losses since the last one, trends, the
     finite check of the weights). None: 100, or less often where sampled steps would cost more than
-    0.25% of the run's time (:mod:`mixprec.monitor.sampler`), but at least 8 samples over
+    0.15% of the run's time (:mod:`mixprec.monitor.sampler`), but at least 8 samples over
     ``train_steps`` (the trend rules need points: a 300-step run is sampled every 37 steps); a
     number is kept as it is."""
 

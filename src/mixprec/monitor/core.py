@@ -7,7 +7,11 @@ It costs what the user can afford:
 * **every step**, nothing the step does not already pay for: the loss is kept as a device tensor
   (read at the next sampled step), the skipped flag comes from the policy's ``step()`` (which
   reads it anyway) or, in a plain ``torch.amp`` loop, from the scale GradScaler has just updated
-  (its ``step()`` synchronises already for non-fused optimizers);
+  (its ``step()`` synchronises already for non-fused optimizers). Between the steps that are
+  sampled, timed for the sampling budget or fed to the detectors, a CPU step whose loss
+  :meth:`Monitor.before_step` read and cleared takes :meth:`Monitor.observe`'s plain path (keep
+  the loss, count the step) and runs no optimizer hook: on a launch-bound step these
+  microseconds of cold Python are the monitor's whole cost;
 * **every** ``every`` **steps** (default 100): per-layer forward/backward abs-max and underflow
   share on the real step (:mod:`mixprec.monitor.sampler`), the losses since the last sample, a
   finite check of the weights, and the detectors' trends;
@@ -82,6 +86,7 @@ log = logging.getLogger("mixprec.monitor")
 # monitor holds no optimizer whose post-step hook says the loop stepped one (more micro-batches of
 # gradient accumulation than this between two optimizer steps are not a loop anyone runs)
 UNCONFIRMED_STEPS = 50
+_NEGATIVE_INFINITY = -math.inf  # (a loss of -inf is not finite: the quick test does not clear it)
 
 
 class MonitorStop(MixprecError):
@@ -223,11 +228,12 @@ class Monitor:
         self._reset()
         self._quiet = min((d.quiet_below for d in self._updating), default=math.inf)
         # before the update: the check of what before_step handed over (and withholding it); right
-        # after it, while the gradients are still there: the stalls, and a withheld step's gradients back
-        self._hooks = [o.register_step_post_hook(self._after_update) for o in self.optimizers]
-        # the pre-step hooks are armed only while something waits for them (a CPU run's normal
-        # step has none: an optimizer hook costs microseconds of cold Python a step)
-        self._armed: list[Any] = []
+        # after it, while the gradients are still there: the stalls, and a withheld step's gradients
+        # back. Both are armed only while something waits for them (a CPU run's normal step has
+        # none: an optimizer hook costs microseconds of cold Python a step)
+        self._armed: list[Any] = []  # the pre-step hooks
+        self._after: list[Any] = []  # the post-step hooks (_hook_updates)
+        self._hooks: list[Any] = []  # an adapter's own optimizer hooks, removed at close()
         # whether the loop steps the policy (or GradScaler) the monitor reads its skips from is not
         # known until it steps: checked at each step until it is (_confirm_loop)
         self._unconfirmed = policy is not None or (scaler is not None and scaler.is_enabled())
@@ -236,6 +242,7 @@ class Monitor:
         self._closed = False
         model._mixprec_monitor = self  # type: ignore[assignment]
         self.sampler.begin(0)
+        self._hook_updates()
 
     def _reset(self) -> None:
         """The run's record, empty: no step seen yet."""
@@ -261,6 +268,7 @@ class Monitor:
         self._on_cpu = False  # and whether it is a CPU one (read at once, in before_step)
         self._quiet = -math.inf  # a staged loss at or below it needs no detector (their quick test)
         self._fed_to = -1  # the last step whose loss the detectors' ranges have seen
+        self._plain_until = 0  # the steps before it take observe()'s plain path (_next_busy_step)
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -312,6 +320,22 @@ class Monitor:
         return self._record(loss, batch, "record")
 
     def _record(self, loss: torch.Tensor | float, batch: Any, call: str) -> list[MonitorFinding]:
+        step, read = self.step, self._read
+        if (
+            step < self._plain_until
+            and read is not None
+            and read[0] is loss
+            and not self._armed
+            and self.policy.stats.skipped_steps == self.scale.skips_seen  # type: ignore[union-attr]
+        ):
+            # a plain step (the common one): its loss was read and cleared before the update, it is
+            # neither sampled, timed nor fed to the detectors, and the policy skipped nothing. The
+            # rest of this method costs microseconds of cold Python on every step; this is the
+            # whole of what such a step needs.
+            self._read = None
+            self.losses.append(read[1])
+            self.step = step + 1
+            return []
         if self.stopped or self._closed:
             self._staged = self._read = None
             return []
@@ -354,7 +378,46 @@ class Monitor:
             self.rescuer.take_snapshot(step)
         self.step += 1
         self.sampler.next(self.step)
+        self._hook_updates()
+        self._plain_until = self._next_busy_step()
         return self.findings[before:]
+
+    def _hook_updates(self) -> None:
+        """Arm the optimizers' post-step hooks (:meth:`_after_update`) while an update must be
+        seen: the loop's optimizer steps are counted until it is confirmed, and a sampled step's
+        stalls are counted at its update (an accumulating loop's comes micro-batches later); else
+        remove them. A withheld update arms them itself (:meth:`_hold`)."""
+        if self._unconfirmed or self.sampler.awaits_update or self._held:
+            if not self._after:
+                self._after = [o.register_step_post_hook(self._after_update) for o in self.optimizers]
+        elif self._after:
+            for handle in self._after:
+                handle.remove()
+            self._after = []
+
+    def _next_busy_step(self) -> int:
+        """The first step from :attr:`step` on whose :meth:`observe` has more to do than keep its
+        loss and count it (:meth:`_record`'s plain path): the sampler's next timed or sampled step,
+        the detectors' next feed. Runs whose every step needs the whole path (a loop not yet
+        confirmed, detectors that look at every step, a schedule or snapshots, a plain loop's
+        GradScaler whose scale is read each step, GradScaler's start-up) get :attr:`step` itself."""
+        step, policy = self.step, self.policy
+        if (
+            policy is None
+            or self.stopped
+            or self._closed
+            or self._unconfirmed
+            or self._stepping
+            or self.schedule
+            or self.config.snapshot_every
+            or self.scale.starting(step)
+            or (policy.scaler is not None and self.scale.settled is None)
+        ):
+            return step
+        busy = self.sampler.untimed_until(step)
+        if self._feeding:
+            busy = min(busy, self._fed_to + FEED)
+        return max(busy, step)
 
     def _confirm_loop(self, step: int) -> None:
         """Whether the loop steps the policy (or plain GradScaler) the monitor reads its skips and
@@ -407,6 +470,18 @@ class Monitor:
         the detectors' quick limit: a normal step arms no optimizer hook. A device loss is read in
         the optimizer's pre-step hook only where the step's GradScaler has just synchronised (else
         it is judged when a sampled step reads it). :meth:`observe` still follows the step."""
+        value = None
+        if self._on_cpu and grad_norm is None and not self._grad_each:
+            # the quick test now, on a value the host holds (it stays cold code: keep it short; a
+            # loss item() refuses is checked below, where the error names the fix)
+            try:
+                value = loss.item()  # type: ignore[union-attr]
+            except (RuntimeError, AttributeError):
+                value = None
+            else:
+                self._read = (loss, value)
+                if _NEGATIVE_INFINITY < value <= self._quiet:
+                    return  # a normal step: its value joins the detectors' ranges with the next batch
         if self._closed:
             return
         _check_loss(loss, "before_step")
@@ -414,13 +489,9 @@ class Monitor:
             scaler = self.scale.scaler or (self.policy.scaler if self.policy is not None else None)
             self._on_host = _readable(loss, scaler)
             self._on_cpu = self._on_host and isinstance(loss, torch.Tensor) and loss.device.type == "cpu"
-        value = None
-        if self._on_cpu and grad_norm is None and not self._grad_each:
-            # the quick test now, on a value the host holds (it stays cold code: keep it short)
-            value = loss.item()  # type: ignore[union-attr]
-            self._read = (loss, value)
-            if value <= self._quiet:
-                return  # a normal step: its value joins the detectors' ranges with the next batch
+            if self._on_cpu:  # (read now, as every later step is)
+                self.before_step(loss, batch, batch_index=batch_index, grad_norm=grad_norm)
+                return
         self._staged = (self.step, loss, batch, batch_index, grad_norm, value)
         if not self._armed:
             self._armed = [o.register_step_pre_hook(self._before_update) for o in self.optimizers]
@@ -479,6 +550,7 @@ class Monitor:
         for p, _ in held:
             p.grad = None
         self._held[id(optimizer)] = held
+        self._hook_updates()  # (the gradients go back after the update)
 
     def _after_update(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self._updates += self._unconfirmed
@@ -680,6 +752,7 @@ class Monitor:
             f"step {finding.step}: {finding.kind} ({finding.message}) {why or spent}; the findings so "
             "far are the monitor's (Monitor.findings, its findings= sink)."
         )
+        self._plain_until = 0
         evidence = {"answers": finding.kind, "rescues": self.rescues}
         self._emit(MonitorFinding(finding.step, STOP, self.stopped, finding.module, evidence))
 
@@ -735,13 +808,15 @@ class Monitor:
         if self._closed:
             return
         self._closed = True
+        self._on_cpu = False  # (before_step's quick test reads nothing more)
         self.read_losses()
         if self._feeding and not self.stopped:
             self._feed()
         self.sampler.abandon()
         self._disarm()
-        for hook in self._hooks:
+        for hook in self._hooks + self._after:
             hook.remove()
+        self._hooks = self._after = []
         if getattr(self.model, "_mixprec_monitor", None) is self:
             del self.model._mixprec_monitor
 
@@ -796,4 +871,6 @@ class Monitor:
             detector.load_state_dict(state)
         self._fed_to = int(state.get("fed_to", self.step - 1))
         self._quiet = min((d.quiet_below for d in self._updating), default=math.inf)
+        self._plain_until = 0
         self.sampler.begin(self.step)
+        self._hook_updates()

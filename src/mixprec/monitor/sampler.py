@@ -7,7 +7,8 @@ that can cost more than a whole step. With ``every=None`` (the default) the samp
 cost under :data:`BUDGET` of the run's time: it times the steps between samples (the host's time
 between two :meth:`Sampler.tick` calls, which on a GPU is the step time once the queue is full) and
 the sampled ones, and when two samples in a row cost more than the budget allows at the current
-interval it doubles the interval, keeping only the samples already taken on the new grid, so the
+interval it widens the interval to the smallest multiple of it that fits the budget (within the
+run's least number of samples), keeping only the samples already taken on the new grid, so the
 series stay evenly spaced and the trends fitted on them mean what they did. The interval only
 grows: a monitor never flaps between two rates. An ``every`` the user gives is kept as it is.
 """
@@ -28,7 +29,9 @@ from mixprec.numerics.trend import LayerSeries
 from mixprec.policy.scaler import dense
 
 EVERY = 100  # the most often a step is sampled by default
-BUDGET = 0.0025  # the share of the run's time sampled steps may cost; the per-step work (~5 us) is apart
+BUDGET = (
+    0.0015  # the share of the run's time sampled steps may cost; the per-step work (~5 us on a CPU) is apart
+)
 MAX_WIDENING = 64  # an automatic interval stays within 64x EVERY: a run is still sampled
 # A run whose length is known is sampled at least this often: the trend rules fit a line through
 # the samples (a 300-step run sampled every 400 steps had one sample and no trend at all).
@@ -99,6 +102,11 @@ class Sampler:
         # one) does not step the optimizer, moves nothing and stalls nothing; its snapshot waits
         # for the optimizer step that ends the accumulation
 
+    @property
+    def awaits_update(self) -> bool:
+        """Whether a sampled step's stalls wait to be counted at the next update."""
+        return bool(self._before)
+
     def count_stalls(self, step: int) -> None:
         """The share of weights with a gradient that the update left bit-identical (*-true); run
         right after the optimizer step (its post-step hook), while the gradients are still there
@@ -126,6 +134,20 @@ class Sampler:
         self._before = []
 
     # ------------------------------------------------------------------ cost
+    def untimed_until(self, step: int) -> int:
+        """The first step from ``step`` on that the sampler must see (:meth:`next` at its end): the
+        steps before it are neither sampled nor timed, since the typical step the budget compares a
+        sample with is timed over the :data:`_RECENT_STEPS` steps right before it (and a fixed
+        interval needs no time at all). A caller may skip
+        :meth:`next` for them (the monitor's per-step work on a launch-bound step is microseconds
+        that count); the first tick after such a stretch has no start and is not taken."""
+        due = -(-step // self.interval) * self.interval  # the next sampled step (``step`` where it is)
+        # (the step before a sampled one begins it; a fixed interval times nothing)
+        first = max(step, due - 1 if self.fixed else due - _RECENT_STEPS - 1)
+        if first > step:
+            self._mark = None
+        return first
+
     def next(self, step: int) -> None:
         """The step before ``step`` ended: time it, then :meth:`begin` ``step``."""
         now = time.perf_counter()
@@ -146,9 +168,9 @@ class Sampler:
         needed = extra / (BUDGET * typical) if typical > 0 else 0.0
         self._over_budget = self._over_budget + 1 if needed > self.interval else 0
         if self._over_budget >= 2 and self.interval * 2 <= self.most:
-            factor = 2 ** math.ceil(math.log2(needed / self.interval))
-            while self.interval * factor > self.most:  # a multiple of the interval: the grid holds
-                factor //= 2
+            # a multiple of the interval, so the grid holds: the smallest within the budget (a
+            # power of two overshot it by up to 2x, or fell to half the run's widest interval)
+            factor = min(math.ceil(needed / self.interval * (1 - 1e-9)), self.most // self.interval)
             self._widen(self.interval * factor)
             self._over_budget = 0
 

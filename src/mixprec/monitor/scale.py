@@ -26,6 +26,8 @@ class ScaleWatch:
         settled: the scale after GradScaler's start-up (it follows the scale through the first
             :data:`STARTUP_STEPS` steps; None until the first step that moved).
         current: the scale the last step left (the next step's).
+        skips_seen: the policy's skipped steps as of the last step observed (a step that changes
+            them was skipped).
     """
 
     def __init__(self, policy: Policy | None, scaler: torch.amp.GradScaler | None) -> None:
@@ -33,7 +35,7 @@ class ScaleWatch:
         self.skipped: list[int] = []
         self.scales: list[tuple[int, float]] = []
         self.settled: float | None = None
-        self._skips_before = policy.stats.skipped_steps if policy is not None else 0
+        self.skips_seen = policy.stats.skipped_steps if policy is not None else 0
         self.current = self.read()
 
     def read(self) -> float | None:
@@ -49,8 +51,8 @@ class ScaleWatch:
         steps. A plain loop's skip shows as a lower scale, read from GradScaler after its
         ``step()`` has already synchronised (non-fused optimizers)."""
         if self.policy is not None:
-            skipped = self.policy.stats.skipped_steps > self._skips_before
-            self._skips_before = self.policy.stats.skipped_steps
+            skipped = self.policy.stats.skipped_steps > self.skips_seen
+            self.skips_seen = self.policy.stats.skipped_steps
             if self.policy.scaler is None or not (skipped or self.settled is None or sampled):
                 self._note(step, skipped)
                 return skipped
@@ -113,5 +115,5 @@ class ScaleWatch:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.settled = state.get("settled_scale")
         self.skipped = [int(v) for v in state.get("skipped") or []]
-        self._skips_before = self.policy.stats.skipped_steps if self.policy is not None else 0
+        self.skips_seen = self.policy.stats.skipped_steps if self.policy is not None else 0
         self.current = self.read()

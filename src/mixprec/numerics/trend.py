@@ -20,11 +20,14 @@ calibrated on healthy runs (benchmarks/false_alarms.py) in docs/check.md.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import torch
 
 from mixprec.numerics.limits import FORMATS
 
@@ -162,15 +165,6 @@ class Prediction:
         return asdict(self)
 
 
-def _kendall_tau(values: Sequence[float]) -> float:
-    pairs = concordant = 0
-    for i in range(len(values)):
-        for j in range(i + 1, len(values)):
-            pairs += 1
-            concordant += (values[j] > values[i]) - (values[j] < values[i])
-    return concordant / pairs if pairs else 0.0
-
-
 def theil_sen(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Slope and intercept robust to a stray point (the median of pairwise slopes)."""
     slopes = [
@@ -191,16 +185,93 @@ def _r2(ys: Sequence[float], fitted: Sequence[float]) -> float:
     return 1.0 - residual / total if total > 0 else 0.0
 
 
+@dataclass
+class _Series:
+    """What a trend is fitted on: the steps from ``start`` whose value is finite and positive, and
+    log2 of those values."""
+
+    ts: list[float]
+    logs: list[float]
+
+
+def _series(values: Sequence[float], start: int) -> _Series | None:
+    """None with too few points to fit."""
+    points = [(t, v) for t, v in enumerate(values) if t >= start and math.isfinite(v) and v > 0]
+    if len(points) < MIN_POINTS:
+        return None
+    return _Series([float(t) for t, _ in points], [math.log2(v) for _, v in points])
+
+
+@functools.lru_cache(maxsize=64)
+def _pairs(n: int) -> torch.Tensor:
+    """The index pairs (i < j) of ``n`` points, as two rows."""
+    return torch.triu_indices(n, n, 1)
+
+
+def _medians(rows: torch.Tensor) -> list[list[float]]:
+    """The median of each row of ``rows`` (three dimensions) along the last, as
+    :func:`statistics.median` gives it (the mean of the two middle values of an even count)."""
+    count = rows.shape[-1]
+    upper = rows.kthvalue(count // 2 + 1, dim=-1).values.tolist()
+    if count % 2:
+        return upper
+    lower = rows.kthvalue(count // 2, dim=-1).values.tolist()
+    return [[(a + b) / 2 for a, b in zip(lo, hi, strict=True)] for lo, hi in zip(lower, upper, strict=True)]
+
+
+def _pairwise(series: Sequence[_Series]) -> list[tuple[float, float, float, float]]:
+    """For each series: the Theil-Sen slope (:func:`theil_sen`'s median of the pairwise slopes)
+    of its exponential, power and linear shapes, and Kendall's tau of its logs. These are the
+    O(points^2) part of a fit; the series with the same steps (a monitor's layers, sampled
+    together) are computed at once, in float64 with the same operations as Python's, so each
+    figure is the one the pure-Python fit gives."""
+    out: list[tuple[float, float, float, float]] = [(0.0, 0.0, 0.0, 0.0)] * len(series)
+    groups: dict[tuple[float, ...], list[int]] = {}
+    for k, s in enumerate(series):
+        groups.setdefault(tuple(s.ts), []).append(k)
+    for ts, members in groups.items():
+        n = len(ts)
+        i, j = _pairs(n)
+        # the shapes' x (steps, log2 of steps) and y (log2 of the values, the values)
+        x = torch.tensor([ts, [math.log2(t + 1) for t in ts]], dtype=torch.float64)
+        logs = [series[k].logs for k in members]
+        y = torch.tensor([logs, [[2**v for v in row] for row in logs]], dtype=torch.float64)
+        run, rise = x[:, j] - x[:, i], y[:, :, j] - y[:, :, i]
+        slopes = torch.stack((rise[0] / run[0], rise[0] / run[1], rise[1] / run[0]), dim=1)
+        concordant = torch.sign(rise[0]).sum(dim=-1).tolist()
+        pairs = n * (n - 1) // 2
+        for (exp, power, linear), c, k in zip(_medians(slopes), concordant, members, strict=True):
+            out[k] = (exp, power, linear, c / pairs)
+    return out
+
+
+def _intercept(xs: Sequence[float], ys: Sequence[float], slope: float) -> float:
+    return statistics.median(y - slope * x for x, y in zip(xs, ys, strict=True))
+
+
 def predict(
     values: Sequence[float], limit: float, *, layer: str, direction: str, fmt: str, start: int = 1
 ) -> Prediction | None:
     """Fit the growth of ``values`` (one abs-max per step) from step ``start`` on and find where it
     crosses ``limit``. None with too few finite, positive points to fit."""
-    points = [(t, v) for t, v in enumerate(values) if t >= start and math.isfinite(v) and v > 0]
-    if len(points) < MIN_POINTS:
+    series = _series(values, start)
+    if series is None:
         return None
-    ts = [float(t) for t, _ in points]
-    logs = [math.log2(v) for _, v in points]
+    return _fit(series, _pairwise([series])[0], limit, layer=layer, direction=direction, fmt=fmt)
+
+
+def _fit(
+    series: _Series,
+    pairwise: tuple[float, float, float, float],
+    limit: float,
+    *,
+    layer: str,
+    direction: str,
+    fmt: str,
+) -> Prediction:
+    """:func:`predict` of ``series`` from its pairwise figures (:func:`_pairwise`)."""
+    ts, logs = series.ts, series.logs
+    exp_slope, power_slope, linear_slope, tau = pairwise
     target = math.log2(limit)
     last_t, last_log = ts[-1], logs[-1]
     horizon = int(HORIZON * (last_t + 1))
@@ -208,20 +279,23 @@ def predict(
     # (residual, shape, r2, step, growth per step, bits gained over the window)
     for shape in SHAPES:
         if shape == "exponential":
-            slope, icpt = theil_sen(ts, logs)
+            slope = exp_slope
+            icpt = _intercept(ts, logs, slope)
             fitted = [icpt + slope * t for t in ts]
             growth = slope
             step = last_t + (target - fitted[-1]) / slope if slope > 0 else None
         elif shape == "power":
             lts = [math.log2(t + 1) for t in ts]
-            slope, icpt = theil_sen(lts, logs)
+            slope = power_slope
+            icpt = _intercept(lts, logs, slope)
             fitted = [icpt + slope * lt for lt in lts]
             growth = slope * (math.log2(last_t + 2) - math.log2(last_t + 1))
             exponent = (target - icpt) / slope if slope > 0 else math.inf
             step = 2**exponent - 1 if exponent < 60 else None  # past 2^60 steps: never
         else:
             vals = [2**y for y in logs]
-            slope, icpt = theil_sen(ts, vals)
+            slope = linear_slope
+            icpt = _intercept(ts, vals, slope)
             fitted = [math.log2(max(icpt + slope * t, 1e-300)) for t in ts]
             end = icpt + slope * last_t
             growth = math.log2((end + slope) / end) if slope > 0 and end > 0 else 0.0
@@ -244,8 +318,8 @@ def predict(
         growth_bits=growth,
         gained_bits=gained,
         headroom_bits=target - last_log,
-        points=len(points),
-        tau=_kendall_tau(logs),
+        points=len(ts),
+        tau=tau,
         r2=r2,
         horizon=horizon,
     )
@@ -282,23 +356,28 @@ def outlook(series: Sequence[LayerSeries], fmt: str, train_steps: int, *, start:
     limit = FORMATS[fmt].max_finite
     supported: list[Prediction] = []
     beyond: list[Prediction] = []
-    watched = 0
+    asked: list[tuple[_Series, float, str, str]] = []  # (series, limit, layer, direction)
     for s in series:
         watch = (("forward", s.forward, limit), ("backward", s.backward, limit))
         for direction, values, bound in (*watch, ("underflow", s.underflow, UNDERFLOW_LIMIT)):
-            p = predict(values, bound, layer=s.name, direction=direction, fmt=fmt, start=start)
-            if p is None:
-                continue
-            watched += 1
-            if p.step is None or p.step > train_steps or not p.trending:
-                continue
-            if p.within_evidence:
-                supported.append(p)
-            elif p.headroom_bits <= UNSURE_MAX_BITS:
-                beyond.append(p)
+            fitted = _series(values, start)
+            if fitted is not None:
+                asked.append((fitted, bound, s.name, direction))
+    for (fitted, bound, name, direction), pairwise in zip(
+        asked, _pairwise([a[0] for a in asked]), strict=True
+    ):
+        if pairwise[3] < MIN_TAU:
+            continue  # not trending whatever the fit (Kendall's tau): the rest of its fit is not needed
+        p = _fit(fitted, pairwise, bound, layer=name, direction=direction, fmt=fmt)
+        if p.step is None or p.step > train_steps or not p.trending:
+            continue
+        if p.within_evidence:
+            supported.append(p)
+        elif p.headroom_bits <= UNSURE_MAX_BITS:
+            beyond.append(p)
     # the earliest crossing; of a tie (a wrapper outputs what its last layer does), the innermost layer
     key = lambda p: (p.step, -p.layer.count("."))  # noqa: E731
-    return Outlook(min(supported, key=key, default=None), min(beyond, key=key, default=None), watched)
+    return Outlook(min(supported, key=key, default=None), min(beyond, key=key, default=None), len(asked))
 
 
 def headroom_bits(absmax: float, fmt: str) -> float | None:
