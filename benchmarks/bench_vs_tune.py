@@ -3,8 +3,10 @@ pick (the exact candidate: layout, compile scope, optimizer) right after it, on 
 and the two figures for the pick side by side.
 
 Both pair the candidate with strict fp32 step by step and report the median of the paired ratios
-with its 95% interval; a repeat measurement outside the other's interval is a bug in one of them
-(issue 36). Run it on a quiet machine; the load average before each run is printed with it.
+with its 95% interval: where a repeat run lands on this machine (the run's own noise and the spread
+between runs, `repeat_ci`; the run's own bootstrap interval alone is `within`). A repeat
+measurement outside the other's interval is a bug in one of them (issue 36). Run it on a quiet
+machine; the load average before each run is printed with it.
 
     python benchmarks/bench_vs_tune.py --model resnet50 [--budget 300] [--json out.json]
 """
@@ -57,6 +59,12 @@ def _row(path: Path, label: str) -> dict:
     return next(r for r in rows if r.get("label") == label and not r.get("baseline_repeat"))
 
 
+def _figures(row: dict, load: float) -> dict:
+    """A row's speedup, its reported interval (where a repeat lands) and its within-run one."""
+    ci = row.get("repeat_ci") or row.get("speedup_ci")
+    return {"speedup": row["speedup_vs_fp32"], "ci": ci, "within": row.get("speedup_ci"), "load": load}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -86,8 +94,8 @@ def main() -> None:
     out = {
         "model": args.model,
         "pick": label,
-        "tune": {"speedup": tuned["speedup_vs_fp32"], "ci": tuned.get("speedup_ci"), "load": tune_load},
-        "bench": {"speedup": benched["speedup_vs_fp32"], "ci": benched.get("speedup_ci"), "load": bench_load},
+        "tune": _figures(tuned, tune_load),
+        "bench": _figures(benched, bench_load),
         "seconds": {"tune": round(tune_s), "bench": round(bench_s)},
     }
     for name in ("tune", "bench"):

@@ -147,7 +147,7 @@ def test_candidates_table_with_the_recommended_row_marked(result):
         assert f'<span class="badge {tone(ranked.status)}">{ranked.status}</span>' in row
         if ranked.row is not None and ranked.row.throughput:
             assert f'<td class="num">{fmt.fmt_throughput(ranked.row.throughput)}</td>' in row
-            speedup = fmt.fmt_speedup_ci(ranked.row.speedup_vs_fp32, ranked.row.speedup_ci)
+            speedup = fmt.fmt_speedup_ci(ranked.row.speedup_vs_fp32, ranked.row.interval)
             assert f'<td class="num">{speedup}</td>' in row
             assert f'<td class="num">{fmt.fmt_bytes(ranked.row.peak_memory_bytes)}</td>' in row
 

@@ -133,7 +133,7 @@ def candidate_table(data: dict[str, Any]) -> Table:
             c["label"],
             Text(c["status"], style=rich_style(c["status"])),
             f"{c['throughput']:.1f}" if c.get("throughput") else "",
-            fmt_speedup_ci(c.get("speedup_vs_fp32"), c.get("speedup_ci")),
+            fmt_speedup_ci(c.get("speedup_vs_fp32"), c.get("repeat_ci") or c.get("speedup_ci")),
             f"{share:.0%}" if share is not None else "",
         ]
         if compiled:

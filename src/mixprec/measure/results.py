@@ -22,6 +22,7 @@ from typing import Any
 
 from mixprec.files import atomic_write_text
 from mixprec.measure.mfu import achieved_tflops, mfu
+from mixprec.measure.repeats import widen
 from mixprec.policy import Candidate
 from mixprec.schema import SCHEMA_VERSION, check_version, known_fields
 from mixprec.status import Status
@@ -83,8 +84,12 @@ class BenchRow:
         notes: what happened to this row beyond its status (e.g. measured on a retry).
         error_traceback: an error row's traceback (its innermost frames), from the candidate's
             own process where it ran in one; kept in JSON, shown by ``--debug``.
-        speedup_vs_fp32, speedup_ci, achieved_tflops, mfu, mfu_note, peak_flops,
+        speedup_vs_fp32, speedup_ci, repeat_ci, achieved_tflops, mfu, mfu_note, peak_flops,
             peak_flops_source: derived by :func:`assemble` from the sweep; never set them by hand.
+            ``speedup_ci`` is the bootstrap interval of the paired ratios' median (the noise within
+            this run: what candidates measured together are compared by); ``repeat_ci`` is where a
+            repeat run of it on this machine lands, 19 times in 20 (:mod:`mixprec.measure.repeats`),
+            what the reports show as the speedup's interval (:attr:`interval`).
     """
 
     workload: str
@@ -117,6 +122,7 @@ class BenchRow:
     # derived (assemble)
     speedup_vs_fp32: float | None = None
     speedup_ci: tuple[float, float] | None = None
+    repeat_ci: tuple[float, float] | None = None
     achieved_tflops: float | None = None
     mfu: float | None = None
     mfu_note: str = ""
@@ -138,6 +144,12 @@ class BenchRow:
     @property
     def label(self) -> str:
         return self.candidate.label + (" (repeat)" if self.baseline_repeat else "")
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        """The speedup's interval as reported: where a repeat run lands (``repeat_ci``) where the
+        result knows the spread between runs, else the run's own (``speedup_ci``)."""
+        return self.repeat_ci or self.speedup_ci
 
     @cached_property
     def step_time_ms(self) -> StepTime | None:
@@ -179,6 +191,7 @@ class BenchRow:
         for key in ("step_times_ms", "rank_step_time_ms", "rank_peak_memory_bytes", "paired_ratios", "notes"):
             d[key] = list(d[key])
         d["speedup_ci"] = list(self.speedup_ci) if self.speedup_ci else None
+        d["repeat_ci"] = list(self.repeat_ci) if self.repeat_ci else None
         return d
 
     @classmethod
@@ -192,8 +205,9 @@ class BenchRow:
         data["candidate"] = Candidate.from_dict(flat)
         for key in ("step_times_ms", "rank_step_time_ms", "rank_peak_memory_bytes", "paired_ratios", "notes"):
             data[key] = tuple(d.get(key) or ())
-        ci = d.get("speedup_ci")
-        data["speedup_ci"] = (float(ci[0]), float(ci[1])) if ci else None
+        for key in ("speedup_ci", "repeat_ci"):
+            ci = d.get(key)
+            data[key] = (float(ci[0]), float(ci[1])) if ci else None
         return cls(**data)
 
 
@@ -249,10 +263,14 @@ def _mfu(flops: int | None, step_s: float, peak: float | None, source: str) -> t
     return None, f"n/a: {achieved:.3g} TFLOP/s exceed the {peak / 1e12:.3g} TFLOP/s peak ({value:.0%}): {why}"  # type: ignore[operator]
 
 
-def assemble(rows: Iterable[BenchRow], flops_per_step: int | None, peaks: Peaks) -> list[BenchRow]:
+def assemble(
+    rows: Iterable[BenchRow], flops_per_step: int | None, peaks: Peaks, between_run_sd: float = 0.0
+) -> list[BenchRow]:
     """``rows`` with every derived figure computed from their own measurements and the baseline.
 
-    The speedup of a row with paired ratios is their median (and its bootstrap interval); rows
+    The speedup of a row with paired ratios is their median with its bootstrap interval, and where
+    a repeat run lands: that interval widened by ``between_run_sd``, the spread between runs of
+    log(speedup) on this machine (:func:`mixprec.measure.repeats.widen`; 0: not known); rows
     without (the baseline, data-parallel runs, schema-1 files) fall back on the ratio of
     throughputs. MFU above 100% is never shown as a figure: it becomes None with ``mfu_note``.
     """
@@ -262,8 +280,12 @@ def assemble(rows: Iterable[BenchRow], flops_per_step: int | None, peaks: Peaks)
     for row in rows:
         derived: dict[str, Any] = {}
         if row.paired_ratios:
-            derived["speedup_vs_fp32"] = statistics.median(row.paired_ratios)
-            derived["speedup_ci"] = median_ci(row.paired_ratios)
+            median = statistics.median(row.paired_ratios)
+            within = median_ci(row.paired_ratios)
+            derived["speedup_vs_fp32"] = median
+            derived["speedup_ci"] = within
+            if within and median > 0 and between_run_sd > 0:
+                derived["repeat_ci"] = widen(median, within, between_run_sd)
         elif row.throughput and base is not None and base.throughput:
             derived["speedup_vs_fp32"] = row.throughput / base.throughput
         st = row.step_time_ms
@@ -300,6 +322,9 @@ class BenchResult:
         notes: what the sweep adjusted or skipped, and why.
         stopped: why the sweep ended before its last candidate (a deadline), else None.
         noise: what the machine was doing meanwhile (see :mod:`mixprec.measure.noise`).
+        between_run_sd / between_run_basis: the spread between runs of log(speedup) on this
+            machine that the rows' intervals include, and where it comes from
+            (:mod:`mixprec.measure.repeats`); 0 and '' for a result made without it.
     """
 
     workload: str
@@ -314,10 +339,12 @@ class BenchResult:
     notes: list[str] = field(default_factory=list)
     stopped: str | None = None
     noise: dict[str, Any] = field(default_factory=dict)
+    between_run_sd: float = 0.0
+    between_run_basis: str = ""
 
     @property
     def rows(self) -> list[BenchRow]:
-        return assemble(self.measured, self.flops_per_step, self.peaks)
+        return assemble(self.measured, self.flops_per_step, self.peaks, self.between_run_sd)
 
     def add(self, row: BenchRow) -> None:
         self.measured.append(row)
@@ -367,6 +394,7 @@ class BenchResult:
             "notes": self.notes,
             "stopped": self.stopped,
             "noise": self.noise,
+            "between_run": {"sd": self.between_run_sd, "basis": self.between_run_basis},
             "rows": [r.to_dict() for r in self.rows],
         }
 
@@ -391,6 +419,8 @@ class BenchResult:
             notes=list(data.get("notes") or []),
             stopped=data.get("stopped"),
             noise=dict(data.get("noise") or {}),
+            between_run_sd=float((data.get("between_run") or {}).get("sd") or 0.0),
+            between_run_basis=str((data.get("between_run") or {}).get("basis") or ""),
         )
 
 

@@ -10,6 +10,9 @@ so far.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import statistics
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
@@ -29,7 +32,8 @@ from mixprec.measure.failure import exception_status
 from mixprec.measure.isolate import SessionEnded
 from mixprec.measure.paired import PairedSweep
 from mixprec.measure.recorder import RowRecorder
-from mixprec.measure.results import NO_FLOPS_NOTE, BenchResult, BenchRow
+from mixprec.measure.repeats import Repeats
+from mixprec.measure.results import NO_FLOPS_NOTE, BenchResult, BenchRow, median_ci
 from mixprec.measure.threads import pick_threads, threads_kept
 from mixprec.policy import Candidate
 from mixprec.status import Status
@@ -158,6 +162,8 @@ def run_sweep(
     for cand in plan:  # a candidate with its own micro-batch must train the run's samples per step
         settings.for_candidate(cand)
     info = detect(device)
+    repeats = Repeats()
+    between_run_sd, between_run_basis = repeats.between_run_sd(info.name)
     result = BenchResult(
         workload=framework.workload_label(workload),
         description=workload.description,
@@ -167,6 +173,8 @@ def run_sweep(
         env=framework.environment(device),
         notes=notes,
         peaks=framework.peaks(info, list(dict.fromkeys(c.spec.peak_key for c in plan))),
+        between_run_sd=between_run_sd,
+        between_run_basis=between_run_basis,
     )
     sweep = Sweep(
         framework,
@@ -198,7 +206,21 @@ def run_sweep(
             sweep.run(rows)
     finally:
         rows.close()
+    if reference == framework.baseline and config.nproc == 1:  # speedups over strict fp32, paired
+        _record_repeats(repeats, info.name, {**key, "description": result.description}, result)
     return result
+
+
+def _record_repeats(repeats: Repeats, device: str, key: dict[str, Any], result: BenchResult) -> None:
+    """Keep each measured speedup of this run, so a later run of the same configuration on this
+    machine teaches the spread between runs its intervals include (:mod:`mixprec.measure.repeats`)."""
+    for row in result.measured:
+        within = median_ci(row.paired_ratios)
+        if row.status != Status.OK or row.baseline_repeat or within is None:
+            continue
+        config = json.dumps({**key, "candidate": row.candidate.to_dict()}, sort_keys=True, default=str)
+        speedup = statistics.median(row.paired_ratios)
+        repeats.record(device, hashlib.sha256(config.encode()).hexdigest()[:24], speedup, within)
 
 
 def recorded_settings(

@@ -24,7 +24,7 @@ def _cells(row: BenchRow) -> dict[str, str]:
         "candidate": row.label,
         "status": row.status,
         "throughput": f"{row.throughput:.1f}" if row.throughput else "",
-        "speedup": fmt_speedup_ci(row.speedup_vs_fp32, row.speedup_ci),
+        "speedup": fmt_speedup_ci(row.speedup_vs_fp32, row.interval),
         "step": fmt_ms(st.median_ms, st.iqr_ms) if st else "",
         "n": str(st.n) if st else "",
         "first_loss": f"{row.first_loss:.4f}" if row.first_loss is not None else "",
@@ -102,7 +102,7 @@ def summary_line(result: BenchResult) -> str:
     best = result.best()
     pieces = []
     if best is not None:
-        speed = fmt_speedup_ci(best.speedup_vs_fp32, best.speedup_ci) or "no fp32 baseline"
+        speed = fmt_speedup_ci(best.speedup_vs_fp32, best.interval) or "no fp32 baseline"
         pieces.append(f"fastest: {best.label} ({best.throughput:.1f} samples/s, {speed} strict fp32)")
     drift = drift_text(result.baseline_drift)
     if drift:
@@ -113,6 +113,11 @@ def summary_line(result: BenchResult) -> str:
     noise_line = describe_noise(result.noise)
     if noise_line:
         pieces.append(f"machine noise: {noise_line}")
+    if result.between_run_sd:
+        pieces.append(
+            "the intervals are where a repeat run lands, 19 times in 20: this run's noise and a "
+            f"spread between runs of {result.between_run_sd:.1%} ({result.between_run_basis})"
+        )
     if result.stopped:
         pieces.append(result.stopped)
     return "; ".join(pieces) + "." if pieces else "no candidate finished."

@@ -258,7 +258,7 @@ def _check_of(result: TuneResult, rec: Recommendation) -> CandidateCheck | None:
 
 def _ci_of(result: TuneResult, rec: Recommendation) -> tuple[float, float] | None:
     row = next((r.row for r in result.ranked if r.candidate == rec.candidate and r.row), None)
-    return row.speedup_ci if row else None
+    return row.interval if row else None
 
 
 def cards(result: TuneResult, rec: Recommendation) -> tuple[Card, ...]:
@@ -337,7 +337,7 @@ def candidate_row(ranked: Ranked) -> Row:
         Cell(ranked.label, "candidate", parts=label_parts(ranked.label)),
         _badge(ranked.status),
         Cell(fmt_throughput(row.throughput if row else None), "num"),
-        Cell(fmt_speedup_ci(row.speedup_vs_fp32, row.speedup_ci) if row else "", "num"),
+        Cell(fmt_speedup_ci(row.speedup_vs_fp32, row.interval) if row else "", "num"),
         Cell(fmt_ms(st.median_ms, st.iqr_ms) if st else "", "num"),
         Cell(fmt_bytes(row.peak_memory_bytes if row else None), "num"),
         Cell(fmt_pct(mfu) if mfu else ("n/a" if row and row.mfu_note else ""), "num"),

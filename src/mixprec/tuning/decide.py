@@ -90,6 +90,7 @@ class Ranked:
             "throughput": row.throughput if row else None,
             "speedup_vs_fp32": row.speedup_vs_fp32 if row else None,
             "speedup_ci": list(row.speedup_ci) if row and row.speedup_ci else None,
+            "repeat_ci": list(row.repeat_ci) if row and row.repeat_ci else None,
             "step_time_ms": row.step_time_ms.to_dict() if row and row.step_time_ms else None,
             "peak_memory_bytes": row.peak_memory_bytes if row else None,
             "mfu": row.mfu if row else None,
@@ -729,7 +730,7 @@ def _reason(
         parts.append(f"{', '.join(pruned)} pruned as far slower than the best")
     how_fast = "measured"
     if chosen.speedup_vs_fp32:
-        ci = chosen.speedup_ci
+        ci = chosen.interval
         interval = f" (95% interval {ci[0]:.2f}-{ci[1]:.2f}x)" if ci else ""
         how_fast = f"{chosen.speedup_vs_fp32:.2f}x faster than strict fp32{interval}"
         if chosen.candidate.compile and chosen.compile_s is not None and train_steps:
