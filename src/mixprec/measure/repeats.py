@@ -122,10 +122,10 @@ class Repeats:
         own, df = pooled_between_run_sd(runs)
         sd = math.sqrt((PRIOR_DF * BETWEEN_RUN_SD**2 + df * own**2) / (PRIOR_DF + df))
         if not df:
-            return sd, f"a prior of {BETWEEN_RUN_SD:.1%} (no speedup measured twice on this machine yet)"
+            return sd, "the prior: no speedup was measured twice on this machine yet"
         return sd, (
-            f"{own:.1%} from {df} repeat{'s' if df > 1 else ''} measured on this machine, weighed with a "
-            f"prior of {BETWEEN_RUN_SD:.1%} ({PRIOR_DF} degrees of freedom)"
+            f"{own:.1%} from {df} repeat{'s' if df > 1 else ''} measured on this machine, weighed with the "
+            f"{BETWEEN_RUN_SD:.1%} prior ({PRIOR_DF} degrees of freedom)"
         )
 
     def record(self, device: str, key: str, speedup: float, interval: tuple[float, float]) -> None:
