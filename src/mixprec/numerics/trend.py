@@ -205,7 +205,7 @@ def _series(values: Sequence[float], start: int) -> _Series | None:
 @functools.lru_cache(maxsize=64)
 def _pairs(n: int) -> torch.Tensor:
     """The index pairs (i < j) of ``n`` points, as two rows."""
-    return torch.triu_indices(n, n, 1)
+    return torch.triu_indices(n, n, 1, device="cpu")
 
 
 def _medians(rows: torch.Tensor) -> list[list[float]]:
@@ -233,9 +233,10 @@ def _pairwise(series: Sequence[_Series]) -> list[tuple[float, float, float, floa
         n = len(ts)
         i, j = _pairs(n)
         # the shapes' x (steps, log2 of steps) and y (log2 of the values, the values)
-        x = torch.tensor([ts, [math.log2(t + 1) for t in ts]], dtype=torch.float64)
+        # (on the CPU whatever torch's default device: a few hundred numbers, read back at once)
+        x = torch.tensor([ts, [math.log2(t + 1) for t in ts]], dtype=torch.float64, device="cpu")
         logs = [series[k].logs for k in members]
-        y = torch.tensor([logs, [[2**v for v in row] for row in logs]], dtype=torch.float64)
+        y = torch.tensor([logs, [[2**v for v in row] for row in logs]], dtype=torch.float64, device="cpu")
         run, rise = x[:, j] - x[:, i], y[:, :, j] - y[:, :, i]
         slopes = torch.stack((rise[0] / run[0], rise[0] / run[1], rise[1] / run[0]), dim=1)
         concordant = torch.sign(rise[0]).sum(dim=-1).tolist()
