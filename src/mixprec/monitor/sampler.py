@@ -29,9 +29,8 @@ from mixprec.numerics.trend import LayerSeries
 from mixprec.policy.scaler import dense
 
 EVERY = 100  # the most often a step is sampled by default
-BUDGET = (
-    0.0015  # the share of the run's time sampled steps may cost; the per-step work (~5 us on a CPU) is apart
-)
+# The share of the run's time sampled steps may cost (the per-step work, ~5 us on a CPU, is apart).
+BUDGET = 0.0015
 MAX_WIDENING = 64  # an automatic interval stays within 64x EVERY: a run is still sampled
 # A run whose length is known is sampled at least this often: the trend rules fit a line through
 # the samples (a 300-step run sampled every 400 steps had one sample and no trend at all).
@@ -138,9 +137,9 @@ class Sampler:
         """The first step from ``step`` on that the sampler must see (:meth:`next` at its end): the
         steps before it are neither sampled nor timed, since the typical step the budget compares a
         sample with is timed over the :data:`_RECENT_STEPS` steps right before it (and a fixed
-        interval needs no time at all). A caller may skip
-        :meth:`next` for them (the monitor's per-step work on a launch-bound step is microseconds
-        that count); the first tick after such a stretch has no start and is not taken."""
+        interval needs no time at all). A caller may skip :meth:`next` for them (the monitor's
+        per-step work on a launch-bound step is microseconds that count); the first tick after
+        such a stretch has no start and is not taken."""
         due = -(-step // self.interval) * self.interval  # the next sampled step (``step`` where it is)
         # (the step before a sampled one begins it; a fixed interval times nothing)
         first = max(step, due - 1 if self.fixed else due - _RECENT_STEPS - 1)
