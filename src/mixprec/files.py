@@ -19,14 +19,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import secrets
 import stat
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
-from mixprec.errors import UsageError
+from mixprec.errors import CacheWarning, UsageError
 
 
 def _kind(mode: int) -> str:
@@ -214,3 +217,23 @@ class OutputLock:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.release()
+
+
+def read_json_cache(path: Path, what: str, version: int, section: str) -> dict[str, Any]:
+    """The ``section`` of the JSON cache at ``path`` (``{"version": version, section: {...}}``), for
+    the caller to check entry by entry. A missing file reads as empty; an unreadable one (a folder,
+    binary, not JSON) or one of another version as empty with one :class:`CacheWarning` naming
+    ``what`` it is (a cache is a saving, never a reason to fail)."""
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, RecursionError) as exc:
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        warnings.warn(f"{what} {str(path)!r} is unreadable ({why}).", CacheWarning, 4)
+        return {}
+    found = data.get(section) if isinstance(data, dict) and data.get("version") == version else None
+    if not isinstance(found, dict):
+        warnings.warn(f"{what} {str(path)!r} is not a version-{version} file.", CacheWarning, 4)
+        return {}
+    return found

@@ -71,7 +71,9 @@ def test_without_repeats_the_prior_holds_and_the_interval_says_so(tmp_path):
 def test_the_machines_own_repeats_outweigh_the_prior_as_they_accumulate(tmp_path):
     path = tmp_path / "repeats.json"
     for _ in range(9):  # nine identical runs: no spread between them at all
-        Repeats(path).record("cpu", "config", 2.0, (1.98, 2.02))
+        repeats = Repeats(path)
+        repeats.record("cpu", "config", 2.0, (1.98, 2.02))
+        repeats.save()
         assert Repeats(path).devices["cpu"]["config"][-1][0] == pytest.approx(math.log(2.0))
     kept = Repeats(path)
     assert len(kept.devices["cpu"]["config"]) == 8  # the latest runs only

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from mixprec.errors import CacheWarning, UsageError
-from mixprec.files import atomic_write_text
+from mixprec.files import atomic_write_text, read_json_cache
 from mixprec.hardware.peaks import default_cache_dir
 
 ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -90,22 +90,8 @@ class CompileCosts:
         self.entries = self._read()
 
     def _read(self) -> dict[str, dict[str, float]]:
-        try:
-            data = json.loads(self.path.read_bytes().decode("utf-8"))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, RecursionError) as exc:
-            why = getattr(exc, "strerror", None) or type(exc).__name__
-            warnings.warn(f"compile cost cache {str(self.path)!r} is unreadable ({why}).", CacheWarning, 3)
-            return {}
-        entries = data.get("entries") if isinstance(data, dict) and data.get("version") == _VERSION else None
-        if not isinstance(entries, dict):
-            warnings.warn(
-                f"compile cost cache {str(self.path)!r} is not a version-{_VERSION} file.", CacheWarning, 3
-            )
-            return {}
         good: dict[str, dict[str, float]] = {}
-        for key, entry in entries.items():
+        for key, entry in read_json_cache(self.path, "compile cost cache", _VERSION, "entries").items():
             if not isinstance(entry, dict):
                 continue
             times = {k: v for k, v in entry.items() if k in ("cold_s", "warm_s") and _seconds(v)}

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mixprec.errors import CacheWarning, UsageError
-from mixprec.files import atomic_write_text
+from mixprec.files import atomic_write_text, read_json_cache
 from mixprec.hardware.peaks import default_cache_dir
 
 # The spread between runs of log(speedup) before this machine has repeats of its own: the 2-core
@@ -91,21 +91,10 @@ class Repeats:
         self.devices = self._read()
 
     def _read(self) -> dict[str, dict[str, list[list[float]]]]:
-        try:
-            data = json.loads(self.path.read_bytes().decode("utf-8"))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError, RecursionError) as exc:
-            why = getattr(exc, "strerror", None) or type(exc).__name__
-            warnings.warn(f"repeat measurements {str(self.path)!r} are unreadable ({why}).", CacheWarning, 3)
-            return {}
-        devices = data.get("devices") if isinstance(data, dict) and data.get("version") == _VERSION else None
-        if not isinstance(devices, dict):
-            why = f"repeat measurements {str(self.path)!r} are not a version-{_VERSION} file."
-            warnings.warn(why, CacheWarning, 3)
-            return {}
         good: dict[str, dict[str, list[list[float]]]] = {}
-        for device, configs in devices.items():
+        for device, configs in read_json_cache(
+            self.path, "repeat measurement cache", _VERSION, "devices"
+        ).items():
             if not isinstance(configs, dict):
                 continue
             for key, runs in configs.items():
@@ -129,13 +118,17 @@ class Repeats:
         )
 
     def record(self, device: str, key: str, speedup: float, interval: tuple[float, float]) -> None:
-        """Keep one run's ``speedup`` of configuration ``key`` on ``device`` (the median of its
-        paired ratios) and the within-run standard error its bootstrap ``interval`` stands for."""
+        """Add one run's ``speedup`` of configuration ``key`` on ``device`` (the median of its
+        paired ratios) and the within-run standard error its bootstrap ``interval`` stands for;
+        :meth:`save` keeps what a sweep added, once."""
         if not (speedup > 0 and interval[0] > 0):
             return
         runs = self.devices.setdefault(device, {}).setdefault(key, [])
         runs.append([math.log(speedup), within_run_se(*interval)])
         del runs[:-KEPT]
+
+    def save(self) -> None:
+        """Write the runs kept (a warning where the file cannot be written)."""
         text = json.dumps({"version": _VERSION, "devices": self.devices}, indent=1, sort_keys=True)
         try:
             atomic_write_text(self.path, text, "repeat measurements")

@@ -221,6 +221,7 @@ def _record_repeats(repeats: Repeats, device: str, key: dict[str, Any], result: 
         config = json.dumps({**key, "candidate": row.candidate.to_dict()}, sort_keys=True, default=str)
         speedup = statistics.median(row.paired_ratios)
         repeats.record(device, hashlib.sha256(config.encode()).hexdigest()[:24], speedup, within)
+    repeats.save()
 
 
 def recorded_settings(
