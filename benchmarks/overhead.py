@@ -1,13 +1,13 @@
 """Overhead of mixprec's Policy over a plain torch.amp training loop.
 
 A plain autocast (+ GradScaler for fp16) loop and the same loop through mixprec train
-4 x Linear(1024) at batch 64. Rounds are interleaved ABBA (plain, mixprec, mixprec, plain) so
-machine drift hits both alike; the figure is the median of the per-round time ratios. On a GPU this
-model is launch-bound, so every host-side microsecond mixprec adds per step would show.
+4 x Linear(1024) at batch 64 (--width, --batch). Rounds are interleaved ABBA (plain, mixprec,
+mixprec, plain) so machine drift hits both alike; the figure is the median of the per-round time
+ratios. On a GPU this model is launch-bound, so every host-side microsecond mixprec adds per step would show.
 Target: mixprec / plain <= 1.02.
 
     python benchmarks/overhead.py [--device cuda] [--rounds 15] [--steps 20] [--optimizer adamw]
-        [--clip 1.0] [--json out.json]
+        [--clip 1.0] [--width 1024] [--batch 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import mixprec
 import mixprec.hardware.environment
 
 
-def make_model() -> nn.Module:
+def make_model(width: int = 1024) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(4)])
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(4)])
 
 
 def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
@@ -83,11 +83,18 @@ def mixprec_step_fn(
 
 
 def measure(
-    policy_name: str, rounds: int, steps: int, device: str, opt_name: str = "sgd", clip: float | None = None
+    policy_name: str,
+    rounds: int,
+    steps: int,
+    device: str,
+    opt_name: str = "sgd",
+    clip: float | None = None,
+    width: int = 1024,
+    batch: int = 64,
 ) -> dict[str, object]:
     dtype = torch.float16 if policy_name.startswith("fp16") else torch.bfloat16
-    x, y = torch.randn(64, 1024, device=device), torch.randn(64, 1024, device=device)
-    base = make_model()
+    x, y = torch.randn(batch, width, device=device), torch.randn(batch, width, device=device)
+    base = make_model(width)
     plain = plain_step_fn(copy.deepcopy(base), dtype, x, y, opt_name, clip)
     ours, policy = mixprec_step_fn(copy.deepcopy(base), policy_name, x, y, opt_name, clip)
     with policy.precision_scope():  # both loops run under the same (strict) fp32 math state
@@ -114,6 +121,8 @@ def measure(
         "device": device,
         "optimizer": opt_name,
         "clip_grad_norm": clip,
+        "width": width,
+        "batch": batch,
     }
 
 
@@ -129,10 +138,14 @@ def main() -> None:
     parser.add_argument(
         "--clip", type=float, default=None, help="clip the gradient norm to this (both loops)"
     )
+    parser.add_argument("--width", type=int, default=1024, help="the Linear layers' width")
+    parser.add_argument(
+        "--batch", type=int, default=64, help="a smaller batch shortens the step, so per-step work shows"
+    )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     results = [
-        measure(name, args.rounds, args.steps, args.device, args.optimizer, args.clip)
+        measure(name, args.rounds, args.steps, args.device, args.optimizer, args.clip, args.width, args.batch)
         for name in args.policies.split(",")
     ]
     for r in results:

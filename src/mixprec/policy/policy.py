@@ -406,18 +406,29 @@ class Policy:
                     raise
             found_host = [bool(self._scaler.found_inf(o)) for o in opts]
         else:
-            found_host = [bool(f) for f in self._find_nonfinite(opts)]  # the one host read per step
+            total_norm = self._finite_total_norm(opts) if clip_grad_norm is not None else None
+            if total_norm is not None:
+                found_host = [False] * len(opts)
+            else:
+                found_host = [bool(f) for f in self._find_nonfinite(opts)]  # the one host read per step
             # Clip only what will be stepped: a non-finite gradient would turn the shared norm into
             # NaN and wipe out the update of the optimizers whose gradients are fine.
-            stepping = [
-                p
-                for o, found in zip(opts, found_host, strict=True)
-                if not found
-                for g in o.param_groups
-                for p in g["params"]
-                if p.grad is not None
-            ]
-            if stepping and clip_grad_norm is not None:
+            stepping = (
+                [
+                    p
+                    for o, found in zip(opts, found_host, strict=True)
+                    if not found
+                    for g in o.param_groups
+                    for p in g["params"]
+                    if p.grad is not None
+                ]
+                if clipping
+                else []
+            )
+            if stepping and total_norm is not None and clip_grad_norm is not None:
+                # clip_grad_norm_ is exactly these two calls: the norm is computed once.
+                torch.nn.utils.clip_grads_with_norm_(stepping, clip_grad_norm, total_norm)
+            elif stepping and clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(stepping, clip_grad_norm)
             if stepping and clip_grad_value is not None:
                 torch.nn.utils.clip_grad_value_(stepping, clip_grad_value)
@@ -467,6 +478,24 @@ class Policy:
             self.stats.skips_at_min_scale = 0
             self.stats.consecutive_skips = 0
         return not skipped
+
+    def _finite_total_norm(self, opts: list) -> torch.Tensor | None:
+        """The gradients' total 2-norm, as ``clip_grad_norm_`` computes it, when it is finite and a
+        finite check is due (``finite_check``, no scaler); else None.
+
+        The clip's own norm is the finite check: any inf or NaN gradient makes it non-finite, so a
+        finite norm spares the separate pass over every gradient (its one host read is the check's).
+        A non-finite norm (or one that overflowed from finite gradients) returns None, and the exact
+        per-optimizer check decides."""
+        if self._scaler is not None or not self.config.finite_check:
+            return None
+        grads = [p.grad for o in opts for g in o.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return None
+        total_norm = torch.nn.utils.get_total_norm(grads)
+        # bf16 DTensor gradient shards (FSDP2): the global norm, identical on every rank
+        whole = total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm
+        return total_norm if math.isfinite(float(whole)) else None
 
     def _find_nonfinite(self, opts: list) -> list[torch.Tensor | bool]:
         """Per optimizer: a device tensor (or False) telling whether its gradients are non-finite.
