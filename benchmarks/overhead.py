@@ -4,7 +4,8 @@ A plain autocast (+ GradScaler for fp16) loop and the same loop through mixprec 
 4 x Linear(1024) at batch 64 (--width, --batch). Rounds are interleaved ABBA (plain, mixprec,
 mixprec, plain) so machine drift hits both alike; the figure is the median of the per-round time
 ratios. On a GPU this model is launch-bound, so every host-side microsecond mixprec adds per step would show.
-Target: mixprec / plain <= 1.02.
+Target: mixprec / plain <= 1.02. A control runs in the same rounds: a second plain loop over the
+first (plain/plain), the ratio two identical loops show on this machine.
 
     python benchmarks/overhead.py [--device cuda] [--rounds 15] [--steps 20] [--optimizer adamw]
         [--clip 1.0] [--width 1024] [--batch 64] [--json out.json]
@@ -96,26 +97,35 @@ def measure(
     x, y = torch.randn(batch, width, device=device), torch.randn(batch, width, device=device)
     base = make_model(width)
     plain = plain_step_fn(copy.deepcopy(base), dtype, x, y, opt_name, clip)
+    # The control: a second plain loop, its own copy of the model and optimizer. Two identical loops
+    # can time a few percent apart on a CPU (where their tensors landed in memory), so a ratio is
+    # only read against the plain/plain ratio measured the same way.
+    twin = plain_step_fn(copy.deepcopy(base), dtype, x, y, opt_name, clip)
     ours, policy = mixprec_step_fn(copy.deepcopy(base), policy_name, x, y, opt_name, clip)
-    with policy.precision_scope():  # both loops run under the same (strict) fp32 math state
-        for fn in (plain, ours):  # warm-up (CUDA: context, cuBLAS handles, kernel selection)
+    with policy.precision_scope():  # all loops run under the same (strict) fp32 math state
+        for fn in (plain, twin, ours):  # warm-up (CUDA: context, cuBLAS handles, kernel selection)
             for _ in range(10):
                 fn()
-        plain_t, ours_t = [], []
+        plain_t, ours_t, plain_c, twin_t = [], [], [], []
 
         def timed(fn) -> float:
             return benchmark.Timer("f()", globals={"f": fn}).timeit(steps).median
 
-        for _ in range(rounds):  # ABBA: a drift within a round hits both sides alike
+        for _ in range(rounds):  # ABBA twice: a drift within a round hits both sides alike
             a1, b1, b2, a2 = timed(plain), timed(ours), timed(ours), timed(plain)
             plain_t.append((a1 + a2) / 2)
             ours_t.append((b1 + b2) / 2)
+            a1, c1, c2, a2 = timed(plain), timed(twin), timed(twin), timed(plain)
+            plain_c.append((a1 + a2) / 2)
+            twin_t.append((c1 + c2) / 2)
     ratios = [o / p for o, p in zip(ours_t, plain_t, strict=True)]
+    control = [t / p for t, p in zip(twin_t, plain_c, strict=True)]
     return {
         "policy": policy_name,
         "plain_step_ms": statistics.median(plain_t) * 1e3,
         "mixprec_step_ms": statistics.median(ours_t) * 1e3,
         "median_ratio": statistics.median(ratios),
+        "control_ratio": statistics.median(control),
         "rounds": rounds,
         "steps_per_round": steps,
         "device": device,
@@ -151,7 +161,8 @@ def main() -> None:
     for r in results:
         print(
             f"{r['policy']:>11}: plain {r['plain_step_ms']:.2f} ms/step, mixprec {r['mixprec_step_ms']:.2f} "
-            f"ms/step, median ratio mixprec/plain = {r['median_ratio']:.4f}"
+            f"ms/step, median ratio mixprec/plain = {r['median_ratio']:.4f} (control: plain/plain "
+            f"{r['control_ratio']:.4f})"
         )
     if args.json:
         env = mixprec.hardware.environment.collect(args.device, full=True)
