@@ -219,21 +219,37 @@ class OutputLock:
         self.release()
 
 
-def read_json_cache(path: Path, what: str, version: int, section: str) -> dict[str, Any]:
-    """The ``section`` of the JSON cache at ``path`` (``{"version": version, section: {...}}``), for
+def read_json_cache(
+    path: Path,
+    what: str,
+    version: int,
+    section: str,
+    *,
+    version_key: str = "version",
+    then: str = "",
+    stacklevel: int = 4,
+) -> dict[str, Any]:
+    """The ``section`` of the JSON cache at ``path`` (``{version_key: version, section: {...}}``), for
     the caller to check entry by entry. A missing file reads as empty; an unreadable one (a folder,
     binary, not JSON) or one of another version as empty with one :class:`CacheWarning` naming
-    ``what`` it is (a cache is a saving, never a reason to fail)."""
+    ``what`` it is and, when given, what happens ``then`` ("measuring again"). A cache is a saving,
+    never a reason to fail."""
+    after = f"; {then}." if then else "."
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, RecursionError) as exc:
         why = getattr(exc, "strerror", None) or type(exc).__name__
-        warnings.warn(f"{what} {str(path)!r} is unreadable ({why}).", CacheWarning, 4)
+        warnings.warn(f"{what} {str(path)!r} is unreadable ({why}){after}", CacheWarning, stacklevel)
         return {}
-    found = data.get(section) if isinstance(data, dict) and data.get("version") == version else None
+    found_version = data.get(version_key) if isinstance(data, dict) else None
+    found = data.get(section) if isinstance(data, dict) and found_version == version else None
     if not isinstance(found, dict):
-        warnings.warn(f"{what} {str(path)!r} is not a version-{version} file.", CacheWarning, 4)
+        warnings.warn(
+            f"{what} {str(path)!r} is not a version-{version} file ({version_key} {found_version!r}){after}",
+            CacheWarning,
+            stacklevel,
+        )
         return {}
     return found

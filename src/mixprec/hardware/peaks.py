@@ -13,14 +13,13 @@ import math
 import os
 import re
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mixprec.errors import CacheWarning, UsageError
-from mixprec.files import atomic_write_text
+from mixprec.errors import UsageError
+from mixprec.files import atomic_write_text, read_json_cache
 from mixprec.hardware.device import DeviceInfo
 
 DTYPE_KEYS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp4")
@@ -371,24 +370,7 @@ _CACHE_VERSION = 1
 def _read_cache(path: Path) -> dict[str, dict[str, object]]:
     """Valid entries of the cache file; a missing one reads as empty, an unreadable or corrupt
     one (or one of another version) as empty with a one-line :class:`CacheWarning`."""
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, RecursionError) as exc:
-        why = getattr(exc, "strerror", None) or type(exc).__name__
-        warnings.warn(
-            f"CPU peak cache {str(path)!r} is unreadable ({why}); measuring again.", CacheWarning, 3
-        )
-        return {}
-    entries = data.get("entries") if isinstance(data, dict) else None
-    if not isinstance(entries, dict) or data.get("version") != _CACHE_VERSION:
-        warnings.warn(
-            f"CPU peak cache {str(path)!r} is not a version-{_CACHE_VERSION} cache; measuring again.",
-            CacheWarning,
-            3,
-        )
-        return {}
+    entries = read_json_cache(path, "CPU peak cache", _CACHE_VERSION, "entries", then="measuring again")
     good: dict[str, dict[str, object]] = {}
     for key, entry in entries.items():
         if not isinstance(entry, dict):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mixprec.errors import CacheWarning, MixprecError, UsageError
-from mixprec.files import atomic_write_text
+from mixprec.files import atomic_write_text, read_json_cache
 from mixprec.hardware.device import detect, resolve_device
 from mixprec.policy import Candidate, get_policy
 from mixprec.tuning.run import tune
@@ -66,24 +66,14 @@ def _valid_entry(entry: Any) -> bool:
 def read_cache(path: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
     """The valid entries of the cache file at ``path``; never raises (see the module docstring)."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, RecursionError) as exc:  # a folder, unreadable, binary, not JSON
-        why = getattr(exc, "strerror", None) or type(exc).__name__
-        warnings.warn(f"autotune cache {str(path)!r} is unreadable ({why}); tuning again.", CacheWarning, 3)
-        return {}
-    version = data.get("schema_version") if isinstance(data, dict) else None
-    entries = data.get("entries") if isinstance(data, dict) else None
-    if version != CACHE_SCHEMA_VERSION or not isinstance(entries, dict):
-        warnings.warn(
-            f"autotune cache {str(path)!r} is not a schema-{CACHE_SCHEMA_VERSION} cache "
-            f"(schema_version {version!r}); tuning again and replacing it.",
-            CacheWarning,
-            3,
-        )
-        return {}
+    entries = read_json_cache(
+        path,
+        "autotune cache",
+        CACHE_SCHEMA_VERSION,
+        "entries",
+        version_key="schema_version",
+        then="tuning again and replacing it",
+    )
     good = {k: v for k, v in entries.items() if isinstance(k, str) and _valid_entry(v)}
     if len(good) < len(entries):
         warnings.warn(
