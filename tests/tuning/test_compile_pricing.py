@@ -76,3 +76,19 @@ def test_a_compile_predicted_too_far_below_the_best_is_not_started_in_any_family
     assert "bf16-mixed+compile" in measured, result.notes
     assert "fp32+compile" not in measured, result.notes
     assert any("fp32+compile (too far below the best" in n for n in result.notes), result.notes
+
+
+def test_a_compile_never_made_here_is_priced_from_this_models_other_compiles_here(tmp_path):
+    """Only a compile nothing is known of is gated on measuring it alone, at the prior. Where this
+    model's other candidates compiled here before, a new one compiles cold like their first
+    compiles did: priced by the longest of those, it must fit with its check, as a known one must."""
+    first = _tune(budget_s=80)
+    key = cost_key("planted", first.workload, 8, "fp32+compile", detect("cpu").name, torch.get_num_threads())
+    CompileCosts().record(key, 30.0)  # a sibling's first compile here: 30 s
+    result = _tune(budget_s=80)
+    rows = {r.label: r for r in result.bench.rows if not r.baseline_repeat}
+    assert "bf16-mixed+compile" not in rows or rows["bf16-mixed+compile"].status != "ok", result.notes
+    assert any(
+        "bf16-mixed+compile (the budget could not pay" in n and "this model's others here" in n
+        for n in result.notes
+    ), result.notes

@@ -134,6 +134,11 @@ class CompileCosts:
             f"compiled here before in {cold:.1f} s; its artefacts are in {inductor_dir()}",
         )
 
+    def cold_s(self, key: str) -> float | None:
+        """What the first compile of ``key`` cost here (compiling it cold), or None."""
+        entry = self.entries.get(key)
+        return entry["cold_s"] if entry is not None else None
+
     def record(self, key: str, seconds: float) -> None:
         """Keep what this compile cost: the first time as its cold cost, later ones as warm (the
         last :data:`WARM_KEPT`; :meth:`price` takes their lower median)."""
