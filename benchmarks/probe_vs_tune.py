@@ -22,6 +22,7 @@ Models (issue 22):
   resnet50  torchvision ResNet-50, 128 px, batch 16, SGD with momentum
 
     python benchmarks/probe_vs_tune.py --model gpt [--budget 300] [--rounds 4] --out DIR
+    python benchmarks/probe_vs_tune.py --model gpt --rounds 8 --tune-json OLD.tune.json --out DIR
 """
 
 from __future__ import annotations
@@ -168,17 +169,26 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=300.0, help="tune's budget (its default: 300)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--tune-json",
+        type=Path,
+        help="probe against this earlier tune's pick instead of running tune (the probe again, with "
+        "more --rounds, say)",
+    )
     args = parser.parse_args()
     spec = MODELS[args.model]
     args.out.mkdir(parents=True, exist_ok=True)
-    tune_json = args.out / f"probe_vs_tune-{args.model}.tune.json"
+    tune_json = args.tune_json or args.out / f"probe_vs_tune-{args.model}.tune.json"
     command = ["mixprec", "tune", *spec["cli"], "--batch-size", str(spec["batch_size"])]
     command += ["--budget", str(args.budget), "--json", str(tune_json)]
     started = time.perf_counter()
     import subprocess
 
-    done = subprocess.run([sys.executable, "-m", "mixprec", *command[1:]], text=True)
-    tune_wall_s = time.perf_counter() - started
+    if args.tune_json is None:
+        returncode: int | None = subprocess.run([sys.executable, "-m", "mixprec", *command[1:]]).returncode
+    else:
+        returncode = None  # an earlier run's: its exit code was not kept
+    tune_wall_s = time.perf_counter() - started if args.tune_json is None else None
     tuned = json.loads(tune_json.read_text())
     rec = tuned.get("recommendation")
     pick = Candidate.from_dict(rec["candidate"]) if rec else None
@@ -208,7 +218,8 @@ def main() -> None:
         "model": args.model,
         "command": "python benchmarks/probe_vs_tune.py " + " ".join(sys.argv[1:]),
         "tune_command": " ".join(command),
-        "tune_exit_code": done.returncode,
+        "tune_exit_code": returncode,
+        "tune_json": str(tune_json),
         "tune_wall_s": tune_wall_s,
         "tune_phases": tuned.get("phases"),
         "tune_pick": pick.label if pick else None,
@@ -239,8 +250,9 @@ def main() -> None:
     }
     out = args.out / f"probe_vs_tune-{args.model}.json"
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    took = tune_wall_s if tune_wall_s is not None else tuned.get("elapsed_s") or 0.0
     print(
-        f"{args.model}: tune picked {result['tune_pick']} in {tune_wall_s:.0f} s; the probe's best is "
+        f"{args.model}: tune picked {result['tune_pick']} in {took:.0f} s; the probe's best is "
         f"{best} at {result['probe_best_speedup']:.2f}x fp32 eager, the pick {pick_speed or 0:.2f}x "
         f"({(result['pick_over_best'] or 0):.1%} of the best; {(result['pick_over_best_passing'] or 0):.1%} "
         f"of {best_passing}, the best of the variants tune's check passed); wrote {out}"
