@@ -89,6 +89,7 @@ def test_a_compile_never_made_here_is_priced_from_this_models_other_compiles_her
     rows = {r.label: r for r in result.bench.rows if not r.baseline_repeat}
     assert "bf16-mixed+compile" not in rows or rows["bf16-mixed+compile"].status != "ok", result.notes
     assert any(
-        "bf16-mixed+compile (the budget could not pay" in n and "this model's others here" in n
+        "bf16-mixed+compile (the budget could not pay" in n
+        and "first compile of this model's candidates here" in n
         for n in result.notes
     ), result.notes

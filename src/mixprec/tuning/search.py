@@ -675,9 +675,9 @@ class Search:
     ) -> tuple[float, str, bool]:
         """Seconds compiling ``candidate`` should take, why, and whether that was measured (on this
         machine): what it cost here before (a compile whose artefacts are in Inductor's cache is
-        cheap), else the longest compile of its scope this run, else the longest first compile of
-        its ``siblings`` here (the other compiled candidates of this workload: it compiles cold
-        too), else the cold prior (a guess)."""
+        cheap), else the longest compile of its scope this run, else the longest first compile
+        here of it (its artefacts gone) or its ``siblings`` (the other compiled candidates of this
+        workload: it compiles cold too), else the cold prior (a guess)."""
         before = self.compile_costs.price(self._cost_key(candidate))
         if before is not None:
             return before.seconds, f"{before.seconds:.0f} s ({before.basis})", True
@@ -690,11 +690,11 @@ class Search:
         # default ResNet-50 tune on the EPYC was measured (a 25 s compile) and left unchecked, where
         # the leader's step scope, its compile known (19 s), was not started: it and its check
         # could not be paid.
-        colds = [self.compile_costs.cold_s(self._cost_key(c)) for c in siblings if c != candidate]
+        colds = [self.compile_costs.cold_s(self._cost_key(c)) for c in {candidate, *siblings}]
         known = [s for s in colds if s is not None]
         if known:
             cold = max(known)
-            return cold, f"{cold:.0f} s (the longest first compile of this model's others here)", True
+            return cold, f"{cold:.0f} s (the longest first compile of this model's candidates here)", True
         return MIN_COMPILE_S, f"{MIN_COMPILE_S:.0f} s (a first compile here)", False
 
     def _note_graphs(self, row: BenchRow) -> None:
