@@ -120,7 +120,7 @@ class CompileCosts:
         entry = self.entries.get(key)
         if entry is None or not _has_artefacts(inductor_dir()):
             return None
-        if "warm_s" in entry:
+        if entry.get("warm_history"):
             warm = statistics.median_low(entry["warm_history"])
             if warm > entry["cold_s"]:
                 # More than its cold compile did, with less to do: the machine was busy then. A price
