@@ -16,6 +16,12 @@ strict-fp32 eager figure over it. Variants:
 plus tune's pick when it is not one of them (its optimizer implementation or fp32 islands), built
 with mixprec's Policy in the same plain loop. The pick is read against the best variant and against
 the best of those whose precision tune's numerics check passed (what tune could have picked).
+
+Then a held-out duel: the pick, the probe's best and its best passing variant again, each in a
+fresh process of its own, in ``--duel-sets`` sets of processes of ``--duel-rounds`` interleaved
+rounds. The probe's best is the largest of 18 noisy medians from one process that holds every
+variant, so it reads high; the duel measures it again on new samples, one process per variant as
+tune's race does (``duel_pick_over_best_passing``, the median over the sets).
 Models (issue 22):
 
   gpt       nanoGPT-style GPT-2: 4 layers x 256, 4 heads, seq 128, vocab 50257, batch 8, AdamW
@@ -23,6 +29,7 @@ Models (issue 22):
 
     python benchmarks/probe_vs_tune.py --model gpt [--budget 300] [--rounds 4] --out DIR
     python benchmarks/probe_vs_tune.py --model gpt --rounds 8 --tune-json OLD.tune.json --out DIR
+    python benchmarks/probe_vs_tune.py --model resnet50 --duel-sets 5 --out DIR
 """
 
 from __future__ import annotations
@@ -161,6 +168,74 @@ def probe(workload: mixprec.Workload, variants: dict[str, Candidate], batch_size
     }
 
 
+def _duel_worker(model: str, candidate: dict, conn: Any) -> None:
+    """One variant in a process of its own: build and warm up its plain step, then time a round
+    whenever the parent asks, so the parent can interleave rounds between processes."""
+    spec = MODELS[model]
+    torch.manual_seed(0)
+    workload = spec["load"]()
+    batches = [workload.make_batch(spec["batch_size"], torch.device("cpu")) for _ in range(2)]
+    with state.precision_settings(state.PrecisionSettings(cuda_matmul="ieee", cudnn="ieee", mkldnn="ieee")):
+        step = plain_step(workload, Candidate.from_dict(candidate))
+        for i in range(3):
+            step(batches[i % 2])
+        conn.send("ready")
+        while conn.recv() == "round":
+            times: list[float] = []
+            while sum(times) < ROUND_S or len(times) < 2:
+                start = time.perf_counter()
+                step(batches[len(times) % 2])
+                times.append(time.perf_counter() - start)
+            conn.send(statistics.median(times[1:]))
+
+
+def duel(model: str, variants: dict[str, Candidate], sets: int, rounds: int) -> dict[str, Any]:
+    """The named variants again, each in a fresh process of its own, in ``sets`` sets of processes
+    of ``rounds`` interleaved rounds (the order reversed every other round).
+
+    The probe picked its best as the largest of many medians, each noisy, so that best is read
+    high (the winner's curse); its figures also come from one process that holds every variant.
+    This is the held-out measurement: new samples, and one process per variant as tune's race
+    measures. Per set, a variant's figure is the median of its round medians."""
+    import multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    names = list(variants)
+    per_set: list[dict[str, float]] = []
+    for s in range(sets):
+        workers = {}
+        for name in names:  # built one after another: a compile never shares the cores
+            parent, child = context.Pipe()
+            process = context.Process(target=_duel_worker, args=(model, variants[name].to_dict(), child))
+            process.start()
+            child.close()  # so that a worker that dies ends recv() with EOFError, not a hang
+            if parent.recv() != "ready":
+                raise RuntimeError(f"the duel's worker for {name} did not start")
+            workers[name] = (process, parent)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(rounds):
+            for name in names if r % 2 == 0 else reversed(names):
+                workers[name][1].send("round")
+                times[name].append(workers[name][1].recv())
+        for process, conn in workers.values():
+            conn.send("stop")
+            process.join()
+        per_set.append({name: statistics.median(t) for name, t in times.items()})
+        shown = ", ".join(f"{n} {1e3 * t:.0f} ms" for n, t in per_set[-1].items())
+        print(f"duel set {s + 1}/{sets}: {shown}", file=sys.stderr, flush=True)
+    return {
+        "names": names,
+        "rounds": rounds,
+        "per_set_median_ms": [{n: 1e3 * t for n, t in d.items()} for d in per_set],
+    }
+
+
+def over(duelled: dict[str, Any], name: str, other: str) -> tuple[float, list[float]]:
+    """``name``'s speed over ``other``'s in each set of the duel, and their median."""
+    ratios = [d[other] / d[name] for d in duelled["per_set_median_ms"]]
+    return statistics.median(ratios), ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -168,6 +243,13 @@ def main() -> None:
     parser.add_argument("--model", choices=MODELS, required=True)
     parser.add_argument("--budget", type=float, default=300.0, help="tune's budget (its default: 300)")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument(
+        "--duel-sets",
+        type=int,
+        default=3,
+        help="sets of fresh processes in which the pick is timed again against the probe's best (0: no duel)",
+    )
+    parser.add_argument("--duel-rounds", type=int, default=6)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--tune-json",
@@ -214,6 +296,15 @@ def main() -> None:
     passing = [n for n in measured if variants[n].policy not in failed]
     best_passing = max(passing, key=lambda n: measured[n]["speedup_vs_fp32_eager"]) if passing else None
     best_passing_speed = measured[best_passing]["speedup_vs_fp32_eager"] if best_passing else None
+    duelled = None
+    rivals = [n for n in dict.fromkeys([best_passing, best]) if n and n != pick_name]
+    if pick_name and rivals and args.duel_sets:
+        duelled = duel(
+            args.model, {n: variants[n] for n in [pick_name, *rivals]}, args.duel_sets, args.duel_rounds
+        )
+        for rival in rivals:
+            ratio, ratios = over(duelled, pick_name, rival)
+            duelled[f"pick_over {rival}"] = {"median": ratio, "per_set": ratios}
     result = {
         "model": args.model,
         "command": "python benchmarks/probe_vs_tune.py " + " ".join(sys.argv[1:]),
@@ -244,6 +335,14 @@ def main() -> None:
         "pick_over_best_passing": pick_speed / best_passing_speed
         if pick_speed and best_passing_speed
         else None,
+        # the held-out duel (see duel()): the pick against the probe's best, in fresh processes
+        "duel": duelled,
+        "duel_pick_over_best": duelled[f"pick_over {best}"]["median"]
+        if duelled and f"pick_over {best}" in duelled
+        else (1.0 if best == pick_name else None),
+        "duel_pick_over_best_passing": duelled[f"pick_over {best_passing}"]["median"]
+        if duelled and f"pick_over {best_passing}" in duelled
+        else (1.0 if best_passing == pick_name else None),
         "threads": torch.get_num_threads(),
         "load_average": os.getloadavg(),
         "env": collect("cpu"),
@@ -257,6 +356,14 @@ def main() -> None:
         f"({(result['pick_over_best'] or 0):.1%} of the best; {(result['pick_over_best_passing'] or 0):.1%} "
         f"of {best_passing}, the best of the variants tune's check passed); wrote {out}"
     )
+    if duelled:
+        for rival in rivals:
+            got = duelled[f"pick_over {rival}"]
+            sets = ", ".join(f"{r:.3f}" for r in got["per_set"])
+            print(
+                f"held-out duel, one process per variant: the pick is at {got['median']:.1%} of "
+                f"{rival} (per set of processes: {sets})"
+            )
 
 
 if __name__ == "__main__":
