@@ -100,3 +100,38 @@ def test_a_rival_stopped_in_a_later_call_keeps_the_rounds_it_was_measured():
     assert len(calls) == 2
     duel = result.duel(A, B)
     assert duel is not None and duel.ratios == (1.0, 1.2, 0.8, 1.01)
+
+
+# ResNet-50 (128 px, batch 16) bf16-mixed+cl against its whole step compiled, tune's race duel in
+# four fresh process pairs on the 2-core EPYC (benchmarks/results/cpu-amd-epyc/race_pairs-resnet50.json).
+RACE_PAIRS = (
+    (1.143, 0.934, 0.964, 1.181),
+    (1.087, 0.948, 0.928, 1.089),
+    (1.043, 1.091, 1.111, 1.167),
+    (1.090, 1.108, 1.094, 1.067),
+)
+
+
+def test_a_duels_repeat_interval_covers_the_duel_repeated_in_fresh_processes():
+    """One pair's rounds share its processes: their interval excluded other pairs' medians (the
+    defect), the repeat interval with the machine's spread between runs takes them in."""
+    last = RACE_PAIRS[-1]
+    others = [sorted(p)[1:3] for p in RACE_PAIRS[:-1]]
+    medians = [(a + b) / 2 for a, b in others]
+    rounds_only = Duel(A, B, last)
+    low, high = rounds_only.interval
+    assert any(not low <= m <= high for m in medians)  # what the race said alone
+    assert rounds_only.repeat_interval is None and "repeat" not in rounds_only.describe()
+    duel = Duel(A, B, last, between_run_sd=0.032)
+    low, high = duel.repeat_interval
+    assert all(low <= m <= high for m in medians)
+    assert duel.outcome == rounds_only.outcome == "rival faster"  # decided on its rounds, as before
+    assert "a repeat in fresh processes lands within -0.7% to +19.6%" in duel.describe()
+    assert Duel.from_dict(duel.to_dict()) == duel
+
+
+def test_a_repeat_interval_is_said_from_the_winners_side():
+    duel = Duel(A, B, tuple(1 / r for r in RACE_PAIRS[-1]), between_run_sd=0.032)
+    assert duel.outcome == "leader faster"
+    assert duel.describe().startswith(f"{A.label} ran ")
+    assert "lands within -0.7% to +19.6%" in duel.describe()

@@ -838,6 +838,7 @@ class Search:
             noise=self.noise,
             budget=self.budget,
             cost_s=cost_s,
+            between_run_sd=self.result.between_run_sd,
         )
         for duel in self.race.duels:
             self.notes.append(f"race: {duel.describe()}")
