@@ -57,3 +57,14 @@ def test_a_backend_starts_with_no_axes_and_says_so_in_its_terms():
     assert bare.bench_layouts({}, [False, True]) == ([False], None)
     with pytest.raises(NotImplementedError):
         bare.trajectory({}, bare.baseline, [], 1, "cpu")
+
+
+def test_an_fp8_prediction_with_nothing_to_convert_says_why_in_good_grammar():
+    """ResNet-50 has one Linear layer (the classifier, 1000 outputs, not a multiple of 16)."""
+    import mixprec
+    from mixprec.frameworks import framework_of
+    from mixprec.hardware.device import detect
+
+    workload = mixprec.load_workload("resnet50", image_size=32)
+    _, notes = framework_of(workload).predictions(workload, detect("cpu"))  # MX/NV formats: always
+    assert notes and all("(1 has a dimension its kernels cannot take)" in n for n in notes)

@@ -211,9 +211,10 @@ class TorchFramework(Framework):
             if plan.low:
                 cands.append(Candidate(name))
             else:
+                n = len(plan.ineligible)
                 notes.append(
-                    f"{name} would convert none of this model's Linear layers ({len(plan.ineligible)} have a "
-                    "dimension its kernels cannot take): nothing to predict"
+                    f"{name} would convert none of this model's Linear layers ({n} "
+                    f"{'has' if n == 1 else 'have'} a dimension its kernels cannot take): nothing to predict"
                 )
         return cands, list(dict.fromkeys(notes))
 
