@@ -3,13 +3,18 @@ and memory a pick uses beyond strict fp32 is never shown as "saved"."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from mixprec.policy import Candidate
 from mixprec.report import bench as bench_report
 from mixprec.report import view as report_view
 from mixprec.tuning import TuneResult
+
+OLD_FILE = Path(__file__).parent / "data" / "tune-resnet50-schema1.json"  # as 0.1 wrote it
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +37,30 @@ def test_every_bar_is_its_rows_paired_speedup(result):
         for row in measured:  # the label starts with the same figure the bar is drawn to
             assert any(t.startswith(f" {row.speedup_vs_fp32:.2f}x") for t in texts), (row.label, texts)
         assert "paired" in ax.get_xlabel()
+    finally:
+        plt.close(fig)
+
+
+def test_every_title_and_label_of_the_speed_chart_fits_in_the_figure():
+    """The memory panel's title carries how memory was measured (a long sentence for isolated
+    candidates); drawn on one line it ran off the figure's right edge."""
+    import matplotlib.pyplot as plt
+
+    old = TuneResult.from_dict(json.loads(OLD_FILE.read_text(encoding="utf-8")))  # ResNet-50's rows
+    method = "peak RSS of the isolated candidate process minus its RSS before building"
+    measured = [replace(r, memory_method=method) for r in old.bench.measured]
+    step = Candidate("bf16-mixed", channels_last=True, compile="default", compile_scope="step")
+    ok = next(r for r in measured if r.status == "ok" and not r.baseline_repeat)
+    measured.append(replace(ok, candidate=step))  # the longest label tune writes by default
+    fig = bench_report.figure(replace(old.bench, measured=measured))
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        edge = fig.bbox
+        texts = [ax.title for ax in fig.axes] + [ax.xaxis.label for ax in fig.axes] + list(fig.texts)
+        for text in texts:
+            box = text.get_window_extent(renderer)
+            assert edge.x0 <= box.x0 and box.x1 <= edge.x1, (text.get_text(), box.x1, edge.x1)
     finally:
         plt.close(fig)
 

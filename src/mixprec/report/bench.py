@@ -4,6 +4,7 @@ model (rich and Markdown), and a PNG chart."""
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +200,8 @@ def figure(result: BenchResult) -> Any:
     ax_m.invert_yaxis()
     ax_m.set_xlabel("peak memory (MiB)")
     method = next((r.memory_method for r in rows if r.memory_method), "")
-    ax_m.set_title("peak memory" + (f"\n({method})" if method else ""), fontsize=9)
+    # how it was measured can be a long sentence: wrapped, so it stays above its own panel
+    ax_m.set_title("peak memory" + (f"\n{textwrap.fill(f'({method})', 55)}" if method else ""), fontsize=9)
     fig.suptitle(
         f"{result.workload} on {result.device} ({result.env.get('device', {}).get('name', '')}), "
         f"batch {result.batch_size}",
