@@ -227,7 +227,6 @@ def read_json_cache(
     *,
     version_key: str = "version",
     then: str = "",
-    stacklevel: int = 4,
 ) -> dict[str, Any]:
     """The ``section`` of the JSON cache at ``path`` (``{version_key: version, section: {...}}``), for
     the caller to check entry by entry. A missing file reads as empty; an unreadable one (a folder,
@@ -241,7 +240,7 @@ def read_json_cache(
         return {}
     except (OSError, ValueError, RecursionError) as exc:
         why = getattr(exc, "strerror", None) or type(exc).__name__
-        warnings.warn(f"{what} {str(path)!r} is unreadable ({why}){after}", CacheWarning, stacklevel)
+        warnings.warn(f"{what} {str(path)!r} is unreadable ({why}){after}", CacheWarning, 4)
         return {}
     found_version = data.get(version_key) if isinstance(data, dict) else None
     found = data.get(section) if isinstance(data, dict) and found_version == version else None
@@ -249,7 +248,7 @@ def read_json_cache(
         warnings.warn(
             f"{what} {str(path)!r} is not a version-{version} file ({version_key} {found_version!r}){after}",
             CacheWarning,
-            stacklevel,
+            4,
         )
         return {}
     return found
