@@ -74,6 +74,8 @@ PRECISIONS = {
 }
 SCOPES = {"eager": (None, None), "model": ("default", None), "step": ("default", "step")}
 ROUND_S = 0.5
+# strict IEEE fp32 wherever a variant does not ask for less (as tune's strict-fp32 baseline)
+IEEE = state.PrecisionSettings(cuda_matmul="ieee", cudnn="ieee", mkldnn="ieee")
 
 
 def plain_step(workload: mixprec.Workload, candidate: Candidate) -> Callable[[Any], torch.Tensor]:
@@ -130,28 +132,41 @@ def plain_step(workload: mixprec.Workload, candidate: Candidate) -> Callable[[An
     return torch.compile(step) if candidate.compile_scope == "step" else step
 
 
+def warmed_step(
+    workload: mixprec.Workload, candidate: Candidate, batches: list
+) -> Callable[[Any], torch.Tensor]:
+    """:func:`plain_step`, compiled (its first step, maybe a recompile) and settled."""
+    step = plain_step(workload, candidate)
+    for i in range(3):
+        step(batches[i % 2])
+    return step
+
+
+def time_round(step: Callable[[Any], torch.Tensor], batches: list) -> float:
+    """One round: steps for about :data:`ROUND_S`, the median of all but the first."""
+    times: list[float] = []
+    while sum(times) < ROUND_S or len(times) < 2:
+        start = time.perf_counter()
+        step(batches[len(times) % 2])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def probe(workload: mixprec.Workload, variants: dict[str, Candidate], batch_size: int, rounds: int) -> dict:
     batches = [workload.make_batch(batch_size, torch.device("cpu")) for _ in range(2)]
     steps: dict[str, Callable] = {}
     build_s: dict[str, float] = {}
-    with state.precision_settings(state.PrecisionSettings(cuda_matmul="ieee", cudnn="ieee", mkldnn="ieee")):
+    with state.precision_settings(IEEE):
         for name, cand in variants.items():
             start = time.perf_counter()
             torch._dynamo.reset()
-            steps[name] = plain_step(workload, cand)
-            for i in range(3):  # compile (first step, maybe a recompile) and settle
-                steps[name](batches[i % 2])
+            steps[name] = warmed_step(workload, cand, batches)
             build_s[name] = time.perf_counter() - start
             print(f"built {name} in {build_s[name]:.0f} s", file=sys.stderr, flush=True)
         per_round: dict[str, list[float]] = {name: [] for name in variants}
         for r in range(rounds):
             for name in variants:
-                times: list[float] = []
-                while sum(times) < ROUND_S or len(times) < 2:
-                    start = time.perf_counter()
-                    steps[name](batches[len(times) % 2])
-                    times.append(time.perf_counter() - start)
-                per_round[name].append(statistics.median(times[1:]))
+                per_round[name].append(time_round(steps[name], batches))
             print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True)
     median = {name: statistics.median(v) for name, v in per_round.items()}
     base = median["fp32 eager"]
@@ -175,18 +190,11 @@ def _duel_worker(model: str, candidate: dict, conn: Any) -> None:
     torch.manual_seed(0)
     workload = spec["load"]()
     batches = [workload.make_batch(spec["batch_size"], torch.device("cpu")) for _ in range(2)]
-    with state.precision_settings(state.PrecisionSettings(cuda_matmul="ieee", cudnn="ieee", mkldnn="ieee")):
-        step = plain_step(workload, Candidate.from_dict(candidate))
-        for i in range(3):
-            step(batches[i % 2])
+    with state.precision_settings(IEEE):
+        step = warmed_step(workload, Candidate.from_dict(candidate), batches)
         conn.send("ready")
         while conn.recv() == "round":
-            times: list[float] = []
-            while sum(times) < ROUND_S or len(times) < 2:
-                start = time.perf_counter()
-                step(batches[len(times) % 2])
-                times.append(time.perf_counter() - start)
-            conn.send(statistics.median(times[1:]))
+            conn.send(time_round(step, batches))
 
 
 def duel(model: str, variants: dict[str, Candidate], sets: int, rounds: int) -> dict[str, Any]:
