@@ -112,6 +112,13 @@ class NumericsInconclusive(MixprecError):
     exit_code = 6
 
 
+class RunStopped(MixprecError):
+    """``mixprec run``'s monitor stopped the user's run (its rescues spent, the run still failing,
+    or a failure no rescue answers); the message says why."""
+
+    exit_code = 4
+
+
 class BudgetExhausted(MixprecError):
     """``tune`` ran out of its time budget before it could decide anything; the message says how
     far it got and how much budget to give it."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 
 from mixprec.cli.common import positive_int
-from mixprec.errors import UsageError
+from mixprec.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, UnsupportedError, UsageError
 from mixprec.policy import Candidate
 from mixprec.policy.registry import canonical_name
 
@@ -18,11 +18,14 @@ from mixprec.policy.registry import canonical_name
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run",
+        usage="mixprec run --policy POLICY [options] -- COMMAND ...",
         help="run your training script unchanged under a policy: mixprec run --policy P -- python train.py",
-        description="Everything after '--' is your command, run as it is, with the candidate applied: "
-        "its precision (autocast, loss scaling with unscale-before-clip, *-true casts, the fp32 math mode), "
-        "channels_last, fp32 islands and torch.compile in a plain loop; through the HF Trainer, Lightning "
-        "or Accelerate, their own precision switch.",
+        description="Everything after '--' is your command, run as it is (your folder, your terminal, "
+        "your stdin, your own randomness), with the candidate applied: its precision (autocast, loss "
+        "scaling with every gradient read unscaled, *-true casts, the fp32 math mode), channels_last, "
+        "fp32 islands and torch.compile in a plain loop; through the HF Trainer, Lightning or Accelerate, "
+        "their own precision switch. A run whose candidate did not take effect is stopped (exit 3). "
+        "Ctrl-C reaches your script as it would without mixprec; a second one stops it.",
     )
     p.add_argument("--policy", required=True, help="the policy to train under (mixprec env lists them)")
     p.add_argument("--channels-last", action="store_true", help="channels_last weights and inputs")
@@ -30,7 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--keep-fp32", default="", metavar="MODULES", help="modules kept in fp32 (comma-separated)"
     )
     p.add_argument("--compile", default=None, metavar="MODE", help="torch.compile the model in this mode")
-    p.add_argument("--monitor", action="store_true", help="watch the run with mixprec's precision monitor")
+    p.add_argument(
+        "--monitor", action="store_true", help="watch the run with mixprec's precision monitor (events.jsonl)"
+    )
     p.add_argument(
         "--rescue", action="store_true", help="let the monitor act on what it finds (implies --monitor)"
     )
@@ -57,6 +62,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     from mixprec.frameworks.script import ScriptWorkload
     from mixprec.frameworks.script.agent import Plan
     from mixprec.frameworks.script.launch import launch
+    from mixprec.frameworks.script.waiting import wait_run
     from mixprec.hardware.device import detect
 
     framework = framework_named("script")
@@ -65,36 +71,48 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     support = framework.support(candidate, info)
     if not support:
         hint = f"; try {support.suggestion}" if support.suggestion else ""
-        from mixprec.errors import UnsupportedError
-
         raise UnsupportedError(f"--policy {candidate.policy} is not supported here: {support.reason}{hint}")
     workload = ScriptWorkload.from_command(args.script)
     for note in workload.notes:
         err.print(f"note: {note}", soft_wrap=True)
-    folder = Path(args.out)
+    folder = Path(args.out).resolve()  # (the script may change its folder: Hydra does)
     folder.mkdir(parents=True, exist_ok=True)
+    record = folder / "run.json"
+    record.unlink(missing_ok=True)  # never an earlier run's record read as this one's
     observer, observe = None, None
     if args.monitor or args.rescue:
         findings = folder / "events.jsonl"
-        findings.unlink(missing_ok=True)
+        findings.write_text("")  # the run's findings, one a line (none: an empty file)
         observer = "mixprec.monitor.script:attach"
         observe = {"rescue": args.rescue, "every": args.every, "findings": str(findings)}
     plan = Plan(
-        mode="run", candidate=candidate.to_dict(), out=str(folder), observer=observer, observe=observe
+        mode="run",
+        candidate=candidate.to_dict(),
+        out=str(folder),
+        seed=None,  # the script's own randomness: a run meant to sample seeds still does
+        observer=observer,
+        observe=observe,
     )
     child = launch(workload, plan, inherit_output=True)
     try:
-        code = child.process.wait()
-    except KeyboardInterrupt:
-        child.process.terminate()
-        child.process.wait()
-        raise
-    record = folder / "run.json"
-    if not record.exists():
+        code, signals = wait_run(child.process, lambda text: err.print(f"mixprec: {text}"))
+    finally:
+        child.discard()
+        workload.close()
+    data = _record_of(record, child.process.pid)
+    if data is None:
+        if signals:
+            return EXIT_TERMINATED if signals[0] == "SIGTERM" else EXIT_INTERRUPTED
         if code != 0:
-            raise UsageError(f"the script exited with code {code} (its output is above)")
-        raise UsageError("the script ran no optimizer step under mixprec's agent: nothing was applied")
-    data = json.loads(record.read_text())
+            raise UsageError(
+                f"the script exited with code {code} before its first optimizer step (its output is above)"
+            )
+        raise UsageError(
+            "the script ran no optimizer step (mixprec applies a candidate to the model an optimizer "
+            "trains): nothing was trained under the candidate"
+        )
+    if data.get("error"):
+        raise _error_of(data["error"], code)
     steps = data.get("steps", 0)
     framework_name = (data.get("facts") or {}).get("framework", "plain")
     err.print(
@@ -105,4 +123,26 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         err.print(f"  step {finding['step']}: {finding['kind']}: {finding['message']}", soft_wrap=True)
     if code != 0:
         return code
+    if steps == 0:
+        raise UsageError(
+            "the script built an optimizer but never stepped it: nothing was trained under the candidate"
+        )
     return 4 if data.get("healthy") is False else 0
+
+
+def _record_of(path: Path, pid: int) -> dict | None:
+    """This run's record (None: the script wrote none, or another process's is there)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if data.get("pid") in (None, pid) else None
+
+
+def _error_of(message: str, code: int) -> Exception:
+    """The agent's reason for stopping the run, as the error its exit code names."""
+    from mixprec.errors import RunStopped
+
+    if code == 3:
+        return UnsupportedError(message)
+    return RunStopped(message) if code == 4 else UsageError(message)

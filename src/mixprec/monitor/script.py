@@ -40,6 +40,12 @@ class ScriptMonitor:
             findings=self.findings,
         )
 
+    def forward(self, agent: Any, args: tuple, kwargs: dict) -> None:
+        """The model's inputs of a training forward (what a shadow replays)."""
+
+    def before_update(self, agent: Any) -> None:
+        """The lead optimizer is about to apply the step's update."""
+
     def step(self, agent: Any, loss: torch.Tensor | None, skipped: bool) -> str | None:
         """Record the step; what stopped the run, if the monitor gave up on it."""
         if self.monitor is None or loss is None:

@@ -377,6 +377,20 @@ class Policy:
         optimizers, so no synchronisation is added; for fused optimizers it costs one.
         """
         opts = _as_optimizers(optimizer)
+        found = self.step_optimizers(opts, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value)
+        return self.end_step(opts, found)
+
+    def step_optimizers(
+        self,
+        opts: list[torch.optim.Optimizer],
+        *,
+        clip_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
+    ) -> list[bool]:
+        """The first half of :meth:`step`: unscale, clip and step (or skip) each optimizer, without
+        updating the scale or the statistics; per optimizer, whether its gradients were non-finite
+        (its step skipped). A loop whose optimizers step at different points of one training step
+        (the script agent's) calls this for each, then :meth:`end_step` once."""
         for name, value in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf
@@ -442,6 +456,12 @@ class Policy:
                     _refuse_sparse_half_step(exc, o, self.name, self._param_names)
                     raise
 
+        return found_host
+
+    def end_step(self, opts: Sequence[torch.optim.Optimizer], found_host: Sequence[bool]) -> bool:
+        """The second half of :meth:`step`: one scale update for everything
+        :meth:`step_optimizers` stepped since the last one, and the statistics of the step; returns
+        whether every optimizer stepped."""
         skipped = any(found_host)
         if skipped:
             params = [p for o in opts for g in o.param_groups for p in g["params"]]

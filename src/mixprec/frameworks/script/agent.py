@@ -1,30 +1,35 @@
 """The agent mixprec puts into a training script's own process: it finds the model and the
-optimizer the script builds, applies a candidate to them, and records or paces the optimizer steps.
+optimizers the script builds, applies a candidate to them, and records or paces the script's steps.
 
 It is imported by the ``sitecustomize`` mixprec puts first on the child's ``PYTHONPATH``
 (:mod:`mixprec.frameworks.script.launch`), before the script runs, and reads its :class:`Plan` from
 the environment. Nothing is edited in the script; what it does is intercepted where PyTorch and the
-frameworks offer a seam:
+frameworks offer a seam (:mod:`.patches` lists each):
 
-- **the model**: when the script builds its first optimizer, the outermost ``nn.Module`` that holds
-  the optimizer's parameters (found once among the live modules). A second optimizer over another
-  model is refused: mixprec measures one model.
+- **the model**: when the script builds its first optimizer, the outermost ``nn.Module`` holding most
+  of that optimizer's parameters (found once among the live modules; parameters outside every module,
+  a learnable temperature, train as the script has them). An optimizer over another model is refused:
+  mixprec measures one model.
+- **the step**: the first optimizer built (the *lead*) paces the script: a step ends where the lead
+  has stepped and the model computes again (its next forward or backward), or the lead steps again.
+  Every other optimizer (a Muon/AdamW split, a GAN's discriminator) steps inside it, so a step is the
+  same thing under every candidate, as written included. Its time is the wall time between two ends
+  (the DataLoader included; synchronised on CUDA), its loss what the script called ``backward`` on
+  (the gradient-weighted sum for ``backward(gradient)``), its samples the batch dimension of the
+  model's inputs.
 - **a plain loop**: the candidate's Policy prepares the model (casts, channels_last, fp32 islands,
-  ``Module.compile``); its autocast runs from the model's first forward of a step until the loss's
-  ``backward()`` (autocast around forward and loss, as the PyTorch AMP recipe has it); the loss is
-  scaled where the policy scales it, gradients are unscaled before the script's own
-  ``clip_grad_norm_``, and the script's ``optimizer.step()`` goes through ``Policy.step`` (skipped on
-  non-finite gradients, the scale updated).
+  ``Module.compile``); its autocast runs from the model's first forward of a step (wherever the loop
+  calls it: the root, one of its parts, a compiled wrapper; in train or eval mode) until the
+  ``backward()``; the loss is scaled where the policy scales it, and every read of a gradient after a
+  scaled backward sees it unscaled (any clip path, any log); each ``optimizer.step()`` goes through
+  the Policy (skipped on non-finite gradients) and the scale is updated once per step.
 - **the script's own AMP**: its ``torch.autocast`` and ``GradScaler`` are overridden, never stacked:
   under another candidate an enabled autocast takes the candidate's dtype (or is disabled), a
-  GradScaler is enabled exactly when the candidate scales the loss.
+  GradScaler is enabled exactly when the candidate scales the loss. A script that uses mixprec's own
+  ``Policy`` has it built under the candidate.
 - **the HF Trainer, Lightning and Accelerate**: their own precision switches
   (``TrainingArguments(bf16=, fp16=)``, ``Trainer(precision=)``, ``Accelerator(mixed_precision=)``),
   set as the export for that framework sets them, patched where the framework reads them.
-- **the steps**: a step ends at the optimizer's step (or at ``GradScaler.update()`` where a scaler
-  runs: a skipped step calls no ``optimizer.step()``); its time is the wall time since the last
-  one (the DataLoader included; synchronised on CUDA), its loss the tensor the script called
-  ``backward`` on (before scaling).
 """
 
 from __future__ import annotations
@@ -32,17 +37,17 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import functools
 import gc
 import importlib
-import inspect
 import json
 import os
 import random
 import resource
 import sys
+import threading
 import time
 import traceback
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,10 +55,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.frameworks.script.frameworks import PLAIN, UNKNOWN_FRAMEWORKS, install_import_hooks
+from mixprec.frameworks.script.frameworks import MIXPREC, PLAIN, UNKNOWN_FRAMEWORKS, install_import_hooks
+from mixprec.frameworks.script.patches import Patches
 
 PLAN_ENV = "MIXPREC_SCRIPT_PLAN"
 OWNER_ENV = "MIXPREC_SCRIPT_OWNER"  # the process the plan is for (a spawned DataLoader worker is not)
+EXIT_REFUSED = 3  # `mixprec run`: the candidate did not take effect (what the CLI's 3 means)
 
 
 @dataclasses.dataclass
@@ -67,11 +74,14 @@ class Plan:
             script's own precision.
         steps: "trace": the steps to record.
         read_fd / write_fd: "measure": the pipe ends to the parent.
-        out: "trace": where the record goes (``torch.save``); "run": the folder for train.json.
-        seed: seeds Python's, NumPy's and torch's generators before the script runs.
+        out: "trace": where the record goes (``torch.save``); "run": the folder for run.json.
+        seed: seeds Python's, NumPy's and torch's generators before the script runs (None: the
+            script's own randomness, as ``mixprec run`` leaves it).
         perturb: "trace": the initial weights times ``1 + perturb * N(0, 1)`` (the chaos floor).
         ranges: "trace": also the full per-layer ranges of the first step.
-        scratch: where checkpoints and output folders go in "measure" and "trace" modes.
+        scratch: where the frameworks' output folders go in "measure" and "trace" modes.
+        home: "measure"/"trace": the user's folder, which the run's scratch working folder mirrors
+            (:mod:`.sandbox`: reads as there, writes never there); None: no sandbox.
         observer: "run": ``module:function`` building an observer of the run from the agent and
             ``observe`` (the monitor's adapter: :mod:`mixprec.monitor.script`), or None.
         observe: the observer's settings (the Monitor's: :class:`mixprec.monitor.MonitorConfig` fields).
@@ -83,10 +93,11 @@ class Plan:
     read_fd: int | None = None
     write_fd: int | None = None
     out: str | None = None
-    seed: int = 0
+    seed: int | None = 0
     perturb: float = 0.0
     ranges: bool = False
     scratch: str | None = None
+    home: str | None = None
     observer: str | None = None
     observe: dict[str, Any] | None = None
 
@@ -99,10 +110,23 @@ class Plan:
             return cls(**json.load(f))
 
 
-class Agent:
-    """One script run under a plan (module docstring). One per process: :func:`install`."""
+@dataclasses.dataclass
+class Window:
+    """The script's step in progress (from the end of the last one to the end of this one)."""
 
-    def __init__(self, plan: Plan) -> None:
+    index: int = 0
+    started: float | None = None  # perf_counter() where it began (its first forward or backward)
+    losses: list[torch.Tensor] = dataclasses.field(default_factory=list)  # each backward's, unscaled
+    samples: int = 0
+    lead_stepped: bool = False  # the lead optimizer stepped (or its GradScaler skipped it)
+    skipped: bool = False  # the lead's update was not applied
+    routed: list[tuple[torch.optim.Optimizer, bool]] = dataclasses.field(default_factory=list)
+
+
+class Agent:
+    """One script run under a plan (module docstring). One per process: :func:`install_from_env`."""
+
+    def __init__(self, plan: Plan, *, exit: Callable[[int], None] | None = None) -> None:
         from mixprec.policy import Candidate
 
         self.plan = plan
@@ -113,59 +137,77 @@ class Agent:
         self.model: nn.Module | None = None
         self.policy: Any = None
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.lead: torch.optim.Optimizer | None = None
         self.script_scalers: list[Any] = []
         self.own: dict[str, Any] = {"autocast": [], "scaler": None, "framework": {}}
-        self.step = 0
-        self.t_start: float | None = None
-        self.losses: list[torch.Tensor] = []  # this step's, unscaled
-        self.samples = 0  # this step's
-        self.skipped = False
+        self.window = Window()
         self.record: dict[str, Any] = {"steps": [], "facts": {}}
-        self._internal = 0
-        self._autocast: contextlib.AbstractContextManager[Any] | None = None
-        self._scaled: set[int] = set()  # ids of tensors GradScaler.scale returned this step, scaled
-        self._recorded: set[int] = set()  # ids of losses recorded this step (by GradScaler.scale)
-        self._unscaled: set[int] = set()  # optimizers unscaled this step (before a clip)
-        self._recorder: Any = None
-        self._ranges: Any = None
-        self._probe: Any = None
-        self._first_output: torch.Tensor | None = None
-        self._first_grads: dict[str, torch.Tensor] | None = None
-        self._stall_before: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._step_scale: float | None = None  # the loss scale of this step's backward (trace mode)
+        self.internal_calls = 0  # > 0 while mixprec's own code calls torch (the patches let it be)
+        self.script_autocast_depth = 0  # the script's own autocast contexts entered (and not left)
+        self.grads_scaled = False  # a backward the agent scaled ran; gradients unscaled on first read
         self.observers: list[Any] = []  # each: discovered(agent), step(agent, loss, skipped), summary()
+        self.patches = Patches(self)
+        self._exit = exit or _exit
+        self._autocast: contextlib.AbstractContextManager[Any] | None = None
+        self._model_ids: set[int] = set()
+        self._thread: int | None = None
+        self._owner: dict[int, torch.optim.Optimizer] = {}  # id(param) -> its optimizer
+        self._unscaled: set[int] = set()  # optimizers unscaled since the last scale update
+        self._recorded: set[int] = set()  # losses recorded by GradScaler.scale: not counted again
+        self._scaled_by_script: set[int] = set()  # tensors the script's own enabled scaler scaled
+        self._in_backward = False
+        self._probe: Any = None
+        self._tracer: Any = None
+        self._nonfinite_at_start: set[str] = set()
+        self._widened = False  # a half-precision script's model, widened to fp32 for this candidate
+        self._finished = False
         self._pipe_in: Any = None
         self._pipe_out: Any = None
+        self._undo_hooks: Callable[[], None] | None = None
+        self._scopes = contextlib.ExitStack()  # the candidate's fp32 math mode, for the whole run
 
     # ------------------------------------------------------------------ set-up
     def install(self) -> None:
-        seed_everything(self.plan.seed)
+        if self.plan.seed is not None:
+            seed_everything(self.plan.seed)
         if self.plan.mode == "measure":
             assert self.plan.read_fd is not None and self.plan.write_fd is not None
             self._pipe_out = os.fdopen(self.plan.write_fd, "w", buffering=1)
             self._pipe_in = os.fdopen(self.plan.read_fd, "r")
-        self._patch_autocast()
-        self._patch_grad_scaler()
-        self._patch_backward()
-        self._patch_clip()
-        self._patch_optimizer()
-        install_import_hooks(self)
+        self.patches.install()
+        self._patch_own_policy()
+        self._undo_hooks = install_import_hooks(self)
+        if self.plan.home and self.plan.mode in ("measure", "trace"):
+            from mixprec.frameworks.script import sandbox
+
+            self.patches.add(sandbox.install(self.plan.home, os.getcwd()))
         if self.plan.mode == "run":
             if self.plan.observer:  # built from the top (mixprec run): the monitor sits above this layer
                 module, _, name = self.plan.observer.partition(":")
                 self.observers.append(
                     getattr(importlib.import_module(module), name)(self, self.plan.observe or {})
                 )
-            atexit.register(self.write_run)
+            atexit.register(self.finish_run)
+            self.patches.on_exit(self.finish_run)
+
+    def uninstall(self) -> None:
+        """Put torch back as it was (the in-process tests run a loop under an agent, then this)."""
+        self.leave_autocast()
+        self._scopes.close()
+        self.patches.remove()
+        if self._undo_hooks is not None:
+            self._undo_hooks()
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.finish_run)
 
     @contextlib.contextmanager
     def internal(self) -> Iterator[None]:
         """mixprec's own calls (its Policy's autocast, GradScaler, step): the patches let them be."""
-        self._internal += 1
+        self.internal_calls += 1
         try:
             yield
         finally:
-            self._internal -= 1
+            self.internal_calls -= 1
 
     @property
     def loop(self) -> bool:
@@ -180,303 +222,434 @@ class Agent:
         enabled exactly when the candidate scales the loss with fp32 weights)."""
         return self.loop and not any(s.is_enabled() for s in self.script_scalers)
 
-    # ------------------------------------------------------------------ torch.autocast
-    def _patch_autocast(self) -> None:
-        from torch.amp import autocast_mode
+    def is_model(self, module: nn.Module) -> bool:
+        """Whether ``module`` is the model or a part of it (or a compiled wrapper of one)."""
+        if id(module) in self._model_ids:
+            return True
+        inner = getattr(module, "_orig_mod", None)
+        return inner is not None and id(inner) in self._model_ids
 
-        original = autocast_mode.autocast.__init__
-        agent = self
+    # ------------------------------------------------------------------ the script's own precision
+    def script_autocast(self, device_type: str, dtype: torch.dtype | None) -> tuple[Any, bool]:
+        """An enabled ``torch.autocast`` the script makes: under an injected candidate in a plain
+        loop it takes the candidate's dtype (or is disabled)."""
+        self.own["autocast"].append({"device_type": device_type, "dtype": str(dtype)})
+        if self.inject and self.framework == PLAIN:
+            wanted = self.candidate.spec.autocast_dtype
+            return (wanted if wanted is not None else dtype), wanted is not None
+        return dtype, True
 
-        @functools.wraps(original)  # its signature, which torch.compile reads
-        def __init__(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True, **kw):
-            if not agent._internal and enabled:
-                agent.own["autocast"].append({"device_type": device_type, "dtype": str(dtype)})
-                if agent.inject and agent.framework == PLAIN:
-                    wanted = agent.candidate.spec.autocast_dtype
-                    enabled = wanted is not None
-                    dtype = wanted if wanted is not None else dtype
-            original(self, device_type, dtype=dtype, enabled=enabled, **kw)
+    def script_autocast_enters(self, ctx: Any) -> None:
+        """The script enters one of its autocast contexts. An outermost disabled one is its AMP
+        switched off (``autocast(enabled=use_amp)``): under an injected candidate it runs the
+        candidate's autocast; a disabled one inside an autocast is a region the script keeps in fp32."""
+        self.script_autocast_depth += 1
+        wanted = self.candidate.spec.autocast_dtype
+        outermost = self.script_autocast_depth == 1 and not torch.is_autocast_enabled(ctx.device)
+        if self.inject and self.framework == PLAIN and wanted is not None and outermost and not ctx._enabled:
+            ctx._enabled, ctx.fast_dtype = True, wanted
 
-        autocast_mode.autocast.__init__ = __init__  # type: ignore[method-assign,assignment]
+    def script_scaler(self, scaler: Any, enabled: bool) -> bool:
+        """A GradScaler the script makes: enabled exactly when the candidate scales the loss with
+        fp32 weights (a *-true candidate's scaling is its Policy's: GradScaler refuses to unscale
+        half gradients)."""
+        self.own["scaler"] = self.own["scaler"] or enabled
+        self.script_scalers.append(scaler)
+        if self.inject and self.framework == PLAIN:
+            spec = self.candidate.spec
+            return spec.loss_scaling and spec.param_dtype is None
+        return enabled
 
-    # ------------------------------------------------------------------ GradScaler
-    def _patch_grad_scaler(self) -> None:
-        from torch.amp import grad_scaler
+    def script_scaled(self, scaler: Any, loss: torch.Tensor, scaled: torch.Tensor) -> None:
+        self.window.losses.append(loss.detach())
+        self._recorded.add(id(scaled))  # its backward() is this loss's: not counted twice
+        if scaler.is_enabled():  # a disabled scaler hands the loss back: it is still to scale
+            self._scaled_by_script.add(id(scaled))
 
-        cls = grad_scaler.GradScaler
-        init, scale, update = cls.__init__, cls.scale, cls.update
-        agent = self
+    def script_scaler_stepped(self, scaler: Any, optimizer: Any) -> None:
+        """The script's GradScaler stepped ``optimizer``, or skipped it (inf/NaN gradients: no
+        ``optimizer.step()`` ran, so no step hook said it)."""
+        if scaler.is_enabled() and _found_inf(scaler, optimizer):
+            self.optimizer_stepped(_torch_optimizer(optimizer), skipped=True)
 
-        signature = inspect.signature(init)
+    def _patch_own_policy(self) -> None:
+        """A script that builds mixprec's own Policy: built under the candidate (the policy it asked
+        for is its precision as written), and it runs the loop's precision itself."""
+        from mixprec.policy.policy import Policy
 
-        @functools.wraps(init)
-        def __init__(self, *args: Any, **kw: Any) -> None:
-            bound = signature.bind(self, *args, **kw)
-            bound.apply_defaults()
-            if not agent._internal:
-                agent.own["scaler"] = agent.own["scaler"] or bool(bound.arguments["enabled"])
-                if agent.inject and agent.framework == PLAIN:
-                    # fp16 weights: GradScaler refuses to unscale fp16 gradients; the Policy's own
-                    # scaler does the loss scaling of a *-true candidate (the script's stays off)
-                    spec = agent.candidate.spec
-                    bound.arguments["enabled"] = spec.loss_scaling and spec.param_dtype is None
-                agent.script_scalers.append(self)
-            init(*bound.args, **bound.kwargs)
+        agent, original = self, Policy.__init__
 
-        def scale_(self, outputs: Any) -> Any:
-            scaled = scale(self, outputs)
-            if not agent._internal and isinstance(outputs, torch.Tensor):
-                agent.losses.append(outputs.detach())
-                agent._recorded.add(id(scaled))  # its backward() is this loss's: not counted twice
-                if self.is_enabled():  # a disabled scaler hands the loss back: it is still to scale
-                    agent._scaled.add(id(scaled))
-            return scaled
+        def __init__(policy: Any, config: Any) -> None:
+            if agent.internal_calls:
+                return original(policy, config)
+            agent.framework = MIXPREC
+            agent.own["framework"] = {"mixprec": config.name}
+            if agent.inject:
+                from mixprec.policy import get_policy
 
-        def update_(self, new_scale: Any = None) -> None:
-            update(self, new_scale)
-            if not agent._internal and self.is_enabled():
-                agent.boundary(skipped=bool(_found_inf(self)))
-
-        cls.__init__, cls.scale, cls.update = __init__, scale_, update_  # type: ignore[method-assign]
-
-    # ------------------------------------------------------------------ backward
-    def _patch_backward(self) -> None:
-        original = torch.Tensor.backward
-        agent = self
-
-        @functools.wraps(original)
-        def backward(self: torch.Tensor, *args: Any, **kw: Any) -> None:
-            if agent._internal or torch._C._get_tracing_state():
-                return original(self, *args, **kw)
-            agent.leave_autocast()  # backward runs outside autocast, as the AMP recipe has it
-            agent.backward_starts()
-            if id(self) in agent._scaled or self.numel() != 1:
-                return original(self, *args, **kw)
-            if id(self) not in agent._recorded:
-                agent.losses.append(self.detach())
-            if agent.routing and agent.policy.scaler is not None:
                 with agent.internal():
-                    return original(agent.policy.scaler.scale(self), *args, **kw)
-            return original(self, *args, **kw)
+                    wanted = dataclasses.replace(agent.candidate, framework="torch", as_written=False)
+                    config = get_policy(wanted, device=config.device, check=False).config
+                agent.framework_flags = {"mixprec": config.name}
+            return original(policy, config)
 
-        torch.Tensor.backward = backward  # type: ignore[method-assign]
+        self.patches.replace(Policy, "__init__", __init__)
 
-    # ------------------------------------------------------------------ clipping
-    def _patch_clip(self) -> None:
-        utils = torch.nn.utils
-        agent = self
-        for name in ("clip_grad_norm_", "clip_grad_value_"):
-            original = getattr(utils, name)
-
-            def clip(parameters: Any, *args: Any, _original: Callable = original, **kw: Any) -> Any:
-                if agent.routing and agent.policy.scaler is not None and not agent._internal:
-                    with agent.internal():
-                        for opt in agent.optimizers:  # the true gradients are clipped, not the scaled ones
-                            if id(opt) not in agent._unscaled:
-                                agent.policy.scaler.unscale_(opt)
-                                agent._unscaled.add(id(opt))
-                return _original(parameters, *args, **kw)
-
-            setattr(utils, name, clip)
-            if hasattr(utils, "clip_grad"):
-                setattr(utils.clip_grad, name, clip)
-
-    # ------------------------------------------------------------------ optimizers
-    def _patch_optimizer(self) -> None:
-        base = torch.optim.Optimizer
-        original = base.__init__
-        agent = self
-
-        def __init__(self: torch.optim.Optimizer, *args: Any, **kw: Any) -> None:
-            original(self, *args, **kw)
-            if not agent._internal:
-                agent.adopt(self)
-
-        base.__init__ = __init__  # type: ignore[method-assign]
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        register_optimizer_step_post_hook(self._after_optimizer_step)
-
+    # ------------------------------------------------------------------ optimizers and the model
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """A new optimizer of the script's: the first names the model; one over another model is refused."""
         params = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        owner = find_model(params)
         if self.model is None:
+            owner = find_model(params)
             if owner is None:
                 self.fail(
                     "UsageError",
-                    "the script's optimizer holds parameters of no single nn.Module: mixprec measures one "
-                    "model",
+                    "the script's first optimizer holds no parameter of any nn.Module: mixprec measures "
+                    "the model an optimizer trains",
                 )
-            self.model = owner
-            self.optimizers.append(optimizer)
-            self._wrap_step(optimizer)
+            self.model, self.lead = owner, optimizer
+            self._thread = threading.get_ident()  # (autocast is per thread: the loop's)
+            self._register(optimizer)
             self._discovered()
             return
+        owner = find_model(params - {id(p) for p in self.model.parameters()})
         if owner is not None and owner is not self.model and not _inside(owner, self.model):
             self.fail(
                 "UsageError",
                 f"the script trains a second model ({type(owner).__name__}, beside "
-                f"{type(self.model).__name__}): mixprec measures one model per run",
+                f"{type(self.model).__name__}) with its own optimizer: mixprec measures one model per "
+                "run (put both in one nn.Module, as a GAN's generator and discriminator can be)",
             )
+        self._register(optimizer)
+
+    def _register(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizers.append(optimizer)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self._owner[id(p)] = optimizer
         self._wrap_step(optimizer)
 
     def _wrap_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Route ``optimizer.step()`` through the Policy where the agent injects the loop."""
+        """Route ``optimizer.step()`` through the Policy where the agent injects the loop. A bound
+        method, as the optimizer's own is: an LR scheduler made later wraps it through ``__func__``."""
         agent = self
         klass_step = type(optimizer).step
 
-        def step(*args: Any, **kw: Any) -> Any:
-            if agent._internal or not agent.routing or args or kw:
-                return klass_step(optimizer, *args, **kw)
-            agent.leave_autocast()
-            with agent.internal():
-                stepped = agent.policy.step(optimizer)
-            agent.boundary(skipped=not stepped)
-            return None
+        def step(opt: torch.optim.Optimizer, *args: Any, **kw: Any) -> Any:
+            if agent.internal_calls or not agent.routing:
+                return klass_step(opt, *args, **kw)
+            return agent.routed_step(opt, klass_step, args, kw)
 
-        optimizer.step = step  # type: ignore[method-assign]
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
-    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._internal or self.routing or not self.optimizers or optimizer is not self.optimizers[0]:
+    def routed_step(
+        self, optimizer: torch.optim.Optimizer, klass_step: Callable, args: tuple, kw: dict
+    ) -> Any:
+        """The script's ``optimizer.step()`` in an injected plain loop: through the candidate's Policy
+        (unscaled where it scales, skipped on inf/NaN gradients); the scale is updated once, when the
+        step ends."""
+        self.leave_autocast()
+        closure = kw.get("closure", args[0] if args else None)
+        if closure is not None:
+            if self.policy.scaler is not None:
+                self.fail(
+                    "UnsupportedError",
+                    f"optimizer.step(closure) ({type(optimizer).__name__}) under {self.candidate.policy}: "
+                    "a closure re-evaluates the loss inside the step, where loss scaling cannot reach it "
+                    "(GradScaler refuses closures); use a *-mixed policy without loss scaling (bf16-mixed)",
+                )
+            # the closure's forward and backward are seen as any; the step is the optimizer's own
+            return klass_step(optimizer, *args, **kw)
+        from mixprec.errors import MixprecError
+
+        self.optimizer_starts(optimizer)
+        with self.internal():
+            try:
+                found = self.policy.step_optimizers([optimizer])[0]
+            except MixprecError as exc:
+                self.fail(type(exc).__name__, f"the script's {type(optimizer).__name__}.step(): {exc}")
+        self.window.routed.append((optimizer, found))
+        self._unscaled.add(id(optimizer))  # (stepped: its gradients are not read scaled again)
+        self.optimizer_stepped(optimizer, skipped=found)
+        return None
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Every optimizer step's pre-hook (the script's, or the Policy's for a routed step)."""
+        if optimizer is not self.lead:
             return
-        if any(s.is_enabled() for s in self.script_scalers):
-            return  # GradScaler.update() ends the step (a skipped step calls no optimizer.step)
-        self.boundary(skipped=False)
+        if not self.internal_calls:
+            self.optimizer_starts(optimizer)
+        if self._tracer is not None:
+            half = self.inject and self.candidate.spec.param_dtype is not None
+            self._tracer.before_update(self._scale(), half)
+        for observer in self.observers:
+            with self.internal():
+                observer.before_update(self)
 
-    # ------------------------------------------------------------------ the model
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.internal_calls:
+            self.optimizer_stepped(optimizer, skipped=False)
+
+    def optimizer_starts(self, optimizer: Any) -> None:
+        """The lead steps again with no forward or backward since: the last step ends here."""
+        if optimizer is self.lead and self.window.lead_stepped:
+            self.boundary()
+            self.window.started = time.perf_counter()
+
+    def optimizer_stepped(self, optimizer: Any, skipped: bool) -> None:
+        if optimizer is self.lead:
+            self.window.lead_stepped = True
+            self.window.skipped |= skipped
+            self.patches.arm_forward()  # the model's next forward ends the step
+
     def _discovered(self) -> None:
         """The model is known: apply the candidate (plain loop), hook its forward, report its facts."""
+        from mixprec.errors import MixprecError
+
         model = self.model
         assert model is not None
         device = _device_of(model)
-        if self.inject and self.framework == PLAIN:
-            from mixprec.policy import get_policy
-
-            with self.internal():  # the script's model is a torch model: the torch candidate's Policy
-                torch_candidate = dataclasses.replace(self.candidate, framework="torch", as_written=False)
-                self.policy = get_policy(torch_candidate, device=device)
-                self.policy.precision_scope().__enter__()  # for the whole run, as a script sets them
-                self.policy.prepare(model)
-                if self.candidate.compile:  # the forward only: mixprec's hooks on the model stay eager
-                    model.forward = torch.compile(model.forward, mode=self.candidate.compile)
-        elif self.inject:  # the framework's switches hold the dtypes; the fp32 math mode is mixprec's
-            from mixprec import state
-
-            state.precision_settings(self.candidate.spec.precision).__enter__()
+        facts = self.record["facts"]
+        facts["param_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+        self._nonfinite_at_start = _nonfinite_buffers(model)
+        try:
+            self._apply_candidate(model, device)
+        except MixprecError as exc:
+            self.fail(type(exc).__name__, str(exc))
         if self.plan.perturb:
             perturb_weights(model, self.plan.perturb)
-        model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
-        model.register_forward_hook(self._after_forward)
-        if self.plan.mode != "run":  # which dtype the first matmul/conv really computed in
+        model.register_forward_pre_hook(self._root_forward, with_kwargs=True)
+        if self.plan.mode == "trace":
+            model.register_forward_hook(self._root_output)
+            compiled = bool(self.candidate.compile) and self.inject
+            self._tracer = _tracer(model, self.candidate.spec.range_format, compiled, self.plan.ranges)
+        if self.inject or self.plan.mode != "run":  # which dtype the first matmul/conv computed in
             from mixprec.frameworks.torch.session import FirstComputeLayer
 
-            self._probe = FirstComputeLayer(model, self.candidate.keep_fp32 if self.inject else ())
-        if self.plan.mode == "trace":
-            self._trace_hooks(model)
+            keep = self.candidate.keep_fp32 if self.inject else ()
+            self._probe = FirstComputeLayer(model, keep, training_only=True)
+        self._model_ids = {id(m) for m in model.modules()}
         for observer in self.observers:
             with self.internal():
                 observer.discovered(self)
-        facts = self.record["facts"]
         facts.update(
             model=type(model).__name__,
             device=str(device),
             modules=[(n, type(m).__name__) for n, m in model.named_modules() if n],
             params=[n for n, _ in model.named_parameters()],
-            param_dtypes=sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()}),
         )
+        self.patches.arm_forward()
 
-    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not module.training or not torch.is_grad_enabled():
+    def _apply_candidate(self, model: nn.Module, device: torch.device) -> None:
+        """The candidate on the model: its Policy in a plain loop; the fp32 math mode where a
+        framework's switch holds the dtypes."""
+        if not self.inject:
             return
-        if self.t_start is None:
-            self.t_start = time.perf_counter()
-        self.samples += _batch_size(args, kwargs)
-        device_type = self.policy.device.type if self.policy is not None else "cpu"
-        # the script's own autocast (overridden to the candidate's dtype) already wraps its forward
-        if self.loop and self._autocast is None and not torch.is_autocast_enabled(device_type):
-            ctx = self.policy.autocast()
-            with self.internal():
-                ctx.__enter__()
-            self._autocast = ctx
+        if self.framework != PLAIN:
+            from mixprec import state
 
-    def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._first_output is None and self.plan.mode == "trace" and module.training:
-            first = _first_tensor(output)
-            if first is not None:
-                self._first_output = first.detach().float().cpu().clone()
-
-    def backward_starts(self) -> None:
-        """Trace mode: forwards from here on are activation-checkpoint recomputation, and the
-        gradients recorded are scaled by the scale the step runs at."""
-        if self.plan.mode != "trace":
+            self._scopes.enter_context(state.precision_settings(self.candidate.spec.precision))
             return
-        if self._recorder is not None:
-            self._recorder.backward_starts()
-        if self._ranges is not None:
-            self._ranges.in_backward = True
-        if self._step_scale is None:
-            self._step_scale = self._scale_after()
+        from mixprec.policy import get_policy
+
+        with self.internal():  # the script's model is a torch model: the torch candidate's Policy
+            torch_candidate = dataclasses.replace(self.candidate, framework="torch", as_written=False)
+            self.policy = get_policy(torch_candidate, device=device)
+            if self.candidate.spec.param_dtype is None and _half_parameters(model):
+                # a script that trains half weights itself (model.to(torch.bfloat16)): fp32 master
+                # weights for this candidate (exact), and its half inputs widened to meet them
+                model._apply(lambda t: t.float() if t.is_floating_point() else t)
+                from mixprec.policy.hooks import cast_inputs
+
+                model.register_forward_pre_hook(cast_inputs(torch.float32), with_kwargs=True)
+                self._widened = True
+            self._scopes.enter_context(self.policy.precision_scope())  # as a script sets them
+            self.policy.prepare(model)
+            if self.candidate.compile:  # the forward only: mixprec's hooks on the model stay eager
+                model.forward = torch.compile(model.forward, mode=self.candidate.compile)
+
+    # ------------------------------------------------------------------ forwards
+    def first_forward(self, module: nn.Module, args: tuple) -> None:
+        """The model's first forward since the step's last event (the global pre-hook): the last
+        step ends if the lead has stepped, and the candidate's autocast begins."""
+        if self.window.lead_stepped:
+            self.boundary()
+        if self.window.started is None:
+            self.window.started = time.perf_counter()
+        if module is not self.model:  # (the root counts its own samples: _root_forward)
+            self.window.samples += _batch_size(args, {})
+        if self.loop and self._autocast is None and threading.get_ident() == self._thread:
+            # the script's own autocast (overridden to the candidate's) governs where it has one;
+            # a *-true candidate's half default dtype is mixprec's alone
+            device_type = self.policy.device.type
+            half_default = self.candidate.spec.autocast_dtype is None
+            if half_default or (
+                not self.script_autocast_depth and not torch.is_autocast_enabled(device_type)
+            ):
+                ctx = self.policy.autocast()
+                with self.internal():
+                    ctx.__enter__()
+                self._autocast = ctx
+
+    def _root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled() or self.internal_calls:
+            return
+        self.window.samples += _batch_size(args, kwargs)
+        for observer in self.observers:
+            observer.forward(self, args, kwargs)
+
+    def _root_output(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._tracer is not None and torch.is_grad_enabled() and not self.internal_calls:
+            self._tracer.forward_output(output)
 
     def leave_autocast(self) -> None:
         if self._autocast is not None:
             ctx, self._autocast = self._autocast, None
             ctx.__exit__(None, None, None)
 
-    # ------------------------------------------------------------------ the step boundary
-    def boundary(self, *, skipped: bool) -> None:
-        """One optimizer step of the script ended (``skipped``: its update was not applied)."""
-        self.leave_autocast()
-        if self.model is not None and self.model.training is False:
+    # ------------------------------------------------------------------ backward
+    def backward(self, original: Callable, tensors: Any, grad_tensors: Any, args: tuple, kw: dict) -> Any:
+        """Every backward of the script (``torch.autograd.backward``): autocast ends, the loss is
+        recorded, and scaled where the candidate's Policy scales it."""
+        self.leave_autocast()  # backward runs outside autocast, as the AMP recipe has it
+        if self.window.lead_stepped:  # (a loop that calls model.forward() itself: no forward hook)
+            self.boundary()
+        if self.window.started is None:
+            self.window.started = time.perf_counter()
+        self.patches.arm_forward()  # the next micro-batch's forward: autocast again
+        outputs = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        grads = _as_grads(grad_tensors, len(outputs))
+        for out, grad in zip(outputs, grads, strict=True):
+            if id(out) in self._recorded:
+                continue  # the script's GradScaler.scale recorded it
+            if grad is None:
+                self.window.losses.append(out.detach())
+            else:  # a per-sample loss and its weights: the objective whose gradient is taken
+                self.window.losses.append((out.detach().float() * grad.detach().float()).sum())
+        scale = None
+        if self.routing and self.policy.scaler is not None:
+            with self.internal():
+                outputs = tuple(self.policy.scaler.scale(out) for out in outputs)
+                scale = float(self.policy.scaler.get_scale())
+            self.grads_scaled = True
+            self.patches.grad_reads(True)
+        elif any(id(out) in self._scaled_by_script for out in outputs):
+            scale = self._scale_after()
+        if self._tracer is not None:
+            self._tracer.backward_starts(scale)
+        self._in_backward = True
+        try:
+            return original(outputs if len(outputs) > 1 else outputs[0], grad_tensors, *args, **kw)
+        finally:
+            self._in_backward = False
+
+    def reading_grad(self, tensor: torch.Tensor) -> None:
+        """A gradient is read after a scaled backward (a clip, a norm, a log): its optimizer's
+        gradients are unscaled first, once per step, as ``GradScaler.unscale_`` before clipping."""
+        if self._in_backward:
             return
-        device = _device_of(self.model) if self.model is not None else torch.device("cpu")
+        optimizer = self._owner.get(id(tensor))
+        if optimizer is None or id(optimizer) in self._unscaled:
+            return
+        self._unscaled.add(id(optimizer))
+        with self.internal():
+            self.policy.scaler.unscale_(optimizer)
+
+    # ------------------------------------------------------------------ the step boundary
+    def boundary(self) -> None:
+        """The script's step ended: the scale updated once for what was routed, the step recorded,
+        reported to the parent (measure) or the observers (run), the run stopped where the plan ends."""
+        from mixprec.errors import MixprecError
+
+        window = self.window
+        self.leave_autocast()
+        skipped = window.skipped
+        if window.routed:
+            found = [f for _, f in window.routed]
+            with self.internal():
+                try:
+                    self.policy.end_step([o for o, _ in window.routed], found)
+                except MixprecError as exc:  # persistent skips, a collapsed scale: the candidate fails
+                    self.fail(type(exc).__name__, str(exc))
+            skipped = skipped or any(found)
+        self._unscaled.clear()
+        self.grads_scaled = False
+        device = _device_of(self.model)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         now = time.perf_counter()
-        seconds = now - (self.t_start or now)
-        loss_t = torch.stack([x.float().reshape(()) for x in self.losses]).sum() if self.losses else None
-        event = {
+        loss = torch.stack([x.float().reshape(()) for x in window.losses]).sum() if window.losses else None
+        event: dict[str, Any] = {
             "event": "step",
-            "index": self.step,
-            "seconds": seconds,
-            "samples": self.samples,
+            "index": window.index,
+            "seconds": now - (window.started or now),
+            "samples": window.samples,
             "skipped": skipped,
         }
+        self.window = Window(index=window.index + 1)
+        self._recorded, self._scaled_by_script = set(), set()
+        if self._probe is not None:
+            self._finish_probe()
         if self.plan.mode == "run":
             for observer in self.observers:
                 with self.internal():
-                    stop = observer.step(self, loss_t, skipped)
+                    stop = observer.step(self, loss, skipped)
                 if stop:  # the observer gave up on the run: stop it, with the record
-                    print(f"mixprec: {stop}", file=sys.stderr, flush=True)
-                    self.write_run()
-                    _exit(4)
+                    self.stop_run(stop, 4)
         else:
-            event["loss"] = float(loss_t) if loss_t is not None else float("nan")
-            if self._probe is not None:
-                self._finish_probe()
+            event["loss"] = float(loss) if loss is not None else float("nan")
         self.record["steps"].append(event)
-        if self.plan.mode == "trace":
-            self._trace_step(event, skipped)
-        self.losses, self.samples, self._scaled, self._unscaled, self._recorded = [], 0, set(), set(), set()
-        self.step += 1
+        if self._tracer is not None:
+            self._tracer.end_step(event, skipped, self._scale_after())
         if self.plan.mode == "measure":
             self._pace(event)
-        elif self.plan.mode == "trace" and self.step >= self.plan.steps:
+        elif self.plan.mode == "trace" and window.index + 1 >= self.plan.steps:
             self._write_trace()
-            _exit(0)
-        self.t_start = time.perf_counter()
+            self._exit(0)
 
     def _pace(self, event: dict[str, Any]) -> None:
         """Measure mode: report the step, then wait for the parent's next word."""
-        if self.step == 1:
+        if event["index"] == 0:
             self.send({"event": "ready", "facts": self.facts()})
         self.send(event)
         line = self._pipe_in.readline()
         command = json.loads(line) if line else {"cmd": "stop"}
         if command["cmd"] == "stop":
             self.send({"event": "done", "measurement": self.measurement()})
-            _exit(0)
+            self._exit(0)
+
+    def _finish_probe(self) -> None:
+        """After the first step: the dtype its first matmul/conv computed in. ``mixprec run`` stops a
+        run whose candidate did not take effect (fp32 training is never called bf16)."""
+        probe, self._probe = self._probe, None
+        probe.remove()
+        observed = str(probe.dtype).removeprefix("torch.") if probe.dtype else None
+        self.record["observed"] = {"observed_layer": probe.name, "observed_dtype": observed}
+        if self.plan.mode != "run" or not self.inject or observed is None:
+            return
+        expected = self.expected_dtype()
+        computed = sorted(str(d).removeprefix("torch.") for d in probe.dtypes)
+        if expected not in computed:  # (a layer the model keeps in fp32 on purpose is not this)
+            self.stop_run(
+                f"labelled {self.candidate.label} but no matmul/conv layer of the script's first step "
+                f"computed in {expected} (they computed in {', '.join(computed)}; the first was "
+                f"{probe.name!r}): the candidate did not take effect in {self.framework_title()}, so the "
+                "run is stopped rather than trained in another precision than the one named",
+                EXIT_REFUSED,
+            )
+
+    def expected_dtype(self) -> str:
+        from mixprec.policy import get_policy
+
+        with self.internal():
+            wanted = dataclasses.replace(self.candidate, framework="torch", as_written=False)
+            policy = get_policy(wanted, device=str(_device_of(self.model)), check=False)
+        return str(policy.compute_dtype).removeprefix("torch.")
+
+    def framework_title(self) -> str:
+        from mixprec.frameworks.script.workload import TRAINED_BY
+
+        return TRAINED_BY.get(self.framework, self.framework)
 
     # ------------------------------------------------------------------ what the parent reads
     def facts(self) -> dict[str, Any]:
@@ -487,10 +660,11 @@ class Agent:
         unknown = [name for name in UNKNOWN_FRAMEWORKS if name in sys.modules]
         facts["unknown_frameworks"] = unknown if self.framework == PLAIN else []
         facts["samples_per_step"] = self.record["steps"][0]["samples"] if self.record["steps"] else None
+        facts["widened"] = self._widened
         return facts
 
     def measurement(self) -> dict[str, Any]:
-        device = _device_of(self.model) if self.model is not None else torch.device("cpu")
+        device = _device_of(self.model)
         if device.type == "cuda":
             peak, method = int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated"
         else:  # ru_maxrss is KiB on Linux
@@ -506,96 +680,36 @@ class Agent:
         self._pipe_out.flush()
 
     def fail(self, kind: str, message: str) -> None:
-        """Stop the script with mixprec's reason: to the parent in measure mode, on stderr always."""
-        print(f"mixprec: {message}", file=sys.stderr, flush=True)
+        """Stop the script with mixprec's reason: to the parent (the pipe, the trace record, the run
+        record, whichever the mode has), then exit 2."""
         if self._pipe_out is not None:
             self.send({"event": "error", "type": kind, "message": message})
         if self.plan.mode == "trace" and self.plan.out:
             torch.save({"error": f"{kind}: {message}", "facts": self.facts()}, self.plan.out)
-        _exit(2)
+        if self.plan.mode == "run":
+            self.stop_run(message, 2)
+        print(f"mixprec: {message}", file=sys.stderr, flush=True)
+        self._exit(2)
 
-    # ------------------------------------------------------------------ trace mode (the check)
-    def _trace_hooks(self, model: nn.Module) -> None:
-        from mixprec.frameworks.torch.ranges import StepRecorder
-        from mixprec.numerics.limits import LOW_PRECISION_FORMATS
-
-        fmt = self.candidate.spec.range_format
-        compiled = bool(self.candidate.compile) and self.inject
-        self._recorder = (
-            None if compiled else StepRecorder(model, fmt if fmt in LOW_PRECISION_FORMATS else None)
-        )
-        if self._recorder is not None:
-            self._recorder.begin()
-        if self.plan.ranges:
-            from mixprec.frameworks.torch.ranges import _Collector
-
-            self._ranges = _Collector(model)
-            self._ranges.install()
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        register_optimizer_step_pre_hook(self._before_optimizer_step)
-
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Trace mode, the first step: the gradients the step would apply, unscaled."""
-        if self.model is None or not self.optimizers or optimizer is not self.optimizers[0]:
-            return
-        if self._first_grads is None:
-            scale = self._scale()
-            self._first_grads = {
-                n: p.grad.detach().float().cpu().clone() / (scale or 1.0)
-                for n, p in self.model.named_parameters()
-                if p.grad is not None
-            }
-        if self.candidate.spec.param_dtype is not None and self.inject:
-            self._stall_before = [
-                (p, p.detach().clone()) for p in self.model.parameters() if p.grad is not None
-            ]
+    def _write_trace(self) -> None:
+        assert self.plan.out
+        data = {
+            "steps": self.record["steps"],
+            "facts": self.facts(),
+            "observed": self.record.get("observed", {}),
+        }
+        if self._tracer is not None:
+            data.update(self._tracer.record(self._nonfinite_at_start))
+        torch.save(data, self.plan.out)
 
     def _scale(self) -> float | None:
-        """The loss scale this step's gradients carry (None: none), unless already unscaled."""
-        scalers = [self.policy.scaler] if self.routing and self.policy.scaler is not None else []
-        scalers += [s for s in self.script_scalers if s.is_enabled()]
-        for s in scalers:
-            states = getattr(s, "_per_optimizer_states", {})
-            stage = states.get(id(self.optimizers[0]), {}).get("stage")
-            if stage is not None and getattr(stage, "name", "") == "UNSCALED":
-                return None
-            return float(s.get_scale())
+        """The loss scale the lead's gradients carry now (None: none, or already unscaled)."""
+        if self.routing and self.policy.scaler is not None:
+            return None if id(self.lead) in self._unscaled else float(self.policy.scaler.get_scale())
+        for s in self.script_scalers:
+            if s.is_enabled():
+                return None if _unscaled(s, self.lead) else float(s.get_scale())
         return None
-
-    def _finish_probe(self) -> None:
-        probe, self._probe = self._probe, None
-        probe.remove()
-        self.record["observed"] = {
-            "observed_layer": probe.name,
-            "observed_dtype": str(probe.dtype).removeprefix("torch.") if probe.dtype else None,
-        }
-
-    def _trace_step(self, event: dict[str, Any], skipped: bool) -> None:
-        step_scale, self._step_scale = self._step_scale, None
-        event["scale"] = self._scale_after()
-        if self._recorder is not None:
-            self._recorder.end(step_scale)
-            self._recorder.begin()
-        if self._ranges is not None:
-            from mixprec.frameworks.torch.ranges import collected_report
-
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None] if self.model else []
-            self.record["ranges"] = collected_report(self._ranges, grads, step_scale, event["loss"])
-            self._ranges.remove()
-            self._ranges = None
-        if self._stall_before is not None and not skipped:
-            from mixprec.policy.scaler import dense
-
-            stalled = total = 0
-            for p, old in self._stall_before:
-                if p.grad is None:
-                    continue
-                had = dense(p.grad) != 0
-                stalled += int(((p.detach() == old) & had).sum())
-                total += int(had.sum())
-            event["stall"] = [stalled, total]
-        self._stall_before = None
 
     def _scale_after(self) -> float | None:
         if self.routing and self.policy.scaler is not None:
@@ -603,32 +717,23 @@ class Agent:
         enabled = [s for s in self.script_scalers if s.is_enabled()]
         return float(enabled[0].get_scale()) if enabled else None
 
-    def _write_trace(self) -> None:
-        assert self.plan.out
-        buffers = []
-        if self.model is not None:
-            buffers = [
-                n
-                for n, b in self.model.named_buffers()
-                if b is not None and b.is_floating_point() and not bool(torch.isfinite(b).all())
-            ]
-        series = list(self._recorder.series.values()) if self._recorder is not None else []
-        torch.save(
-            {
-                "steps": self.record["steps"],
-                "facts": self.facts(),
-                "first_output": self._first_output,
-                "first_grads": self._first_grads or {},
-                "series": [s.to_dict() for s in series],
-                "nonfinite_buffers": buffers,
-                "observed": self.record.get("observed", {}),
-                "ranges": self.record.get("ranges"),
-            },
-            self.plan.out,
-        )
-
     # ------------------------------------------------------------------ run mode (mixprec run)
-    def write_run(self) -> None:
+    def finish_run(self) -> None:
+        """Run mode, at the script's exit: its last step ends, and ``run.json`` is written."""
+        if self._finished or self.plan.mode != "run":
+            return
+        self._finished = True
+        if self.window.lead_stepped:
+            self.boundary()
+        self.write_run()
+
+    def stop_run(self, why: str, code: int) -> None:
+        """Run mode: end the run now with ``why`` in its record (the CLI prints it), exit ``code``."""
+        self._finished = True
+        self.write_run(error=why)
+        self._exit(code)
+
+    def write_run(self, error: str | None = None) -> None:
         """Run mode: ``run.json`` in the plan's folder: the candidate, the facts, the step times and
         each observer's summary (the monitor's losses, findings, health)."""
         if not self.plan.out:
@@ -637,9 +742,16 @@ class Agent:
 
         out = Path(self.plan.out)
         out.mkdir(parents=True, exist_ok=True)
-        data: dict[str, Any] = {"candidate": self.candidate.to_dict(), "facts": self.facts()}
+        data: dict[str, Any] = {
+            "candidate": self.candidate.to_dict(),
+            "facts": self.facts(),
+            "pid": os.getpid(),
+        }
         data["steps"] = len(self.record["steps"])
         data["step_seconds"] = [s["seconds"] for s in self.record["steps"]]
+        data["observed"] = self.record.get("observed", {})
+        if error is not None:
+            data["error"] = error
         for observer in self.observers:
             with self.internal():
                 data.update(observer.summary())
@@ -658,22 +770,46 @@ def seed_everything(seed: int) -> None:
 
 
 def find_model(params: set[int]) -> nn.Module | None:
-    """The outermost live ``nn.Module`` holding every parameter in ``params`` (ids), or None."""
+    """The outermost live ``nn.Module`` holding most of the parameters in ``params`` (ids; those of
+    no module, a bare ``nn.Parameter``, are the script's own), or None when no module holds any."""
     with warnings.catch_warnings():  # isinstance() on every live object wakes deprecated module attributes
         warnings.simplefilter("ignore")
         modules = [o for o in gc.get_objects() if isinstance(o, nn.Module)]
     children = {id(c) for m in modules for c in m.children()}
-    roots = [m for m in modules if id(m) not in children]
-    holders = [m for m in roots if params <= {id(p) for p in m.parameters()}]
-    if not holders:
-        return None
-    model = min(holders, key=lambda m: sum(1 for _ in m.parameters()))
+    best: tuple[int, int] | None = None
+    model = None
+    for root in modules:
+        if id(root) in children:
+            continue
+        own = [id(p) for p in root.parameters()]
+        held = len(params.intersection(own))
+        # most of the optimizer's parameters; among equals, the smallest module holding them
+        if held and (best is None or (held, -len(own)) > best):
+            best, model = (held, -len(own)), root
     inner = getattr(model, "_orig_mod", None)  # a torch.compile wrapper: the model it compiles
     return inner if isinstance(inner, nn.Module) else model
 
 
 def _inside(module: nn.Module, model: nn.Module) -> bool:
     return any(m is module for m in model.modules())
+
+
+def _half_parameters(model: nn.Module) -> bool:
+    return any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+
+
+def _nonfinite_buffers(model: nn.Module) -> set[str]:
+    return {
+        n
+        for n, b in model.named_buffers()
+        if b is not None and b.is_floating_point() and not bool(torch.isfinite(b).all())
+    }
+
+
+def _tracer(model: nn.Module, range_format: str | None, compiled: bool, ranges: bool) -> Any:
+    from mixprec.frameworks.script.tracing import Tracer
+
+    return Tracer(model, range_format, compiled=compiled, ranges=ranges)
 
 
 def _device_of(model: nn.Module | None) -> torch.device:
@@ -689,29 +825,40 @@ def _batch_size(args: tuple, kwargs: dict) -> int:
     return 0
 
 
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    if isinstance(value, dict):
-        value = [value[k] for k in ("logits", *value) if k in value and k != "loss"]
-    elif hasattr(value, "logits"):
-        value = [value.logits]
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    return None
+def _as_grads(grad_tensors: Any, n: int) -> list[torch.Tensor | None]:
+    if grad_tensors is None:
+        return [None] * n
+    if isinstance(grad_tensors, torch.Tensor):
+        return [grad_tensors]
+    grads = list(grad_tensors)
+    return grads + [None] * (n - len(grads))
 
 
-def _found_inf(scaler: Any) -> bool:
-    """Whether the scaler found inf/NaN gradients in its last step (read before update() resets)."""
-    states = getattr(scaler, "_per_optimizer_states", None) or {}
-    for state in states.values():
-        for found in state.get("found_inf_per_device", {}).values():
-            if float(found) > 0:
-                return True
-    return False
+def _torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a framework's wrapper (Lightning's, Accelerate's)."""
+    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _per_optimizer_state(scaler: Any, optimizer: Any) -> dict[str, Any]:
+    """GradScaler's private per-optimizer state (``found_inf_per_device``, ``stage``), read where
+    torch keeps it (2.4 to 2.14 alike); empty where it is not there."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not isinstance(states, dict):
+        return {}
+    return states.get(id(_torch_optimizer(optimizer)), {}) or {}
+
+
+def _found_inf(scaler: Any, optimizer: Any) -> bool:
+    """Whether the scaler found inf/NaN in ``optimizer``'s gradients this step."""
+    found = _per_optimizer_state(scaler, optimizer).get("found_inf_per_device") or {}
+    return any(float(v) > 0 for v in found.values())
+
+
+def _unscaled(scaler: Any, optimizer: Any) -> bool:
+    stage = _per_optimizer_state(scaler, optimizer).get("stage")
+    return getattr(stage, "name", "") == "UNSCALED"
 
 
 def perturb_weights(model: nn.Module, perturb: float) -> None:

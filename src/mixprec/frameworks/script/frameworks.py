@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-# What trains the script: the frameworks whose precision switch the agent sets, or its own loop.
-HF, LIGHTNING, ACCELERATE, PLAIN = "hf", "lightning", "accelerate", "plain"
+# What trains the script: the frameworks whose precision switch the agent sets, or its own loop
+# (MIXPREC: a loop that runs mixprec's own Policy, built under the candidate).
+HF, LIGHTNING, ACCELERATE, MIXPREC, PLAIN = "hf", "lightning", "accelerate", "mixprec", "plain"
 # Training frameworks whose switches the agent does not know: their loop is measured as a plain one.
 UNKNOWN_FRAMEWORKS = ("ignite", "fastai", "composer", "mmengine", "deepspeed", "colossalai", "keras")
 
@@ -186,9 +187,12 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install_import_hooks(agent: Agent) -> None:
-    """Patch each framework module the script imports, as it is imported (or now, if it was)."""
+def install_import_hooks(agent: Agent) -> Callable[[], None]:
+    """Patch each framework module the script imports, as it is imported (or now, if it was);
+    returns what stops patching the ones imported later."""
     for name, patch in PATCHES.items():
         if name in sys.modules:
             patch(sys.modules[name], agent)
-    sys.meta_path.insert(0, _Finder(agent))
+    finder = _Finder(agent)
+    sys.meta_path.insert(0, finder)
+    return lambda: sys.meta_path.remove(finder)

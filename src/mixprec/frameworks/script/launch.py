@@ -2,18 +2,22 @@
 
 The child's ``PYTHONPATH`` starts with a folder holding only mixprec's ``sitecustomize``
 (``boot/``), which installs the agent (:mod:`mixprec.frameworks.script.agent`) before the script
-runs, from the plan the parent wrote (its path in ``MIXPREC_SCRIPT_PLAN``). What the script prints
-goes to a log file in the scratch folder; its last lines are what an error shows.
+runs, from the plan the parent wrote (its path in ``MIXPREC_SCRIPT_PLAN``); an interpreter told to
+ignore ``PYTHONPATH`` or ``site`` (``python -I``, ``-E``, ``-S``) gets the agent from a ``-c``
+bootstrap that then runs the script as Python would. A measured run works in a folder of its own that
+mirrors the user's (:mod:`.sandbox`); what the script prints goes to a log there, whose last lines are
+what an error shows. ``mixprec run`` is the user's run: their folder, their terminal, their stdin.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,14 +29,37 @@ BOOT = Path(__file__).resolve().parent / "boot"
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b(:|$)")
 # The folder mixprec is imported from, for an interpreter that does not have it installed.
 _MIXPREC_ROOT = Path(__file__).resolve().parents[3]
+_RUNS = itertools.count()
+# Python's options that take a value (``-W ignore``, ``-X dev``), and those that keep the agent out
+# of PYTHONPATH's reach (isolated, ignore the environment, no site).
+_VALUED, _NO_SITE = ("W", "X"), set("IES")
+# Runs the script (``sys.argv[1:]``: ``script.py args`` or ``-m module args``) after installing the
+# agent, for an interpreter that does not import mixprec's sitecustomize.
+_BOOTSTRAP = """\
+import os, runpy, sys
+sys.path.append({root!r})
+from mixprec.frameworks.script.agent import install_from_env
+install_from_env()
+del sys.path[-1]
+target, sys.argv = sys.argv[1:], sys.argv[1:]
+if target[0] == "-m":
+    sys.argv = target[1:]
+    runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+else:
+    if not sys.flags.isolated and not sys.flags.safe_path:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
+    runpy.run_path(target[0], run_name="__main__")
+"""
 
 
 @dataclasses.dataclass
 class Child:
-    """One run of the script: its process and its log."""
+    """One run of the script: its process, its log and its working folder."""
 
     process: subprocess.Popen
     log: Path
+    folder: Path | None = None  # the run's own folder (its plan, log, working folder, outputs)
+    failed_logs: Path | None = None  # where the log goes when the run failed
 
     def tail(self, lines: int = 12) -> str:
         """The last lines the script printed (stdout and stderr)."""
@@ -49,6 +76,18 @@ class Child:
         raised = [line for line in lines if _EXCEPTION.match(line)]
         return raised[-1] if raised else (lines[-1] if lines else "")
 
+    def discard(self, *, keep_log: bool = False) -> None:
+        """Remove the run's folder (its outputs, its copy of the user's folder); ``keep_log``: the
+        log stays, in the scratch's ``failed/`` folder (an error message names it)."""
+        if self.folder is None or not self.folder.exists():
+            return
+        if keep_log and self.log.exists() and self.failed_logs is not None:
+            self.failed_logs.mkdir(parents=True, exist_ok=True)
+            kept = self.failed_logs / f"{self.folder.name}.log"
+            shutil.move(str(self.log), kept)
+            self.log = kept
+        shutil.rmtree(self.folder, ignore_errors=True)
+
 
 def launch(
     workload: ScriptWorkload,
@@ -57,27 +96,38 @@ def launch(
     pass_fds: Sequence[int] = (),
     inherit_output: bool = False,
 ) -> Child:
-    """Start ``workload``'s command under ``plan``; ``inherit_output``: the script prints to this
-    terminal (``mixprec run``) instead of the log."""
-    workload.scratch.mkdir(parents=True, exist_ok=True)
-    plan = dataclasses.replace(plan, scratch=plan.scratch or str(workload.scratch / "output"))
-    fd, path = tempfile.mkstemp(prefix="plan-", suffix=".json", dir=workload.scratch)
-    with os.fdopen(fd, "w") as f:
-        json.dump(dataclasses.asdict(plan), f)
-    env = {**os.environ, **workload.env, PLAN_ENV: path}
+    """Start ``workload``'s command under ``plan``. A measured run ("measure", "trace") works in a
+    mirror of the user's folder, with no stdin; ``inherit_output`` (``mixprec run``): the script runs
+    in the user's folder with this terminal and this stdin."""
+    measured = plan.mode in ("measure", "trace")
+    folder = workload.scratch / f"{plan.mode}-{next(_RUNS)}"
+    cwd = workload.cwd
+    if measured:
+        from mixprec.frameworks.script.sandbox import mirror
+
+        cwd = mirror(workload.cwd, folder / "cwd")
+        plan = dataclasses.replace(plan, home=str(workload.cwd))
+    else:
+        folder.mkdir(parents=True)
+    plan = dataclasses.replace(plan, scratch=plan.scratch or str(folder / "output"))
+    plan_path = folder / "plan.json"
+    plan_path.write_text(json.dumps(dataclasses.asdict(plan)))
+    env = {**os.environ, **workload.env, PLAN_ENV: str(plan_path)}
     env.pop(OWNER_ENV, None)
+    if "MASTER_PORT" in workload.env:  # each launch its own port: runs side by side do not collide
+        env["MASTER_PORT"] = str(free_port())
     env["PYTHONPATH"] = os.pathsep.join(
         [str(BOOT), str(_MIXPREC_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
     env.setdefault("PYTHONUNBUFFERED", "1")
-    log = workload.scratch / f"{plan.mode}-{Path(path).stem}.log"
+    log = folder / "log.txt"
     out = None if inherit_output else log.open("w")
     try:
         process = subprocess.Popen(
-            list(workload.command),
-            cwd=workload.cwd,
+            bootstrapped(list(workload.command)),
+            cwd=cwd,
             env=env,
-            stdin=subprocess.DEVNULL,
+            stdin=None if inherit_output else subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT if out is not None else None,
             pass_fds=tuple(pass_fds),
@@ -85,8 +135,35 @@ def launch(
     except OSError as exc:
         from mixprec.errors import UsageError
 
+        shutil.rmtree(folder, ignore_errors=True)
         raise UsageError(f"cannot start {workload.command[0]!r}: {exc.strerror or exc}") from None
     finally:
         if out is not None:
             out.close()
-    return Child(process, log)
+    return Child(process, log, folder, workload.scratch / "failed")
+
+
+def bootstrapped(argv: list[str]) -> list[str]:
+    """``argv`` as run: unchanged, or, for an interpreter whose options keep it from importing
+    mixprec's ``sitecustomize`` (``-I``, ``-E``, ``-S``), with a ``-c`` bootstrap that installs the
+    agent and then runs the script (or ``-m`` module) as Python would, options kept."""
+    options, i = [], 1
+    while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-", "-c", "-m"):
+        flag = argv[i]
+        options.append(flag)
+        if flag[1:2] in _VALUED and len(flag) == 2 and i + 1 < len(argv):
+            options.append(argv[i + 1])
+            i += 1
+        i += 1
+    flags = {c for o in options if o[1:2] not in _VALUED and not o.startswith("--") for c in o[1:]}
+    if not flags & _NO_SITE or i >= len(argv) or argv[i] in ("-c", "-"):
+        return argv
+    return [argv[0], *options, "-c", _BOOTSTRAP.format(root=str(_MIXPREC_ROOT)), *argv[i:]]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -14,9 +14,9 @@ import json
 import math
 import os
 import select
+import subprocess
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,9 +47,10 @@ class ScriptFailed(UsageError):
 
 
 def _ended(child: Child, what: str) -> ScriptFailed:
-    """Why the child is gone, in the script's own words where it left some."""
+    """Why the child is gone, in the script's own words where it left some (its log kept)."""
     code = child.process.poll()
     last = child.last_error_line()
+    child.discard(keep_log=True)
     said = f": {last}" if last else ""
     if code == 0:
         return ScriptFailed(f"the script ended before {what} (exit 0){said}")
@@ -94,7 +95,7 @@ class ScriptSession:
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
             if left <= 0:
-                self.close()
+                self.close(keep_log=True)
                 raise ScriptFailed(
                     f"the script did not reach {what} within {timeout_s:.0f} s (log: {self.child.log})"
                 )
@@ -156,17 +157,39 @@ class ScriptSession:
         check_honesty(self.candidate, self.facts, self.result)
         return self.result
 
-    def close(self) -> None:
+    def close(self, *, keep_log: bool = False) -> None:
+        """End the child (its pipe closed: it stops at its next step) and remove its folder."""
         with contextlib.suppress(OSError):
             self._to.close()
         with contextlib.suppress(OSError):
             os.close(self._from)
-        process = self.child.process
+        stop(self.child.process)
+        self.child.discard(keep_log=keep_log)
+
+
+def stop(process: Any, wait_s: float = 30.0) -> None:
+    """Wait for ``process`` to end; after ``wait_s`` (or an interrupt) terminate it, then kill it:
+    no script mixprec started outlives mixprec."""
+    try:
+        process.wait(timeout=wait_s)
+        return
+    except BaseException:
+        process.terminate()
         try:
-            process.wait(timeout=30)
-        except Exception:
+            process.wait(timeout=10)
+        except BaseException:
             process.kill()
-            process.wait(timeout=30)
+            process.wait()
+        raise_if_interrupted()
+
+
+def raise_if_interrupted() -> None:
+    """Re-raise an interrupt being handled (``stop`` runs inside ``except BaseException``)."""
+    import sys
+
+    exc = sys.exc_info()[1]
+    if isinstance(exc, KeyboardInterrupt):
+        raise exc
 
 
 def check_honesty(candidate: Candidate, facts: dict[str, Any], result: Measurement) -> None:
@@ -197,12 +220,13 @@ def trace(
     seed: int = 0,
     perturb: float = 0.0,
     ranges: bool = False,
-    timeout_s: float = START_TIMEOUT_S,
+    timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Run the script under ``candidate`` for ``steps`` optimizer steps, recording what a numerics
     check compares (losses, the first step's output and gradients, ranges); the record, or a
-    ScriptFailed naming why the script stopped first."""
-    out = Path(workload.scratch) / f"trace-{os.getpid()}-{time.monotonic_ns()}.pt"
+    ScriptFailed naming why the script stopped first. ``timeout_s``: the run's whole time (default:
+    :data:`START_TIMEOUT_S` to the first step and :data:`STEP_TIMEOUT_S` a step after it)."""
+    out = workload.scratch / f"trace-{os.getpid()}-{time.monotonic_ns()}.pt"
     plan = Plan(
         mode="trace",
         candidate=candidate.to_dict(),
@@ -212,17 +236,31 @@ def trace(
         perturb=perturb,
         ranges=ranges,
     )
+    limit = timeout_s if timeout_s is not None else START_TIMEOUT_S + STEP_TIMEOUT_S * steps
     child = launch(workload, plan)
     try:
-        child.process.wait(timeout=timeout_s + STEP_TIMEOUT_S * steps)
-    except Exception:
-        child.process.kill()
-        child.process.wait()
-        raise ScriptFailed(f"the script did not finish {steps} steps in time (log: {child.log})") from None
+        child.process.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        stop(child.process, 0)
+        child.discard(keep_log=True)
+        raise ScriptFailed(
+            f"the script did not finish {steps} optimizer steps within {limit:.0f} s (log: {child.log})"
+        ) from None
+    except BaseException:
+        stop(child.process, 0)
+        child.discard()
+        raise
     if not out.exists():
         raise _ended(child, f"{steps} optimizer steps")
-    record = torch.load(out, weights_only=False)
-    out.unlink(missing_ok=True)
+    try:
+        record = torch.load(out, weights_only=False)
+    except Exception as exc:  # a record the agent could not write whole
+        child.discard(keep_log=True)
+        raise ScriptFailed(f"the script's trace could not be read ({type(exc).__name__}: {exc})") from None
+    finally:
+        out.unlink(missing_ok=True)
     if record.get("error"):
+        child.discard(keep_log=True)
         raise ScriptFailed(record["error"].split(": ", 1)[-1])
+    child.discard()
     return record

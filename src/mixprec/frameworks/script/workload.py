@@ -3,8 +3,11 @@ showed mixprec about it (:class:`ScriptFacts`)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import shlex
+import shutil
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -81,15 +84,37 @@ class ScriptWorkload:
     notes: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     facts: ScriptFacts | None = None
-    scratch: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mixprec-script-")))
     spec: None = None  # no WorkloadSpec: the script's own processes are the candidates' processes
+    _scratch: Path | None = field(default=None, repr=False)
+
+    @property
+    def scratch(self) -> Path:
+        """mixprec's folder for this script's runs (their plans, logs, working folders), made on
+        first use and removed when this process ends (:meth:`close`)."""
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="mixprec-script-"))
+            atexit.register(self.close)
+        return self._scratch
+
+    def close(self) -> None:
+        """Remove the scratch folder; the logs of failed runs stay (in its ``failed/``: an error
+        message names them), nothing else."""
+        if self._scratch is None or not self._scratch.exists():
+            return
+        failed = self._scratch / "failed"
+        for entry in self._scratch.iterdir():
+            if entry != failed:
+                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        if not failed.exists():
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
     @property
     def name(self) -> str:
-        script = next((a for a in self.command[1:] if not a.startswith("-")), "script")
-        if "-m" in self.command[1:2]:
-            return self.command[2]
-        return Path(script).name
+        argv = list(self.command)
+        script = _script_of(argv)
+        if script is not None:
+            return Path(script).name
+        return argv[argv.index("-m") + 1] if "-m" in argv[:-1] else "script"
 
     @property
     def description(self) -> str:
@@ -114,12 +139,13 @@ class ScriptWorkload:
         notes: list[str] = []
         env: dict[str, str] = {}
         argv = list(given)
+        folder = Path(cwd or os.getcwd()).resolve()
         launcher = Path(argv[0]).name
         if launcher in _DISTRIBUTED or argv[:3] == [argv[0], "-m", "torch.distributed.run"]:
             argv, note = _one_rank(argv)
             notes.append(note)
             env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
-            env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+            env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}  # (each launch picks its own)
         elif argv[0].endswith(".py"):
             argv = [sys.executable, *argv]
         elif not _is_python(argv[0]):
@@ -129,7 +155,52 @@ class ScriptWorkload:
             )
         else:
             argv[0] = _interpreter(argv[0])
-        return cls(tuple(argv), given, Path(cwd or os.getcwd()), notes, env)
+        preflight(argv, folder)
+        return cls(tuple(argv), given, folder, notes, env)
+
+
+def preflight(argv: list[str], folder: Path) -> None:
+    """What can be known of a command in seconds, before any run: the interpreter exists and
+    imports torch (at a Python mixprec's agent runs in), and the script it names exists. A wrong
+    command is one UsageError naming the fix, not a failed strict-fp32 run minutes later."""
+    python = argv[0]
+    if shutil.which(python) is None and not Path(python).is_file():
+        raise UsageError(
+            f"cannot find the interpreter {python!r} (not on PATH): give the python of your environment"
+        )
+    script = _script_of(argv)
+    if script is not None and not (folder / script).is_file():
+        raise UsageError(
+            f"no such script: {script!r} (in {folder}); check the path after '--' (mixprec runs it from "
+            "the folder it was started in)"
+        )
+    if Path(python).resolve() == Path(sys.executable).resolve():
+        return  # mixprec's own interpreter: torch is there
+    probe = "import sys, torch; print(sys.version_info >= (3, 11), torch.__version__)"
+    try:
+        done = subprocess.run(
+            [python, "-c", probe], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UsageError(f"cannot run the interpreter {python!r}: {exc}") from None
+    last = (done.stderr.strip().splitlines() or [""])[-1]
+    if done.returncode != 0:
+        raise UsageError(
+            f"{python} cannot import torch ({last or 'exit code ' + str(done.returncode)}): give the "
+            f"python of the environment your script trains in (mixprec runs in {sys.executable})"
+        )
+    if not done.stdout.startswith("True"):
+        raise UsageError(f"{python} is older than Python 3.11, which mixprec's agent in your script needs")
+
+
+def _script_of(argv: list[str]) -> str | None:
+    """The script file a Python command line runs (None: ``-m module``, ``-c code``)."""
+    i = 1
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
+        if argv[i] in ("-m", "-c"):
+            return None
+        i += 2 if argv[i] in ("-W", "-X") else 1
+    return argv[i] if i < len(argv) and argv[i] != "-" else None
 
 
 def _is_python(program: str) -> bool:
@@ -160,11 +231,3 @@ def _one_rank(argv: list[str]) -> tuple[list[str], str]:
         "communication of more ranks is not measured)"
     )
     return [sys.executable, *rest[script:]], note
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

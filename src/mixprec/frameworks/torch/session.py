@@ -56,7 +56,11 @@ def make_batches(workload: Workload, batch_size: int, device: torch.device, seed
 class FirstComputeLayer:
     """Forward hooks that record the first matmul/conv layer to run and its output dtype."""
 
-    def __init__(self, model: nn.Module, keep_fp32: tuple[str, ...]) -> None:
+    def __init__(self, model: nn.Module, keep_fp32: tuple[str, ...], *, training_only: bool = False) -> None:
+        """``training_only``: only forwards that record gradients count (a script's evaluation under
+        ``torch.no_grad()``, in fp32 before it trains, is not the training step)."""
+        self.training_only = training_only
+        self.dtypes: set[torch.dtype] = set()  # what every hooked layer computed in, until removed
         self.name: str | None = None
         self.dtype: torch.dtype | None = None
         self.module: nn.Module | None = None
@@ -73,7 +77,10 @@ class FirstComputeLayer:
 
     def _hook(self, name: str):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self.name is not None or not isinstance(output, torch.Tensor):
+            if not isinstance(output, torch.Tensor) or (self.training_only and not torch.is_grad_enabled()):
+                return
+            self.dtypes.add(output.dtype)
+            if self.name is not None:
                 return
             weight = getattr(module, "weight", None)
             if isinstance(weight, torch.Tensor) and (weight.is_complex() or weight.dtype == torch.float64):

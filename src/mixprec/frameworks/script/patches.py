@@ -1,0 +1,241 @@
+"""Every process-wide change the script agent makes to torch, installed and removed in one place.
+
+Each patch hands the call to the agent (:class:`mixprec.frameworks.script.agent.Agent`), which
+decides what the script's call does under the candidate; while the agent runs its own code
+(:meth:`Agent.internal`) every patch passes the call through unchanged. :meth:`Patches.remove` puts
+every original back, so the agent can be installed and removed inside one process (the unit tests do).
+
+What is patched, and why there:
+
+- ``torch.amp.autocast.__init__``: the script's own autocast takes the candidate's dtype (or is off).
+- ``torch.amp.GradScaler`` (``__init__``, ``scale``, ``step``): the script's own loss
+  scaler is on exactly when the candidate scales the loss; its steps end the script's steps.
+- ``torch.autograd.backward``: every backward path (``loss.backward()``, ``backward(gradient)``,
+  ``torch.autograd.backward``, the frameworks' ``manual_backward``) goes through it; the loss is
+  recorded and, where the candidate scales the loss, scaled here.
+- ``torch.Tensor.grad`` (only where the agent scales the loss): the first read of a gradient after a
+  scaled backward unscales its optimizer's gradients, so every clip path (``clip_grad_norm_``,
+  ``get_total_norm`` + ``clip_grads_with_norm_``, a hand-written one) and every log sees the true
+  gradients, as the AMP recipe's ``unscale_`` before clipping has it.
+- ``torch.optim.Optimizer.__init__`` and the global step hooks: a new optimizer names the model.
+- ``torch.nn`` global forward pre-hook (armed only between a step's events): the first forward of the
+  model in a step, wherever the loop calls it (the root, a part of it, a compiled wrapper).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
+
+_TENSOR_GRAD = torch._C.TensorBase.grad  # the C++ property torch.Tensor inherits
+
+
+class Patches:
+    """The agent's patches of torch: :meth:`install` once, :meth:`remove` to put torch back."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self._undo: list[Callable[[], None]] = []
+        self._forward_hook: Any = None
+        self._grad_property = False
+
+    # ------------------------------------------------------------------ bookkeeping
+    def replace(self, owner: Any, name: str, new: Any) -> Any:
+        """``owner.name = new``; the original is put back by :meth:`remove`. Returns the original."""
+        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        setattr(owner, name, new)
+        self._undo.append(lambda: setattr(owner, name, original))
+        return original
+
+    def add(self, undo: Callable[[], None]) -> None:
+        """One more change made elsewhere (the sandbox's), undone by :meth:`remove`."""
+        self._undo.append(undo)
+
+    def on_exit(self, finish: Callable[[], None]) -> None:
+        """``finish()`` before ``os._exit`` too (a script that ends with it skips ``atexit``)."""
+        import os
+
+        original = os._exit
+
+        def _exit(code: int) -> None:
+            finish()
+            original(code)
+
+        self.replace(os, "_exit", _exit)
+
+    def install(self) -> None:
+        self._autocast()
+        self._grad_scaler()
+        self._backward()
+        self._optimizer()
+        self._zero_grad()
+
+    def remove(self) -> None:
+        self.disarm_forward()
+        self.grad_reads(False)
+        while self._undo:
+            self._undo.pop()()
+
+    # ------------------------------------------------------------------ torch.autocast
+    def _autocast(self) -> None:
+        from torch.amp import autocast_mode
+
+        cls = autocast_mode.autocast
+        init, enter, exit_ = cls.__init__, cls.__enter__, cls.__exit__
+        agent = self.agent
+
+        @functools.wraps(init)  # its signature, which torch.compile reads
+        def __init__(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True, **kw):
+            script = not agent.internal_calls
+            if script and enabled:
+                dtype, enabled = agent.script_autocast(device_type, dtype)
+            init(self, device_type, dtype=dtype, enabled=enabled, **kw)
+            self._mixprec_script = script
+
+        @functools.wraps(enter)
+        def __enter__(self):
+            if getattr(self, "_mixprec_script", False):
+                agent.script_autocast_enters(self)
+            return enter(self)
+
+        @functools.wraps(exit_)
+        def __exit__(self, *exc: Any):
+            try:
+                return exit_(self, *exc)
+            finally:
+                if getattr(self, "_mixprec_script", False):
+                    agent.script_autocast_depth -= 1
+
+        for name, new in (("__init__", __init__), ("__enter__", __enter__), ("__exit__", __exit__)):
+            self.replace(cls, name, new)
+
+    # ------------------------------------------------------------------ GradScaler
+    def _grad_scaler(self) -> None:
+        from torch.amp import grad_scaler
+
+        cls = grad_scaler.GradScaler
+        init, scale, step = cls.__init__, cls.scale, cls.step
+        agent = self.agent
+        signature = inspect.signature(init)
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kw: Any) -> None:
+            bound = signature.bind(self, *args, **kw)
+            bound.apply_defaults()
+            if not agent.internal_calls:
+                bound.arguments["enabled"] = agent.script_scaler(self, bool(bound.arguments["enabled"]))
+            init(*bound.args, **bound.kwargs)
+
+        @functools.wraps(scale)
+        def scale_(self: Any, outputs: Any) -> Any:
+            scaled = scale(self, outputs)
+            if not agent.internal_calls and isinstance(outputs, torch.Tensor):
+                agent.script_scaled(self, outputs, scaled)
+            return scaled
+
+        @functools.wraps(step)
+        def step_(self: Any, optimizer: Any, *args: Any, **kw: Any) -> Any:
+            if agent.internal_calls:
+                return step(self, optimizer, *args, **kw)
+            agent.optimizer_starts(optimizer)
+            out = step(self, optimizer, *args, **kw)
+            agent.script_scaler_stepped(self, optimizer)
+            return out
+
+        for name, new in (("__init__", __init__), ("scale", scale_), ("step", step_)):
+            self.replace(cls, name, new)
+
+    # ------------------------------------------------------------------ backward
+    def _backward(self) -> None:
+        agent = self.agent
+        original = torch.autograd.backward
+
+        @functools.wraps(original)
+        def backward(tensors: Any, grad_tensors: Any = None, *args: Any, **kw: Any) -> Any:
+            if agent.internal_calls or torch._C._get_tracing_state():
+                return original(tensors, grad_tensors, *args, **kw)
+            return agent.backward(original, tensors, grad_tensors, args, kw)
+
+        self.replace(torch.autograd, "backward", backward)
+
+    def grad_reads(self, on: bool) -> None:
+        """Route every ``.grad`` read through :meth:`Agent.reading_grad` (``on``), or stop."""
+        if on == self._grad_property:
+            return
+        self._grad_property = on
+        if not on:
+            del torch.Tensor.grad
+            return
+        agent = self.agent
+
+        def get(tensor: torch.Tensor) -> Any:
+            grad = _TENSOR_GRAD.__get__(tensor)
+            if grad is not None and agent.grads_scaled and not agent.internal_calls:
+                agent.reading_grad(tensor)  # (unscaled in place: the same tensor)
+            return grad
+
+        def set_(tensor: torch.Tensor, value: Any) -> None:
+            _TENSOR_GRAD.__set__(tensor, value)
+
+        def delete(tensor: torch.Tensor) -> None:
+            _TENSOR_GRAD.__delete__(tensor)
+
+        torch.Tensor.grad = property(get, set_, delete, _TENSOR_GRAD.__doc__)  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ optimizers
+    def _optimizer(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        base = torch.optim.Optimizer
+        original = base.__init__
+        agent = self.agent
+
+        @functools.wraps(original)
+        def __init__(self: torch.optim.Optimizer, *args: Any, **kw: Any) -> None:
+            original(self, *args, **kw)
+            if not agent.internal_calls:
+                agent.adopt(self)
+
+        self.replace(base, "__init__", __init__)
+        for handle in (
+            register_optimizer_step_pre_hook(agent.before_optimizer_step),
+            register_optimizer_step_post_hook(agent.after_optimizer_step),
+        ):
+            self._undo.append(handle.remove)
+
+    def _zero_grad(self) -> None:
+        """``zero_grad`` reads every gradient to clear it: not a read that needs them unscaled (a
+        GAN's generator clears last step's after the discriminator's scaled backward)."""
+        agent = self.agent
+        for owner in (torch.optim.Optimizer, torch.nn.Module):
+            original = owner.__dict__["zero_grad"]
+
+            def zero_grad(self: Any, *args: Any, _original: Callable = original, **kw: Any) -> Any:
+                with agent.internal():
+                    return _original(self, *args, **kw)
+
+            self.replace(owner, "zero_grad", functools.wraps(original)(zero_grad))
+
+    # ------------------------------------------------------------------ the model's forwards
+    def arm_forward(self) -> None:
+        """Call :meth:`Agent.first_forward` at the next forward of any module (until disarmed)."""
+        if self._forward_hook is None:
+            self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)
+
+    def disarm_forward(self) -> None:
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+
+    def _on_forward(self, module: torch.nn.Module, args: tuple) -> None:
+        agent = self.agent
+        if agent.internal_calls or not torch.is_grad_enabled() or not agent.is_model(module):
+            return
+        self.disarm_forward()
+        agent.first_forward(module, args)

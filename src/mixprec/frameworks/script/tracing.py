@@ -1,0 +1,133 @@
+"""What a traced run of the script records for the numerics check (the agent's "trace" mode): each
+step's per-layer ranges, the first step's output and gradients, the updates that rounded away under
+half weights, the full ranges of the first step where asked; written with ``torch.save`` for the
+parent (:func:`mixprec.frameworks.script.session.trace`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Tracer:
+    """The trace-mode record of one script run, fed by the agent's hooks."""
+
+    def __init__(self, model: nn.Module, range_format: str | None, *, compiled: bool, ranges: bool) -> None:
+        from mixprec.frameworks.torch.ranges import StepRecorder, _Collector
+        from mixprec.numerics.limits import LOW_PRECISION_FORMATS
+
+        self.model = model
+        fmt = range_format if range_format in LOW_PRECISION_FORMATS else None
+        # a compiled forward runs no module hooks inside it: its ranges are not recorded
+        self.recorder = None if compiled else StepRecorder(model, fmt)
+        if self.recorder is not None:
+            self.recorder.begin()
+        self.ranges: Any = None
+        if ranges:
+            self.ranges = _Collector(model)
+            self.ranges.install()
+        self.first_output: torch.Tensor | None = None
+        self.first_grads: dict[str, torch.Tensor] | None = None
+        self.stall_before: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.step_scale: float | None = None  # the loss scale of this step's backward
+        self.range_report: Any = None
+
+    def forward_output(self, output: Any) -> None:
+        """The model's output in the first training forward (the output SQNR's tensor)."""
+        if self.first_output is not None or _in_functorch():
+            return
+        first = _first_tensor(output)
+        if first is not None:
+            self.first_output = first.detach().float().cpu().clone()
+
+    def backward_starts(self, scale: float | None) -> None:
+        """Forwards from here on are activation-checkpoint recomputation; the gradients recorded
+        are scaled by ``scale``."""
+        if self.recorder is not None:
+            self.recorder.backward_starts()
+        if self.ranges is not None:
+            self.ranges.in_backward = True
+        if self.step_scale is None:
+            self.step_scale = scale
+
+    def before_update(self, scale: float | None, half_weights: bool) -> None:
+        """The lead optimizer is about to step: the first step's gradients (unscaled) and, under
+        half weights, the weights before the update (to count the updates that round away)."""
+        if self.first_grads is None:
+            self.first_grads = {
+                n: p.grad.detach().float().cpu().clone() / (scale or 1.0)
+                for n, p in self.model.named_parameters()
+                if p.grad is not None
+            }
+        if half_weights:
+            self.stall_before = [
+                (p, p.detach().clone()) for p in self.model.parameters() if p.grad is not None
+            ]
+
+    def end_step(self, event: dict[str, Any], skipped: bool, scale_after: float | None) -> None:
+        from mixprec.policy.scaler import dense
+
+        step_scale, self.step_scale = self.step_scale, None
+        event["scale"] = scale_after
+        if self.recorder is not None:
+            self.recorder.end(step_scale)
+            self.recorder.begin()
+        if self.ranges is not None:
+            from mixprec.frameworks.torch.ranges import collected_report
+
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            self.range_report = collected_report(self.ranges, grads, step_scale, event["loss"])
+            self.ranges.remove()
+            self.ranges = None
+        if self.stall_before is not None and not skipped:
+            stalled = total = 0
+            for p, old in self.stall_before:
+                if p.grad is None:
+                    continue
+                had = dense(p.grad) != 0
+                stalled += int(((p.detach() == old) & had).sum())
+                total += int(had.sum())
+            event["stall"] = [stalled, total]
+        self.stall_before = None
+
+    def record(self, nonfinite_at_start: set[str]) -> dict[str, Any]:
+        """What the parent reads besides the steps and the facts."""
+        buffers = [
+            n
+            for n, b in self.model.named_buffers()
+            if b is not None
+            and b.is_floating_point()
+            and n not in nonfinite_at_start  # an attention mask of -inf is -inf by design
+            and not bool(torch.isfinite(b).all())
+        ]
+        series = list(self.recorder.series.values()) if self.recorder is not None else []
+        return {
+            "first_output": self.first_output,
+            "first_grads": self.first_grads or {},
+            "series": [s.to_dict() for s in series],
+            "nonfinite_buffers": buffers,
+            "ranges": self.range_report,
+        }
+
+
+def _in_functorch() -> bool:
+    """Inside a torch.func transform: its tensors are wrappers that cannot be saved."""
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    if isinstance(value, dict):
+        value = [value[k] for k in ("logits", *value) if k in value and k != "loss"]
+    elif hasattr(value, "logits"):
+        value = [value.logits]
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    return None

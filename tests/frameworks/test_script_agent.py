@@ -1,0 +1,501 @@
+"""The script agent in this process: training loops written the way people write them, run under
+an agent (``mixprec run``'s mode) and compared with the same loop edited by hand as the PyTorch AMP
+recipe says (autocast around forward and loss; for fp16 a GradScaler, ``unscale_`` before anything
+reads the gradients). Bitwise on the CPU. Each test is a shape that broke a script (issue 51).
+
+The agent patches torch process-wide; ``under`` installs it for one loop and puts torch back."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.frameworks.script.agent import Agent, Plan
+from mixprec.policy import Candidate
+
+DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+
+
+class Exited(Exception):
+    """The agent ended the script (``os._exit`` in a real run)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _exit(code: int) -> None:
+    raise Exited(code)
+
+
+@contextlib.contextmanager
+def under(policy: str, mode: str = "run", **plan: object) -> Iterator[Agent]:
+    """A loop in the body runs under an injected ``policy`` (``as_written``: the script's own)."""
+    as_written = policy.endswith(" (as written)")
+    candidate = Candidate(policy.removesuffix(" (as written)"), framework="script", as_written=as_written)
+    agent = Agent(Plan(mode=mode, candidate=candidate.to_dict(), seed=None, **plan), exit=_exit)  # type: ignore[arg-type]
+    agent.install()
+    try:
+        yield agent
+        agent.finish_run()  # the last step ends, as at the script's exit
+    finally:
+        agent.uninstall()
+
+
+def hand(
+    policy: str | None,
+) -> tuple[Callable[[], contextlib.AbstractContextManager], torch.amp.GradScaler | None]:
+    """The AMP recipe's two pieces for ``policy`` (None: the loop as written, no precision code)."""
+    if policy is None:
+        return contextlib.nullcontext, None
+    dtype = DTYPES[policy]
+    scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
+    return lambda: torch.autocast("cpu", dtype=dtype), scaler
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+
+
+def batches(n: int = 4, size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(size, 16, generator=g) * 3, torch.randint(0, 4, (size,), generator=g)) for _ in range(n)
+    ]
+
+
+def same(a: nn.Module, b: nn.Module) -> bool:
+    return all(
+        torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
+
+
+def compare(loop: Callable[[str | None], nn.Module], policy: str) -> Agent:
+    """``loop`` under the agent leaves the weights the hand edit leaves (and not the loop's own)."""
+    with under(policy) as agent:
+        injected = loop(None)
+    by_hand, plain = loop(policy), loop(None)
+    assert same(injected, by_hand), "the agent's run differs from the hand edit"
+    assert not same(injected, plain), "the candidate changed nothing"
+    return agent
+
+
+# ---------------------------------------------------------------------- the optimizer seam
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_a_scheduler_made_after_the_optimizer_trains_as_the_hand_edit(policy):
+    """lr_scheduler wraps optimizer.step through __func__: the agent's step must be a bound method
+    (it was a function: AttributeError before the first step)."""
+
+    def loop(precision: str | None) -> nn.Module:
+        model = mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+        ctx, scaler = hand(precision)
+        for x, y in batches(6):
+            with ctx():
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            if scaler:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            sched.step()
+        return model
+
+    agent = compare(loop, policy)
+    assert len(agent.record["steps"]) == 6
+
+
+def _clip(kind: str, model: nn.Module) -> None:
+    params = list(model.parameters())
+    if kind == "clip_grad_norm_":
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+    elif kind == "total_norm":  # what FSDP2 recipes (torchtitan) call
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        torch.nn.utils.clip_grads_with_norm_(params, 0.5, norm)
+    elif kind == "clip_grad_value_":
+        torch.nn.utils.clip_grad_value_(params, 0.01)
+    else:  # by hand, reading .grad
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params))
+        for p in params:
+            p.grad.mul_(min(1.0, 0.5 / (float(norm) + 1e-6)))
+
+
+@pytest.mark.parametrize("kind", ["clip_grad_norm_", "total_norm", "clip_grad_value_", "by_hand"])
+def test_every_clip_path_sees_the_unscaled_gradients(kind):
+    """fp16-mixed: the gradients a clip reads are the true ones (get_total_norm +
+    clip_grads_with_norm_ saw the scaled ones: the model never learned, exit 0)."""
+
+    def loop(precision: str | None) -> nn.Module:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        ctx, scaler = hand(precision)
+        for x, y in batches(6):
+            with ctx():
+                loss = F.cross_entropy(model(x), y)
+            if scaler:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+            else:
+                loss.backward()
+            _clip(kind, model)
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+        return model
+
+    compare(loop, "fp16-mixed")
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_two_optimizers_after_one_backward_are_one_step(policy):
+    """The Muon/AdamW split: the second optimizer's step is not a step of its own (it read as a NaN
+    loss), and the scale is updated once per step."""
+
+    def loop(precision: str | None) -> nn.Module:
+        model = mlp()
+        matrices = [p for p in model.parameters() if p.dim() == 2]
+        vectors = [p for p in model.parameters() if p.dim() < 2]
+        a, b = torch.optim.SGD(matrices, lr=0.1, momentum=0.9), torch.optim.AdamW(vectors, lr=1e-2)
+        ctx, scaler = hand(precision)
+        for x, y in batches(5):
+            with ctx():
+                loss = F.cross_entropy(model(x), y)
+            if scaler:
+                scaler.scale(loss).backward()
+                scaler.step(a)
+                scaler.step(b)
+                scaler.update()
+            else:
+                loss.backward()
+                a.step()
+                b.step()
+            a.zero_grad()
+            b.zero_grad()
+        return model
+
+    agent = compare(loop, policy)
+    losses = [s for s in agent.record["steps"]]
+    assert len(losses) == 5 and not any(s["skipped"] for s in losses)
+
+
+class GAN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.g = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16))
+        self.d = nn.Sequential(nn.Linear(16, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+
+def gan_loop(precision: str | None, steps: int = 5) -> nn.Module:
+    """A GAN in one module, the generator's optimizer made first: D steps, then G, each after its
+    own backward."""
+    gan = GAN()
+    opt_g = torch.optim.Adam(gan.g.parameters(), lr=1e-3, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(gan.d.parameters(), lr=1e-3, betas=(0.5, 0.999))
+    ctx, scaler = hand(precision)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        real, z = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        with ctx():
+            fake = gan.g(z)
+            d_loss = F.softplus(-gan.d(real)).mean() + F.softplus(gan.d(fake.detach())).mean()
+        opt_d.zero_grad()
+        (scaler.scale(d_loss) if scaler else d_loss).backward()
+        scaler.step(opt_d) if scaler else opt_d.step()
+        with ctx():
+            g_loss = F.softplus(-gan.d(fake)).mean()
+        opt_g.zero_grad()
+        (scaler.scale(g_loss) if scaler else g_loss).backward()
+        scaler.step(opt_g) if scaler else opt_g.step()
+        if scaler:
+            scaler.update()
+    return gan
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_a_gan_in_one_module_steps_once_per_iteration(policy):
+    """As written and under a candidate alike (the candidates counted two steps per iteration and
+    failed the script's own fp32 by 229%)."""
+    agent = compare(gan_loop, policy)
+    assert len(agent.record["steps"]) == 5
+    with under("fp32 (as written)") as as_written:
+        gan_loop(None)
+    assert len(as_written.record["steps"]) == 5
+
+
+def test_a_closure_step_runs_under_autocast_and_loss_scaling_refuses_it_in_one_line():
+    """optimizer.step(closure) (LBFGS): it hung (no step ever ended); under fp16-mixed it is refused."""
+
+    def loop() -> nn.Module:
+        model = mlp()
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2)
+        for x, y in batches(3):
+
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+        return model
+
+    with under("bf16-mixed") as agent:
+        loop()
+    assert len(agent.record["steps"]) == 3
+    assert agent.record["observed"]["observed_dtype"] == "bfloat16"
+    with pytest.raises(Exited) as exited, under("fp16-mixed") as agent:
+        loop()
+    assert exited.value.code == 2
+
+
+# ---------------------------------------------------------------------- what the agent must see
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("path", ["backward(gradient)", "autograd.backward"])
+def test_every_backward_path_is_seen_and_scaled(policy, path):
+    """The loss of backward(gradient) over per-sample losses and of torch.autograd.backward is the
+    step's loss (it was NaN: 'its loss is nan at step 0'); fp16 scales it."""
+
+    def loop(precision: str | None) -> nn.Module:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ctx, scaler = hand(precision)
+        for x, y in batches(4):
+            with ctx():
+                per_sample = F.cross_entropy(model(x), y, reduction="none")
+            if path == "backward(gradient)":
+                weights = torch.full_like(per_sample, 1 / len(per_sample))
+                (scaler.scale(per_sample) if scaler else per_sample).backward(weights)
+            else:
+                loss = per_sample.mean()
+                torch.autograd.backward(scaler.scale(loss) if scaler else loss)
+            scaler.step(opt) if scaler else opt.step()
+            if scaler:
+                scaler.update()
+            opt.zero_grad()
+        return model
+
+    agent = compare(loop, policy)
+    losses = [s for s in agent.record["steps"]]
+    assert len(losses) == 4
+
+
+def test_a_loop_in_eval_mode_trains_under_the_candidate():
+    """Frozen BatchNorm: the loop trains in model.eval() (it trained in fp32 under bf16-mixed)."""
+
+    def loop(precision: str | None) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4)).eval()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ctx, _ = hand(precision)
+        for x, y in batches(4):
+            with ctx():
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    agent = compare(loop, "bf16-mixed")
+    assert agent.record["observed"]["observed_dtype"] == "bfloat16"
+
+
+def test_a_loop_that_calls_the_models_parts_computes_in_the_candidate():
+    """model['enc'], then model['dec']: the root's forward never runs (it trained in fp32)."""
+
+    def loop(precision: str | None) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"enc": nn.Sequential(nn.Linear(16, 32), nn.GELU()), "dec": nn.Linear(32, 4)})
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        ctx, _ = hand(precision)
+        for x, y in batches(4):
+            with ctx():
+                loss = F.cross_entropy(model["dec"](model["enc"](x)), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    agent = compare(loop, "bf16-mixed")
+    assert agent.record["observed"]["observed_dtype"] == "bfloat16"
+    assert [s["samples"] for s in agent.record["steps"]] == [8] * 4
+
+
+def test_an_fp32_evaluation_before_training_is_not_the_training_step():
+    """nanoGPT's shape: an evaluation under no_grad, in fp32, before the first step; what the step
+    computes in is read from the training forward (bf16-mixed was marked 'never ran')."""
+    model = mlp()
+    with under("bf16-mixed") as agent:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for x, y in batches(3):
+            with torch.no_grad():
+                model.eval()
+                F.cross_entropy(model(x), y)
+                model.train()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert agent.record["observed"]["observed_dtype"] == "bfloat16"
+    assert len(agent.record["steps"]) == 3
+
+
+def test_a_run_whose_candidate_does_not_take_effect_is_stopped(tmp_path):
+    """The honesty probe of `mixprec run`: no layer of the first training step computes in bf16
+    under a bf16 label (here the forward runs in a worker thread, where autocast, per thread, is
+    not on): stopped, exit 3, the reason in run.json."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = mlp()
+    pool = ThreadPoolExecutor(1)
+    with pytest.raises(Exited) as exited, under("bf16-mixed", out=str(tmp_path)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in batches(3):
+            loss = F.cross_entropy(pool.submit(model, x).result(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert exited.value.code == 3
+    import json
+
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert "computed in bfloat16 (they computed in float32" in record["error"], record["error"]
+
+
+@pytest.mark.parametrize("use_amp", [False, True])
+def test_the_scripts_autocast_switch_takes_the_candidate_and_its_fp32_regions_stay(use_amp):
+    """autocast(enabled=use_amp), the AMP recipe's switch: under bf16-mixed it computes bf16 either
+    way; a disabled autocast inside it (a region the script keeps in fp32) stays fp32."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"body": nn.Linear(16, 32), "head": nn.Linear(32, 4)})
+    seen: dict[str, torch.dtype] = {}
+    for name in ("body", "head"):
+        model[name].register_forward_hook(lambda m, a, out, name=name: seen.setdefault(name, out.dtype) and None)
+    with under("bf16-mixed"):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in batches(2):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=use_amp):
+                h = model["body"](x)
+                with torch.autocast("cpu", enabled=False):
+                    loss = F.cross_entropy(model["head"](h.float()), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert seen == {"body": torch.bfloat16, "head": torch.float32}
+
+
+# ---------------------------------------------------------------------- mixprec's own world
+def test_a_learnable_temperature_outside_the_model_is_the_scripts_own():
+    """A second parameter group with a bare nn.Parameter ('parameters of no single nn.Module')."""
+    model = mlp()
+    temperature = nn.Parameter(torch.tensor(1.0))
+    with under("bf16-mixed") as agent:
+        opt = torch.optim.AdamW([{"params": model.parameters()}, {"params": [temperature], "lr": 1e-2}])
+        for x, y in batches(3):
+            loss = F.cross_entropy(model(x) / temperature, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert agent.model is model and len(agent.record["steps"]) == 3
+    assert temperature.dtype == torch.float32 and float(temperature) != 1.0
+
+
+def test_a_half_precision_script_is_widened_for_an_fp32_candidate():
+    """model.to(torch.bfloat16), inputs cast by the script: the strict-fp32 baseline trains fp32
+    master weights (it refused: 'parameter is torch.bfloat16'); as written it stays bf16."""
+
+    def loop() -> nn.Module:
+        model = mlp().to(torch.bfloat16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in batches(3):
+            loss = F.cross_entropy(model(x.to(torch.bfloat16)).float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return model
+
+    with under("fp32") as agent:
+        model = loop()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert agent.record["facts"]["param_dtypes"] == ["bfloat16"] and agent.facts()["widened"]
+    assert agent.record["observed"]["observed_dtype"] == "float32"
+    with under("bf16-true (as written)") as agent:
+        model = loop()
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_script_that_uses_mixprecs_policy_has_it_built_under_the_candidate():
+    import mixprec
+
+    model = mlp()
+    with under("bf16-mixed") as agent:
+        policy = mixprec.get_policy("fp32")
+        policy.prepare(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with policy.precision_scope():
+            for x, y in batches(3):
+                with policy.autocast():
+                    loss = F.cross_entropy(model(x), y)
+                policy.backward(loss)
+                policy.step(opt)
+                opt.zero_grad()
+    assert policy.name == "bf16-mixed" and agent.framework == "mixprec"
+    assert agent.own["framework"] == {"mixprec": "fp32"}
+    assert agent.record["observed"]["observed_dtype"] == "bfloat16"
+    assert len(agent.record["steps"]) == 3
+
+
+def test_a_mask_buffer_of_minus_infinity_is_not_a_failure(tmp_path):
+    """nn.Transformer.generate_square_subsequent_mask: -inf by design, unchanged by training (every
+    candidate failed: 'buffers became non-finite while training (mask)')."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 4)
+            self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + self.mask.clamp(min=-1.0)[0]
+
+    torch.manual_seed(0)
+    model = Masked()
+    out = tmp_path / "trace.pt"
+    with pytest.raises(Exited), under("bf16-mixed", mode="trace", steps=2, out=str(out)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in batches(4):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    record = torch.load(out, weights_only=False)
+    assert record["nonfinite_buffers"] == [] and len(record["steps"]) == 2
+    assert all(math.isfinite(s["loss"]) for s in record["steps"])
+
+
+def test_the_agent_puts_torch_back():
+    before = (torch.autograd.backward, torch.optim.Optimizer.__init__, torch.amp.GradScaler.step)
+    with under("fp16-mixed"):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in batches(2):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert (torch.autograd.backward, torch.optim.Optimizer.__init__, torch.amp.GradScaler.step) == before
+    assert "grad" not in torch.Tensor.__dict__
+    assert not torch.nn.modules.module._global_forward_pre_hooks
