@@ -384,7 +384,9 @@ def test_the_scripts_autocast_switch_takes_the_candidate_and_its_fp32_regions_st
     model = nn.ModuleDict({"body": nn.Linear(16, 32), "head": nn.Linear(32, 4)})
     seen: dict[str, torch.dtype] = {}
     for name in ("body", "head"):
-        model[name].register_forward_hook(lambda m, a, out, name=name: seen.setdefault(name, out.dtype) and None)
+        model[name].register_forward_hook(
+            lambda m, a, out, name=name: seen.setdefault(name, out.dtype) and None
+        )
     with under("bf16-mixed"):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for x, y in batches(2):

@@ -748,7 +748,7 @@ def make_checker(
     events = events or ignore
     bs = config.batch_size or framework.default_batch_size(workload)
     events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
-    framework.validate_workload(workload, dev, bs)
+    framework.validate_workload(workload, dev, bs, budget=budget)
     bs = config.batch_size or framework.default_batch_size(workload)  # a script's is known only now
     merged = {**default_thresholds(), **(config.thresholds or {})}
     return Checker(

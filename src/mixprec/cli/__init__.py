@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import signal
 import sys
 import threading
@@ -46,7 +47,38 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for module in SUBCOMMANDS:
         module.add_parser(sub)
+    for name in SCRIPT_COMMANDS:  # the user's own command goes after '--': the usage line says so
+        command = sub.choices[name]
+        if command.usage is None:
+            auto = command.format_usage().removeprefix("usage: ").strip()
+            command.usage = f"{auto} [-- COMMAND ...]"
+        command.epilog = (
+            f"Your own training script, run unchanged: mixprec {name} [options] -- python train.py ARGS "
+            "(everything after '--' is your command)."
+        )
     return parser
+
+
+# What starts a training command: an interpreter, a script, a launcher.
+_COMMAND_START = re.compile(r"^(.*/)?(python[0-9.]*|torchrun|accelerate|deepspeed)$|\.py$")
+
+
+def forgotten_separator(parser: argparse.ArgumentParser, own: Sequence[str]) -> str | None:
+    """The error for a training command given without '--' before it (``mixprec tune python
+    train.py --steps 300``: argparse would read ``--steps 300`` as tune's own and then refuse
+    ``python train.py``), or None."""
+    if len(own) < 2 or own[0] not in SCRIPT_COMMANDS:
+        return None
+    _, unknown = parser.parse_known_args(own)
+    start = next((i for i, arg in enumerate(own) if arg in unknown and _COMMAND_START.search(arg)), None)
+    if start is None:
+        return None
+    mine, theirs = own[:start], own[start:]
+    return (
+        f"{' '.join(theirs[:2])!r} looks like your training command: put '--' before it, as "
+        f"mixprec {' '.join([*mine, '--', *theirs])} (everything after '--' is your command; "
+        "before it, mixprec's options)"
+    )
 
 
 class Terminated(KeyboardInterrupt):
@@ -83,6 +115,16 @@ def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
     return showwarning
 
 
+def _close_scripts() -> None:
+    """A command over a script removes the scratch folders of its runs when it ends."""
+    if "mixprec.frameworks.script.workload" in sys.modules:
+        from mixprec.frameworks.script.launch import stop_all
+        from mixprec.frameworks.script.workload import close_all
+
+        stop_all()
+        close_all()
+
+
 def list_models(pattern: str, out: Console) -> int:
     """``--list-models [PATTERN]``: the models loadable by name with this install."""
     from mixprec.report.console import models_report
@@ -106,6 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; errors become one line on stderr and an exit code (docs/cli.md)."""
     parser = build_parser()
     own, command = split_command(sys.argv[1:] if argv is None else argv)
+    if command is None:
+        forgotten = forgotten_separator(parser, own)
+        if forgotten is not None:
+            parser.error(forgotten)
     args = parser.parse_args(own)
     args.script = command
     args.argv = [*own, *(["--", *command] if command is not None else [])]  # what a result records
@@ -135,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     return int(args.run(args, stdout, stderr) or 0)
             finally:
                 prepared.discard_empty_folders()  # a run that wrote nothing leaves no folder behind
+                _close_scripts()
     except MixprecError as exc:
         if args.debug:
             raise

@@ -100,20 +100,25 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         child.discard()
         workload.close()
     data = _record_of(record, child.process.pid)
-    if data is None:
+    if data is not None and data.get("error"):
+        raise _error_of(data["error"], code)
+    steps = data.get("steps", 0) if data is not None else 0
+    if not steps:
         if signals:
             return EXIT_TERMINATED if signals[0] == "SIGTERM" else EXIT_INTERRUPTED
         if code != 0:
             raise UsageError(
                 f"the script exited with code {code} before its first optimizer step (its output is above)"
             )
+        if data is not None and (data.get("facts") or {}).get("model"):
+            raise UsageError(
+                "the script built an optimizer but never stepped it: nothing was trained under the candidate"
+            )
         raise UsageError(
             "the script ran no optimizer step (mixprec applies a candidate to the model an optimizer "
             "trains): nothing was trained under the candidate"
         )
-    if data.get("error"):
-        raise _error_of(data["error"], code)
-    steps = data.get("steps", 0)
+    assert data is not None  # (a step was recorded)
     framework_name = (data.get("facts") or {}).get("framework", "plain")
     err.print(
         f"mixprec run: {steps} optimizer steps of {candidate.label} ({framework_name}); wrote {record}",
@@ -123,10 +128,6 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         err.print(f"  step {finding['step']}: {finding['kind']}: {finding['message']}", soft_wrap=True)
     if code != 0:
         return code
-    if steps == 0:
-        raise UsageError(
-            "the script built an optimizer but never stepped it: nothing was trained under the candidate"
-        )
     return 4 if data.get("healthy") is False else 0
 
 

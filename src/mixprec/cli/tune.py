@@ -23,7 +23,16 @@ from mixprec.cli.common import (
     threads_arg,
     workload_from_args,
 )
-from mixprec.errors import BudgetExhausted, MixprecError, NumericsFailed, NumericsInconclusive, UsageError
+from mixprec.cli.interrupt import graceful
+from mixprec.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    BudgetExhausted,
+    MixprecError,
+    NumericsFailed,
+    NumericsInconclusive,
+    UsageError,
+)
 from mixprec.exports import EXPORT_TARGETS
 from mixprec.measure.config import BenchConfig
 from mixprec.measure.memory import parse_size
@@ -328,8 +337,11 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         framework.validate(Candidate("fp32", compile=mode, framework=framework.name))
     workload = workload_from_args(args, defaults)
     config = tune_config(args, defaults)
-    with CandidateProgress(err, "tuning", verbose=args.verbose, budget_s=args.budget) as shown:
-        result = tune(workload, config, events=shown.event)
+    with (
+        graceful(lambda text: err.print(f"mixprec: {text}")) as interrupt,
+        CandidateProgress(err, "tuning", verbose=args.verbose, budget_s=args.budget) as shown,
+    ):
+        result = tune(workload, config, events=shown.event, stop=interrupt.stop)
     result.command = "mixprec " + shlex.join(args.argv)
     data = result.to_dict()
     out.print(summary(data))
@@ -340,6 +352,9 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
 
         for path in write_report(result, Path(args.report)).values():
             err.print(f"wrote {path}")
+    if interrupt.signal:  # what was measured is written; the command still ends as interrupted
+        err.print(f"mixprec: {'terminated' if interrupt.signal == 'SIGTERM' else 'interrupted'}")
+        return EXIT_TERMINATED if interrupt.signal == "SIGTERM" else EXIT_INTERRUPTED
     if result.recommendation is None:
         raise no_recommendation(data)
     if result.budget_exhausted:

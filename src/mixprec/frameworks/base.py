@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from mixprec.errors import PolicyError, UnsupportedError
 from mixprec.frameworks.session import BenchSettings, MemoryPoint, Session
@@ -33,6 +33,9 @@ from mixprec.hardware.device import DeviceInfo
 from mixprec.numerics.compare import Trajectory
 from mixprec.numerics.ranges import RangeReport
 from mixprec.policy import POLICY_NAMES, Candidate, Support
+
+if TYPE_CHECKING:
+    from mixprec.budget import Budget
 
 # A candidate process's session: (spec dict, candidate, settings) -> a Session; module-level so it
 # pickles by name into the child.
@@ -98,9 +101,12 @@ class Framework:
         """How rows and reports name the workload (its name and sizes)."""
         return str(getattr(workload, "name", type(workload).__name__))
 
-    def validate_workload(self, workload: Any, device: str, batch_size: int) -> None:
+    def validate_workload(
+        self, workload: Any, device: str, batch_size: int, *, budget: Budget | None = None
+    ) -> None:
         """One strict-fp32 step before anything is measured, so a broken workload is one clear
-        :class:`~mixprec.errors.UsageError`, not the same failure in every row. Default: none."""
+        :class:`~mixprec.errors.UsageError`, not the same failure in every row; within ``budget``
+        where it is given (a script that never steps is one error within it). Default: none."""
 
     def default_batch_size(self, workload: Any) -> int:
         return int(workload.default_batch_size)

@@ -83,7 +83,7 @@ def bench(
     # error now, not the same failure in every row.
     events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
     size = reference.micro_batch or config.batch_size or framework.default_batch_size(workload)
-    framework.validate_workload(workload, device, size)  # a size the budget fits
+    framework.validate_workload(workload, device, size, budget=budget)  # a size the budget fits
     choice = pick_threads(framework, workload, config, device, size)
     if choice is not None:
         config = replace(config, threads=choice.threads)

@@ -209,11 +209,13 @@ class Recommendation:
         )
 
 
-def safety(row: BenchRow) -> tuple[int, int, int, int, int]:
-    """Lower is simpler to live with: policy, then layout, fp32 islands, compilation (compile
-    time, recompiles, graph breaks to maintain), then a non-default optimizer implementation."""
+def safety(row: BenchRow) -> tuple[int, int, int, int, int, int]:
+    """Lower is simpler to live with: a script as written (nothing to change), then policy, layout,
+    fp32 islands, compilation (compile time, recompiles, graph breaks to maintain), then a
+    non-default optimizer implementation."""
     c = row.candidate
     return (
+        int(not c.as_written),
         c.spec.safety_rank,
         int(c.channels_last),
         len(c.keep_fp32),

@@ -62,7 +62,7 @@ def tune(
         bs = batching.effective(framework, config.effective_batch, bs)
     events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
     # under --batch auto, at the smallest size: the effective batch may not fit strict fp32 at once
-    framework.validate_workload(workload, dev, batching.fit_sizes(bs)[0] if auto else bs)
+    framework.validate_workload(workload, dev, batching.fit_sizes(bs)[0] if auto else bs, budget=budget)
     if not auto:  # a script's samples per step are known once its first steps ran
         bs = config.bench.batch_size or framework.default_batch_size(workload)
     # the threads every stage measures at (the fastest now on a CPU), chosen once for the whole tune

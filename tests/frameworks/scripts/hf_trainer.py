@@ -1,10 +1,15 @@
 """A transformers-examples-style script: a small causal LM built from its config (no download), a
 dataset of token blocks, TrainingArguments from the command line, Trainer.train().
 
-    python hf_trainer.py --output_dir out --max_steps 200 [--bf16] [--per_device_train_batch_size 8]
+    python hf_trainer.py --output_dir out --max_steps 200 [--bf16] [--per_device_train_batch_size 8] [--tiny]
+
+An evaluation split is there for the arguments that need one (``--eval_strategy steps
+--load_best_model_at_end``); ``--tiny``: a one-layer model of width 64.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import Dataset
@@ -32,12 +37,21 @@ class Blocks(Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+@dataclass
+class ScriptArguments:
+    tiny: bool = False
+
+
 def main() -> None:
-    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
+    args, own = HfArgumentParser((TrainingArguments, ScriptArguments)).parse_args_into_dataclasses()
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=512, n_positions=BLOCK, n_embd=256, n_layer=4, n_head=4)
+    width, layers = (64, 1) if own.tiny else (256, 4)
+    config = GPT2Config(vocab_size=512, n_positions=BLOCK, n_embd=width, n_layer=layers, n_head=4)
     model = GPT2LMHeadModel(config)
-    trainer = Trainer(model=model, args=args, train_dataset=Blocks(4096, config.vocab_size))
+    data = Blocks(4096, config.vocab_size)
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, eval_dataset=torch.utils.data.Subset(data, range(64))
+    )
     trainer.train()
 
 

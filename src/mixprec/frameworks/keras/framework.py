@@ -68,7 +68,9 @@ class KerasFramework(Framework):
     def workload_label(self, workload: KerasWorkload) -> str:
         return workload_label(workload)
 
-    def validate_workload(self, workload: KerasWorkload, device: str, batch_size: int) -> None:
+    def validate_workload(
+        self, workload: KerasWorkload, device: str, batch_size: int, *, budget: Any = None
+    ) -> None:
         """The strict-fp32 model, built (called on one batch where its layers build lazily): a model
         with no trainable weight is refused, as the torch backend refuses one whose parameters are all
         frozen (nothing would train, and every policy would match fp32 trivially)."""

@@ -120,6 +120,7 @@ class Window:
     samples: int = 0
     lead_stepped: bool = False  # the lead optimizer stepped (or its GradScaler skipped it)
     skipped: bool = False  # the lead's update was not applied
+    backwards: int = 0  # the backward() calls the agent saw
     routed: list[tuple[torch.optim.Optimizer, bool]] = dataclasses.field(default_factory=list)
 
 
@@ -233,8 +234,10 @@ class Agent:
     def script_autocast(self, device_type: str, dtype: torch.dtype | None) -> tuple[Any, bool]:
         """An enabled ``torch.autocast`` the script makes: under an injected candidate in a plain
         loop it takes the candidate's dtype (or is disabled)."""
+        if self.framework != PLAIN:  # a framework's own autocast: its switch is the precision
+            return dtype, True
         self.own["autocast"].append({"device_type": device_type, "dtype": str(dtype)})
-        if self.inject and self.framework == PLAIN:
+        if self.inject:
             wanted = self.candidate.spec.autocast_dtype
             return (wanted if wanted is not None else dtype), wanted is not None
         return dtype, True
@@ -363,6 +366,8 @@ class Agent:
         from mixprec.errors import MixprecError
 
         self.optimizer_starts(optimizer)
+        if self.policy.scaler is not None and not self.window.backwards:
+            self.fail("UnsupportedError", self._no_backward(optimizer))
         with self.internal():
             try:
                 found = self.policy.step_optimizers([optimizer])[0]
@@ -411,6 +416,7 @@ class Agent:
         device = _device_of(model)
         facts = self.record["facts"]
         facts["param_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+        facts["strict_math"] = _strict_math(device)  # (the script's own, before the candidate's)
         self._nonfinite_at_start = _nonfinite_buffers(model)
         try:
             self._apply_candidate(model, device)
@@ -517,6 +523,7 @@ class Agent:
         if self.window.started is None:
             self.window.started = time.perf_counter()
         self.patches.arm_forward()  # the next micro-batch's forward: autocast again
+        self.window.backwards += 1
         outputs = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
         grads = _as_grads(grad_tensors, len(outputs))
         for out, grad in zip(outputs, grads, strict=True):
@@ -563,6 +570,8 @@ class Agent:
 
         window = self.window
         self.leave_autocast()
+        if not window.backwards and self.plan.mode != "run":
+            self.fail("UnsupportedError", self._no_backward(self.lead))
         skipped = window.skipped
         if window.routed:
             found = [f for _, f in window.routed]
@@ -606,6 +615,14 @@ class Agent:
         elif self.plan.mode == "trace" and window.index + 1 >= self.plan.steps:
             self._write_trace()
             self._exit(0)
+
+    def _no_backward(self, optimizer: Any) -> str:
+        return (
+            f"the script's {type(optimizer).__name__} stepped with no backward() mixprec saw: its "
+            "gradients come from elsewhere (torch.func.grad, torch.autograd.grad), where mixprec can "
+            f"read no loss to compare{' nor scale one' if self.policy and self.policy.scaler else ''}; "
+            "compute them with loss.backward() to have the script measured and checked"
+        )
 
     def _pace(self, event: dict[str, Any]) -> None:
         """Measure mode: report the step, then wait for the parent's next word."""
@@ -788,6 +805,19 @@ def find_model(params: set[int]) -> nn.Module | None:
             best, model = (held, -len(own)), root
     inner = getattr(model, "_orig_mod", None)  # a torch.compile wrapper: the model it compiles
     return inner if isinstance(inner, nn.Module) else model
+
+
+def _strict_math(device: torch.device) -> bool:
+    """Whether the fp32 math mode on ``device`` is strict IEEE now (what the strict-fp32 baseline
+    sets), read before any candidate's is set: the script's own choice, or the default."""
+    from mixprec import state
+    from mixprec.policy.registry import POLICIES
+
+    prefixes = ("mkldnn.",) if device.type == "cpu" else ("cuda.", "cudnn.")
+    now = state.effective_state()
+    with state.precision_settings(POLICIES["fp32"].precision):
+        strict = state.effective_state()
+    return all(now[k] == v for k, v in strict.items() if k.startswith(prefixes))
 
 
 def _inside(module: nn.Module, model: nn.Module) -> bool:

@@ -29,6 +29,7 @@ from mixprec.numerics.trend import LayerSeries
 from mixprec.policy import POLICY_NAMES, Candidate, Support, check_support
 
 VALIDATE_STEPS = 2  # strict-fp32 steps of the validating run (it also finds what the script is)
+VALIDATE_SHARE = 0.5  # of the budget left, what the validating run may take at most
 # the export target that writes a candidate the way each framework trains it
 EXPORT_OF = {"plain": "pytorch", "hf": "hf", "lightning": "lightning", "accelerate": "accelerate"}
 FRAMEWORK_TITLES = TRAINED_BY
@@ -58,13 +59,19 @@ class ScriptFramework(Framework):
     def workload_label(self, workload: ScriptWorkload) -> str:
         return workload.name
 
-    def validate_workload(self, workload: ScriptWorkload, device: str, batch_size: int) -> None:
+    def validate_workload(
+        self, workload: ScriptWorkload, device: str, batch_size: int, *, budget: Any = None
+    ) -> None:
         """A few strict-fp32 steps: the script runs, reaches optimizer steps, and shows what it is
         (its framework, its own precision, its model); a script that fails is one UsageError with its
-        last line."""
+        last line. Within half of ``budget`` where there is one: a script that never steps is said
+        within the time the user gave."""
         if workload.facts is None:
+            limit = None
+            if budget is not None and math.isfinite(budget.left()):
+                limit = max(budget.left() * VALIDATE_SHARE, 1.0)
             try:
-                record = trace(workload, self.baseline, VALIDATE_STEPS)
+                record = trace(workload, self.baseline, VALIDATE_STEPS, timeout_s=limit)
             except ScriptFailed as exc:
                 raise UsageError(f"the script does not train in strict fp32: {exc}") from None
             workload.facts = facts_of(record)
@@ -128,8 +135,12 @@ class ScriptFramework(Framework):
         return base
 
     def source_candidates(self, workload: ScriptWorkload) -> list[Candidate]:
-        """The script as written: its own precision, named by what it asks for."""
+        """The script as written: its own precision, named by what it asks for; none where that is
+        the strict-fp32 baseline itself (an fp32 script at this device's default math mode: one run,
+        not the same one measured twice)."""
         facts = workload.facts
+        if facts is not None and facts.is_baseline:
+            return []
         return [Candidate(facts.own_policy if facts else "fp32", framework=self.name, as_written=True)]
 
     def tune_candidates(self, workload: ScriptWorkload, info: DeviceInfo) -> list[Candidate]:
@@ -137,12 +148,11 @@ class ScriptFramework(Framework):
         convolutions, in a plain loop)."""
         facts = workload.facts
         self._facts = facts
-        own = self.source_candidates(workload)[0]
         layouts = (
             [False, True] if facts is not None and facts.has_conv and facts.framework == "plain" else [False]
         )
         cands = [Candidate(p, cl, framework=self.name) for p in POLICY_NAMES for cl in layouts]
-        return [own, *cands]
+        return [*self.source_candidates(workload), *cands]
 
     def has_convolutions(self, workload: ScriptWorkload) -> bool:
         return workload.facts is None or workload.facts.has_conv  # not yet run: assume it may
@@ -223,7 +233,11 @@ class ScriptFramework(Framework):
         target = EXPORT_OF[self._facts.framework if self._facts is not None else "plain"]
         texts: dict[str, str] = {}
         refusals: dict[str, str] = {}
-        if candidate.as_written:
+        facts = self._facts
+        plain = candidate.policy == "fp32" and not (
+            candidate.channels_last or candidate.keep_fp32 or candidate.compile
+        )
+        if candidate.as_written or (plain and facts is not None and facts.is_baseline):
             return {"run": "keep the script as it is: its own precision was the pick"}, {}
         if self._workload is not None:
             texts["run"] = run_line(candidate, self._workload.given)
@@ -264,6 +278,12 @@ def facts_of(record: dict[str, Any]) -> ScriptFacts:
     steps = record.get("steps") or []
     if not steps:
         raise UsageError("the script never called an optimizer step")
+    losses = [float(s["loss"]) for s in steps]
+    if not all(math.isfinite(v) for v in losses):
+        raise UsageError(
+            f"the script's loss in strict fp32 is {losses}: mixprec sees what the script calls backward() "
+            "on; fix it so it trains in fp32 first"
+        )
     return ScriptFacts(
         framework=facts.get("framework", "plain"),
         own_policy=own_policy(facts),
@@ -273,7 +293,8 @@ def facts_of(record: dict[str, Any]) -> ScriptFacts:
         params=list(facts.get("params") or []),
         device=facts.get("device", "cpu"),
         samples_per_step=int(steps[0].get("samples") or 0) or 1,
-        first_losses=[float(s["loss"]) for s in steps],
+        first_losses=losses,
+        strict_math=bool(facts.get("strict_math", True)),
     )
 
 
@@ -282,6 +303,8 @@ def own_policy(facts: dict[str, Any]) -> str:
     its weights' dtype; fp32 where it asks for nothing."""
     own = facts.get("own") or {}
     framework = own.get("framework") or {}
+    if framework.get("mixprec"):  # mixprec's own Policy in the script: the policy it asked for
+        return str(framework["mixprec"])
     wanted = {str(v) for v in framework.values() if v}
     if framework.get("bf16") or wanted & {"bf16-mixed", "bf16"}:
         return "bf16-mixed"

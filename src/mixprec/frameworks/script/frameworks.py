@@ -6,7 +6,7 @@ writes them, so that what is measured is what the user will run.
 Each is patched where the framework reads it (``TrainingArguments.__post_init__``,
 ``Trainer.__init__``, ``Accelerator.__init__``), once its module is imported by the script (an
 import hook: the agent is installed before the script imports anything). In the modes that measure
-(``measure``, ``trace``) the framework's outputs go to the scratch folder and it saves nothing.
+(``measure``, ``trace``) the framework's outputs go to the run's scratch folder.
 """
 
 from __future__ import annotations
@@ -53,8 +53,12 @@ def _hf_arguments(module: Any, agent: Agent) -> None:
                 self.torch_compile, self.torch_compile_mode = True, agent.candidate.compile
             agent.framework_flags = {"bf16": self.bf16, "fp16": self.fp16}
         if agent.plan.mode in ("measure", "trace") and agent.plan.scratch:
+            # a measured run saves nothing and reports nowhere; loading the best checkpoint at the
+            # end needs saved ones (the Trainer refuses the pair), so it goes too
             self.output_dir = agent.plan.scratch
             self.save_strategy = "no"
+            self.load_best_model_at_end = False
+            self.push_to_hub = False
             self.report_to = []
         original(self)
 
@@ -87,7 +91,10 @@ def _lightning_trainer(module: Any, agent: Agent) -> None:
                 kw["precision"] = wanted
             agent.framework_flags = {"precision": wanted}
         if agent.plan.mode in ("measure", "trace") and agent.plan.scratch:
-            kw.update(default_root_dir=agent.plan.scratch, logger=False, enable_checkpointing=False)
+            # its logs and checkpoints in the run's scratch folder; the script's own callbacks and
+            # loggers stay (a ModelCheckpoint refuses enable_checkpointing=False, a
+            # LearningRateMonitor refuses logger=False), and what they write lands there too (.sandbox)
+            kw["default_root_dir"] = agent.plan.scratch
         original(self, *args, **kw)
 
     cls.__init__ = __init__

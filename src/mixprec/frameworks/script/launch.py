@@ -11,6 +11,7 @@ what an error shows. ``mixprec run`` is the user's run: their folder, their term
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import itertools
 import json
@@ -30,6 +31,7 @@ _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b(:|$
 # The folder mixprec is imported from, for an interpreter that does not have it installed.
 _MIXPREC_ROOT = Path(__file__).resolve().parents[3]
 _RUNS = itertools.count()
+_LIVE: set[subprocess.Popen] = set()  # the measured runs not yet ended: stopped when mixprec exits
 # Python's options that take a value (``-W ignore``, ``-X dev``), and those that keep the agent out
 # of PYTHONPATH's reach (isolated, ignore the environment, no site).
 _VALUED, _NO_SITE = ("W", "X"), set("IES")
@@ -79,6 +81,7 @@ class Child:
     def discard(self, *, keep_log: bool = False) -> None:
         """Remove the run's folder (its outputs, its copy of the user's folder); ``keep_log``: the
         log stays, in the scratch's ``failed/`` folder (an error message names it)."""
+        _LIVE.discard(self.process)
         if self.folder is None or not self.folder.exists():
             return
         if keep_log and self.log.exists() and self.failed_logs is not None:
@@ -131,6 +134,9 @@ def launch(
             stdout=out,
             stderr=subprocess.STDOUT if out is not None else None,
             pass_fds=tuple(pass_fds),
+            # a measured run is mixprec's: a Ctrl-C at the terminal is mixprec's to handle (it keeps
+            # what was measured); the user's own run stays in the terminal's group, as without mixprec
+            start_new_session=measured,
         )
     except OSError as exc:
         from mixprec.errors import UsageError
@@ -140,7 +146,22 @@ def launch(
     finally:
         if out is not None:
             out.close()
+    if measured:
+        _LIVE.add(process)
     return Child(process, log, folder, workload.scratch / "failed")
+
+
+@atexit.register
+def stop_all() -> None:
+    """No measured run outlives mixprec (an interrupt, an error anywhere): each is ended now."""
+    for process in list(_LIVE):
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        _LIVE.discard(process)
 
 
 def bootstrapped(argv: list[str]) -> list[str]:

@@ -33,7 +33,7 @@ import torch
 
 Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
 
-_TENSOR_GRAD = torch._C.TensorBase.grad  # the C++ property torch.Tensor inherits
+_TENSOR_GRAD: Any = torch._C.TensorBase.__dict__["grad"]  # the C++ property torch.Tensor inherits
 
 
 class Patches:

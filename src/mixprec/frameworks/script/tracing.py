@@ -72,8 +72,7 @@ class Tracer:
         step_scale, self.step_scale = self.step_scale, None
         event["scale"] = scale_after
         if self.recorder is not None:
-            self.recorder.end(step_scale)
-            self.recorder.begin()
+            self.recorder.next_step(step_scale)
         if self.ranges is not None:
             from mixprec.frameworks.torch.ranges import collected_report
 

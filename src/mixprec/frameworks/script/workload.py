@@ -23,6 +23,8 @@ TRAINED_BY = {
     "lightning": "Lightning's Trainer",
     "accelerate": "Accelerate",
 }
+# The workloads whose scratch folder exists: removed when the command ends.
+_OPEN: list[ScriptWorkload] = []
 # Launchers whose script mixprec runs itself, as one process (one rank).
 _DISTRIBUTED = ("torchrun", "accelerate", "deepspeed")
 
@@ -42,6 +44,8 @@ class ScriptFacts:
         samples_per_step: samples an optimizer step trains (the forwards' batch dimensions summed).
         first_losses: the validating run's losses, to tell whether two runs see the same data.
         deterministic: two strict-fp32 runs agree at the first step (None: not compared yet).
+        strict_math: the script leaves this device's fp32 math mode at strict IEEE (it sets no
+            TF32/bf32 of its own), so as written an fp32 script is the strict-fp32 baseline.
     """
 
     framework: str
@@ -54,6 +58,12 @@ class ScriptFacts:
     samples_per_step: int
     first_losses: list[float]
     deterministic: bool | None = None
+    strict_math: bool = True
+
+    @property
+    def is_baseline(self) -> bool:
+        """The script as written is the strict-fp32 baseline (nothing of its own to measure)."""
+        return self.own_policy == "fp32" and self.strict_math
 
     @property
     def module_names(self) -> list[str]:
@@ -90,10 +100,10 @@ class ScriptWorkload:
     @property
     def scratch(self) -> Path:
         """mixprec's folder for this script's runs (their plans, logs, working folders), made on
-        first use and removed when this process ends (:meth:`close`)."""
+        first use and removed when the command ends (:func:`close_all`, or this process's exit)."""
         if self._scratch is None:
             self._scratch = Path(tempfile.mkdtemp(prefix="mixprec-script-"))
-            atexit.register(self.close)
+            _OPEN.append(self)
         return self._scratch
 
     def close(self) -> None:
@@ -231,3 +241,10 @@ def _one_rank(argv: list[str]) -> tuple[list[str], str]:
         "communication of more ranks is not measured)"
     )
     return [sys.executable, *rest[script:]], note
+
+
+@atexit.register
+def close_all() -> None:
+    """Remove every script workload's scratch folder (the CLI calls it when a command ends)."""
+    while _OPEN:
+        _OPEN.pop().close()

@@ -99,7 +99,9 @@ class TorchFramework(Framework):
         inner = ",".join(f"{k}={v}" for k, v in sorted(sizes.items()))
         return f"{workload.name}({inner})" if inner else str(workload.name)
 
-    def validate_workload(self, workload: Workload, device: str, batch_size: int) -> None:
+    def validate_workload(
+        self, workload: Workload, device: str, batch_size: int, *, budget: Any = None
+    ) -> None:
         validate_workload(workload, device=device, batch_size=batch_size)
 
     def cli_defaults(self, device: str, command: str) -> dict[str, Any]:

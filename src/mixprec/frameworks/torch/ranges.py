@@ -118,11 +118,22 @@ class _Collector:
         self.graph_handles.clear()
         self.stacks.clear()
 
+    def restart(self) -> None:
+        """Forget what was recorded and record afresh, the module hooks kept in place."""
+        for h in self.graph_handles:
+            h.remove()
+        self.graph_handles.clear()
+        self.layers, self.stacks, self.next_order = {}, {}, 0
+        self.first_forward = self.first_backward = None
+        self.in_backward = False
+
     # forward --------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.in_backward:  # activation-checkpoint recomputation: already measured
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
+        # removed during this very call (a module calls the hooks it had when the call began,
+        # and a removed one without its keyword arguments): nothing to record
+        if self.in_backward or not self.module_handles:  # in backward: checkpoint recomputation
             return
         key = id(module)
         if key not in self.layers:
@@ -146,8 +157,8 @@ class _Collector:
         self.stacks.setdefault(key, []).append(_Call(self.layers[key], finite, nodes, marker))
 
     @torch.no_grad()
-    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self.in_backward:
+    def _post(self, module: nn.Module, args: tuple, kwargs: Any, output: Any = None) -> None:
+        if self.in_backward or not self.module_handles:
             return
         stack = self.stacks.get(id(module))
         if not stack:
@@ -390,6 +401,20 @@ class StepRecorder:
         if collector is None:
             return
         self.abandon()
+        self._record(collector, loss_scale)
+
+    def next_step(self, loss_scale: float | None) -> None:
+        """:meth:`end` then :meth:`begin`, the module hooks kept installed: for a step that ends
+        inside a forward of the model (the script agent's), where hooks removed and added again
+        would miss that forward's module."""
+        collector = self._collector
+        if collector is None:
+            self.begin()
+            return
+        self._record(collector, loss_scale)
+        collector.restart()
+
+    def _record(self, collector: _Collector, loss_scale: float | None) -> None:
         divisor = loss_scale or 1.0
         for layer in collector.layers.values():
             if not layer.name:
