@@ -649,8 +649,6 @@ def run_case(target: str, case: str, refused: set[str], runner: Callable[[Source
 
     from mixprec.errors import ExportRefused
     from mixprec.exports import export_status
-    from mixprec.hardware import detect
-    from mixprec.policy import check_support
 
     source = CASES[case]
     faithful, reason = export_status(source, target, device="cpu")
@@ -661,8 +659,7 @@ def run_case(target: str, case: str, refused: set[str], runner: Callable[[Source
         assert info.value.reason in reason and info.value.alternative in reason
         return
     assert faithful, f"{target} {case}: unexpected refusal: {reason}"
-    if not check_support(source.spec.name, detect(torch.device("cpu"))):
-        pytest.skip(f"{source.spec.name} does not run on this CPU")
+    skip_where_unsupported(source)
     scale = None
     if source.spec.loss_scaling:  # mixprec's own policy on the same batches: the reference scale
         eager_source = replace(source, compile=None, compile_scope=None) if is_step(source) else source
@@ -677,6 +674,19 @@ def run_case(target: str, case: str, refused: set[str], runner: Callable[[Source
         compiled = list(PROBE.losses)
         runner(replace(source, compile=None, compile_scope=None))
         check_same_losses(source, compiled, PROBE.losses, target)
+
+
+def skip_where_unsupported(source: Source) -> None:
+    """Skip, with the reason, a case whose policy this CPU cannot run (bf32 needs AVX512-BF16 or AMX):
+    mixprec's policy refuses it there, and the plain text's math mode would change nothing."""
+    import pytest
+
+    from mixprec.hardware import detect
+    from mixprec.policy import check_support
+
+    support = check_support(source.spec.name, detect(torch.device("cpu")))
+    if not support:
+        pytest.skip(f"{source.spec.name} does not run on this CPU: {support.reason}")
 
 
 def is_step(source: Source) -> bool:

@@ -16,6 +16,7 @@ from harness import (
     micro_batches,
     run_case,
     run_plain,
+    skip_where_unsupported,
     with_sgd,
 )
 
@@ -32,6 +33,7 @@ def test_export_runs_the_policy(target, case):
 @pytest.mark.parametrize("case", [c for c in CASES if c not in REFUSED])
 def test_plain_and_mixprec_train_identically(case):
     config = CASES[case]
+    skip_where_unsupported(config)
     plain = run_plain(config, "pytorch")
     via_mixprec = run_plain(config, "mixprec")
     weights = plain.model.state_dict(), via_mixprec.model.state_dict()

@@ -4,6 +4,7 @@ and exit-code behaviour, where its own copy once had none of them."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -16,10 +17,28 @@ else:
     pytest.importorskip("tensorflow", reason="tensorflow is not installed: pip install -e '.[tensorflow]'")
 
 from mixprec.cli import main
+from mixprec.frameworks.keras.framework import KerasFramework
 from mixprec.keras import load_keras_workload
 
 pytestmark = [pytest.mark.tensorflow, pytest.mark.slow]
 STEPS = 2
+
+
+@pytest.fixture(autouse=True)
+def _bf16_in_the_plan(monkeypatch):
+    """Tune's plan on every CPU as on one with native bf16 (AVX512-BF16 or AMX): strict fp32,
+    bf16-mixed and bf16-true. The Keras plan has natively computed policies only, so on an AVX2-only
+    CPU it is strict fp32 alone, with nothing for a budget to cut or for finalists to race; these
+    tests are about the search, and Keras' bf16 runs there anyway (emulated; the mlp's step is
+    overhead-bound, about as fast as fp32's)."""
+    plan = KerasFramework.tune_candidates
+    monkeypatch.setattr(
+        KerasFramework,
+        "tune_candidates",
+        lambda self, workload, info: plan(
+            self, workload, replace(info, cpu_flags=info.cpu_flags | {"avx512_bf16"})
+        ),
+    )
 
 
 def test_a_keras_tune_out_of_budget_says_so_and_exits_5(capsys):

@@ -463,6 +463,17 @@ def test_ignore_silences_rules_and_rejects_unknown_ids():
         run_lint(wl, ignore=["MP999"])
 
 
+def test_the_default_policy_is_the_devices_best_default_whatever_the_target():
+    wl = vectors(mlp(64, 100, 16))  # 100: not a multiple of 8 (bf16 tensor cores)
+    native = run_lint(wl, device="cpu", device_info=CPU_BF16, target="cuda")
+    assert native.policy_chosen and native.policy == "bf16-mixed"
+    assert any(f.rule == "MP104" for f in native.findings)
+    emulated = run_lint(wl, device="cpu", device_info=CPU_NO_HALF, target="cuda")  # an AVX2-only CPU
+    assert emulated.policy_chosen and emulated.policy == "fp32"
+    assert not any(f.rule.startswith("MP1") for f in emulated.findings)
+    assert any("judge nothing under fp32" in n for n in emulated.notes)
+
+
 def test_policy_unsupported_here_is_refused_unless_judging_another_target():
     wl = vectors(mlp(64, 64, 16))
     with pytest.raises(UnsupportedError, match="--target cuda"):
@@ -581,21 +592,23 @@ def tiny(tmp_path):
     return str(path)
 
 
+# Judged for a GPU under bf16-mixed on every CPU: the default policy is this CPU's best default, strict
+# fp32 where bf16 is only emulated (an AVX2-only CPU), and under fp32 the tensor-core rules judge nothing
+CLI_CUDA = ["--policy", "bf16-mixed", "--target", "cuda"]
+
+
 def test_cli_report_json_and_exit_codes(cli, tiny, tmp_path, capsys):
     out_json = tmp_path / "lint.json"
-    assert cli(["lint", "--workload", f"{tiny}:workload", "--target", "cuda", "--json", str(out_json)]) == 0
+    assert cli(["lint", "--workload", f"{tiny}:workload", *CLI_CUDA, "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "MP104" in out and "pad out_features 100 -> 104" in out and "2 warnings" in out
     data = json.loads(out_json.read_text())
     assert data["schema_version"] == SCHEMA_VERSION and data["kind"] == "lint" and "env" in data
     assert {f["module"] for f in data["findings"] if f["rule"] == "MP104"} == {"0", "2"}
     # --strict fails only on error severity: BCE under autocast judged for CUDA is one.
-    assert cli(["lint", "--workload", f"{tiny}:workload", "--target", "cuda", "--strict"]) == 0
-    assert (
-        cli(["lint", "--workload", f"{tiny}:with_bce", "--target", "cuda", "--strict"])
-        == lint_cli.STRICT_EXIT
-    )
-    assert cli(["lint", "--workload", f"{tiny}:with_bce", "--target", "cuda"]) == 0
+    assert cli(["lint", "--workload", f"{tiny}:workload", *CLI_CUDA, "--strict"]) == 0
+    assert cli(["lint", "--workload", f"{tiny}:with_bce", *CLI_CUDA, "--strict"]) == lint_cli.STRICT_EXIT
+    assert cli(["lint", "--workload", f"{tiny}:with_bce", *CLI_CUDA]) == 0
     capsys.readouterr()
 
 
@@ -622,7 +635,7 @@ def test_cli_list_rules(cli, capsys):
 
 @pytest.mark.slow
 def test_cli_measure_end_to_end(cli, tiny, capsys):
-    code = cli(["lint", "--workload", f"{tiny}:workload", "--target", "cuda", "--measure", "--steps", "1"])
+    code = cli(["lint", "--workload", f"{tiny}:workload", *CLI_CUDA, "--measure", "--steps", "1"])
     assert code == 0
     out = capsys.readouterr().out
     assert "layer ms" in out and "step ms" in out and "gain" in out and "->" in out

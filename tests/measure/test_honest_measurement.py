@@ -23,13 +23,14 @@ from mixprec.tuning.decide import NOISE_CAP
 
 
 def _mlp_workload(disturb) -> mixprec.Workload:
-    """A ~10 ms CPU step whose loss_fn calls ``disturb(autocast_on)`` first: the tests plant their
-    transients there (the strict-fp32 baseline never runs under autocast, bf16-mixed always does)."""
+    """A ~10 ms CPU step (batch 64) whose loss_fn calls ``disturb(autocast_on, samples)`` first: the
+    tests plant their transients there (the strict-fp32 baseline never runs under autocast and always
+    on 64 samples, bf16-mixed always under autocast, a candidate with its own micro-batch on fewer)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10))
 
     def loss_fn(model: nn.Module, batch) -> torch.Tensor:
-        disturb(torch.is_autocast_enabled("cpu"))
+        disturb(torch.is_autocast_enabled("cpu"), len(batch[0]))
         return F.cross_entropy(model(batch[0]).float(), batch[1])
 
     return mixprec.Workload(
@@ -59,10 +60,10 @@ def _bench(workload, **kw):
 
 @pytest.mark.slow
 def test_a_slow_baseline_start_does_not_inflate_the_speedup(single_thread):
-    calm = _bench(_mlp_workload(lambda autocast: None))
+    calm = _bench(_mlp_workload(lambda autocast, samples: None))
     calls = {"fp32": 0}
 
-    def slow_first_baseline_steps(autocast: bool) -> None:
+    def slow_first_baseline_steps(autocast: bool, samples: int) -> None:
         if not autocast:
             calls["fp32"] += 1
             if calls["fp32"] <= 8:  # the baseline's warm-up and first timed steps: a neighbour's burst
@@ -97,15 +98,19 @@ def test_the_baseline_drift_is_read_from_its_first_and_last_thirds():
 
 @pytest.mark.slow
 def test_a_transient_during_a_first_step_does_not_prune_for_good(single_thread):
+    # strict fp32 in two micro-batches of 32: computed natively on every CPU and about as fast as the
+    # baseline's one batch of 64, so only the planted transient can prune it. (A format the CPU only
+    # emulates is not retried, by design: bf16 on an AVX2-only CPU, 10x slower than fp32 on this model.)
+    halves = Candidate("fp32", micro_batch=32, accumulation_steps=2)
     state = {"slept": False}
 
-    def one_slow_cold_step(autocast: bool) -> None:
-        if autocast and not state["slept"]:
+    def one_slow_cold_step(autocast: bool, samples: int) -> None:
+        if samples == 32 and not state["slept"]:
             state["slept"] = True
             time.sleep(3.0)  # far over 5x the baseline's cold step: pruned on the first attempt
 
-    result = _bench(_mlp_workload(one_slow_cold_step))
-    (row,) = [r for r in result.rows if r.policy == "bf16-mixed"]
+    result = _bench(_mlp_workload(one_slow_cold_step), candidates=[halves])
+    (row,) = [r for r in result.rows if r.candidate == halves]
     assert state["slept"]
     assert row.status == "ok", row.reason
     assert any("pruned on the first attempt" in n and "measured on a retry" in n for n in row.notes)
