@@ -4,6 +4,7 @@ it watches the script's own model and optimizer and writes the run's record."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -20,3 +21,64 @@ def test_run_with_the_monitor_records_every_step_and_ends_healthy(tmp_path):
     assert record["steps"] == 12 and len(record["losses"]) == 12 and record["healthy"] is True
     assert record["candidate"]["policy"] == "fp16-mixed" and record["facts"]["framework"] == "plain"
     assert (out / "events.jsonl").exists() or record["findings"] == []
+
+
+def _run(tmp_path, *args, rescue=True, out="run"):
+    """``mixprec run --rescue`` (or ``--monitor``) of bad_data.py in ``tmp_path`` (the test's folder:
+    the script saves its ckpt.pt there, as a user's does); its exit code and run.json."""
+    flag = "--rescue" if rescue else "--monitor"
+    code = main(
+        [
+            "run",
+            "--policy",
+            "bf16-mixed",
+            flag,
+            "--out",
+            out,
+            "--",
+            sys.executable,
+            str(SCRIPTS / "bad_data.py"),
+            *args,
+        ]
+    )
+    record = json.loads((tmp_path / out / "run.json").read_text())
+    return code, record
+
+
+def _finite(path) -> bool:
+    import torch
+
+    return all(bool(torch.isfinite(v).all()) for v in torch.load(path).values() if v.is_floating_point())
+
+
+def test_a_bad_batch_in_a_script_is_found_at_its_step_diagnosed_and_withheld(tmp_path, monkeypatch):
+    """Issue 51 theme 7: one NaN batch under bf16-mixed --rescue gave one finding two steps late with
+    empty evidence, 35 NaN steps and a NaN checkpoint saved by the script. The step is replayed from
+    its tape in fp32: the batch (data), its update withheld and the BatchNorm statistics it moved put
+    back; the same for targets 1000x too large; the run ends healthy and every checkpoint is finite."""
+    monkeypatch.chdir(tmp_path)
+    code, record = _run(tmp_path, "--steps", "100", "--nan-at", "25", "--spike-at", "80")
+    assert code == 0 and record["healthy"] is True
+    spikes = [(f["step"], f["evidence"].get("verdict")) for f in record["findings"] if f["kind"] == "spike"]
+    assert spikes == [(25, "data"), (80, "data")], record["findings"]
+    assert record["withheld"] == [25, 80]
+    assert all(math.isfinite(v) for v in record["losses"][26:])
+    assert _finite(tmp_path / "ckpt.pt")
+
+
+def test_a_data_pipeline_that_turns_nan_stops_the_script(tmp_path, monkeypatch):
+    """It was never stopped (docs: after 8 bad batches in a row): exit 4, the reason in run.json."""
+    monkeypatch.chdir(tmp_path)
+    code, record = _run(tmp_path, "--steps", "100", "--broken-from", "60")
+    assert code == 4
+    assert "the data pipeline is broken" in record["error"] and record["steps"] < 100
+
+
+def test_a_scripts_checkpoint_of_nonfinite_state_is_refused(tmp_path, monkeypatch, capsys):
+    """Watched without --rescue, the NaN batch's update lands and the weights go NaN: the script's
+    own torch.save of them is refused (a finding, a line), so ckpt.pt keeps the last finite state."""
+    monkeypatch.chdir(tmp_path)
+    code, record = _run(tmp_path, "--steps", "40", "--nan-at", "25", rescue=False)
+    assert code == 4 and record["healthy"] is False
+    assert any(f["kind"] == "checkpoint_refused" for f in record["findings"])
+    assert _finite(tmp_path / "ckpt.pt")

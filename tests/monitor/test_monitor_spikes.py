@@ -131,10 +131,13 @@ def test_a_fault_in_one_forward_only_is_transient_and_retried_as_if_it_never_hap
     assert losses[151:] == pytest.approx(clean_losses[151:], rel=1e-5) and rescued.healthy
 
 
-def test_the_same_fault_in_every_forward_of_its_step_reproduces_in_fp32_so_it_is_the_data():
+def test_the_same_fault_in_every_forward_of_its_step_fails_any_batch_so_it_is_not_the_data():
+    """Replayed in fp32 it reproduces, and so it does on a batch whose loss was normal: the step's
+    weights (here its module) fail on any batch, which no batch skip answers (it was called 'data')."""
     persistent = lambda model, optimizer: FaultInjector(model, module="head", steps={150}).attach(optimizer)  # noqa: E731
     monitor, _, _, _ = loop(regression(), 160, faults=persistent)
-    assert spikes(monitor) == [(150, "data", None)]
+    assert spikes(monitor) == [(150, "diverged", None)]
+    assert not monitor.stopped  # (once: withheld, not a run that diverges)
 
 
 def test_faults_at_a_known_rate_are_each_found_and_nothing_else():
@@ -317,3 +320,27 @@ def test_a_fault_goes_where_it_is_asked_and_only_there():
         pytest.raises(UsageError, match=r"wraps the loss for where='loss'"),
     ):
         activation.loss_fn(loss_fn)
+
+
+def test_a_run_that_diverges_in_fp32_too_is_not_called_a_bad_batch():
+    """Issue 51 round 3: a learning rate too large for the objective: the loss passes 1e16, then
+    inf, in strict fp32 as much as in bf16. Each step's batch replayed in fp32 is inf, and so is a
+    batch whose loss was normal: the weights fail on any batch. It was 'data' (and then 'the data
+    pipeline is broken') at the step fp32 itself died; it is a divergence, each update withheld,
+    and the run is stopped as one."""
+    from mixprec.monitor.core import MonitorStop
+
+    w = regression()
+    w.optimizer_fn = lambda params: torch.optim.SGD(params, lr=0.6, momentum=0.9)
+    made = {}
+
+    def keep(model, optimizer):
+        made["model"] = model  # (the monitor is reached through the model it watches)
+
+    with pytest.raises(MonitorStop, match="the weights fail on every batch, in strict fp32 too"):
+        loop(w, 60, policy_name="bf16-mixed", rescue=True, faults=keep)
+    monitor = made["model"]._mixprec_monitor
+    verdicts = {verdict for _, verdict, _ in spikes(monitor)}
+    assert "diverged" in verdicts and "data" not in verdicts, spikes(monitor)
+    assert not any(f.kind == "bad_batch" for f in monitor.findings)
+    assert not monitor.healthy

@@ -268,6 +268,7 @@ class Monitor:
         self._on_cpu = False  # and whether it is a CPU one (read at once, in before_step)
         self._quiet = -math.inf  # a staged loss at or below it needs no detector (their quick test)
         self._fed_to = -1  # the last step whose loss the detectors' ranges have seen
+        self.control_batch: Any = None  # the latest batch whose loss was normal (Run.control_batch)
         self._plain_until = 0  # the steps before it take observe()'s plain path (_next_busy_step)
 
     @property
@@ -481,6 +482,8 @@ class Monitor:
             else:
                 self._read = (loss, value)
                 if _NEGATIVE_INFINITY < value <= self._quiet:
+                    if batch is not None:
+                        self.control_batch = batch
                     return  # a normal step: its value joins the detectors' ranges with the next batch
         if self._closed:
             return
@@ -531,6 +534,8 @@ class Monitor:
         if norm is None and self._grad_each:
             norm = grad_norm([p for o in self.optimizers for g in o.param_groups for p in g["params"]])
         if (value is None or value <= self._quiet) and norm is None:
+            if value is not None and math.isfinite(value) and batch is not None:
+                self.control_batch = batch
             return
         if self._scaler_skips(optimizer):  # (read after the loss: the host has synchronised)
             return

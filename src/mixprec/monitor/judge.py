@@ -85,4 +85,6 @@ def culprit(series: Sequence[LayerSeries], fmt: str | None) -> tuple[str | None,
     if module is None and fmt is not None and series:
         module = least_headroom(series, fmt, n=1)[0]["layer"]
         return module, f"no infinite output at the sampled step; closest to the limit: {module!r}"
+    if module is None:
+        return None, "module not located: no layer's ranges were sampled at that step"
     return module, f"first infinite output in {module!r}"

@@ -1,11 +1,22 @@
 """The monitor inside a training script run by ``mixprec run --monitor -- python train.py``: an
-observer the script's agent (:mod:`mixprec.frameworks.script.agent`) calls once the model is found
-and at every optimizer step, with the step's loss (on the device: read at sampled steps only).
-Findings go to ``events.jsonl``; the run's record (``run.json``) gets the losses, findings and
-health; a monitor that gives up on the run stops it (exit 4)."""
+observer the script's agent (:mod:`mixprec.frameworks.script.agent`) calls once the model is found,
+before each update of the script's step and at the end of each step.
+
+It watches the script as :func:`mixprec.train` watches a Workload: before the update it hands the
+monitor the step's loss and, in a plain loop, the step itself as a replayable tape
+(:mod:`mixprec.frameworks.script.tape`: the model's calls and the script's loss head), so a spike or a
+non-finite loss is replayed from the same weights in strict fp32 and in the policy and called data,
+precision or transient, and, with ``rescue``, its update withheld (the BatchNorm statistics the bad
+batch moved put back), an fp32 island made, or the update retried. A broken data pipeline is
+stopped, and so is a run the monitor gives up on (exit 4, the reason in ``run.json``). The script's
+own ``torch.save`` of the model's state is refused while that state holds inf/NaN (a finding, a line
+on stderr; the run goes on). Findings go to ``events.jsonl``; ``run.json`` gets the losses, the
+findings and the health.
+"""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -20,36 +31,70 @@ class ScriptMonitor:
     def __init__(self, agent: Any, settings: dict[str, Any]) -> None:
         settings = dict(settings)
         self.findings = settings.pop("findings", None)
+        if settings.get("rescue") and not settings.get("snapshot_every"):
+            settings["snapshot_every"] = SNAPSHOT_EVERY  # poisoned weights roll back to one
         self.config = MonitorConfig(**settings)
+        self.agent = agent
         self.monitor: Monitor | None = None
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # this step's, before it
+        self._checked = False  # whether the tape was checked against its step's own loss
+        self.replay_note = ""  # why the steps cannot be replayed, where they cannot
 
+    # ------------------------------------------------------------------ the agent's calls
     def discovered(self, agent: Any) -> None:
-        # Whatever steps the script's optimizer is what the monitor reads skips and the loss scale
-        # from: the candidate's Policy where it routes the steps, else the script's own enabled
-        # GradScaler (its shadow replays still run under the candidate's autocast). Handing the
-        # monitor a Policy the loop never steps is the `unwatched` mistake it reports.
-        own = next((s for s in agent.script_scalers if s.is_enabled()), None)
-        policy = agent.policy if agent.policy is not None and (agent.routing or own is None) else None
-        self.monitor = Monitor(
-            agent.model,
-            policy,
-            optimizer=agent.optimizers,
-            scaler=None if policy is not None else own,
-            autocast=agent.policy.autocast if agent.policy is not None and policy is None else None,
-            config=self.config,
-            findings=self.findings,
-        )
+        """The model is known: the steps are taped where the shadow can replay them (a plain loop
+        the candidate's Policy runs, not compiled), and the script's checkpoints are guarded."""
+        agent.taping = agent.loop and not agent.candidate.compile
+        if not agent.taping:
+            self.replay_note = f"a loop trained by {agent.framework_title()} is not replayed"
+        original = torch.save
+        monitor = self
+
+        def save(obj: Any, f: Any, *args: Any, **kw: Any) -> Any:
+            if not agent.internal_calls and monitor.refuses(obj, f):
+                return None
+            return original(obj, f, *args, **kw)
+
+        agent.patches.replace(torch, "save", save)
 
     def forward(self, agent: Any, args: tuple, kwargs: dict) -> None:
-        """The model's inputs of a training forward (what a shadow replays)."""
+        """A training forward of the model: the step's first keeps the buffers it may move."""
+        if self._buffers is None and self.config.rescue:
+            model = agent.model
+            self._buffers = [
+                (b, b.detach().clone()) for b in model.buffers() if b is not None and b.is_floating_point()
+            ]
 
     def before_update(self, agent: Any) -> None:
-        """The lead optimizer is about to apply the step's update."""
+        """The lead optimizer is about to apply the step's update: the loss and the step's tape to
+        the monitor, which may withhold it (the optimizers' pre-step hooks)."""
+        window = agent.window
+        if not window.losses:
+            return
+        monitor = self.monitor or self._build(agent)
+        loss = torch.stack([x.float().reshape(()) for x in window.losses]).sum()
+        tape = window.tape
+        if tape is not None and not self._checked:
+            tape.recorded_loss = float(loss)
+            self._checked = True
+            if not tape.check(agent.model, monitor.autocast):
+                self.replay_note = f"the script's step cannot be replayed: {tape.broken}"
+                agent.taping = False
+        replayable = tape is not None and not tape.broken and agent.taping
+        monitor.before_step(loss, tape if replayable else None, batch_index=window.index)
 
     def step(self, agent: Any, loss: torch.Tensor | None, skipped: bool) -> str | None:
         """Record the step; what stopped the run, if the monitor gave up on it."""
-        if self.monitor is None or loss is None:
+        buffers, self._buffers = self._buffers, None
+        if loss is None:
             return None
+        if self.monitor is None:  # (a framework's loop steps with a closure: no update seen before)
+            self._build(agent)
+        assert self.monitor is not None
+        if buffers is not None and self.monitor.withheld and self.monitor.withheld[-1] == self.monitor.step:
+            with torch.no_grad():  # the withheld batch's forward moved them: back as before it
+                for live, saved in buffers:
+                    live.copy_(saved)
         self.monitor.record(loss)
         return f"the monitor stopped the run: {self.monitor.stopped}" if self.monitor.stopped else None
 
@@ -57,11 +102,75 @@ class ScriptMonitor:
         if self.monitor is None:
             return {}
         self.monitor.close()
-        return {
+        out = {
             "losses": list(self.monitor.losses),
             "findings": [f.to_dict() for f in self.monitor.findings],
             "healthy": self.monitor.healthy,
+            "withheld": list(self.monitor.withheld),
         }
+        if self.replay_note:
+            out["replay"] = self.replay_note
+        return out
+
+    # ------------------------------------------------------------------ inside
+    def _build(self, agent: Any) -> Monitor:
+        """The Monitor, once the optimizers the script builds are all known (the first update).
+        Whatever steps the script's optimizer is what it reads skips and the loss scale from: the
+        candidate's Policy where it routes the steps, else the script's own enabled GradScaler (its
+        replays still run under the candidate's autocast)."""
+        own = next((s for s in agent.script_scalers if s.is_enabled()), None)
+        policy = agent.policy if agent.policy is not None and (agent.routing or own is None) else None
+        self.monitor = Monitor(
+            agent.model,
+            policy,
+            optimizer=agent.optimizers,
+            scaler=None if policy is not None else own,
+            loss_fn=replay_step,
+            autocast=agent.policy.autocast if agent.policy is not None and policy is None else None,
+            config=self.config,
+            findings=self.findings,
+        )
+        return self.monitor
+
+    def refuses(self, obj: Any, f: Any) -> bool:
+        """Whether the script's ``torch.save(obj, f)`` is a checkpoint of the model's state that
+        holds inf/NaN now (then nothing is written: a finding, and a line on stderr)."""
+        if self.monitor is None or not _holds_model_state(obj, self.agent.model):
+            return False
+        reason = self.monitor.checkpoint_refusal()
+        if reason is None:
+            return False
+        print(f"mixprec: not saved to {f}: {reason}", file=sys.stderr, flush=True)
+        return True
+
+
+SNAPSHOT_EVERY = 50  # --rescue over a script: a snapshot to roll back to every this many steps
+
+
+def replay_step(model: Any, tape: Any) -> torch.Tensor:
+    """The monitor's ``loss_fn`` for a script: the step's tape run again from the model as it is."""
+    return tape.replay(model)
+
+
+def _holds_model_state(obj: Any, model: torch.nn.Module) -> bool:
+    """Whether ``obj`` (a state dict, a dict of them, the model) holds the model's own tensors."""
+    own = {t.data_ptr() for t in (*model.parameters(), *model.buffers()) if t is not None}
+    todo, depth = [obj], 0
+    while todo and depth < 5:  # (a checkpoint nests its state dicts a few levels deep at most)
+        later = []
+        for item in todo:
+            if isinstance(item, torch.nn.Module):
+                if any(m is model for m in item.modules()):
+                    return True
+            elif isinstance(item, torch.Tensor):
+                if item.data_ptr() in own:
+                    return True
+            elif isinstance(item, dict):
+                later += list(item.values())
+            elif isinstance(item, (list, tuple)):
+                later += list(item)
+        todo, depth = later, depth + 1
+    return False
 
 
 def attach(agent: Any, settings: dict[str, Any]) -> ScriptMonitor:

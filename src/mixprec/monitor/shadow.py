@@ -128,6 +128,21 @@ def fp32_loss(model: nn.Module, loss_fn: LossFn, batch: Any) -> float:
         return float(loss_fn(model, batch).detach().float())
 
 
+def control_fails(
+    model: nn.Module, loss_fn: LossFn, control: Any, suspect: Any, spikes: Callable[[float], bool]
+) -> float | None:
+    """Where a suspect batch spikes in strict fp32 too: the fp32 loss of ``control`` (a batch whose
+    loss was normal) from the same weights when it ``spikes`` as well (the weights fail on any batch:
+    the run diverges in fp32, not the data), else None (no control, or it is fine: the batch)."""
+    if control is None or control is suspect:
+        return None
+    try:
+        value = fp32_loss(model, loss_fn, control)
+    except Exception:  # (a control that cannot be replayed says nothing)
+        return None
+    return value if spikes(value) else None
+
+
 def first_nonfinite(
     model: nn.Module,
     loss_fn: LossFn,

@@ -121,6 +121,7 @@ class Window:
     lead_stepped: bool = False  # the lead optimizer stepped (or its GradScaler skipped it)
     skipped: bool = False  # the lead's update was not applied
     backwards: int = 0  # the backward() calls the agent saw
+    tape: Any = None  # the step as a program to replay (:mod:`.tape`), where an observer asks for it
     routed: list[tuple[torch.optim.Optimizer, bool]] = dataclasses.field(default_factory=list)
 
 
@@ -157,6 +158,8 @@ class Agent:
         self._recorded: set[int] = set()  # losses recorded by GradScaler.scale: not counted again
         self._scaled_by_script: set[int] = set()  # tensors the script's own enabled scaler scaled
         self._in_backward = False
+        self.taping = False  # record each step as a replayable tape (the monitor's shadow asks for it)
+        self._unscaled_loss: dict[int, torch.Tensor] = {}  # id(scaled loss) -> the loss the script scaled
         self._probe: Any = None
         self._tracer: Any = None
         self._nonfinite_at_start: set[str] = set()
@@ -265,6 +268,7 @@ class Agent:
 
     def script_scaled(self, scaler: Any, loss: torch.Tensor, scaled: torch.Tensor) -> None:
         self.window.losses.append(loss.detach())
+        self._unscaled_loss[id(scaled)] = loss
         self._recorded.add(id(scaled))  # its backward() is this loss's: not counted twice
         if scaler.is_enabled():  # a disabled scaler hands the loss back: it is still to scale
             self._scaled_by_script.add(id(scaled))
@@ -339,7 +343,11 @@ class Agent:
         klass_step = type(optimizer).step
 
         def step(opt: torch.optim.Optimizer, *args: Any, **kw: Any) -> Any:
-            if agent.internal_calls or not agent.routing:
+            if agent.internal_calls:
+                return klass_step(opt, *args, **kw)
+            if opt is agent.lead and agent.observers and not args and not kw:
+                agent.before_update()
+            if not agent.routing:
                 return klass_step(opt, *args, **kw)
             return agent.routed_step(opt, klass_step, args, kw)
 
@@ -387,6 +395,13 @@ class Agent:
         if self._tracer is not None:
             half = self.inject and self.candidate.spec.param_dtype is not None
             self._tracer.before_update(self._scale(), half)
+
+    def before_update(self) -> None:
+        """The lead optimizer is about to step (called before its step runs, outside the optimizer's
+        own hooks, which an observer may register): the observers see the step's loss and batch."""
+        if self.window.lead_stepped:
+            self.boundary()
+            self.window.started = time.perf_counter()
         for observer in self.observers:
             with self.internal():
                 observer.before_update(self)
@@ -425,8 +440,8 @@ class Agent:
         if self.plan.perturb:
             perturb_weights(model, self.plan.perturb)
         model.register_forward_pre_hook(self._root_forward, with_kwargs=True)
+        model.register_forward_hook(self._root_output)
         if self.plan.mode == "trace":
-            model.register_forward_hook(self._root_output)
             compiled = bool(self.candidate.compile) and self.inject
             self._tracer = _tracer(model, self.candidate.spec.range_format, compiled, self.plan.ranges)
         if self.inject or self.plan.mode != "run":  # which dtype the first matmul/conv computed in
@@ -503,10 +518,20 @@ class Agent:
         self.window.samples += _batch_size(args, kwargs)
         for observer in self.observers:
             observer.forward(self, args, kwargs)
+        if self.taping and self.loop:
+            if self.window.tape is None:
+                from mixprec.frameworks.script.tape import StepTape
+
+                self.window.tape = StepTape()
+            self.window.tape.model_call(args, kwargs)
 
     def _root_output(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._tracer is not None and torch.is_grad_enabled() and not self.internal_calls:
+        if not torch.is_grad_enabled() or self.internal_calls:
+            return
+        if self._tracer is not None:
             self._tracer.forward_output(output)
+        if self.window.tape is not None:
+            self.window.tape.model_output(output)
 
     def leave_autocast(self) -> None:
         if self._autocast is not None:
@@ -514,6 +539,11 @@ class Agent:
             ctx.__exit__(None, None, None)
 
     # ------------------------------------------------------------------ backward
+    def backward_begins(self) -> None:
+        """``Tensor.backward()`` is called: the step's tape stops recording before it dispatches."""
+        if self.window.tape is not None and not self.internal_calls:
+            self.window.tape.pause()
+
     def backward(self, original: Callable, tensors: Any, grad_tensors: Any, args: tuple, kw: dict) -> Any:
         """Every backward of the script (``torch.autograd.backward``): autocast ends, the loss is
         recorded, and scaled where the candidate's Policy scales it."""
@@ -526,6 +556,11 @@ class Agent:
         self.window.backwards += 1
         outputs = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
         grads = _as_grads(grad_tensors, len(outputs))
+        if self.window.tape is not None:
+            tape = self.window.tape
+            tape.backward([self._unscaled_loss.pop(id(out), out) for out in outputs])
+            if any(g is not None for g in grads):
+                tape.broken = tape.broken or "backward(gradient): the tape replays a scalar loss"
         for out, grad in zip(outputs, grads, strict=True):
             if id(out) in self._recorded:
                 continue  # the script's GradScaler.scale recorded it
@@ -570,6 +605,8 @@ class Agent:
 
         window = self.window
         self.leave_autocast()
+        if window.tape is not None:
+            window.tape.pause()
         if not window.backwards and self.plan.mode != "run":
             self.fail("UnsupportedError", self._no_backward(self.lead))
         skipped = window.skipped
@@ -596,7 +633,7 @@ class Agent:
             "skipped": skipped,
         }
         self.window = Window(index=window.index + 1)
-        self._recorded, self._scaled_by_script = set(), set()
+        self._recorded, self._scaled_by_script, self._unscaled_loss = set(), set(), {}
         if self._probe is not None:
             self._finish_probe()
         if self.plan.mode == "run":

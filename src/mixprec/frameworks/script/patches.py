@@ -155,6 +155,16 @@ class Patches:
     def _backward(self) -> None:
         agent = self.agent
         original = torch.autograd.backward
+        tensor_backward = torch.Tensor.backward
+
+        @functools.wraps(tensor_backward)
+        def backward_method(self: torch.Tensor, *args: Any, **kw: Any) -> Any:
+            # before Tensor.backward dispatches to a torch function mode (the step tape's): the
+            # tape stops recording at the backward, not inside its own dispatch of it
+            agent.backward_begins()
+            return tensor_backward(self, *args, **kw)
+
+        self.replace(torch.Tensor, "backward", backward_method)
 
         @functools.wraps(original)
         def backward(tensors: Any, grad_tensors: Any = None, *args: Any, **kw: Any) -> Any:

@@ -24,8 +24,8 @@ from typing import Any
 
 from mixprec.monitor.config import MonitorConfig
 from mixprec.monitor.detectors.base import Detector, Run, StepView
-from mixprec.monitor.findings import BAD_BATCH, MonitorFinding
-from mixprec.monitor.shadow import fp32_loss
+from mixprec.monitor.findings import BAD_BATCH, DIVERGENCE, MonitorFinding
+from mixprec.monitor.shadow import control_fails, fp32_loss
 
 log = logging.getLogger("mixprec.monitor")
 
@@ -41,17 +41,21 @@ class InARow:
     def __init__(self) -> None:
         self.since, self.last = -1, -2
 
-    def stop_if_broken(self, run: Run, finding: MonitorFinding, *, skipped: bool) -> None:
+    def stop_if_broken(self, run: Run, finding: MonitorFinding, *, skipped: bool, why: str = "") -> None:
         """Count ``finding`` (a bad batch at its step) and stop the run on a broken pipeline:
         :data:`DATA_STREAK` bad batches in a row, or fewer where the policy's own guard would stop
         it at the next skip, blaming the precision (an fp16 run whose every batch is NaN halves its
-        loss scale each step, to the floor)."""
+        loss scale each step, to the floor). ``why``: the cause to stop with, where it is not the
+        data (weights that fail on every batch)."""
         if finding.step != self.last + 1:
             self.since = finding.step
         self.last = finding.step
         count = finding.step - self.since + 1
         guard = skipped and run.scale.gives_up_next()
         if count < DATA_STREAK and not guard:
+            return
+        if why:
+            run.stop(finding, f"on {count} steps in a row (steps {self.since}..{finding.step}): {why}")
             return
         gives_up = (
             "the policy's finite check gives up (NonFiniteGradientsError)"
@@ -90,6 +94,7 @@ class BadBatch(Detector):
     def __init__(self, config: MonitorConfig) -> None:
         super().__init__(config)
         self.in_a_row = InARow()
+        self.diverged_in_a_row = InARow()
 
     def on_suspect(self, run: Run, view: StepView) -> bool:
         if view.batch is None:
@@ -104,6 +109,20 @@ class BadBatch(Detector):
         spike = len(recent) >= 5 and spikes(shadow, recent)
         if math.isfinite(shadow) and not spike:
             return False
+        judge = (lambda v: spikes(v, recent)) if len(recent) >= 5 else (lambda v: not math.isfinite(v))
+        control = control_fails(run.model, run.loss_fn, run.control_batch, view.batch, judge)
+        if control is not None:  # the weights fail on a normal batch too: not this batch's fault
+            from mixprec.monitor.detectors.spike import DIVERGED_WHY
+
+            message = (
+                f"the fp32 shadow of this batch is {shadow:.4g}, and of a batch whose loss was normal "
+                f"{control:.4g}: the weights fail on any batch, in strict fp32 too"
+            )
+            seen = {"fp32_loss": shadow, "control_fp32_loss": control}
+            finding = MonitorFinding(view.step, DIVERGENCE, message, None, seen)
+            run.report(finding, dedupe=False)
+            self.diverged_in_a_row.stop_if_broken(run, finding, skipped=view.skipped, why=DIVERGED_WHY)
+            return True
         skipped = "the step was skipped, " if view.skipped else ""
         shows = "spikes too" if math.isfinite(shadow) else "is not finite"
         message = (

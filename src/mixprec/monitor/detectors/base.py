@@ -59,6 +59,9 @@ class Run(Protocol):
     """The actions a report may ask for (``rescuer.island(module)``, ``rescuer.to_bf16``, ...)."""
     range_format: str | None
     """The low-precision format whose range the policy computes in ('fp16', 'bf16'), or None."""
+    control_batch: Any
+    """The latest batch whose loss was normal (None: none yet): replayed beside a suspect batch, it
+    tells a bad batch from weights that fail on any batch (a run that diverges in fp32 too)."""
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The run's own precision context, to replay a batch in it: the policy's autocast, a plain

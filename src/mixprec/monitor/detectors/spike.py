@@ -48,9 +48,19 @@ from mixprec.errors import MixprecError
 from mixprec.monitor.config import MonitorConfig
 from mixprec.monitor.detectors.bad_batch import InARow
 from mixprec.monitor.detectors.base import Detector, Run, UpdateView
-from mixprec.monitor.findings import DATA, OVERFLOW, PRECISION, SPIKE, TRANSIENT, UNDIAGNOSED, MonitorFinding
+from mixprec.monitor.findings import (
+    DATA,
+    DIVERGED,
+    DIVERGENCE,
+    OVERFLOW,
+    PRECISION,
+    SPIKE,
+    TRANSIENT,
+    UNDIAGNOSED,
+    MonitorFinding,
+)
 from mixprec.monitor.rescue import nonfinite_state
-from mixprec.monitor.shadow import Replay, first_nonfinite, replay
+from mixprec.monitor.shadow import Replay, control_fails, first_nonfinite, replay
 
 log = logging.getLogger("mixprec.monitor")
 
@@ -62,6 +72,11 @@ MIN_DEVIATION = 0.02  # a floor under the deviation of a series that barely move
 RECENT = 64  # values the range in a finding's evidence is read from
 CONSECUTIVE = 3  # spikes in a row beyond which the level has moved: learnt again, not a spike
 _LOG_MIN_RATIO = math.log(MIN_RATIO)
+DIVERGED_WHY = (
+    "the weights fail on every batch, in strict fp32 too: the run diverges, and no precision rescues it "
+    "nor is a batch to blame; lower the learning rate (or clip the gradients), or fix the objective, and "
+    "start again from a finite checkpoint"
+)
 _LOG_MAX = math.log(sys.float_info.max)
 
 
@@ -173,6 +188,7 @@ class Spike(Detector):
         self.taken: set[int] = set()  # steps on_update took (joined or judged): not fed again
         self.quiet_below = sys.float_info.max  # the warm-up: only a non-finite loss is a spike
         self.data_in_a_row = InARow()  # data verdicts in a row: a broken pipeline stops the run
+        self.diverged_in_a_row = InARow()  # weights that fail on any batch, in a row: the run diverges
 
     def _refresh(self) -> None:
         """The quick test's limit: the loss level's (a loss above it, or not finite, is looked at)."""
@@ -219,6 +235,17 @@ class Spike(Detector):
         fp32 = replay(run.model, loss_fn, view.batch, None, fp32=True, backward=in_grad)
         replays: dict[str, Any] = {"fp32_loss": fp32.loss, "fp32_grad_norm": fp32.grad_norm}
         if self._again(fp32, in_loss, in_grad):
+            control = control_fails(run.model, loss_fn, run.control_batch, view.batch, self.loss.spikes)
+            if control is not None:
+                replays["control_fp32_loss"] = control
+                return (
+                    DIVERGED,
+                    None,
+                    f"replayed in fp32 from the same weights it spikes too (loss {fp32.loss:.4g}), and so "
+                    f"does a batch whose loss was normal (loss {control:.4g}): the weights fail on any "
+                    "batch, in strict fp32 too: the run diverges, whatever the precision and the data",
+                    replays,
+                )
             return (
                 DATA,
                 None,
@@ -283,10 +310,14 @@ class Spike(Detector):
             math.isfinite(v) for v in (evidence.get("loss") or 0.0, evidence.get("grad_norm") or 0.0)
         )
         kind = SPIKE if verdict != PRECISION or finite else OVERFLOW
+        kind = DIVERGENCE if verdict == DIVERGED else kind
         finding = MonitorFinding(view.step, kind, message, module, evidence)
         rescuer = run.rescuer
         index = evidence.get("batch_index")
-        if verdict == DATA:
+        if verdict == DIVERGED:  # its update withheld, as a bad batch's; stopped when it persists
+            run.report(finding, local=rescuer.withhold, dedupe=False)
+            self.diverged_in_a_row.stop_if_broken(run, finding, skipped=False, why=DIVERGED_WHY)
+        elif verdict == DATA:
             run.report(
                 finding,
                 local=lambda: rescuer.withhold(skip=view.step if index is None else index),
