@@ -240,3 +240,21 @@ def test_cures_name_only_policies_this_device_supports(problem):
                 assert mixprec.check_support(other, info).supported, (name, other)
     assert "tf32" not in cures("bf16-true", "precision", info, "bf16")  # no TF32 on a CPU
     assert cures("bf16-true", "precision", info, "bf16")[0] == "bf16-mixed"  # fp32 master weights first
+
+
+def test_cures_name_no_format_the_device_only_emulates():
+    """Issue 51: a failing bf16-mixed check advised 'try fp16' on an EPYC (AVX512-BF16, no
+    AVX512-FP16), where fp16 autocast measured 0.05x fp32. With AVX512-FP16 it is advice."""
+    from dataclasses import replace
+
+    from mixprec.hardware.device import DeviceInfo
+    from mixprec.policy.support import cures
+
+    epyc = DeviceInfo("cpu", "AMD EPYC", cpu_flags=frozenset({"avx512_bf16", "avx512f"}))
+    assert epyc.native_bf16 and not epyc.native_fp16
+    assert "fp16-mixed" not in cures("bf16-mixed", "precision", epyc, "bf16")
+    assert cures("bf16-mixed", "precision", epyc, "bf16") == []
+    xeon = replace(
+        epyc, name="Intel Xeon", cpu_flags=frozenset({"avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"})
+    )
+    assert "fp16-mixed" in cures("bf16-mixed", "precision", xeon, "bf16")

@@ -16,6 +16,7 @@ findings and the health.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 
 from mixprec.monitor.config import MonitorConfig
 from mixprec.monitor.core import Monitor
+from mixprec.monitor.shadow import untouched
 
 
 class ScriptMonitor:
@@ -75,9 +77,8 @@ class ScriptMonitor:
         loss = torch.stack([x.float().reshape(()) for x in window.losses]).sum()
         tape = window.tape
         if tape is not None and not self._checked:
-            tape.recorded_loss = float(loss)
             self._checked = True
-            if not tape.check(agent.model, monitor.autocast):
+            if not replays_its_step(tape, agent.model, monitor.autocast, float(loss)):
                 self.replay_note = f"the script's step cannot be replayed: {tape.broken}"
                 agent.taping = False
         replayable = tape is not None and not tape.broken and agent.taping
@@ -145,6 +146,24 @@ class ScriptMonitor:
 
 
 SNAPSHOT_EVERY = 50  # --rescue over a script: a snapshot to roll back to every this many steps
+
+
+def replays_its_step(tape: Any, model: torch.nn.Module, context: Any, loss: float) -> bool:
+    """Whether ``tape`` (before its update) gives back the step's own ``loss`` when replayed from the
+    same weights and random state under the step's precision ``context``; one that does not is
+    marked broken and never used."""
+    if tape.broken:
+        return False
+    try:
+        with untouched(model), torch.no_grad(), context():
+            again = float(tape.replay(model))
+    except Exception as exc:  # (its replay is evidence; a failing one must not stop the run)
+        tape.broken = f"its replay failed ({type(exc).__name__}: {exc})"
+        return False
+    if again == loss or (math.isfinite(loss) and abs(again - loss) <= 1e-3 * max(abs(loss), 1e-6)):
+        return True
+    tape.broken = f"its replay gave loss {again:.6g}, not the step's {loss:.6g}"
+    return False
 
 
 def replay_step(model: Any, tape: Any) -> torch.Tensor:

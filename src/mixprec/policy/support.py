@@ -192,18 +192,20 @@ def support_table(info: DeviceInfo) -> list[dict[str, object]]:
 
 def cures(name: str, problem: str, info: DeviceInfo, fmt: str) -> list[str]:
     """Policies to try where ``name`` failed its numerics check in ``fmt`` (``problem``: 'range',
-    an overflow, or 'precision', rounding), among those the device ``info`` describes supports:
-    for rounding, a *-true policy's *-mixed twin first (fp32 master weights), then every other policy below
-    fp32's cost whose range (or rounding) format is not ``fmt``, the natively computed ones before
-    the emulated ones, the safest first. Strict fp32, always the last resort, is not listed."""
+    an overflow, or 'precision', rounding), among those the device ``info`` computes natively: for
+    rounding, a *-true policy's *-mixed twin first (fp32 master weights; the same format, so the same
+    speed whatever the hardware), then every other policy below fp32's cost whose range (or rounding)
+    format is not ``fmt``, the safest first. A format the device only emulates is no advice (fp16
+    autocast on a CPU without AVX512-FP16 measured 0.05x fp32). Strict fp32, always the last
+    resort, is not listed."""
     twin = mixed_twin(name) if problem == "precision" else None  # the same range: no cure for one
-    found: list[tuple[bool, bool, int, str]] = []
+    found: list[tuple[bool, int, str]] = []
     for other, spec in POLICIES.items():
         if other == name or spec.low_format or spec.compute_format == "fp32":
             continue
         if other != twin and (spec.range_format if problem == "range" else spec.rounding_format) == fmt:
             continue
         support = check_support(other, info)
-        if support.supported:
-            found.append((other != twin, not support.native, spec.safety_rank, other))
+        if support.supported and (support.native or other == twin):
+            found.append((other != twin, spec.safety_rank, other))
     return [other for *_, other in sorted(found)]

@@ -445,7 +445,7 @@ class Agent:
             compiled = bool(self.candidate.compile) and self.inject
             self._tracer = _tracer(model, self.candidate.spec.range_format, compiled, self.plan.ranges)
         if self.inject or self.plan.mode != "run":  # which dtype the first matmul/conv computed in
-            from mixprec.frameworks.torch.session import FirstComputeLayer
+            from mixprec.frameworks.torch.probe import FirstComputeLayer
 
             keep = self.candidate.keep_fp32 if self.inject else ()
             self._probe = FirstComputeLayer(model, keep, training_only=True)

@@ -11,12 +11,12 @@ by a weak reference while recording, recomputed in a replay); any other tensor (
 made before the forward) is kept as the script had it. What the tape cannot follow (Python arithmetic
 on a value read with ``item()``, NumPy) is kept as recorded: a replay is exact for the same batch,
 which is what the shadow replays. A tape whose replay does not give back the step's own loss, from
-the same weights and random state, is not used (:meth:`StepTape.check`).
+the same weights and random state, is not used (the monitor checks it once:
+:func:`mixprec.monitor.script.replays_its_step`).
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +41,6 @@ class StepTape(TorchFunctionMode):
         super().__init__()
         self.program: list[tuple[str, Any, Any, Any, Any]] = []  # (kind, func, args, kwargs, out)
         self.losses: list[Slot] = []  # what the script called backward() on, unscaled
-        self.recorded_loss: float | None = None
         self.rng: tuple[torch.Tensor, list[torch.Tensor] | None] = _rng_state()
         self.broken = ""  # why this tape cannot be replayed ('' while it can)
         self._slots: dict[int, tuple[weakref.ref, int]] = {}  # id(tensor) -> (the tensor, its slot)
@@ -148,25 +147,6 @@ class StepTape(TorchFunctionMode):
         if not self.losses:
             raise RuntimeError("the step called no backward() the tape saw")
         return torch.stack([values[s.index].float().reshape(()) for s in self.losses]).sum()
-
-    def check(self, model: nn.Module, context: Callable[[], Any]) -> bool:
-        """Whether a replay from the same weights and random state gives back the step's own loss
-        (call before the update); a tape that does not is marked broken and never used."""
-        if self.broken or self.recorded_loss is None:
-            return False
-        from mixprec.monitor.shadow import untouched
-
-        try:
-            with untouched(model), torch.no_grad(), context():
-                again = float(self.replay(model))
-        except Exception as exc:
-            self.broken = f"its replay failed ({type(exc).__name__}: {exc})"
-            return False
-        want = self.recorded_loss
-        same = again == want or (math.isfinite(want) and abs(again - want) <= 1e-3 * max(abs(want), 1e-6))
-        if not same:
-            self.broken = f"its replay gave loss {again:.6g}, not the step's {want:.6g}"
-        return same
 
 
 def _has_slot(value: Any) -> bool:

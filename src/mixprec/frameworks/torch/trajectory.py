@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.frameworks.torch.probe import FirstComputeLayer
 from mixprec.frameworks.torch.ranges import StepRecorder
-from mixprec.frameworks.torch.session import FirstComputeLayer
 from mixprec.numerics.compare import Trajectory
 from mixprec.numerics.limits import LOW_PRECISION_FORMATS
 from mixprec.policy import Policy

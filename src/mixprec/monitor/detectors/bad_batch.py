@@ -32,6 +32,11 @@ log = logging.getLogger("mixprec.monitor")
 SPIKE_MADS = 10.0  # a loss this many median absolute deviations above the recent median is a spike
 RECENT = 50  # losses the spike test compares with
 DATA_STREAK = 8  # bad batches in a row: the data pipeline, not a bad record
+DIVERGED_WHY = (
+    "the weights fail on every batch, in strict fp32 too: the run diverges, and no precision rescues it "
+    "nor is a batch to blame; lower the learning rate (or clip the gradients), or fix the objective, and "
+    "start again from a finite checkpoint"
+)
 
 
 class InARow:
@@ -112,8 +117,6 @@ class BadBatch(Detector):
         judge = (lambda v: spikes(v, recent)) if len(recent) >= 5 else (lambda v: not math.isfinite(v))
         control = control_fails(run.model, run.loss_fn, run.control_batch, view.batch, judge)
         if control is not None:  # the weights fail on a normal batch too: not this batch's fault
-            from mixprec.monitor.detectors.spike import DIVERGED_WHY
-
             message = (
                 f"the fp32 shadow of this batch is {shadow:.4g}, and of a batch whose loss was normal "
                 f"{control:.4g}: the weights fail on any batch, in strict fp32 too"

@@ -46,7 +46,7 @@ import torch
 
 from mixprec.errors import MixprecError
 from mixprec.monitor.config import MonitorConfig
-from mixprec.monitor.detectors.bad_batch import InARow
+from mixprec.monitor.detectors.bad_batch import DIVERGED_WHY, InARow
 from mixprec.monitor.detectors.base import Detector, Run, UpdateView
 from mixprec.monitor.findings import (
     DATA,
@@ -72,11 +72,6 @@ MIN_DEVIATION = 0.02  # a floor under the deviation of a series that barely move
 RECENT = 64  # values the range in a finding's evidence is read from
 CONSECUTIVE = 3  # spikes in a row beyond which the level has moved: learnt again, not a spike
 _LOG_MIN_RATIO = math.log(MIN_RATIO)
-DIVERGED_WHY = (
-    "the weights fail on every batch, in strict fp32 too: the run diverges, and no precision rescues it "
-    "nor is a batch to blame; lower the learning rate (or clip the gradients), or fix the objective, and "
-    "start again from a finite checkpoint"
-)
 _LOG_MAX = math.log(sys.float_info.max)
 
 

@@ -1,0 +1,60 @@
+"""Which precision a model's training step really computed in: the output dtype of its matmul and
+convolution layers (autocast casts their inputs; an autocast that never reached them leaves fp32).
+Light on purpose: the script agent uses it inside the user's process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.policy.islands import is_fp32_island
+
+# Layers whose output dtype shows which precision really ran (autocast casts their inputs).
+_COMPUTE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Bilinear)
+
+
+class FirstComputeLayer:
+    """Forward hooks that record the first matmul/conv layer to run and its output dtype."""
+
+    def __init__(self, model: nn.Module, keep_fp32: tuple[str, ...], *, training_only: bool = False) -> None:
+        """``training_only``: only forwards that record gradients count (a script's evaluation under
+        ``torch.no_grad()``, in fp32 before it trains, is not the training step)."""
+        self.training_only = training_only
+        self.dtypes: set[torch.dtype] = set()  # what every hooked layer computed in, until removed
+        self.name: str | None = None
+        self.dtype: torch.dtype | None = None
+        self.module: nn.Module | None = None
+        self._handles = []
+        for name, module in model.named_modules():
+            if not isinstance(module, _COMPUTE_LAYERS):
+                continue
+            if is_fp32_island(name, keep_fp32):
+                continue  # fp32 islands run in fp32 on purpose
+            self._handles.append(module.register_forward_hook(self._hook(name)))
+        # a complex or float64 layer autocast leaves alone is evidence only where no other layer ran
+        # (a float64 model never ran the format; one float64 layer among fp32 ones says nothing)
+        self._fallback: tuple[str, torch.dtype, nn.Module] | None = None
+
+    def _hook(self, name: str):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not isinstance(output, torch.Tensor) or (self.training_only and not torch.is_grad_enabled()):
+                return
+            self.dtypes.add(output.dtype)
+            if self.name is not None:
+                return
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and (weight.is_complex() or weight.dtype == torch.float64):
+                self._fallback = self._fallback or (name, output.dtype, module)
+                return
+            self.name, self.dtype, self.module = name, output.dtype, module
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self.name is None and self._fallback is not None:
+            self.name, self.dtype, self.module = self._fallback
