@@ -45,7 +45,8 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.mark.parametrize("policy, hand", [("bf16-mixed", "bf16"), ("fp16-mixed", "fp16")])
 def test_run_leaves_the_weights_of_the_script_edited_by_hand(tmp_path, policy, hand):
     """bf16: torch.autocast around forward and loss; fp16: and a GradScaler, unscaled before the
-    script's own clip_grad_norm_ (the script has no precision code; mixprec injects it all)."""
+    script's own clip_grad_norm_ (the script has no precision code; mixprec injects it all). Its
+    CosineAnnealingLR, made after the optimizer, crashed every run before its first step."""
     import subprocess
 
     by_hand, injected, plain = tmp_path / "hand.pt", tmp_path / "run.pt", tmp_path / "none.pt"

@@ -9,43 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.frameworks.script.agent import Agent, Plan
-from mixprec.policy import Candidate
+from frameworks.in_process import Exited, under
+from mixprec.frameworks.script.agent import Agent
 
 DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
-
-
-class Exited(Exception):
-    """The agent ended the script (``os._exit`` in a real run)."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
-
-
-def _exit(code: int) -> None:
-    raise Exited(code)
-
-
-@contextlib.contextmanager
-def under(policy: str, mode: str = "run", **plan: object) -> Iterator[Agent]:
-    """A loop in the body runs under an injected ``policy`` (``as_written``: the script's own)."""
-    as_written = policy.endswith(" (as written)")
-    candidate = Candidate(policy.removesuffix(" (as written)"), framework="script", as_written=as_written)
-    agent = Agent(Plan(mode=mode, candidate=candidate.to_dict(), seed=None, **plan), exit=_exit)  # type: ignore[arg-type]
-    agent.install()
-    try:
-        yield agent
-        agent.finish_run()  # the last step ends, as at the script's exit
-    finally:
-        agent.uninstall()
 
 
 def hand(

@@ -1,5 +1,5 @@
-"""A plain loop with no precision code at all, and the same loop edited by hand the way the PyTorch
-AMP recipe says (``--hand bf16``: torch.autocast around forward and loss; ``--hand fp16``: also a
+"""A plain loop with no precision code at all (an AdamW and, made after it, a CosineAnnealingLR: the
+README's own loop has one), and the same loop edited by hand the way the PyTorch AMP recipe says (``--hand bf16``: torch.autocast around forward and loss; ``--hand fp16``: also a
 GradScaler, unscaled before clipping). ``mixprec run --policy P`` on the loop with ``--hand none``
 must leave the weights the hand edit leaves (tests/frameworks/test_script_run.py).
 
@@ -28,6 +28,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(4)]
     data = [(x.to(device), y.to(device)) for x, y in data]
@@ -49,6 +50,7 @@ def main() -> None:
             scaler.update()
         else:
             optimizer.step()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.out)
 

@@ -155,7 +155,6 @@ class Agent:
         self._thread: int | None = None
         self._owner: dict[int, torch.optim.Optimizer] = {}  # id(param) -> its optimizer
         self._unscaled: set[int] = set()  # optimizers unscaled since the last scale update
-        self._recorded: set[int] = set()  # losses recorded by GradScaler.scale: not counted again
         self._scaled_by_script: set[int] = set()  # tensors the script's own enabled scaler scaled
         self._in_backward = False
         self.taping = False  # record each step as a replayable tape (the monitor's shadow asks for it)
@@ -267,9 +266,8 @@ class Agent:
         return enabled
 
     def script_scaled(self, scaler: Any, loss: torch.Tensor, scaled: torch.Tensor) -> None:
-        self.window.losses.append(loss.detach())
+        """The script's GradScaler scaled ``loss``: its backward records the loss unscaled."""
         self._unscaled_loss[id(scaled)] = loss
-        self._recorded.add(id(scaled))  # its backward() is this loss's: not counted twice
         if scaler.is_enabled():  # a disabled scaler hands the loss back: it is still to scale
             self._scaled_by_script.add(id(scaled))
 
@@ -556,18 +554,19 @@ class Agent:
         self.window.backwards += 1
         outputs = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
         grads = _as_grads(grad_tensors, len(outputs))
+        losses = [
+            self._unscaled_loss.get(id(out), out) for out in outputs
+        ]  # (the script's scaler's: unscaled)
         if self.window.tape is not None:
             tape = self.window.tape
-            tape.backward([self._unscaled_loss.pop(id(out), out) for out in outputs])
+            tape.backward(losses)
             if any(g is not None for g in grads):
                 tape.broken = tape.broken or "backward(gradient): the tape replays a scalar loss"
-        for out, grad in zip(outputs, grads, strict=True):
-            if id(out) in self._recorded:
-                continue  # the script's GradScaler.scale recorded it
+        for loss, grad in zip(losses, grads, strict=True):
             if grad is None:
-                self.window.losses.append(out.detach())
+                self.window.losses.append(loss.detach())
             else:  # a per-sample loss and its weights: the objective whose gradient is taken
-                self.window.losses.append((out.detach().float() * grad.detach().float()).sum())
+                self.window.losses.append((loss.detach().float() * grad.detach().float()).sum())
         scale = None
         if self.routing and self.policy.scaler is not None:
             with self.internal():
@@ -633,7 +632,7 @@ class Agent:
             "skipped": skipped,
         }
         self.window = Window(index=window.index + 1)
-        self._recorded, self._scaled_by_script, self._unscaled_loss = set(), set(), {}
+        self._scaled_by_script, self._unscaled_loss = set(), {}
         if self._probe is not None:
             self._finish_probe()
         if self.plan.mode == "run":

@@ -1,0 +1,58 @@
+"""The script agent installed in this process (``mixprec run``'s mode) around a loop or a script the
+test runs itself: ``with under("bf16-mixed") as agent: <the loop>``. The agent patches torch
+process-wide; ``under`` puts torch back."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from mixprec.frameworks.script.agent import Agent, Plan
+from mixprec.policy import Candidate
+
+
+class Exited(Exception):
+    """The agent ended the script (``os._exit`` in a real run)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _exit(code: int) -> None:
+    raise Exited(code)
+
+
+@contextlib.contextmanager
+def under(policy: str, mode: str = "run", observers: Sequence[Any] = (), **plan: Any) -> Iterator[Agent]:
+    """A loop in the body runs under an injected ``policy`` (``"P (as written)"``: the script's own)."""
+    as_written = policy.endswith(" (as written)")
+    candidate = Candidate(policy.removesuffix(" (as written)"), framework="script", as_written=as_written)
+    agent = Agent(Plan(mode=mode, candidate=candidate.to_dict(), seed=None, **plan), exit=_exit)
+    agent.observers.extend(observers)
+    agent.install()
+    try:
+        yield agent
+        agent.finish_run()  # the last step ends, as at the script's exit
+    finally:
+        agent.uninstall()
+
+
+class Losses:
+    """An observer of the agent that keeps each step's loss (run mode reads none itself)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def discovered(self, agent: Agent) -> None: ...
+
+    def forward(self, agent: Agent, args: tuple, kwargs: dict) -> None: ...
+
+    def before_update(self, agent: Agent) -> None: ...
+
+    def step(self, agent: Agent, loss: Any, skipped: bool) -> None:
+        self.losses.append(float(loss))
+
+    def summary(self) -> dict[str, Any]:
+        return {}

@@ -1,0 +1,163 @@
+"""The generated-script fuzz tier (issue 51): training scripts written the way people write them
+(tests/frameworks/script_shapes.py: an LR scheduler, every clip path, every backward path,
+accumulation, a model trained in eval mode or called part by part, two optimizers after one backward,
+the script's own AMP), each run under a candidate and compared with the same script edited by hand as
+the PyTorch AMP recipe says.
+
+The properties, for bf16-mixed and fp16-mixed:
+
+- ``mixprec run``'s injection trains as the hand edit: the final weights are equal bit for bit, and
+  each step's loss (what a check compares) is the hand edit's, step for step;
+- the script's step is a step: as many as the script's loop runs, under the candidate and as written.
+
+Most shapes run in this process (the agent installed around the script, as in its own process), so
+the tier tries many; a few go through the real command line, ``mixprec run`` and ``mixprec check``,
+as a user runs them. ``MIXPREC_FUZZ_SCALE=4`` tries four times as many shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import runpy
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from frameworks.in_process import Losses, under
+from frameworks.script_shapes import AXES, STEPS, Shape, render, shapes
+from mixprec.cli import main
+
+SCALE = float(os.environ.get("MIXPREC_FUZZ_SCALE", "1"))
+SHAPES = shapes(int(24 * SCALE))
+FORMAT = {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+TRIED: Counter[str] = Counter()
+
+
+def run_here(path: Path, *args: str) -> list[float]:
+    """``python path args`` in this process; the losses it printed."""
+    out = io.StringIO()
+    argv = sys.argv
+    sys.argv = [str(path), *args]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(path), run_name="__main__")
+    finally:
+        sys.argv = argv
+    return [float(line.split()[2]) for line in out.getvalue().splitlines() if line.startswith("loss ")]
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(single_thread):
+    """Tiny models: one thread, and the same arithmetic in every run of them."""
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_a_generated_script_trains_under_the_candidate_as_its_hand_edit(tmp_path, shape: Shape, policy):
+    script, edited = tmp_path / "train.py", tmp_path / "by_hand.py"
+    script.write_text(render(shape))
+    edited.write_text(render(shape, hand=True))
+    want = run_here(edited, "--amp", FORMAT[policy], "--out", str(tmp_path / "hand.pt"))
+    seen = Losses()
+    with under(policy, observers=[seen]) as agent:
+        run_here(script, "--out", str(tmp_path / "run.pt"))
+    assert same(weights(tmp_path / "run.pt"), weights(tmp_path / "hand.pt")), "not the hand edit's weights"
+    assert len(agent.record["steps"]) == STEPS
+    assert seen.losses == pytest.approx(want, rel=1e-6), "not the hand edit's losses"
+    assert (
+        agent.record["observed"]["observed_dtype"]
+        == {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[policy]
+    )
+    for axis, value in vars(shape).items():
+        TRIED[f"{axis}={value}"] += 1
+
+
+def test_as_written_a_generated_script_steps_as_its_loop(tmp_path):
+    """The script's own precision (its --amp), run as written: one step per iteration of its loop,
+    whatever its optimizers and accumulation (a GAN's two optimizers counted two before)."""
+    for shape in SHAPES[:6]:
+        script = tmp_path / f"{abs(hash(shape))}.py"
+        script.write_text(render(shape))
+        own = shape.own_amp if shape.own_amp != "none" else None
+        label = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", None: "fp32"}[own] + " (as written)"
+        with under(label) as agent:
+            run_here(script, "--out", str(tmp_path / "w.pt"))
+        assert len(agent.record["steps"]) == STEPS, shape
+
+
+def test_the_tier_tried_every_shape():
+    """Every value of every axis was tried (run after the tier; alone it tries nothing)."""
+    if not TRIED:
+        pytest.skip("run with the tier")
+    missing = [
+        f"{axis}={value}" for axis, values in AXES.items() for value in values if not TRIED[f"{axis}={value}"]
+    ]
+    assert not missing, missing
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
+def test_the_command_line_runs_and_checks_a_generated_script(tmp_path, monkeypatch, shape, capsys):
+    """Two shapes through the real commands, as a user runs them: `mixprec run` leaves the hand
+    edit's weights; `mixprec check` judges the script (bf16-mixed passes or is said inconclusive,
+    never an error: the script works under every candidate)."""
+    monkeypatch.chdir(tmp_path)
+    Path("train.py").write_text(render(shape))
+    Path("by_hand.py").write_text(render(shape, hand=True))
+    # in a process of its own, as mixprec run's is (this one computes on one thread: another order)
+    subprocess.run([sys.executable, "by_hand.py", "--amp", "bf16", "--out", "hand.pt"], check=True)
+    command = [sys.executable, "train.py", "--steps", "40"]
+    assert (
+        main(
+            [
+                "run",
+                "--policy",
+                "bf16-mixed",
+                "--out",
+                "out",
+                "--",
+                sys.executable,
+                "train.py",
+                "--out",
+                "run.pt",
+            ]
+        )
+        == 0
+    )
+    assert same(weights(tmp_path / "run.pt"), weights(tmp_path / "hand.pt"))
+    out = tmp_path / "check.json"
+    code = main(
+        [
+            "check",
+            "--policies",
+            "bf16-mixed",
+            "--steps",
+            "3",
+            "--json",
+            str(out),
+            "--",
+            *command,
+            "--out",
+            "w.pt",
+        ]
+    )
+    assert code in (0, 6), capsys.readouterr().err
+    rows = {c["candidate"]["policy"]: c for c in json.loads(out.read_text())["candidates"]}
+    assert rows["bf16-mixed"]["verdict"] in ("pass", "inconclusive"), rows["bf16-mixed"]["reason"]
+    assert all(math.isfinite(v) for v in rows["bf16-mixed"]["losses"])
