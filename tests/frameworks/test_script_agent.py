@@ -475,3 +475,17 @@ def test_the_agent_puts_torch_back():
     assert (torch.autograd.backward, torch.optim.Optimizer.__init__, torch.amp.GradScaler.step) == before
     assert "grad" not in torch.Tensor.__dict__
     assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
+def test_the_frameworks_switches_are_put_back_too():
+    """Installed while Lightning is imported, the agent patched Trainer.__init__ and left it so: every
+    later Trainer of the process had its precision set by an agent long gone."""
+    from extras import require
+
+    require("lightning", "frameworks")
+    import lightning.pytorch as pl
+
+    before = pl.Trainer.__init__
+    with under("bf16-mixed"):
+        assert pl.Trainer.__init__ is not before
+    assert pl.Trainer.__init__ is before

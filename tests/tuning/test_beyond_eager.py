@@ -72,8 +72,10 @@ def test_compiled_candidates_report_compile_time_and_graph_breaks(single_thread)
 
 
 def test_every_measured_row_says_how_much_of_its_step_is_matmul(single_thread):
+    # (prune_factor: measured whatever its speed; bf16 is emulated and ~10x slower on an AVX2-only CPU)
+    w = load_workload("mlp")
     result = bench(
-        load_workload("mlp"), policies="fp32,bf16-mixed", steps=2, warmup=1, device="cpu", isolate=False
+        w, policies="fp32,bf16-mixed", steps=2, warmup=1, device="cpu", isolate=False, prune_factor=1e6
     )
     for row in result.rows:
         assert row.compute_share is not None and 0.0 < row.compute_share <= 1.0

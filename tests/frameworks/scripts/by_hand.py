@@ -1,7 +1,8 @@
 """A plain loop with no precision code at all (an AdamW and, made after it, a CosineAnnealingLR: the
-README's own loop has one), and the same loop edited by hand the way the PyTorch AMP recipe says (``--hand bf16``: torch.autocast around forward and loss; ``--hand fp16``: also a
-GradScaler, unscaled before clipping). ``mixprec run --policy P`` on the loop with ``--hand none``
-must leave the weights the hand edit leaves (tests/frameworks/test_script_run.py).
+README's own loop has one), and the same loop edited by hand the way the PyTorch AMP recipe says
+(``--hand bf16``: torch.autocast around forward and loss; ``--hand fp16``: also a GradScaler,
+unscaled before clipping). ``mixprec run --policy P`` on the loop with ``--hand none`` must leave
+the weights the hand edit leaves (tests/frameworks/test_script.py).
 
     python by_hand.py --steps 12 --out weights.pt [--hand none|bf16|fp16] [--device cpu|cuda]
 """

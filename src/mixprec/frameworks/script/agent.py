@@ -164,6 +164,7 @@ class Agent:
         self._nonfinite_at_start: set[str] = set()
         self._widened = False  # a half-precision script's model, widened to fp32 for this candidate
         self._finished = False
+        self._pid = os.getpid()
         self._pipe_in: Any = None
         self._pipe_out: Any = None
         self._undo_hooks: Callable[[], None] | None = None
@@ -171,6 +172,7 @@ class Agent:
 
     # ------------------------------------------------------------------ set-up
     def install(self) -> None:
+        self._pid = os.getpid()  # (a DataLoader worker forked from the script is not the script)
         if self.plan.seed is not None:
             seed_everything(self.plan.seed)
         if self.plan.mode == "measure":
@@ -773,7 +775,7 @@ class Agent:
     # ------------------------------------------------------------------ run mode (mixprec run)
     def finish_run(self) -> None:
         """Run mode, at the script's exit: its last step ends, and ``run.json`` is written."""
-        if self._finished or self.plan.mode != "run":
+        if self._finished or self.plan.mode != "run" or os.getpid() != self._pid:
             return
         self._finished = True
         if self.window.lead_stepped:

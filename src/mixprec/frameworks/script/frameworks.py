@@ -5,8 +5,9 @@ writes them, so that what is measured is what the user will run.
 
 Each is patched where the framework reads it (``TrainingArguments.__post_init__``,
 ``Trainer.__init__``, ``Accelerator.__init__``), once its module is imported by the script (an
-import hook: the agent is installed before the script imports anything). In the modes that measure
-(``measure``, ``trace``) the framework's outputs go to the run's scratch folder.
+import hook: the agent is installed before the script imports anything), through the agent's
+:class:`~mixprec.frameworks.script.patches.Patches`, so removing the agent puts each back. In the
+modes that measure (``measure``, ``trace``) the framework's outputs go to the run's scratch folder.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _hf_arguments(module: Any, agent: Agent) -> None:
             self.report_to = []
         original(self)
 
-    cls.__post_init__ = __post_init__
+    agent.patches.replace(cls, "__post_init__", __post_init__)
 
 
 def _lightning_trainer(module: Any, agent: Agent) -> None:
@@ -97,7 +98,7 @@ def _lightning_trainer(module: Any, agent: Agent) -> None:
             kw["default_root_dir"] = agent.plan.scratch
         original(self, *args, **kw)
 
-    cls.__init__ = __init__
+    agent.patches.replace(cls, "__init__", __init__)
 
 
 def _as_list(plugins: Any) -> list[Any]:
@@ -154,7 +155,7 @@ def _accelerator(module: Any, agent: Agent) -> None:
             agent.framework_flags = {"mixed_precision": wanted}
         original(self, *args, **kw)
 
-    cls.__init__ = __init__
+    agent.patches.replace(cls, "__init__", __init__)
 
 
 PATCHES: dict[str, Patch] = {
