@@ -68,10 +68,11 @@ class Sandbox:
                 return mapped
         return path
 
-    def writing(self, path: Any, *, keep: bool = False, folder: bool = False) -> Any:
+    def writing(self, path: Any, *, keep: bool = False, folder: bool = False, entry: bool = True) -> Any:
         """Where a write of ``path`` goes, made safe: the folders on the way turned from links into
         real folders of links, and the entry itself, where it is a link, replaced by a real copy
-        (``keep``: its content copied, for an append or an update; ``folder``: a folder of links)."""
+        (``keep``: its content copied, for an append or an update; ``folder``: a folder of links;
+        ``entry=False``: the entry is left as it is, a link removed or renamed being only a link)."""
         if not isinstance(path, (str, os.PathLike)):
             return path  # a file descriptor, a file object: already open
         text = os.fspath(path)
@@ -91,7 +92,7 @@ class Sandbox:
                 self._own_folder(here)
             elif not os.path.isdir(here):
                 return target  # a folder not there yet: the write creates it in the run's folder
-        if os.path.islink(target):
+        if entry and os.path.islink(target):
             if folder or os.path.isdir(target):
                 self._own_folder(target)
             elif keep:
@@ -111,6 +112,12 @@ class Sandbox:
             with os.scandir(source) as entries:
                 for entry in entries:
                     self._symlink(entry.path, os.path.join(link, entry.name))
+
+
+def _relative_to_fd(kw: dict[str, Any]) -> bool:
+    """A call whose path is relative to an open folder's descriptor (``shutil.rmtree`` walks so),
+    not to the working folder: that folder was reached, and made safe, by the call that opened it."""
+    return any(kw.get(k) is not None for k in ("dir_fd", "src_dir_fd", "dst_dir_fd"))
 
 
 def install(home: str, root: str) -> Callable[[], None]:
@@ -136,6 +143,8 @@ def install(home: str, root: str) -> Callable[[], None]:
 
     def os_opening(original: Any) -> Any:
         def open_(path: Any, flags: int, *args: Any, **kw: Any) -> Any:
+            if _relative_to_fd(kw):
+                return original(path, flags, *args, **kw)
             if flags & _WRITE_FLAGS:
                 path = box.writing(path, keep=not flags & os.O_TRUNC)
             else:
@@ -147,6 +156,8 @@ def install(home: str, root: str) -> Callable[[], None]:
     def one_path(**how: bool) -> Callable[[Any], Any]:
         def make(original: Any) -> Any:
             def call(path: Any, *args: Any, **kw: Any) -> Any:
+                if _relative_to_fd(kw):
+                    return original(path, *args, **kw)
                 return original(box.writing(path, **how), *args, **kw)
 
             return call
@@ -155,12 +166,16 @@ def install(home: str, root: str) -> Callable[[], None]:
 
     def two_paths(original: Any) -> Any:
         def call(src: Any, dst: Any, *args: Any, **kw: Any) -> Any:
-            return original(box.writing(src), box.writing(dst), *args, **kw)
+            if _relative_to_fd(kw):
+                return original(src, dst, *args, **kw)
+            return original(box.writing(src, entry=False), box.writing(dst), *args, **kw)
 
         return call
 
     def stat(original: Any) -> Any:
         def call(path: Any, *args: Any, **kw: Any) -> Any:
+            if _relative_to_fd(kw):
+                return original(path, *args, **kw)
             return original(box.reading(path), *args, **kw)
 
         return call
@@ -177,7 +192,7 @@ def install(home: str, root: str) -> Callable[[], None]:
     patch(os, "mkdir", one_path(folder=True))
     patch(os, "rmdir", one_path(folder=True))
     for name in ("remove", "unlink"):
-        patch(os, name, one_path())
+        patch(os, name, one_path(entry=False))
     patch(os, "truncate", one_path(keep=True))
     for name in ("rename", "replace"):
         patch(os, name, two_paths)
