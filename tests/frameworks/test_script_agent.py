@@ -489,3 +489,28 @@ def test_the_frameworks_switches_are_put_back_too():
     with under("bf16-mixed"):
         assert pl.Trainer.__init__ is not before
     assert pl.Trainer.__init__ is before
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_the_traced_first_gradients_are_unscaled_under_loss_scaling(tmp_path, clip):
+    """What a check's gradient SQNR compares: the first step's gradients, unscaled, however the
+    step unscaled them (GradScaler.step itself, or a clip's read first). Divided by the scale a
+    second time they read 0.0 dB under fp16-mixed."""
+
+    def first_grads(policy: str) -> dict[str, torch.Tensor]:
+        out = tmp_path / f"{policy}-{clip}.pt"
+        model = mlp()
+        with pytest.raises(Exited), under(policy, mode="trace", steps=1, out=str(out)):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y in batches(3):
+                F.cross_entropy(model(x), y).backward()
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)
+                opt.step()
+                opt.zero_grad()
+        return torch.load(out, weights_only=False)["first_grads"]
+
+    want, got = first_grads("fp32"), first_grads("fp16-mixed")
+    for name, g in want.items():
+        error = (got[name] - g).norm() / g.norm()
+        assert error < 1e-2, (name, float(error))

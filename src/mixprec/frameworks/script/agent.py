@@ -758,13 +758,13 @@ class Agent:
         torch.save(data, self.plan.out)
 
     def _scale(self) -> float | None:
-        """The loss scale the lead's gradients carry now (None: none, or already unscaled)."""
-        if self.routing and self.policy.scaler is not None:
-            return None if id(self.lead) in self._unscaled else float(self.policy.scaler.get_scale())
-        for s in self.script_scalers:
-            if s.is_enabled():
-                return None if _unscaled(s, self.lead) else float(s.get_scale())
-        return None
+        """The loss scale the lead's gradients carry now (None: none, or already unscaled: by a read
+        of them, or by GradScaler.step itself before it steps)."""
+        scalers = [self.policy.scaler] if self.routing and self.policy.scaler is not None else []
+        scalers += [s for s in self.script_scalers if s.is_enabled()]
+        if not scalers:
+            return None
+        return None if _unscaled(scalers[0], self.lead) else float(scalers[0].get_scale())
 
     def _scale_after(self) -> float | None:
         if self.routing and self.policy.scaler is not None:
