@@ -349,6 +349,11 @@ def test_lightning_with_a_scheduler_and_its_own_callbacks_is_measured_and_run(tm
     assert main(["run", "--policy", "bf16-mixed", "--out", str(tmp_path / "run"), "--", *command]) == 0
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["steps"] == 4 and record["facts"]["framework"] == "lightning"
+    # the autocast Lightning runs for mixprec's switch is not the script's own precision (run.json
+    # listed it as the script's)
+    assert record["facts"]["own"]["autocast"] == [] and record["facts"]["own"]["framework"] == {
+        "precision": "32-true"
+    }
     assert list((tmp_path / "ckpts").glob("*.ckpt"))  # the user's own run saves its checkpoints
 
 
@@ -364,3 +369,41 @@ def test_the_hf_trainer_that_loads_its_best_model_at_the_end_is_measured(tmp_pat
     )
     assert code in (0, 4, 6), capsys.readouterr().err
     assert not (tmp_path / "hf-out").exists()
+
+
+def test_a_script_that_never_steps_is_said_within_the_budget(tmp_path, monkeypatch, capsys):
+    """Validating a script that never steps ignored --budget (a deadline of up to 1,800 s)."""
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "prep.py", "import time\nimport torch\nwhile True:\n    time.sleep(0.1)\n")
+    assert main(["tune", "--budget", "20", "--", PY, "prep.py"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "did not finish 2 optimizer steps within" in err and "half of the time the budget had left" in err
+    ), err
+
+
+@pytest.mark.slow
+def test_an_interrupted_tune_writes_what_it_measured(tmp_path):
+    """Ctrl-C during tune: --json was not written although rows had finished (docs/cli.md promises
+    both). The first interrupt stops the search as if the budget were spent and writes the outputs."""
+    write(tmp_path, "train.py", STEPS.replace("range(3)", "range(100000)"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    process = subprocess.Popen(
+        [PY, "-m", "mixprec", "tune", "--budget", "600", "--json", "out.json", "--", PY, "train.py"],
+        cwd=tmp_path,
+        env=env,
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stderr is not None
+    lines = []
+    for line in process.stderr:  # (the progress lines: one a finished row)
+        lines.append(line)
+        if line.startswith("fp32: ok"):
+            break
+    os.killpg(process.pid, signal.SIGINT)  # a Ctrl-C at the terminal
+    rest = process.stderr.read()
+    assert process.wait(timeout=300) == 130, "".join(lines) + rest
+    rows = json.loads((tmp_path / "out.json").read_text())["bench"]["rows"]
+    assert any(r["label"] == "fp32" and r["status"] == "ok" for r in rows)

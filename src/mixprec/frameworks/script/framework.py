@@ -19,7 +19,7 @@ import torch
 
 from mixprec.errors import UsageError
 from mixprec.frameworks.base import Framework
-from mixprec.frameworks.script.session import ScriptFailed, ScriptSession, trace
+from mixprec.frameworks.script.session import ScriptFailed, ScriptSession, ScriptTimedOut, trace
 from mixprec.frameworks.script.workload import TRAINED_BY, ScriptFacts, ScriptWorkload
 from mixprec.frameworks.session import BenchSettings, Session
 from mixprec.hardware.device import DeviceInfo
@@ -72,6 +72,12 @@ class ScriptFramework(Framework):
                 limit = max(budget.left() * VALIDATE_SHARE, 1.0)
             try:
                 record = trace(workload, self.baseline, VALIDATE_STEPS, timeout_s=limit)
+            except ScriptTimedOut as exc:
+                given = " (half of the time the budget had left)" if limit is not None else ""
+                raise UsageError(
+                    f"{exc}{given}: a script that takes longer to reach its first steps needs a larger "
+                    "--budget; one that never steps is not a training script mixprec can measure"
+                ) from None
             except ScriptFailed as exc:
                 raise UsageError(f"the script does not train in strict fp32: {exc}") from None
             workload.facts = facts_of(record)

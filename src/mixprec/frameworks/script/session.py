@@ -46,6 +46,10 @@ class ScriptFailed(UsageError):
     """The script stopped before mixprec had what it asked for; the message holds its last line."""
 
 
+class ScriptTimedOut(ScriptFailed):
+    """The script did not reach the steps asked for within the time it was given."""
+
+
 def _ended(child: Child, what: str) -> ScriptFailed:
     """Why the child is gone, in the script's own words where it left some (its log kept)."""
     code = child.process.poll()
@@ -243,7 +247,7 @@ def trace(
     except subprocess.TimeoutExpired:
         stop(child.process, 0)
         child.discard(keep_log=True)
-        raise ScriptFailed(
+        raise ScriptTimedOut(
             f"the script did not finish {steps} optimizer steps within {limit:.0f} s (log: {child.log})"
         ) from None
     except BaseException:
