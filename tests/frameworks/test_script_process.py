@@ -407,3 +407,30 @@ def test_an_interrupted_tune_writes_what_it_measured(tmp_path):
     assert process.wait(timeout=300) == 130, "".join(lines) + rest
     rows = json.loads((tmp_path / "out.json").read_text())["bench"]["rows"]
     assert any(r["label"] == "fp32" and r["status"] == "ok" for r in rows)
+
+
+def test_dataloader_workers_are_not_the_script(tmp_path):
+    """Forked DataLoader workers carry the agent (fork copies the process) and end with os._exit:
+    none of them may write the run's record or take a step; spawned ones never load it."""
+    own = """
+        import sys
+        import torch
+        from torch.utils.data import DataLoader, TensorDataset
+        if __name__ == "__main__":
+            data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+            loader = DataLoader(data, batch_size=16, num_workers=2, multiprocessing_context=sys.argv[1])
+            model = torch.nn.Linear(4, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y in loader:
+                (model(x) - y).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        """
+    write(tmp_path, "train.py", textwrap.dedent(own))
+    for method in ("fork", "spawn"):
+        done = mixprec(
+            ["run", "--policy", "bf16-mixed", "--out", "out", "--", PY, "train.py", method], tmp_path
+        )
+        assert done.returncode == 0, done.stderr
+        record = json.loads((tmp_path / "out" / "run.json").read_text())
+        assert record["steps"] == 4 and record["observed"]["observed_dtype"] == "bfloat16", method
