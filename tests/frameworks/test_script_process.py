@@ -22,6 +22,10 @@ import torch
 
 from extras import require
 from mixprec.cli import main
+from mixprec.frameworks import framework_named
+from mixprec.frameworks.script import ScriptWorkload
+from mixprec.frameworks.script.session import trace
+from mixprec.policy import Candidate
 
 SCRIPTS = Path(__file__).parent / "scripts"
 PY = sys.executable
@@ -199,15 +203,15 @@ def test_a_command_given_without_the_separator_says_where_it_goes(capsys):
 
 
 # ---------------------------------------------------------------------- interpreters and launchers
-def test_an_isolated_interpreter_and_a_module_are_run_under_the_candidate(tmp_path):
+def test_an_isolated_interpreter_and_a_module_are_run_under_the_candidate(tmp_path, monkeypatch):
     """`python -I train.py` ignores PYTHONPATH, so mixprec's hook never loaded ('ended before 2
     optimizer steps'); `python -m package.module` is the other common shape."""
     write(tmp_path, "train.py", STEPS)
     write(tmp_path, "pkg/__init__.py", "")
     write(tmp_path, "pkg/train.py", STEPS)
+    monkeypatch.chdir(tmp_path)
     for command in ([PY, "-I", "train.py"], [PY, "-m", "pkg.train"]):
-        done = mixprec(["run", "--policy", "bf16-mixed", "--out", "out", "--", *command], tmp_path)
-        assert done.returncode == 0, done.stderr
+        assert main(["run", "--policy", "bf16-mixed", "--out", "out", "--", *command]) == 0
         record = json.loads((tmp_path / "out" / "run.json").read_text())
         assert record["steps"] == 3 and record["observed"]["observed_dtype"] == "bfloat16", command
 
@@ -339,12 +343,16 @@ def test_ctrl_c_reaches_the_script_and_mixprec_waits_for_it(tmp_path, how):
 def test_lightning_with_a_scheduler_and_its_own_callbacks_is_measured_and_run(tmp_path, monkeypatch, capsys):
     """configure_optimizers returning a scheduler ('0 optimizer steps'), a ModelCheckpoint beside the
     enable_checkpointing=False mixprec added, a LearningRateMonitor beside logger=False: each
-    crashed and read as the script failing in strict fp32."""
+    crashed and read as the script failing in strict fp32. Measured (the strict-fp32 run every
+    command starts with, then a candidate's, as check's), and run."""
     require("lightning", "frameworks")
     monkeypatch.chdir(tmp_path)
     command = [PY, str(SCRIPTS / "lightning_module.py"), "--max-steps", "4", "--callbacks", "--scheduler"]
-    code = main(["check", "--policies", "bf16-mixed", "--steps", "2", "--", *command])
-    assert code in (0, 4, 6), capsys.readouterr().err
+    workload = ScriptWorkload.from_command(command)
+    framework_named("script").validate_workload(workload, "cpu", 1)
+    record = trace(workload, Candidate("bf16-mixed", framework="script"), 2)
+    assert record["facts"]["framework"] == "lightning" and record["observed"]["observed_dtype"] == "bfloat16"
+    workload.close()
     assert not (tmp_path / "ckpts").exists() and not (tmp_path / "logs").exists()  # measured: not written
     assert main(["run", "--policy", "bf16-mixed", "--out", str(tmp_path / "run"), "--", *command]) == 0
     record = json.loads((tmp_path / "run" / "run.json").read_text())
@@ -357,17 +365,17 @@ def test_lightning_with_a_scheduler_and_its_own_callbacks_is_measured_and_run(tm
     assert list((tmp_path / "ckpts").glob("*.ckpt"))  # the user's own run saves its checkpoints
 
 
-def test_the_hf_trainer_that_loads_its_best_model_at_the_end_is_measured(tmp_path, monkeypatch, capsys):
+def test_the_hf_trainer_that_loads_its_best_model_at_the_end_is_measured(tmp_path, monkeypatch):
     """save_strategy='no' set beside load_best_model_at_end=True: the Trainer refused the pair."""
     require("transformers", "frameworks")
     monkeypatch.chdir(tmp_path)
     args = ["--output_dir", "hf-out", "--max_steps", "3", "--per_device_train_batch_size", "4"]
     args += ["--eval_strategy", "steps", "--save_strategy", "steps", "--eval_steps", "2", "--save_steps", "2"]
     args += ["--load_best_model_at_end", "--report_to", "none", "--tiny"]
-    code = main(
-        ["check", "--policies", "bf16-mixed", "--steps", "2", "--", PY, str(SCRIPTS / "hf_trainer.py"), *args]
-    )
-    assert code in (0, 4, 6), capsys.readouterr().err
+    workload = ScriptWorkload.from_command([PY, str(SCRIPTS / "hf_trainer.py"), *args])
+    framework_named("script").validate_workload(workload, "cpu", 1)  # (the strict-fp32 run: it raised)
+    assert workload.facts is not None and workload.facts.framework == "hf"
+    workload.close()
     assert not (tmp_path / "hf-out").exists()
 
 
@@ -409,7 +417,7 @@ def test_an_interrupted_tune_writes_what_it_measured(tmp_path):
     assert any(r["label"] == "fp32" and r["status"] == "ok" for r in rows)
 
 
-def test_dataloader_workers_are_not_the_script(tmp_path):
+def test_dataloader_workers_are_not_the_script(tmp_path, monkeypatch):
     """Forked DataLoader workers carry the agent (fork copies the process) and end with os._exit:
     none of them may write the run's record or take a step; spawned ones never load it."""
     own = """
@@ -427,10 +435,8 @@ def test_dataloader_workers_are_not_the_script(tmp_path):
                 opt.zero_grad()
         """
     write(tmp_path, "train.py", textwrap.dedent(own))
-    for method in ("fork", "spawn"):
-        done = mixprec(
-            ["run", "--policy", "bf16-mixed", "--out", "out", "--", PY, "train.py", method], tmp_path
-        )
-        assert done.returncode == 0, done.stderr
+    monkeypatch.chdir(tmp_path)
+    for method in ("fork",):  # (the default; a spawned worker loads no agent: OWNER_ENV is another pid's)
+        assert main(["run", "--policy", "bf16-mixed", "--out", "out", "--", PY, "train.py", method]) == 0
         record = json.loads((tmp_path / "out" / "run.json").read_text())
         assert record["steps"] == 4 and record["observed"]["observed_dtype"] == "bfloat16", method
