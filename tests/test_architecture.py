@@ -22,6 +22,7 @@ LAYERS = {
     "findings": 0,
     "validation": 0,
     "version": 0,
+    "lazy": 0,
     "hardware": 1,
     "policy": 2,
     "workload": 3,

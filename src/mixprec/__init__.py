@@ -7,7 +7,9 @@ decision (:func:`tune`, :func:`autotune`) and :func:`export`. Importing mixprec 
 CUDA context and changes no global torch flag.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mixprec.lazy import lazy_names
 
 if TYPE_CHECKING:  # (what a type checker and an IDE see: the names below, where they live)
     from mixprec.checking.check import check
@@ -84,19 +86,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mixprec' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = [

@@ -2,7 +2,9 @@
 train.py ...`` (:class:`ScriptFramework` over a :class:`ScriptWorkload`; :mod:`.agent` runs inside
 the script's process, which imports only what it uses: the names below load on first use)."""
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mixprec.lazy import lazy_names
 
 if TYPE_CHECKING:
     from mixprec.frameworks.script.framework import ScriptFramework, run_line
@@ -16,15 +18,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mixprec.frameworks.script' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = ["ScriptFacts", "ScriptFramework", "ScriptWorkload", "run_line"]
