@@ -125,6 +125,23 @@ def test_not_measured_candidates_are_rows_and_the_pick_names_the_budget_that_wou
     assert "not measured" in rec.reason and "stay in fp32" not in rec.reason
 
 
+def test_a_scripts_own_precision_that_ties_with_the_fastest_is_the_answer():
+    """Issue 51: a script with its own bf16 autocast, measured as written and under the injected
+    bf16-mixed within each other's noise: the answer is to keep the script, not a `mixprec run` line
+    that overrides its own --amp to the same thing."""
+    base = BenchRow("w", FP32, "cpu", 16, "ok", step_times_ms=(FP32_STEP_MS,) * 8, speedup_vs_fp32=1.0)
+    own = Candidate("bf16-mixed", framework="script", as_written=True)
+    injected = Candidate("bf16-mixed", framework="script")
+    table = [base, measured(injected, 2.02, (1.94, 2.10)), measured(own, 1.98, (1.90, 2.06))]
+    rec, _ = decide(table, passed(own, injected), train_steps=10_000)
+    assert rec is not None and rec.candidate == own, rec.reason
+    # a clearly faster candidate still wins over the script as written
+    faster = Candidate("bf16-true", framework="script")
+    table.append(measured(faster, 3.0, (2.9, 3.1)))
+    rec, _ = decide(table, passed(own, injected, faster), train_steps=10_000)
+    assert rec is not None and rec.candidate == faster
+
+
 # ---------------------------------------------------------------------------------------------
 # Properties over generated measurement tables
 
