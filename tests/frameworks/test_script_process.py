@@ -305,31 +305,55 @@ except KeyboardInterrupt:
 """
 
 
+def _run_at_a_terminal(tmp_path: Path, argv: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """``argv`` as the foreground job of a real terminal (a pty), Ctrl-C typed once it is ready:
+    the kernel sends SIGINT to the whole foreground group, as a shell's job gets it. (A killpg
+    from the test is not that: it is a user's signal, which mixprec passes on.)"""
+    import pty
+
+    pid, master = pty.fork()
+    if pid == 0:  # pragma: no cover - the child: session leader with the pty as its terminal
+        os.chdir(tmp_path)
+        os.execve(argv[0], argv, env)
+    _wait_for(tmp_path / "ready")
+    os.write(master, b"\x03")  # Ctrl-C
+    output = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: the child side closed
+            break
+        if not chunk:
+            break
+        output += chunk
+    _, status = os.waitpid(pid, 0)
+    os.close(master)
+    return os.waitstatus_to_exitcode(status), output.decode(errors="replace")
+
+
 @pytest.mark.parametrize("how", ["terminal", "kill", "twice"])
 def test_ctrl_c_reaches_the_script_and_mixprec_waits_for_it(tmp_path, how):
     """The script's own save-on-KeyboardInterrupt was killed mid-write: mixprec lets the script
     finish and stops it only on a second interrupt. 'terminal': Ctrl-C at a terminal (the whole
-    process group); 'kill': SIGINT to mixprec alone (passed on); 'twice': a second one stops it."""
+    process group, once); 'kill': SIGINT to mixprec alone (passed on); 'twice': a second one stops it."""
     write(tmp_path, "saver.py", SAVER)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    process = subprocess.Popen(
-        [PY, "-m", "mixprec", "run", "--policy", "bf16-mixed", "--out", "out", "--", PY, "saver.py"],
-        cwd=tmp_path,
-        env=env,
-        start_new_session=True,  # its own group, as a shell gives a foreground job
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    _wait_for(tmp_path / "ready")
-    if how == "kill":
-        process.send_signal(signal.SIGINT)
+    argv = [PY, "-m", "mixprec", "run", "--policy", "bf16-mixed", "--out", "out", "--", PY, "saver.py"]
+    if how == "terminal":
+        code, err = _run_at_a_terminal(tmp_path, argv, env)
     else:
-        os.killpg(process.pid, signal.SIGINT)
-    if how == "twice":
-        time.sleep(0.5)
-        os.killpg(process.pid, signal.SIGINT)
-    code = process.wait(timeout=60)
-    err = process.stderr.read() if process.stderr else ""
+        process = subprocess.Popen(
+            argv, cwd=tmp_path, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True
+        )
+        _wait_for(tmp_path / "ready")
+        if how == "kill":
+            process.send_signal(signal.SIGINT)
+        else:
+            os.killpg(process.pid, signal.SIGINT)
+            time.sleep(0.5)
+            os.killpg(process.pid, signal.SIGINT)
+        code = process.wait(timeout=60)
+        err = process.stderr.read() if process.stderr else ""
     if how == "twice":
         assert not (tmp_path / "saved").exists() and code != 0, err
         assert "stopping your script" in err
