@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
+from extras import require
 from mixprec.checking.check import check, make_checker, not_learning, run_spread
 from mixprec.checking.config import CheckConfig
 from mixprec.cli import main
@@ -143,7 +144,7 @@ def test_the_hf_tasks_learn_in_a_check():
     # The BERT family's tasks are learnable too (masked tokens follow a bigram table, a class
     # shifts every token), but under BERT's fine-tuning learning rate (5e-5) a randomly initialised
     # model does not visibly learn in 8 steps: the check says so rather than judge against it.
-    pytest.importorskip("transformers")
+    require("transformers", "hf")
     w = mixprec.load_workload(
         "hf:gpt2", task="causal-lm", seq_len=32, n_layer=1, n_embd=64, n_head=2, vocab_size=1024
     )

@@ -20,18 +20,19 @@ import yaml
 from torch import nn
 
 import mixprec
+from extras import require
 from mixprec import Candidate
 from mixprec.errors import ExportRefused, PolicyError, UsageError
 from mixprec.exports.precision_map import MAP_TARGETS, render
 
-pytest.importorskip("torchao")
+require("torchao", "fp8")  # fails, not skips, under make test (MIXPREC_REQUIRE_FRAMEWORKS=1)
 
-from torchao.float8 import Float8LinearConfig
-from torchao.float8.float8_linear import Float8Linear
-from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
-from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear
-from torchao.prototype.mx_formats.config import ScaleCalculationMode
-from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+from torchao.float8 import Float8LinearConfig  # noqa: E402
+from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear  # noqa: E402
+from torchao.prototype.moe_training.nvfp4_training.nvfp4_training import NVFP4Linear  # noqa: E402
+from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
+from torchao.quantization.quantize_.common.kernel_preference import KernelPreference  # noqa: E402
 
 
 def mlp(*dims: int, names: tuple[str, ...] = ("fc1", "fc2", "head")) -> nn.Sequential:
@@ -217,7 +218,7 @@ def test_torchtitan_refuses_directions_and_nvfp4():
 # ------------------------------------------------------------------------------------- accelerate
 @pytest.mark.frameworks
 def test_accelerate_converts_exactly_the_map_through_ao_recipe_kwargs():
-    pytest.importorskip("accelerate")
+    require("accelerate", "frameworks")
     from accelerate.state import AcceleratorState
     from accelerate.utils import AORecipeKwargs
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from extras import require
 from mixprec.policy import blockscale as bs
 from mixprec.policy.blockscale import (
     DIRECTIONS,
@@ -22,15 +23,15 @@ from mixprec.policy.blockscale import (
     round_e2m1,
 )
 
-pytest.importorskip("torchao", reason="the reference kernels are torchao's: pip install -e '.[fp8]'")
+require("torchao", "fp8")  # fails, not skips, under make test (MIXPREC_REQUIRE_FRAMEWORKS=1)
 
-from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
-from torchao.prototype.mx_formats.config import ScaleCalculationMode
-from torchao.prototype.mx_formats.mx_tensor import MXTensor
-from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
-from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear  # noqa: E402
+from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
+from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: E402
+from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale  # noqa: E402
+from torchao.quantization.quantize_.common.kernel_preference import KernelPreference  # noqa: E402
 
-from mixprec.policy.lowformat import torchao_block_linear
+from mixprec.policy.lowformat import torchao_block_linear  # noqa: E402
 
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 ALL = frozenset(DIRECTIONS)
