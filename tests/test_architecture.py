@@ -1,12 +1,16 @@
 """The package layering of docs/architecture.md, checked on the source: no module imports a
-package above it (lazy imports inside functions included), and no import cycle between modules."""
+package above it (lazy imports inside functions included), no import cycle between modules, every
+package and module in the doc's table, and the size limits that keep each room one job."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "mixprec"
+DOC = SRC.parents[1] / "docs" / "architecture.md"
+MAX_MODULE_LINES, MAX_CLASS_LINES = 800, 400
 
 # Lower number = lower layer. A module may import its own layer and the layers below.
 LAYERS = {
@@ -54,9 +58,19 @@ def _is_module(name: str) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, *, typing_only: bool = True) -> set[str]:
+    """The mixprec modules ``path`` imports; ``typing_only=False``: not those under ``if
+    TYPE_CHECKING:`` (annotations only: no import at run time, so no cycle)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped: set[int] = set()
+    if not typing_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+                skipped.update(id(n) for n in ast.walk(node))
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module == "mixprec":
             # `from mixprec import state` imports mixprec.state only; `from mixprec import
             # __version__` (or any other name of the top package) imports the top package
@@ -71,11 +85,11 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(*, typing_only: bool = True) -> dict[str, set[str]]:
     modules = {_module_name(p): p for p in SRC.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
-        graph[name] = {m for m in _imports(path) if m in modules and m != name}
+        graph[name] = {m for m in _imports(path, typing_only=typing_only) if m in modules and m != name}
     return graph
 
 
@@ -99,7 +113,7 @@ def test_no_module_imports_a_layer_above_it():
 
 
 def test_no_import_cycles():
-    graph = _graph()
+    graph = _graph(typing_only=False)
     # a package's __init__ re-exports its modules; an edge module -> its own package is not a cycle
     for mod in graph:
         graph[mod] = {d for d in graph[mod] if not mod.startswith(d + ".")}
@@ -132,3 +146,40 @@ def test_the_tests_mirror_the_source():
     folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name not in data}
     packages = {p.name for p in SRC.iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert folders - packages == set(), f"test folders without a source package: {sorted(folders - packages)}"
+
+
+def _doc_rows() -> dict[str, set[str]]:
+    """The architecture table: package (``"frameworks/script/"``; ``""`` for the top level) -> the
+    modules its row names."""
+    lines = DOC.read_text(encoding="utf-8").splitlines()
+    start = lines.index("| package | modules | its job |") + 2  # (after the header and its rule)
+    rows: dict[str, set[str]] = {}
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        package = "" if cells[0] == "(top level)" else cells[0].strip("`")
+        rows.setdefault(package, set()).update(re.findall(r"`([\w.]+)`", cells[1]))
+    return rows
+
+
+def test_the_architecture_doc_names_every_package_and_module():
+    """docs/architecture.md went stale one commit after it was made current (issue 52): a package
+    or module added, moved or removed fails here until its row says so."""
+    rows = _doc_rows()
+    wanted: dict[str, set[str]] = {}
+    for path in SRC.rglob("*.py"):
+        if "__pycache__" in path.parts or path.stem in ("__init__", "__main__"):
+            continue
+        folder = path.parent.relative_to(SRC).as_posix()
+        package = f"{folder}/" if folder != "." else ""
+        if package == "" and path.stem in rows:  # a top-level module with its own row (keras)
+            continue
+        wanted.setdefault(package, set()).add(path.stem)
+    missing = {p: sorted(m - rows.get(p, set())) for p, m in wanted.items() if m - rows.get(p, set())}
+    assert not missing, f"add these to docs/architecture.md's table: {missing}"
+    stale = {p: sorted(rows[p] - m) for p, m in wanted.items() if rows.get(p, set()) - m}
+    gone = sorted(
+        p for p in rows if p and p not in wanted and p.rstrip("/") not in {s.stem for s in SRC.glob("*.py")}
+    )
+    assert not stale and not gone, f"docs/architecture.md names what is not there: {stale} {gone}"

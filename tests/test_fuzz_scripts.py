@@ -78,12 +78,9 @@ def test_a_generated_script_trains_under_the_candidate_as_its_hand_edit(tmp_path
     with under(policy, observers=[seen]) as agent:
         run_here(script, "--out", str(tmp_path / "run.pt"))
     assert same(weights(tmp_path / "run.pt"), weights(tmp_path / "hand.pt")), "not the hand edit's weights"
-    assert len(agent.record["steps"]) == STEPS
+    assert len(agent.steps) == STEPS
     assert seen.losses == pytest.approx(want, rel=1e-6), "not the hand edit's losses"
-    assert (
-        agent.record["observed"]["observed_dtype"]
-        == {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[policy]
-    )
+    assert agent.observed.dtype == {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[policy]
     for axis, value in vars(shape).items():
         TRIED[f"{axis}={value}"] += 1
 
@@ -98,7 +95,7 @@ def test_as_written_a_generated_script_steps_as_its_loop(tmp_path):
         label = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", None: "fp32"}[own] + " (as written)"
         with under(label) as agent:
             run_here(script, "--out", str(tmp_path / "w.pt"))
-        assert len(agent.record["steps"]) == STEPS, shape
+        assert len(agent.steps) == STEPS, shape
 
 
 def test_the_tier_tried_every_shape():

@@ -8,7 +8,8 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from mixprec.frameworks.script.agent import Agent, Plan
+from mixprec.frameworks.script.agent import Agent
+from mixprec.frameworks.script.messages import Plan
 from mixprec.policy import Candidate
 
 

@@ -63,11 +63,11 @@ def test_the_scripts_own_autocast_and_scaler_are_overridden_not_stacked():
     bf16 and the scaler is off (no fp16 anywhere, no scale); as written it is fp16 with a scale."""
     workload = script("plain_loop.py", "--steps", "100", "--amp", "fp16", "--d-model", "64", "--layers", "1")
     own = trace(workload, cand("fp16-mixed", as_written=True), 2)
-    assert own["observed"]["observed_dtype"] == "float16" and own["steps"][0]["scale"] == 65536.0
-    assert own["facts"]["own"]["autocast"][0]["dtype"] == "torch.float16" and own["facts"]["own"]["scaler"]
+    assert own.observed.dtype == "float16" and own.steps[0].scale == 65536.0
+    assert own.facts.own["autocast"][0]["dtype"] == "torch.float16" and own.facts.own["scaler"]
     bf16 = trace(workload, cand("bf16-mixed"), 2)
-    assert bf16["observed"]["observed_dtype"] == "bfloat16"
-    assert bf16["steps"][0]["scale"] is None  # the script's GradScaler was turned off
+    assert bf16.observed.dtype == "bfloat16"
+    assert bf16.steps[0].scale is None  # the script's GradScaler was turned off
 
 
 def test_validation_finds_the_framework_the_model_and_the_scripts_own_precision():
@@ -91,14 +91,14 @@ def test_the_hf_trainer_is_set_through_its_own_bf16_flag(tmp_path):
     require("transformers", "frameworks")
     workload = script("hf_trainer.py", "--output_dir", str(tmp_path), "--max_steps", "100")
     record = trace(workload, cand("bf16-mixed"), 2)
-    facts = record["facts"]
-    assert facts["framework"] == "hf" and facts["framework_flags"] == {"bf16": True, "fp16": False}
+    facts = record.facts
+    assert facts.framework == "hf" and facts.framework_flags == {"bf16": True, "fp16": False}
     # transformers imports deepspeed where it is installed: the Trainer is still what trains (tune
     # said "the script imports deepspeed ... its loop was measured as a plain one", untrue)
-    assert facts["unknown_frameworks"] == []
-    assert record["observed"]["observed_dtype"] == "bfloat16"
+    assert facts.unknown_frameworks == []
+    assert record.observed.dtype == "bfloat16"
     as_written = trace(workload, cand("fp32", as_written=True), 1)
-    assert as_written["observed"]["observed_dtype"] == "float32"
+    assert as_written.observed.dtype == "float32"
     assert not list(tmp_path.iterdir())  # measured runs write into mixprec's scratch folder, not yours
 
 
@@ -112,9 +112,9 @@ def test_lightning_is_set_through_its_own_precision_flag(policy, flag, dtype):
     require("lightning", "frameworks")
     workload = script("lightning_module.py", "--max-steps", "100")
     record = trace(workload, cand(policy), 2)
-    assert record["facts"]["framework"] == "lightning"
-    assert record["facts"]["framework_flags"] == {"precision": flag}
-    assert record["observed"]["observed_dtype"] == dtype
+    assert record.facts.framework == "lightning"
+    assert record.facts.framework_flags == {"precision": flag}
+    assert record.observed.dtype == dtype
 
 
 @pytest.mark.slow

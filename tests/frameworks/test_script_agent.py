@@ -18,6 +18,7 @@ from torch import nn
 
 from frameworks.in_process import Exited, under
 from mixprec.frameworks.script.agent import Agent
+from mixprec.frameworks.script.messages import TraceRecord
 
 DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
@@ -87,7 +88,7 @@ def test_a_scheduler_made_after_the_optimizer_trains_as_the_hand_edit(policy):
         return model
 
     agent = compare(loop, policy)
-    assert len(agent.record["steps"]) == 6
+    assert len(agent.steps) == 6
 
 
 def _clip(kind: str, model: nn.Module) -> None:
@@ -162,8 +163,8 @@ def test_two_optimizers_after_one_backward_are_one_step(policy):
         return model
 
     agent = compare(loop, policy)
-    losses = [s for s in agent.record["steps"]]
-    assert len(losses) == 5 and not any(s["skipped"] for s in losses)
+    losses = [s for s in agent.steps]
+    assert len(losses) == 5 and not any(s.skipped for s in losses)
 
 
 class GAN(nn.Module):
@@ -205,10 +206,10 @@ def test_a_gan_in_one_module_steps_once_per_iteration(policy):
     """As written and under a candidate alike (the candidates counted two steps per iteration and
     failed the script's own fp32 by 229%)."""
     agent = compare(gan_loop, policy)
-    assert len(agent.record["steps"]) == 5
+    assert len(agent.steps) == 5
     with under("fp32 (as written)") as as_written:
         gan_loop(None)
-    assert len(as_written.record["steps"]) == 5
+    assert len(as_written.steps) == 5
 
 
 def test_a_closure_step_runs_under_autocast_and_loss_scaling_refuses_it_in_one_line():
@@ -230,8 +231,8 @@ def test_a_closure_step_runs_under_autocast_and_loss_scaling_refuses_it_in_one_l
 
     with under("bf16-mixed") as agent:
         loop()
-    assert len(agent.record["steps"]) == 3
-    assert agent.record["observed"]["observed_dtype"] == "bfloat16"
+    assert len(agent.steps) == 3
+    assert agent.observed.dtype == "bfloat16"
     with pytest.raises(Exited) as exited, under("fp16-mixed") as agent:
         loop()
     assert exited.value.code == 2
@@ -264,7 +265,7 @@ def test_every_backward_path_is_seen_and_scaled(policy, path):
         return model
 
     agent = compare(loop, policy)
-    losses = [s for s in agent.record["steps"]]
+    losses = [s for s in agent.steps]
     assert len(losses) == 4
 
 
@@ -285,7 +286,7 @@ def test_a_loop_in_eval_mode_trains_under_the_candidate():
         return model
 
     agent = compare(loop, "bf16-mixed")
-    assert agent.record["observed"]["observed_dtype"] == "bfloat16"
+    assert agent.observed.dtype == "bfloat16"
 
 
 def test_a_loop_that_calls_the_models_parts_computes_in_the_candidate():
@@ -305,8 +306,8 @@ def test_a_loop_that_calls_the_models_parts_computes_in_the_candidate():
         return model
 
     agent = compare(loop, "bf16-mixed")
-    assert agent.record["observed"]["observed_dtype"] == "bfloat16"
-    assert [s["samples"] for s in agent.record["steps"]] == [8] * 4
+    assert agent.observed.dtype == "bfloat16"
+    assert [s.samples for s in agent.steps] == [8] * 4
 
 
 def test_an_fp32_evaluation_before_training_is_not_the_training_step():
@@ -324,8 +325,8 @@ def test_an_fp32_evaluation_before_training_is_not_the_training_step():
             loss.backward()
             opt.step()
             opt.zero_grad()
-    assert agent.record["observed"]["observed_dtype"] == "bfloat16"
-    assert len(agent.record["steps"]) == 3
+    assert agent.observed.dtype == "bfloat16"
+    assert len(agent.steps) == 3
 
 
 def test_a_run_whose_candidate_does_not_take_effect_is_stopped(tmp_path):
@@ -386,8 +387,8 @@ def test_a_learnable_temperature_outside_the_model_is_the_scripts_own():
             loss.backward()
             opt.step()
             opt.zero_grad()
-    assert agent.model is model and len(agent.record["steps"]) == 3
-    assert temperature.dtype == torch.float32 and float(temperature) != 1.0
+    assert agent.model is model and len(agent.steps) == 3
+    assert temperature.dtype == torch.float32 and float(temperature.detach()) != 1.0
 
 
 def test_a_half_precision_script_is_widened_for_an_fp32_candidate():
@@ -407,8 +408,8 @@ def test_a_half_precision_script_is_widened_for_an_fp32_candidate():
     with under("fp32") as agent:
         model = loop()
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert agent.record["facts"]["param_dtypes"] == ["bfloat16"] and agent.facts()["widened"]
-    assert agent.record["observed"]["observed_dtype"] == "float32"
+    assert agent.facts().param_dtypes == ["bfloat16"] and agent.facts().widened
+    assert agent.observed.dtype == "float32"
     with under("bf16-true (as written)") as agent:
         model = loop()
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -430,9 +431,9 @@ def test_a_script_that_uses_mixprecs_policy_has_it_built_under_the_candidate():
                 policy.step(opt)
                 opt.zero_grad()
     assert policy.name == "bf16-mixed" and agent.framework == "mixprec"
-    assert agent.own["framework"] == {"mixprec": "fp32"}
-    assert agent.record["observed"]["observed_dtype"] == "bfloat16"
-    assert len(agent.record["steps"]) == 3
+    assert agent.own.as_written["framework"] == {"mixprec": "fp32"}
+    assert agent.observed.dtype == "bfloat16"
+    assert len(agent.steps) == 3
 
 
 def test_a_mask_buffer_of_minus_infinity_is_not_a_failure(tmp_path):
@@ -458,9 +459,9 @@ def test_a_mask_buffer_of_minus_infinity_is_not_a_failure(tmp_path):
             loss.backward()
             opt.step()
             opt.zero_grad()
-    record = torch.load(out, weights_only=False)
-    assert record["nonfinite_buffers"] == [] and len(record["steps"]) == 2
-    assert all(math.isfinite(s["loss"]) for s in record["steps"])
+    record = TraceRecord.load(out)
+    assert record.nonfinite_buffers == [] and len(record.steps) == 2
+    assert all(math.isfinite(s.loss) for s in record.steps)
 
 
 def test_the_agent_puts_torch_back():
@@ -508,7 +509,7 @@ def test_the_traced_first_gradients_are_unscaled_under_loss_scaling(tmp_path, cl
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)
                 opt.step()
                 opt.zero_grad()
-        return torch.load(out, weights_only=False)["first_grads"]
+        return TraceRecord.load(out).first_grads
 
     want, got = first_grads("fp32"), first_grads("fp16-mixed")
     for name, g in want.items():

@@ -375,7 +375,7 @@ def test_lightning_with_a_scheduler_and_its_own_callbacks_is_measured_and_run(tm
     workload = ScriptWorkload.from_command(command)
     framework_named("script").validate_workload(workload, "cpu", 1)
     record = trace(workload, Candidate("bf16-mixed", framework="script"), 2)
-    assert record["facts"]["framework"] == "lightning" and record["observed"]["observed_dtype"] == "bfloat16"
+    assert record.facts.framework == "lightning" and record.observed.dtype == "bfloat16"
     workload.close()
     assert not (tmp_path / "ckpts").exists() and not (tmp_path / "logs").exists()  # measured: not written
     assert main(["run", "--policy", "bf16-mixed", "--out", str(tmp_path / "run"), "--", *command]) == 0

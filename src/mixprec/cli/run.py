@@ -60,8 +60,8 @@ def candidate_of(args: argparse.Namespace) -> Candidate:
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     from mixprec.frameworks import framework_named
     from mixprec.frameworks.script import ScriptWorkload
-    from mixprec.frameworks.script.agent import Plan
     from mixprec.frameworks.script.launch import launch
+    from mixprec.frameworks.script.messages import Plan
     from mixprec.frameworks.script.waiting import wait_run
     from mixprec.hardware.device import detect
 

@@ -124,7 +124,7 @@ class ScriptMonitor:
         self.monitor = Monitor(
             agent.model,
             policy,
-            optimizer=agent.optimizers,
+            optimizer=agent.optimizers.all,
             scaler=None if policy is not None else own,
             loss_fn=replay_step,
             autocast=agent.policy.autocast if agent.policy is not None and policy is None else None,

@@ -34,80 +34,27 @@ frameworks offer a seam (:mod:`.patches` lists each):
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
-import gc
-import importlib
-import json
 import os
 import random
-import resource
 import sys
 import threading
 import time
 import traceback
-import types
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec.frameworks.script.frameworks import MIXPREC, PLAIN, UNKNOWN_FRAMEWORKS, install_import_hooks
+from mixprec.frameworks.script import scaler_state
+from mixprec.frameworks.script.frameworks import PLAIN, UNKNOWN_FRAMEWORKS, install_import_hooks
+from mixprec.frameworks.script.messages import OWNER_ENV, Facts, Observed, Plan, Step
+from mixprec.frameworks.script.modes import mode_for
+from mixprec.frameworks.script.optimizers import Optimizers
+from mixprec.frameworks.script.own import OwnPrecision, as_torch
 from mixprec.frameworks.script.patches import Patches
-
-PLAN_ENV = "MIXPREC_SCRIPT_PLAN"
-OWNER_ENV = "MIXPREC_SCRIPT_OWNER"  # the process the plan is for (a spawned DataLoader worker is not)
-EXIT_REFUSED = 3  # `mixprec run`: the candidate did not take effect (what the CLI's 3 means)
-
-
-@dataclasses.dataclass
-class Plan:
-    """What the parent asks of one run of the script.
-
-    Attributes:
-        mode: "measure" (steps paced by the parent over a pipe), "trace" (record ``steps`` steps for
-            a numerics check, then stop), "run" (the user's run, to its end).
-        candidate: the candidate's dict (:meth:`mixprec.Candidate.to_dict`); ``as_written`` runs the
-            script's own precision.
-        steps: "trace": the steps to record.
-        read_fd / write_fd: "measure": the pipe ends to the parent.
-        out: "trace": where the record goes (``torch.save``); "run": the folder for run.json.
-        seed: seeds Python's, NumPy's and torch's generators before the script runs (None: the
-            script's own randomness, as ``mixprec run`` leaves it).
-        perturb: "trace": the initial weights times ``1 + perturb * N(0, 1)`` (the chaos floor).
-        ranges: "trace": also the full per-layer ranges of the first step.
-        scratch: where the frameworks' output folders go in "measure" and "trace" modes.
-        home: "measure"/"trace": the user's folder, which the run's scratch working folder mirrors
-            (:mod:`.sandbox`: reads as there, writes never there); None: no sandbox.
-        observer: "run": ``module:function`` building an observer of the run from the agent and
-            ``observe`` (the monitor's adapter: :mod:`mixprec.monitor.script`), or None.
-        observe: the observer's settings (the Monitor's: :class:`mixprec.monitor.MonitorConfig` fields).
-    """
-
-    mode: str
-    candidate: dict[str, Any]
-    steps: int = 0
-    read_fd: int | None = None
-    write_fd: int | None = None
-    out: str | None = None
-    seed: int | None = 0
-    perturb: float = 0.0
-    ranges: bool = False
-    scratch: str | None = None
-    home: str | None = None
-    observer: str | None = None
-    observe: dict[str, Any] | None = None
-
-    @classmethod
-    def from_env(cls) -> Plan | None:
-        path = os.environ.get(PLAN_ENV)
-        if not path:
-            return None
-        with open(path, encoding="utf-8") as f:
-            return cls(**json.load(f))
 
 
 @dataclasses.dataclass
@@ -126,74 +73,58 @@ class Window:
 
 
 class Agent:
-    """One script run under a plan (module docstring). One per process: :func:`install_from_env`."""
+    """One script run under a plan (module docstring): the shared core every mode (:mod:`.modes`)
+    runs on. One per process: :func:`install_from_env`."""
 
     def __init__(self, plan: Plan, *, exit: Callable[[int], None] | None = None) -> None:
         from mixprec.policy import Candidate
 
         self.plan = plan
         self.candidate = Candidate.from_dict(plan.candidate)
+        self.torch_candidate = as_torch(self.candidate)  # the script's model is a torch model
         self.inject = not self.candidate.as_written
         self.framework = PLAIN
         self.framework_flags: dict[str, Any] = {}
         self.model: nn.Module | None = None
         self.policy: Any = None
-        self.optimizers: list[torch.optim.Optimizer] = []
-        self.lead: torch.optim.Optimizer | None = None
-        self.script_scalers: list[Any] = []
-        self.own: dict[str, Any] = {"autocast": [], "scaler": None, "framework": {}}
         self.window = Window()
-        self.record: dict[str, Any] = {"steps": [], "facts": {}}
+        self.steps: list[Step] = []
+        self.observed: Observed | None = None
+        self.probe_dtypes: list[torch.dtype] = []  # every dtype the first step's matmuls/convs computed in
         self.internal_calls = 0  # > 0 while mixprec's own code calls torch (the patches let it be)
-        self.script_autocast_depth = 0  # the script's own autocast contexts entered (and not left)
         self.grads_scaled = False  # a backward the agent scaled ran; gradients unscaled on first read
         self.observers: list[Any] = []  # each: discovered(agent), step(agent, loss, skipped), summary()
+        self.taping = False  # record each step as a replayable tape (the monitor's shadow asks for it)
+        self.tracer: Any = None  # the trace mode's recorder (:mod:`.tracing`)
+        self.nonfinite_at_start: set[str] = set()
+        self.pid = os.getpid()
         self.patches = Patches(self)
-        self._exit = exit or _exit
+        self.own = OwnPrecision(self)
+        self.optimizers = Optimizers(self)
+        self.mode = mode_for(self)
+        self.exit = exit or _exit
+        self._facts = Facts()
         self._autocast: contextlib.AbstractContextManager[Any] | None = None
         self._model_ids: set[int] = set()
-        self._thread: int | None = None
-        self._owner: dict[int, torch.optim.Optimizer] = {}  # id(param) -> its optimizer
-        self._unscaled: set[int] = set()  # optimizers unscaled since the last scale update
-        self._scaled_by_script: set[int] = set()  # tensors the script's own enabled scaler scaled
-        self._in_backward = False
-        self.taping = False  # record each step as a replayable tape (the monitor's shadow asks for it)
-        self._unscaled_loss: dict[int, torch.Tensor] = {}  # id(scaled loss) -> the loss the script scaled
+        self.thread: int | None = None  # the loop's (autocast is per thread)
+        self.in_backward = False  # (a read of .grad inside backward, a hook's, is not the script's)
         self._probe: Any = None
-        self._tracer: Any = None
-        self._nonfinite_at_start: set[str] = set()
-        self._widened = False  # a half-precision script's model, widened to fp32 for this candidate
-        self._finished = False
-        self._pid = os.getpid()
-        self._pipe_in: Any = None
-        self._pipe_out: Any = None
         self._undo_hooks: Callable[[], None] | None = None
         self._scopes = contextlib.ExitStack()  # the candidate's fp32 math mode, for the whole run
 
     # ------------------------------------------------------------------ set-up
     def install(self) -> None:
-        self._pid = os.getpid()  # (a DataLoader worker forked from the script is not the script)
+        self.pid = os.getpid()  # (a DataLoader worker forked from the script is not the script)
         if self.plan.seed is not None:
             seed_everything(self.plan.seed)
-        if self.plan.mode == "measure":
-            assert self.plan.read_fd is not None and self.plan.write_fd is not None
-            self._pipe_out = os.fdopen(self.plan.write_fd, "w", buffering=1)
-            self._pipe_in = os.fdopen(self.plan.read_fd, "r")
         self.patches.install()
-        self._patch_own_policy()
+        self.own.patch_policy()
         self._undo_hooks = install_import_hooks(self)
-        if self.plan.home and self.plan.mode in ("measure", "trace"):
+        if self.plan.home and self.mode.sandboxed:
             from mixprec.frameworks.script import sandbox
 
             self.patches.add(sandbox.install(self.plan.home, os.getcwd()))
-        if self.plan.mode == "run":
-            if self.plan.observer:  # built from the top (mixprec run): the monitor sits above this layer
-                module, _, name = self.plan.observer.partition(":")
-                self.observers.append(
-                    getattr(importlib.import_module(module), name)(self, self.plan.observe or {})
-                )
-            atexit.register(self.finish_run)
-            self.patches.on_exit(self.finish_run)
+        self.mode.install()
 
     def uninstall(self) -> None:
         """Put torch back as it was (the in-process tests run a loop under an agent, then this)."""
@@ -203,7 +134,9 @@ class Agent:
         if self._undo_hooks is not None:
             self._undo_hooks()
         with contextlib.suppress(Exception):
-            atexit.unregister(self.finish_run)
+            import atexit
+
+            atexit.unregister(self.mode.finish)
 
     @contextlib.contextmanager
     def internal(self) -> Iterator[None]:
@@ -225,7 +158,12 @@ class Agent:
         """The script's optimizer steps go through the candidate's Policy (loss scaling, the finite
         check): a plain loop with no enabled GradScaler of its own (one it has does the scaling,
         enabled exactly when the candidate scales the loss with fp32 weights)."""
-        return self.loop and not any(s.is_enabled() for s in self.script_scalers)
+        return self.loop and not self.own.scaling()
+
+    @property
+    def device(self) -> torch.device:
+        p = next(self.model.parameters(), None) if self.model is not None else None
+        return p.device if p is not None else torch.device("cpu")
 
     def is_model(self, module: nn.Module) -> bool:
         """Whether ``module`` is the model or a part of it (or a compiled wrapper of one)."""
@@ -234,217 +172,27 @@ class Agent:
         inner = getattr(module, "_orig_mod", None)
         return inner is not None and id(inner) in self._model_ids
 
-    # ------------------------------------------------------------------ the script's own precision
-    def script_autocast(self, device_type: str, dtype: torch.dtype | None) -> tuple[Any, bool]:
-        """An enabled ``torch.autocast`` the script makes: under an injected candidate in a plain
-        loop it takes the candidate's dtype (or is disabled)."""
-        if self.framework != PLAIN:  # a framework's own autocast: its switch is the precision
-            return dtype, True
-        self.own["autocast"].append({"device_type": device_type, "dtype": str(dtype)})
-        if self.inject:
-            wanted = self.candidate.spec.autocast_dtype
-            return (wanted if wanted is not None else dtype), wanted is not None
-        return dtype, True
-
-    def script_autocast_enters(self, ctx: Any) -> None:
-        """The script enters one of its autocast contexts. An outermost disabled one is its AMP
-        switched off (``autocast(enabled=use_amp)``): under an injected candidate it runs the
-        candidate's autocast; a disabled one inside an autocast is a region the script keeps in fp32."""
-        self.script_autocast_depth += 1
-        wanted = self.candidate.spec.autocast_dtype
-        outermost = self.script_autocast_depth == 1 and not torch.is_autocast_enabled(ctx.device)
-        if self.inject and self.framework == PLAIN and wanted is not None and outermost and not ctx._enabled:
-            ctx._enabled, ctx.fast_dtype = True, wanted
-
-    def script_scaler(self, scaler: Any, enabled: bool) -> bool:
-        """A GradScaler the script makes: enabled exactly when the candidate scales the loss with
-        fp32 weights (a *-true candidate's scaling is its Policy's: GradScaler refuses to unscale
-        half gradients)."""
-        self.own["scaler"] = self.own["scaler"] or enabled
-        self.script_scalers.append(scaler)
-        if self.inject and self.framework == PLAIN:
-            spec = self.candidate.spec
-            return spec.loss_scaling and spec.param_dtype is None
-        return enabled
-
-    def script_scaled(self, scaler: Any, loss: torch.Tensor, scaled: torch.Tensor) -> None:
-        """The script's GradScaler scaled ``loss``: its backward records the loss unscaled."""
-        self._unscaled_loss[id(scaled)] = loss
-        if scaler.is_enabled():  # a disabled scaler hands the loss back: it is still to scale
-            self._scaled_by_script.add(id(scaled))
-
-    def script_scaler_stepped(self, scaler: Any, optimizer: Any) -> None:
-        """The script's GradScaler stepped ``optimizer``, or skipped it (inf/NaN gradients: no
-        ``optimizer.step()`` ran, so no step hook said it)."""
-        if scaler.is_enabled() and _found_inf(scaler, optimizer):
-            self.optimizer_stepped(_torch_optimizer(optimizer), skipped=True)
-
-    def _patch_own_policy(self) -> None:
-        """A script that builds mixprec's own Policy: built under the candidate (the policy it asked
-        for is its precision as written), and it runs the loop's precision itself."""
-        from mixprec.policy.policy import Policy
-
-        agent, original = self, Policy.__init__
-
-        def __init__(policy: Any, config: Any) -> None:
-            if agent.internal_calls:
-                return original(policy, config)
-            agent.framework = MIXPREC
-            agent.own["framework"] = {"mixprec": config.name}
-            if agent.inject:
-                from mixprec.policy import get_policy
-
-                with agent.internal():
-                    wanted = dataclasses.replace(agent.candidate, framework="torch", as_written=False)
-                    config = get_policy(wanted, device=config.device, check=False).config
-                agent.framework_flags = {"mixprec": config.name}
-            return original(policy, config)
-
-        self.patches.replace(Policy, "__init__", __init__)
-
-    # ------------------------------------------------------------------ optimizers and the model
-    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
-        """A new optimizer of the script's: the first names the model; one over another model is refused."""
-        params = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if self.model is None:
-            owner = find_model(params)
-            if owner is None:
-                self.fail(
-                    "UsageError",
-                    "the script's first optimizer holds no parameter of any nn.Module: mixprec measures "
-                    "the model an optimizer trains",
-                )
-            self.model, self.lead = owner, optimizer
-            self._thread = threading.get_ident()  # (autocast is per thread: the loop's)
-            self._register(optimizer)
-            self._discovered()
-            return
-        owner = find_model(params - {id(p) for p in self.model.parameters()})
-        if owner is not None and owner is not self.model and not _inside(owner, self.model):
-            self.fail(
-                "UsageError",
-                f"the script trains a second model ({type(owner).__name__}, beside "
-                f"{type(self.model).__name__}) with its own optimizer: mixprec measures one model per "
-                "run (put both in one nn.Module, as a GAN's generator and discriminator can be)",
-            )
-        self._register(optimizer)
-
-    def _register(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizers.append(optimizer)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                self._owner[id(p)] = optimizer
-        self._wrap_step(optimizer)
-
-    def _wrap_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Route ``optimizer.step()`` through the Policy where the agent injects the loop. A bound
-        method, as the optimizer's own is: an LR scheduler made later wraps it through ``__func__``."""
-        agent = self
-        klass_step = type(optimizer).step
-
-        def step(opt: torch.optim.Optimizer, *args: Any, **kw: Any) -> Any:
-            if agent.internal_calls:
-                return klass_step(opt, *args, **kw)
-            if opt is agent.lead and agent.observers and not args and not kw:
-                agent.before_update()
-            if not agent.routing:
-                return klass_step(opt, *args, **kw)
-            return agent.routed_step(opt, klass_step, args, kw)
-
-        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
-
-    def routed_step(
-        self, optimizer: torch.optim.Optimizer, klass_step: Callable, args: tuple, kw: dict
-    ) -> Any:
-        """The script's ``optimizer.step()`` in an injected plain loop: through the candidate's Policy
-        (unscaled where it scales, skipped on inf/NaN gradients); the scale is updated once, when the
-        step ends."""
-        self.leave_autocast()
-        closure = kw.get("closure", args[0] if args else None)
-        if closure is not None:
-            if self.policy.scaler is not None:
-                self.fail(
-                    "UnsupportedError",
-                    f"optimizer.step(closure) ({type(optimizer).__name__}) under {self.candidate.policy}: "
-                    "a closure re-evaluates the loss inside the step, where loss scaling cannot reach it "
-                    "(GradScaler refuses closures); use a *-mixed policy without loss scaling (bf16-mixed)",
-                )
-            # the closure's forward and backward are seen as any; the step is the optimizer's own
-            return klass_step(optimizer, *args, **kw)
-        from mixprec.errors import MixprecError
-
-        self.optimizer_starts(optimizer)
-        if self.policy.scaler is not None and not self.window.backwards:
-            self.fail("UnsupportedError", self._no_backward(optimizer))
-        with self.internal():
-            try:
-                found = self.policy.step_optimizers([optimizer])[0]
-            except MixprecError as exc:
-                self.fail(type(exc).__name__, f"the script's {type(optimizer).__name__}.step(): {exc}")
-        self.window.routed.append((optimizer, found))
-        self._unscaled.add(id(optimizer))  # (stepped: its gradients are not read scaled again)
-        self.optimizer_stepped(optimizer, skipped=found)
-        return None
-
-    def before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Every optimizer step's pre-hook (the script's, or the Policy's for a routed step)."""
-        if optimizer is not self.lead:
-            return
-        if not self.internal_calls:
-            self.optimizer_starts(optimizer)
-        if self._tracer is not None:
-            half = self.inject and self.candidate.spec.param_dtype is not None
-            self._tracer.before_update(self._scale(), half)
-
-    def before_update(self) -> None:
-        """The lead optimizer is about to step (called before its step runs, outside the optimizer's
-        own hooks, which an observer may register): the observers see the step's loss and batch."""
-        if self.window.lead_stepped:
-            self.boundary()
-            self.window.started = time.perf_counter()
-        for observer in self.observers:
-            with self.internal():
-                observer.before_update(self)
-
-    def after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self.internal_calls:
-            self.optimizer_stepped(optimizer, skipped=False)
-
-    def optimizer_starts(self, optimizer: Any) -> None:
-        """The lead steps again with no forward or backward since: the last step ends here."""
-        if optimizer is self.lead and self.window.lead_stepped:
-            self.boundary()
-            self.window.started = time.perf_counter()
-
-    def optimizer_stepped(self, optimizer: Any, skipped: bool) -> None:
-        if optimizer is self.lead:
-            self.window.lead_stepped = True
-            self.window.skipped |= skipped
-            self.patches.arm_forward()  # the model's next forward ends the step
-
-    def _discovered(self) -> None:
-        """The model is known: apply the candidate (plain loop), hook its forward, report its facts."""
+    # ------------------------------------------------------------------ the model
+    def discovered(self) -> None:
+        """The model is known: apply the candidate (plain loop), hook its forward, read its facts."""
         from mixprec.errors import MixprecError
 
         model = self.model
         assert model is not None
-        device = _device_of(model)
-        facts = self.record["facts"]
-        facts["param_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
-        facts["strict_math"] = _strict_math(device)  # (the script's own, before the candidate's)
-        self._nonfinite_at_start = _nonfinite_buffers(model)
+        facts = self._facts
+        facts.param_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+        facts.strict_math = _strict_math(self.device)  # (the script's own, before the candidate's)
+        self.nonfinite_at_start = _nonfinite_buffers(model)
         try:
-            self._apply_candidate(model, device)
+            self._apply_candidate(model)
         except MixprecError as exc:
             self.fail(type(exc).__name__, str(exc))
         if self.plan.perturb:
             perturb_weights(model, self.plan.perturb)
         model.register_forward_pre_hook(self._root_forward, with_kwargs=True)
         model.register_forward_hook(self._root_output)
-        if self.plan.mode == "trace":
-            compiled = bool(self.candidate.compile) and self.inject
-            self._tracer = _tracer(model, self.candidate.spec.range_format, compiled, self.plan.ranges)
-        if self.inject or self.plan.mode != "run":  # which dtype the first matmul/conv computed in
+        self.mode.discovered()
+        if self.mode.probes():  # which dtype the first matmul/conv computed in
             from mixprec.frameworks.torch.probe import FirstComputeLayer
 
             keep = self.candidate.keep_fp32 if self.inject else ()
@@ -453,15 +201,12 @@ class Agent:
         for observer in self.observers:
             with self.internal():
                 observer.discovered(self)
-        facts.update(
-            model=type(model).__name__,
-            device=str(device),
-            modules=[(n, type(m).__name__) for n, m in model.named_modules() if n],
-            params=[n for n, _ in model.named_parameters()],
-        )
+        facts.model, facts.device = type(model).__name__, str(self.device)
+        facts.modules = [(n, type(m).__name__) for n, m in model.named_modules() if n]
+        facts.params = [n for n, _ in model.named_parameters()]
         self.patches.arm_forward()
 
-    def _apply_candidate(self, model: nn.Module, device: torch.device) -> None:
+    def _apply_candidate(self, model: nn.Module) -> None:
         """The candidate on the model: its Policy in a plain loop; the fp32 math mode where a
         framework's switch holds the dtypes."""
         if not self.inject:
@@ -474,8 +219,7 @@ class Agent:
         from mixprec.policy import get_policy
 
         with self.internal():  # the script's model is a torch model: the torch candidate's Policy
-            torch_candidate = dataclasses.replace(self.candidate, framework="torch", as_written=False)
-            self.policy = get_policy(torch_candidate, device=device)
+            self.policy = get_policy(self.torch_candidate, device=self.device)
             if self.candidate.spec.param_dtype is None and _half_parameters(model):
                 # a script that trains half weights itself (model.to(torch.bfloat16)): fp32 master
                 # weights for this candidate (exact), and its half inputs widened to meet them
@@ -483,7 +227,7 @@ class Agent:
                 from mixprec.policy.hooks import cast_inputs
 
                 model.register_forward_pre_hook(cast_inputs(torch.float32), with_kwargs=True)
-                self._widened = True
+                self._facts.widened = True
             self._scopes.enter_context(self.policy.precision_scope())  # as a script sets them
             self.policy.prepare(model)
             if self.candidate.compile:  # the forward only: mixprec's hooks on the model stay eager
@@ -499,14 +243,12 @@ class Agent:
             self.window.started = time.perf_counter()
         if module is not self.model:  # (the root counts its own samples: _root_forward)
             self.window.samples += _batch_size(args, {})
-        if self.loop and self._autocast is None and threading.get_ident() == self._thread:
+        if self.loop and self._autocast is None and threading.get_ident() == self.thread:
             # the script's own autocast (overridden to the candidate's) governs where it has one;
             # a *-true candidate's half default dtype is mixprec's alone
             device_type = self.policy.device.type
             half_default = self.candidate.spec.autocast_dtype is None
-            if half_default or (
-                not self.script_autocast_depth and not torch.is_autocast_enabled(device_type)
-            ):
+            if half_default or (not self.own.autocast_depth and not torch.is_autocast_enabled(device_type)):
                 ctx = self.policy.autocast()
                 with self.internal():
                     ctx.__enter__()
@@ -528,8 +270,8 @@ class Agent:
     def _root_output(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not torch.is_grad_enabled() or self.internal_calls:
             return
-        if self._tracer is not None:
-            self._tracer.forward_output(output)
+        if self.tracer is not None:
+            self.tracer.forward_output(output)
         if self.window.tape is not None:
             self.window.tape.model_output(output)
 
@@ -557,7 +299,7 @@ class Agent:
         outputs = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
         grads = _as_grads(grad_tensors, len(outputs))
         losses = [
-            self._unscaled_loss.get(id(out), out) for out in outputs
+            self.own.unscaled_loss.get(id(out), out) for out in outputs
         ]  # (the script's scaler's: unscaled)
         if self.window.tape is not None:
             tape = self.window.tape
@@ -576,40 +318,28 @@ class Agent:
                 scale = float(self.policy.scaler.get_scale())
             self.grads_scaled = True
             self.patches.grad_reads(True)
-        elif any(id(out) in self._scaled_by_script for out in outputs):
-            scale = self._scale_after()
-        if self._tracer is not None:
-            self._tracer.backward_starts(scale)
-        self._in_backward = True
+        elif any(id(out) in self.own.scaled for out in outputs):
+            scale = self.scale_after()
+        if self.tracer is not None:
+            self.tracer.backward_starts(scale)
+        self.in_backward = True
         try:
             return original(outputs if len(outputs) > 1 else outputs[0], grad_tensors, *args, **kw)
         finally:
-            self._in_backward = False
-
-    def reading_grad(self, tensor: torch.Tensor) -> None:
-        """A gradient is read after a scaled backward (a clip, a norm, a log): its optimizer's
-        gradients are unscaled first, once per step, as ``GradScaler.unscale_`` before clipping."""
-        if self._in_backward:
-            return
-        optimizer = self._owner.get(id(tensor))
-        if optimizer is None or id(optimizer) in self._unscaled:
-            return
-        self._unscaled.add(id(optimizer))
-        with self.internal():
-            self.policy.scaler.unscale_(optimizer)
+            self.in_backward = False  # (a read of .grad inside backward, a hook's, is not the script's)
 
     # ------------------------------------------------------------------ the step boundary
     def boundary(self) -> None:
-        """The script's step ended: the scale updated once for what was routed, the step recorded,
-        reported to the parent (measure) or the observers (run), the run stopped where the plan ends."""
+        """The script's step ended: the scale updated once for what was routed, the step recorded
+        and handed to the mode (the parent's pace, the trace, the observers)."""
         from mixprec.errors import MixprecError
 
         window = self.window
         self.leave_autocast()
         if window.tape is not None:
             window.tape.pause()
-        if not window.backwards and self.plan.mode != "run":
-            self.fail("UnsupportedError", self._no_backward(self.lead))
+        if not window.backwards and self.mode.needs_backward:
+            self.fail("UnsupportedError", self.no_backward(self.optimizers.lead))
         skipped = window.skipped
         if window.routed:
             found = [f for _, f in window.routed]
@@ -619,42 +349,21 @@ class Agent:
                 except MixprecError as exc:  # persistent skips, a collapsed scale: the candidate fails
                     self.fail(type(exc).__name__, str(exc))
             skipped = skipped or any(found)
-        self._unscaled.clear()
+        self.optimizers.new_step()
         self.grads_scaled = False
-        device = _device_of(self.model)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         loss = torch.stack([x.float().reshape(()) for x in window.losses]).sum() if window.losses else None
-        event: dict[str, Any] = {
-            "event": "step",
-            "index": window.index,
-            "seconds": now - (window.started or now),
-            "samples": window.samples,
-            "skipped": skipped,
-        }
+        step = Step(window.index, now - (window.started or now), window.samples, skipped)
         self.window = Window(index=window.index + 1)
-        self._scaled_by_script, self._unscaled_loss = set(), {}
+        self.own.new_step()
+        self.steps.append(step)
         if self._probe is not None:
-            self._finish_probe()
-        if self.plan.mode == "run":
-            for observer in self.observers:
-                with self.internal():
-                    stop = observer.step(self, loss, skipped)
-                if stop:  # the observer gave up on the run: stop it, with the record
-                    self.stop_run(stop, 4)
-        else:
-            event["loss"] = float(loss) if loss is not None else float("nan")
-        self.record["steps"].append(event)
-        if self._tracer is not None:
-            self._tracer.end_step(event, skipped, self._scale_after())
-        if self.plan.mode == "measure":
-            self._pace(event)
-        elif self.plan.mode == "trace" and window.index + 1 >= self.plan.steps:
-            self._write_trace()
-            self._exit(0)
+            self._read_probe()
+        self.mode.step_ended(step, loss)
 
-    def _no_backward(self, optimizer: Any) -> str:
+    def no_backward(self, optimizer: Any) -> str:
         return (
             f"the script's {type(optimizer).__name__} stepped with no backward() mixprec saw: its "
             "gradients come from elsewhere (torch.func.grad, torch.autograd.grad), where mixprec can "
@@ -662,43 +371,21 @@ class Agent:
             "compute them with loss.backward() to have the script measured and checked"
         )
 
-    def _pace(self, event: dict[str, Any]) -> None:
-        """Measure mode: report the step, then wait for the parent's next word."""
-        if event["index"] == 0:
-            self.send({"event": "ready", "facts": self.facts()})
-        self.send(event)
-        line = self._pipe_in.readline()
-        command = json.loads(line) if line else {"cmd": "stop"}
-        if command["cmd"] == "stop":
-            self.send({"event": "done", "measurement": self.measurement()})
-            self._exit(0)
-
-    def _finish_probe(self) -> None:
-        """After the first step: the dtype its first matmul/conv computed in. ``mixprec run`` stops a
-        run whose candidate did not take effect (fp32 training is never called bf16)."""
+    def _read_probe(self) -> None:
+        """After the first step: the dtype its first matmul/conv computed in."""
         probe, self._probe = self._probe, None
         probe.remove()
         observed = str(probe.dtype).removeprefix("torch.") if probe.dtype else None
-        self.record["observed"] = {"observed_layer": probe.name, "observed_dtype": observed}
-        if self.plan.mode != "run" or not self.inject or observed is None:
-            return
-        expected = self.expected_dtype()
-        computed = sorted(str(d).removeprefix("torch.") for d in probe.dtypes)
-        if expected not in computed:  # (a layer the model keeps in fp32 on purpose is not this)
-            self.stop_run(
-                f"labelled {self.candidate.label} but no matmul/conv layer of the script's first step "
-                f"computed in {expected} (they computed in {', '.join(computed)}; the first was "
-                f"{probe.name!r}): the candidate did not take effect in {self.framework_title()}, so the "
-                "run is stopped rather than trained in another precision than the one named",
-                EXIT_REFUSED,
-            )
+        self.observed = Observed(probe.name, observed)
+        self.probe_dtypes = list(probe.dtypes)
+        self.mode.observed(self.observed)
 
     def expected_dtype(self) -> str:
+        """The dtype the candidate computes matmuls in on this device."""
         from mixprec.policy import get_policy
 
         with self.internal():
-            wanted = dataclasses.replace(self.candidate, framework="torch", as_written=False)
-            policy = get_policy(wanted, device=str(_device_of(self.model)), check=False)
+            policy = get_policy(self.torch_candidate, device=str(self.device), check=False)
         return str(policy.compute_dtype).removeprefix("torch.")
 
     def framework_title(self) -> str:
@@ -706,111 +393,47 @@ class Agent:
 
         return TRAINED_BY.get(self.framework, self.framework)
 
-    # ------------------------------------------------------------------ what the parent reads
-    def facts(self) -> dict[str, Any]:
-        facts = dict(self.record["facts"])
-        facts.update(framework=self.framework, framework_flags=self.framework_flags, own=self.own)
+    def facts(self) -> Facts:
+        """What the script is, as far as it ran."""
+        facts = dataclasses.replace(self._facts)
+        facts.framework, facts.framework_flags = self.framework, self.framework_flags
+        facts.own = self.own.as_written
         # only where the script's own loop trains: a known framework imports some of these itself
         # (transformers imports deepspeed where it is installed), and its switches are the ones set
         unknown = [name for name in UNKNOWN_FRAMEWORKS if name in sys.modules]
-        facts["unknown_frameworks"] = unknown if self.framework == PLAIN else []
-        facts["samples_per_step"] = self.record["steps"][0]["samples"] if self.record["steps"] else None
-        facts["widened"] = self._widened
+        facts.unknown_frameworks = unknown if self.framework == PLAIN else []
+        facts.samples_per_step = self.steps[0].samples if self.steps else None
         return facts
-
-    def measurement(self) -> dict[str, Any]:
-        device = _device_of(self.model)
-        if device.type == "cuda":
-            peak, method = int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated"
-        else:  # ru_maxrss is KiB on Linux
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            method = "peak RSS of the script's process (the data, the interpreter and the libraries too)"
-        out: dict[str, Any] = {"peak_memory_bytes": peak, "memory_method": method}
-        out["skipped_steps"] = sum(1 for s in self.record["steps"] if s["skipped"])
-        out.update(self.record.get("observed", {}))
-        return out
-
-    def send(self, event: dict[str, Any]) -> None:
-        self._pipe_out.write(json.dumps(event, default=str) + "\n")
-        self._pipe_out.flush()
 
     def fail(self, kind: str, message: str) -> None:
         """Stop the script with mixprec's reason: to the parent (the pipe, the trace record, the run
         record, whichever the mode has), then exit 2."""
-        if self._pipe_out is not None:
-            self.send({"event": "error", "type": kind, "message": message})
-        if self.plan.mode == "trace" and self.plan.out:
-            torch.save({"error": f"{kind}: {message}", "facts": self.facts()}, self.plan.out)
-        if self.plan.mode == "run":
-            self.stop_run(message, 2)
+        self.mode.fail(kind, message)
         print(f"mixprec: {message}", file=sys.stderr, flush=True)
-        self._exit(2)
+        self.exit(2)
 
-    def _write_trace(self) -> None:
-        assert self.plan.out
-        data = {
-            "steps": self.record["steps"],
-            "facts": self.facts(),
-            "observed": self.record.get("observed", {}),
-        }
-        if self._tracer is not None:
-            data.update(self._tracer.record(self._nonfinite_at_start))
-        torch.save(data, self.plan.out)
+    def finish_run(self) -> None:
+        """The script exits (atexit, os._exit; the in-process tests at the end of their loop)."""
+        self.mode.finish()
 
-    def _scale(self) -> float | None:
+    # ------------------------------------------------------------------ loss scales
+    def _scalers(self) -> list[Any]:
+        """The loss scalers of this step: the candidate's Policy's where it routes, or the script's own."""
+        scalers = [self.policy.scaler] if self.routing and self.policy.scaler is not None else []
+        return scalers + [s for s in self.own.scalers if s.is_enabled()]
+
+    def scale_now(self) -> float | None:
         """The loss scale the lead's gradients carry now (None: none, or already unscaled: by a read
         of them, or by GradScaler.step itself before it steps)."""
-        scalers = [self.policy.scaler] if self.routing and self.policy.scaler is not None else []
-        scalers += [s for s in self.script_scalers if s.is_enabled()]
-        if not scalers:
+        scalers = self._scalers()
+        if not scalers or scaler_state.unscaled(scalers[0], self.optimizers.lead):
             return None
-        return None if _unscaled(scalers[0], self.lead) else float(scalers[0].get_scale())
+        return float(scalers[0].get_scale())
 
-    def _scale_after(self) -> float | None:
-        if self.routing and self.policy.scaler is not None:
-            return float(self.policy.scaler.get_scale())
-        enabled = [s for s in self.script_scalers if s.is_enabled()]
-        return float(enabled[0].get_scale()) if enabled else None
-
-    # ------------------------------------------------------------------ run mode (mixprec run)
-    def finish_run(self) -> None:
-        """Run mode, at the script's exit: its last step ends, and ``run.json`` is written."""
-        if self._finished or self.plan.mode != "run" or os.getpid() != self._pid:
-            return
-        self._finished = True
-        if self.window.lead_stepped:
-            self.boundary()
-        self.write_run()
-
-    def stop_run(self, why: str, code: int) -> None:
-        """Run mode: end the run now with ``why`` in its record (the CLI prints it), exit ``code``."""
-        self._finished = True
-        self.write_run(error=why)
-        self._exit(code)
-
-    def write_run(self, error: str | None = None) -> None:
-        """Run mode: ``run.json`` in the plan's folder: the candidate, the facts, the step times and
-        each observer's summary (the monitor's losses, findings, health)."""
-        if not self.plan.out:
-            return
-        from pathlib import Path
-
-        out = Path(self.plan.out)
-        out.mkdir(parents=True, exist_ok=True)
-        data: dict[str, Any] = {
-            "candidate": self.candidate.to_dict(),
-            "facts": self.facts(),
-            "pid": os.getpid(),
-        }
-        data["steps"] = len(self.record["steps"])
-        data["step_seconds"] = [s["seconds"] for s in self.record["steps"]]
-        data["observed"] = self.record.get("observed", {})
-        if error is not None:
-            data["error"] = error
-        for observer in self.observers:
-            with self.internal():
-                data.update(observer.summary())
-        (out / "run.json").write_text(json.dumps(data, indent=1, default=str))
+    def scale_after(self) -> float | None:
+        """The loss scale after this step's update."""
+        scalers = self._scalers()
+        return float(scalers[0].get_scale()) if scalers else None
 
 
 # ---------------------------------------------------------------------- helpers
@@ -822,27 +445,6 @@ def seed_everything(seed: int) -> None:
         import numpy
 
         numpy.random.seed(seed)
-
-
-def find_model(params: set[int]) -> nn.Module | None:
-    """The outermost live ``nn.Module`` holding most of the parameters in ``params`` (ids; those of
-    no module, a bare ``nn.Parameter``, are the script's own), or None when no module holds any."""
-    with warnings.catch_warnings():  # isinstance() on every live object wakes deprecated module attributes
-        warnings.simplefilter("ignore")
-        modules = [o for o in gc.get_objects() if isinstance(o, nn.Module)]
-    children = {id(c) for m in modules for c in m.children()}
-    best: tuple[int, int] | None = None
-    model = None
-    for root in modules:
-        if id(root) in children:
-            continue
-        own = [id(p) for p in root.parameters()]
-        held = len(params.intersection(own))
-        # most of the optimizer's parameters; among equals, the smallest module holding them
-        if held and (best is None or (held, -len(own)) > best):
-            best, model = (held, -len(own)), root
-    inner = getattr(model, "_orig_mod", None)  # a torch.compile wrapper: the model it compiles
-    return inner if isinstance(inner, nn.Module) else model
 
 
 def _strict_math(device: torch.device) -> bool:
@@ -858,10 +460,6 @@ def _strict_math(device: torch.device) -> bool:
     return all(now[k] == v for k, v in strict.items() if k.startswith(prefixes))
 
 
-def _inside(module: nn.Module, model: nn.Module) -> bool:
-    return any(m is module for m in model.modules())
-
-
 def _half_parameters(model: nn.Module) -> bool:
     return any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
 
@@ -872,17 +470,6 @@ def _nonfinite_buffers(model: nn.Module) -> set[str]:
         for n, b in model.named_buffers()
         if b is not None and b.is_floating_point() and not bool(torch.isfinite(b).all())
     }
-
-
-def _tracer(model: nn.Module, range_format: str | None, compiled: bool, ranges: bool) -> Any:
-    from mixprec.frameworks.script.tracing import Tracer
-
-    return Tracer(model, range_format, compiled=compiled, ranges=ranges)
-
-
-def _device_of(model: nn.Module | None) -> torch.device:
-    p = next(model.parameters(), None) if model is not None else None
-    return p.device if p is not None else torch.device("cpu")
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int:
@@ -900,33 +487,6 @@ def _as_grads(grad_tensors: Any, n: int) -> list[torch.Tensor | None]:
         return [grad_tensors]
     grads = list(grad_tensors)
     return grads + [None] * (n - len(grads))
-
-
-def _torch_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside a framework's wrapper (Lightning's, Accelerate's)."""
-    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
-def _per_optimizer_state(scaler: Any, optimizer: Any) -> dict[str, Any]:
-    """GradScaler's private per-optimizer state (``found_inf_per_device``, ``stage``), read where
-    torch keeps it (2.4 to 2.14 alike); empty where it is not there."""
-    states = getattr(scaler, "_per_optimizer_states", None)
-    if not isinstance(states, dict):
-        return {}
-    return states.get(id(_torch_optimizer(optimizer)), {}) or {}
-
-
-def _found_inf(scaler: Any, optimizer: Any) -> bool:
-    """Whether the scaler found inf/NaN in ``optimizer``'s gradients this step."""
-    found = _per_optimizer_state(scaler, optimizer).get("found_inf_per_device") or {}
-    return any(float(v) > 0 for v in found.values())
-
-
-def _unscaled(scaler: Any, optimizer: Any) -> bool:
-    stage = _per_optimizer_state(scaler, optimizer).get("stage")
-    return getattr(stage, "name", "") == "UNSCALED"
 
 
 def perturb_weights(model: nn.Module, perturb: float) -> None:

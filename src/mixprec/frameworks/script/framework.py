@@ -19,6 +19,8 @@ import torch
 
 from mixprec.errors import UsageError
 from mixprec.frameworks.base import Framework
+from mixprec.frameworks.script.messages import Facts, TraceRecord
+from mixprec.frameworks.script.own import as_torch
 from mixprec.frameworks.script.session import ScriptFailed, ScriptSession, ScriptTimedOut, trace
 from mixprec.frameworks.script.workload import TRAINED_BY, ScriptFacts, ScriptWorkload
 from mixprec.frameworks.session import BenchSettings, Session
@@ -81,7 +83,7 @@ class ScriptFramework(Framework):
             except ScriptFailed as exc:
                 raise UsageError(f"the script does not train in strict fp32: {exc}") from None
             workload.facts = facts_of(record)
-            for name in (record.get("facts") or {}).get("unknown_frameworks") or []:
+            for name in record.facts.unknown_frameworks:
                 workload.notes.append(
                     f"the script imports {name}, whose precision switches mixprec does not know: its loop "
                     "was measured as a plain one (torch.autocast, GradScaler and the optimizer step "
@@ -214,9 +216,8 @@ class ScriptFramework(Framework):
         device: str,
         loss_scale: float | None,
     ) -> RangeReport:
-        record = trace(workload, candidate, 1, ranges=True)
-        ranges = record.get("ranges")
-        if not isinstance(ranges, RangeReport):
+        ranges = trace(workload, candidate, 1, ranges=True).ranges
+        if ranges is None:
             raise ScriptFailed("the script's first step recorded no ranges")
         return ranges
 
@@ -259,13 +260,6 @@ class ScriptFramework(Framework):
         return texts, refusals
 
 
-def as_torch(candidate: Candidate) -> Candidate:
-    """The same candidate as a torch one (what the exports write for the script's model)."""
-    from dataclasses import replace
-
-    return replace(candidate, framework="torch", as_written=False)
-
-
 def run_line(candidate: Candidate, given: Sequence[str]) -> str:
     """``mixprec run`` with ``candidate``'s options, then the user's own command."""
     parts = ["mixprec", "run", "--policy", candidate.policy]
@@ -278,36 +272,35 @@ def run_line(candidate: Candidate, given: Sequence[str]) -> str:
     return shlex.join([*parts, "--", *given])
 
 
-def facts_of(record: dict[str, Any]) -> ScriptFacts:
+def facts_of(record: TraceRecord) -> ScriptFacts:
     """What the validating run's record says about the script."""
-    facts = record.get("facts") or {}
-    steps = record.get("steps") or []
-    if not steps:
+    facts = record.facts
+    if not record.steps:
         raise UsageError("the script never called an optimizer step")
-    losses = [float(s["loss"]) for s in steps]
+    losses = [s.loss if s.loss is not None else math.nan for s in record.steps]
     if not all(math.isfinite(v) for v in losses):
         raise UsageError(
             f"the script's loss in strict fp32 is {losses}: mixprec sees what the script calls backward() "
             "on; fix it so it trains in fp32 first"
         )
     return ScriptFacts(
-        framework=facts.get("framework", "plain"),
+        framework=facts.framework,
         own_policy=own_policy(facts),
-        own=facts.get("own") or {},
-        model=facts.get("model", "?"),
-        modules=[(str(m[0]), str(m[1])) for m in facts.get("modules") or []],
-        params=list(facts.get("params") or []),
-        device=facts.get("device", "cpu"),
-        samples_per_step=int(steps[0].get("samples") or 0) or 1,
+        own=facts.own,
+        model=facts.model,
+        modules=facts.modules,
+        params=facts.params,
+        device=facts.device,
+        samples_per_step=record.steps[0].samples or 1,
         first_losses=losses,
-        strict_math=bool(facts.get("strict_math", True)),
+        strict_math=facts.strict_math,
     )
 
 
-def own_policy(facts: dict[str, Any]) -> str:
+def own_policy(facts: Facts) -> str:
     """The policy that names what the script does itself: its framework's flags, its autocast dtype,
     its weights' dtype; fp32 where it asks for nothing."""
-    own = facts.get("own") or {}
+    own = facts.own
     framework = own.get("framework") or {}
     if framework.get("mixprec"):  # mixprec's own Policy in the script: the policy it asked for
         return str(framework["mixprec"])
@@ -320,7 +313,7 @@ def own_policy(facts: dict[str, Any]) -> str:
         return "bf16-true"
     if wanted & {"16-true"}:
         return "fp16-true"
-    dtypes = set(facts.get("param_dtypes") or [])
+    dtypes = set(facts.param_dtypes)
     if dtypes == {"bfloat16"}:
         return "bf16-true"
     if dtypes == {"float16"}:
@@ -333,23 +326,22 @@ def own_policy(facts: dict[str, Any]) -> str:
     return "fp32"
 
 
-def fill(traj: Trajectory, record: dict[str, Any]) -> None:
+def fill(traj: Trajectory, record: TraceRecord) -> None:
     """A trace record as the Trajectory a check compares."""
-    steps = record.get("steps") or []
-    traj.losses = [float(s.get("loss", math.nan)) for s in steps]
-    traj.stepped = [not s.get("skipped") for s in steps]
-    traj.scales = [s.get("scale") for s in steps]
-    traj.first_output = record.get("first_output")
-    traj.first_grads = dict(record.get("first_grads") or {})
-    stalls = [s["stall"] for s in steps if "stall" in s]
+    steps = record.steps
+    traj.losses = [s.loss if s.loss is not None else math.nan for s in steps]
+    traj.stepped = [not s.skipped for s in steps]
+    traj.scales = [s.scale for s in steps]
+    traj.first_output = record.first_output
+    traj.first_grads = dict(record.first_grads)
+    stalls = [s.stall for s in steps if s.stall is not None]
     traj.stalls = [a / b if b else 0.0 for a, b in stalls]
     for a, b in stalls[:2]:
         traj.stall_counts[0] += a
         traj.stall_counts[1] += b
-    traj.series = [LayerSeries.from_dict(d) for d in record.get("series") or []]
-    observed = record.get("observed") or {}
-    traj.observed_dtype, traj.observed_layer = observed.get("observed_dtype"), observed.get("observed_layer")
-    traj.nonfinite_buffers = list(record.get("nonfinite_buffers") or [])
+    traj.series = [LayerSeries.from_dict(d) for d in record.series]
+    traj.observed_dtype, traj.observed_layer = record.observed.dtype, record.observed.layer
+    traj.nonfinite_buffers = list(record.nonfinite_buffers)
 
 
 def as_trend(traj: Trajectory, facts: ScriptFacts) -> None:

@@ -37,7 +37,7 @@ def _hf_arguments(module: Any, agent: Agent) -> None:
 
     def __post_init__(self: Any) -> None:
         agent.framework = HF
-        agent.own["framework"] = {"bf16": bool(self.bf16), "fp16": bool(self.fp16)}
+        agent.own.as_written["framework"] = {"bf16": bool(self.bf16), "fp16": bool(self.fp16)}
         if agent.inject:
             spec = agent.candidate.spec
             if spec.param_dtype is not None or spec.accelerate is None:
@@ -53,7 +53,7 @@ def _hf_arguments(module: Any, agent: Agent) -> None:
             if agent.candidate.compile:
                 self.torch_compile, self.torch_compile_mode = True, agent.candidate.compile
             agent.framework_flags = {"bf16": self.bf16, "fp16": self.fp16}
-        if agent.plan.mode in ("measure", "trace") and agent.plan.scratch:
+        if agent.mode.sandboxed and agent.plan.scratch:
             # a measured run saves nothing and reports nowhere; loading the best checkpoint at the
             # end needs saved ones (the Trainer refuses the pair), so it goes too
             self.output_dir = agent.plan.scratch
@@ -72,7 +72,7 @@ def _lightning_trainer(module: Any, agent: Agent) -> None:
 
     def __init__(self: Any, *args: Any, **kw: Any) -> None:
         agent.framework = LIGHTNING
-        agent.own["framework"] = {"precision": kw.get("precision")}
+        agent.own.as_written["framework"] = {"precision": kw.get("precision")}
         if agent.inject:
             wanted = agent.candidate.spec.lightning
             if wanted is None:
@@ -91,7 +91,7 @@ def _lightning_trainer(module: Any, agent: Agent) -> None:
             else:
                 kw["precision"] = wanted
             agent.framework_flags = {"precision": wanted}
-        if agent.plan.mode in ("measure", "trace") and agent.plan.scratch:
+        if agent.mode.sandboxed and agent.plan.scratch:
             # its logs and checkpoints in the run's scratch folder; the script's own callbacks and
             # loggers stay (a ModelCheckpoint refuses enable_checkpointing=False, a
             # LearningRateMonitor refuses logger=False), and what they write lands there too (.sandbox)
@@ -142,7 +142,7 @@ def _accelerator(module: Any, agent: Agent) -> None:
             original(self, *args, **kw)
             return
         agent.framework = ACCELERATE
-        agent.own["framework"] = {"mixed_precision": kw.get("mixed_precision")}
+        agent.own.as_written["framework"] = {"mixed_precision": kw.get("mixed_precision")}
         if agent.inject:
             wanted = agent.candidate.spec.accelerate
             if wanted is None or agent.candidate.spec.param_dtype is not None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import itertools
-import json
 import os
 import re
 import shutil
@@ -22,7 +21,8 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from mixprec.frameworks.script.agent import OWNER_ENV, PLAN_ENV, Plan
+from mixprec.frameworks.script.messages import OWNER_ENV, PLAN_ENV, Plan
+from mixprec.frameworks.script.modes import MODES
 from mixprec.frameworks.script.workload import ScriptWorkload
 
 BOOT = Path(__file__).resolve().parent / "boot"
@@ -102,7 +102,7 @@ def launch(
     """Start ``workload``'s command under ``plan``. A measured run ("measure", "trace") works in a
     mirror of the user's folder, with no stdin; ``inherit_output`` (``mixprec run``): the script runs
     in the user's folder with this terminal and this stdin."""
-    measured = plan.mode in ("measure", "trace")
+    measured = MODES[plan.mode].sandboxed
     folder = workload.scratch / f"{plan.mode}-{next(_RUNS)}"
     cwd = workload.cwd
     if measured:
@@ -114,7 +114,7 @@ def launch(
         folder.mkdir(parents=True)
     plan = dataclasses.replace(plan, scratch=plan.scratch or str(folder / "output"))
     plan_path = folder / "plan.json"
-    plan_path.write_text(json.dumps(dataclasses.asdict(plan)))
+    plan.write(plan_path)
     env = {**os.environ, **workload.env, PLAN_ENV: str(plan_path)}
     env.pop(OWNER_ENV, None)
     if "MASTER_PORT" in workload.env:  # each launch its own port: runs side by side do not collide

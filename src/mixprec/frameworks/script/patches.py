@@ -94,14 +94,14 @@ class Patches:
         def __init__(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True, **kw):
             script = not agent.internal_calls
             if script and enabled:
-                dtype, enabled = agent.script_autocast(device_type, dtype)
+                dtype, enabled = agent.own.autocast(device_type, dtype)
             init(self, device_type, dtype=dtype, enabled=enabled, **kw)
             self._mixprec_script = script
 
         @functools.wraps(enter)
         def __enter__(self):
             if getattr(self, "_mixprec_script", False):
-                agent.script_autocast_enters(self)
+                agent.own.autocast_enters(self)
             return enter(self)
 
         @functools.wraps(exit_)
@@ -110,7 +110,7 @@ class Patches:
                 return exit_(self, *exc)
             finally:
                 if getattr(self, "_mixprec_script", False):
-                    agent.script_autocast_depth -= 1
+                    agent.own.autocast_depth -= 1
 
         for name, new in (("__init__", __init__), ("__enter__", __enter__), ("__exit__", __exit__)):
             self.replace(cls, name, new)
@@ -129,23 +129,23 @@ class Patches:
             bound = signature.bind(self, *args, **kw)
             bound.apply_defaults()
             if not agent.internal_calls:
-                bound.arguments["enabled"] = agent.script_scaler(self, bool(bound.arguments["enabled"]))
+                bound.arguments["enabled"] = agent.own.scaler(self, bool(bound.arguments["enabled"]))
             init(*bound.args, **bound.kwargs)
 
         @functools.wraps(scale)
         def scale_(self: Any, outputs: Any) -> Any:
             scaled = scale(self, outputs)
             if not agent.internal_calls and isinstance(outputs, torch.Tensor):
-                agent.script_scaled(self, outputs, scaled)
+                agent.own.loss_scaled(self, outputs, scaled)
             return scaled
 
         @functools.wraps(step)
         def step_(self: Any, optimizer: Any, *args: Any, **kw: Any) -> Any:
             if agent.internal_calls:
                 return step(self, optimizer, *args, **kw)
-            agent.optimizer_starts(optimizer)
+            agent.optimizers.starts(optimizer)
             out = step(self, optimizer, *args, **kw)
-            agent.script_scaler_stepped(self, optimizer)
+            agent.own.scaler_stepped(self, optimizer)
             return out
 
         for name, new in (("__init__", __init__), ("scale", scale_), ("step", step_)):
@@ -175,7 +175,7 @@ class Patches:
         self.replace(torch.autograd, "backward", backward)
 
     def grad_reads(self, on: bool) -> None:
-        """Route every ``.grad`` read through :meth:`Agent.reading_grad` (``on``), or stop."""
+        """Route every ``.grad`` read through :meth:`Optimizers.reading_grad` (``on``), or stop."""
         if on == self._grad_property:
             return
         self._grad_property = on
@@ -186,8 +186,8 @@ class Patches:
 
         def get(tensor: torch.Tensor) -> Any:
             grad = _TENSOR_GRAD.__get__(tensor)
-            if grad is not None and agent.grads_scaled and not agent.internal_calls:
-                agent.reading_grad(tensor)  # (unscaled in place: the same tensor)
+            if grad is not None and agent.grads_scaled and not (agent.internal_calls or agent.in_backward):
+                agent.optimizers.reading_grad(tensor)  # (unscaled in place: the same tensor)
             return grad
 
         def set_(tensor: torch.Tensor, value: Any) -> None:
@@ -210,12 +210,12 @@ class Patches:
         def __init__(self: torch.optim.Optimizer, *args: Any, **kw: Any) -> None:
             original(self, *args, **kw)
             if not agent.internal_calls:
-                agent.adopt(self)
+                agent.optimizers.adopt(self)
 
         self.replace(base, "__init__", __init__)
         for handle in (
-            register_optimizer_step_pre_hook(agent.before_optimizer_step),
-            register_optimizer_step_post_hook(agent.after_optimizer_step),
+            register_optimizer_step_pre_hook(agent.optimizers.before_step),
+            register_optimizer_step_post_hook(agent.optimizers.after_step),
         ):
             self._undo.append(handle.remove)
 

@@ -16,14 +16,24 @@ import os
 import select
 import subprocess
 import time
-from dataclasses import replace
 from typing import Any
 
-import torch
-
 from mixprec.errors import UsageError
-from mixprec.frameworks.script.agent import Plan
 from mixprec.frameworks.script.launch import Child, launch
+from mixprec.frameworks.script.messages import (
+    GO,
+    STOP,
+    Done,
+    Event,
+    Facts,
+    Failed,
+    Plan,
+    Ready,
+    Step,
+    TraceRecord,
+    decode,
+)
+from mixprec.frameworks.script.own import as_torch
 from mixprec.frameworks.script.workload import ScriptWorkload
 from mixprec.frameworks.session import (
     BenchSettings,
@@ -85,15 +95,17 @@ class ScriptSession:
         self._to = os.fdopen(down_w, "w", buffering=1)
         self._from = up_r  # read raw: a buffered reader would hide a second line from select()
         self._buffer = b""
-        self._first: dict[str, Any] | None = None
-        self.facts: dict[str, Any] = {}
-        ready = self._next(START_TIMEOUT_S, "its first optimizer step")
-        if ready["event"] != "ready":
-            raise ScriptFailed(f"the script's agent said {ready['event']!r} before its first step")
-        self.facts = ready.get("facts") or {}
-        self._first = self._next(STEP_TIMEOUT_S, "its first optimizer step")
+        self._first: Step | None = None
+        self.facts = self._expect(Ready, START_TIMEOUT_S, "its first optimizer step").facts
+        self._first = self._expect(Step, STEP_TIMEOUT_S, "its first optimizer step")
 
-    def _next(self, timeout_s: float, what: str) -> dict[str, Any]:
+    def _expect(self, kind: type[Any], timeout_s: float, what: str) -> Any:
+        event = self._next(timeout_s, what)
+        if not isinstance(event, kind):
+            raise ScriptFailed(f"the script's agent said {event.kind!r} before {what}, not {kind.kind!r}")
+        return event
+
+    def _next(self, timeout_s: float, what: str) -> Event:
         """The child's next event; ScriptFailed when it ends, errs or exceeds ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while b"\n" not in self._buffer:
@@ -112,34 +124,37 @@ class ScriptSession:
             elif self.child.process.poll() is not None:
                 raise _ended(self.child, what)
         line, self._buffer = self._buffer.split(b"\n", 1)
-        event = json.loads(line)
-        if event["event"] == "error":
+        event = decode(line)
+        if isinstance(event, Failed):
             self.child.process.wait(timeout=30)
-            raise ScriptFailed(event["message"])
+            raise ScriptFailed(event.message)
         return event
 
     def step(self, timed: bool) -> dict[str, Any]:
         """One optimizer step of the script: its wall time, loss and samples."""
         if self._first is not None:
-            event, self._first = self._first, None
+            step, self._first = self._first, None
         else:
-            self._to.write(json.dumps({"cmd": "go"}) + "\n")
-            event = self._next(STEP_TIMEOUT_S, f"step {self.index}")
-        loss = float(event.get("loss", math.nan))
+            self._command(GO)
+            step = self._expect(Step, STEP_TIMEOUT_S, f"step {self.index}")
+        loss = step.loss if step.loss is not None else math.nan
         if self.index == 0:
             self.result.first_loss = loss
-        if not math.isfinite(loss) and not event.get("skipped"):
+        if not math.isfinite(loss) and not step.skipped:
             raise NonFiniteLossError(f"non-finite loss ({loss}) at step {self.index}")
         self.result.last_loss = loss
-        (self.result.step_times_s if timed else self.result.warmup_times_s).append(event["seconds"])
+        (self.result.step_times_s if timed else self.result.warmup_times_s).append(step.seconds)
         self.index += 1
         return {
             "event": "step",
             "index": self.index - 1,
-            "seconds": event["seconds"],
+            "seconds": step.seconds,
             "timed": timed,
             "loss": loss,
         }
+
+    def _command(self, word: str) -> None:
+        self._to.write(json.dumps({"cmd": word}) + "\n")
 
     def warm_up(self, emit: Emit) -> bool:
         return run_warm_up(self, emit)
@@ -149,15 +164,13 @@ class ScriptSession:
 
     def finish(self) -> Measurement:
         """Stop the script at this step boundary; its peak memory and what really ran."""
-        self._to.write(json.dumps({"cmd": "stop"}) + "\n")
-        done = self._next(60.0, "stopping")
+        self._command(STOP)
+        done: Done = self._expect(Done, 60.0, "stopping")
         self.close()
-        measured = done.get("measurement") or {}
-        self.result.peak_memory_bytes = measured.get("peak_memory_bytes")
-        self.result.memory_method = measured.get("memory_method", "")
-        self.result.skipped_steps = int(measured.get("skipped_steps", 0))
-        self.result.observed_dtype = measured.get("observed_dtype")
-        self.result.observed_layer = measured.get("observed_layer")
+        self.result.peak_memory_bytes = done.peak_memory_bytes
+        self.result.memory_method = done.memory_method
+        self.result.skipped_steps = done.skipped_steps
+        self.result.observed_dtype, self.result.observed_layer = done.observed.dtype, done.observed.layer
         check_honesty(self.candidate, self.facts, self.result)
         return self.result
 
@@ -196,23 +209,20 @@ def raise_if_interrupted() -> None:
         raise exc
 
 
-def check_honesty(candidate: Candidate, facts: dict[str, Any], result: Measurement) -> None:
+def check_honesty(candidate: Candidate, facts: Facts, result: Measurement) -> None:
     """An injected candidate's first matmul/conv computed in its format (not the script's own
     autocast, not fp32 because autocast never reached the model)."""
     if candidate.as_written or result.observed_dtype is None:
         return
     from mixprec.policy import get_policy
 
-    device = facts.get("device") or "cpu"
-    torch_candidate = replace(candidate, framework="torch", as_written=False)
-    expected = str(get_policy(torch_candidate, device=device, check=False).compute_dtype).removeprefix(
-        "torch."
-    )
+    expected = str(get_policy(as_torch(candidate), device=facts.device, check=False).compute_dtype)
+    expected = expected.removeprefix("torch.")
     if result.observed_dtype != expected:
         raise HonestyError(
             f"labelled {candidate.label} but the script's first matmul/conv layer {result.observed_layer!r} "
             f"computed in {result.observed_dtype}, not {expected}: the candidate did not take effect "
-            f"(the script trains through {facts.get('framework', 'its own loop')})"
+            f"(the script trains through {facts.framework})"
         )
 
 
@@ -225,7 +235,7 @@ def trace(
     perturb: float = 0.0,
     ranges: bool = False,
     timeout_s: float | None = None,
-) -> dict[str, Any]:
+) -> TraceRecord:
     """Run the script under ``candidate`` for ``steps`` optimizer steps, recording what a numerics
     check compares (losses, the first step's output and gradients, ranges); the record, or a
     ScriptFailed naming why the script stopped first. ``timeout_s``: the run's whole time (default:
@@ -257,14 +267,14 @@ def trace(
     if not out.exists():
         raise _ended(child, f"{steps} optimizer steps")
     try:
-        record = torch.load(out, weights_only=False)
+        record = TraceRecord.load(out)
     except Exception as exc:  # a record the agent could not write whole
         child.discard(keep_log=True)
         raise ScriptFailed(f"the script's trace could not be read ({type(exc).__name__}: {exc})") from None
     finally:
         out.unlink(missing_ok=True)
-    if record.get("error"):
+    if record.error:
         child.discard(keep_log=True)
-        raise ScriptFailed(record["error"].split(": ", 1)[-1])
+        raise ScriptFailed(record.error.split(": ", 1)[-1])
     child.discard()
     return record

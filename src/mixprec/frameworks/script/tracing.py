@@ -10,12 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.frameworks.script.messages import Step, TraceRecord
+
 
 class Tracer:
     """The trace-mode record of one script run, fed by the agent's hooks."""
 
     def __init__(self, model: nn.Module, range_format: str | None, *, compiled: bool, ranges: bool) -> None:
-        from mixprec.frameworks.torch.ranges import StepRecorder, _Collector
+        from mixprec.frameworks.torch.ranges import RangeCollector, StepRecorder
         from mixprec.numerics.limits import LOW_PRECISION_FORMATS
 
         self.model = model
@@ -26,7 +28,7 @@ class Tracer:
             self.recorder.begin()
         self.ranges: Any = None
         if ranges:
-            self.ranges = _Collector(model)
+            self.ranges = RangeCollector(model)
             self.ranges.install()
         self.first_output: torch.Tensor | None = None
         self.first_grads: dict[str, torch.Tensor] | None = None
@@ -66,21 +68,22 @@ class Tracer:
                 (p, p.detach().clone()) for p in self.model.parameters() if p.grad is not None
             ]
 
-    def end_step(self, event: dict[str, Any], skipped: bool, scale_after: float | None) -> None:
+    def end_step(self, step: Step, scale_after: float | None) -> None:
+        """The step ended: its ranges folded in, its scale and rounded-away updates on ``step``."""
         from mixprec.policy.scaler import dense
 
         step_scale, self.step_scale = self.step_scale, None
-        event["scale"] = scale_after
+        step.scale = scale_after
         if self.recorder is not None:
             self.recorder.next_step(step_scale)
         if self.ranges is not None:
             from mixprec.frameworks.torch.ranges import collected_report
 
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            self.range_report = collected_report(self.ranges, grads, step_scale, event["loss"])
+            self.range_report = collected_report(self.ranges, grads, step_scale, step.loss)
             self.ranges.remove()
             self.ranges = None
-        if self.stall_before is not None and not skipped:
+        if self.stall_before is not None and not step.skipped:
             stalled = total = 0
             for p, old in self.stall_before:
                 if p.grad is None:
@@ -88,10 +91,10 @@ class Tracer:
                 had = dense(p.grad) != 0
                 stalled += int(((p.detach() == old) & had).sum())
                 total += int(had.sum())
-            event["stall"] = [stalled, total]
+            step.stall = (stalled, total)
         self.stall_before = None
 
-    def record(self, nonfinite_at_start: set[str]) -> dict[str, Any]:
+    def fill(self, record: TraceRecord, nonfinite_at_start: set[str]) -> None:
         """What the parent reads besides the steps and the facts."""
         buffers = [
             n
@@ -102,13 +105,9 @@ class Tracer:
             and not bool(torch.isfinite(b).all())
         ]
         series = list(self.recorder.series.values()) if self.recorder is not None else []
-        return {
-            "first_output": self.first_output,
-            "first_grads": self.first_grads or {},
-            "series": [s.to_dict() for s in series],
-            "nonfinite_buffers": buffers,
-            "ranges": self.range_report,
-        }
+        record.first_output, record.first_grads = self.first_output, self.first_grads or {}
+        record.series = [s.to_dict() for s in series]
+        record.nonfinite_buffers, record.ranges = buffers, self.range_report
 
 
 def _in_functorch() -> bool:

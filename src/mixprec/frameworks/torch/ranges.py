@@ -88,7 +88,7 @@ class _Call:
     grad_output_nonfinite: bool = False
 
 
-class _Collector:
+class RangeCollector:
     def __init__(self, model: nn.Module, light: bool = False, light_format: str | None = None) -> None:
         """``light``: ranges only, for every training step (StepRecorder): no search for the first
         non-finite module (its input checks and autograd-graph walk cost more than the step)."""
@@ -306,7 +306,7 @@ def collect_ranges(
     old_grads = [p.grad for p in params]
     for p in params:
         p.grad = None
-    collector = _Collector(model)
+    collector = RangeCollector(model)
     buffers = _snapshot_buffers(model)
     ok = False
     try:
@@ -336,7 +336,7 @@ def collect_ranges(
 
 
 def collected_report(
-    collector: _Collector, grads: list[torch.Tensor], loss_scale: float | None, loss: float | None
+    collector: RangeCollector, grads: list[torch.Tensor], loss_scale: float | None, loss: float | None
 ) -> RangeReport:
     """What ``collector`` saw over one step, as a report: the layers in forward order, the first
     non-finite module forward and backward, and the fp16 underflow of ``grads`` (scaled by
@@ -369,7 +369,7 @@ class StepRecorder:
         self.underflow_format = underflow_format
         self.series: dict[str, LayerSeries] = {}
         self.steps = 0
-        self._collector: _Collector | None = None
+        self._collector: RangeCollector | None = None
 
     @contextlib.contextmanager
     def step(self, loss_scale: float | None) -> Iterator[None]:
@@ -386,7 +386,7 @@ class StepRecorder:
     def begin(self) -> None:
         """Hook the model: the next forward and backward are recorded (until :meth:`end`)."""
         self.abandon()
-        self._collector = _Collector(self.model, light=True, light_format=self.underflow_format)
+        self._collector = RangeCollector(self.model, light=True, light_format=self.underflow_format)
         self._collector.install()
 
     def abandon(self) -> None:
@@ -414,7 +414,7 @@ class StepRecorder:
         self._record(collector, loss_scale)
         collector.restart()
 
-    def _record(self, collector: _Collector, loss_scale: float | None) -> None:
+    def _record(self, collector: RangeCollector, loss_scale: float | None) -> None:
         divisor = loss_scale or 1.0
         for layer in collector.layers.values():
             if not layer.name:

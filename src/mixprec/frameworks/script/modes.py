@@ -1,0 +1,242 @@
+"""The three things a script run is for, one class each over the agent's shared core.
+
+- :class:`Measure`: a candidate's steps paced by the parent over a pipe (the paired sweep);
+- :class:`Trace`: ``steps`` steps recorded for the numerics check, then the script is stopped;
+- :class:`Run`: the user's own run (``mixprec run``), to its end, watched by its observers, with
+  run.json written at its exit.
+
+The agent calls the same hooks in every mode; what a mode does at a step's end, at a failure and
+at the exit is here, and nowhere else asks which mode runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import math
+import os
+import resource
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from mixprec.frameworks.script.messages import (
+    STOP,
+    Done,
+    Event,
+    Failed,
+    Observed,
+    Ready,
+    Step,
+    TraceRecord,
+    encode,
+)
+
+if TYPE_CHECKING:
+    from mixprec.frameworks.script.agent import Agent
+
+EXIT_REFUSED = 3  # `mixprec run`: the candidate did not take effect (what the CLI's 3 means)
+
+
+class Mode:
+    """What one kind of run does with the agent's events (module docstring)."""
+
+    name: ClassVar[str]
+    sandboxed: ClassVar[bool] = True  # writes go to a scratch mirror of the user's folder
+    # a step with no backward() the agent saw is an error: nothing to compare (the user's own run
+    # goes on: nothing is compared there)
+    needs_backward: ClassVar[bool] = True
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def install(self) -> None:
+        """Before the script runs."""
+
+    def probes(self) -> bool:
+        """Whether the first step's compute dtype is read (for the record, or to stop a run)."""
+        return True
+
+    def discovered(self) -> None:
+        """The model is known and the candidate applied."""
+
+    def observed(self, observed: Observed) -> None:
+        """The first step's compute dtype is known."""
+
+    def step_ended(self, step: Step, loss: torch.Tensor | None) -> None:
+        """A step ended (the scale updated, the step in ``agent.steps``)."""
+
+    def fail(self, kind: str, message: str) -> None:
+        """The agent stops the script with mixprec's reason: tell the parent."""
+
+    def finish(self) -> None:
+        """The script exits."""
+
+
+class Measure(Mode):
+    name = "measure"
+
+    def install(self) -> None:
+        plan = self.agent.plan
+        assert plan.read_fd is not None and plan.write_fd is not None
+        self._out = os.fdopen(plan.write_fd, "w", buffering=1)
+        self._in = os.fdopen(plan.read_fd, "r")
+
+    def step_ended(self, step: Step, loss: torch.Tensor | None) -> None:
+        """Report the step, then wait for the parent's next word."""
+        step.loss = float(loss) if loss is not None else math.nan
+        if step.index == 0:
+            self.send(Ready(self.agent.facts()))
+        self.send(step)
+        line = self._in.readline()
+        if not line or json.loads(line)["cmd"] == STOP:
+            self.send(self.done())
+            self.agent.exit(0)
+
+    def done(self) -> Done:
+        device = self.agent.device
+        if device.type == "cuda":
+            peak, method = int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated"
+        else:  # ru_maxrss is KiB on Linux
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            method = "peak RSS of the script's process (the data, the interpreter and the libraries too)"
+        skipped = sum(1 for s in self.agent.steps if s.skipped)
+        return Done(peak, method, skipped, self.agent.observed or Observed())
+
+    def send(self, event: Event) -> None:
+        self._out.write(encode(event))
+        self._out.flush()
+
+    def fail(self, kind: str, message: str) -> None:
+        self.send(Failed(kind, message))
+
+
+class Trace(Mode):
+    name = "trace"
+
+    def discovered(self) -> None:
+        from mixprec.frameworks.script.tracing import Tracer
+
+        agent = self.agent
+        assert agent.model is not None
+        compiled = bool(agent.candidate.compile) and agent.inject
+        agent.tracer = Tracer(
+            agent.model, agent.candidate.spec.range_format, compiled=compiled, ranges=agent.plan.ranges
+        )
+
+    def step_ended(self, step: Step, loss: torch.Tensor | None) -> None:
+        agent = self.agent
+        step.loss = float(loss) if loss is not None else math.nan
+        if agent.tracer is not None:
+            agent.tracer.end_step(step, agent.scale_after())
+        if step.index + 1 >= agent.plan.steps:
+            self.write(TraceRecord(agent.steps, agent.facts(), agent.observed or Observed()))
+            agent.exit(0)
+
+    def write(self, record: TraceRecord) -> None:
+        agent = self.agent
+        if agent.tracer is not None:
+            agent.tracer.fill(record, agent.nonfinite_at_start)
+        assert agent.plan.out
+        record.save(agent.plan.out)
+
+    def fail(self, kind: str, message: str) -> None:
+        if self.agent.plan.out:
+            TraceRecord(facts=self.agent.facts(), error=f"{kind}: {message}").save(self.agent.plan.out)
+
+
+class Run(Mode):
+    name = "run"
+    sandboxed = False
+    needs_backward = False
+
+    def __init__(self, agent: Agent) -> None:
+        super().__init__(agent)
+        self._finished = False
+
+    def install(self) -> None:
+        agent, plan = self.agent, self.agent.plan
+        if plan.observer:  # built from the top (mixprec run): the monitor sits above this layer
+            module, _, name = plan.observer.partition(":")
+            agent.observers.append(getattr(importlib.import_module(module), name)(agent, plan.observe or {}))
+        atexit.register(self.finish)
+        agent.patches.on_exit(self.finish)
+
+    def probes(self) -> bool:
+        return self.agent.inject  # the script's own precision is what it is
+
+    def observed(self, observed: Observed) -> None:
+        """``mixprec run`` stops a run whose candidate did not take effect (fp32 training is never
+        called bf16)."""
+        agent = self.agent
+        if observed.dtype is None:
+            return
+        expected = agent.expected_dtype()
+        computed = sorted(str(d).removeprefix("torch.") for d in agent.probe_dtypes)
+        if expected not in computed:  # (a layer the model keeps in fp32 on purpose is not this)
+            self.stop(
+                f"labelled {agent.candidate.label} but no matmul/conv layer of the script's first step "
+                f"computed in {expected} (they computed in {', '.join(computed)}; the first was "
+                f"{observed.layer!r}): the candidate did not take effect in {agent.framework_title()}, so "
+                "the run is stopped rather than trained in another precision than the one named",
+                EXIT_REFUSED,
+            )
+
+    def step_ended(self, step: Step, loss: torch.Tensor | None) -> None:
+        agent = self.agent
+        for observer in agent.observers:
+            with agent.internal():
+                stop = observer.step(agent, loss, step.skipped)
+            if stop:  # the observer gave up on the run: stop it, with the record
+                self.stop(stop, 4)
+
+    def fail(self, kind: str, message: str) -> None:
+        self.stop(message, 2)
+
+    def finish(self) -> None:
+        """At the script's exit: its last step ends, and run.json is written."""
+        agent = self.agent
+        if self._finished or os.getpid() != agent.pid:
+            return
+        self._finished = True
+        if agent.window.lead_stepped:
+            agent.boundary()
+        self.write()
+
+    def stop(self, why: str, code: int) -> None:
+        """End the run now with ``why`` in its record (the CLI prints it), exit ``code``."""
+        self._finished = True
+        self.write(error=why)
+        self.agent.exit(code)
+
+    def write(self, error: str | None = None) -> None:
+        """run.json in the plan's folder: the candidate, the facts, the step times and each
+        observer's summary (the monitor's losses, findings, health)."""
+        agent = self.agent
+        if not agent.plan.out:
+            return
+        out = Path(agent.plan.out)
+        out.mkdir(parents=True, exist_ok=True)
+        data: dict[str, Any] = {
+            "candidate": agent.candidate.to_dict(),
+            "facts": agent.facts().to_dict(),
+            "pid": os.getpid(),
+            "steps": len(agent.steps),
+            "step_seconds": [s.seconds for s in agent.steps],
+            "observed": (agent.observed or Observed()).to_dict(),
+        }
+        if error is not None:
+            data["error"] = error
+        for observer in agent.observers:
+            with agent.internal():
+                data.update(observer.summary())
+        (out / "run.json").write_text(json.dumps(data, indent=1, default=str))
+
+
+MODES: dict[str, type[Mode]] = {m.name: m for m in (Measure, Trace, Run)}
+
+
+def mode_for(agent: Agent) -> Mode:
+    return MODES[agent.plan.mode](agent)

@@ -1,0 +1,191 @@
+"""The script's optimizers as the agent sees them: the first names the model and paces the steps
+(the *lead*), each one's ``step()`` goes through the candidate's Policy where the agent injects the
+loop, and a gradient read after a scaled backward is unscaled first.
+
+``optimizer.step`` is replaced on the instance by a bound method, as the optimizer's own is: an LR
+scheduler made afterwards wraps it through ``__func__`` (a plain function broke every one).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import types
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from mixprec.frameworks.script.agent import Agent
+
+
+class Optimizers:
+    """The script's optimizers, their steps and their gradients' unscaling (module docstring)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.all: list[torch.optim.Optimizer] = []
+        self.lead: torch.optim.Optimizer | None = None
+        self._owner: dict[int, torch.optim.Optimizer] = {}  # id(param) -> its optimizer
+        self._unscaled: set[int] = set()  # optimizers unscaled since the last scale update
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        """A new optimizer of the script's: the first names the model; one over another model is refused."""
+        agent = self.agent
+        params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if agent.model is None:
+            owner = find_model(params)
+            if owner is None:
+                agent.fail(
+                    "UsageError",
+                    "the script's first optimizer holds no parameter of any nn.Module: mixprec measures "
+                    "the model an optimizer trains",
+                )
+            agent.model, self.lead = owner, optimizer
+            agent.thread = threading.get_ident()  # (autocast is per thread: the loop's)
+            self._register(optimizer)
+            agent.discovered()
+            return
+        owner = find_model(params - {id(p) for p in agent.model.parameters()})
+        if (
+            owner is not None
+            and owner is not agent.model
+            and not any(m is owner for m in agent.model.modules())
+        ):
+            agent.fail(
+                "UsageError",
+                f"the script trains a second model ({type(owner).__name__}, beside "
+                f"{type(agent.model).__name__}) with its own optimizer: mixprec measures one model per "
+                "run (put both in one nn.Module, as a GAN's generator and discriminator can be)",
+            )
+        self._register(optimizer)
+
+    def _register(self, optimizer: torch.optim.Optimizer) -> None:
+        self.all.append(optimizer)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self._owner[id(p)] = optimizer
+        agent, klass_step = self.agent, type(optimizer).step
+
+        def step(opt: torch.optim.Optimizer, *args: Any, **kw: Any) -> Any:
+            if agent.internal_calls:
+                return klass_step(opt, *args, **kw)
+            if opt is self.lead and agent.observers and not args and not kw:
+                self.before_update()
+            if not agent.routing:
+                return klass_step(opt, *args, **kw)
+            return self.routed_step(opt, klass_step, args, kw)
+
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+
+    def routed_step(
+        self, optimizer: torch.optim.Optimizer, klass_step: Callable, args: tuple, kw: dict
+    ) -> Any:
+        """The script's ``optimizer.step()`` in an injected plain loop: through the candidate's Policy
+        (unscaled where it scales, skipped on inf/NaN gradients); the scale is updated once, when the
+        step ends."""
+        from mixprec.errors import MixprecError
+
+        agent = self.agent
+        agent.leave_autocast()
+        closure = kw.get("closure", args[0] if args else None)
+        if closure is not None:
+            if agent.policy.scaler is not None:
+                agent.fail(
+                    "UnsupportedError",
+                    f"optimizer.step(closure) ({type(optimizer).__name__}) under {agent.candidate.policy}: "
+                    "a closure re-evaluates the loss inside the step, where loss scaling cannot reach it "
+                    "(GradScaler refuses closures); use a *-mixed policy without loss scaling (bf16-mixed)",
+                )
+            # the closure's forward and backward are seen as any; the step is the optimizer's own
+            return klass_step(optimizer, *args, **kw)
+        self.starts(optimizer)
+        if agent.policy.scaler is not None and not agent.window.backwards:
+            agent.fail("UnsupportedError", agent.no_backward(optimizer))
+        with agent.internal():
+            try:
+                found = agent.policy.step_optimizers([optimizer])[0]
+            except MixprecError as exc:
+                agent.fail(type(exc).__name__, f"the script's {type(optimizer).__name__}.step(): {exc}")
+        agent.window.routed.append((optimizer, found))
+        self._unscaled.add(id(optimizer))  # (stepped: its gradients are not read scaled again)
+        self.stepped(optimizer, skipped=found)
+        return None
+
+    def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Every optimizer step's pre-hook (the script's, or the Policy's for a routed step)."""
+        agent = self.agent
+        if optimizer is not self.lead:
+            return
+        if not agent.internal_calls:
+            self.starts(optimizer)
+        if agent.tracer is not None:
+            half = agent.inject and agent.candidate.spec.param_dtype is not None
+            agent.tracer.before_update(agent.scale_now(), half)
+
+    def before_update(self) -> None:
+        """The lead optimizer is about to step (called before its step runs, outside the optimizer's
+        own hooks, which an observer may register): the observers see the step's loss and batch."""
+        agent = self.agent
+        if agent.window.lead_stepped:
+            agent.boundary()
+            agent.window.started = time.perf_counter()
+        for observer in agent.observers:
+            with agent.internal():
+                observer.before_update(agent)
+
+    def after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.agent.internal_calls:
+            self.stepped(optimizer, skipped=False)
+
+    def starts(self, optimizer: Any) -> None:
+        """The lead steps again with no forward or backward since: the last step ends here."""
+        agent = self.agent
+        if optimizer is self.lead and agent.window.lead_stepped:
+            agent.boundary()
+            agent.window.started = time.perf_counter()
+
+    def stepped(self, optimizer: Any, skipped: bool) -> None:
+        agent = self.agent
+        if optimizer is self.lead:
+            agent.window.lead_stepped = True
+            agent.window.skipped |= skipped
+            agent.patches.arm_forward()  # the model's next forward ends the step
+
+    def reading_grad(self, tensor: torch.Tensor) -> None:
+        """A gradient is read after a scaled backward (a clip, a norm, a log): its optimizer's
+        gradients are unscaled first, once per step, as ``GradScaler.unscale_`` before clipping."""
+        optimizer = self._owner.get(id(tensor))
+        if optimizer is None or id(optimizer) in self._unscaled:
+            return
+        self._unscaled.add(id(optimizer))
+        with self.agent.internal():
+            self.agent.policy.scaler.unscale_(optimizer)
+
+    def new_step(self) -> None:
+        self._unscaled.clear()
+
+
+def find_model(params: set[int]) -> nn.Module | None:
+    """The outermost live ``nn.Module`` holding most of the parameters in ``params`` (ids; those of
+    no module, a bare ``nn.Parameter``, are the script's own), or None when no module holds any."""
+    with warnings.catch_warnings():  # isinstance() on every live object wakes deprecated module attributes
+        warnings.simplefilter("ignore")
+        modules = [o for o in gc.get_objects() if isinstance(o, nn.Module)]
+    children = {id(c) for m in modules for c in m.children()}
+    best: tuple[int, int] | None = None
+    model = None
+    for root in modules:
+        if id(root) in children:
+            continue
+        own = [id(p) for p in root.parameters()]
+        held = len(params.intersection(own))
+        # most of the optimizer's parameters; among equals, the smallest module holding them
+        if held and (best is None or (held, -len(own)) > best):
+            best, model = (held, -len(own)), root
+    inner = getattr(model, "_orig_mod", None)  # a torch.compile wrapper: the model it compiles
+    return inner if isinstance(inner, nn.Module) else model

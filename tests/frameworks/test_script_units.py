@@ -1,0 +1,271 @@
+"""Unit tests of the script agent's parts, in this process and in seconds: the typed messages both
+ends share, the script's own-precision rules, discovery, each torch patch and its removal, the
+sitecustomize chain, the spawned-worker guard and an interpreter that is not mixprec's. (What a whole
+loop does under the agent: test_script_agent.py; the script as a process: test_script_process.py.)"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.optim import optimizer as optimizer_module
+
+from frameworks.in_process import under
+from mixprec.errors import UsageError
+from mixprec.frameworks.script import agent as agent_module
+from mixprec.frameworks.script.framework import own_policy
+from mixprec.frameworks.script.messages import (
+    OWNER_ENV,
+    PLAN_ENV,
+    Done,
+    Facts,
+    Failed,
+    Observed,
+    Ready,
+    Step,
+    TraceRecord,
+    decode,
+    encode,
+)
+from mixprec.frameworks.script.optimizers import find_model
+from mixprec.frameworks.script.workload import preflight
+from mixprec.frameworks.torch.ranges import collect_ranges
+
+BOOT = Path(agent_module.__file__).parent / "boot" / "sitecustomize.py"
+
+
+# ---------------------------------------------------------------------- messages
+def test_every_pipe_event_reads_back_as_it_was_sent():
+    facts = Facts(model="GPT", modules=[("blocks.0", "Block")], own={"autocast": [], "scaler": True})
+    events = [
+        Ready(facts),
+        Step(3, 0.25, 16, skipped=True, loss=2.5),
+        Done(1 << 20, "peak RSS", 2, Observed("fc1", "bfloat16")),
+        Failed("UsageError", "the script trains a second model"),
+    ]
+    for event in events:
+        line = encode(event)
+        assert line.endswith("\n") and line.count("\n") == 1
+        assert decode(line) == event
+
+
+def test_a_trace_record_loads_with_weights_only(tmp_path):
+    """It was read with weights_only=False (a pickle of mixprec's classes); plain data now, its
+    ranges whole (the overflow counts a check reads are not in RangeReport.to_dict)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ranges = collect_ranges(model, lambda: model(torch.randn(3, 4) * 1e6).sum())
+    record = TraceRecord(
+        steps=[Step(0, 0.1, 3, False, loss=1.0, scale=65536.0, stall=(2, 10))],
+        facts=Facts(framework="lightning", framework_flags={"precision": "bf16-mixed"}),
+        observed=Observed("0", "bfloat16"),
+        first_output=torch.randn(3, 2),
+        first_grads={"0.weight": torch.randn(8, 4)},
+        series=[{"name": "0", "steps": [0]}],
+        ranges=ranges,
+    )
+    record.save(str(tmp_path / "trace.pt"))
+    back = TraceRecord.load(tmp_path / "trace.pt")  # (weights_only=True inside)
+    assert back.steps == record.steps and back.facts == record.facts and back.observed == record.observed
+    assert torch.equal(back.first_output, record.first_output)
+    assert torch.equal(back.first_grads["0.weight"], record.first_grads["0.weight"])
+    assert back.ranges is not None and back.ranges.to_dict() == ranges.to_dict()
+    assert back.ranges.layers[1].forward.overflow_count == ranges.layers[1].forward.overflow_count
+
+
+# ---------------------------------------------------------------------- the script's own precision
+@pytest.mark.parametrize(
+    "facts, policy",
+    [
+        (Facts(), "fp32"),
+        (Facts(own={"framework": {"mixprec": "fp16-mixed"}}), "fp16-mixed"),
+        (Facts(own={"framework": {"bf16": True, "fp16": False}}), "bf16-mixed"),
+        (Facts(own={"framework": {"precision": "16-mixed"}}), "fp16-mixed"),
+        (Facts(own={"framework": {"precision": "bf16-true"}}), "bf16-true"),
+        (Facts(own={"framework": {"precision": "16-true"}}), "fp16-true"),
+        (Facts(own={"framework": {"mixed_precision": "fp16"}}), "fp16-mixed"),
+        (Facts(param_dtypes=["bfloat16"]), "bf16-true"),
+        (Facts(param_dtypes=["float16"]), "fp16-true"),
+        (Facts(own={"autocast": [{"dtype": "torch.float16"}]}), "fp16-mixed"),
+        (Facts(own={"autocast": [{"dtype": "None"}], "scaler": True}), "fp16-mixed"),  # CUDA's default
+        (Facts(own={"autocast": [{"dtype": "None"}]}), "bf16-mixed"),  # the CPU's default
+        (Facts(own={"autocast": [{"dtype": "torch.bfloat16"}]}), "bf16-mixed"),
+        (Facts(own={"framework": {"precision": "32-true"}}), "fp32"),
+    ],
+)
+def test_the_scripts_own_policy_is_named_by_what_it_asks_for(facts, policy):
+    assert own_policy(facts) == policy
+
+
+@pytest.mark.parametrize(
+    "candidate, scaler_on, dtype",
+    [
+        ("bf16-mixed", False, torch.bfloat16),
+        ("fp16-mixed", True, torch.float16),
+        ("fp32", False, None),  # no autocast: the script's is turned off
+        ("fp16-mixed (as written)", True, torch.float16),  # as written: the script's own, untouched
+        ("bf16-true", False, None),  # a *-true candidate's half is its weights': no autocast
+    ],
+)
+def test_the_scripts_own_autocast_and_scaler_take_the_candidates_settings(candidate, scaler_on, dtype):
+    with under(candidate):
+        scaler = torch.amp.GradScaler("cpu", enabled=True)
+        ctx = torch.autocast("cpu", dtype=torch.float16)
+        assert scaler.is_enabled() is scaler_on
+        assert (ctx.fast_dtype if ctx._enabled else None) == dtype
+        with torch.autocast("cpu", enabled=False) as off:  # `autocast(enabled=use_amp)`, AMP off
+            switched = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(candidate)
+            assert (off.fast_dtype if off._enabled else None) == switched
+
+
+# ---------------------------------------------------------------------- discovery
+def test_the_model_is_the_outermost_module_holding_most_of_the_optimizers_parameters():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    net, other = Net(), nn.Linear(3, 3)
+    temperature = nn.Parameter(torch.ones(()))
+    ids = {id(p) for p in [*net.parameters(), temperature]}
+    assert find_model(ids) is net  # not a part of it, not the bare parameter's (none)
+    assert find_model({id(p) for p in net.head.parameters()}) is net
+    assert find_model({id(temperature)}) is None
+
+    class Compiled(nn.Module):  # torch.compile's OptimizedModule: the model it compiles as _orig_mod
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self._orig_mod = model
+
+    compiled = Compiled(other)
+    assert find_model({id(p) for p in compiled.parameters()}) is other
+
+
+# ---------------------------------------------------------------------- the patches
+def _patched() -> dict[str, object]:
+    from mixprec.policy.policy import Policy
+
+    autocast, scaler = torch.amp.autocast_mode.autocast, torch.amp.grad_scaler.GradScaler
+    return {
+        "autocast.__init__": autocast.__dict__["__init__"],
+        "autocast.__enter__": autocast.__dict__["__enter__"],
+        "autocast.__exit__": autocast.__dict__["__exit__"],
+        "GradScaler.__init__": scaler.__dict__["__init__"],
+        "GradScaler.scale": scaler.__dict__["scale"],
+        "GradScaler.step": scaler.__dict__["step"],
+        "autograd.backward": torch.autograd.backward,
+        "Tensor.backward": torch.Tensor.__dict__["backward"],
+        "Optimizer.__init__": torch.optim.Optimizer.__dict__["__init__"],
+        "Optimizer.zero_grad": torch.optim.Optimizer.__dict__["zero_grad"],
+        "Module.zero_grad": nn.Module.__dict__["zero_grad"],
+        "Policy.__init__": Policy.__dict__["__init__"],
+        "os._exit": os._exit,
+        "Tensor.grad": torch.Tensor.__dict__.get("grad"),
+        "forward hooks": len(torch.nn.modules.module._global_forward_pre_hooks),
+        "step hooks": len(optimizer_module._global_optimizer_pre_hooks),
+    }
+
+
+def test_each_patch_acts_in_a_loop_and_is_removed_after_it():
+    """One fp16-mixed step of a plain loop goes through every patch: the optimizer names the model,
+    the forward pre-hook starts the candidate's autocast, backward records and scales the loss, a
+    .grad read unscales it, zero_grad is not a read, and the step is routed; then torch is whole."""
+    before = _patched()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    with under("fp16-mixed") as agent:
+        during = _patched()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # Optimizer.__init__ -> adopt
+        assert agent.model is model and agent.policy is not None
+        x = torch.randn(4, 8)
+        out = model(x)  # the global forward pre-hook entered the candidate's autocast
+        assert out.dtype == torch.float16
+        loss = out.float().pow(2).mean()
+        loss.backward()  # recorded unscaled, scaled by the Policy's GradScaler
+        assert agent.window.losses[0] is not loss and float(agent.window.losses[0]) == float(loss.detach())
+        scale = float(agent.policy.scaler.get_scale())
+        assert scale > 1 and agent.grads_scaled
+        raw = model[0].weight.grad  # the first read unscales (in place): the true gradient
+        expected = torch.autograd.grad(model(x).float().pow(2).mean(), model[0].weight)[0]
+        torch.testing.assert_close(raw, expected, rtol=5e-2, atol=1e-3)
+        opt.step()  # routed through the Policy; the scale is updated at the step's end
+        opt.zero_grad()
+    changed = [k for k in before if before[k] is not during[k] and before[k] != during[k]]
+    assert set(changed) >= {
+        "autocast.__init__",
+        "GradScaler.__init__",
+        "autograd.backward",
+        "Tensor.backward",
+        "Optimizer.__init__",
+        "Optimizer.zero_grad",
+        "Module.zero_grad",
+        "Policy.__init__",
+        "os._exit",
+        "step hooks",
+    }
+    after = _patched()
+    assert all(after[k] is before[k] or after[k] == before[k] for k in before), [
+        k for k in before if not (after[k] is before[k] or after[k] == before[k])
+    ]
+    assert len(agent.steps) == 1 and not agent.steps[0].skipped
+
+
+def test_an_lr_scheduler_made_after_the_optimizer_wraps_its_step():
+    """`optimizer.step` is a bound method, as torch's own is (a plain function broke every scheduler)."""
+    model = nn.Linear(4, 1)
+    with under("bf16-mixed") as agent:
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for _ in range(2):
+            model(torch.randn(2, 4)).float().pow(2).mean().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    assert opt.param_groups[0]["lr"] == 0.25 and len(agent.steps) == 2
+
+
+# ---------------------------------------------------------------------- the process it runs in
+def test_the_boot_hook_runs_the_interpreters_own_sitecustomize_first(tmp_path, monkeypatch):
+    (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['USERS_SITECUSTOMIZE'] = 'ran'\n")
+    monkeypatch.setattr(sys, "path", [str(BOOT.parent), str(tmp_path), *sys.path])
+    monkeypatch.delenv(PLAN_ENV, raising=False)
+    monkeypatch.delenv("USERS_SITECUSTOMIZE", raising=False)
+    runpy.run_path(str(BOOT))
+    assert os.environ["USERS_SITECUSTOMIZE"] == "ran"
+
+
+def test_a_worker_process_of_the_script_is_not_the_script(tmp_path, monkeypatch):
+    """A DataLoader worker (spawned: a fresh interpreter importing the boot hook again) or any other
+    child inherits the plan: only the process the plan was installed in runs the agent."""
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"mode": "run", "candidate": {"policy": "bf16-mixed"}}')
+    monkeypatch.setenv(PLAN_ENV, str(plan))
+    monkeypatch.setenv(OWNER_ENV, str(os.getpid() + 1))  # the script, which started this one
+    monkeypatch.setattr(agent_module, "AGENT", None)
+    agent_module.install_from_env()
+    assert agent_module.AGENT is None
+    monkeypatch.delenv(PLAN_ENV)
+    monkeypatch.delenv(OWNER_ENV)
+    agent_module.install_from_env()  # no plan: not a script mixprec runs
+    assert agent_module.AGENT is None
+
+
+def test_a_python_that_is_not_mixprecs_is_probed_before_any_run(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    old = tmp_path / "python3.8"
+    old.write_text("#!/bin/sh\necho False 2.0.0\n")
+    old.chmod(0o755)
+    with pytest.raises(UsageError, match=r"older than Python 3\.11"):
+        preflight([str(old), "train.py"], tmp_path)
+    no_torch = tmp_path / "python"
+    no_torch.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n")
+    no_torch.chmod(0o755)
+    with pytest.raises(UsageError, match=r"cannot import torch .*No module named 'torch'"):
+        preflight([str(no_torch), "train.py"], tmp_path)
+    with pytest.raises(UsageError, match="cannot find the interpreter 'pyhton'"):
+        preflight(["pyhton", "train.py"], tmp_path)
+    preflight([sys.executable, "train.py"], tmp_path)  # mixprec's own: nothing to probe
