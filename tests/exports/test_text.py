@@ -774,15 +774,16 @@ def test_exporting_touches_no_global_state_and_imports_no_framework():
 
 # ------------------------------------------------------------------------------------------ tune
 def test_tune_summary_lists_each_target_as_faithful_or_refused():
-    from mixprec.cli.tune import export_lines
+    from mixprec.report.tune import export_lines
+    from mixprec.report.view import exports_section
 
     results = export_all(PolicyConfig("fp16-mixed", "cpu"))
-    data = {
-        "exports": {t: r.text for t, r in results.items() if r.faithful},
-        "export_refusals": {t: r.refused for t, r in results.items() if not r.faithful},
-    }
+    section = exports_section(
+        {t: r.text for t, r in results.items() if r.faithful},
+        {t: r.refused for t, r in results.items() if not r.faithful},
+    )
     console = Console(file=io.StringIO(), width=400)
-    for line in export_lines(data):
+    for line in export_lines(section.body):
         console.print(line)
     out = console.file.getvalue()
     assert "  pytorch: faithful" in out and "  lightning: faithful" in out

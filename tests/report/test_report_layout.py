@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from mixprec.cli.tune import candidate_table, summary
 from mixprec.policy import Candidate
 from mixprec.report import format as fmt
 from mixprec.report import html as report_html
 from mixprec.report import view as report_view
+from mixprec.report.tune import candidate_table, summary
 from mixprec.report.view_types import CANDIDATE_COLUMNS, WHY_CHARS
 from mixprec.status import Status
 from mixprec.tuning import TuneResult
@@ -114,7 +114,7 @@ def test_no_budget_bar_for_an_old_file(old_result):
     assert report_view.budget_view(old_result) is None and report_view.build(old_result).budget is None
     assert 'class="budget' not in report_html.render_html(old_result)
     assert "budget went" not in report_html.render_markdown(old_result)
-    assert "time:" not in _terminal(summary(old_result.to_dict()))
+    assert "time:" not in _terminal(summary(old_result))
 
 
 def test_budget_bar_without_a_budget_or_over_it(timed):
@@ -129,10 +129,10 @@ def test_budget_bar_without_a_budget_or_over_it(timed):
 
 
 def test_terminal_time_line(timed, old_result):
-    text = _terminal(summary(timed.to_dict()))
+    text = _terminal(summary(timed))
     assert "time: speed 120 s, numerics 80 s, compile 60 s, race 20 s, other 5 s of 300 s" in text
     failed = dataclasses.replace(timed, recommendation=None)  # printed when nothing passed too
-    assert "time: speed 120 s," in _terminal(summary(failed.to_dict()))
+    assert "time: speed 120 s," in _terminal(summary(failed))
     assert fmt.fmt_phases(PHASES) == "speed 120 s, numerics 80 s, compile 60 s, race 20 s, other 5 s"
     assert fmt.fmt_phases({}, 300) == "" and fmt.fmt_phases({"x": "junk", "y": 0.1}) == ""
     assert fmt.phase_seconds({"late": 3.0, "speed": 1.0}) == (("speed", 1.0), ("late", 3.0))
@@ -158,9 +158,8 @@ def test_shorten_cuts_at_a_word_boundary():
 
 
 def test_terminal_reason_cut_at_a_word_with_an_ellipsis(old_result):
-    data = old_result.to_dict()
-    text = _terminal(candidate_table(data))
-    long = [c["reason"] for c in data["candidates"] if len(c["reason"]) > 90]
+    text = _terminal(candidate_table(old_result))
+    long = [r.reason for r in old_result.ranked if len(r.reason) > 90]
     assert long
     for reason in long:
         short = fmt.shorten(reason, 90)

@@ -84,7 +84,7 @@ def build(result: TuneResult, charts: Mapping[str, str] | None = None) -> Report
         _candidates_section(result),
         _charts_section(charts or {}),
         _lint_section(result.lint),
-        _exports_section(result.exports, result.export_refusals),
+        exports_section(result.exports, result.export_refusals),
         _environment_section(result),
     )
     ran = _text(env.get("mixprec_version"))
@@ -205,24 +205,29 @@ def tried_line(result: TuneResult) -> str:
     """What the decision did not see measured, one clause per kind: 'Not measured (budget): ...;
     about --budget 640 would try them. Predicted only (speed not measurable here): ... Too noisy to
     rank: ...'; empty when everything planned was measured."""
+    missing, predicted, noisy = untried(result)
     parts = []
-    missing = _labels(result, Status.NOT_MEASURED)
     if missing:
-        rec = result.recommendation
-        more = rec.budget_to_try_s if rec is not None else None
+        more = result.recommendation.budget_to_try_s if result.recommendation is not None else None
         tail = f"; about --budget {more:g} would try them" if more else "; a larger --budget would try them"
         parts.append(f"Not measured, the budget ended first: {_named(missing)}{tail}.")
-    predicted = [
-        f"{r.label} (would {'pass' if r.verdict == Status.PASS else 'fail'})" if r.verdict else r.label
-        for r in result.ranked
-        if r.status == Status.PREDICTED
-    ]
     if predicted:
         parts.append(f"Predicted only, speed not measurable on this device: {_named(predicted)}.")
-    noisy = _labels(result, Status.NOISY)
     if noisy:
         parts.append(f"Too noisy to rank (set aside): {_named(noisy)}.")
     return " ".join(parts)
+
+
+def untried(result: TuneResult) -> tuple[list[str], list[str], list[str]]:
+    """The labels the decision did not see measured: not measured (the budget ended first),
+    predicted only (with the verdict predicted: 'fp8-rowwise (would pass)'), too noisy to rank."""
+    words: dict[str, str] = {Status.PASS: "would pass", Status.INCONCLUSIVE: "inconclusive"}
+    predicted = [
+        f"{r.label} ({words.get(r.verdict, 'would fail')})" if r.verdict else r.label
+        for r in result.ranked
+        if r.status == Status.PREDICTED
+    ]
+    return _labels(result, Status.NOT_MEASURED), predicted, _labels(result, Status.NOISY)
 
 
 def _labels(result: TuneResult, status: Status) -> list[str]:
@@ -356,13 +361,14 @@ def label_parts(label: str) -> tuple[str, ...]:
     return parts if len(parts) > 1 else ()
 
 
-def compile_text(row: BenchRow | None) -> str:
-    """'41 s, 2 breaks' for a compiled candidate: its compile time and how cleanly it traced."""
+def compile_text(row: BenchRow | None, recompiles: bool = True) -> str:
+    """'41 s, 2 breaks, 3 recompiles' for a compiled candidate: its compile time and how cleanly it
+    traced (the terminal's narrower table leaves the recompiles out)."""
     if row is None or not row.candidate.compile or row.compile_s is None:
         return ""
     breaks = "" if row.graph_breaks is None else f", {row.graph_breaks} break{'s' * (row.graph_breaks != 1)}"
-    recompiles = f", {row.recompiles} recompiles" if row.recompiles else ""
-    return f"{row.compile_s:.0f} s{breaks}{recompiles}"
+    recompiled = f", {row.recompiles} recompiles" if row.recompiles and recompiles else ""
+    return f"{row.compile_s:.0f} s{breaks}{recompiled}"
 
 
 def share_cell(row: BenchRow | None) -> Cell:
@@ -472,7 +478,7 @@ def _lint_section(findings: list[dict[str, Any]] | None) -> Section:
     )
 
 
-def _exports_section(exports: Mapping[str, str], refusals: Mapping[str, str]) -> Section:
+def exports_section(exports: Mapping[str, str], refusals: Mapping[str, str]) -> Section:
     sid, title = "exports", "Exports"
     keys = [*exports, *(k for k in refusals if k not in exports)]
     shown = tuple(
