@@ -97,6 +97,8 @@ class _Warmup:
             group["base_lr"] = base
             # a fresh tensor per optimizer: a rebuilt one (another implementation) must not share it
             group["lr"] = torch.full((), base * first, device=device) if self._tensor_lr else base * first
+        if self._warming and not self._tensor_lr:
+            _advance_float_eagerly()
 
     def _advance(self) -> None:
         if not self._warming:
@@ -109,7 +111,6 @@ class _Warmup:
             return
         self._advance_float()
 
-    @torch.compiler.disable
     def _advance_float(self) -> None:
         # Host bookkeeping, always run eagerly: in a step compiled whole (compile_scope='step')
         # Dynamo refuses setattr on an optimizer (torch 2.11: "Attempted setattr on a user-defined
@@ -120,6 +121,16 @@ class _Warmup:
         for group in self.param_groups:
             group["lr"] = group["base_lr"] * ratio
         self._warming = ratio < 1.0
+
+
+def _advance_float_eagerly() -> None:
+    """``torch.compiler.disable`` on :meth:`_Warmup._advance_float`, applied when the first optimizer
+    that needs it is made: applied at import, it imported torch._dynamo (seconds) into every mixprec
+    command, most of which never compile anything."""
+    if not getattr(_Warmup._advance_float, "_mixprec_eager", False):
+        eager = torch.compiler.disable(_Warmup._advance_float)
+        eager._mixprec_eager = True
+        _Warmup._advance_float = eager  # type: ignore[method-assign]
 
 
 class WarmupSGD(_Warmup, torch.optim.SGD):
