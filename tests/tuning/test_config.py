@@ -37,7 +37,7 @@ def test_flat_keyword_names_reach_the_nested_configs():
         ({"train_steps": 0}, "train_steps must be an integer >= 1, got 0"),
         ({"check_steps": 0}, "^check_steps must be an integer >= 1, got 0"),
         ({"steps": 0}, "^steps must be an integer >= 1, got 0"),
-        ({"stepz": 3}, "unknown settings stepz; valid: .*steps"),
+        ({"stepz": 3}, r"tune\(\) has no setting 'stepz'. Did you mean 'steps'\? Valid: .*check_steps"),
     ],
 )
 def test_a_bad_setting_is_refused_before_anything_runs(fields, message, monkeypatch):

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from mixprec import validation
-from mixprec.errors import UsageError
 from mixprec.policy import Candidate, Thresholds
 from mixprec.policy.registry import CHECK_DEFAULT
 
@@ -50,32 +49,20 @@ class CheckConfig:
     candidate's format (or its updates to stall) within that many steps makes it ``at-risk``."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.policies, str):
-            names = [p.strip() for p in self.policies.split(",") if p.strip()]
-            object.__setattr__(self, "policies", tuple(names))
-        elif isinstance(self.policies, Sequence):
-            object.__setattr__(self, "policies", tuple(self.policies))
-        else:
-            raise UsageError(
-                f"policies must be policy names or Candidates (a list or a comma-separated string), "
-                f"got {self.policies!r}."
-            )
+        policies, what = self.policies, "policy names or Candidates (a list or a comma-separated string)"
+        validation.require("policies", policies, isinstance(policies, str | Sequence), what)
+        if isinstance(policies, str):
+            policies = tuple(p.strip() for p in policies.split(",") if p.strip())
+        object.__setattr__(self, "policies", tuple(policies))
         emulate = (self.emulate,) if isinstance(self.emulate, str) else tuple(self.emulate)
         object.__setattr__(self, "emulate", emulate)
         validation.positive_int("steps", self.steps)
         validation.optional_positive_int("batch_size", self.batch_size)
         validation.boolean("fix", self.fix)
         validation.positive_int("train_steps", self.train_steps)
-        if self.thresholds is not None and not isinstance(self.thresholds, Mapping):
-            raise UsageError(f"thresholds must map policy names to Thresholds, got {self.thresholds!r}.")
+        thr, what = self.thresholds, "policy names mapped to Thresholds"
+        validation.require("thresholds", thr, isinstance(thr, Mapping | None), what)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "policies": [p.label if isinstance(p, Candidate) else p for p in self.policies],
-            "emulate": list(self.emulate),
-            "steps": self.steps,
-            "batch_size": self.batch_size,
-            "device": None if self.device is None else str(self.device),
-            "fix": self.fix,
-            "train_steps": self.train_steps,
-        }
+        """The settings as JSON values (candidates by label, thresholds as dicts)."""
+        return validation.to_dict(self)

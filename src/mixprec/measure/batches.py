@@ -229,8 +229,8 @@ def bench_batches(
     config = validation.with_fields(config or BenchConfig(channels_last="off"), fields, "bench_batches")
     framework = framework_of(workload)
     sizes = parse_batch_sizes(batch_sizes)
-    if memory_budget is not None and (isinstance(memory_budget, bool) or memory_budget <= 0):
-        raise UsageError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}.")
+    if memory_budget is not None:
+        memory_budget = validation.byte_size("memory_budget", memory_budget)
     accumulation = _accumulation(sizes, effective_batch)
     dev = framework.resolve_device(config.device)
     events = events or ignore

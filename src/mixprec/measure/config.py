@@ -9,7 +9,7 @@ keyed on (:func:`mixprec.measure.sweep.resume_key`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,12 +128,11 @@ class BenchConfig:
             if not isinstance(value, bool):
                 validation.one_of(name, value, CHOICES)
         if self.candidates is not None:
-            cands = tuple(self.candidates)
-            if not all(isinstance(c, Candidate) for c in cands):
-                raise UsageError(f"candidates must be mixprec.Candidate objects, got {self.candidates!r}.")
-            object.__setattr__(self, "candidates", cands)
-        if self.baseline is not None and not isinstance(self.baseline, Candidate):
-            raise UsageError(f"baseline must be a mixprec.Candidate, got {self.baseline!r}.")
+            object.__setattr__(self, "candidates", tuple(self.candidates))
+            ok = all(isinstance(c, Candidate) for c in self.candidates)
+            validation.require("candidates", self.candidates, ok, "mixprec.Candidate objects")
+        ok = isinstance(self.baseline, Candidate | None)
+        validation.require("baseline", self.baseline, ok, "a mixprec.Candidate")
         validation.optional_positive_int("batch_size", self.batch_size)
         validation.positive_int("accumulation_steps", self.accumulation_steps)
         validation.positive_int("steps", self.steps)
@@ -159,17 +158,6 @@ class BenchConfig:
         return parse_policies(self.policies)
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings as JSON values (candidates by label, paths as strings)."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "candidates":
-                value = None if value is None else [c.label for c in value]
-            elif f.name == "baseline":
-                value = None if value is None else value.label
-            elif f.name == "policies":
-                value = self.policy_names
-            elif isinstance(value, Path):
-                value = str(value)
-            out[f.name] = value
-        return out
+        """The settings as JSON values (policies by canonical name, candidates by label, paths as
+        strings)."""
+        return validation.to_dict(self, policies=self.policy_names)

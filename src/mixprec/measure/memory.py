@@ -13,36 +13,19 @@ be asked for them).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mixprec import validation
 from mixprec.errors import UsageError
 from mixprec.frameworks.session import MemoryPoint
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 def parse_size(text: str | int | float) -> int:
     """Bytes from ``'8GiB'``, ``'512MB'``, ``'2g'`` or a number of bytes (binary units: a GB here is
-    a GiB, as ``nvidia-smi`` and PyTorch's allocator count)."""
-    if isinstance(text, bool):
-        raise UsageError(f"a memory size must be a number of bytes or like '8GiB', got {text!r}.")
-    if isinstance(text, (int, float)):
-        value, unit = float(text), ""
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-        if match is None:
-            raise UsageError(
-                f"memory size {text!r} is not a size; write it like '8GiB', '512MiB', '24g' or a number "
-                "of bytes."
-            )
-        value, unit = float(match.group(1)), match.group(2)
-    size = int(value * _UNITS[unit])
-    if size <= 0:
-        raise UsageError(f"a memory size must be positive, got {text!r}.")
-    return size
+    a GiB, as ``nvidia-smi`` and PyTorch's allocator count): :func:`mixprec.validation.byte_size`."""
+    return validation.byte_size("--memory-budget", text)
 
 
 @dataclass

@@ -8,7 +8,7 @@ pass it on. ``to_dict`` is what a run records of it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
 
 from mixprec import validation
@@ -125,37 +125,21 @@ class MonitorConfig:
         validation.boolean("spikes", self.spikes)
         validation.boolean("spike_grad_norm", self.spike_grad_norm)
         if self.schedule is not None:
-            if not isinstance(self.schedule, Mapping):
-                raise UsageError(f"schedule must map steps to policy names, got {self.schedule!r}.")
+            what = "steps (or fractions of train_steps) mapped to policy names"
+            validation.require("schedule", self.schedule, isinstance(self.schedule, Mapping), what)
             planned = {}
             for at, name in self.schedule.items():
-                if isinstance(at, bool) or not isinstance(at, (int, float)) or at < 0:
-                    raise UsageError(f"schedule keys are steps or fractions of train_steps, got {at!r}.")
+                ok = isinstance(at, int | float) and not isinstance(at, bool) and at >= 0
+                validation.require("schedule keys", at, ok, "steps or fractions of train_steps (>= 0)")
                 planned[at] = schedule_target(at, name)
             object.__setattr__(self, "schedule", planned)
 
     def replace(self, **changes: Any) -> MonitorConfig:
-        """This config with ``changes``; an unknown name is one line that lists the valid ones."""
-        names = [f.name for f in fields(self)]
-        unknown = sorted(set(changes) - set(names))
-        if unknown:
-            hint = " (the findings sink is findings= now)" if unknown[0] == "events" else ""
-            raise UsageError(
-                f"Unknown monitor setting {unknown[0]!r}{hint}; valid: {', '.join(names)}."
-                f"{did_you_mean(unknown[0], names)}"
-            )
-        return replace(self, **changes)
+        """This config with ``changes``: :func:`mixprec.validation.with_fields`."""
+        return validation.with_fields(
+            self, changes, "Monitor", notes={"events": "the findings sink is findings= now"}
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "every": self.every,
-            "shadow_every": self.shadow_every,
-            "rescue": self.rescue,
-            "train_steps": self.train_steps,
-            "snapshot_every": self.snapshot_every,
-            "schedule": {str(k): v for k, v in (self.schedule or {}).items()},
-            "hold": self.hold,
-            "max_rescues": self.max_rescues,
-            "spikes": self.spikes,
-            "spike_grad_norm": self.spike_grad_norm,
-        }
+        """The settings as JSON values (the schedule's steps as strings, {} for none)."""
+        return validation.to_dict(self, schedule=self.schedule or {})

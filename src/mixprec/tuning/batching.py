@@ -25,7 +25,7 @@ from mixprec.events import Events
 from mixprec.frameworks import Framework
 from mixprec.frameworks.session import MemoryPoint
 from mixprec.measure.batches import measure_peak
-from mixprec.measure.memory import MemoryModel, fit_and_check, parse_size
+from mixprec.measure.memory import MemoryModel, fit_and_check
 from mixprec.policy import Candidate
 from mixprec.status import Status
 
@@ -200,12 +200,8 @@ def memory_budget(framework: Framework, device: str, budget: int | str | None) -
     """The budget in bytes (a number, or a size such as ``"2GiB"``) and where it came from: the
     user's, or on CUDA half the free memory less :data:`CUDA_MARGIN`. A CPU has no device memory to
     fill, so there the user names it."""
-    if isinstance(budget, str):
-        budget = parse_size(budget)
-    if budget is not None:
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
-            raise UsageError(f"memory_budget must be a positive number of bytes, got {budget!r}.")
-        return budget, "--memory-budget"
+    if budget is not None:  # TuneConfig's is checked, and held as bytes, when the config is made
+        return validation.byte_size("memory_budget", budget), "--memory-budget"
     if device.startswith("cuda"):
         import torch
 

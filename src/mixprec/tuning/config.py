@@ -9,7 +9,7 @@ names for the nested settings (``steps``, ``warmup``, ``batch_size``, ``device``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from mixprec import validation
@@ -17,22 +17,9 @@ from mixprec.checking.config import TRAIN_STEPS, CheckConfig
 from mixprec.errors import UsageError
 from mixprec.measure.config import BenchConfig
 
-# The keyword API's flat names of the nested configs' fields.
-BENCH_FIELDS = {"device": "device", "batch_size": "batch_size", "steps": "steps", "warmup": "warmup"}
-CHECK_FIELDS = {"check_steps": "steps", "fix": "fix", "train_steps": "train_steps"}
-
-
-def _nested(config: Any, changes: dict[str, Any], names: dict[str, str]) -> Any:
-    """``replace(config, **changes)``, a refused value named by the flat name it was given as
-    (``check_steps must be ...``, not the nested ``steps must be ...``)."""
-    try:
-        return replace(config, **changes)
-    except UsageError as exc:
-        text = str(exc)
-        for flat, nested in names.items():
-            if nested in changes and text.startswith(f"{nested} "):
-                raise UsageError(flat + text[len(nested) :]) from None
-        raise
+# The keyword API's flat names of the nested configs' fields: {name: (nested config, its field)}.
+FLAT = {name: ("bench", name) for name in ("device", "batch_size", "steps", "warmup")}
+FLAT |= {"check_steps": ("check", "steps"), "fix": ("check", "fix"), "train_steps": ("check", "train_steps")}
 
 
 def _default_bench() -> BenchConfig:
@@ -78,17 +65,15 @@ class TuneConfig:
     ``effective_batch``; None: every candidate at the bench config's batch size."""
 
     memory_budget: int | str | None = None
-    """With ``batch="auto"``: bytes (or '16GiB') a step may take; on CUDA by default the free memory
-    less 10%."""
+    """With ``batch="auto"``: bytes (or '16GiB', held as bytes) a step may take; on CUDA by default
+    the free memory less 10%."""
 
     effective_batch: int | None = None
     """With ``batch="auto"``: samples per optimizer step (default: the batch size, else the workload's)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bench, BenchConfig):
-            raise UsageError(f"bench must be a mixprec BenchConfig, got {type(self.bench).__name__}.")
-        if not isinstance(self.check, CheckConfig):
-            raise UsageError(f"check must be a mixprec CheckConfig, got {type(self.check).__name__}.")
+        validation.require("bench", self.bench, isinstance(self.bench, BenchConfig), "a mixprec BenchConfig")
+        validation.require("check", self.check, isinstance(self.check, CheckConfig), "a mixprec CheckConfig")
         validation.seconds("budget", self.budget_s, zero_ok=False)
         validation.boolean("lint", self.lint)
         validation.fraction("noise", self.noise)
@@ -98,9 +83,11 @@ class TuneConfig:
                 (self.compile_modes,) if isinstance(self.compile_modes, str) else tuple(self.compile_modes)
             )
             object.__setattr__(self, "compile_modes", modes)
-        if self.batch is not None and self.batch != "auto":
-            raise UsageError(
-                f"batch must be 'auto' (or None: batch_size for every candidate), got {self.batch!r}."
+        what = "'auto' (or None: batch_size for every candidate)"
+        validation.require("batch", self.batch, self.batch in (None, "auto"), what)
+        if self.memory_budget is not None:
+            object.__setattr__(
+                self, "memory_budget", validation.byte_size("memory_budget", self.memory_budget)
             )
         validation.optional_positive_int("effective_batch", self.effective_batch)
         if self.batch is None and (self.memory_budget is not None or self.effective_batch is not None):
@@ -124,30 +111,9 @@ class TuneConfig:
     def with_fields(self, **changes: Any) -> TuneConfig:
         """A copy with ``changes`` applied: TuneConfig's own fields by name, and the nested configs'
         by the keyword API's flat names (``steps``, ``warmup``, ``batch_size``, ``device``;
-        ``check_steps``, ``fix``, ``train_steps``). An unknown name is one UsageError listing them."""
-        own = {f.name for f in fields(self)}
-        bench = {BENCH_FIELDS[k]: changes.pop(k) for k in list(changes) if k in BENCH_FIELDS}
-        check = {CHECK_FIELDS[k]: changes.pop(k) for k in list(changes) if k in CHECK_FIELDS}
-        unknown = sorted(set(changes) - own)
-        if unknown:
-            valid = sorted(own | set(BENCH_FIELDS) | set(CHECK_FIELDS))
-            raise UsageError(f"tune() got unknown settings {', '.join(unknown)}; valid: {', '.join(valid)}.")
-        if bench:
-            changes["bench"] = _nested(changes.get("bench", self.bench), bench, BENCH_FIELDS)
-        if check:
-            changes["check"] = _nested(changes.get("check", self.check), check, CHECK_FIELDS)
-        return replace(self, **changes)
+        ``check_steps``, ``fix``, ``train_steps``): :func:`mixprec.validation.with_fields`."""
+        return validation.with_fields(self, changes, "tune", flat=FLAT)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "bench": self.bench.to_dict(),
-            "check": self.check.to_dict(),
-            "budget_s": self.budget_s,
-            "lint": self.lint,
-            "noise": self.noise,
-            "compile_modes": None if self.compile_modes is None else list(self.compile_modes),
-            "optimizers": self.optimizers,
-            "batch": self.batch,
-            "memory_budget": self.memory_budget,
-            "effective_batch": self.effective_batch,
-        }
+        """The settings as JSON values (the nested configs' own ``to_dict``)."""
+        return validation.to_dict(self)
