@@ -313,8 +313,11 @@ def _run_at_a_terminal(tmp_path: Path, argv: list[str], env: dict[str, str]) -> 
 
     pid, master = pty.fork()
     if pid == 0:  # pragma: no cover - the child: session leader with the pty as its terminal
-        os.chdir(tmp_path)
-        os.execve(argv[0], argv, env)
+        try:
+            os.chdir(tmp_path)
+            os.execve(argv[0], argv, env)
+        finally:
+            os._exit(127)  # never back into pytest's code in a forked copy of this worker
     _wait_for(tmp_path / "ready")
     os.write(master, b"\x03")  # Ctrl-C
     output = b""

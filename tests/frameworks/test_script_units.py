@@ -269,3 +269,35 @@ def test_a_python_that_is_not_mixprecs_is_probed_before_any_run(tmp_path):
     with pytest.raises(UsageError, match="cannot find the interpreter 'pyhton'"):
         preflight(["pyhton", "train.py"], tmp_path)
     preflight([sys.executable, "train.py"], tmp_path)  # mixprec's own: nothing to probe
+
+
+# ---------------------------------------------------------------------- the backend holds no workload
+def test_two_scripts_in_one_process_get_their_own_answers(tmp_path):
+    """The backend kept the facts of the script validated last: a plain loop measured after a
+    Lightning script was refused channels_last and exported as Lightning code (issue 52)."""
+    from mixprec.frameworks import framework_named
+    from mixprec.frameworks.script import ScriptWorkload
+    from mixprec.frameworks.script.workload import ScriptFacts
+    from mixprec.hardware.device import detect
+    from mixprec.policy import Candidate
+
+    def script(name: str, framework: str) -> ScriptWorkload:
+        (tmp_path / name).write_text("")
+        workload = ScriptWorkload.from_command([sys.executable, name], cwd=tmp_path)
+        workload.facts = ScriptFacts(
+            framework, "fp32", {}, "Net", [("conv", "Conv2d")], ["conv.weight"], "cpu", 8, [1.0]
+        )
+        return workload
+
+    backend, info = framework_named("script"), detect("cpu")
+    lightning, plain = script("lit.py", "lightning"), script("loop.py", "plain")
+    cand = Candidate("bf16-mixed", channels_last=True, framework="script")
+    for _ in range(2):  # in either order, whichever was asked last
+        assert not backend.support(cand, info, lightning) and backend.support(cand, info, plain)
+    fp16 = Candidate("fp16-mixed", framework="script")
+    lit_texts, _ = backend.exports(fp16, "cpu", lightning)
+    loop_texts, _ = backend.exports(fp16, "cpu", plain)
+    assert "lightning" in lit_texts and "pytorch" not in lit_texts
+    assert "pytorch" in loop_texts and "lightning" not in loop_texts
+    assert lit_texts["run"].endswith("-- " + " ".join([sys.executable, "lit.py"]))
+    assert loop_texts["run"].endswith("loop.py")

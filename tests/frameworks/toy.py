@@ -104,7 +104,7 @@ class ToyFramework(Framework):
     def load_workload(self, target: str, **sizes: Any) -> ToyWorkload:
         return ToyWorkload(**sizes)
 
-    def support(self, candidate: Candidate, info: DeviceInfo) -> Support:
+    def support(self, candidate: Candidate, info: DeviceInfo, workload: Any = None) -> Support:
         if candidate.policy in DTYPES:
             return Support(True, f"NumPy {np.dtype(DTYPES[candidate.policy]).name}")
         return Support(False, f"NumPy has no {candidate.policy}", "fp32", native=False)
@@ -147,5 +147,7 @@ class ToyFramework(Framework):
     def island_names(self, workload: ToyWorkload) -> tuple[list[str], dict[str, str]]:
         return ["linear"], {"w": "linear"}
 
-    def exports(self, candidate: Candidate, device: str) -> tuple[dict[str, str], dict[str, str]]:
+    def exports(
+        self, candidate: Candidate, device: str, workload: Any = None
+    ) -> tuple[dict[str, str], dict[str, str]]:
         return {"numpy": f"w = w.astype(np.{np.dtype(DTYPES[candidate.policy]).name})\n"}, {}

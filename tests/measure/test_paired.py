@@ -63,7 +63,7 @@ class ScriptedFramework(Framework):
     workload_type: ClassVar[type] = Scripted
     workload_name: ClassVar[str] = "Scripted"
 
-    def support(self, candidate: Candidate, info: DeviceInfo) -> Support:
+    def support(self, candidate: Candidate, info: DeviceInfo, workload: Any = None) -> Support:
         return Support(True, "scripted")
 
     def session(self, workload, candidate, settings, batches):

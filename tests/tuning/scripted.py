@@ -70,7 +70,7 @@ class PlantedFramework(Framework):
     compile_modes: ClassVar[tuple[str, ...]] = ("default",)
     layouts: ClassVar[bool] = True
 
-    def support(self, candidate: Candidate, info: DeviceInfo) -> Support:
+    def support(self, candidate: Candidate, info: DeviceInfo, workload: Any = None) -> Support:
         planted = any(label.split("+")[0] == candidate.policy for label in self._labels)
         if candidate.policy in self._emulated:
             return Support(True, "emulated here", "fp32", native=False)

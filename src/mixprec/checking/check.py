@@ -146,12 +146,16 @@ def check(
     check_islands(framework, checker.workload, cands)  # again: Keras lists its layers once built
     info = detect(checker.device)
     if alone and info.type == "cpu":  # a format slow here, said before its check runs for minutes
-        formats = {c.policy: c.spec.peak_key for c in cands if not c.emulate and framework.support(c, info)}
+        formats = {
+            c.policy: c.spec.peak_key
+            for c in cands
+            if not c.emulate and framework.support(c, info, checker.workload)
+        }
         for warning in slow_formats(formats, info, conv=framework.has_convolutions(checker.workload)):
             events({"event": "note", "text": f"warning: {warning}"})
     results = []
     for index, cand in enumerate(cands):
-        support = framework.support(cand, info)
+        support = framework.support(cand, info, checker.workload)
         predicted = None if support else framework.predictable(cand, info)
         if support or predicted:
             result = checker.check(cand, fix)

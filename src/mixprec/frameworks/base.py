@@ -207,8 +207,10 @@ class Framework:
         """Strict fp32, eager: the reference every speedup and verdict is measured against."""
         return Candidate("fp32", framework=self.name)
 
-    def support(self, candidate: Candidate, info: DeviceInfo) -> Support:
-        """Whether ``candidate`` runs on the device, natively or emulated, why, and what instead."""
+    def support(self, candidate: Candidate, info: DeviceInfo, workload: Any = None) -> Support:
+        """Whether ``candidate`` runs on the device, natively or emulated, why, and what instead;
+        ``workload``: the one being measured, where the answer depends on it (a script's framework
+        expresses fewer candidates than its own loop), None where only the device is asked."""
         raise NotImplementedError
 
     def predictable(self, candidate: Candidate, info: DeviceInfo) -> str | None:
@@ -331,8 +333,10 @@ class Framework:
         return f"{candidate.policy} with {list(keep_fp32)!r} kept in fp32"
 
     # ------------------------------------------------------------------ after the pick
-    def exports(self, candidate: Candidate, device: str) -> tuple[dict[str, str], dict[str, str]]:
-        """``({target: text}, {target: why refused})`` for the recommendation."""
+    def exports(
+        self, candidate: Candidate, device: str, workload: Any = None
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """``({target: text}, {target: why refused})`` for the recommendation made on ``workload``."""
         return {}, {}
 
     def lint(self, workload: Any, candidate: Candidate, device: str) -> list[dict[str, Any]] | None:

@@ -238,7 +238,7 @@ def bench_batches(
     info = detect(dev)
     layouts, _ = framework.bench_layouts(workload, parse_choice(config.channels_last, "channels_last"))
     plan = plan_candidates(framework, config.policy_names, layouts, parse_choice(config.compile, "compile"))
-    plan = [c for c in plan if framework.support(c, info).supported]
+    plan = [c for c in plan if framework.support(c, info, workload).supported]
     events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
     framework.validate_workload(workload, dev, sizes[0], budget=budget)
     sweep = BatchSweep(framework.workload_label(workload), dev, sizes, memory_budget, effective_batch)

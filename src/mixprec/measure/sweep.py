@@ -434,7 +434,7 @@ class Sweep:
                 result.stopped = f"stopped by the deadline while measuring {cand.label}"
                 break
             if row.status == Status.PRUNED:
-                support = self.framework.support(cand, self.info)
+                support = self.framework.support(cand, self.info, self.workload)
                 if support.native:
                     pruned.append((i, row))
                 else:  # a format this device only emulates: far slower is expected, no second attempt
@@ -472,7 +472,7 @@ class Sweep:
                 result.stopped = f"stopped by the deadline before {cand.label}"
                 break
             self.events({"event": "candidate", "label": cand.label, "index": i, "count": count})
-            support = self.framework.support(cand, self.info)
+            support = self.framework.support(cand, self.info, self.workload)
             if not support:
                 hint = f"; try {support.suggestion}" if support.suggestion else ""
                 rows.record(self.row(cand, Status.UNSUPPORTED, support.reason + hint), i)
@@ -499,7 +499,7 @@ class Sweep:
     def refused(self, cand: Candidate) -> BenchRow | None:
         """The row of a candidate that is not measured: unsupported here, or one the backend need
         not time (a math mode computing what strict fp32 computes: 'no-effect'); None: measure it."""
-        support = self.framework.support(cand, self.info)
+        support = self.framework.support(cand, self.info, self.workload)
         if not support:
             hint = f"; try {support.suggestion}" if support.suggestion else ""
             return self.row(cand, Status.UNSUPPORTED, support.reason + hint)

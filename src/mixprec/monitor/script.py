@@ -119,7 +119,7 @@ class ScriptMonitor:
         Whatever steps the script's optimizer is what it reads skips and the loss scale from: the
         candidate's Policy where it routes the steps, else the script's own enabled GradScaler (its
         replays still run under the candidate's autocast)."""
-        own = next((s for s in agent.script_scalers if s.is_enabled()), None)
+        own = next((s for s in agent.own.scalers if s.is_enabled()), None)
         policy = agent.policy if agent.policy is not None and (agent.routing or own is None) else None
         self.monitor = Monitor(
             agent.model,

@@ -95,7 +95,7 @@ def tune(
         if config.lint and budget.elapsed() < budget.seconds:
             findings = search.lint(rec)
         rec = search.complete(rec, findings)
-        exports, refusals = framework.exports(rec.candidate, dev)
+        exports, refusals = framework.exports(rec.candidate, dev, workload)
     elapsed = budget.elapsed()
     search.phases["other"] = max(0.0, elapsed - sum(search.phases.values()))
     if elapsed > config.budget_s * 1.05:
@@ -146,7 +146,7 @@ def _batch_plan(
     candidates = [
         framework.validate(c)
         for c in ordered(framework.tune_candidates(workload, info), info)
-        if framework.support(c, info).supported
+        if framework.support(c, info, workload).supported
     ]
     return batching.plan_micro_batches(
         framework,

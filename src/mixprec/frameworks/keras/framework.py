@@ -121,7 +121,7 @@ class KerasFramework(Framework):
         return {}  # no FLOP count, so no MFU: the peaks would only be measured for nothing
 
     # ------------------------------------------------------------------ candidates
-    def support(self, candidate: Candidate, info: DeviceInfo) -> Support:
+    def support(self, candidate: Candidate, info: DeviceInfo, workload: Any = None) -> Support:
         return keras_support(candidate, info)
 
     def tune_candidates(self, workload: KerasWorkload, info: DeviceInfo) -> list[Candidate]:
@@ -217,7 +217,9 @@ class KerasFramework(Framework):
         return f'build the Keras layers {list(keep_fp32)!r} with dtype="float32" under {candidate.policy}'
 
     # ------------------------------------------------------------------ after the pick
-    def exports(self, candidate: Candidate, device: str) -> tuple[dict[str, str], dict[str, str]]:
+    def exports(
+        self, candidate: Candidate, device: str, workload: Any = None
+    ) -> tuple[dict[str, str], dict[str, str]]:
         return {"keras": keras_code(candidate)}, {
             "pytorch": "a TensorFlow/Keras recommendation; the torch exports do not apply"
         }

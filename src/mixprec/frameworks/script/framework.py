@@ -41,11 +41,8 @@ class ScriptFramework(Framework):
     """The user's own training script, after ``--``.
 
     Which candidates the script can run depends on what it trains through (its own loop, the HF
-    Trainer, Lightning, Accelerate): the facts of the script validated last (one per process) decide
-    :meth:`support`."""
-
-    _facts: ScriptFacts | None = None
-    _workload: ScriptWorkload | None = None
+    Trainer, Lightning, Accelerate): the workload's facts decide :meth:`support` and :meth:`exports`
+    (the backend keeps no state of its own: two scripts in one process get their own answers)."""
 
     name = "script"
     title = "your training script"
@@ -89,8 +86,6 @@ class ScriptFramework(Framework):
                     "was measured as a plain one (torch.autocast, GradScaler and the optimizer step "
                     "intercepted where it calls them)"
                 )
-        # the script being measured: what its framework expresses decides support (one per process)
-        self._facts, self._workload = workload.facts, workload
 
     def default_batch_size(self, workload: ScriptWorkload) -> int:
         return workload.default_batch_size
@@ -99,7 +94,7 @@ class ScriptFramework(Framework):
         return str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
     # ------------------------------------------------------------------ candidates
-    def support(self, candidate: Candidate, info: DeviceInfo) -> Support:
+    def support(self, candidate: Candidate, info: DeviceInfo, workload: Any = None) -> Support:
         if candidate.as_written:
             return Support(True, "the script's own precision")
         base = check_support(candidate.policy, info)
@@ -107,7 +102,7 @@ class ScriptFramework(Framework):
             return base
         if candidate.spec.low_format is not None:
             return Support(False, f"{candidate.policy} is not injected into scripts yet", "bf16-mixed", False)
-        framework = self._facts.framework if self._facts is not None else "plain"
+        framework = _framework_of(workload)
         if framework != "plain":
             return self._framework_support(candidate, info, framework, base)
         return base
@@ -155,7 +150,6 @@ class ScriptFramework(Framework):
         """The script as written, then every policy eager (channels_last too for a model with
         convolutions, in a plain loop)."""
         facts = workload.facts
-        self._facts = facts
         layouts = (
             [False, True] if facts is not None and facts.has_conv and facts.framework == "plain" else [False]
         )
@@ -179,7 +173,6 @@ class ScriptFramework(Framework):
     def session(
         self, workload: ScriptWorkload, candidate: Candidate, settings: BenchSettings, batches: list | None
     ) -> Session:
-        self._facts = workload.facts
         return ScriptSession(workload, candidate, settings)
 
     # ------------------------------------------------------------------ checking
@@ -232,22 +225,24 @@ class ScriptFramework(Framework):
         return f"mixprec run --policy {candidate.policy} --keep-fp32 {','.join(keep_fp32)} -- <your command>"
 
     # ------------------------------------------------------------------ after the pick
-    def exports(self, candidate: Candidate, device: str) -> tuple[dict[str, str], dict[str, str]]:
+    def exports(
+        self, candidate: Candidate, device: str, workload: Any = None
+    ) -> tuple[dict[str, str], dict[str, str]]:
         """The change in the script's own terms (its framework's export), mixprec's, and the
         ``mixprec run`` line that runs the pick with no edit."""
         from mixprec.exports import export_status
 
-        target = EXPORT_OF[self._facts.framework if self._facts is not None else "plain"]
+        target = EXPORT_OF[_framework_of(workload)]
         texts: dict[str, str] = {}
         refusals: dict[str, str] = {}
-        facts = self._facts
+        facts = workload.facts if isinstance(workload, ScriptWorkload) else None
         plain = candidate.policy == "fp32" and not (
             candidate.channels_last or candidate.keep_fp32 or candidate.compile
         )
         if candidate.as_written or (plain and facts is not None and facts.is_baseline):
             return {"run": "keep the script as it is: its own precision was the pick"}, {}
-        if self._workload is not None:
-            texts["run"] = run_line(candidate, self._workload.given)
+        if isinstance(workload, ScriptWorkload):
+            texts["run"] = run_line(candidate, workload.given)
         torch_cand = as_torch(candidate)
         for name in dict.fromkeys([target, "mixprec"]):
             status = export_status(torch_cand, name, device=device)
@@ -258,6 +253,12 @@ class ScriptFramework(Framework):
             else:
                 refusals[name] = status.reason
         return texts, refusals
+
+
+def _framework_of(workload: Any) -> str:
+    """What trains the script (its facts, once a run has shown them); its own loop before that."""
+    facts = workload.facts if isinstance(workload, ScriptWorkload) else None
+    return facts.framework if facts is not None else "plain"
 
 
 def run_line(candidate: Candidate, given: Sequence[str]) -> str:
@@ -287,7 +288,7 @@ def facts_of(record: TraceRecord) -> ScriptFacts:
         framework=facts.framework,
         own_policy=own_policy(facts),
         own=facts.own,
-        model=facts.model,
+        model=facts.model or "?",
         modules=facts.modules,
         params=facts.params,
         device=facts.device,

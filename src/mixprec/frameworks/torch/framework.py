@@ -161,7 +161,7 @@ class TorchFramework(Framework):
         check_torch_axes(candidate)
         return candidate
 
-    def support(self, candidate: Candidate, info: DeviceInfo) -> Support:
+    def support(self, candidate: Candidate, info: DeviceInfo, workload: Any = None) -> Support:
         return check_support(candidate.policy, info)
 
     def predictable(self, candidate: Candidate, info: DeviceInfo) -> str | None:
@@ -334,7 +334,9 @@ class TorchFramework(Framework):
         return f"mixprec.get_policy({candidate.policy!r}, keep_fp32={list(keep_fp32)!r})"
 
     # ------------------------------------------------------------------ after the pick
-    def exports(self, candidate: Candidate, device: str) -> tuple[dict[str, str], dict[str, str]]:
+    def exports(
+        self, candidate: Candidate, device: str, workload: Any = None
+    ) -> tuple[dict[str, str], dict[str, str]]:
         from mixprec.exports import export_all
 
         results = export_all(candidate, device=device)
