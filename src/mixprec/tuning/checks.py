@@ -17,8 +17,8 @@ from mixprec.tuning.decide import Untried
 
 
 class Checks:
-    """The numerics checks of one tune, each priced and timed by its :class:`Costs`, which
-    ``checkers`` (per micro-batch, filled here) tell what runs a next check still needs."""
+    """The numerics checks of one tune and their verdicts. Each is priced and timed by ``costs``,
+    which reads ``checkers`` (one per micro-batch, made here) for the runs a next check still needs."""
 
     def __init__(self, setting: Setting, costs: Costs, checkers: dict[int | None, Checker]) -> None:
         self.setting, self.costs, self.checkers = setting, costs, checkers
@@ -71,7 +71,8 @@ class Checks:
         """Candidates the device cannot run fast but whose numerics can be computed here (fp8 on a
         CPU through torchao's recipe): whether they would pass, a labelled prediction, never a
         measured speed; each a row of the decision table, and the notes saying so."""
-        predicted, notes = self.setting.framework.predictions(self.setting.workload, info)
+        predicted, said = self.setting.framework.predictions(self.setting.workload, info)
+        notes = list(said)  # the backend's own list is not this tune's to add to
         rows: dict[Candidate, Untried] = {}
         for i, cand in enumerate(predicted):
             if not self.setting.budget.can_pay(self.costs.check_s(cand)):

@@ -76,13 +76,11 @@ class Costs:
     def measure_s(self) -> float:
         """About what measuring one more eager candidate costs: the median wall time of the rows
         measured so far (set-up, warm-up and paired rounds), else :meth:`sweep_s`."""
+        base = self.setting.baseline
         walls = sorted(
             r.wall_s
             for r in self.result.rows
-            if r.wall_s
-            and r.status == Status.OK
-            and not r.baseline_repeat
-            and r.candidate != self.setting.baseline
+            if r.wall_s and r.status == Status.OK and not r.baseline_repeat and r.candidate != base
         )
         return walls[len(walls) // 2] if walls else self.sweep_s()
 

@@ -1,9 +1,8 @@
 """`tune`: the fastest configuration that trains correctly, with the evidence, for any framework.
 
-The stages (:class:`mixprec.tuning.search.Search`) in order: the speed sweep, the numerics of the
-candidates that beat strict fp32 (with keep-fp32 rescues), the rest of the sweep, compiled and
-optimizer variants, the decision and the re-measurement of a tie, fp8 predictions; then lint and
-the exports of the pick.
+The stages of :mod:`mixprec.tuning.search` in order (the speed sweep, the numerics of the candidates
+that beat strict fp32, the rest of the sweep, compiled and optimizer variants, the race, the decision
+and fp8 predictions); then lint and the exports of the pick.
 """
 
 from __future__ import annotations

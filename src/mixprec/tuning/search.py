@@ -115,11 +115,6 @@ class Sweeps:
     def stage(self, text: str) -> None:
         self.events({"event": "stage", "text": text})
 
-    @property
-    def threads(self) -> int:
-        """The threads every stage measures at (chosen once by tune, else the framework's)."""
-        return self.bench.threads if isinstance(self.bench.threads, int) else self.framework.threads()
-
     def racing(self, batch_size: int) -> Measure:
         """Paired rounds of two candidates, each in its own session (a process where the workload
         can be rebuilt in one), at a fixed warm-up: what the race measures with."""
@@ -129,7 +124,7 @@ class Sweeps:
             steps=FIRST_ROUNDS,
             warmup=RACE_WARMUP,
             adaptive_warmup=False,
-            threads=self.threads,
+            threads=self.bench.threads if isinstance(self.bench.threads, int) else self.framework.threads(),
         )
         isolate = self.workload.spec is not None and self.framework.session_builder() is not None
         return paired_rounds(
@@ -209,7 +204,7 @@ class Search:
 
     def __init__(self, sweeps: Sweeps, result: BenchResult) -> None:
         self.sweeps, self.result = sweeps, result
-        # what every stage reads (the notes are those the steps before the sweep began)
+        # what every stage reads (the notes: the list the steps before the sweep began)
         self.framework, self.budget = sweeps.framework, sweeps.budget
         self.notes, self.batches = sweeps.notes, sweeps.batches
         checkers: dict[int | None, Checker] = {}  # per micro-batch: the fp32 reference runs there
