@@ -14,7 +14,8 @@ from mixprec.hardware.device import detect
 from mixprec.policy import Candidate
 from mixprec.tuning import search as search_module
 from mixprec.tuning.config import TuneConfig
-from mixprec.tuning.search import CHECK_STEP_COST, Search
+from mixprec.tuning.cost import CHECK_STEP_COST
+from mixprec.tuning.search import Search, Sweeps
 
 from .scripted import Planted, PlantedFramework
 
@@ -45,7 +46,7 @@ def swept(framework, seconds, budget_s=300.0):
     config = TuneConfig(budget_s=budget_s, compile_modes=(), lint=False).with_fields(
         steps=4, warmup=1, check_steps=STEPS
     )
-    search = Search(
+    sweeps = Sweeps(
         Planted(seconds, jitter=0.0),
         framework,
         config,
@@ -54,8 +55,7 @@ def swept(framework, seconds, budget_s=300.0):
         budget=Budget(budget_s, reserve_s=search_module.RESERVE_S),
         events=ignore,
     )
-    search.measure_speed(detect("cpu"))
-    return search
+    return Search.start(sweeps, detect("cpu"))
 
 
 def bf16(policy="bf16-mixed"):
@@ -68,20 +68,20 @@ def test_the_first_check_is_priced_from_its_runs_at_their_measured_steps(framewo
     checked and fp32+cl was recommended. Its runs: the fp32 reference, the chaos run and the run a
     bf16 rounding apart at 3.4 s a step, bf16-mixed at 1.7 s, 7 steps each with the probe."""
     search = swept(framework, BUSY)
-    first = search.check_cost_s(bf16())
+    first = search.costs.check_s(bf16())
     runs_alone = (STEPS + 1) * (3 * BUSY["fp32"] + BUSY["bf16-mixed"])
     assert runs_alone < first < 168 - search_module.RESERVE_S
     # no lower-precision step measured yet (the late sweep's reserve): priced at strict fp32's
-    assert search.check_cost_s() > first
+    assert search.costs.check_s() > first
 
 
 def test_a_later_check_prices_only_its_own_runs(framework):
     search = swept(framework, BUSY)
-    first = search.check_cost_s(bf16())
-    search.check(bf16())
-    pace = search._check_pace
+    first = search.costs.check_s(bf16())
+    search.checks.check(bf16())
+    pace = search.costs.pace
     # bf16-true: its own run and ranges; the bf16 rounding's fp32 run is made already
-    later = search.check_cost_s(bf16("bf16-true")) / pace
+    later = search.costs.check_s(bf16("bf16-true")) / pace
     assert later < first / 2.5
     assert later >= CHECK_STEP_COST * (STEPS + 1) * BUSY["fp32"]  # bf16-true unmeasured: fp32's step
 
@@ -91,15 +91,15 @@ def test_checks_that_take_longer_here_price_the_next_one_higher(framework):
     the last took against its estimate, so the budget does not start a check it cannot finish."""
     # steps long enough that a planted check (no run time) is faster than its estimate on a busy machine
     search = swept(framework, {"fp32": 0.05, "bf16-mixed": 0.025, "bf16-true": 0.025})
-    search.check(bf16())  # planted runs take no time: faster than estimated
-    first = search._check_pace
+    search.checks.check(bf16())  # planted runs take no time: faster than estimated
+    first = search.costs.pace
     assert first < 1.0
-    unpaced = search.check_cost_s(bf16("bf16-true")) / first
+    unpaced = search.costs.check_s(bf16("bf16-true")) / first
     framework.run_s = 3.0 * unpaced  # the next check's one run alone takes 3x its estimate
-    search.check(bf16("bf16-true"))
+    search.checks.check(bf16("bf16-true"))
     # the mean of the two checks' paces (the first pays one-time costs: not the last one's alone)
-    assert search._check_pace >= (first + 3.0) / 2 > 1.5
-    assert search.check_cost_s(bf16("bf16-true")) >= 1.5 * unpaced
+    assert search.costs.pace >= (first + 3.0) / 2 > 1.5
+    assert search.costs.check_s(bf16("bf16-true")) >= 1.5 * unpaced
 
 
 def test_a_check_at_a_micro_batch_is_priced_at_that_micro_batchs_steps(framework):
@@ -118,6 +118,6 @@ def test_a_check_at_a_micro_batch_is_priced_at_that_micro_batchs_steps(framework
         BenchRow("planted", fp32_at_32, "cpu", 32, "ok", step_times_ms=(1600.0,) * 5, accumulation_steps=2),
         BenchRow("planted", at_64, "cpu", 64, "ok", step_times_ms=(800.0,) * 5),
     ]
-    assert search._step_s(bf16(), 64) == pytest.approx(0.8)
-    assert search._step_s(search.framework.baseline, 64) == pytest.approx(1.6)  # 64 samples, not 32
-    assert search._step_s(search.framework.baseline, 32) == pytest.approx(0.8)
+    assert search.costs.step_s(bf16(), 64) == pytest.approx(0.8)
+    assert search.costs.step_s(search.framework.baseline, 64) == pytest.approx(1.6)  # 64 samples, not 32
+    assert search.costs.step_s(search.framework.baseline, 32) == pytest.approx(0.8)

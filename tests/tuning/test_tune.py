@@ -264,6 +264,39 @@ def test_autotune_returns_and_caches_the_whole_pick_and_applies_it(tmp_path, mon
     assert again.compile_step(len) is len  # the model, not the step, is what this pick compiles
 
 
+def test_autotune_tunes_again_when_a_tune_option_differs(tmp_path, monkeypatch):
+    """The cache was keyed on the model, the device and the batch only: a pick made with a 30 s
+    budget answered a call asking for 600 s. Options that make the same settings share a pick."""
+    import types
+
+    import mixprec.tuning.cache as tune_mod
+    from mixprec.tuning.config import TuneConfig
+    from mixprec.tuning.decide import Recommendation
+
+    calls = []
+
+    def fake_tune(workload, **kw):
+        calls.append(kw)
+        rec = Recommendation(Candidate("bf16-mixed"), 1.8, None, None, {}, "fastest passing")
+        return types.SimpleNamespace(recommendation=rec, workload="mlp", created="2026-11-27T00:00:00Z")
+
+    monkeypatch.setattr(tune_mod, "tune", fake_tune)
+    w, cache = mixprec.load_workload("mlp"), tmp_path / "autotune.json"
+    autotune(w, device="cpu", cache_path=cache, budget_s=30)
+    autotune(w, device="cpu", cache_path=cache, budget_s=30)
+    assert len(calls) == 1  # the same options: the cached pick
+    autotune(w, device="cpu", cache_path=cache, budget_s=600)
+    assert len(calls) == 2 and calls[1]["budget_s"] == 600
+    autotune(w, device="cpu", cache_path=cache, config=TuneConfig(budget_s=600))  # the same settings
+    assert len(calls) == 2
+    autotune(w, device="cpu", cache_path=cache, budget_s=600, check_steps=12)  # a nested one differs
+    assert len(calls) == 3
+    autotune(w, device="cpu", cache_path=cache)
+    autotune(w, device="cpu", cache_path=cache, budget_s=TuneConfig().budget_s)  # the default, spelt out
+    assert len(calls) == 4
+    assert len(json.loads(cache.read_text())["entries"]) == 4
+
+
 def test_report_command_errors(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing.json")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from mixprec.errors import CacheWarning, MixprecError, UsageError
 from mixprec.files import atomic_write_text, read_json_cache
 from mixprec.hardware.device import detect, resolve_device
 from mixprec.policy import Candidate, get_policy
+from mixprec.tuning.config import TuneConfig
 from mixprec.tuning.run import tune
 from mixprec.tuning.tuned import Tuned
 from mixprec.workload import Workload
@@ -34,23 +36,31 @@ def _cache_file() -> Path:
     return Path(os.environ.get("MIXPREC_CACHE_DIR", "~/.cache/mixprec")).expanduser() / "autotune.json"
 
 
-def autotune_key(workload: Workload, device: torch.device, batch_size: int | None) -> str:
-    """What the decision depends on: the model's shapes, the device, the batch, the versions."""
+def autotune_key(
+    workload: Workload, device: torch.device, batch_size: int | None, options: Mapping[str, Any] | None = None
+) -> str:
+    """What the decision depends on: the model's shapes, the device, the batch, the versions, and
+    the settings the tune ``options`` make where they differ from tune's defaults (a pick made with
+    a 30 s budget is not the answer to a 600 s one; a default tune keeps the key it always had)."""
     from mixprec.version import __version__
 
     shapes = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in workload.model.named_parameters())
-    payload = "|".join(
-        [
-            str(workload.name),
-            str(workload.spec.to_dict() if workload.spec else None),
-            hashlib.sha256(shapes.encode()).hexdigest()[:16],
-            detect(device).name,
-            str(batch_size or workload.default_batch_size),
-            torch.__version__,
-            __version__,
-        ]
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+    payload = [
+        str(workload.name),
+        str(workload.spec.to_dict() if workload.spec else None),
+        hashlib.sha256(shapes.encode()).hexdigest()[:16],
+        detect(device).name,
+        str(batch_size or workload.default_batch_size),
+        torch.__version__,
+        __version__,
+    ]
+    # tune's keywords and a config alike, as the settings they make (events and stop decide nothing)
+    fields = {k: v for k, v in (options or {}).items() if k not in ("config", "events", "stop")}
+    settings = ((options or {}).get("config") or TuneConfig()).with_fields(**fields).to_dict()
+    default = TuneConfig().to_dict()
+    if changed := {k: v for k, v in settings.items() if v != default[k]}:
+        payload.append(json.dumps(changed, sort_keys=True, default=str))
+    return hashlib.sha256("|".join(payload).encode()).hexdigest()[:24]
 
 
 def _valid_entry(entry: Any) -> bool:
@@ -110,8 +120,9 @@ def autotune(
     its ``policy`` and micro-batch.
 
     The cache (``~/.cache/mixprec/autotune.json`` or ``$MIXPREC_CACHE_DIR``) is keyed by the
-    model's parameter shapes, the device, the batch size and the torch/mixprec versions, so a
-    changed model or machine is tuned again. ``refresh=True`` ignores the cached decision.
+    model's parameter shapes, the device, the batch size, the torch/mixprec versions and the
+    ``tune_options`` (:func:`autotune_key`), so a changed model, machine or tune is tuned again.
+    ``refresh=True`` ignores the cached decision.
     A cache that cannot be read or written is a miss with a :class:`~mixprec.errors.CacheWarning`.
     ``tune_options`` go to :func:`mixprec.tune` (e.g. ``budget_s``).
     """
@@ -122,7 +133,7 @@ def autotune(
         )
     dev = resolve_device(device)
     path = Path(cache_path) if cache_path else _cache_file()
-    key = autotune_key(workload, dev, batch_size)
+    key = autotune_key(workload, dev, batch_size, tune_options)
     cache = read_cache(path)
     if not refresh and key in cache:
         entry = cache[key]

@@ -33,6 +33,11 @@ UNPROFILED_ELEMENTWISE = 0.3  # the elementwise share assumed where no profile w
 # What a compile is assumed to cost before one was timed (ResNet-50 and a small GPT took 15-45 s
 # each on a 2-core CPU, a whole step up to half as long again).
 MIN_COMPILE_S = 20.0
+# More graph breaks than this and a compiled candidate's row says so: none for a compiled model;
+# a compiled step breaks at backward() (twice in dynamo's count) and at optimizer.zero_grad, and
+# the loss scaler's calls break it again.
+GRAPH_BREAKS_NOTED = 0
+STEP_GRAPH_BREAKS = 8
 
 
 @dataclass(frozen=True)
@@ -52,13 +57,6 @@ class Attempt:
     gain: float
     speedup: float
     basis: str
-
-    def amortized(self, compile_s: float, baseline_step_s: float | None, train_steps: int) -> float:
-        """The predicted speedup over a run of ``train_steps`` with ``compile_s`` paid once."""
-        if not baseline_step_s:
-            return self.speedup
-        run_s = train_steps * baseline_step_s
-        return run_s / (compile_s + run_s / self.speedup)
 
 
 @dataclass
@@ -149,4 +147,17 @@ def plan(
         seconds += attempts[1:]
     return sorted(firsts, key=lambda a: a.speedup, reverse=True) + sorted(
         seconds, key=lambda a: a.speedup, reverse=True
+    )
+
+
+def graph_note(row: BenchRow) -> str | None:
+    """What to say when a compiled candidate breaks into more graphs than its scope needs: each
+    break stops fusion across it (a compiled step breaks at backward() and zero_grad by design)."""
+    step = row.candidate.compile_scope == "step"
+    if not row.graph_breaks or row.graph_breaks <= (STEP_GRAPH_BREAKS if step else GRAPH_BREAKS_NOTED):
+        return None
+    return (
+        f"{row.label}: the {'step' if step else 'model'} compiles into {row.graphs} graphs with "
+        f"{row.graph_breaks} graph breaks; each one splits the compiled graph and stops fusion across it "
+        "(torch._dynamo.explain(fn)(batch) lists where and why)"
     )

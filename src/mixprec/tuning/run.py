@@ -1,9 +1,8 @@
 """`tune`: the fastest configuration that trains correctly, with the evidence, for any framework.
 
-The stages (:class:`mixprec.tuning.search.Search`) in order: the speed sweep, the numerics of the
-candidates that beat strict fp32 (with keep-fp32 rescues), the rest of the sweep, compiled and
-optimizer variants, the decision and the re-measurement of a tie, fp8 predictions; then lint and
-the exports of the pick.
+The stages of :mod:`mixprec.tuning.search` in order (the speed sweep, the numerics of the candidates
+that beat strict fp32, the rest of the sweep, compiled and optimizer variants, the race, the decision
+and fp8 predictions); then lint and the exports of the pick.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from mixprec.tuning.batching import BatchPlan
 from mixprec.tuning.config import TuneConfig
 from mixprec.tuning.order import ordered
 from mixprec.tuning.result import TuneResult
-from mixprec.tuning.search import RESERVE_S, Search
+from mixprec.tuning.search import RESERVE_S, Search, Sweeps
 
 
 def tune(
@@ -71,13 +70,13 @@ def tune(
         config = replace(config, bench=replace(config.bench, threads=choice.threads))
     started = time.perf_counter()
     plan = _batch_plan(framework, workload, config, dev, bs, info, events, budget) if auto else None
-    search = Search(
+    sweeps = Sweeps(
         workload, framework, config, device=dev, batch_size=bs, budget=budget, events=events, batches=plan
     )
     if choice is not None and choice.step_s:
-        search.notes += [choice.reason] + ([choice.contended] if choice.contended else [])
+        sweeps.notes += [choice.reason] + ([choice.contended] if choice.contended else [])
     if plan is not None:
-        search.phases["batch"] = time.perf_counter() - started
+        sweeps.phases["batch"] = time.perf_counter() - started
     # the race's in-process sessions set the chosen thread count; compiled artefacts are shared by
     # every candidate process and later runs (Inductor's caches in mixprec's cache directory)
     with threads_kept(), inductor_cache():
@@ -85,21 +84,24 @@ def tune(
             # the numerics checks run in this process: at the threads the sweeps measure at (a busy
             # 2-core EPYC ran a strict-fp32 step in 2.9 s at 1 thread and 10.2 s at the default 2)
             framework.use_threads(config.bench.threads)
+        search = Search.start(sweeps, info)
         rec, ranked = search.run(info, modes)
     result = search.result
-    assert result is not None
     findings: list[dict[str, Any]] | None = None
     exports: dict[str, str] = {}
     refusals: dict[str, str] = {}
     if rec is not None:
         if config.lint and budget.elapsed() < budget.seconds:
-            findings = search.lint(rec)
+            try:  # the backend's findings under the pick, whole (layout and fp32 islands included)
+                findings = framework.lint(workload, rec.candidate, dev)
+            except Exception as exc:  # lint is advice: its failure must not lose the recommendation
+                sweeps.notes.append(f"lint failed: {type(exc).__name__}: {exc}")
         rec = search.complete(rec, findings)
         exports, refusals = framework.exports(rec.candidate, dev, workload)
     elapsed = budget.elapsed()
-    search.phases["other"] = max(0.0, elapsed - sum(search.phases.values()))
+    sweeps.phases["other"] = max(0.0, elapsed - sum(sweeps.phases.values()))
     if elapsed > config.budget_s * 1.05:
-        search.notes.append(
+        sweeps.notes.append(
             f"tune took {elapsed:.0f} s of its {config.budget_s:.0f} s budget: a step under way when the "
             "budget ran out was finished, not thrown away"
         )
@@ -117,16 +119,16 @@ def tune(
         recommendation=rec,
         ranked=ranked,
         bench=result,
-        check=search.checked,
+        check=search.checks.checked,
         lint=findings,
         budget_s=config.budget_s,
         elapsed_s=elapsed,
         env=result.env or framework.environment(dev),
         created=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        notes=search.notes,
+        notes=sweeps.notes,
         exports=exports,
         export_refusals=refusals,
-        phases={name: round(seconds, 1) for name, seconds in search.phases.items()},
+        phases={name: round(seconds, 1) for name, seconds in sweeps.phases.items()},
         batches=plan.to_dict() if plan is not None else None,
     )
 

@@ -1,0 +1,113 @@
+"""The numerics side of a tune: its checks, one strict-fp32 checker per micro-batch (its reference
+runs made once, shared by every candidate checked there), the verdicts so far and why what was not
+checked was not; and the numerics predicted for what this device cannot run fast."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from mixprec.checking.check import Checker, check, make_checker
+from mixprec.hardware.device import DeviceInfo
+from mixprec.numerics.results import CandidateCheck, CheckResult
+from mixprec.policy import Candidate
+from mixprec.status import Status
+from mixprec.tuning.cost import Costs, Setting
+from mixprec.tuning.decide import Untried
+
+
+class Checks:
+    """The numerics checks of one tune and their verdicts. Each is priced and timed by ``costs``,
+    which reads ``checkers`` (one per micro-batch, made here) for the runs a next check still needs."""
+
+    def __init__(self, setting: Setting, costs: Costs, checkers: dict[int | None, Checker]) -> None:
+        self.setting, self.costs, self.checkers = setting, costs, checkers
+        self.verdicts: dict[Candidate, CandidateCheck] = {}  # per numerics key
+        self.checked: CheckResult | None = None  # every check's, in the order they ran
+        self.not_checked: dict[Candidate, str] = {}  # numerics key -> why its check did not run
+
+    def check(
+        self, candidate: Candidate, fix: bool | None = None, micro_batch: int | None = None
+    ) -> CandidateCheck:
+        """The numerics of ``candidate`` (a numerics key), at ``micro_batch`` where the measured
+        candidate runs one (``tune --batch auto``: checked at the micro-batch it would train at)."""
+        setting = self.setting
+        if micro_batch not in self.checkers:
+            at_size = replace(
+                setting.config.check,
+                batch_size=micro_batch or setting.bench.batch_size,
+                device=setting.device,
+            )
+            self.checkers[micro_batch] = make_checker(
+                setting.workload, at_size, events=setting.events, budget=setting.budget
+            )
+        at = f" at micro-batch {micro_batch}" if micro_batch else ""
+        setting.events({"event": "stage", "text": f"checking numerics of {candidate.label}{at}"})
+        estimate = self.costs.unpaced_check_s(candidate, micro_batch)
+        started = time.perf_counter()
+        res = check(
+            setting.workload,
+            policies=(candidate,),
+            fix=setting.config.check.fix if fix is None else fix,
+            checker=self.checkers[micro_batch],
+            events=setting.events,
+        )
+        if self.checked is None:
+            self.checked = res
+        else:
+            self.checked.candidates.extend(res.candidates)
+        verdict = res.candidates[0]
+        self.verdicts[candidate] = verdict
+        self.not_checked.pop(candidate, None)
+        searched = verdict.fix_keep_fp32 or verdict.fix_keep_bf16 or verdict.fix_note
+        whole = verdict.verdict != Status.ERROR and len(verdict.losses) >= self.checkers[micro_batch].steps
+        if estimate and whole and not candidate.compile and not searched:
+            # a compile, a rescue search or a run that ended early in the time says nothing about
+            # the next check's pace
+            self.costs.paced(time.perf_counter() - started, estimate)
+        return verdict
+
+    def predict(self, info: DeviceInfo) -> tuple[dict[Candidate, Untried], list[str]]:
+        """Candidates the device cannot run fast but whose numerics can be computed here (fp8 on a
+        CPU through torchao's recipe): whether they would pass, a labelled prediction, never a
+        measured speed; each a row of the decision table, and the notes saying so."""
+        predicted, said = self.setting.framework.predictions(self.setting.workload, info)
+        notes = list(said)  # the backend's own list is not this tune's to add to
+        rows: dict[Candidate, Untried] = {}
+        for i, cand in enumerate(predicted):
+            if not self.setting.budget.can_pay(self.costs.check_s(cand)):
+                notes.append(f"{cand.label} numerics not predicted: budget spent (--budget raises it)")
+                for left in predicted[i:]:
+                    rows[left] = Untried(
+                        left,
+                        Status.PREDICTED,
+                        f"not predicted: the budget ended first; its speed cannot be measured on this "
+                        f"device (no {left.spec.compute_format} tensor cores)",
+                    )
+                return rows, notes
+            verdict = self.check(cand, micro_batch=self.setting.baseline.micro_batch)
+            outcome = (
+                "would pass"
+                if verdict.passed
+                else "is inconclusive on"
+                if verdict.verdict == Status.INCONCLUSIVE
+                else "would fail"
+            )
+            rows[cand] = Untried(
+                cand,
+                Status.PREDICTED,
+                f"predicted only: {outcome} the numerics check ({verdict.reason}); its speed cannot be "
+                f"measured on this device (no {cand.spec.compute_format} tensor cores)",
+                verdict=str(verdict.verdict),
+            )
+            mapped = ""
+            if verdict.fix_keep_bf16 and verdict.fix_verified:
+                mapped = (
+                    f"; with the precision map keep_bf16={verdict.fix_keep_bf16} it would pass "
+                    f"({verdict.fix_note})"
+                )
+            notes.append(
+                f"{cand.label} {outcome} the numerics check on an {cand.spec.compute_format} GPU "
+                f"({verdict.reason}){mapped}; {verdict.predicted or 'predicted here, speed not measured'}"
+            )
+        return rows, notes

@@ -1,0 +1,258 @@
+"""The cost model of a tune: what its next step would cost (measuring a candidate, checking its
+numerics, compiling it, racing the finalists), from its rows so far, the compiles measured on this
+machine (:class:`~mixprec.measure.compile_cache.CompileCosts`) and the pace its checks kept here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Protocol
+
+from mixprec.budget import Budget
+from mixprec.checking.check import Checker
+from mixprec.events import Events
+from mixprec.frameworks import Framework
+from mixprec.hardware.device import detect
+from mixprec.measure.compile_cache import CompileCosts, cost_key
+from mixprec.measure.config import BenchConfig
+from mixprec.measure.results import BenchResult, BenchRow
+from mixprec.policy import Candidate
+from mixprec.status import Status
+from mixprec.tuning.compiling import MIN_COMPILE_S
+from mixprec.tuning.config import TuneConfig
+
+# What checking a compiled candidate's numerics costs on top of an eager check, in multiples of its
+# measured compile (its first step beyond a steady one): its training step compiles again (other
+# graphs than the speed run's: no cache hit), and recompiles as its optimizer state appears. On the
+# default tune (ResNet-50, the EPYC) bf16-mixed+compile-step's speed run compiled in 19 s; its check,
+# unpriced, took 189 s and ran the 300 s budget to 6 min 39 s (it compiled a first-step probe and
+# recompiled when the probe's hooks came off; both gone: the whole check now takes 66 s).
+CHECK_COMPILES = 3.0
+# A checked training step over a measured one of the same candidate: deep copies, the range
+# recorder's hooks, the loss read at every step (the default tune on the quiet EPYC: 7.8-8.4 s for an
+# fp32 run of 6 steps and its first-step probe, against 1.04-1.14 s steps).
+CHECK_STEP_COST = 1.15
+# One per-layer range collection (the reference's once, then each candidate's), in strict-fp32
+# steps: every module's forward and backward tensors folded into full range histograms (ResNet-50
+# at 128 px on that EPYC: 6.3 s each against the 1.04 s step).
+RANGES_STEPS = 6.0
+# The late speed sweep leaves this many times one check's estimated cost (stopping a candidate's
+# process and the estimate's error take some of it)
+CHECK_ROOM = 1.5
+# Warm-up steps of a racing session: fixed (the first compiles, the second may recompile); the
+# first step of each round is left out of its figure anyway.
+RACE_WARMUP = 3
+# A measured session's wall time over its steps alone (its process, the model's set-up).
+SESSION_COST = 1.3
+# What a session compiles again, from Inductor's cache: about a third of a cold compile.
+RECOMPILE_S = MIN_COMPILE_S / 3
+
+
+class Setting(Protocol):
+    """What the cost model and the numerics checks read of one tune
+    (:class:`mixprec.tuning.search.Sweeps`): the settings every sweep measures with (``bench``), the
+    strict fp32 each candidate is paired with (at its micro-batch under ``tune --batch auto``)."""
+
+    workload: Any
+    framework: Framework
+    device: str
+    config: TuneConfig
+    bench: BenchConfig
+    baseline: Candidate
+    budget: Budget
+    events: Events
+
+
+class Costs:
+    """The prices of one tune's next steps, from its rows (``result``, which every stage adds to)
+    and the strict-fp32 checkers its numerics checks share (``checkers``, per micro-batch)."""
+
+    def __init__(self, result: BenchResult, setting: Setting, checkers: Mapping[int | None, Checker]) -> None:
+        self.result, self.setting, self.checkers = result, setting, checkers
+        self.compile_costs = CompileCosts()
+        self.compile_s: dict[str | None, float] = {}  # the longest compile seen, per scope
+        self._paces: list[float] = []  # what each eager numerics check took here over its estimate
+
+    # ------------------------------------------------------------------ measuring
+    def measure_s(self) -> float:
+        """About what measuring one more eager candidate costs: the median wall time of the rows
+        measured so far (set-up, warm-up and paired rounds), else :meth:`sweep_s`."""
+        base = self.setting.baseline
+        walls = sorted(
+            r.wall_s
+            for r in self.result.rows
+            if r.wall_s and r.status == Status.OK and not r.baseline_repeat and r.candidate != base
+        )
+        return walls[len(walls) // 2] if walls else self.sweep_s()
+
+    def sweep_s(self) -> float:
+        """One candidate's warm-up and paired rounds beside strict fp32, at strict fp32's step."""
+        bench, base = self.setting.bench, self.result.baseline
+        step_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
+        return SESSION_COST * (bench.warmup + 2 * bench.steps + 2) * step_s
+
+    def remeasure_s(self, candidate: Candidate) -> float:
+        """Measuring ``candidate`` again with twice the paired rounds (compiled: from the cache)."""
+        return 2 * self.measure_s() + (RECOMPILE_S if candidate.compile else 0.0)
+
+    def variants_s(self, candidate: Candidate, count: int) -> float:
+        """Measuring ``count`` variants of ``candidate`` (its optimizer's implementations), each
+        warmed up and paired with strict fp32 (compiled: from the cache)."""
+        return count * (self.sweep_s() + (RECOMPILE_S if candidate.compile else 0.0))
+
+    def race_s(self, finalists: Sequence[BenchRow]) -> Callable[[int, int], float]:
+        """What racing the leader (``finalists[0]``) against the first ``n`` others over ``rounds``
+        paired rounds costs: :func:`mixprec.measure.race.race`'s ``cost_s``."""
+        step_s = max((r.step_time_ms.median_ms / 1e3 for r in finalists if r.step_time_ms), default=1.0)
+
+        def cost_s(n: int, rounds: int) -> float:
+            # the leader and each rival warm up, then every round runs a side each; a compiled
+            # session compiles again
+            compiled = sum(1 for r in finalists[: n + 1] if r.candidate.compile)
+            return SESSION_COST * (n + 1) * (RACE_WARMUP + 2 * rounds) * step_s + compiled * RECOMPILE_S
+
+        return cost_s
+
+    def keeping_a_check(
+        self, budget: Budget, todo: Sequence[Candidate], known: Collection[Candidate]
+    ) -> Budget:
+        """The late sweep's budget: all that is left, less about one numerics check (with room to
+        stop a candidate process) where the late candidates hold a lower precision whose numerics
+        are not ``known`` yet. A sweep on a busy machine takes all the time it is given, and a faster
+        candidate measured with none left to check it cannot be recommended: `make demo` beside
+        two busy processes measured bf16-mixed at ~2x late and recommended fp32+cl, its numerics
+        unpaid. (The time kept goes to the later stages when no check needs it.) Where what is
+        left cannot pay for one more candidate and its check, nothing is kept: a speed measured
+        without its verdict still tells the user what a larger --budget would check."""
+        unknown = [c for c in todo if c.policy != "fp32" and c.numerics not in known]
+        if not unknown:
+            return budget
+        keep = CHECK_ROOM * max(self.check_s(c.numerics, c.micro_batch) for c in unknown)
+        if not budget.can_pay(self.measure_s() + keep):
+            return budget
+        return budget.keeping(keep)
+
+    # ------------------------------------------------------------------ checking
+    def check_s(self, candidate: Candidate | None = None, micro_batch: int | None = None) -> float:
+        """About what checking ``candidate``'s numerics at ``micro_batch`` costs (``tune --batch
+        auto``; None: the run's batch). ``candidate`` None: a lower precision not measured yet,
+        priced at strict fp32's step. The candidate's training run and first-step probe at its
+        measured step, its per-layer ranges, and the strict-fp32 runs it still needs (the reference
+        and chaos runs and the reference's ranges for the first check at a micro-batch, one run a
+        rounding of its half format apart once per format), times what checks took here against
+        that estimate so far (:attr:`pace`). Priced 2x per fp32 step and 4 runs for every first
+        check, the default tune's first check of bf16-mixed was estimated at 220 s beside two busy
+        processes on the 2-core EPYC and never started (priced from its runs, it took 113 s)."""
+        return self.pace * self.unpaced_check_s(candidate, micro_batch)
+
+    def unpaced_check_s(self, candidate: Candidate | None, micro_batch: int | None) -> float:
+        """:meth:`check_s` before the pace: what a check's wall time is compared with."""
+        key = micro_batch or self.setting.baseline.micro_batch
+        fp32_s = self.step_s(self.setting.framework.baseline, key)
+        cand_s = self.step_s(candidate, key) if candidate is not None else fp32_s
+        checker = self.checkers.get(key)
+        # the steps the checks compare (more than asked where a reference needed them to learn: a
+        # new micro-batch's will too), and each run's first-step probe
+        asked = max((c.steps for c in self.checkers.values()), default=self.setting.config.check.steps)
+        steps = (checker.steps if checker is not None else asked) + 1
+        fp32_runs = 0 if checker is not None else 2
+        if candidate is None or checker is None or checker.floor_run_needed(candidate):
+            fp32_runs += 1
+        ranges = 1 if checker is not None else 2
+        return CHECK_STEP_COST * steps * (fp32_runs * fp32_s + cand_s) + RANGES_STEPS * ranges * fp32_s
+
+    def row_check_s(self, row: BenchRow) -> float:
+        """Checking the numerics of ``row``'s candidate at its micro-batch, with what compiling adds:
+        :data:`CHECK_COMPILES` times its measured compile (the cold prior where none was measured)."""
+        cand = row.candidate
+        compiles = row.compile_s if row.compile_s is not None else MIN_COMPILE_S
+        return self.check_s(cand.numerics, cand.micro_batch) + (
+            CHECK_COMPILES * compiles if cand.compile else 0.0
+        )
+
+    def step_s(self, candidate: Candidate, micro_batch: int | None) -> float:
+        """Seconds of one measured training step of ``candidate`` (a numerics key) at ``micro_batch``
+        samples (None: the run's batch), from the rows measured so far: the time per sample of its
+        own rows (those at that micro-batch first), else of the slowest row of its numerics, else
+        of strict fp32's, times the samples of a checked step."""
+        size = micro_batch or self.setting.bench.batch_size or self.result.batch_size
+        rows = [r for r in self.result.rows if r.status == Status.OK and r.throughput]
+        own = [r for r in rows if r.candidate.unbatched == candidate.unbatched]
+        found = (
+            [r for r in own if r.batch_size == size]
+            or own
+            or [r for r in rows if r.candidate.numerics == candidate.numerics]
+            or [r for r in rows if r.candidate.unbatched == self.setting.framework.baseline.unbatched]
+        )
+        if not found:
+            return 1.0
+        return size / min(t for r in found if (t := r.throughput))
+
+    @property
+    def pace(self) -> float:
+        """What checks took here over their estimates: the mean of the eager ones so far (1.0
+        before any)."""
+        return sum(self._paces) / len(self._paces) if self._paces else 1.0
+
+    def paced(self, seconds: float, estimate: float) -> None:
+        """A whole eager check took ``seconds`` where :meth:`unpaced_check_s` said ``estimate``: the
+        next estimate follows this machine's pace (a busy one, hooks that cost more here), the mean
+        of the checks so far (the first pays one-time costs)."""
+        self._paces.append(min(max(seconds / estimate, 0.5), 4.0))
+
+    # ------------------------------------------------------------------ compiling
+    def compiled(self, row: BenchRow) -> None:
+        """Remember what compiling ``row``'s candidate took here (for this run and the next)."""
+        if row.compile_s is None:
+            return
+        self.compile_costs.record(self._cost_key(row.candidate), row.compile_s)
+        scope = row.candidate.compile_scope
+        self.compile_s[scope] = max(self.compile_s.get(scope, 0.0), row.compile_s)
+
+    def compile_price(
+        self, candidate: Candidate, siblings: Sequence[Candidate] = ()
+    ) -> tuple[float, str, bool]:
+        """Seconds compiling ``candidate`` should take, why, and whether that was measured (on this
+        machine): what it cost here before (a compile whose artefacts are in Inductor's cache is
+        cheap), else the longest compile of its scope this run, else the longest first compile
+        here of it (its artefacts gone) or its ``siblings`` (the other compiled candidates of this
+        workload: it compiles cold too), else the cold prior (a guess)."""
+        before = self.compile_costs.price(self._cost_key(candidate))
+        if before is not None:
+            return before.seconds, f"{before.seconds:.0f} s ({before.basis})", True
+        seen = self.compile_s.get(candidate.compile_scope)
+        if seen is not None:
+            seen = max(seen, MIN_COMPILE_S)  # another family's graphs: maybe not in the cache
+            return seen, f"{seen:.0f} s (its scope's longest compile this run)", True
+        # Only a compile nothing is known of is gated on measuring it alone (the prior is a guess,
+        # often far above what compiling costs). Priced by the prior, the model scope of the
+        # default ResNet-50 tune on the EPYC was measured (a 25 s compile) and left unchecked, where
+        # the leader's step scope, its compile known (19 s), was not started: it and its check
+        # could not be paid.
+        colds = [self.compile_costs.cold_s(self._cost_key(c)) for c in {candidate, *siblings}]
+        known = [s for s in colds if s is not None]
+        if known:
+            cold = max(known)
+            return cold, f"{cold:.0f} s (the longest first compile of this model's candidates here)", True
+        return MIN_COMPILE_S, f"{MIN_COMPILE_S:.0f} s (a first compile here)", False
+
+    def compile_and_check_s(self, candidate: Candidate, compile_s: float, known: bool) -> float:
+        """What must fit before ``candidate`` is compiled, its compile priced ``compile_s``: measuring
+        it compiles once (and half again: a recompile), checking it compiles again (other graphs:
+        :data:`CHECK_COMPILES`). A first compile is only the prior's guess (``known`` False): what
+        measuring it costs is gated here, and its check once the measured compile prices it
+        (:meth:`row_check_s`). Gated on 4.5x the prior, the default tune of the nanoGPT-style GPT on
+        the EPYC, its eager stages slowed by other work beside it, compiled nothing (73 s left for
+        compiling, 112 s priced), where its step compiles in 5-12 s and runs 1.2x faster than the
+        eager pick."""
+        compiles = 1.5 + (CHECK_COMPILES if known else 0.0)
+        return compiles * compile_s + self.check_s(candidate.numerics, candidate.micro_batch)
+
+    def measure_compiled_s(self, compile_s: float) -> float:
+        """Measuring a compiled candidate whose compile is priced ``compile_s``."""
+        return 1.5 * compile_s + self.measure_s()
+
+    def _cost_key(self, candidate: Candidate) -> str:
+        bench, framework = self.setting.bench, self.setting.framework
+        threads = bench.threads if isinstance(bench.threads, int) else framework.threads()
+        machine, batch = detect(self.setting.device).name, bench.batch_size or 0
+        return cost_key(framework.name, self.result.workload, batch, candidate.label, machine, threads)
