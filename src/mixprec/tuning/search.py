@@ -169,7 +169,7 @@ class Sweeps:
         seen = {r.candidate for r in result.rows}
         supported = []
         for cand in (c for c in planned if c not in seen):
-            if support := self.framework.support(cand, info):
+            if support := self.framework.support(cand, info, self.workload):
                 supported.append(cand)
             else:
                 self._unmeasured(result, cand, Status.UNSUPPORTED, _why(support))
@@ -188,7 +188,7 @@ class Sweeps:
                     reason = choice.reason or f"no micro-batch dividing {self.batches.effective_batch} fits"
                     self._unmeasured(result, cand, choice.status, reason)
         for cand in (Candidate(n, framework=self.framework.name) for n in POLICY_NAMES if n not in policies):
-            support = self.framework.support(cand, info)
+            support = self.framework.support(cand, info, self.workload)
             why = ("not tried by tune: " if support else "") + _why(support)
             self._unmeasured(result, cand, Status.UNSUPPORTED, why)
 
