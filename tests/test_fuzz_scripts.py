@@ -11,16 +11,14 @@ The properties, for bf16-mixed and fp16-mixed:
 - the script's step is a step: as many as the script's loop runs, under the candidate and as written.
 
 Most shapes run in this process (the agent installed around the script, as in its own process), so
-the tier tries many; a few go through the real command line, ``mixprec run`` and ``mixprec check``,
-as a user runs them. ``MIXPREC_FUZZ_SCALE=4`` tries four times as many shapes.
+the tier tries many; one goes through the real command line, ``mixprec run``, as a user runs it
+(all of them: benchmarks/script_fuzz_cli.py). ``MIXPREC_FUZZ_SCALE=4`` tries four times as many.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
-import math
 import os
 import runpy
 import subprocess
@@ -110,16 +108,15 @@ def test_the_tier_tried_every_shape():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES[1:2], ids=str)
-def test_the_command_line_runs_and_checks_a_generated_script(tmp_path, monkeypatch, shape, capsys):
-    """A shape through the real commands, as a user runs them (benchmarks/script_fuzz_cli.py runs
-    all of them so): `mixprec run` leaves the hand edit's weights; `mixprec check` judges the script
-    (bf16-mixed passes or is said inconclusive, never an error: it works under every candidate)."""
+def test_the_command_line_runs_a_generated_script_as_its_hand_edit(tmp_path, monkeypatch, shape):
+    """A shape through the real command, as a user runs it: `mixprec run` leaves the hand edit's
+    weights. (benchmarks/script_fuzz_cli.py runs every shape so, and `mixprec check` on each; the
+    check of a script is tested in tests/frameworks/test_script.py.)"""
     monkeypatch.chdir(tmp_path)
     Path("train.py").write_text(render(shape))
     Path("by_hand.py").write_text(render(shape, hand=True))
     # in a process of its own, as mixprec run's is (this one computes on one thread: another order)
     subprocess.run([sys.executable, "by_hand.py", "--amp", "bf16", "--out", "hand.pt"], check=True)
-    command = [sys.executable, "train.py", "--steps", "40"]
     assert (
         main(
             [
@@ -138,23 +135,3 @@ def test_the_command_line_runs_and_checks_a_generated_script(tmp_path, monkeypat
         == 0
     )
     assert same(weights(tmp_path / "run.pt"), weights(tmp_path / "hand.pt"))
-    out = tmp_path / "check.json"
-    code = main(
-        [
-            "check",
-            "--policies",
-            "bf16-mixed",
-            "--steps",
-            "3",
-            "--json",
-            str(out),
-            "--",
-            *command,
-            "--out",
-            "w.pt",
-        ]
-    )
-    assert code in (0, 6), capsys.readouterr().err
-    rows = {c["candidate"]["policy"]: c for c in json.loads(out.read_text())["candidates"]}
-    assert rows["bf16-mixed"]["verdict"] in ("pass", "inconclusive"), rows["bf16-mixed"]["reason"]
-    assert all(math.isfinite(v) for v in rows["bf16-mixed"]["losses"])
