@@ -30,6 +30,11 @@ frameworks offer a seam (:mod:`.patches` lists each):
 - **the HF Trainer, Lightning and Accelerate**: their own precision switches
   (``TrainingArguments(bf16=, fp16=)``, ``Trainer(precision=)``, ``Accelerator(mixed_precision=)``),
   set as the export for that framework sets them, patched where the framework reads them.
+
+The :class:`Agent` here is the core every run shares (the model, its forwards and backwards, the
+step's end); what a run is for is its mode (:mod:`.modes`: measure, trace, run); the optimizers
+are :mod:`.optimizers`', the script's own AMP :mod:`.own`'s, torch's patches :mod:`.patches`', and
+what crosses to the parent :mod:`.messages`'.
 """
 
 from __future__ import annotations
