@@ -7,20 +7,13 @@ It costs what the user can afford:
 * **every step**, nothing the step does not already pay for: the loss is kept as a device tensor
   (read at the next sampled step), the skipped flag comes from the policy's ``step()`` (which
   reads it anyway) or, in a plain ``torch.amp`` loop, from the scale GradScaler has just updated
-  (its ``step()`` synchronises already for non-fused optimizers). Between the steps that are
-  sampled, timed for the sampling budget or fed to the detectors, a CPU step whose loss
-  :meth:`Monitor.before_step` read and cleared takes :meth:`Monitor.observe`'s plain path (keep
-  the loss, count the step) and runs no optimizer hook: on a launch-bound step these
-  microseconds of cold Python are the monitor's whole cost;
+  (its ``step()`` synchronises already for non-fused optimizers); most CPU steps take the plain
+  path (:mod:`~mixprec.monitor.gate`);
 * **every** ``every`` **steps** (default 100): per-layer forward/backward abs-max and underflow
   share on the real step (:mod:`mixprec.monitor.sampler`), the losses since the last sample, a
   finite check of the weights, and the detectors' trends;
-* **before each update** (where the loop hands its loss and batch over: :meth:`Monitor.before_step`;
-  the adapters and ``mixprec train`` do): the spike test of the loss (and gradient norm) against
-  the run's own range, a few float operations on a value the host holds; on a spike, its batch
-  replayed from the same weights in fp32 and in the policy says data, precision or transient, and
-  the update is withheld, rescued or retried before it lands
-  (:mod:`~mixprec.monitor.detectors.spike`);
+* **before each update** (where the loop hands its loss and batch over): the spike test, and on a
+  spike the diagnosis, before the update lands (:mod:`~mixprec.monitor.gate`);
 * **on a suspect step** (a skip below the scale the run settled at, a non-finite loss the host
   holds): an fp32 **shadow** of the same batch, to tell the data from the precision, and the first
   module whose output or gradient is not finite on it;
@@ -78,6 +71,7 @@ from mixprec.policy import Policy
 from mixprec.policy.islands import is_fp32_island
 
 log = logging.getLogger("mixprec.monitor")
+LogFn = Callable[[str, float], None]  # a framework's metric logger: log_fn(name, value)
 
 
 class MonitorStop(MixprecError):
@@ -117,7 +111,178 @@ def _sinks(findings: str | Path | Sink | None) -> list[Sink]:
     raise UsageError(f"findings must be a path or a callable, got {type(findings).__name__}.")
 
 
-class Monitor:
+class RunRecord:
+    """What one watched run did and what was done about it: its step and losses, the findings and
+    the actions they led to, the stop, and the guard that keeps a checkpoint of non-finite state
+    from being written. A :class:`Monitor` is one, and adds the watching: the detectors, the
+    sampler and the update gate."""
+
+    def __init__(
+        self, config: MonitorConfig, rescuer: Rescuer, sinks: list[Sink], log_fn: LogFn | None
+    ) -> None:
+        self.config, self.rescuer, self.sinks, self.log_fn = config, rescuer, sinks, log_fn
+        self.step = 0
+        self.findings: list[MonitorFinding] = []
+        self.losses: list[float] = []  # every step's loss, read at the sampled steps
+        self.rescues = 0
+        self.stopped = ""  # why the monitor stopped the run ('' while it has not)
+        self.withheld: list[int] = []  # steps whose update the monitor withheld
+        self._pending: list[torch.Tensor] = []  # device losses, read at the next sampled step
+        self._host: bool | None = None  # whether the loss is on the host (read each step, no sync)
+        self._last_action = -(10**9)
+        self._seen: dict[tuple[str, str | None], int] = {}  # (kind, module): the step last reported
+
+    def _keep_loss(self, loss: torch.Tensor | float, read: tuple[Any, float] | None) -> float | None:
+        """Keep the step's loss: its value where the host holds it already (``read`` before the
+        update, or a CPU run's: no sync, so a non-finite loss is seen at once), else the device
+        tensor, read at the next sampled step."""
+        if isinstance(loss, torch.Tensor):
+            if self._host is None:
+                self._host = loss.device.type == "cpu" and loss.numel() == 1
+            if not self._host:
+                self._pending.append(loss.detach())
+                return None
+            value = read[1] if read is not None and read[0] is loss else loss.item()
+        else:
+            value = float(loss)
+        if self._pending:
+            self.read_losses()  # (the order of the losses is kept)
+        self.losses.append(value)
+        return value
+
+    def read_losses(self) -> list[float]:
+        """Every step's loss so far; the ones still on the device are read (one sync)."""
+        if self._pending:
+            self.losses += [
+                float(v) for v in torch.stack([t.float().reshape(()) for t in self._pending]).cpu()
+            ]
+            self._pending = []
+        return self.losses
+
+    # ------------------------------------------------------------------ findings and actions
+    def report(
+        self,
+        finding: MonitorFinding,
+        rescue: Action | None = None,
+        *,
+        per_module: bool = True,
+        local: Action | None = None,
+        dedupe: bool = True,
+    ) -> bool:
+        """Record a detector's ``finding`` unless it is no news (the same kind about the same module,
+        or about any module with ``per_module=False``, within ``hold`` steps; ``dedupe=False``: each
+        is news); with ``rescue=True`` run ``local`` (an action on this step's update only: not
+        held, not counted; what it did is the finding's action), then ``rescue`` once ``hold`` steps
+        passed since the last action, or stop the run when ``max_rescues`` are spent. Returns
+        whether it was recorded."""
+        key = (finding.kind, finding.module if per_module else None)
+        last = self._seen.get(key)
+        if dedupe and last is not None and finding.step - last < max(self.config.hold, 1):
+            return False
+        self._seen[key] = finding.step
+        if local is not None and self.config.rescue:
+            done = local()
+            if done:
+                finding = replace(finding, action=done)
+        self._emit(finding)
+        if rescue is not None:
+            self._act(finding, rescue)
+        return True
+
+    def _act(self, finding: MonitorFinding, rescue: Action) -> None:
+        if not self.config.rescue or finding.step - self._last_action < self.config.hold:
+            return  # alert only, or let the last action show its effect first
+        if self.rescues >= self.config.max_rescues:
+            self._stop(finding)
+            return
+        done = rescue()
+        if done:
+            self.rescues += 1
+            self._last_action = finding.step
+            evidence = {"answers": finding.kind}
+            self._emit(MonitorFinding(finding.step, RESCUE, done, finding.module, evidence, action=done))
+
+    def stop(self, finding: MonitorFinding, why: str) -> None:
+        """Stop the run now, whatever ``rescue`` says, for what ``finding`` found and no rescue can
+        answer (``why``: the cause, and what to do), before a guard of the loop's own stops it
+        blaming something else (a broken data pipeline collapses an fp16 loss scale, whose error
+        names the precision)."""
+        self._stop(finding, why)
+
+    def _stop(self, finding: MonitorFinding, why: str | None = None) -> None:
+        """Stop the run: a ``stop`` finding, and :attr:`stopped` for the loop or adapter to act on;
+        ``why`` where it is not that the rescues are spent."""
+        spent = (
+            f"after {self.rescues} rescues (max_rescues={self.config.max_rescues}): the run is stopped "
+            "rather than trained on garbage"
+        )
+        self.stopped = (
+            f"step {finding.step}: {finding.kind} ({finding.message}) {why or spent}; the findings so "
+            "far are the monitor's (Monitor.findings, its findings= sink)."
+        )
+        evidence = {"answers": finding.kind, "rescues": self.rescues}
+        self._emit(MonitorFinding(finding.step, STOP, self.stopped, finding.module, evidence))
+
+    def _emit(self, finding: MonitorFinding) -> None:
+        self.findings.append(finding)
+        log.warning(finding.line())
+        for sink in self.sinks:
+            sink(finding)
+        if self.log_fn is not None:
+            self.log_fn(f"mixprec/{finding.kind}", float(finding.step))
+
+    def when_widened(self, step: Callable[[], str]) -> None:
+        """Register a framework's own step after the monitor widened half weights to fp32 without
+        a Policy (Lightning swaps its bf16-true precision plugin for bf16-mixed); ``step`` returns
+        what it did, which the ``rescue`` finding adds."""
+        self.rescuer.after_widening = step
+
+    @property
+    def skipped_batches(self) -> list[int]:
+        """The batches whose update a data spike withheld (the skip list's content)."""
+        return self.rescuer.skipped_batches
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_refusal(self) -> str | None:
+        """Why a checkpoint must not be written now (the weights, the optimizer state or a saved
+        buffer hold inf/NaN: every run resumed from it would train, or evaluate, on garbage),
+        recorded as a finding; None when it may be. A buffer that held inf/NaN when the monitor was
+        made (an attention mask of -inf) is by design and not checked."""
+        bad = self.rescuer.nonfinite()
+        if bad is None:
+            return None
+        message = f"checkpoint refused: {bad} is not finite"
+        self._emit(MonitorFinding(self.step, CHECKPOINT_REFUSED, message, module_of(bad)))
+        return (
+            f"checkpoint refused at step {self.step}: {bad} holds inf/NaN, and every run resumed "
+            f"from it would {'evaluate' if bad.endswith('(buffer)') else 'train'} on garbage; roll "
+            "back (Monitor(snapshot_every=...)) or fix the precision first (the monitor's findings "
+            "say where)."
+        )
+
+    def check_checkpoint(self) -> None:
+        """Raise :class:`PoisonedCheckpointError` (and record a finding) when a checkpoint now
+        would hold inf/NaN: what stops a framework's save before it writes anything."""
+        reason = self.checkpoint_refusal()
+        if reason is not None:
+            raise PoisonedCheckpointError(reason)
+
+    def save(self, obj: Any, path: str | Path) -> None:
+        """``torch.save(obj, path)`` after :meth:`check_checkpoint`."""
+        self.check_checkpoint()
+        torch.save(obj, path)
+
+    @property
+    def healthy(self) -> bool:
+        """No finding that blames the precision or the weights, and no spike, is left unanswered (by a
+        rescue, a withheld or retried update), and none that no rescue answers (a ``divergence``
+        fp32 shares, an ``unwatched`` loop) was found (:data:`~mixprec.monitor.findings.OPEN_KINDS`)."""
+        acted = {f.step for f in self.findings if f.kind == RESCUE}
+        open_ = [f for f in self.findings if f.kind in OPEN_KINDS and not (f.action or f.step in acted)]
+        return not open_ and all(math.isfinite(v) for v in self.losses[-1:])
+
+
+class Monitor(RunRecord):
     """Watches one training run. Call :meth:`observe` once per step, after the optimizer step, and
     (so a spike is diagnosed and withheld before its update lands) :meth:`before_step` after the
     backward, before the optimizer step.
@@ -152,22 +317,22 @@ class Monitor:
         loss_fn: LossFn | None = None,
         config: MonitorConfig | None = None,
         findings: str | Path | Sink | None = None,
-        log_fn: Callable[[str, float], None] | None = None,
+        log_fn: LogFn | None = None,
         skip_list: str | Path | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         **fields: Any,
     ) -> None:
         if config is not None and not isinstance(config, MonitorConfig):
             raise UsageError(f"config must be a MonitorConfig, got {type(config).__name__}.")
-        self.config = (config or MonitorConfig()).replace(**fields)
+        config = (config or MonitorConfig()).replace(**fields)
         _check_run(model, policy, scaler)
-        self.schedule = plan_schedule(self.config.schedule or {}, self.config.train_steps, policy)
+        self.schedule = plan_schedule(config.schedule or {}, config.train_steps, policy)
         given = [] if optimizer is None else optimizer if isinstance(optimizer, Sequence) else [optimizer]
         self.optimizers = [unwrapped(o) for o in given]
-        self.sinks = _sinks(findings)  # (a JSONL sink makes its folder: after every check)
-        self.model, self.policy, self.loss_fn, self.log_fn = model, policy, loss_fn, log_fn
+        rescuer = Rescuer(model, policy, self.optimizers, skip_list)
+        super().__init__(config, rescuer, _sinks(findings), log_fn)  # (a JSONL sink: after the checks)
+        self.model, self.policy, self.loss_fn = model, policy, loss_fn
         self.scale = ScaleWatch(policy, scaler)
-        self.rescuer = Rescuer(model, policy, self.optimizers, skip_list)
         self._autocast = autocast
         fmt = policy.spec.range_format if policy is not None else ("fp16" if scaler is not None else None)
         self.range_format = fmt if fmt in LOW_PRECISION_FORMATS else None
@@ -182,19 +347,8 @@ class Monitor:
         self._feeding = [d for d in self.detectors if type(d).on_losses is not Detector.on_losses]
         self._hooks: list[Any] = []  # an adapter's own optimizer hooks, removed at close()
         self._closed = False
-        # the run's record, empty: no step seen yet
-        self.step = 0
-        self.findings: list[MonitorFinding] = []
-        self.losses: list[float] = []  # every step's loss, read at the sampled steps
-        self.rescues = 0
-        self.stopped = ""  # why the monitor stopped the run ('' while it has not)
-        self._pending: list[torch.Tensor] = []  # device losses, read at the next sampled step
-        self._host: bool | None = None  # whether the loss is on the host (read each step, no sync)
-        self._last_action = -(10**9)
-        self._seen: dict[tuple[str, str | None], int] = {}  # (kind, module): the step last reported
         self._analysed_to = -1
         self._explained: set[int] = set()  # steps a detector explained since the last sample
-        self.withheld: list[int] = []  # steps whose update the monitor withheld
         self._fed_to = -1  # the last step whose loss the detectors' ranges have seen
         self.control_batch: Any = None  # the latest batch whose loss was normal (Run.control_batch)
         # before the update and right after it (while the gradients are still there): what
@@ -353,13 +507,11 @@ class Monitor:
         return self.gate.check_update(optimizer)
 
     @property
-    def _armed(self) -> list[Any]:
-        """The optimizers' pre-step hooks the gate holds now (none on a normal step)."""
+    def _armed(self) -> list[Any]:  # (the gate's optimizer hooks now: none on a normal step)
         return self.gate.armed
 
     @property
     def _after(self) -> list[Any]:
-        """Their post-step hooks the gate holds now (none while no update must be seen)."""
         return self.gate.after
 
     def _feed(self) -> bool:
@@ -389,11 +541,6 @@ class Monitor:
             return torch.autocast(device, dtype=torch.float16)
         return contextlib.nullcontext()
 
-    @property
-    def skipped_batches(self) -> list[int]:
-        """The batches whose update a data spike withheld (the skip list's content)."""
-        return self.rescuer.skipped_batches
-
     def _ask(self, view: StepView) -> bool:
         """A suspect step to the detectors until one explains it, then the step to those that look
         at every step; False when the run was stopped."""
@@ -421,33 +568,6 @@ class Monitor:
             return SCALER_SKIPPED_NONFINITE if skipped else NONFINITE
         return None
 
-    def _keep_loss(self, loss: torch.Tensor | float, read: tuple[Any, float] | None) -> float | None:
-        """Keep the step's loss: its value where the host holds it already (``read`` before the
-        update, or a CPU run's: no sync, so a non-finite loss is seen at once), else the device
-        tensor, read at the next sampled step."""
-        if isinstance(loss, torch.Tensor):
-            if self._host is None:
-                self._host = loss.device.type == "cpu" and loss.numel() == 1
-            if not self._host:
-                self._pending.append(loss.detach())
-                return None
-            value = read[1] if read is not None and read[0] is loss else loss.item()
-        else:
-            value = float(loss)
-        if self._pending:
-            self.read_losses()  # (the order of the losses is kept)
-        self.losses.append(value)
-        return value
-
-    def read_losses(self) -> list[float]:
-        """Every step's loss so far; the ones still on the device are read (one sync)."""
-        if self._pending:
-            self.losses += [
-                float(v) for v in torch.stack([t.float().reshape(()) for t in self._pending]).cpu()
-            ]
-            self._pending = []
-        return self.losses
-
     # ------------------------------------------------------------------ a sampled step
     def _sample(self, step: int) -> bool:
         """Ask the detectors about the sampled ``step``; False when the run was stopped."""
@@ -468,114 +588,9 @@ class Monitor:
                 return False
         return True
 
-    # ------------------------------------------------------------------ findings and actions
-    def report(
-        self,
-        finding: MonitorFinding,
-        rescue: Action | None = None,
-        *,
-        per_module: bool = True,
-        local: Action | None = None,
-        dedupe: bool = True,
-    ) -> bool:
-        """Record a detector's ``finding`` unless it is no news (the same kind about the same module,
-        or about any module with ``per_module=False``, within ``hold`` steps; ``dedupe=False``: each
-        is news); with ``rescue=True`` run ``local`` (an action on this step's update only: not
-        held, not counted; what it did is the finding's action), then ``rescue`` once ``hold`` steps
-        passed since the last action, or stop the run when ``max_rescues`` are spent. Returns
-        whether it was recorded."""
-        key = (finding.kind, finding.module if per_module else None)
-        last = self._seen.get(key)
-        if dedupe and last is not None and finding.step - last < max(self.config.hold, 1):
-            return False
-        self._seen[key] = finding.step
-        if local is not None and self.config.rescue:
-            done = local()
-            if done:
-                finding = replace(finding, action=done)
-        self._emit(finding)
-        if rescue is not None:
-            self._act(finding, rescue)
-        return True
-
-    def _act(self, finding: MonitorFinding, rescue: Action) -> None:
-        if not self.config.rescue or finding.step - self._last_action < self.config.hold:
-            return  # alert only, or let the last action show its effect first
-        if self.rescues >= self.config.max_rescues:
-            self._stop(finding)
-            return
-        done = rescue()
-        if done:
-            self.rescues += 1
-            self._last_action = finding.step
-            evidence = {"answers": finding.kind}
-            self._emit(MonitorFinding(finding.step, RESCUE, done, finding.module, evidence, action=done))
-
-    def stop(self, finding: MonitorFinding, why: str) -> None:
-        """Stop the run now, whatever ``rescue`` says, for what ``finding`` found and no rescue can
-        answer (``why``: the cause, and what to do), before a guard of the loop's own stops it
-        blaming something else (a broken data pipeline collapses an fp16 loss scale, whose error
-        names the precision)."""
-        self._stop(finding, why)
-
     def _stop(self, finding: MonitorFinding, why: str | None = None) -> None:
-        """Stop the run: a ``stop`` finding, and :attr:`stopped` for the loop or adapter to act on;
-        ``why`` where it is not that the rescues are spent."""
-        spent = (
-            f"after {self.rescues} rescues (max_rescues={self.config.max_rescues}): the run is stopped "
-            "rather than trained on garbage"
-        )
-        self.stopped = (
-            f"step {finding.step}: {finding.kind} ({finding.message}) {why or spent}; the findings so "
-            "far are the monitor's (Monitor.findings, its findings= sink)."
-        )
-        self.gate.plain_until = 0
-        evidence = {"answers": finding.kind, "rescues": self.rescues}
-        self._emit(MonitorFinding(finding.step, STOP, self.stopped, finding.module, evidence))
-
-    def _emit(self, finding: MonitorFinding) -> None:
-        self.findings.append(finding)
-        log.warning(finding.line())
-        for sink in self.sinks:
-            sink(finding)
-        if self.log_fn is not None:
-            self.log_fn(f"mixprec/{finding.kind}", float(finding.step))
-
-    def when_widened(self, step: Callable[[], str]) -> None:
-        """Register a framework's own step after the monitor widened half weights to fp32 without
-        a Policy (Lightning swaps its bf16-true precision plugin for bf16-mixed); ``step`` returns
-        what it did, which the ``rescue`` finding adds."""
-        self.rescuer.after_widening = step
-
-    # ------------------------------------------------------------------ checkpoints
-    def checkpoint_refusal(self) -> str | None:
-        """Why a checkpoint must not be written now (the weights, the optimizer state or a saved
-        buffer hold inf/NaN: every run resumed from it would train, or evaluate, on garbage),
-        recorded as a finding; None when it may be. A buffer that held inf/NaN when the monitor was
-        made (an attention mask of -inf) is by design and not checked."""
-        bad = self.rescuer.nonfinite()
-        if bad is None:
-            return None
-        message = f"checkpoint refused: {bad} is not finite"
-        self._emit(MonitorFinding(self.step, CHECKPOINT_REFUSED, message, module_of(bad)))
-        return (
-            f"checkpoint refused at step {self.step}: {bad} holds inf/NaN, and every run resumed "
-            f"from it would {'evaluate' if bad.endswith('(buffer)') else 'train'} on garbage; roll "
-            "back (Monitor(snapshot_every=...)) or fix the precision first (the monitor's findings "
-            "say where)."
-        )
-
-    def check_checkpoint(self) -> None:
-        """Raise :class:`PoisonedCheckpointError` (and record a finding) when a checkpoint now
-        would hold inf/NaN: what stops a framework's save before it writes anything."""
-        reason = self.checkpoint_refusal()
-        if reason is not None:
-            raise PoisonedCheckpointError(reason)
-
-    def save(self, obj: Any, path: str | Path) -> None:
-        """``torch.save(obj, path)`` after :meth:`check_checkpoint`."""
-        self.check_checkpoint()
-        torch.save(obj, path)
+        super()._stop(finding, why)
+        self.gate.plain_until = 0  # (a stopped run takes no step more, plain or whole)
 
     def close(self) -> None:
         """Read the losses still on the device (the detectors that keep a range of them see the
@@ -595,15 +610,6 @@ class Monitor:
         self._hooks = []
         if getattr(self.model, "_mixprec_monitor", None) is self:
             del self.model._mixprec_monitor
-
-    @property
-    def healthy(self) -> bool:
-        """No finding that blames the precision or the weights, and no spike, is left unanswered (by a
-        rescue, a withheld or retried update), and none that no rescue answers (a ``divergence``
-        fp32 shares, an ``unwatched`` loop) was found (:data:`~mixprec.monitor.findings.OPEN_KINDS`)."""
-        acted = {f.step for f in self.findings if f.kind == RESCUE}
-        open_ = [f for f in self.findings if f.kind in OPEN_KINDS and not (f.action or f.step in acted)]
-        return not open_ and all(math.isfinite(v) for v in self.losses[-1:])
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:

@@ -1,10 +1,13 @@
-"""The update gate of a :class:`~mixprec.monitor.Monitor`: what happens between the loop's backward
-and its optimizer step, and right after that step. :meth:`UpdateGate.before_step` takes the step's
-loss and batch; where the detectors' quick test does not clear them, the optimizers' pre-step hook
-asks the detectors (:meth:`~mixprec.monitor.detectors.Detector.on_update`) and holds back the
-gradients of an update they withhold; the post-step hook hands them back, counts a sampled step's
-stalls and the updates of a loop not yet confirmed. Both hooks are armed only while something waits
-for them, and a step that needs none of it takes the plain path (:meth:`UpdateGate.plain`)."""
+"""The update gate of a :class:`~mixprec.monitor.Monitor`, between the loop's backward and its
+optimizer step and right after it. Where the loop hands its loss and batch over
+(:meth:`Monitor.before_step <mixprec.monitor.Monitor.before_step>`; the adapters and ``mixprec
+train`` do), the spike test of the loss (and gradient norm) against the run's own range is a few
+float operations on a value the host holds; on a spike, its batch replayed from the same weights in
+fp32 and in the policy says data, precision or transient, and the update is withheld, rescued or
+retried before it lands (:mod:`~mixprec.monitor.detectors.spike`). A CPU step whose loss the quick
+test read and cleared, and that is neither sampled, timed nor fed to the detectors, takes the plain
+path (keep the loss, count the step) and runs no optimizer hook: on a launch-bound step these
+microseconds of cold Python are the monitor's whole cost."""
 
 from __future__ import annotations
 
@@ -54,17 +57,7 @@ def check_loss(loss: Any, call: str) -> None:
 
 class UpdateGate:
     """The before/after-update state of one :class:`~mixprec.monitor.Monitor` (``run``, which keeps
-    the record: the step, the findings, the withheld steps) and its plain path.
-
-    Attributes:
-        quiet: a staged loss at or below it needs no detector (the ``on_update`` detectors' quick test).
-        plain_until: the steps before it take the plain path (the Monitor's ``_next_busy_step``).
-        unconfirmed: whether the loop is yet to be seen stepping the policy (or GradScaler) the
-            monitor reads its skips from (:meth:`confirm`, at each step until it is).
-        armed: the optimizers' pre-step hooks (:meth:`before_update`), while a staged step waits.
-        after: their post-step hooks (:meth:`after_update`), while an update must be seen
-            (:meth:`hook_updates`).
-    """
+    the record: the step, the findings, the withheld steps) and its plain path."""
 
     def __init__(self, run: Any, scaler: torch.amp.GradScaler | None) -> None:
         self.run = run  # (the Monitor, typed loosely: its module imports this one)
@@ -78,15 +71,19 @@ class UpdateGate:
         self.held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # optimizer: its gradients
         self.on_host: bool | None = None  # whether a staged loss tensor is read before the update
         self.on_cpu = False  # and whether it is a CPU one (read at once, in before_step)
-        self.plain_until = 0
-        # both hooks are armed only while something waits for them: a CPU run's normal step has none
+        self.plain_until = 0  # the steps before it take the plain path (Monitor._next_busy_step)
+        # the optimizers' pre-step hooks (before_update) while a staged step waits, their post-step
+        # hooks (after_update) while an update must be seen: a CPU run's normal step arms neither
         # (an optimizer hook costs microseconds of cold Python a step)
         self.armed: list[Any] = []
         self.after: list[Any] = []
+        # whether the loop steps the policy (or GradScaler) the monitor reads its skips from is not
+        # known until it steps: checked at each step until it is (confirm)
         policy = run.policy
         self.unconfirmed = policy is not None or (scaler is not None and scaler.is_enabled())
         self.policy_steps = policy.stats.steps if policy is not None else 0
         self.updates = 0  # optimizer steps (the post-step hook), while that is unconfirmed
+        self.quiet = -math.inf  # a staged loss at or below it needs no detector (their quick test)
         self.requiet()
 
     def requiet(self) -> None:
