@@ -336,7 +336,7 @@ class Monitor(RunRecord):
         self._autocast = autocast
         fmt = policy.spec.range_format if policy is not None else ("fp16" if scaler is not None else None)
         self.range_format = fmt if fmt in LOW_PRECISION_FORMATS else None
-        # the stalls are counted at each update, by the optimizers' post-step hook (_after_update)
+        # the stalls are counted at each update, by the optimizers' post-step hook (UpdateGate.after_update)
         every, steps, hooked = self.config.every, self.config.train_steps, bool(self.optimizers)
         self.sampler = Sampler(model, self.range_format, every, steps, updates_hooked=hooked)
         self.detectors = detectors_for(self.config)
@@ -456,10 +456,11 @@ class Monitor(RunRecord):
 
     def _next_busy_step(self) -> int:
         """The first step from :attr:`step` on whose :meth:`observe` has more to do than keep its
-        loss and count it (:meth:`_record`'s plain path): the sampler's next timed or sampled step,
-        the detectors' next feed. Runs whose every step needs the whole path (a loop not yet
-        confirmed, detectors that look at every step, a schedule or snapshots, a plain loop's
-        GradScaler whose scale is read each step, GradScaler's start-up) get :attr:`step` itself."""
+        loss and count it (the gate's plain path, :meth:`UpdateGate.plain`): the sampler's next
+        timed or sampled step, the detectors' next feed. Runs whose every step needs the whole path
+        (a loop not yet confirmed, detectors that look at every step, a schedule or snapshots, a
+        plain loop's GradScaler whose scale is read each step, GradScaler's start-up) get
+        :attr:`step` itself."""
         step, policy = self.step, self.policy
         if (
             policy is None
@@ -589,8 +590,8 @@ class Monitor(RunRecord):
         return True
 
     def _stop(self, finding: MonitorFinding, why: str | None = None) -> None:
-        super()._stop(finding, why)
         self.gate.plain_until = 0  # (a stopped run takes no step more, plain or whole)
+        super()._stop(finding, why)
 
     def close(self) -> None:
         """Read the losses still on the device (the detectors that keep a range of them see the

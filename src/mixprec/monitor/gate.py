@@ -83,11 +83,11 @@ class UpdateGate:
         self.unconfirmed = policy is not None or (scaler is not None and scaler.is_enabled())
         self.policy_steps = policy.stats.steps if policy is not None else 0
         self.updates = 0  # optimizer steps (the post-step hook), while that is unconfirmed
-        self.quiet = -math.inf  # a staged loss at or below it needs no detector (their quick test)
         self.requiet()
 
     def requiet(self) -> None:
-        """The quick test anew (each detector keeps its ``quiet_below`` current as its range grows)."""
+        """The quick test anew: a staged loss at or below :attr:`quiet` needs no detector (each keeps
+        its ``quiet_below`` current as its range grows)."""
         self.quiet = min((d.quiet_below for d in self.updating), default=math.inf)
 
     # ------------------------------------------------------------------ before the update
