@@ -408,7 +408,7 @@ class Monitor(RunRecord):
         return self._record(loss, batch, "record")
 
     def _record(self, loss: torch.Tensor | float, batch: Any, call: str) -> list[MonitorFinding]:
-        value = self.gate.plain(loss)
+        value = self.gate.plain(loss, self.step)
         if value is not None:  # a plain step (the common one): the loss kept, the step counted
             self.losses.append(value)
             self.step += 1

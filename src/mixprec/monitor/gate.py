@@ -61,6 +61,7 @@ class UpdateGate:
 
     def __init__(self, run: Any, scaler: torch.amp.GradScaler | None) -> None:
         self.run = run  # (the Monitor, typed loosely: its module imports this one)
+        self.policy, self.scale = run.policy, run.scale  # (the plain path reads them each step)
         self.updating = [d for d in run.detectors if type(d).on_update is not Detector.on_update]
         self.grad_each = run.config.spike_grad_norm
         # what before_step handed over and its quick test did not clear: (step, loss, batch, batch
@@ -79,7 +80,7 @@ class UpdateGate:
         self.after: list[Any] = []
         # whether the loop steps the policy (or GradScaler) the monitor reads its skips from is not
         # known until it steps: checked at each step until it is (confirm)
-        policy = run.policy
+        policy = self.policy
         self.unconfirmed = policy is not None or (scaler is not None and scaler.is_enabled())
         self.policy_steps = policy.stats.steps if policy is not None else 0
         self.updates = 0  # optimizer steps (the post-step hook), while that is unconfirmed
@@ -113,7 +114,7 @@ class UpdateGate:
             return
         check_loss(loss, "before_step")
         if self.on_host is None:  # (the first step: whether its loss can be read without a sync)
-            scaler = run.scale.scaler or (run.policy.scaler if run.policy is not None else None)
+            scaler = self.scale.scaler or (self.policy.scaler if self.policy is not None else None)
             tensor = isinstance(loss, torch.Tensor)
             self.on_cpu = tensor and loss.device.type == "cpu"
             # (a device loss only where its GradScaler has just read its inf check)
@@ -186,8 +187,7 @@ class UpdateGate:
     def scaler_skips(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the run's GradScaler has found inf/NaN in ``optimizer``'s gradients (it will skip
         the step itself: the skip path explains it, the weights do not move)."""
-        policy = self.run.policy
-        scaler = self.run.scale.scaler or (policy.scaler if policy is not None else None)
+        scaler = self.scale.scaler or (self.policy.scaler if self.policy is not None else None)
         if scaler is None or not scaler.is_enabled():
             return False
         found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device") or {}
@@ -232,18 +232,18 @@ class UpdateGate:
                 handle.remove()
             self.after = []
 
-    def plain(self, loss: Any) -> float | None:
+    def plain(self, loss: Any, step: int) -> float | None:
         """The loss of a plain step (the common one), else None: its loss was read and cleared
         before the update, it is neither sampled, timed nor fed to the detectors, no hook waits and
         the policy skipped nothing. The rest of the Monitor's ``_record`` costs microseconds of cold
-        Python on every step; this is the whole of what such a step needs."""
+        Python on every step; this is the whole of what such a step (``step``) needs."""
         read = self.read
         if (
-            self.run.step < self.plain_until
+            step < self.plain_until
             and read is not None
             and read[0] is loss
             and not self.armed
-            and self.run.policy.stats.skipped_steps == self.run.scale.skips_seen
+            and self.policy.stats.skipped_steps == self.scale.skips_seen
         ):
             self.read = None
             return read[1]
@@ -266,17 +266,17 @@ class UpdateGate:
         hears of. Once the optimizer has stepped (its post-step hook) while the policy's ``step()``
         never ran (a GradScaler never scaled a loss), or, where the monitor holds no optimizer, once
         :data:`UNCONFIRMED_STEPS` steps passed so, that is an ``unwatched`` finding (once)."""
-        run = self.run
-        if run.policy is not None:
-            used = run.policy.stats.steps != self.policy_steps
-            what = f"the monitor's Policy ({run.policy.name}) never did"
+        policy = self.policy
+        if policy is not None:
+            used = policy.stats.steps != self.policy_steps
+            what = f"the monitor's Policy ({policy.name}) never did"
             fix = (
                 "step through the policy (policy.backward(loss); policy.step(optimizer)), or give the "
                 "monitor what the loop steps (Monitor(model, scaler=the_loops_scaler) for a plain "
                 "torch.amp loop)"
             )
         else:
-            used = getattr(run.scale.scaler, "_scale", None) is not None  # made at its first scale()
+            used = getattr(self.scale.scaler, "_scale", None) is not None  # made at its first scale()
             what = "the monitor's GradScaler never scaled a loss"
             fix = "pass the GradScaler the loop steps (Monitor(model, scaler=scaler))"
         if used:
@@ -292,7 +292,7 @@ class UpdateGate:
             f"or its loss scale and vouches for nothing; {fix}"
         )
         evidence = {"optimizer_steps": n, "steps": step + 1}
-        run._emit(MonitorFinding(step, UNWATCHED, message, None, evidence))
+        self.run._emit(MonitorFinding(step, UNWATCHED, message, None, evidence))
 
     def close(self) -> None:
         """The hooks removed; :meth:`before_step`'s quick test reads nothing more."""
