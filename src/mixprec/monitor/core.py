@@ -7,8 +7,8 @@ It costs what the user can afford:
 * **every step**, nothing the step does not already pay for: the loss is kept as a device tensor
   (read at the next sampled step), the skipped flag comes from the policy's ``step()`` (which
   reads it anyway) or, in a plain ``torch.amp`` loop, from the scale GradScaler has just updated
-  (its ``step()`` synchronises already for non-fused optimizers); most CPU steps take the plain
-  path (:mod:`~mixprec.monitor.gate`);
+  (its ``step()`` synchronises already for non-fused optimizers); a CPU step between the
+  sampled, timed and fed ones takes the gate's plain path (:mod:`~mixprec.monitor.gate`);
 * **every** ``every`` **steps** (default 100): per-layer forward/backward abs-max and underflow
   share on the real step (:mod:`mixprec.monitor.sampler`), the losses since the last sample, a
   finite check of the weights, and the detectors' trends;
@@ -507,8 +507,9 @@ class Monitor(RunRecord):
         (they are back after its step). A step its GradScaler found inf/NaN in is the skip path's."""
         return self.gate.check_update(optimizer)
 
+    # the gate's optimizer hooks as they stand (tests/monitor/test_monitor_plain_steps.py reads them)
     @property
-    def _armed(self) -> list[Any]:  # (the gate's optimizer hooks now: none on a normal step)
+    def _armed(self) -> list[Any]:
         return self.gate.armed
 
     @property
