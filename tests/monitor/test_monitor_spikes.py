@@ -204,6 +204,23 @@ def test_spikes_off_finds_none():
     assert spikes(monitor) == []
 
 
+def test_spikes_off_with_a_handed_over_grad_norm_steps_the_optimizer():
+    """No detector looks before the update: a gradient norm handed over is staged and asked of none
+    (the gate's quick limit was min() of no detector, a ValueError inside optimizer.step)."""
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = Monitor(model, optimizer=optimizer, spikes=False)
+    for _ in range(3):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        monitor.before_step(loss, grad_norm=1.0)
+        optimizer.step()
+        monitor.observe(loss)
+    assert monitor.step == 3 and monitor.withheld == [] and monitor.findings == []
+    monitor.close()
+
+
 # ---------------------------------------------------------------------------------------- train()
 def test_train_diagnoses_each_kind_before_the_update_and_records_what_it_withheld(tmp_path):
     from monitor_faults import precision_mlp, transient_mlp

@@ -27,7 +27,8 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from mixprec.monitor.core import Monitor, _unwrapped
+from mixprec.monitor.core import Monitor
+from mixprec.monitor.gate import unwrapped
 
 
 def watch(accelerator: Accelerator, model: nn.Module, optimizer: Any, **kwargs: Any) -> Monitor:
@@ -40,7 +41,7 @@ def watch(accelerator: Accelerator, model: nn.Module, optimizer: Any, **kwargs: 
     monitor = Monitor(accelerator.unwrap_model(model), optimizer=optimizer, scaler=scaler, **kwargs)
     accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: monitor.check_checkpoint())
     if hasattr(optimizer, "_is_overflow"):
-        monitor._hooks.append(_unwrapped(optimizer).register_step_post_hook(_skip_flag(monitor, optimizer)))
+        monitor._hooks.append(unwrapped(optimizer).register_step_post_hook(_skip_flag(monitor, optimizer)))
     return monitor
 
 

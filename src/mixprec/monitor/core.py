@@ -7,20 +7,13 @@ It costs what the user can afford:
 * **every step**, nothing the step does not already pay for: the loss is kept as a device tensor
   (read at the next sampled step), the skipped flag comes from the policy's ``step()`` (which
   reads it anyway) or, in a plain ``torch.amp`` loop, from the scale GradScaler has just updated
-  (its ``step()`` synchronises already for non-fused optimizers). Between the steps that are
-  sampled, timed for the sampling budget or fed to the detectors, a CPU step whose loss
-  :meth:`Monitor.before_step` read and cleared takes :meth:`Monitor.observe`'s plain path (keep
-  the loss, count the step) and runs no optimizer hook: on a launch-bound step these
-  microseconds of cold Python are the monitor's whole cost;
+  (its ``step()`` synchronises already for non-fused optimizers); a CPU step between the
+  sampled, timed and fed ones takes the gate's plain path (:mod:`~mixprec.monitor.gate`);
 * **every** ``every`` **steps** (default 100): per-layer forward/backward abs-max and underflow
   share on the real step (:mod:`mixprec.monitor.sampler`), the losses since the last sample, a
   finite check of the weights, and the detectors' trends;
-* **before each update** (where the loop hands its loss and batch over: :meth:`Monitor.before_step`;
-  the adapters and ``mixprec train`` do): the spike test of the loss (and gradient norm) against
-  the run's own range, a few float operations on a value the host holds; on a spike, its batch
-  replayed from the same weights in fp32 and in the policy says data, precision or transient, and
-  the update is withheld, rescued or retried before it lands
-  (:mod:`~mixprec.monitor.detectors.spike`);
+* **before each update** (where the loop hands its loss and batch over): the spike test, and on a
+  spike the diagnosis, before the update lands (:mod:`~mixprec.monitor.gate`);
 * **on a suspect step** (a skip below the scale the run settled at, a non-finite loss the host
   holds): an fp32 **shadow** of the same batch, to tell the data from the precision, and the first
   module whose output or gradient is not finite on it;
@@ -39,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -57,7 +49,6 @@ from mixprec.monitor.detectors import (
     Detector,
     SampleView,
     StepView,
-    UpdateView,
     detectors_for,
 )
 from mixprec.monitor.detectors.base import FEED, Action, LossFn
@@ -67,26 +58,20 @@ from mixprec.monitor.findings import (
     RESCUE,
     SCHEDULE,
     STOP,
-    UNWATCHED,
     JsonlSink,
     MonitorFinding,
     Sink,
 )
+from mixprec.monitor.gate import UpdateGate, check_loss, unwrapped
 from mixprec.monitor.rescue import Rescuer, module_of, plan_schedule
 from mixprec.monitor.sampler import Sampler
 from mixprec.monitor.scale import ScaleWatch
-from mixprec.monitor.shadow import grad_norm
 from mixprec.numerics.limits import LOW_PRECISION_FORMATS
 from mixprec.policy import Policy
 from mixprec.policy.islands import is_fp32_island
 
 log = logging.getLogger("mixprec.monitor")
-
-# Steps after which a policy (or GradScaler) the loop has never stepped is not the loop's, where the
-# monitor holds no optimizer whose post-step hook says the loop stepped one (more micro-batches of
-# gradient accumulation than this between two optimizer steps are not a loop anyone runs)
-UNCONFIRMED_STEPS = 50
-_NEGATIVE_INFINITY = -math.inf  # (a loss of -inf is not finite: the quick test does not clear it)
+LogFn = Callable[[str, float], None]  # a framework's metric logger: log_fn(name, value)
 
 
 class MonitorStop(MixprecError):
@@ -96,16 +81,6 @@ class MonitorStop(MixprecError):
 
 class PoisonedCheckpointError(MixprecError):
     """A checkpoint was asked for while weights or optimizer state hold inf/NaN; nothing was written."""
-
-
-def _unwrapped(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside a framework's wrapper (Accelerate's AcceleratedOptimizer,
-    Lightning's LightningOptimizer): its step hooks fire, its state is the real one."""
-    while not hasattr(optimizer, "_optimizer_step_post_hooks") and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise UsageError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-    return optimizer
 
 
 def _check_run(model: Any, policy: Any, scaler: Any) -> None:
@@ -125,30 +100,6 @@ def _check_run(model: Any, policy: Any, scaler: Any) -> None:
         raise UsageError("this model already has a mixprec Monitor; close() it first (one monitor per run).")
 
 
-def _readable(loss: Any, scaler: Any) -> bool:
-    """Whether the host can read a loss tensor before the update without a new device sync: one
-    element on the CPU, or on a device on a loop whose GradScaler has just read its inf check."""
-    if not isinstance(loss, torch.Tensor):
-        return False
-    return loss.numel() == 1 and (loss.device.type == "cpu" or scaler is not None)
-
-
-def _check_loss(loss: Any, call: str) -> None:
-    """One line for a loss the monitor cannot keep: it records one number a step (a per-sample
-    vector would otherwise fail deep inside, at the sampled step that reads the losses)."""
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() == 1:
-            return
-        raise UsageError(
-            f"{call}() takes the step's loss as a scalar, got a tensor of shape {list(loss.shape)} (a "
-            f"per-sample loss?); reduce it first, as the backward does: {call}(loss.mean(), batch)."
-        )
-    if isinstance(loss, bool) or not isinstance(loss, numbers.Real):  # (numpy's scalars are Real)
-        raise UsageError(
-            f"{call}() takes the step's loss, a scalar tensor or a number, got {type(loss).__name__}."
-        )
-
-
 def _sinks(findings: str | Path | Sink | None) -> list[Sink]:
     """Where each finding goes besides the log: a JSONL file, or a callable."""
     if findings is None:
@@ -160,505 +111,37 @@ def _sinks(findings: str | Path | Sink | None) -> list[Sink]:
     raise UsageError(f"findings must be a path or a callable, got {type(findings).__name__}.")
 
 
-class Monitor:
-    """Watches one training run. Call :meth:`observe` once per step, after the optimizer step, and
-    (so a spike is diagnosed and withheld before its update lands) :meth:`before_step` after the
-    backward, before the optimizer step.
-
-    Args:
-        model: the model being trained (prepared by ``policy`` when one is given).
-        policy: the mixprec :class:`~mixprec.Policy` of the loop, or None for a plain loop.
-        optimizer: the optimizer(s), for the finite check of their state, snapshots and checkpoints.
-        scaler: a plain loop's ``torch.amp.GradScaler`` (a policy brings its own).
-        loss_fn: ``loss_fn(model, batch)``, for the fp32 shadow (without it a skip is located from
-            the gradients alone and no batch can be cleared).
-        config: what it watches and may do (:class:`~mixprec.monitor.config.MonitorConfig`);
-            ``fields`` replace the config's (``Monitor(model, policy, every=20, rescue=True)``).
-        findings: a path (JSONL, appended) or a callable receiving each
-            :class:`~mixprec.monitor.findings.MonitorFinding`.
-        log_fn: ``log_fn(name, value)``, the framework's metric logger (Lightning ``log``).
-        skip_list: where the batches whose update a data spike withheld are listed (a JSON list of
-            batch indices, Lightning's ``skip_batches.json`` form; None: kept in
-            :attr:`skipped_batches` only).
-        autocast: the loop's own precision context, to replay a batch in it (default: the policy's
-            autocast; a plain loop with a GradScaler: fp16 autocast; else none). An adapter passes
-            its framework's.
-    """
+class RunRecord:
+    """What one watched run did and what was done about it: its step and losses, the findings and
+    the actions they led to, the stop, and the guard that keeps a checkpoint of non-finite state
+    from being written. A :class:`Monitor` is one, and adds the watching: the detectors, the
+    sampler and the update gate."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        policy: Policy | None = None,
-        *,
-        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-        scaler: torch.amp.GradScaler | None = None,
-        loss_fn: LossFn | None = None,
-        config: MonitorConfig | None = None,
-        findings: str | Path | Sink | None = None,
-        log_fn: Callable[[str, float], None] | None = None,
-        skip_list: str | Path | None = None,
-        autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
-        **fields: Any,
+        self, config: MonitorConfig, rescuer: Rescuer, sinks: list[Sink], log_fn: LogFn | None
     ) -> None:
-        if config is not None and not isinstance(config, MonitorConfig):
-            raise UsageError(f"config must be a MonitorConfig, got {type(config).__name__}.")
-        self.config = (config or MonitorConfig()).replace(**fields)
-        _check_run(model, policy, scaler)
-        self.schedule = plan_schedule(self.config.schedule or {}, self.config.train_steps, policy)
-        given = [] if optimizer is None else optimizer if isinstance(optimizer, Sequence) else [optimizer]
-        self.optimizers = [_unwrapped(o) for o in given]
-        self.sinks = _sinks(findings)  # (a JSONL sink makes its folder: after every check)
-        self.model, self.policy, self.loss_fn, self.log_fn = model, policy, loss_fn, log_fn
-        self.scale = ScaleWatch(policy, scaler)
-        self.rescuer = Rescuer(model, policy, self.optimizers, skip_list)
-        self._autocast = autocast
-        fmt = policy.spec.range_format if policy is not None else ("fp16" if scaler is not None else None)
-        self.range_format = fmt if fmt in LOW_PRECISION_FORMATS else None
-        # the stalls are counted at each update, by the optimizers' post-step hook (_after_update)
-        every, steps, hooked = self.config.every, self.config.train_steps, bool(self.optimizers)
-        self.sampler = Sampler(model, self.range_format, every, steps, updates_hooked=hooked)
-        self.detectors = detectors_for(self.config)
-        # each hook asks only the detectors that have it (most steps ask none)
-        self._explaining = [d for d in self.detectors if type(d).on_suspect is not Detector.on_suspect]
-        self._stepping = [d for d in self.detectors if type(d).on_step is not Detector.on_step]
-        self._sampling = [d for d in self.detectors if type(d).on_sample is not Detector.on_sample]
-        self._updating = [d for d in self.detectors if type(d).on_update is not Detector.on_update]
-        self._feeding = [d for d in self.detectors if type(d).on_losses is not Detector.on_losses]
-        self._grad_each = self.config.spike_grad_norm
-        self._reset()
-        self._quiet = min((d.quiet_below for d in self._updating), default=math.inf)
-        # before the update: the check of what before_step handed over (and withholding it); right
-        # after it, while the gradients are still there: the stalls, and a withheld step's gradients
-        # back. Both are armed only while something waits for them (a CPU run's normal step has
-        # none: an optimizer hook costs microseconds of cold Python a step)
-        self._armed: list[Any] = []  # the pre-step hooks
-        self._after: list[Any] = []  # the post-step hooks (_hook_updates)
-        self._hooks: list[Any] = []  # an adapter's own optimizer hooks, removed at close()
-        # whether the loop steps the policy (or GradScaler) the monitor reads its skips from is not
-        # known until it steps: checked at each step until it is (_confirm_loop)
-        self._unconfirmed = policy is not None or (scaler is not None and scaler.is_enabled())
-        self._policy_steps = policy.stats.steps if policy is not None else 0
-        self._updates = 0  # optimizer steps (the post-step hook), while that is unconfirmed
-        self._closed = False
-        model._mixprec_monitor = self  # type: ignore[assignment]
-        self.sampler.begin(0)
-        self._hook_updates()
-
-    def _reset(self) -> None:
-        """The run's record, empty: no step seen yet."""
+        self.config, self.rescuer, self.sinks, self.log_fn = config, rescuer, sinks, log_fn
         self.step = 0
         self.findings: list[MonitorFinding] = []
         self.losses: list[float] = []  # every step's loss, read at the sampled steps
         self.rescues = 0
         self.stopped = ""  # why the monitor stopped the run ('' while it has not)
+        self.withheld: list[int] = []  # steps whose update the monitor withheld
         self._pending: list[torch.Tensor] = []  # device losses, read at the next sampled step
         self._host: bool | None = None  # whether the loss is on the host (read each step, no sync)
         self._last_action = -(10**9)
         self._seen: dict[tuple[str, str | None], int] = {}  # (kind, module): the step last reported
-        self._analysed_to = -1
-        self._explained: set[int] = set()  # steps a detector explained since the last sample
-        self.withheld: list[int] = []  # steps whose update the monitor withheld
-        # what before_step handed over and its quick test did not clear: (step, loss, batch, batch
-        # index, gradient norm, the loss's value where read)
-        self._staged: tuple[int, Any, Any, int | None, float | None, float | None] | None = None
-        self._read: tuple[Any, float] | None = None  # (the loss tensor, its value) read before the update
-        self._withheld_at = -1  # the last step whose update the monitor withheld
-        self._held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # optimizer: its gradients
-        self._on_host: bool | None = None  # whether a staged loss tensor is read before the update
-        self._on_cpu = False  # and whether it is a CPU one (read at once, in before_step)
-        self._quiet = -math.inf  # a staged loss at or below it needs no detector (their quick test)
-        self._fed_to = -1  # the last step whose loss the detectors' ranges have seen
-        self.control_batch: Any = None  # the latest batch whose loss was normal (Run.control_batch)
-        self._plain_until = 0  # the steps before it take observe()'s plain path (_next_busy_step)
 
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """A plain loop's GradScaler (an adapter replaces it when the framework's changes)."""
-        return self.scale.scaler
-
-    @scaler.setter
-    def scaler(self, scaler: torch.amp.GradScaler | None) -> None:
-        self.scale.scaler = scaler
-
-    @property
-    def skipped(self) -> list[int]:
-        return self.scale.skipped
-
-    @property
-    def scales(self) -> list[tuple[int, float]]:
-        return self.scale.scales
-
-    @property
-    def every(self) -> int:
-        """The steps between two sampled steps now (it grows when ``every=None`` and sampling
-        costs more than its budget)."""
-        return self.sampler.interval
-
-    # ------------------------------------------------------------------ a step
-    def observe(self, loss: torch.Tensor | float, batch: Any = None) -> list[MonitorFinding]:
-        """Record step ``self.step`` (call after the optimizer step); returns its new findings.
-
-        ``loss``: the step's loss, a scalar tensor or a number (a per-sample vector is refused:
-        reduce it as the backward did). ``batch``: the step's batch, for the fp32 shadow on a
-        suspect step (kept only for this call). After :meth:`close` it refuses (``UsageError``).
-        A plain loop has no flag to stop by: when the monitor stops the run (its rescues spent and
-        the run still failing: a ``stop`` finding) this raises :class:`MonitorStop`."""
-        if self._closed:
-            raise UsageError(
-                f"observe() after close(): this Monitor was closed at step {self.step} and watches "
-                "nothing more (its hooks are removed); make a new Monitor to watch another run."
-            )
-        new = self._record(loss, batch, "observe")
-        if self.stopped:
-            raise MonitorStop(self.stopped)
-        return new
-
-    def record(self, loss: torch.Tensor | float, batch: Any = None) -> list[MonitorFinding]:
-        """:meth:`observe` for a framework adapter: it never raises; when the monitor stops the run,
-        :attr:`stopped` says why and the adapter stops the framework its own way
-        (``control.should_training_stop``, ``trainer.should_stop``). A stopped monitor records
-        nothing more, and a closed one stays closed (a framework hook after the run's end)."""
-        return self._record(loss, batch, "record")
-
-    def _record(self, loss: torch.Tensor | float, batch: Any, call: str) -> list[MonitorFinding]:
-        step, read = self.step, self._read
-        if (
-            step < self._plain_until
-            and read is not None
-            and read[0] is loss
-            and not self._armed
-            and self.policy.stats.skipped_steps == self.scale.skips_seen  # type: ignore[union-attr]
-        ):
-            # a plain step (the common one): its loss was read and cleared before the update, it is
-            # neither sampled, timed nor fed to the detectors, and the policy skipped nothing. The
-            # rest of this method costs microseconds of cold Python on every step; this is the
-            # whole of what such a step needs.
-            self._read = None
-            self.losses.append(read[1])
-            self.step = step + 1
-            return []
-        if self.stopped or self._closed:
-            self._staged = self._read = None
-            return []
-        _check_loss(loss, call)
-        step, before = self.step, len(self.findings)
-        sampled = step % self.sampler.interval == 0
-        skipped = self.scale.after_step(step, sampled)
-        if self._unconfirmed:
-            self._confirm_loop(step)
-        value = self._keep_loss(loss)
-        self._staged = self._read = None
-        if self._armed and self._on_cpu:
-            self._disarm()
-        if sampled:
-            self.sampler.end(step, self.scale.current if self.policy is None else self.scale.read(), skipped)
-        batch = batch if self.loss_fn is not None else None  # without a loss_fn nothing can run it
-        suspect = None  # (a normal step: a finite loss, not skipped, costs one comparison here)
-        if (
-            skipped or (value is not None and not -math.inf < value < math.inf)
-        ) and step not in self._explained:
-            suspect = self._suspect(step, skipped, value, batch)  # (one diagnosed before its update is not)
-        if (suspect is not None or self._stepping) and not self._ask(
-            StepView(step, skipped, value, batch, suspect)
-        ):
-            return self.findings[before:]
-        if sampled and not self._sample(step):
-            return self.findings[before:]
-        if (
-            self._feeding
-            and (sampled or (value is not None and step - self._fed_to >= FEED))
-            and not self._feed()
-        ):
-            return self.findings[before:]
-        if self.schedule:
-            name = self.schedule.get(step)
-            if name is not None:
-                done = self.rescuer.switch(name)
-                self._emit(MonitorFinding(step, SCHEDULE, done, action=done))
-        if self.config.snapshot_every and step % self.config.snapshot_every == 0:
-            self.rescuer.take_snapshot(step)
-        self.step += 1
-        self.sampler.next(self.step)
-        self._hook_updates()
-        self._plain_until = self._next_busy_step()
-        return self.findings[before:]
-
-    def _hook_updates(self) -> None:
-        """Arm the optimizers' post-step hooks (:meth:`_after_update`) while an update must be
-        seen: the loop's optimizer steps are counted until it is confirmed, and a sampled step's
-        stalls are counted at its update (an accumulating loop's comes micro-batches later); else
-        remove them. A withheld update arms them itself (:meth:`_hold`)."""
-        if self._unconfirmed or self.sampler.awaits_update or self._held:
-            if not self._after:
-                self._after = [o.register_step_post_hook(self._after_update) for o in self.optimizers]
-        elif self._after:
-            for handle in self._after:
-                handle.remove()
-            self._after = []
-
-    def _next_busy_step(self) -> int:
-        """The first step from :attr:`step` on whose :meth:`observe` has more to do than keep its
-        loss and count it (:meth:`_record`'s plain path): the sampler's next timed or sampled step,
-        the detectors' next feed. Runs whose every step needs the whole path (a loop not yet
-        confirmed, detectors that look at every step, a schedule or snapshots, a plain loop's
-        GradScaler whose scale is read each step, GradScaler's start-up) get :attr:`step` itself."""
-        step, policy = self.step, self.policy
-        if (
-            policy is None
-            or self.stopped
-            or self._closed
-            or self._unconfirmed
-            or self._stepping
-            or self.schedule
-            or self.config.snapshot_every
-            or self.scale.starting(step)
-            or (policy.scaler is not None and self.scale.settled is None)
-        ):
-            return step
-        busy = self.sampler.untimed_until(step)
-        if self._feeding:
-            busy = min(busy, self._fed_to + FEED)
-        return max(busy, step)
-
-    def _confirm_loop(self, step: int) -> None:
-        """Whether the loop steps the policy (or plain GradScaler) the monitor reads its skips and
-        loss scale from. A loop that steps its own GradScaler instead skips steps the monitor never
-        hears of. Once the optimizer has stepped (its post-step hook) while the policy's ``step()``
-        never ran (a GradScaler never scaled a loss), or, where the monitor holds no optimizer, once
-        :data:`UNCONFIRMED_STEPS` steps passed so, that is an ``unwatched`` finding (once)."""
-        if self.policy is not None:
-            used = self.policy.stats.steps != self._policy_steps
-            what = f"the monitor's Policy ({self.policy.name}) never did"
-            fix = (
-                "step through the policy (policy.backward(loss); policy.step(optimizer)), or give the "
-                "monitor what the loop steps (Monitor(model, scaler=the_loops_scaler) for a plain "
-                "torch.amp loop)"
-            )
-        else:
-            used = getattr(self.scale.scaler, "_scale", None) is not None  # made at its first scale()
-            what = "the monitor's GradScaler never scaled a loss"
-            fix = "pass the GradScaler the loop steps (Monitor(model, scaler=scaler))"
-        if used:
-            self._unconfirmed = False
-            return
-        if not self._updates and step + 1 < UNCONFIRMED_STEPS:
-            return  # nothing has stepped yet (skips, accumulation): not clear yet
-        self._unconfirmed = False
-        n = self._updates
-        seen = f"the optimizer stepped {n} time{'s' if n > 1 else ''}" if n else f"{step + 1} steps ran"
-        message = (
-            f"{seen} but {what}: the loop steps its own, so the monitor sees none of its skipped steps "
-            f"or its loss scale and vouches for nothing; {fix}"
-        )
-        evidence = {"optimizer_steps": self._updates, "steps": step + 1}
-        self._emit(MonitorFinding(step, UNWATCHED, message, None, evidence))
-
-    # ------------------------------------------------------------------ before the update
-    def before_step(
-        self,
-        loss: torch.Tensor | float,
-        batch: Any = None,
-        *,
-        batch_index: int | None = None,
-        grad_norm: float | None = None,
-    ) -> None:
-        """Hand the step's loss and batch over after the backward and before the optimizer step: when
-        the optimizer steps (its pre-step hook), a spike in them is found and diagnosed from the same
-        weights and, with ``rescue=True``, its update withheld, rescued or retried before it lands.
-        ``batch_index``: where the loop gives it (what a skip list names; default: the step);
-        ``grad_norm``: the gradient norm where the loop has it for free (what ``clip_grad_norm_``
-        returned). A CPU loss is read here (the read :meth:`observe` would make) and compared with
-        the detectors' quick limit: a normal step arms no optimizer hook. A device loss is read in
-        the optimizer's pre-step hook only where the step's GradScaler has just synchronised (else
-        it is judged when a sampled step reads it). :meth:`observe` still follows the step."""
-        value = None
-        if self._on_cpu and grad_norm is None and not self._grad_each:
-            # the quick test now, on a value the host holds (it stays cold code: keep it short; a
-            # loss item() refuses is checked below, where the error names the fix)
-            try:
-                value = loss.item()  # type: ignore[union-attr]
-            except (RuntimeError, AttributeError):
-                value = None
-            else:
-                self._read = (loss, value)
-                if _NEGATIVE_INFINITY < value <= self._quiet:
-                    if batch is not None:
-                        self.control_batch = batch
-                    return  # a normal step: its value joins the detectors' ranges with the next batch
-        if self._closed:
-            return
-        _check_loss(loss, "before_step")
-        if self._on_host is None:  # (the first step: whether its loss can be read without a sync)
-            scaler = self.scale.scaler or (self.policy.scaler if self.policy is not None else None)
-            self._on_host = _readable(loss, scaler)
-            self._on_cpu = self._on_host and isinstance(loss, torch.Tensor) and loss.device.type == "cpu"
-            if self._on_cpu:  # (read now, as every later step is)
-                self.before_step(loss, batch, batch_index=batch_index, grad_norm=grad_norm)
-                return
-        self._staged = (self.step, loss, batch, batch_index, grad_norm, value)
-        if not self._armed:
-            self._armed = [o.register_step_pre_hook(self._before_update) for o in self.optimizers]
-
-    def check_update(self, optimizer: Any) -> bool:
-        """Check what :meth:`before_step` handed over, once per step, before ``optimizer`` applies
-        the update (the optimizers' pre-step hooks do; an adapter whose framework runs the backward
-        inside ``optimizer.step``, Lightning's closure, calls it from its own hook after the
-        backward). Returns whether the update is withheld: ``optimizer`` is then handed no gradient
-        (they are back after its step). A step its GradScaler found inf/NaN in is the skip path's."""
-        optimizer = _unwrapped(optimizer)
-        if self._staged is not None and self._scaler_skips(optimizer):
-            self._staged = None
-        self._before_update(optimizer)
-        return self._withheld_at == self.step
-
-    def _before_update(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        """The optimizer's pre-step hook: what the quick test did not clear goes to the detectors,
-        and a withheld update is held. A GradScaler that found inf/NaN does not step a for-loop or
-        foreach optimizer, but it does step a fused one (the kernel takes the inf flag and skips
-        itself): such a step is the skip path's, as :meth:`check_update` has it."""
-        staged = self._staged
-        if staged is None:  # a normal step, or decided for an optimizer before this one
-            if self._withheld_at == self.step and id(optimizer) not in self._held:
-                self._hold(optimizer)
-            return
-        self._staged = None
-        step, loss, batch, index, norm, value = staged
-        if self.stopped or step != self.step:
-            return
-        if value is None and isinstance(loss, torch.Tensor) and self._on_host:
-            value = loss.item()  # (a device loss: its GradScaler has just synchronised)
-        elif not isinstance(loss, torch.Tensor):
-            value = float(loss)
-        if value is not None:
-            self._read = (loss, value)
-        if norm is None and self._grad_each:
-            norm = grad_norm([p for o in self.optimizers for g in o.param_groups for p in g["params"]])
-        if (value is None or value <= self._quiet) and norm is None:
-            if value is not None and math.isfinite(value) and batch is not None:
-                self.control_batch = batch
-            return
-        if self._scaler_skips(optimizer):  # (read after the loss: the host has synchronised)
-            return
-        batch = batch if self.loss_fn is not None else None
-        if self._ask_update(UpdateView(step, value, norm, batch, index)):
-            self._withheld_at = step
-            self._hold(optimizer)
-
-    def _disarm(self) -> None:
-        for handle in self._armed:
-            handle.remove()
-        self._armed = []
-
-    def _hold(self, optimizer: torch.optim.Optimizer) -> None:
-        """Hand ``optimizer`` no gradient for this step (they are back after it)."""
-        held = [(p, p.grad) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        for p, _ in held:
-            p.grad = None
-        self._held[id(optimizer)] = held
-        self._hook_updates()  # (the gradients go back after the update)
-
-    def _after_update(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        self._updates += self._unconfirmed
-        held = self._held.pop(id(optimizer), None) if self._held else None
-        if held is None:
-            self.sampler.count_stalls(self.step)
-            return
-        for p, g in held:  # the gradients back, as the loop left them
-            p.grad = g
-        self.sampler.discard_stalls()  # a withheld update moved nothing: no stall to count
-
-    def _ask_update(self, view: UpdateView) -> bool:
-        self.rescuer.withholding = False
-        for detector in self._updating:
-            if detector.on_update(self, view):
-                self._explained.add(view.step)
-                break
-            if self.stopped:
-                break
-        withheld = self.rescuer.withholding or bool(self.stopped)
-        if withheld:
-            self.withheld.append(view.step)
-        self._quiet = min(d.quiet_below for d in self._updating)
-        return withheld
-
-    def _feed(self) -> bool:
-        """The host's losses since the last feed to the detectors that keep a range of them (every
-        :data:`FEED` steps, and at sampled steps where a GPU run's losses are read); False when the
-        run was stopped."""
-        start, values = self._fed_to + 1, self.losses[self._fed_to + 1 :]
-        if not values:
-            return True
-        self._fed_to += len(values)
-        judged = set(self.skipped[-len(values) :]) | self._explained
-        for detector in self._feeding:
-            detector.on_losses(self, start, values, judged)
-            if self.stopped:
-                return False
-        self._quiet = min((d.quiet_below for d in self._updating), default=math.inf)
-        return True
-
-    def _scaler_skips(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether the run's GradScaler has found inf/NaN in ``optimizer``'s gradients (it will skip
-        the step itself: the skip path explains it, the weights do not move)."""
-        scaler = self.scale.scaler or (self.policy.scaler if self.policy is not None else None)
-        if scaler is None or not scaler.is_enabled():
-            return False
-        found = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device") or {}
-        return bool(found) and bool(sum(float(v) for v in found.values()))
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The run's own precision context (a replay in the policy runs in it)."""
-        if self._autocast is not None:
-            return self._autocast()
-        if self.policy is not None:
-            return self.policy.autocast()
-        if self.scale.scaler is not None and self.scale.scaler.is_enabled():
-            device = next(self.model.parameters()).device.type
-            return torch.autocast(device, dtype=torch.float16)
-        return contextlib.nullcontext()
-
-    @property
-    def skipped_batches(self) -> list[int]:
-        """The batches whose update a data spike withheld (the skip list's content)."""
-        return self.rescuer.skipped_batches
-
-    def _ask(self, view: StepView) -> bool:
-        """A suspect step to the detectors until one explains it, then the step to those that look
-        at every step; False when the run was stopped."""
-        if view.suspect is not None:
-            for detector in self._explaining:
-                view.explained = detector.on_suspect(self, view)
-                if self.stopped:
-                    return False
-                if view.explained:
-                    self._explained.add(view.step)
-                    break
-        for detector in self._stepping:
-            view.explained = detector.on_step(self, view) or view.explained
-            if self.stopped:
-                return False
-        return True
-
-    def _suspect(self, step: int, skipped: bool, value: float | None, batch: Any) -> str | None:
-        """Why ``step`` needs explaining: a skip that is news (not GradScaler's own rhythm), or a
-        non-finite loss the host holds with a batch to shadow, skipped or not (a NaN batch during the
-        loss scaler's start-up is the data's, not the scaler's search); None for a normal step."""
-        if skipped and self.scale.news(step):
-            return SKIP
-        if value is not None and batch is not None and not math.isfinite(value):
-            return SCALER_SKIPPED_NONFINITE if skipped else NONFINITE
-        return None
-
-    def _keep_loss(self, loss: torch.Tensor | float) -> float | None:
-        """Keep the step's loss: its value where the host holds it already (a CPU run: no sync, so
-        a non-finite loss is seen at once), else the device tensor, read at the next sampled step."""
+    def _keep_loss(self, loss: torch.Tensor | float, read: tuple[Any, float] | None) -> float | None:
+        """Keep the step's loss: its value where the host holds it already (``read`` before the
+        update, or a CPU run's: no sync, so a non-finite loss is seen at once), else the device
+        tensor, read at the next sampled step."""
         if isinstance(loss, torch.Tensor):
             if self._host is None:
                 self._host = loss.device.type == "cpu" and loss.numel() == 1
             if not self._host:
                 self._pending.append(loss.detach())
                 return None
-            read = self._read
             value = read[1] if read is not None and read[0] is loss else loss.item()
         else:
             value = float(loss)
@@ -675,26 +158,6 @@ class Monitor:
             ]
             self._pending = []
         return self.losses
-
-    # ------------------------------------------------------------------ a sampled step
-    def _sample(self, step: int) -> bool:
-        """Ask the detectors about the sampled ``step``; False when the run was stopped."""
-        losses = self.read_losses()
-        if self.log_fn is not None and losses:
-            self.log_fn("mixprec/loss_scale", self.scales[-1][1] if self.scales else float("nan"))
-        fresh = losses[len(losses) - (step - self._analysed_to) :] if step > self._analysed_to else []
-        # a skipped step's loss was judged by the skip, and a step with a finding by that finding
-        judged = set(self.skipped) | self._explained
-        self._analysed_to, self._explained = step, set()
-        islands = tuple(n for n, m in self.model.named_modules() if getattr(m, "_fp32_island", False))
-        series = [s for s in self.sampler.recorder.series.values() if not is_fp32_island(s.name, islands)]
-        view = SampleView(step, fresh, step - len(fresh) + 1, judged, islands, series)
-        for detector in self._sampling:
-            if detector.on_sample(self, view):
-                view.explained = True
-            if self.stopped:
-                return False
-        return True
 
     # ------------------------------------------------------------------ findings and actions
     def report(
@@ -757,7 +220,6 @@ class Monitor:
             f"step {finding.step}: {finding.kind} ({finding.message}) {why or spent}; the findings so "
             "far are the monitor's (Monitor.findings, its findings= sink)."
         )
-        self._plain_until = 0
         evidence = {"answers": finding.kind, "rescues": self.rescues}
         self._emit(MonitorFinding(finding.step, STOP, self.stopped, finding.module, evidence))
 
@@ -774,6 +236,11 @@ class Monitor:
         a Policy (Lightning swaps its bf16-true precision plugin for bf16-mixed); ``step`` returns
         what it did, which the ``rescue`` finding adds."""
         self.rescuer.after_widening = step
+
+    @property
+    def skipped_batches(self) -> list[int]:
+        """The batches whose update a data spike withheld (the skip list's content)."""
+        return self.rescuer.skipped_batches
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_refusal(self) -> str | None:
@@ -805,26 +272,6 @@ class Monitor:
         self.check_checkpoint()
         torch.save(obj, path)
 
-    def close(self) -> None:
-        """Read the losses still on the device (the detectors that keep a range of them see the
-        last ones), remove the hooks and detach from the model. A closed monitor stays closed:
-        :meth:`observe` refuses, :meth:`record` and :meth:`before_step` do nothing (a framework
-        hook after the run's end); its record, :meth:`state_dict` and the checkpoint guard stay."""
-        if self._closed:
-            return
-        self._closed = True
-        self._on_cpu = False  # (before_step's quick test reads nothing more)
-        self.read_losses()
-        if self._feeding and not self.stopped:
-            self._feed()
-        self.sampler.abandon()
-        self._disarm()
-        for hook in self._hooks + self._after:
-            hook.remove()
-        self._hooks = self._after = []
-        if getattr(self.model, "_mixprec_monitor", None) is self:
-            del self.model._mixprec_monitor
-
     @property
     def healthy(self) -> bool:
         """No finding that blames the precision or the weights, and no spike, is left unanswered (by a
@@ -833,6 +280,338 @@ class Monitor:
         acted = {f.step for f in self.findings if f.kind == RESCUE}
         open_ = [f for f in self.findings if f.kind in OPEN_KINDS and not (f.action or f.step in acted)]
         return not open_ and all(math.isfinite(v) for v in self.losses[-1:])
+
+
+class Monitor(RunRecord):
+    """Watches one training run. Call :meth:`observe` once per step, after the optimizer step, and
+    (so a spike is diagnosed and withheld before its update lands) :meth:`before_step` after the
+    backward, before the optimizer step.
+
+    Args:
+        model: the model being trained (prepared by ``policy`` when one is given).
+        policy: the mixprec :class:`~mixprec.Policy` of the loop, or None for a plain loop.
+        optimizer: the optimizer(s), for the finite check of their state, snapshots and checkpoints.
+        scaler: a plain loop's ``torch.amp.GradScaler`` (a policy brings its own).
+        loss_fn: ``loss_fn(model, batch)``, for the fp32 shadow (without it a skip is located from
+            the gradients alone and no batch can be cleared).
+        config: what it watches and may do (:class:`~mixprec.monitor.config.MonitorConfig`);
+            ``fields`` replace the config's (``Monitor(model, policy, every=20, rescue=True)``).
+        findings: a path (JSONL, appended) or a callable receiving each
+            :class:`~mixprec.monitor.findings.MonitorFinding`.
+        log_fn: ``log_fn(name, value)``, the framework's metric logger (Lightning ``log``).
+        skip_list: where the batches whose update a data spike withheld are listed (a JSON list of
+            batch indices, Lightning's ``skip_batches.json`` form; None: kept in
+            :attr:`skipped_batches` only).
+        autocast: the loop's own precision context, to replay a batch in it (default: the policy's
+            autocast; a plain loop with a GradScaler: fp16 autocast; else none). An adapter passes
+            its framework's.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: Policy | None = None,
+        *,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        loss_fn: LossFn | None = None,
+        config: MonitorConfig | None = None,
+        findings: str | Path | Sink | None = None,
+        log_fn: LogFn | None = None,
+        skip_list: str | Path | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        **fields: Any,
+    ) -> None:
+        if config is not None and not isinstance(config, MonitorConfig):
+            raise UsageError(f"config must be a MonitorConfig, got {type(config).__name__}.")
+        config = (config or MonitorConfig()).replace(**fields)
+        _check_run(model, policy, scaler)
+        self.schedule = plan_schedule(config.schedule or {}, config.train_steps, policy)
+        given = [] if optimizer is None else optimizer if isinstance(optimizer, Sequence) else [optimizer]
+        self.optimizers = [unwrapped(o) for o in given]
+        rescuer = Rescuer(model, policy, self.optimizers, skip_list)
+        super().__init__(config, rescuer, _sinks(findings), log_fn)  # (a JSONL sink: after the checks)
+        self.model, self.policy, self.loss_fn = model, policy, loss_fn
+        self.scale = ScaleWatch(policy, scaler)
+        self._autocast = autocast
+        fmt = policy.spec.range_format if policy is not None else ("fp16" if scaler is not None else None)
+        self.range_format = fmt if fmt in LOW_PRECISION_FORMATS else None
+        # the stalls are counted at each update, by the optimizers' post-step hook (UpdateGate.after_update)
+        every, steps, hooked = self.config.every, self.config.train_steps, bool(self.optimizers)
+        self.sampler = Sampler(model, self.range_format, every, steps, updates_hooked=hooked)
+        self.detectors = detectors_for(self.config)
+        # each hook asks only the detectors that have it (most steps ask none)
+        self._explaining = [d for d in self.detectors if type(d).on_suspect is not Detector.on_suspect]
+        self._stepping = [d for d in self.detectors if type(d).on_step is not Detector.on_step]
+        self._sampling = [d for d in self.detectors if type(d).on_sample is not Detector.on_sample]
+        self._feeding = [d for d in self.detectors if type(d).on_losses is not Detector.on_losses]
+        self._hooks: list[Any] = []  # an adapter's own optimizer hooks, removed at close()
+        self._closed = False
+        self._analysed_to = -1
+        self._explained: set[int] = set()  # steps a detector explained since the last sample
+        self._fed_to = -1  # the last step whose loss the detectors' ranges have seen
+        self.control_batch: Any = None  # the latest batch whose loss was normal (Run.control_batch)
+        # before the update and right after it (while the gradients are still there): what
+        # before_step handed over, withheld updates, the stalls, the plain path
+        self.gate = UpdateGate(self, scaler)
+        model._mixprec_monitor = self  # type: ignore[assignment]
+        self.sampler.begin(0)
+        self.gate.hook_updates()
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """A plain loop's GradScaler (an adapter replaces it when the framework's changes)."""
+        return self.scale.scaler
+
+    @scaler.setter
+    def scaler(self, scaler: torch.amp.GradScaler | None) -> None:
+        self.scale.scaler = scaler
+
+    @property
+    def skipped(self) -> list[int]:
+        return self.scale.skipped
+
+    @property
+    def scales(self) -> list[tuple[int, float]]:
+        return self.scale.scales
+
+    @property
+    def every(self) -> int:
+        """The steps between two sampled steps now (it grows when ``every=None`` and sampling
+        costs more than its budget)."""
+        return self.sampler.interval
+
+    # ------------------------------------------------------------------ a step
+    def observe(self, loss: torch.Tensor | float, batch: Any = None) -> list[MonitorFinding]:
+        """Record step ``self.step`` (call after the optimizer step); returns its new findings.
+
+        ``loss``: the step's loss, a scalar tensor or a number (a per-sample vector is refused:
+        reduce it as the backward did). ``batch``: the step's batch, for the fp32 shadow on a
+        suspect step (kept only for this call). After :meth:`close` it refuses (``UsageError``).
+        A plain loop has no flag to stop by: when the monitor stops the run (its rescues spent and
+        the run still failing: a ``stop`` finding) this raises :class:`MonitorStop`."""
+        if self._closed:
+            raise UsageError(
+                f"observe() after close(): this Monitor was closed at step {self.step} and watches "
+                "nothing more (its hooks are removed); make a new Monitor to watch another run."
+            )
+        new = self._record(loss, batch, "observe")
+        if self.stopped:
+            raise MonitorStop(self.stopped)
+        return new
+
+    def record(self, loss: torch.Tensor | float, batch: Any = None) -> list[MonitorFinding]:
+        """:meth:`observe` for a framework adapter: it never raises; when the monitor stops the run,
+        :attr:`stopped` says why and the adapter stops the framework its own way
+        (``control.should_training_stop``, ``trainer.should_stop``). A stopped monitor records
+        nothing more, and a closed one stays closed (a framework hook after the run's end)."""
+        return self._record(loss, batch, "record")
+
+    def _record(self, loss: torch.Tensor | float, batch: Any, call: str) -> list[MonitorFinding]:
+        value = self.gate.plain(loss, self.step)
+        if value is not None:  # a plain step (the common one): the loss kept, the step counted
+            self.losses.append(value)
+            self.step += 1
+            return []
+        if self.stopped or self._closed:
+            self.gate.staged = self.gate.read = None
+            return []
+        check_loss(loss, call)
+        step, before = self.step, len(self.findings)
+        sampled = step % self.sampler.interval == 0
+        skipped = self.scale.after_step(step, sampled)
+        value = self._keep_loss(loss, self.gate.settle(step))
+        if sampled:
+            self.sampler.end(step, self.scale.current if self.policy is None else self.scale.read(), skipped)
+        batch = batch if self.loss_fn is not None else None  # without a loss_fn nothing can run it
+        suspect = None  # (a normal step: a finite loss, not skipped, costs one comparison here)
+        if (
+            skipped or (value is not None and not -math.inf < value < math.inf)
+        ) and step not in self._explained:
+            suspect = self._suspect(step, skipped, value, batch)  # (one diagnosed before its update is not)
+        if (suspect is not None or self._stepping) and not self._ask(
+            StepView(step, skipped, value, batch, suspect)
+        ):
+            return self.findings[before:]
+        if sampled and not self._sample(step):
+            return self.findings[before:]
+        if (
+            self._feeding
+            and (sampled or (value is not None and step - self._fed_to >= FEED))
+            and not self._feed()
+        ):
+            return self.findings[before:]
+        if self.schedule:
+            name = self.schedule.get(step)
+            if name is not None:
+                done = self.rescuer.switch(name)
+                self._emit(MonitorFinding(step, SCHEDULE, done, action=done))
+        if self.config.snapshot_every and step % self.config.snapshot_every == 0:
+            self.rescuer.take_snapshot(step)
+        self.step += 1
+        self.sampler.next(self.step)
+        self.gate.hook_updates()
+        self.gate.plain_until = self._next_busy_step()
+        return self.findings[before:]
+
+    def _next_busy_step(self) -> int:
+        """The first step from :attr:`step` on whose :meth:`observe` has more to do than keep its
+        loss and count it (the gate's plain path, :meth:`UpdateGate.plain`): the sampler's next
+        timed or sampled step, the detectors' next feed. Runs whose every step needs the whole path
+        (a loop not yet confirmed, detectors that look at every step, a schedule or snapshots, a
+        plain loop's GradScaler whose scale is read each step, GradScaler's start-up) get
+        :attr:`step` itself."""
+        step, policy = self.step, self.policy
+        if (
+            policy is None
+            or self.stopped
+            or self._closed
+            or self.gate.unconfirmed
+            or self._stepping
+            or self.schedule
+            or self.config.snapshot_every
+            or self.scale.starting(step)
+            or (policy.scaler is not None and self.scale.settled is None)
+        ):
+            return step
+        busy = self.sampler.untimed_until(step)
+        if self._feeding:
+            busy = min(busy, self._fed_to + FEED)
+        return max(busy, step)
+
+    # ------------------------------------------------------------------ before the update
+    def before_step(
+        self,
+        loss: torch.Tensor | float,
+        batch: Any = None,
+        *,
+        batch_index: int | None = None,
+        grad_norm: float | None = None,
+    ) -> None:
+        """Hand the step's loss and batch over after the backward and before the optimizer step: when
+        the optimizer steps (its pre-step hook), a spike in them is found and diagnosed from the same
+        weights and, with ``rescue=True``, its update withheld, rescued or retried before it lands.
+        ``batch_index``: where the loop gives it (what a skip list names; default: the step);
+        ``grad_norm``: the gradient norm where the loop has it for free (what ``clip_grad_norm_``
+        returned). A CPU loss is read here (the read :meth:`observe` would make) and compared with
+        the detectors' quick limit: a normal step arms no optimizer hook. A device loss is read in
+        the optimizer's pre-step hook only where the step's GradScaler has just synchronised (else
+        it is judged when a sampled step reads it). :meth:`observe` still follows the step."""
+        self.gate.before_step(loss, batch, batch_index, grad_norm)
+
+    def check_update(self, optimizer: Any) -> bool:
+        """Check what :meth:`before_step` handed over, once per step, before ``optimizer`` applies
+        the update (the optimizers' pre-step hooks do; an adapter whose framework runs the backward
+        inside ``optimizer.step``, Lightning's closure, calls it from its own hook after the
+        backward). Returns whether the update is withheld: ``optimizer`` is then handed no gradient
+        (they are back after its step). A step its GradScaler found inf/NaN in is the skip path's."""
+        return self.gate.check_update(optimizer)
+
+    # the gate's optimizer hooks as they stand (tests/monitor/test_monitor_plain_steps.py reads them)
+    @property
+    def _armed(self) -> list[Any]:
+        return self.gate.armed
+
+    @property
+    def _after(self) -> list[Any]:
+        return self.gate.after
+
+    def _feed(self) -> bool:
+        """The host's losses since the last feed to the detectors that keep a range of them (every
+        :data:`FEED` steps, and at sampled steps where a GPU run's losses are read); False when the
+        run was stopped."""
+        start, values = self._fed_to + 1, self.losses[self._fed_to + 1 :]
+        if not values:
+            return True
+        self._fed_to += len(values)
+        judged = set(self.skipped[-len(values) :]) | self._explained
+        for detector in self._feeding:
+            detector.on_losses(self, start, values, judged)
+            if self.stopped:
+                return False
+        self.gate.requiet()
+        return True
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The run's own precision context (a replay in the policy runs in it)."""
+        if self._autocast is not None:
+            return self._autocast()
+        if self.policy is not None:
+            return self.policy.autocast()
+        if self.scale.scaler is not None and self.scale.scaler.is_enabled():
+            device = next(self.model.parameters()).device.type
+            return torch.autocast(device, dtype=torch.float16)
+        return contextlib.nullcontext()
+
+    def _ask(self, view: StepView) -> bool:
+        """A suspect step to the detectors until one explains it, then the step to those that look
+        at every step; False when the run was stopped."""
+        if view.suspect is not None:
+            for detector in self._explaining:
+                view.explained = detector.on_suspect(self, view)
+                if self.stopped:
+                    return False
+                if view.explained:
+                    self._explained.add(view.step)
+                    break
+        for detector in self._stepping:
+            view.explained = detector.on_step(self, view) or view.explained
+            if self.stopped:
+                return False
+        return True
+
+    def _suspect(self, step: int, skipped: bool, value: float | None, batch: Any) -> str | None:
+        """Why ``step`` needs explaining: a skip that is news (not GradScaler's own rhythm), or a
+        non-finite loss the host holds with a batch to shadow, skipped or not (a NaN batch during the
+        loss scaler's start-up is the data's, not the scaler's search); None for a normal step."""
+        if skipped and self.scale.news(step):
+            return SKIP
+        if value is not None and batch is not None and not math.isfinite(value):
+            return SCALER_SKIPPED_NONFINITE if skipped else NONFINITE
+        return None
+
+    # ------------------------------------------------------------------ a sampled step
+    def _sample(self, step: int) -> bool:
+        """Ask the detectors about the sampled ``step``; False when the run was stopped."""
+        losses = self.read_losses()
+        if self.log_fn is not None and losses:
+            self.log_fn("mixprec/loss_scale", self.scales[-1][1] if self.scales else float("nan"))
+        fresh = losses[len(losses) - (step - self._analysed_to) :] if step > self._analysed_to else []
+        # a skipped step's loss was judged by the skip, and a step with a finding by that finding
+        judged = set(self.skipped) | self._explained
+        self._analysed_to, self._explained = step, set()
+        islands = tuple(n for n, m in self.model.named_modules() if getattr(m, "_fp32_island", False))
+        series = [s for s in self.sampler.recorder.series.values() if not is_fp32_island(s.name, islands)]
+        view = SampleView(step, fresh, step - len(fresh) + 1, judged, islands, series)
+        for detector in self._sampling:
+            if detector.on_sample(self, view):
+                view.explained = True
+            if self.stopped:
+                return False
+        return True
+
+    def _stop(self, finding: MonitorFinding, why: str | None = None) -> None:
+        self.gate.plain_until = 0  # (a stopped run takes no step more, plain or whole)
+        super()._stop(finding, why)
+
+    def close(self) -> None:
+        """Read the losses still on the device (the detectors that keep a range of them see the
+        last ones), remove the hooks and detach from the model. A closed monitor stays closed:
+        :meth:`observe` refuses, :meth:`record` and :meth:`before_step` do nothing (a framework
+        hook after the run's end); its record, :meth:`state_dict` and the checkpoint guard stay."""
+        if self._closed:
+            return
+        self._closed = True
+        self.read_losses()
+        if self._feeding and not self.stopped:
+            self._feed()
+        self.sampler.abandon()
+        self.gate.close()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if getattr(self.model, "_mixprec_monitor", None) is self:
+            del self.model._mixprec_monitor
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
@@ -875,7 +654,7 @@ class Monitor:
         for detector in self.detectors:
             detector.load_state_dict(state)
         self._fed_to = int(state.get("fed_to", self.step - 1))
-        self._quiet = min((d.quiet_below for d in self._updating), default=math.inf)
-        self._plain_until = 0
+        self.gate.requiet()
+        self.gate.plain_until = 0
         self.sampler.begin(self.step)
-        self._hook_updates()
+        self.gate.hook_updates()
