@@ -57,9 +57,10 @@ def _timed(hook):
 
 # the hooks are registered when a Monitor is made: timed from the class (the wrapper's own cost,
 # two perf_counter calls, is counted as the monitor's)
-for _name in ("_before_update", "_after_update"):
-    if hasattr(mixprec.Monitor, _name):
-        setattr(mixprec.Monitor, _name, _timed(getattr(mixprec.Monitor, _name)))
+from mixprec.monitor.gate import UpdateGate  # noqa: E402  (the update gate owns the optimizer hooks)
+
+for _name in ("before_update", "after_update"):
+    setattr(UpdateGate, _name, _timed(getattr(UpdateGate, _name)))
 
 
 MODELS = {
