@@ -26,7 +26,6 @@ from torch import nn
 
 from mixprec.frameworks.torch.ranges import StepRecorder
 from mixprec.numerics.trend import LayerSeries
-from mixprec.policy.scaler import dense
 
 EVERY = 100  # the most often a step is sampled by default
 # The share of the run's time sampled steps may cost (the per-step work, ~5 us on a CPU, is apart).
@@ -112,14 +111,7 @@ class Sampler:
         (the HF Trainer zeroes them before its callbacks run)."""
         if not self._before:
             return
-        stalled = total = 0
-        with torch.no_grad():
-            for p, old in self._before:
-                if p.grad is None:
-                    continue
-                moved = dense(p.grad) != 0
-                stalled += int(((p.detach() == old) & moved).sum())
-                total += int(moved.sum())
+        stalled, total = rounded_away(self._before)
         self._before = []
         if total:
             self.stalls.append((step, stalled / total))

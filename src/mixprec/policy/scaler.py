@@ -264,6 +264,21 @@ def dense(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_dense() if grad.is_sparse else grad
 
 
+@torch.no_grad()
+def rounded_away(before: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int]:
+    """(weights the update left bit-identical though their gradient was non-zero, weights with a
+    non-zero gradient) over ``(parameter, its value before the update)`` pairs: half-precision
+    updates that round away (a stall)."""
+    stalled = total = 0
+    for p, old in before:
+        if p.grad is None:
+            continue
+        moved = dense(p.grad) != 0
+        stalled += int(((p.detach() == old) & moved).sum())
+        total += int(moved.sum())
+    return stalled, total
+
+
 def _has_nonfinite(grad: torch.Tensor) -> bool:
     if hasattr(grad, "full_tensor"):
         # A sharded DTensor gradient (FSDP2): ask the whole tensor, so every rank reports the same

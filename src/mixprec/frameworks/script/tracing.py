@@ -70,7 +70,7 @@ class Tracer:
 
     def end_step(self, step: Step, scale_after: float | None) -> None:
         """The step ended: its ranges folded in, its scale and rounded-away updates on ``step``."""
-        from mixprec.policy.scaler import dense
+        from mixprec.policy.scaler import rounded_away
 
         step_scale, self.step_scale = self.step_scale, None
         step.scale = scale_after
@@ -84,14 +84,7 @@ class Tracer:
             self.ranges.remove()
             self.ranges = None
         if self.stall_before is not None and not step.skipped:
-            stalled = total = 0
-            for p, old in self.stall_before:
-                if p.grad is None:
-                    continue
-                had = dense(p.grad) != 0
-                stalled += int(((p.detach() == old) & had).sum())
-                total += int(had.sum())
-            step.stall = (stalled, total)
+            step.stall = rounded_away(self.stall_before)
         self.stall_before = None
 
     def fill(self, record: TraceRecord, nonfinite_at_start: set[str]) -> None:
