@@ -26,6 +26,7 @@ from torch import nn
 
 from mixprec.frameworks.torch.ranges import StepRecorder
 from mixprec.numerics.trend import LayerSeries
+from mixprec.policy.scaler import rounded_away
 
 EVERY = 100  # the most often a step is sampled by default
 # The share of the run's time sampled steps may cost (the per-step work, ~5 us on a CPU, is apart).
