@@ -6,8 +6,13 @@ import os
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  before any test module imports tensorflow (see below)
 
 from mixprec import state
+
+# A worker collects every test module, the Keras ones' `import tensorflow` among them; triton
+# (torch._dynamo, any torch.compile) loaded after TensorFlow kills the process with a segmentation
+# fault (mixprec.frameworks.keras.backend.tf guards mixprec's own import; this guards the tests').
 
 
 def pytest_collection_modifyitems(config, items):

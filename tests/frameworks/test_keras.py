@@ -354,3 +354,14 @@ def test_env_states_the_tf32_override_caveat(monkeypatch):
     assert facts["nvidia_tf32_override"] == "0" and facts["nvidia_tf32_override_honoured"] is False
     assert "ignores NVIDIA_TF32_OVERRIDE" in facts["tf32_note"]
     assert facts["tensorflow_version"].startswith("2.21")
+
+
+def test_torchs_compiler_loads_after_tensorflow_without_a_crash():
+    """``import tensorflow`` then triton (``torch._dynamo``, any ``torch.compile``) killed the process
+    with a segmentation fault: mixprec's TensorFlow import loads torch's compiler stack first."""
+    import subprocess
+    import sys
+
+    code = "from mixprec.frameworks.keras.backend import tf\ntf()\nimport torch._dynamo, triton\nprint('alive')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "alive" in done.stdout, (done.returncode, done.stderr[-2000:])

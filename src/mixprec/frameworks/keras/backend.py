@@ -41,6 +41,7 @@ def tf() -> Any:
     if reason:
         raise UnsupportedError(f"the TensorFlow framework needs TensorFlow: {reason}.")
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    _torch_compiler_first()
     # "3" as well: candidate processes inherit the level this sets and must be quiet too
     if "tensorflow" in sys.modules or os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3") != "3":
         import tensorflow
@@ -52,6 +53,15 @@ def tf() -> Any:
         import tensorflow
 
     return tensorflow
+
+
+def _torch_compiler_first() -> None:
+    """Import torch's compiler stack (``torch._dynamo``, which imports triton) before TensorFlow:
+    the other way round the process dies with a segmentation fault when triton loads (torch 2.14.1
+    with TensorFlow 2.21 on Linux: ``import tensorflow; import torch._dynamo`` exits 139), which a
+    Keras tune in a process that also compiles torch, or any later ``torch.compile``, would hit."""
+    if "tensorflow" not in sys.modules:
+        import torch._dynamo  # noqa: F401
 
 
 @contextlib.contextmanager
