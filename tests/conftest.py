@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  before any test module imports tensorflow (see below)
+import torch._dynamo  # before any test module imports tensorflow (see below)
 
 from mixprec import state
 
