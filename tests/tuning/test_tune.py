@@ -267,8 +267,11 @@ def test_the_end_to_end_rule_rejects_a_pick_a_passing_candidate_lies_above():
 @pytest.mark.usefixtures("single_thread")
 def test_tune_end_to_end_on_the_tiny_mlp(tmp_path, monkeypatch):
     # every stage with its defaults (compiled candidates, the race, the optimizer's implementations),
-    # as far as 30 s takes them on the mlp: no assertion below needs any stage to have run, and what
-    # ran is judged from its own rows (60 s here took 45-60 s of the suite for nothing more)
+    # as far as 30 s takes them on the mlp: on a 2-core CPU the eager sweep, its checks, the
+    # optimizer variants and the fp8 predictions, with compiling priced and declined (and said so).
+    # No assertion below needs a stage to have run: what ran is judged from its own rows. (60 s
+    # reached a compile and a race on a quiet machine, for 45-60 s of the suite; they have their own
+    # tests: tests/tuning/test_compile_pricing.py, test_race_in_tune.py.)
     import mixprec.tuning.search as search_module
 
     races = []  # the race tune ran, if any: its resolved duels have the last word
