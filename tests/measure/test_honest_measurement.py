@@ -4,6 +4,7 @@ MFU that is never above 100%, FLOPs that match an analytic count, and math modes
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import pytest
@@ -60,24 +61,37 @@ def _bench(workload, **kw):
 
 @pytest.mark.slow
 def test_a_slow_baseline_start_does_not_inflate_the_speedup(single_thread):
-    calm = _bench(_mlp_workload(lambda autocast, samples: None))
-    calls = {"fp32": 0}
+    """A neighbour's burst slows the baseline's first steps (250 ms each against a ~10 ms step). The
+    speedup is paired: the median of per-round ratios, each round timing the baseline beside the
+    candidate, and every round runs after the burst here, so the burst is in the baseline's own step
+    times and in no ratio. (How the figure compares with a calm run's is a timing of two runs:
+    `python benchmarks/slow_baseline_start.py`, which also prints the sequential figure.)"""
+    calls: list[tuple[str, bool]] = []  # every loss_fn call in order: whose, and whether it slept
 
     def slow_first_baseline_steps(autocast: bool, samples: int) -> None:
-        if not autocast:
-            calls["fp32"] += 1
-            if calls["fp32"] <= 8:  # the baseline's warm-up and first timed steps: a neighbour's burst
-                time.sleep(0.25)
+        slept = not autocast and sum(who == "fp32" for who, _ in calls) < 8
+        calls.append(("fp32" if not autocast else "bf16-mixed", slept))
+        if slept:  # the baseline's first steps (validation, warm-up, first timed): a neighbour's burst
+            time.sleep(0.25)
 
-    busy = _bench(_mlp_workload(slow_first_baseline_steps))
-    (calm_row,) = [r for r in calm.rows if r.policy == "bf16-mixed"]
-    (busy_row,) = [r for r in busy.rows if r.policy == "bf16-mixed"]
-    # A sequential sweep would have compared bf16 with the 250 ms steps: a >10x "speedup". (Where the
-    # figure lands beside the calm run's interval is a timing of two runs, not a test: on a loaded
-    # AVX2-only CPU, bf16 ~10x slower than fp32, the two read 0.13 and 0.094.)
-    assert busy_row.speedup_vs_fp32 < 3.0 * max(calm_row.speedup_vs_fp32 or 1.0, 1.0), (
-        busy_row.speedup_vs_fp32
-    )
+    # never pruned: whether bf16 is 5x slower than fp32 is this CPU's timing (an AVX2-only one
+    # emulates it), not what this test is about
+    busy = _bench(_mlp_workload(slow_first_baseline_steps), prune_factor=1e6)
+    rows = {r.policy: r for r in busy.rows if not r.baseline_repeat}
+    base, bf16 = rows["fp32"], rows["bf16-mixed"]
+    assert bf16.status == "ok", bf16.reason
+    # the burst happened, all of it before the candidate's first step, so before every paired round
+    assert sum(slept for _, slept in calls) == 8
+    first_candidate_call = next(i for i, (who, _) in enumerate(calls) if who == "bf16-mixed")
+    assert all(i < first_candidate_call for i, (_, slept) in enumerate(calls) if slept), calls
+    # it was timed and kept in the baseline's own row (a sleep of 250 ms is a lower bound, not a race)
+    assert base.step_time_ms is not None and max(base.step_times_ms) >= 250.0, base.step_times_ms
+    # the figure is the median of the paired ratios, one per round (at least `steps` rounds), and
+    # lies in its own interval; no ratio came from a round the burst was in
+    assert len(bf16.paired_ratios) >= 6
+    assert bf16.speedup_vs_fp32 == pytest.approx(statistics.median(bf16.paired_ratios))
+    assert bf16.speedup_ci is not None
+    assert bf16.speedup_ci[0] <= bf16.speedup_vs_fp32 <= bf16.speedup_ci[1]
     # Which way the baseline drifted is a timing, left to the machine (a CI run read +14% here with an
     # 18% spread): the arithmetic and the words are tested on scripted step times below.
 

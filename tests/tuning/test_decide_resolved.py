@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +16,7 @@ from mixprec.numerics.results import CandidateCheck
 from mixprec.policy import Candidate
 from mixprec.status import Status
 from mixprec.tuning import decide
-from mixprec.tuning.decide import NOISE_CAP, Untried, dominates, interval, uncertainty
+from mixprec.tuning.decide import NOISE_CAP, Untried, dominates, interval
 
 FP32_STEP_MS = 290.0
 
@@ -56,6 +57,34 @@ def passed(*cands: Candidate) -> dict[Candidate, CandidateCheck]:
     }
 
 
+# The comparison the decision documents (README, "A speedup's interval ..."; decide.py), written out
+# here from that text and the rows' own fields rather than taken from the code under test, so a bug
+# in `interval` or `dominates` fails these tests instead of moving their expected answer with it:
+# - a row's interval is its 95% interval (`speedup_ci`, stretched to contain its median), never
+#   narrower than the noise floor, +-noise/2 around the median; strict fp32, the reference every
+#   speedup is measured against, is 1.0 exactly, so the floor alone;
+# - a row lies above another when its interval's low end is above the other's high end;
+# - a row is noisy when that 95% interval's half-width in log terms, exp(ln(hi/lo)/2) - 1, is over
+#   NOISE_CAP (25%).
+def expected_interval(row: BenchRow, noise: float) -> tuple[float, float]:
+    if row.candidate == FP32:
+        return 1 - noise / 2, 1 + noise / 2
+    s = row.speedup_vs_fp32
+    assert s is not None and row.speedup_ci is not None  # every generated row has both
+    lo, hi = row.speedup_ci
+    return min(lo, s, s * (1 - noise / 2)), max(hi, s, s * (1 + noise / 2))
+
+
+def lies_above(faster: BenchRow, slower: BenchRow, noise: float) -> bool:
+    return expected_interval(faster, noise)[0] > expected_interval(slower, noise)[1]
+
+
+def expected_uncertainty(row: BenchRow) -> float:
+    assert row.speedup_ci is not None and row.speedup_vs_fp32 is not None
+    lo, hi = min(row.speedup_ci[0], row.speedup_vs_fp32), max(row.speedup_ci[1], row.speedup_vs_fp32)
+    return math.expm1(math.log(hi / lo) / 2)
+
+
 FP32 = Candidate("fp32")
 BF16_CL = Candidate("bf16-mixed", channels_last=True)
 BF16_CL_STEP = Candidate("bf16-mixed", channels_last=True, compile="default", compile_scope="step")
@@ -84,6 +113,39 @@ def issue_40_race() -> Race:
     return Race(BF16_CL_STEP, [won, lost])
 
 
+def test_the_interval_and_what_lies_above_it_worked_by_hand():
+    """`interval` and `dominates` against numbers worked out by hand (noise 3%: a floor of +-1.5%)."""
+    table = issue_40_table()
+    # bf16-mixed+cl 2.07x [1.85-2.21]: its floor 2.07 x 0.985 = 2.039 to 2.07 x 1.015 = 2.101 lies
+    # inside its 95% interval, which is what is compared
+    assert interval(table[1], 0.03) == pytest.approx((1.85, 2.21))
+    # bf32+cl+compile 1.56x [1.43-1.63]: the same; 1.63 < 1.85, so bf16-mixed+cl lies above it
+    assert interval(table[4], 0.03) == pytest.approx((1.43, 1.63))
+    assert dominates(table[1], table[4], noise=0.03) is True
+    assert dominates(table[4], table[1], noise=0.03) is False
+    # bf16-mixed+cl+compile 1.79x [1.70-1.88] overlaps bf16-mixed+cl's [1.85-2.21] (1.88 > 1.85)
+    assert dominates(table[1], table[3], noise=0.03) is False
+    # two tight rows whose 95% intervals are disjoint, 2.00x [1.99-2.01] and 2.05x [2.04-2.06], are
+    # still closer than the noise floor: 2.00 x 1.015 = 2.03 > 2.05 x 0.985 = 2.01925, so neither lies
+    # above the other at 3%; without a floor (noise 0) the 95% intervals decide: 2.04 > 2.01
+    tight, faster = measured(BF16_CL, 2.00, (1.99, 2.01)), measured(BF16_CL_STEP, 2.05, (2.04, 2.06))
+    assert interval(tight, 0.03) == pytest.approx((1.97, 2.03))
+    assert interval(faster, 0.03) == pytest.approx((2.01925, 2.08075))
+    assert dominates(faster, tight, noise=0.03) is False
+    assert dominates(faster, tight, noise=0.0) is True
+    # strict fp32, the reference, is 1.0 exactly, widened by the floor alone: at noise 1% 0.995-1.005.
+    # 1.02x [1.012-1.03] at 1%: its floor 1.02 x (1 +- 0.005) = 1.0149-1.0251 lies inside its 95%
+    # interval, so 1.012-1.03, above 1.005. At 3% its floor's low end 1.02 x 0.985 = 1.0047 is below
+    # fp32's 1.015: not above
+    base, just = table[0], measured(BF16_CL, 1.02, (1.012, 1.03))
+    assert interval(base, 0.01, reference=True) == pytest.approx((0.995, 1.005))
+    assert interval(just, 0.01) == pytest.approx((1.012, 1.03))
+    assert dominates(just, base, noise=0.01, reference=base) is True
+    assert dominates(just, base, noise=0.03, reference=base) is False
+    # a compiled row's interval scaled by its amortised speedup over its per-step one
+    assert interval(table[4], 0.03, scale=0.5) == pytest.approx((0.715, 0.815))
+
+
 def test_issue_40_a_noisy_compiled_row_does_not_hand_the_pick_to_a_slower_safer_one():
     table = issue_40_table()
     checks = passed(*(r.candidate for r in table[1:]))
@@ -92,7 +154,8 @@ def test_issue_40_a_noisy_compiled_row_does_not_hand_the_pick_to_a_slower_safer_
     assert rec.candidate in (BF16_CL, BF16_CL_STEP, BF16_CL_COMPILE), rec.reason
     assert rec.candidate != BF32_CL_COMPILE
     # its interval lies entirely below bf16-mixed+cl's: never the pick, whatever the tie-break
-    assert dominates(table[1], table[4], noise=0.03)
+    # (worked out below in test_the_interval_and_what_lies_above_it_worked_by_hand)
+    assert expected_interval(table[4], 0.03)[1] == 1.63 < 1.85 == expected_interval(table[1], 0.03)[0]
 
 
 def test_issue_40_without_the_race_the_noisy_row_is_set_aside_for_a_re_measure():
@@ -193,8 +256,9 @@ def test_the_pick_is_never_dominated_by_a_passing_candidate_with_a_disjoint_fast
     assert rec is not None  # strict fp32 passes by definition
     pick = next(r for r in table if r.candidate == rec.candidate)
     for other in _passing(table, checks):
-        assert not dominates(other, pick, noise=noise), (
-            f"{rec.label} {interval(pick, noise)} lies below {other.label} {interval(other, noise)}"
+        assert not lies_above(other, pick, noise), (
+            f"{rec.label} {expected_interval(pick, noise)} lies below "
+            f"{other.label} {expected_interval(other, noise)}"
         )
 
 
@@ -207,21 +271,25 @@ def test_a_noisy_row_can_only_cost_a_re_measure_not_the_answer(drawn, data, nois
         return
     cand = data.draw(st.sampled_from(free))
     noisy = data.draw(a_row(cand, noisy=True))
-    assert uncertainty(noisy) > NOISE_CAP
+    assert expected_uncertainty(noisy) > NOISE_CAP
     before, _ = decide(table, checks, noise=noise)
     after, ranked = decide([*table, noisy], {**passed(cand), **checks}, noise=noise)
     assert before is not None and after is not None
     old = next(r for r in table if r.candidate == before.candidate)
-    if old.policy != "fp32" and uncertainty(old) > NOISE_CAP:
+    if old.policy != "fp32" and expected_uncertainty(old) > NOISE_CAP:
         return  # the answer was a noisy row already (measured apart above every resolved one)
     # the answer the resolved rows gave changes only where the noisy row's interval lies wholly
     # above it: then the noisy row is faster, whatever its noise
-    assert after.candidate == before.candidate or dominates(noisy, old, noise=noise), (
+    assert after.candidate == before.candidate or lies_above(noisy, old, noise), (
         after.label,
         before.label,
     )
     passes = {**passed(cand), **checks}[cand.numerics].verdict == "pass"
-    if passes and after.candidate != cand and interval(noisy, noise)[1] > (after.speedup_vs_fp32 or 1.0):
+    if (
+        passes
+        and after.candidate != cand
+        and expected_interval(noisy, noise)[1] > (after.speedup_vs_fp32 or 1.0)
+    ):
         # it could be faster than the pick: it is set aside for a re-measure, and said so
         assert cand in after.remeasure and after.too_noisy
         assert {r.candidate: r.status for r in ranked}[cand] == Status.NOISY
