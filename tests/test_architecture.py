@@ -183,3 +183,16 @@ def test_the_architecture_doc_names_every_package_and_module():
         p for p in rows if p and p not in wanted and p.rstrip("/") not in {s.stem for s in SRC.glob("*.py")}
     )
     assert not stale and not gone, f"docs/architecture.md names what is not there: {stale} {gone}"
+
+
+def test_no_module_or_class_outgrows_one_job():
+    big = []
+    for path in SRC.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        name = path.relative_to(SRC).as_posix()
+        if text.count("\n") > MAX_MODULE_LINES:
+            big.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                big.append(f"{name}:{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not big, f"split by job (over {MAX_MODULE_LINES} a module, {MAX_CLASS_LINES} a class): {big}"
