@@ -42,11 +42,12 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("policy, hand", [("bf16-mixed", "bf16"), ("fp16-mixed", "fp16")])
+@pytest.mark.parametrize("policy, hand", [("fp16-mixed", "fp16")])
 def test_run_leaves_the_weights_of_the_script_edited_by_hand(tmp_path, policy, hand):
-    """bf16: torch.autocast around forward and loss; fp16: and a GradScaler, unscaled before the
-    script's own clip_grad_norm_ (the script has no precision code; mixprec injects it all). Its
-    CosineAnnealingLR, made after the optimizer, crashed every run before its first step."""
+    """torch.autocast around forward and loss, and a GradScaler, unscaled before the script's own
+    clip_grad_norm_ (the script has no precision code; mixprec injects it all). Its
+    CosineAnnealingLR, made after the optimizer, crashed every run before its first step. (bf16-mixed,
+    and 24 script shapes under both, against their hand edits: tests/test_fuzz_scripts.py.)"""
     import subprocess
 
     by_hand, injected, plain = tmp_path / "hand.pt", tmp_path / "run.pt", tmp_path / "none.pt"
@@ -252,7 +253,7 @@ def test_tune_over_a_script_recommends_from_the_script_and_answers_in_its_terms(
 
     out = tmp_path / "tune.json"
     command = [PY, str(SCRIPTS / "plain_loop.py"), "--steps", "100000"]
-    code = main(["tune", "--budget", "75", "--no-compile", "--json", str(out), "--", *command])
+    code = main(["tune", "--budget", "40", "--no-compile", "--json", str(out), "--", *command])
     data = json.loads(out.read_text())
     assert code in (0, 4, 5, 6), code  # 6: its fp32 run did not learn in the checked steps (warm-up)
     labels = {r["label"] for r in data["bench"]["rows"] if r["status"] == "ok"}
