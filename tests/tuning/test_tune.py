@@ -514,7 +514,9 @@ def test_a_late_sweep_that_takes_all_its_time_leaves_the_check_of_what_it_found(
         ],
     )
     monkeypatch.setattr(search_module.Search, "race_finalists", lambda self: None)
-    monkeypatch.setattr(search_module.Search, "predict", lambda self, info: None)
+    from mixprec.tuning.checks import Checks
+
+    monkeypatch.setattr(Checks, "predict", lambda self, info: ({}, []))
     workload = mixprec.load_workload("mlp", hidden=32, depth=1)
     result = mixprec.tune(
         workload, budget_s=300, steps=2, warmup=1, check_steps=3, device="cpu", lint=False,
