@@ -9,6 +9,7 @@ named; and every refusal is one line with exit 2."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def test_validation_finds_the_framework_the_model_and_the_scripts_own_precision(
 
 def test_the_hf_trainer_is_set_through_its_own_bf16_flag(tmp_path):
     require("transformers", "frameworks")
-    workload = script("hf_trainer.py", "--output_dir", str(tmp_path), "--max_steps", "100")
+    workload = script("hf_trainer.py", "--output_dir", str(tmp_path), "--max_steps", "100", "--tiny")
     record = trace(workload, cand("bf16-mixed"), 2)
     facts = record.facts
     assert facts.framework == "hf" and facts.framework_flags == {"bf16": True, "fp16": False}
@@ -199,9 +200,10 @@ def test_a_distributed_launch_is_measured_as_one_rank(tmp_path):
     assert ScriptWorkload.from_command(command, cwd=tmp_path).command == (sys.executable, "train.py")
 
 
-def test_a_script_whose_data_differs_run_to_run_is_compared_by_its_trends(tmp_path, capsys):
-    """Two strict-fp32 runs disagree at the first step (the script seeds from the clock): the check
-    says so and compares running means, with no first-step SQNR (another batch)."""
+def test_a_script_whose_data_differs_run_to_run_is_compared_by_its_trends(tmp_path):
+    """Two strict-fp32 runs disagree at the first step (the script seeds from the clock): the
+    reference says so and compares running means, with no first-step output or gradients to take
+    an SQNR of (another batch). (The check reports the trajectory's note as its reference_note.)"""
     noisy = tmp_path / "noisy.py"
     noisy.write_text(
         "import time, torch\n"
@@ -213,16 +215,15 @@ def test_a_script_whose_data_differs_run_to_run_is_compared_by_its_trends(tmp_pa
         "    loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()\n"
         "    opt.zero_grad(); loss.backward(); opt.step()\n"
     )
-    json_path = tmp_path / "check.json"
-    main(
-        ["check", "--policies", "bf16-mixed", "--steps", "4", "--json", str(json_path), "--", PY, str(noisy)]
-    )
-    import json
-
-    data = json.loads(json_path.read_text())
-    assert "two strict-fp32 runs of the script disagree at the first step" in data["reference_note"]
-    bf16 = next(c for c in data["candidates"] if c["candidate"]["policy"] == "bf16-mixed")
-    assert bf16["output_sqnr_db"] is None
+    framework = framework_named("script")
+    workload = ScriptWorkload.from_command([PY, str(noisy)])
+    framework.validate_workload(workload, "cpu", 1)  # the first strict-fp32 run
+    reference = framework.trajectory(workload, framework.baseline, [], 3, "cpu")  # the second
+    assert workload.facts is not None and workload.facts.deterministic is False
+    assert "two strict-fp32 runs of the script disagree at the first step" in reference.note
+    assert reference.first_output is None and reference.first_grads == {}
+    losses = reference.losses  # running means of the run's losses
+    assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
 
 
 def test_the_readmes_run_line_runs_a_script_as_written(tmp_path):
