@@ -58,19 +58,9 @@ def _is_module(name: str) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
-def _imports(path: Path, *, typing_only: bool = True) -> set[str]:
-    """The mixprec modules ``path`` imports; ``typing_only=False``: not those under ``if
-    TYPE_CHECKING:`` (annotations only: no import at run time, so no cycle)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    skipped: set[int] = set()
-    if not typing_only:
-        for node in ast.walk(tree):
-            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-                skipped.update(id(n) for n in ast.walk(node))
+def _imports(path: Path) -> set[str]:
     found = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module == "mixprec":
             # `from mixprec import state` imports mixprec.state only; `from mixprec import
             # __version__` (or any other name of the top package) imports the top package
@@ -85,11 +75,11 @@ def _imports(path: Path, *, typing_only: bool = True) -> set[str]:
     return found
 
 
-def _graph(*, typing_only: bool = True) -> dict[str, set[str]]:
+def _graph() -> dict[str, set[str]]:
     modules = {_module_name(p): p for p in SRC.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
-        graph[name] = {m for m in _imports(path, typing_only=typing_only) if m in modules and m != name}
+        graph[name] = {m for m in _imports(path) if m in modules and m != name}
     return graph
 
 
@@ -113,7 +103,7 @@ def test_no_module_imports_a_layer_above_it():
 
 
 def test_no_import_cycles():
-    graph = _graph(typing_only=False)
+    graph = _graph()
     # a package's __init__ re-exports its modules; an edge module -> its own package is not a cycle
     for mod in graph:
         graph[mod] = {d for d in graph[mod] if not mod.startswith(d + ".")}

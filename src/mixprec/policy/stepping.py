@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -22,8 +22,7 @@ from mixprec.policy.scaler import (
     values,
 )
 
-if TYPE_CHECKING:
-    from mixprec.policy.policy import Policy
+Policy = Any  # mixprec.policy.policy.Policy (which imports this module)
 
 
 def step_optimizers(
@@ -115,14 +114,14 @@ def end_step(policy: Policy, opts: Sequence[torch.optim.Optimizer], found_host: 
         policy.stats.last_nonfinite_params = nonfinite_parameter_names(params, policy.param_names)
     scale_before = None
     if policy.scaler is not None:
-        options: ScalerOptions = policy.config.scaler  # type: ignore[assignment]
+        options: ScalerOptions = policy.config.scaler
         if skipped and options.min_scale is not None:
             scale_before = policy.scaler.get_scale()
         policy.scaler.update()
         if skipped and options.min_scale is not None:
             # Only a skip lowers the scale, so only then can it cross the floor.
-            policy.scaler._scale.clamp_(min=options.min_scale)  # type: ignore[union-attr]
-        policy.stats.record_scale(policy.stats.steps, policy.scaler._scale)  # type: ignore[arg-type]
+            policy.scaler._scale.clamp_(min=options.min_scale)
+        policy.stats.record_scale(policy.stats.steps, policy.scaler._scale)
 
     policy.stats.steps += 1
     if skipped:
@@ -131,7 +130,7 @@ def end_step(policy: Policy, opts: Sequence[torch.optim.Optimizer], found_host: 
         policy.stats.last_skipped_step = policy.stats.steps - 1
         try:
             if scale_before is not None:
-                check_scale_collapse(policy.stats, policy.config.scaler, scale_before)  # type: ignore[arg-type]
+                check_scale_collapse(policy.stats, policy.config.scaler, scale_before)
             if policy.scaler is None:
                 check_persistent_skips(policy.stats)
         except (ScaleCollapseError, NonFiniteGradientsError):

@@ -18,7 +18,7 @@ import math
 import os
 import resource
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -34,8 +34,7 @@ from mixprec.frameworks.script.messages import (
     encode,
 )
 
-if TYPE_CHECKING:
-    from mixprec.frameworks.script.agent import Agent
+Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
 
 EXIT_REFUSED = 3  # `mixprec run`: the candidate did not take effect (what the CLI's 3 means)
 

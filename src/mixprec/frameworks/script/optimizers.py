@@ -14,13 +14,12 @@ import time
 import types
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from mixprec.frameworks.script.agent import Agent
+Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
 
 
 class Optimizers:

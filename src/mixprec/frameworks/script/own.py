@@ -11,15 +11,14 @@ where torch and mixprec construct and enter them.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from mixprec.frameworks.script import scaler_state
 from mixprec.frameworks.script.frameworks import MIXPREC, PLAIN
 
-if TYPE_CHECKING:
-    from mixprec.frameworks.script.agent import Agent
+Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
 
 
 class OwnPrecision:
