@@ -50,6 +50,20 @@ sys.path.insert(0, str(ROOT / "tests"))
 from sweep_cuts import cut_at_candidate  # noqa: E402
 
 
+def first_sweep_cut(real_sweep: Callable[..., Any]) -> Callable[..., Any]:
+    """``run_sweep`` whose first call (tune's speed sweep) is cut at its third candidate."""
+    calls = 0
+
+    def sweep(workload: Any, framework: Any, config: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            kwargs = cut_at_candidate(kwargs, 3)
+        return real_sweep(workload, framework, config, **kwargs)
+
+    return sweep
+
+
 @contextlib.contextmanager
 def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
     before = getattr(obj, name)
@@ -86,16 +100,7 @@ def tune_mlp_pick() -> dict[str, Any]:
 def cut_sweep_finished() -> dict[str, Any]:
     import mixprec.tuning.search as search_module
 
-    real_sweep = search_module.run_sweep
-    calls: list[list[str]] = []
-
-    def first_sweep_cut_at_its_third_candidate(workload, framework, config, **kwargs):
-        calls.append([c.label for c in config.candidates])
-        if len(calls) == 1:
-            kwargs = cut_at_candidate(kwargs, 3)
-        return real_sweep(workload, framework, config, **kwargs)
-
-    with patched(search_module, "run_sweep", first_sweep_cut_at_its_third_candidate):
+    with patched(search_module, "run_sweep", first_sweep_cut(search_module.run_sweep)):
         result = mixprec.tune(
             mixprec.load_workload("mlp"), budget_s=120, steps=2, warmup=1, check_steps=3, device="cpu",
             lint=False, compile_modes=(), optimizers=False,
@@ -160,14 +165,6 @@ def keras_late_sweep_and_race() -> dict[str, Any]:
     from mixprec.keras import load_keras_workload
 
     plan = KerasFramework.tune_candidates
-    real_sweep = search.run_sweep
-    calls: list[list[str]] = []
-
-    def first_sweep_cut_after_two_candidates(workload, framework, config, **kwargs):
-        calls.append([c.label for c in config.candidates])
-        if len(calls) == 1:
-            kwargs = cut_at_candidate(kwargs, 3)
-        return real_sweep(workload, framework, config, **kwargs)
 
     measured_speed = search.speed
     with contextlib.ExitStack() as stack:
@@ -180,7 +177,7 @@ def keras_late_sweep_and_race() -> dict[str, Any]:
                 ),
             )
         )
-        stack.enter_context(patched(search, "run_sweep", first_sweep_cut_after_two_candidates))
+        stack.enter_context(patched(search, "run_sweep", first_sweep_cut(search.run_sweep)))
         stack.enter_context(patched(search, "RACE_WINDOW", 1.0))
         stack.enter_context(patched(search, "speed", lambda row: measured_speed(row) + 1.0))
         stack.enter_context(patched(race_module, "MAX_ROUNDS", race_module.FIRST_ROUNDS))
