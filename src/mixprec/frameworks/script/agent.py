@@ -58,7 +58,7 @@ from mixprec.frameworks.script.frameworks import PLAIN, UNKNOWN_FRAMEWORKS, inst
 from mixprec.frameworks.script.messages import OWNER_ENV, Facts, Observed, Plan, Step
 from mixprec.frameworks.script.modes import mode_for
 from mixprec.frameworks.script.optimizers import Optimizers
-from mixprec.frameworks.script.own import OwnPrecision, as_torch
+from mixprec.frameworks.script.own import OwnPrecision, as_torch, compute_dtype
 from mixprec.frameworks.script.patches import Patches
 
 
@@ -387,11 +387,8 @@ class Agent:
 
     def expected_dtype(self) -> str:
         """The dtype the candidate computes matmuls in on this device."""
-        from mixprec.policy import get_policy
-
-        with self.internal():
-            policy = get_policy(self.torch_candidate, device=str(self.device), check=False)
-        return str(policy.compute_dtype).removeprefix("torch.")
+        with self.internal():  # (mixprec's own Policy: the patches let it be)
+            return compute_dtype(self.candidate, str(self.device))
 
     def framework_title(self) -> str:
         from mixprec.frameworks.script.workload import TRAINED_BY

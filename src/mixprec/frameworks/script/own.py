@@ -117,3 +117,12 @@ class OwnPrecision:
 def as_torch(candidate: Any) -> Any:
     """The same candidate as a torch one: what the script's torch model runs under."""
     return dataclasses.replace(candidate, framework="torch", as_written=False)
+
+
+def compute_dtype(candidate: Any, device: str) -> str:
+    """The dtype ``candidate``'s matmuls compute in on ``device`` ("bfloat16"): what the honesty
+    checks of both ends expect the script's first matmul/conv layer to have computed in."""
+    from mixprec.policy import get_policy
+
+    policy = get_policy(as_torch(candidate), device=device, check=False)
+    return str(policy.compute_dtype).removeprefix("torch.")

@@ -33,7 +33,7 @@ from mixprec.frameworks.script.messages import (
     TraceRecord,
     decode,
 )
-from mixprec.frameworks.script.own import as_torch
+from mixprec.frameworks.script.own import compute_dtype
 from mixprec.frameworks.script.workload import ScriptWorkload
 from mixprec.frameworks.session import (
     BenchSettings,
@@ -214,10 +214,7 @@ def check_honesty(candidate: Candidate, facts: Facts, result: Measurement) -> No
     autocast, not fp32 because autocast never reached the model)."""
     if candidate.as_written or result.observed_dtype is None:
         return
-    from mixprec.policy import get_policy
-
-    expected = str(get_policy(as_torch(candidate), device=facts.device, check=False).compute_dtype)
-    expected = expected.removeprefix("torch.")
+    expected = compute_dtype(candidate, facts.device)
     if result.observed_dtype != expected:
         raise HonestyError(
             f"labelled {candidate.label} but the script's first matmul/conv layer {result.observed_layer!r} "
