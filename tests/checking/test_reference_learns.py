@@ -14,6 +14,7 @@ import mixprec
 from extras import require
 from mixprec.checking.check import check, make_checker, not_learning, run_spread
 from mixprec.checking.config import CheckConfig
+from mixprec.checking.reference import may_learn
 from mixprec.cli import main
 from mixprec.errors import NumericsInconclusive
 from mixprec.workload.zoo import build_zoo_workload
@@ -24,13 +25,47 @@ def _one_thread(single_thread):
     """Tiny models: one thread (see conftest.single_thread)."""
 
 
-def test_not_learning_reads_the_trend_against_the_noise():
+def test_not_learning_is_a_trend_test_and_more_steps_are_bought_only_on_a_sign_of_falling():
     assert not_learning([2.3, 2.1, 1.9, 1.8, 1.6, 1.5, 1.3, 1.2]) == ""
-    assert not_learning([7.2, 5.4, 3.8, 4.4, 3.5, 4.7, 3.0, 5.7]) == ""  # noisy, but falling
+    noisy = [7.2, 5.4, 3.8, 4.4, 3.5, 4.7, 3.0, 5.7]  # falling perhaps, but noise does this 1 in 5
+    assert "trend test p = 0.2," in not_learning(noisy) and may_learn(noisy)
     rising = not_learning([6.9, 7.0, 7.1, 7.0, 7.3, 7.4, 7.3, 7.6])
     assert "did not learn over the 8 checked steps" in rising and "little power" in rising
-    assert not_learning([2.30, 2.31, 2.29, 2.30, 2.31, 2.29, 2.30, 2.30]) != ""  # flat
+    assert not may_learn([6.9, 7.0, 7.1, 7.0, 7.3, 7.4, 7.3, 7.6])
+    flat = [2.30, 2.31, 2.29, 2.30, 2.31, 2.29, 2.30, 2.30]
+    assert not_learning(flat) != ""
+    assert not may_learn([2.3] * 8)  # no pair falls
+    # the dip the old threshold on a Theil-Sen fit read as learning (issue 53): random labels
+    dip = [2.302, 2.363, 2.307, 2.295, 2.276, 2.282, 2.298, 2.356]
+    assert not_learning(dip) != ""
+    falling = [2.3, 2.0, 1.8, 1.6, 1.5, 1.3, 1.2, 1.1]
+    assert "within its run-to-run spread of 2" in not_learning(falling, spread=2.0)
     assert not_learning([2.3, 2.2, 2.1]) == ""  # too few steps to say
+
+
+@pytest.mark.parametrize(
+    "optimizer_fn",
+    [lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), lambda ps: torch.optim.AdamW(ps, lr=1e-3)],
+    ids=["sgd", "adamw"],
+)
+def test_a_reference_on_redrawn_random_labels_is_called_not_learning_in_95_of_100_draws(optimizer_fn):
+    """The learning test's stated error rate (``LEARNING_ALPHA``), held on the case that fooled the
+    old threshold: an MLP whose labels are drawn afresh for every batch, 8 steps (check's default).
+    Counted with no run-to-run spread, the most lenient reading: a check's chaos run only adds to it."""
+    learned = 0
+    for seed in range(100):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+        opt = optimizer_fn(model.parameters())
+        losses = []
+        for _ in range(8):
+            loss = F.cross_entropy(model(torch.randn(16, 32)), torch.randint(0, 10, (16,)))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        learned += not_learning(losses) == ""
+    assert learned <= 5, f"{learned} of 100 references with nothing to learn were called learning"
 
 
 def _ascent() -> mixprec.Workload:
@@ -48,9 +83,9 @@ def test_a_check_says_when_its_reference_does_not_learn(capsys):
     result = check(_ascent(), policies=["bf16-mixed"], device="cpu")
     assert "did not learn" in result.reference_note and result.learns is False
     assert result.to_dict()["reference_note"] == result.reference_note
-    # power first: it checked more steps before it gave up, and says how many
-    assert result.steps == 32 and result.asked_steps == 8
-    assert "checked 32 steps" in result.power and "does not learn over those either" in result.power
+    # its loss rises: more steps would not buy power, so none were run, and it says so
+    assert result.steps == 8 and result.asked_steps == 8
+    assert "shows no sign of falling" in result.power and "more steps were not run" in result.power
     (cand,) = result.candidates
     assert cand.verdict == "inconclusive" and cand.reason.startswith("inconclusive: the fp32 reference")
     code = main(
@@ -120,12 +155,14 @@ def test_each_verdict_says_how_its_deviation_compares_with_fp32s_own_spread():
     # by hand, not here)
     ids=["mlp", "gpt2", "resnet50", "densenet121", "torchvision-images"],
 )
-def test_the_built_in_tasks_learn_over_tunes_default_checked_steps(build):
-    """Every built-in model's strict-fp32 loss falls over tune's default 6 checked steps (check's
-    default is 8) beyond its batch-to-batch noise and its run-to-run spread, with no more steps."""
+def test_the_built_in_tasks_learn_within_a_checks_power_first_steps(build):
+    """Every built-in model's strict-fp32 loss falls, by Kendall's trend test at 5% and beyond its
+    run-to-run spread, over tune's default 6 checked steps or the longer runs power-first buys. At
+    batch 8 the MLP and the GPT (at a uniform guess's loss for the first steps) need 12 or more: the
+    threshold on a Theil-Sen fit this test used before called their 6 noisy steps learning."""
     checker = make_checker(build(), CheckConfig(steps=6, batch_size=8, device="cpu"))
     losses = checker.reference.losses
-    assert checker.learning == "" and checker.steps == 6, (losses, checker.chaos.losses)
+    assert checker.learning == "" and checker.steps <= 24, (losses, checker.chaos.losses)
     assert losses[-1] < losses[0] - run_spread(checker.reference, checker.chaos)
 
 

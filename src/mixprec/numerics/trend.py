@@ -21,6 +21,7 @@ calibrated on healthy runs (benchmarks/false_alarms.py) in docs/check.md.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -176,6 +177,41 @@ def theil_sen(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     slope = statistics.median(slopes) if slopes else 0.0
     intercept = statistics.median(y - slope * x for x, y in zip(xs, ys, strict=True))
     return slope, intercept
+
+
+# Kendall's trend test is exact up to this many points (the null distribution of the number of
+# falling pairs, counted); beyond, its normal approximation.
+EXACT_TREND_POINTS = 64
+
+
+@functools.cache
+def _falls_at_least(n: int) -> tuple[float, ...]:
+    """P(at least k of the n(n-1)/2 pairs fall) for n exchangeable values, for every k: the
+    inversion counts of the n! orderings (Mahonian numbers), summed from the top."""
+    counts = [1]
+    for m in range(2, n + 1):  # the m-th value adds 0..m-1 inversions
+        width = len(counts) + m - 1
+        prefix = [0, *itertools.accumulate(counts)]
+        counts = [prefix[min(k, len(counts) - 1) + 1] - prefix[max(0, k - m + 1)] for k in range(width)]
+    total = math.factorial(n)
+    tail = list(itertools.accumulate(reversed(counts)))[::-1]
+    return tuple(c / total for c in tail)
+
+
+def falling_p_value(values: Sequence[float]) -> float:
+    """One-sided p-value of Kendall's trend test that ``values`` fall with their index: the chance
+    that values with no trend (exchangeable noise) fall at least as consistently. A tie counts as
+    half a fall (rounded down: the conservative side). 1.0 for fewer than two values."""
+    n = len(values)
+    if n < 2:
+        return 1.0
+    pairs = [(values[i], values[j]) for i in range(n) for j in range(i + 1, n)]
+    falls = sum(1.0 if b < a else 0.5 if b == a else 0.0 for a, b in pairs)
+    if n <= EXACT_TREND_POINTS:
+        return _falls_at_least(n)[math.floor(falls)]
+    mean, var = len(pairs) / 2, n * (n - 1) * (2 * n + 5) / 72
+    z = (falls - 0.5 - mean) / math.sqrt(var)  # continuity-corrected
+    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def _r2(ys: Sequence[float], fitted: Sequence[float]) -> float:
