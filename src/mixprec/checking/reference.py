@@ -28,11 +28,11 @@ NEVER_RAN = "nothing was tested"
 # random labels in tests/checking/test_reference_learns.py) and the fall is beyond the run-to-run
 # spread of two fp32 runs (the chaos run), which a comparison could not tell from the candidate.
 LEARNING_ALPHA = 0.05
-# More steps are worth buying only while the loss shows a sign of falling (more of its step pairs
-# fall than rise): a flat or rising reference does not learn in 4x the steps either, and the runs
-# would spend the budget to show it. A slow learner at a uniform guess's loss (the zoo GPT at batch
-# 8 over 6 steps, trend test p = 0.36) does show one, and learns over 12.
-MAY_LEARN_P = 0.5
+# More steps are worth buying unless the loss shows no sign of falling: a rising or flat reference
+# (its trend test above this) does not learn in 4x the steps either, and the runs would spend the
+# budget to show it. Lenient on purpose: 4 noisy steps early in training (the zoo MLP's 2.321,
+# 2.294, 2.295, 2.302: p = 0.62) learn over 16, and the share below bounds what a wrong guess costs.
+MAY_LEARN_P = 0.75
 # The longer fp32 runs may take at most this share of the budget left: the rest checks candidates.
 POWER_SHARE = 1 / 3
 # Power first: where the reference does not learn over the steps asked for, the check runs it over
@@ -119,7 +119,8 @@ def not_learning(losses: Sequence[float], spread: float = 0.0) -> str:
 def may_learn(losses: Sequence[float]) -> bool:
     """Whether more steps could show the reference learning: its loss shows some sign of falling."""
     values = [v for v in losses if math.isfinite(v)]
-    return falling_p_value(values) < MAY_LEARN_P
+    fell = any(b < a for i, a in enumerate(values) for b in values[i + 1 :])
+    return fell and falling_p_value(values) < MAY_LEARN_P
 
 
 def broken_reference(reference: Trajectory) -> str:

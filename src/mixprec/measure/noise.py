@@ -12,6 +12,13 @@ import statistics
 import time
 from typing import Any
 
+# Other processes busy on this many CPUs on average while a sweep measures: the machine is
+# contended (one busy process beside a CPU sweep halved strict fp32's samples/s on the 2-core EPYC,
+# and the 2-vs-1-thread probe, 687 vs 578 ms, did not see it: issue 53).
+CONTENDED_CPUS = 0.5
+# ... or the hypervisor took this share of the CPU time for other guests.
+CONTENDED_STEAL = 0.10
+
 
 def _proc_stat() -> list[int] | None:
     """The aggregate 'cpu' line of /proc/stat: user nice system idle iowait irq softirq steal ..."""
@@ -21,6 +28,40 @@ def _proc_stat() -> list[int] | None:
     except OSError:
         return None
     return [int(x) for x in first[1:]] if first and first[0] == "cpu" else None
+
+
+def _process_cpu() -> dict[int, tuple[int, int, str, float]]:
+    """Every process's (parent pid, start time, name, CPU seconds used), from /proc; {} elsewhere."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    found: dict[int, tuple[int, int, str, float]] = {}
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+                text = f.read()
+        except OSError:  # it ended meanwhile
+            continue
+        name, rest = text[text.find("(") + 1 : text.rfind(")")], text[text.rfind(")") + 2 :].split()
+        # after the name: state ppid ... utime (12th) stime (13th) ... starttime (20th)
+        found[pid] = (int(rest[1]), int(rest[19]), name, (int(rest[11]) + int(rest[12])) / tick)
+    return found
+
+
+def _others(processes: dict[int, tuple[int, int, str, float]]) -> dict[int, tuple[int, str, float]]:
+    """The processes outside this one's tree (mixprec, its candidates and compile workers):
+    pid -> (start time, name, CPU seconds)."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, *_) in processes.items():
+        children.setdefault(ppid, []).append(pid)
+    own, todo = set(), [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        own.add(pid)
+        todo += children.get(pid, [])
+    return {pid: (start, name, cpu) for pid, (_, start, name, cpu) in processes.items() if pid not in own}
 
 
 def _loadavg() -> float | None:
@@ -52,7 +93,13 @@ def _gpu(device: str) -> dict[str, Any] | None:
 
 def snapshot(device: str) -> dict[str, Any]:
     """What the machine is doing now; :func:`summarize` compares two of them."""
-    return {"time": time.time(), "load": _loadavg(), "stat": _proc_stat(), "gpu": _gpu(device)}
+    return {
+        "time": time.time(),
+        "load": _loadavg(),
+        "stat": _proc_stat(),
+        "gpu": _gpu(device),
+        "others": _others(_process_cpu()),
+    }
 
 
 def summarize(start: dict[str, Any], end: dict[str, Any], baseline_ms: tuple[float, ...]) -> dict[str, Any]:
@@ -60,7 +107,8 @@ def summarize(start: dict[str, Any], end: dict[str, Any], baseline_ms: tuple[flo
 
     Keys: cpus; load_start / load_end (1-minute load average); steal (share of CPU time the
     hypervisor gave to other guests during the sweep); iowait; gpu_start / gpu_end (NVML);
-    baseline_spread (IQR over median of the strict-fp32 step times); baseline_steps.
+    baseline_spread (IQR over median of the strict-fp32 step times); baseline_steps; others_cpus
+    and busiest_other (:func:`others_load`); contended (:func:`contention`: why, or None).
     """
     noise: dict[str, Any] = {"cpus": os.cpu_count(), "load_start": start["load"], "load_end": end["load"]}
     if start["stat"] and end["stat"]:
@@ -69,11 +117,53 @@ def summarize(start: dict[str, Any], end: dict[str, Any], baseline_ms: tuple[flo
         noise["steal"] = delta[7] / total if len(delta) > 7 else None
         noise["iowait"] = delta[4] / total if len(delta) > 4 else None
     noise["gpu_start"], noise["gpu_end"] = start["gpu"], end["gpu"]
+    noise.update(others_load(start.get("others") or {}, end.get("others") or {}, end["time"] - start["time"]))
     if len(baseline_ms) >= 3:
         q = statistics.quantiles(baseline_ms, n=4)
         noise["baseline_spread"] = (q[2] - q[0]) / statistics.median(baseline_ms)
     noise["baseline_steps"] = len(baseline_ms)
+    noise["contended"] = contention(noise)
     return noise
+
+
+def others_load(
+    start: dict[int, tuple[int, str, float]], end: dict[int, tuple[int, str, float]], wall_s: float
+) -> dict[str, Any]:
+    """How many CPUs the processes outside mixprec's own tree kept busy between two snapshots
+    (``others_cpus``), and the busiest of them (``busiest_other``: name, CPUs)."""
+    if not end or wall_s <= 0:
+        return {}
+    used: dict[int, tuple[str, float]] = {}
+    for pid, (started, name, cpu) in end.items():
+        before = start.get(pid)
+        # a pid that started after the first snapshot (or was reused) counts all its time
+        used[pid] = (name, cpu - (before[2] if before and before[0] == started else 0.0))
+    name, top = max(used.values(), key=lambda u: u[1], default=("", 0.0))
+    return {
+        "others_cpus": round(sum(cpu for _, cpu in used.values()) / wall_s, 3),
+        "busiest_other": {"name": name, "cpus": round(top / wall_s, 3)} if top > 0 else None,
+    }
+
+
+def contention(noise: dict[str, Any]) -> str | None:
+    """Why the machine was contended while the sweep measured (other processes kept at least
+    ``CONTENDED_CPUS`` busy, or the hypervisor stole ``CONTENDED_STEAL`` of the time), or None:
+    which figures that moves and which it does not."""
+    others, steal, cpus = noise.get("others_cpus"), noise.get("steal") or 0.0, noise.get("cpus")
+    if others is not None and others >= CONTENDED_CPUS:
+        busiest = noise.get("busiest_other") or {}
+        top = f" ({busiest['name']!r} alone {busiest['cpus']:.1f})" if busiest.get("name") else ""
+        seen = f"other processes kept {others:.1f} of the {cpus} CPUs busy while it measured{top}"
+    elif steal >= CONTENDED_STEAL:
+        seen = f"the hypervisor gave {steal:.0%} of the CPU time to other guests while it measured"
+    else:
+        return None
+    return (
+        f"contention: {seen}. Samples/s, step times and MFU are what the CPUs left free gave, not "
+        "the quiet machine's; the speedups are paired step by step against strict fp32 in the same "
+        "rounds, which contention moves far less. Measure on a quiet machine for figures to compare "
+        "with others"
+    )
 
 
 def describe(noise: dict[str, Any]) -> str:
@@ -93,4 +183,6 @@ def describe(noise: dict[str, Any]) -> str:
     gpu = noise.get("gpu_end") or {}
     if gpu.get("compute_processes", 0) > 1:
         parts.append(f"{gpu['compute_processes']} processes on the GPU")
+    if noise.get("contended"):
+        parts.append(noise["contended"])
     return "; ".join(parts)
