@@ -47,10 +47,7 @@ class HFTarget(PyTorchTarget):
     package = "transformers"
     verified = "5.23"
 
-    def refusal(self, facts: Facts) -> Refusal | None:
-        refused = super().refusal(facts)
-        if refused is not None:
-            return refused
+    def stack_refusal(self, facts: Facts) -> Refusal | None:
         if facts.mixed == torch.float16 and facts.device_type == "cpu":
             return Refusal(
                 "the HF Trainer's fp16=True goes through Accelerate, which does not run fp16 autocast on a"
