@@ -42,7 +42,7 @@ from mixprec.exports.native import expects
 from mixprec.exports.prepare import helper_names, precision_lines, prepare_lines
 from mixprec.exports.pytorch import PyTorchTarget, step_loop
 from mixprec.exports.target import Contract, Refusal, step_scope_refusal
-from mixprec.exports.text import DTYPE_SHORT, call_lines, helper_lines, helpers, imports, indent, py, section
+from mixprec.exports.text import DTYPE_SHORT, call_lines, helper_lines, helpers, indent, preamble, py, section
 
 
 class AccelerateTarget(PyTorchTarget):
@@ -234,10 +234,7 @@ class AccelerateTarget(PyTorchTarget):
             section("default_config.yaml"),
             *yaml,
             section("train.py"),
-            *imports(*third, helpers=blocks),
-            "",
-            f"device_type = {py(facts.device_type)}",
-            "",
+            *preamble(facts.device_type, *third, helpers=blocks),
             *setup,
             *prepare_lines(facts, move=False),
             "",

@@ -42,7 +42,7 @@ from mixprec.exports.native import expects
 from mixprec.exports.prepare import helper_names, precision_lines, prepare_lines
 from mixprec.exports.pytorch import PyTorchTarget, min_scale_lines
 from mixprec.exports.target import Contract, Refusal, step_scope_refusal
-from mixprec.exports.text import DTYPE_SHORT, helper_lines, helpers, imports, py, section
+from mixprec.exports.text import DTYPE_SHORT, helper_lines, helpers, preamble, py, section
 
 _AUTOCAST_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -200,10 +200,7 @@ class DeepSpeedTarget(PyTorchTarget):
             section("ds_config.json"),
             json.dumps(self.config(facts), indent=2),
             section("train.py"),
-            *imports("import deepspeed", "import torch", helpers=blocks),
-            "",
-            f"device_type = {py(facts.device_type)}",
-            "",
+            *preamble(facts.device_type, "import deepspeed", "import torch", helpers=blocks),
             *precision_lines(facts),
             *helper_lines(blocks),
             *prepare_lines(facts, move=False, channels_last=False),

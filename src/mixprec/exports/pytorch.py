@@ -24,7 +24,7 @@ from mixprec.exports.loop import (
 from mixprec.exports.native import expects
 from mixprec.exports.prepare import helper_names, precision_lines, prepare_lines
 from mixprec.exports.target import Contract, ExportTarget
-from mixprec.exports.text import DTYPE_SHORT, comment, helper_lines, helpers, imports, py
+from mixprec.exports.text import DTYPE_SHORT, comment, helper_lines, helpers, preamble, py
 
 
 class PyTorchTarget(ExportTarget):
@@ -103,10 +103,7 @@ class PyTorchTarget(ExportTarget):
     def body(self, facts: Facts) -> list[str]:
         blocks = helpers(self.snippet_names(facts))
         return [
-            *imports(*self.third_party(facts), helpers=blocks),
-            "",
-            f"device_type = {py(facts.device_type)}",
-            "",
+            *preamble(facts.device_type, *self.third_party(facts), helpers=blocks),
             *precision_lines(facts),
             *helper_lines(blocks),
             *self.prepare(facts),
