@@ -40,9 +40,9 @@ from mixprec.exports.facts import Facts
 from mixprec.exports.loop import SCALER_ARGS, SCHEDULER, loop_head, loop_helper_names, loss_lines
 from mixprec.exports.native import expects
 from mixprec.exports.prepare import helper_names, precision_lines, prepare_lines
-from mixprec.exports.pytorch import PyTorchTarget
+from mixprec.exports.pytorch import PyTorchTarget, step_loop
 from mixprec.exports.target import Contract, Refusal, step_scope_refusal
-from mixprec.exports.text import DTYPE_SHORT, call_lines, helper_lines, helpers, imports, indent, py, section
+from mixprec.exports.text import DTYPE_SHORT, call_lines, helper_lines, helpers, indent, preamble, py, section
 
 
 class AccelerateTarget(PyTorchTarget):
@@ -55,10 +55,7 @@ class AccelerateTarget(PyTorchTarget):
     package = "accelerate"
     verified = "1.15"
 
-    def refusal(self, facts: Facts) -> Refusal | None:
-        refused = super().refusal(facts)
-        if refused is not None:
-            return refused
+    def stack_refusal(self, facts: Facts) -> Refusal | None:
         if facts.mixed == torch.float16 and facts.device_type == "cpu":
             return Refusal(
                 'Accelerate does not run fp16 autocast on a CPU: Accelerator(mixed_precision="fp16",'
@@ -215,7 +212,19 @@ class AccelerateTarget(PyTorchTarget):
         else:
             accelerator = call_lines("accelerator = Accelerator", kwargs)
         blocks = helpers(helper_names(facts) + loop_helper_names(facts))
-        loop = self.step_loop(facts) if facts.compiles_step else self.loop(facts)
+        loop = (
+            step_loop(
+                facts,
+                (
+                    "    accelerator.backward(loss)",
+                    "    accelerator.clip_grad_norm_(model.parameters(), 1.0)",
+                ),
+                autocast="accelerator.autocast()",
+                skipped_note="",
+            )
+            if facts.compiles_step
+            else self.loop(facts)
+        )
         accelerator.append("# (the Accelerator arguments win over default_config.yaml when both are given)")
         if facts.compiles_model:  # the knobs after Accelerator(): it may set the legacy allow_tf32 flag
             setup = [*helper_lines(blocks), *accelerator, *precision_lines(facts)]
@@ -225,10 +234,7 @@ class AccelerateTarget(PyTorchTarget):
             section("default_config.yaml"),
             *yaml,
             section("train.py"),
-            *imports(*third, helpers=blocks),
-            "",
-            f"device_type = {py(facts.device_type)}",
-            "",
+            *preamble(facts.device_type, *third, helpers=blocks),
             *setup,
             *prepare_lines(facts, move=False),
             "",
@@ -300,34 +306,3 @@ class AccelerateTarget(PyTorchTarget):
             f"    with accelerator.accumulate(model):  # {k} micro-batches per optimizer step",
             *indent(body, 4),
         ]
-
-    @staticmethod
-    def step_loop(facts: Facts) -> list[str]:
-        """The loop under the step scope: its body as ``train_step``, compiled whole; the prepared
-        scheduler steps outside it (dynamo skips torch.optim.lr_scheduler). refusal() keeps loss
-        scaling out, so no step is skipped but by finite_check."""
-        body = [
-            "def train_step(batch):",
-            *loss_lines(facts, autocast="accelerator.autocast()"),
-            "    accelerator.backward(loss)",
-            "    accelerator.clip_grad_norm_(model.parameters(), 1.0)",
-        ]
-        loop = [loop_head(facts)]
-        if facts.finite_check:
-            body += [
-                "    grads = [p.grad for p in model.parameters() if p.grad is not None]",
-                "    skipped = not all(bool(torch.isfinite(g).all()) for g in grads)  # finite_check",
-                "    if not skipped:",
-                "        optimizer.step()",
-                "    optimizer.zero_grad(set_to_none=True)",
-                "    return loss, skipped",
-            ]
-            loop += [
-                "    loss, skipped = train_step(batch)",
-                "    if not skipped:",
-                "        scheduler.step()",
-            ]
-        else:
-            body += ["    optimizer.step()", "    optimizer.zero_grad(set_to_none=True)", "    return loss"]
-            loop += ["    loss = train_step(batch)", "    scheduler.step()"]
-        return ["", "", *body, "", "", *facts.step_compile_lines(), *loop]

@@ -40,9 +40,9 @@ from mixprec.exports.facts import Facts
 from mixprec.exports.loop import SCHEDULER, grad_scaler_lines, loop_head, loop_helper_names, loss_lines
 from mixprec.exports.native import expects
 from mixprec.exports.prepare import helper_names, precision_lines, prepare_lines
-from mixprec.exports.pytorch import PyTorchTarget
+from mixprec.exports.pytorch import PyTorchTarget, min_scale_lines
 from mixprec.exports.target import Contract, Refusal, step_scope_refusal
-from mixprec.exports.text import DTYPE_SHORT, helper_lines, helpers, imports, py, section
+from mixprec.exports.text import DTYPE_SHORT, helper_lines, helpers, preamble, py, section
 
 _AUTOCAST_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -57,10 +57,7 @@ class DeepSpeedTarget(PyTorchTarget):
     package = "deepspeed"
     verified = "0.19"
 
-    def refusal(self, facts: Facts) -> Refusal | None:
-        refused = super().refusal(facts)
-        if refused is not None:
-            return refused
+    def stack_refusal(self, facts: Facts) -> Refusal | None:
         if facts.true == torch.float16:
             return Refusal(
                 'DeepSpeed\'s loss scaler works only with its "fp16" section (fp16 parameters with fp32'
@@ -203,10 +200,7 @@ class DeepSpeedTarget(PyTorchTarget):
             section("ds_config.json"),
             json.dumps(self.config(facts), indent=2),
             section("train.py"),
-            *imports("import deepspeed", "import torch", helpers=blocks),
-            "",
-            f"device_type = {py(facts.device_type)}",
-            "",
+            *preamble(facts.device_type, "import deepspeed", "import torch", helpers=blocks),
             *precision_lines(facts),
             *helper_lines(blocks),
             *prepare_lines(facts, move=False, channels_last=False),
@@ -267,14 +261,7 @@ class DeepSpeedTarget(PyTorchTarget):
                 "    model_engine.step()  # unscales, clips, steps unless it overflowed, updates the scale"
                 " (on the boundary)",
                 "    skipped = scaler.get_scale() < scale  # it backs off exactly when it skipped the step",
-            ]
-            if opts.min_scale is not None:
-                floor = py(opts.min_scale)
-                lines += [
-                    f"    if scaler.get_scale() < {floor}:",
-                    f"        scaler.update({floor})  # min_scale floor: GradScaler has none",
-                ]
-            lines += [
+                *min_scale_lines(facts),
                 "    if boundary and not skipped:",
                 "        scheduler.step()  # a skipped step skips the scheduler too",
             ]

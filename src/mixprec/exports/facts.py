@@ -67,17 +67,9 @@ class Facts:
 
     @classmethod
     def of(cls, source: Candidate | PolicyConfig | Policy, device: str | torch.device | None = None) -> Facts:
-        """The facts of what ``source`` trains, converted once for every target.
-
-        ``source`` is a :class:`~mixprec.Candidate` (policy, channels_last, keep_fp32, compile,
-        compile_scope, optimizer, micro_batch, accumulation_steps), on ``device`` (default: mixprec's,
-        CUDA when available, else CPU), or a :class:`PolicyConfig` / :class:`Policy`, which also carry
-        finite_check and the scaler options, on its own device unless ``device`` is given; those
-        export eager, with the optimizer and the batch as written. Raises :class:`UsageError` for
-        anything else, a candidate of another framework or an emulated one, loop axes mixprec's torch
-        backend refuses (an unknown compile mode or scope, the step scope with an optimizer
-        implementation), and a policy or device mixprec does not know.
-        """
+        """The facts of what ``source`` trains, converted once for every target: ``source``,
+        ``device`` and the UsageErrors are :func:`mixprec.exports.export`'s (a candidate of another
+        framework or an emulated one, or loop axes mixprec's torch backend refuses, raise too)."""
         compile_mode: str | None = None
         optimizer: str | None = None
         scope: str | None = None

@@ -34,8 +34,7 @@ from typing import Any
 from mixprec.distributed.common import autocast_fp32_params
 from mixprec.distributed.fsdp2 import fsdp_groups
 from mixprec.exports.facts import Facts
-from mixprec.exports.loop import loop_helper_names
-from mixprec.exports.prepare import helper_names, prepare_lines
+from mixprec.exports.prepare import prepare_lines
 from mixprec.exports.pytorch import PyTorchTarget, plain_loop
 from mixprec.exports.target import Contract, Refusal
 from mixprec.exports.text import DTYPE_CODE, DTYPE_SHORT, comment, py
@@ -50,10 +49,7 @@ class FSDP2Target(PyTorchTarget):
     aliases = ("fsdp", "fully_shard")
     optimizer_after = "fully_shard"
 
-    def refusal(self, facts: Facts) -> Refusal | None:
-        refused = super().refusal(facts)
-        if refused is not None:
-            return refused
+    def stack_refusal(self, facts: Facts) -> Refusal | None:
         if facts.channels_last:
             return Refusal(
                 "fully_shard refuses non-contiguous parameters ('FSDP does not support non-contiguous"
@@ -159,9 +155,6 @@ class FSDP2Target(PyTorchTarget):
             "from torch.distributed.device_mesh import init_device_mesh",
             "from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
         ]
-
-    def snippet_names(self, facts: Facts) -> list[str]:
-        return helper_names(facts) + loop_helper_names(facts)
 
     def prepare(self, facts: Facts) -> list[str]:
         param_dtype = DTYPE_CODE[facts.low] if facts.low is not None else "torch.float32"

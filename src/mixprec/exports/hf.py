@@ -32,7 +32,7 @@ from mixprec.exports.loop import SCALER_ARGS
 from mixprec.exports.prepare import helper_names, precision_lines, prepare_lines
 from mixprec.exports.pytorch import PyTorchTarget
 from mixprec.exports.target import Contract, Refusal, step_scope_refusal
-from mixprec.exports.text import DTYPE_CODE, DTYPE_SHORT, call_lines, helper_lines, helpers, imports, py
+from mixprec.exports.text import DTYPE_CODE, DTYPE_SHORT, call_lines, helper_lines, helpers, preamble, py
 
 LABELS = ("labels",)  # TrainingArguments.label_names' default for models that take labels
 
@@ -47,10 +47,7 @@ class HFTarget(PyTorchTarget):
     package = "transformers"
     verified = "5.23"
 
-    def refusal(self, facts: Facts) -> Refusal | None:
-        refused = super().refusal(facts)
-        if refused is not None:
-            return refused
+    def stack_refusal(self, facts: Facts) -> Refusal | None:
         if facts.mixed == torch.float16 and facts.device_type == "cpu":
             return Refusal(
                 "the HF Trainer's fp16=True goes through Accelerate, which does not run fp16 autocast on a"
@@ -215,10 +212,12 @@ class HFTarget(PyTorchTarget):
             trainer.append("optimizers=(optimizer, None)")
         knobs = precision_lines(facts)
         return [
-            *imports("import torch", "from transformers import Trainer, TrainingArguments", helpers=blocks),
-            "",
-            f"device_type = {py(facts.device_type)}",
-            "",
+            *preamble(
+                facts.device_type,
+                "import torch",
+                "from transformers import Trainer, TrainingArguments",
+                helpers=blocks,
+            ),
             *([] if facts.compile else knobs),
             *helper_lines(blocks),
             *prepare,

@@ -69,10 +69,7 @@ class LightningTarget(ExportTarget):
     package = "lightning"
     verified = "2.6"
 
-    def refusal(self, facts: Facts) -> Refusal | None:
-        refused = super().refusal(facts)
-        if refused is not None:
-            return refused
+    def stack_refusal(self, facts: Facts) -> Refusal | None:
         if facts.true == torch.float16:
             return Refusal(
                 'Lightning\'s "16-true" has no loss scaler and "16-mixed" is autocast + GradScaler over fp32'

@@ -24,7 +24,7 @@ from mixprec.exports.loop import (
 from mixprec.exports.native import expects
 from mixprec.exports.prepare import helper_names, precision_lines, prepare_lines
 from mixprec.exports.target import Contract, ExportTarget
-from mixprec.exports.text import DTYPE_SHORT, comment, helper_lines, helpers, imports, py
+from mixprec.exports.text import DTYPE_SHORT, comment, helper_lines, helpers, preamble, py
 
 
 class PyTorchTarget(ExportTarget):
@@ -103,10 +103,7 @@ class PyTorchTarget(ExportTarget):
     def body(self, facts: Facts) -> list[str]:
         blocks = helpers(self.snippet_names(facts))
         return [
-            *imports(*self.third_party(facts), helpers=blocks),
-            "",
-            f"device_type = {py(facts.device_type)}",
-            "",
+            *preamble(facts.device_type, *self.third_party(facts), helpers=blocks),
             *precision_lines(facts),
             *helper_lines(blocks),
             *self.prepare(facts),
@@ -163,28 +160,33 @@ def plain_loop(facts: Facts, sync: list[str] | None = None) -> list[str]:
     return lines + collapse_note(facts)
 
 
-def step_loop(facts: Facts) -> list[str]:
+def step_loop(
+    facts: Facts,
+    backward: tuple[str, str] = (
+        "    loss.backward()",
+        "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+    ),
+    autocast: str | None = None,
+    skipped_note: str = "  # a skipped step skips the scheduler too",
+) -> list[str]:
     """The loop's body as ``train_step``, compiled whole as mixprec measured the step scope; the
     scheduler steps outside it (dynamo skips torch.optim.lr_scheduler) unless the step was skipped,
-    which the function returns where a step can be skipped (loss scaling, finite_check)."""
-    body = ["def train_step(batch):", *loss_lines(facts)]
+    which the function returns where a step can be skipped (loss scaling, finite_check).
+    ``backward``: the backward and clipping lines, ``autocast``: :func:`loss_lines`'s (Accelerate's
+    own); ``skipped_note``: the comment on the scheduler's step after a step that may be skipped."""
+    body = ["def train_step(batch):", *loss_lines(facts, autocast=autocast)]
     if facts.scaler is not None:
         body += scaled_update_lines(facts)
     elif facts.finite_check:
         body += [
-            "    loss.backward()",
-            "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+            *backward,
             "    grads = [p.grad for p in model.parameters() if p.grad is not None]",
             "    skipped = not all(bool(torch.isfinite(g).all()) for g in grads)  # finite_check",
             "    if not skipped:",
             "        optimizer.step()",
         ]
     else:
-        body += [
-            "    loss.backward()",
-            "    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
-            "    optimizer.step()",
-        ]
+        body += [*backward, "    optimizer.step()"]
     body.append("    optimizer.zero_grad(set_to_none=True)")
     if facts.scaler is None and not facts.finite_check:
         body.append("    return loss")
@@ -195,7 +197,7 @@ def step_loop(facts: Facts) -> list[str]:
             loop_head(facts),
             "    loss, skipped = train_step(batch)",
             "    if not skipped:",
-            "        scheduler.step()  # a skipped step skips the scheduler too",
+            f"        scheduler.step(){skipped_note}",
         ]
     return ["", "", *body, "", "", *facts.step_compile_lines(), *loop, *collapse_note(facts)]
 
@@ -214,13 +216,19 @@ def scaled_update_lines(facts: Facts, backward: bool = True) -> list[str]:
         "    scaler.update()",
         "    skipped = scaler.get_scale() < scale  # it backs off exactly when it skipped the step",
     ]
-    if opts.min_scale is not None:
-        floor = py(opts.min_scale)
-        lines += [
-            f"    if scaler.get_scale() < {floor}:",
-            f"        scaler.update({floor})  # min_scale floor: GradScaler has none",
-        ]
-    return lines
+    return lines + min_scale_lines(facts)
+
+
+def min_scale_lines(facts: Facts) -> list[str]:
+    """The min_scale floor GradScaler lacks, after its ``update()`` (nothing without a floor)."""
+    opts = facts.scaler
+    if opts is None or opts.min_scale is None:
+        return []
+    floor = py(opts.min_scale)
+    return [
+        f"    if scaler.get_scale() < {floor}:",
+        f"        scaler.update({floor})  # min_scale floor: GradScaler has none",
+    ]
 
 
 def collapse_note(facts: Facts) -> list[str]:

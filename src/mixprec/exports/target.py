@@ -136,6 +136,10 @@ class ExportTarget:
                 "Transformer Engine, Accelerate's and DeepSpeed's need their own fp8 recipe objects)",
                 "the 'mixprec' or 'pytorch' export (they convert the model with torchao), or bf16-mixed here",
             )
+        return self.stack_refusal(facts)
+
+    def stack_refusal(self, facts: Facts) -> Refusal | None:
+        """What this stack cannot express, asked once the checks every target shares passed."""
         return None
 
     def contract(self, facts: Facts) -> Contract:

@@ -89,6 +89,12 @@ def imports(*third_party: str, helpers: Sequence[str] = ()) -> list[str]:
     return [*std, *([""] if std and third else []), *third]
 
 
+def preamble(device_type: str, *third_party: str, helpers: Sequence[str] = ()) -> list[str]:
+    """A training script's :func:`imports`, then ``device_type`` (what its autocast and GradScaler
+    lines name)."""
+    return [*imports(*third_party, helpers=helpers), "", f"device_type = {py(device_type)}", ""]
+
+
 def helpers(names: list[str]) -> list[str]:
     """The source blocks of the named snippets (and what they call)."""
     return snippets.source(names)

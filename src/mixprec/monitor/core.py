@@ -169,12 +169,7 @@ class RunRecord:
         local: Action | None = None,
         dedupe: bool = True,
     ) -> bool:
-        """Record a detector's ``finding`` unless it is no news (the same kind about the same module,
-        or about any module with ``per_module=False``, within ``hold`` steps; ``dedupe=False``: each
-        is news); with ``rescue=True`` run ``local`` (an action on this step's update only: not
-        held, not counted; what it did is the finding's action), then ``rescue`` once ``hold`` steps
-        passed since the last action, or stop the run when ``max_rescues`` are spent. Returns
-        whether it was recorded."""
+        """A detector's report (:meth:`mixprec.monitor.detectors.base.Run.report` says what it does)."""
         key = (finding.kind, finding.module if per_module else None)
         last = self._seen.get(key)
         if dedupe and last is not None and finding.step - last < max(self.config.hold, 1):
@@ -203,9 +198,8 @@ class RunRecord:
             self._emit(MonitorFinding(finding.step, RESCUE, done, finding.module, evidence, action=done))
 
     def stop(self, finding: MonitorFinding, why: str) -> None:
-        """Stop the run now, whatever ``rescue`` says, for what ``finding`` found and no rescue can
-        answer (``why``: the cause, and what to do), before a guard of the loop's own stops it
-        blaming something else (a broken data pipeline collapses an fp16 loss scale, whose error
+        """:meth:`mixprec.monitor.detectors.base.Run.stop`: before a guard of the loop's own stops the
+        run blaming something else (a broken data pipeline collapses an fp16 loss scale, whose error
         names the precision)."""
         self._stop(finding, why)
 

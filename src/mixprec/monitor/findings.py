@@ -58,7 +58,6 @@ PRECISION = "precision"  # fp32 is fine, the policy spikes again: the precision 
 TRANSIENT = "transient"  # neither replay spikes: a fault that does not reproduce
 DIVERGED = "diverged"  # fp32 spikes too, and so does a batch that was normal: the weights, any precision
 UNDIAGNOSED = "undiagnosed"  # no replay from the same weights was possible (no batch, or found late)
-VERDICTS = (DATA, PRECISION, TRANSIENT, UNDIAGNOSED)
 
 
 @dataclass(frozen=True)
