@@ -60,7 +60,8 @@ def test_mixprec_own_processes_are_not_others_and_an_orphan_is():
         check=True,
     )
     assert launcher.returncode == 0
-    orphan = int(open(orphan_pid_file).read())
+    with open(orphan_pid_file) as f:
+        orphan = int(f.read())
     try:
         deadline = time.time() + 10
         others = noise._others(noise._process_cpu())
