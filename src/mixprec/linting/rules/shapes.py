@@ -62,18 +62,16 @@ def _misaligned(
     sizes: tuple[int, int],
     bad: tuple[bool, bool],
     a: int,
-    why: str = "",
     **kw: Any,
 ) -> Finding:
-    """MP101/MP104/MP109's finding: the (in, out) ``sizes`` flagged ``bad`` are not multiples of
-    ``a`` (``why`` it matters, default the dtype); the fix pads them to the next multiple. ``kw``:
-    the finding's other fields."""
+    """MP101/MP104's finding: the (in, out) ``sizes`` flagged ``bad`` are not multiples of ``a``;
+    the fix pads them to the next multiple. ``kw``: the finding's other fields."""
     to = (_up(sizes[0], a) if bad[0] else None, _up(sizes[1], a) if bad[1] else None)
     what, pad, remedy = _pad_plan(rec.name, label, sizes, to)
     return rule.finding(
         ctx.share_severity(ctx.share(rec.flops)),
         rec.name,
-        f"{what} not a multiple of {a}{why or f' ({ctx.dtype})'}",
+        f"{what} not a multiple of {a} ({ctx.dtype})",
         "pad " + pad,
         remedy=remedy,
         **kw,
@@ -536,17 +534,18 @@ def _fp8_linear_dims(ctx: LintContext) -> Iterator[Finding]:
         bad = (m.in_features % FP8_DIVISOR != 0, m.out_features % FP8_DIVISOR != 0)
         if not any(bad):
             continue
-        yield _misaligned(
-            ctx,
-            rule,
-            rec,
-            "features",
-            (m.in_features, m.out_features),
-            bad,
-            FP8_DIVISOR,
-            f": this Linear stays in bf16 under {ctx.policy.name}",
+        sizes = (m.in_features, m.out_features)
+        to = (_up(sizes[0], FP8_DIVISOR) if bad[0] else None, _up(sizes[1], FP8_DIVISOR) if bad[1] else None)
+        what, pad, remedy = _pad_plan(rec.name, "features", sizes, to)
+        share = ctx.share(rec.flops)
+        yield rule.finding(
+            ctx.share_severity(share),
+            rec.name,
+            f"{what} not a multiple of {FP8_DIVISOR}: this Linear stays in bf16 under {ctx.policy.name}",
+            "pad " + pad,
+            remedy=remedy,
             shape=layer_shape(rec, f"Linear({m.in_features}, {m.out_features})"),
-            flops_share=ctx.share(rec.flops),
+            flops_share=share,
             order=rec.order,
             details={"in_features": m.in_features, "out_features": m.out_features, "alignment": FP8_DIVISOR},
         )
