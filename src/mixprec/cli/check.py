@@ -23,9 +23,6 @@ from mixprec.policy.registry import spec_of
 from mixprec.report.check import check_report, plot
 from mixprec.report.jsonio import write_json
 
-# Small enough for a CPU: the default model (and vision models by name) at a small image size and batch.
-DEFAULTS = {"image_size": 64, "max_image_size": 64, "batch_size": 8}
-
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="train each policy next to fp32 and judge its numerics")

@@ -49,10 +49,6 @@ class DeviceInfo:
     def fp8(self) -> bool:
         return self.type == "cuda" and self.capability is not None and self.capability >= (8, 9)
 
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.type, self.index) if self.index is not None else torch.device(self.type)
-
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d["cpu_flags"] = sorted(self.cpu_flags)

@@ -40,7 +40,6 @@ RUNS_ON = {
     "mxfp8": ("B200",),
     "nvfp4": ("B200",),
 }
-GPUS: tuple[str, ...] = tuple(_GPUS)
 
 
 @dataclass(frozen=True)

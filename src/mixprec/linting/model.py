@@ -222,16 +222,7 @@ class Rule:
 
     def to_dict(self) -> dict[str, Any]:
         """The rule for JSON and the rule list (without its check)."""
-        return {
-            "id": self.id,
-            "name": self.name,
-            "severity": self.severity,
-            "summary": self.summary,
-            "rationale": self.rationale,
-            "source": self.source,
-            "tensor_core": self.tensor_core,
-            "mechanical": self.mechanical,
-        }
+        return {k: v for k, v in vars(self).items() if k != "check"}
 
 
 def define_rule(

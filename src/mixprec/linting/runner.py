@@ -253,33 +253,17 @@ def run_lint(
     )
 
 
-def lint(
-    workload: Workload,
-    policy: str | Candidate | Policy | None = None,
-    *,
-    device: str | torch.device | None = None,
-    batch_size: int | None = None,
-    ignore: str | Iterable[str] | None = (),
-    target: str | None = None,
-    channels_last: bool | None = None,
-) -> list[Finding]:
+def lint(workload: Workload, policy: str | Candidate | Policy | None = None, **options: Any) -> list[Finding]:
     """Lint ``workload`` for tensor-core-unfriendly shapes and precision mistakes.
 
     ``policy`` is a policy name, a :class:`mixprec.Candidate` (judged whole: its layout and fp32
-    islands) or a :class:`mixprec.Policy`; ``channels_last`` sets that option of a policy given by
-    name. Returns the active findings, most important first (suppressed unavoidable cases are in
+    islands) or a :class:`mixprec.Policy`; ``options`` are :func:`run_lint`'s (``device``,
+    ``batch_size``, ``ignore``, ``target``, ``channels_last``: that option of a policy given by
+    name). Returns the active findings, most important first (suppressed unavoidable cases are in
     :func:`run_lint`'s result). ``mixprec.lint`` (:func:`mixprec.measure.lint_gains.lint`) adds
     ``measure=True``: the mechanical fixes built, timed and ranked by measured gain.
     """
-    return run_lint(
-        workload,
-        policy,
-        device=device,
-        batch_size=batch_size,
-        ignore=ignore,
-        target=target,
-        channels_last=channels_last,
-    ).findings
+    return run_lint(workload, policy, **options).findings
 
 
 __all__ = ["TARGETS", "find_grad_scalers", "lint", "parse_rule_ids", "run_lint"]

@@ -238,22 +238,6 @@ def _call_flops(name: str, args: tuple[TensorInfo, ...], kwargs: dict[str, Any])
 # Tracing machinery
 
 
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    if isinstance(value, dict):
-        for v in value.values():
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    return None
-
-
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
@@ -263,6 +247,12 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for v in value.values():
             yield from _tensors(v)
+
+
+def _first_info(value: Any) -> TensorInfo | None:
+    """The :class:`TensorInfo` of the first tensor in ``value`` (nested lists, tuples, dicts)."""
+    t = next(_tensors(value), None)
+    return TensorInfo.of(t) if t is not None else None
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -333,8 +323,7 @@ class _Recorder(TorchFunctionMode):
                     record.weight = TensorInfo.of(weight)
             self._order += 1
             if record.input is None:
-                t = _first_tensor(args)
-                record.input = TensorInfo.of(t) if t is not None else None
+                record.input = _first_info(args)
             self._stack.append(name)
 
         return hook
@@ -351,12 +340,10 @@ class _Recorder(TorchFunctionMode):
             if self._fix_conv_format and isinstance(module, _CONV_TYPES) and isinstance(output, torch.Tensor):
                 replaced = _cudnn_output_format(module, args, output)
                 output = replaced if replaced is not None else output
-            t = _first_tensor(output)
-            info = TensorInfo.of(t) if t is not None else None
+            info = _first_info(output)
             if record.output is None:
                 record.output = info
-            inp = _first_tensor(args)
-            record.flops += _module_flops(module, TensorInfo.of(inp) if inp is not None else None, info)
+            record.flops += _module_flops(module, _first_info(args), info)
             if name == "":
                 self.output = info
             return replaced
@@ -386,7 +373,7 @@ def _cudnn_output_format(module: nn.Module, args: tuple, output: torch.Tensor) -
     if output.dim() not in (4, 5):
         return None
     fmt = torch.channels_last if output.dim() == 4 else torch.channels_last_3d
-    inp = _first_tensor(args)
+    inp = next(_tensors(args), None)
     weight = getattr(module, "weight", None)
     wants = any(isinstance(t, torch.Tensor) and memory_format_of(t) == "channels_last" for t in (inp, weight))
     if wants and not output.is_contiguous(memory_format=fmt):
@@ -409,10 +396,9 @@ def _channels_last_inputs(model: nn.Module) -> Iterator[None]:
 
 
 def _model_channels_last(model: nn.Module) -> bool:
-    for module in model.modules():
-        if isinstance(module, _CONV_TYPES) and memory_format_of(module.weight) == "channels_last":
-            return True
-    return False
+    return any(
+        isinstance(m, _CONV_TYPES) and memory_format_of(m.weight) == "channels_last" for m in model.modules()
+    )
 
 
 def _half_param_dtype(model: nn.Module) -> torch.dtype | None:

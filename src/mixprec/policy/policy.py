@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -419,14 +419,7 @@ class Policy:
         self.stats.load_state_dict(state_dict["stats"])
 
 
-_SCALER_OPTION_NAMES = (
-    "init_scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "min_scale",
-    "max_skips_at_min_scale",
-)
+_SCALER_OPTION_NAMES = tuple(f.name for f in fields(ScalerOptions))
 _OPTION_NAMES = ("channels_last", "keep_fp32", "keep_bf16", "finite_check", *_SCALER_OPTION_NAMES)
 
 

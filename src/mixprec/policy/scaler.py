@@ -195,15 +195,8 @@ class StepStats:
         }
 
     def state_dict(self) -> dict[str, object]:
-        return {
-            "steps": self.steps,
-            "skipped_steps": self.skipped_steps,
-            "last_skipped_step": self.last_skipped_step,
-            "last_nonfinite_params": list(self.last_nonfinite_params),
-            "skips_at_min_scale": self.skips_at_min_scale,
-            "consecutive_skips": self.consecutive_skips,
-            "scale_history": self.scale_history,
-        }
+        """:meth:`as_dict` less what it derives (``skip_rate``, ``scale``)."""
+        return {k: v for k, v in self.as_dict().items() if k not in ("skip_rate", "scale")}
 
     @staticmethod
     def state_problem(state: object) -> str:
@@ -360,16 +353,21 @@ def nonfinite_weights_error(
     )
 
 
+def _shown_params(stats: StepStats) -> str:
+    """The first 8 names of the parameters whose gradients were non-finite, and how many more."""
+    names = stats.last_nonfinite_params
+    more = f" (+{len(names) - 8} more)" if len(names) > 8 else ""
+    return f"{', '.join(names[:8]) or '(none recorded)'}{more}"
+
+
 def check_persistent_skips(stats: StepStats, limit: int = MAX_CONSECUTIVE_SKIPS) -> None:
     """Raise when a policy without a scaler (finite_check) has skipped ``limit`` steps in a row."""
     if stats.consecutive_skips < limit:
         return
-    shown = ", ".join(stats.last_nonfinite_params[:8]) or "(none recorded)"
-    more = len(stats.last_nonfinite_params) - 8
     raise NonFiniteGradientsError(
         f"{stats.consecutive_skips} consecutive optimizer steps skipped on non-finite gradients "
-        f"(finite_check=True): training is not recovering; non-finite gradients in: {shown}"
-        f"{f' (+{more} more)' if more > 0 else ''}. Look for the first NaN/inf (mixprec check locates "
+        f"(finite_check=True): training is not recovering; non-finite gradients in: "
+        f"{_shown_params(stats)}. Look for the first NaN/inf (mixprec check locates "
         "it), lower the learning rate, or keep those modules in fp32 (keep_fp32=[...]).",
         parameters=list(stats.last_nonfinite_params),
     )
@@ -382,12 +380,10 @@ def check_scale_collapse(stats: StepStats, options: ScalerOptions, scale_before:
         return
     stats.skips_at_min_scale += 1
     if stats.skips_at_min_scale >= options.max_skips_at_min_scale:
-        shown = ", ".join(stats.last_nonfinite_params[:8]) or "(none recorded)"
-        more = len(stats.last_nonfinite_params) - 8
         raise ScaleCollapseError(
             f"Loss scale collapsed: {stats.skips_at_min_scale} consecutive steps overflowed with the "
-            f"scale at its floor min_scale={options.min_scale}; non-finite gradients in: {shown}"
-            f"{f' (+{more} more)' if more > 0 else ''}. fp16 cannot represent this model's values: "
+            f"scale at its floor min_scale={options.min_scale}; non-finite gradients in: "
+            f"{_shown_params(stats)}. fp16 cannot represent this model's values: "
             "keep those modules in fp32 (keep_fp32=[...]), lower the learning rate, or use bf16-mixed.",
             parameters=list(stats.last_nonfinite_params),
         )

@@ -46,43 +46,38 @@ class ModelSource:
         return f"{self.title} is not installed: {install}"
 
 
-def _torchvision_source() -> ModelSource:
-    return ModelSource(
-        "torchvision",
-        "torchvision image classifiers",
-        vision.torchvision_names,
-        vision.build_torchvision,
-        sizes=("image_size",),
+SOURCES: dict[str, ModelSource] = {
+    s.prefix: s
+    for s in (
+        ModelSource(
+            "torchvision",
+            "torchvision image classifiers",
+            vision.torchvision_names,
+            vision.build_torchvision,
+            sizes=("image_size",),
+        ),
+        ModelSource(
+            "timm",
+            "timm (pytorch-image-models)",
+            vision.timm_names,
+            vision.build_timm,
+            available=vision.timm_available,
+            extra="timm",
+            preload=("timm",),
+            sizes=("image_size",),
+        ),
+        ModelSource(
+            "hf",
+            "Hugging Face transformers",
+            text.hf_names,
+            text.build_hf,
+            available=text.transformers_available,
+            extra="hf",
+            preload=("transformers",),
+            sizes=("seq_len",),
+        ),
     )
-
-
-def _timm_source() -> ModelSource:
-    return ModelSource(
-        "timm",
-        "timm (pytorch-image-models)",
-        vision.timm_names,
-        vision.build_timm,
-        available=vision.timm_available,
-        extra="timm",
-        preload=("timm",),
-        sizes=("image_size",),
-    )
-
-
-def _hf_source() -> ModelSource:
-    return ModelSource(
-        "hf",
-        "Hugging Face transformers",
-        text.hf_names,
-        text.build_hf,
-        available=text.transformers_available,
-        extra="hf",
-        preload=("transformers",),
-        sizes=("seq_len",),
-    )
-
-
-SOURCES: dict[str, ModelSource] = {s.prefix: s for s in (_torchvision_source(), _timm_source(), _hf_source())}
+}
 
 
 def register_source(source: ModelSource) -> None:

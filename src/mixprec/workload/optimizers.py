@@ -30,18 +30,6 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str,
     ]
 
 
-def adamw(
-    model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float] = (0.9, 0.999)
-) -> torch.optim.Optimizer:
-    """AdamW with the no-decay group for biases and norm weights."""
-    return torch.optim.AdamW(weight_decay_groups(model, weight_decay), lr=lr, betas=betas)
-
-
-def sgd(model: nn.Module, *, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
-    """SGD with momentum and the no-decay group (torchvision's ``--norm-weight-decay 0.0``)."""
-    return torch.optim.SGD(weight_decay_groups(model, weight_decay), lr=lr, momentum=momentum)
-
-
 # --------------------------------------------------------------------------------------------------
 # Recipes scaled to the batch, with a warm-up
 
@@ -270,9 +258,6 @@ class BatchScaled:
 
     def __init__(self, recipe: Recipe, default_batch: int, groups: Groups | None = None) -> None:
         self.recipe, self.batch, self.groups = recipe, default_batch, groups
-
-    def saw(self, batch_size: int) -> None:
-        """Told each batch the task draws; the rate does not follow it (see the class docstring)."""
 
     def __call__(self, model: nn.Module) -> torch.optim.Optimizer:
         return self.recipe.build(model, self.batch, self.groups)

@@ -17,6 +17,8 @@ from torch import nn
 
 from mixprec import validation
 from mixprec.errors import UsageError, did_you_mean
+from mixprec.workload.optimizers import BatchScaled
+from mixprec.workload.workload import Workload, WorkloadSpec
 
 MODEL_SEED = 0
 BATCH_SEED = 1234
@@ -63,6 +65,30 @@ def as_device(device: Any) -> torch.device:
 
 def param_millions(model: nn.Module) -> float:
     return sum(p.numel() for p in model.parameters()) / 1e6
+
+
+def task_workload(
+    kind: str,
+    name: str,
+    model: nn.Module,
+    task: tuple[Callable[..., Any], Callable[..., torch.Tensor]],
+    optimizer: BatchScaled,
+    options: dict[str, Any],
+    description: str,
+) -> Workload:
+    """A built-in task's :class:`Workload`: ``task`` is its (make_batch, loss_fn), its default batch
+    the ``optimizer``'s, its spec records ``options`` and its description ends with the recipe's."""
+    make_batch, loss_fn = task
+    return Workload(
+        model=model,
+        make_batch=make_batch,
+        loss_fn=loss_fn,
+        optimizer_fn=optimizer,
+        name=name,
+        default_batch_size=optimizer.batch,
+        spec=WorkloadSpec(kind, name, tuple(sorted(options.items()))),
+        description=f"{description}; {optimizer.recipe.describe()}",
+    )
 
 
 ImageBatch = tuple[torch.Tensor, torch.Tensor]
@@ -114,14 +140,11 @@ def image_classification_task(
     channels: int,
     image_size: int,
     num_classes: int,
-    saw: Callable[[int], None] | None = None,
 ) -> tuple[Callable[[int, torch.device], ImageBatch], Callable[[nn.Module, ImageBatch], torch.Tensor]]:
     """``make_batch`` (seeded images and labels, the same for every candidate) and a cross-entropy
     ``loss_fn`` for an image classifier, as the zoo CNNs and models by name use. An image is its
     class's fixed random pattern (:func:`class_prototypes`, upsampled) plus unit noise, from a fixed
-    set of ``ACTIVE_CLASSES`` classes: learnable, and learnt from the first steps on. ``saw`` is told
-    each batch size drawn (the optimizer's learning rate follows it:
-    :class:`mixprec.workload.optimizers.BatchScaled`)."""
+    set of ``ACTIVE_CLASSES`` classes: learnable, and learnt from the first steps on."""
     generators = batch_generators()
     active = torch.randperm(num_classes, generator=teacher_generator(3))[:ACTIVE_CLASSES]
     # upsampled per batch: 1000 full-size ones would take 600 MB
@@ -129,8 +152,6 @@ def image_classification_task(
 
     def make_batch(batch_size: int, device: torch.device) -> ImageBatch:
         b = check_batch_size(batch_size, name)
-        if saw is not None:
-            saw(b)
         gen = next(generators)
         labels = active[torch.randint(0, len(active), (b,), generator=gen)]
         noise = torch.randn(b, channels, image_size, image_size, generator=gen)

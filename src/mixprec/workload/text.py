@@ -29,8 +29,9 @@ from mixprec.workload.synthetic import (
     check_positive_int,
     param_millions,
     seeded_model,
+    task_workload,
 )
-from mixprec.workload.workload import Workload, WorkloadSpec
+from mixprec.workload.workload import Workload
 
 TEXT_BATCH_SIZE = 8
 DEFAULT_SEQ_LEN = 128
@@ -217,11 +218,9 @@ def build_hf(arch: str, options: dict[str, Any]) -> Workload:
     # token, as BERT's, or the last, as GPT-2's).
     table = bigram_table(vocab, low)
     shift = max((vocab - low) // max(num_labels, 1), 1)
-    optimizer = BatchScaled(spec.recipe, TEXT_BATCH_SIZE)
 
     def make_batch(batch_size: int, device: torch.device) -> dict[str, torch.Tensor]:
         b = check_batch_size(batch_size, target)
-        optimizer.saw(b)
         gen = next(generators)
         ids = bigram_tokens(table, b, seq_len, gen)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -247,17 +246,14 @@ def build_hf(arch: str, options: dict[str, Any]) -> Workload:
         if not overrides
         else "config overridden: " + ", ".join(f"{k}={v}" for k, v in sorted(overrides.items()))
     )
-    return Workload(
-        model=model,
-        make_batch=make_batch,
-        loss_fn=loss_fn,
-        optimizer_fn=optimizer,
-        name=target,
-        default_batch_size=TEXT_BATCH_SIZE,
-        spec=WorkloadSpec("model", target, tuple(sorted(options.items()))),
-        description=(
-            f"{target} ({type(model).__name__}, transformers {transformers.__version__}, {what}, "
-            f"{param_millions(model):.1f}M params), {task}, seq_len {seq_len}, "
-            f"tokens from a random bigram table; {spec.recipe.describe()}"
-        ),
+    return task_workload(
+        "model",
+        target,
+        model,
+        (make_batch, loss_fn),
+        BatchScaled(spec.recipe, TEXT_BATCH_SIZE),
+        options,
+        f"{target} ({type(model).__name__}, transformers {transformers.__version__}, {what}, "
+        f"{param_millions(model):.1f}M params), {task}, seq_len {seq_len}, "
+        "tokens from a random bigram table",
     )

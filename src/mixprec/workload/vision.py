@@ -15,6 +15,7 @@ records the size used, so another process rebuilds the same workload.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -26,8 +27,9 @@ from mixprec.workload.synthetic import (
     image_classification_task,
     param_millions,
     seeded_model,
+    task_workload,
 )
-from mixprec.workload.workload import Workload, WorkloadSpec
+from mixprec.workload.workload import Workload
 
 VISION_BATCH_SIZE = 32
 # torchvision's Inception and GoogLeNet return (logits, aux logits) in training unless told not to.
@@ -42,29 +44,48 @@ def image_classification(
     options: dict[str, Any],
     channels: int,
     image_size: int,
+    asked_size: int | None,
     num_classes: int,
     recipe: Recipe,
     what: str,
     groups: Groups | None = None,
 ) -> Workload:
     """A workload around an image classifier: seeded learnable synthetic images, cross-entropy, and
-    the library's ``recipe`` scaled to the batch each run draws (with a warm-up)."""
-    optimizer = BatchScaled(recipe, VISION_BATCH_SIZE, groups)
-    make_batch, loss_fn = image_classification_task(name, channels, image_size, num_classes, optimizer.saw)
-    return Workload(
-        model=model,
-        make_batch=make_batch,
-        loss_fn=loss_fn,
-        optimizer_fn=optimizer,
-        name=target,
-        default_batch_size=VISION_BATCH_SIZE,
-        spec=WorkloadSpec("model", target, tuple(sorted(options.items()))),
-        description=(
-            f"{target} ({what}, random init, {param_millions(model):.1f}M params), "
-            f"{channels}x{image_size}x{image_size} synthetic images, {num_classes} classes; "
-            f"{recipe.describe()}"
-        ),
+    the library's ``recipe`` scaled to the task's batch (with a warm-up). Its spec names the image
+    size used (``asked_size``, when one was) instead of the ``max_image_size`` cap."""
+    recorded = {k: v for k, v in options.items() if k != "max_image_size"}
+    if asked_size is not None:
+        recorded["image_size"] = asked_size
+    return task_workload(
+        "model",
+        target,
+        model,
+        image_classification_task(name, channels, image_size, num_classes),
+        BatchScaled(recipe, VISION_BATCH_SIZE, groups),
+        recorded,
+        f"{target} ({what}, random init, {param_millions(model):.1f}M params), "
+        f"{channels}x{image_size}x{image_size} synthetic images, {num_classes} classes",
     )
+
+
+def _seeded_build(
+    target: str,
+    library: str,
+    config: dict[str, Any],
+    build: Callable[[], nn.Module],
+    rejects: type[Exception] | tuple[type[Exception], ...],
+) -> nn.Module:
+    """``build()`` under the model seed; a ``TypeError`` or one of ``rejects`` (the library's
+    refusals of ``config``) raised as a :class:`UsageError` naming the fix."""
+    try:
+        return seeded_model(build)
+    except TypeError as exc:
+        raise UsageError(
+            f"{target} does not accept the option(s) {_options(config)}: {exc}; fix --model-config "
+            f"(its options are the keyword arguments of the model's class in {library})."
+        ) from None
+    except rejects as exc:
+        raise UsageError(f"{target} rejected {_options(config)}: {exc}; fix --model-config.") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -113,27 +134,21 @@ def build_torchvision(name: str, options: dict[str, Any]) -> Workload:
         config.setdefault("aux_logits", False)
         config.setdefault("init_weights", True)
     num_classes = config.setdefault("num_classes", 1000)
-    try:
-        model = seeded_model(lambda: tvm.get_model(name, weights=None, **config))
-    except TypeError as exc:
-        raise UsageError(
-            f"{target} does not accept the option(s) {_options(config)}: {exc}; fix --model-config "
-            "(its options are the keyword arguments of the model's class in torchvision)."
-        ) from None
-    except ValueError as exc:
-        raise UsageError(f"{target} rejected {_options(config)}: {exc}; fix --model-config.") from None
-    workload = image_classification(
+    model = _seeded_build(
+        target, "torchvision", config, lambda: tvm.get_model(name, weights=None, **config), ValueError
+    )
+    return image_classification(
         model=model,
         name=name,
         target=target,
         options=options,
         channels=3,
         image_size=size,
+        asked_size=image_size,
         num_classes=int(num_classes),
         recipe=TORCHVISION_RECIPE,
         what="torchvision",
     )
-    return _recorded(workload, options, image_size)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -186,33 +201,31 @@ def build_timm(name: str, options: dict[str, Any]) -> Workload:
     if image_size is not None and fixed and "img_size" not in config:
         # a ViT's patch grid and position embeddings are built for one input size: build them for it
         config["img_size"] = check_positive_int("image_size", image_size, target, 16)
-    try:
-        model = seeded_model(lambda: timm.create_model(name, pretrained=False, **config))
-    except TypeError as exc:
-        raise UsageError(
-            f"{target} does not accept the option(s) {_options(config)}: {exc}; fix --model-config "
-            "(its options are the keyword arguments of the model's class in timm)."
-        ) from None
-    except (RuntimeError, ValueError, AssertionError) as exc:
-        raise UsageError(f"{target} rejected {_options(config)}: {exc}; fix --model-config.") from None
+    model = _seeded_build(
+        target,
+        "timm",
+        config,
+        lambda: timm.create_model(name, pretrained=False, **config),
+        (RuntimeError, ValueError, AssertionError),
+    )
     pretrained_cfg: Any = getattr(model, "pretrained_cfg", None) or {}
     channels, height, _ = pretrained_cfg.get("input_size", (3, 224, 224))
     size = int(height)
     if image_size is not None:
         size = check_positive_int("image_size", image_size, target, 16)
-    workload = image_classification(
+    return image_classification(
         model=model,
         name=name,
         target=target,
         options=options,
         channels=int(channels),
         image_size=size,
+        asked_size=image_size,
         num_classes=int(getattr(model, "num_classes", 1000)),
         recipe=TIMM_RECIPE,
         what=f"timm {timm.__version__}",
         groups=_timm_groups,
     )
-    return _recorded(workload, options, image_size)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -220,15 +233,6 @@ def build_timm(name: str, options: dict[str, Any]) -> Workload:
 
 def _options(config: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in config.items()) or "(none)"
-
-
-def _recorded(workload: Workload, options: dict[str, Any], image_size: int | None) -> Workload:
-    """The workload with a spec that names the image size used instead of the cap."""
-    recorded = {k: v for k, v in options.items() if k != "max_image_size"}
-    if image_size is not None:
-        recorded["image_size"] = image_size
-    workload.spec = WorkloadSpec("model", str(workload.name), tuple(sorted(recorded.items())))
-    return workload
 
 
 def close_matches(name: str, names: list[str]) -> str:

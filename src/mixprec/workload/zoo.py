@@ -21,13 +21,13 @@ from mixprec.workload.optimizers import TORCHVISION_RECIPE, BatchScaled, Recipe
 from mixprec.workload.synthetic import BATCH_SEED as _BATCH_SEED
 from mixprec.workload.synthetic import as_device as _device
 from mixprec.workload.synthetic import batch_generators as _batch_generators
-from mixprec.workload.synthetic import bigram_table, bigram_tokens, image_classification_task
+from mixprec.workload.synthetic import bigram_table, bigram_tokens, image_classification_task, task_workload
 from mixprec.workload.synthetic import check_batch_size as _check_batch_size
 from mixprec.workload.synthetic import check_positive_int as _check_positive_int
 from mixprec.workload.synthetic import param_millions as _param_millions
 from mixprec.workload.synthetic import reject_unknown as _reject_unknown
 from mixprec.workload.synthetic import seeded_model as _seeded_model
-from mixprec.workload.workload import Workload, WorkloadSpec
+from mixprec.workload.workload import Workload
 
 ZOO_NAMES: tuple[str, ...] = ("resnet50", "vgg19", "densenet121", "gpt2", "mlp")
 
@@ -186,22 +186,15 @@ def _build_cnn(name: str, image_size: int | None, config: dict[str, Any]) -> Wor
 
     constructor = getattr(tvm, name)
     model = _seeded_model(lambda: constructor(weights=None, num_classes=_NUM_CLASSES))
-    optimizer = BatchScaled(TORCHVISION_RECIPE, _CNN_BATCH_SIZE[name])
-    make_batch, loss_fn = image_classification_task(name, 3, size, _NUM_CLASSES, saw=optimizer.saw)
-
-    return Workload(
-        model=model,
-        make_batch=make_batch,
-        loss_fn=loss_fn,
-        optimizer_fn=optimizer,
-        name=name,
-        default_batch_size=_CNN_BATCH_SIZE[name],
-        spec=WorkloadSpec("zoo", name, tuple(sorted(sizes.items()))),
-        description=(
-            f"{name} (torchvision, random init, {_param_millions(model):.1f}M params), "
-            f"3x{size}x{size} synthetic images, {_NUM_CLASSES} classes; "
-            f"{TORCHVISION_RECIPE.describe()}"
-        ),
+    return task_workload(
+        "zoo",
+        name,
+        model,
+        image_classification_task(name, 3, size, _NUM_CLASSES),
+        BatchScaled(TORCHVISION_RECIPE, _CNN_BATCH_SIZE[name]),
+        sizes,
+        f"{name} (torchvision, random init, {_param_millions(model):.1f}M params), "
+        f"3x{size}x{size} synthetic images, {_NUM_CLASSES} classes",
     )
 
 
@@ -227,11 +220,9 @@ def _build_gpt2(seq_len: int | None, config: dict[str, Any]) -> Workload:
     generators = _batch_generators()
     vocab = cfg.vocab_size
     table = bigram_table(vocab)  # learnable: tokens walk a fixed random bigram table
-    optimizer = BatchScaled(GPT_RECIPE, 8)
 
     def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         b = _check_batch_size(batch_size, name)
-        optimizer.saw(b)
         tokens = bigram_tokens(table, b, t + 1, next(generators))
         dev = _device(device)
         return tokens[:, :-1].contiguous().to(dev), tokens[:, 1:].contiguous().to(dev)
@@ -241,19 +232,16 @@ def _build_gpt2(seq_len: int | None, config: dict[str, Any]) -> Workload:
         logits = model(idx)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
-    return Workload(
-        model=model,
-        make_batch=make_batch,
-        loss_fn=loss_fn,
-        optimizer_fn=optimizer,
-        name=name,
-        default_batch_size=8,
-        spec=WorkloadSpec("zoo", name, tuple(sorted(sizes.items()))),
-        description=(
-            f"gpt2 ({cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} dim, "
-            f"{_param_millions(model):.1f}M params), seq_len {t}, vocab {vocab}, "
-            f"tokens from a random bigram table; {GPT_RECIPE.describe()}"
-        ),
+    return task_workload(
+        "zoo",
+        name,
+        model,
+        (make_batch, loss_fn),
+        BatchScaled(GPT_RECIPE, 8),
+        sizes,
+        f"gpt2 ({cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} dim, "
+        f"{_param_millions(model):.1f}M params), seq_len {t}, vocab {vocab}, "
+        "tokens from a random bigram table",
     )
 
 
@@ -275,11 +263,9 @@ def _build_mlp(config: dict[str, Any]) -> Workload:
     # Labels come from a fixed random teacher, so the task is learnable and a loss curve means something.
     teacher = torch.randn(_MLP_IN, _MLP_CLASSES, generator=torch.Generator().manual_seed(_BATCH_SEED - 1))
     generators = _batch_generators()
-    optimizer = BatchScaled(MLP_RECIPE, 64)
 
     def make_batch(batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         b = _check_batch_size(batch_size, name)
-        optimizer.saw(b)
         x = torch.randn(b, _MLP_IN, generator=next(generators))
         y = (x @ teacher).argmax(dim=1)
         dev = _device(device)
@@ -289,18 +275,15 @@ def _build_mlp(config: dict[str, Any]) -> Workload:
         x, y = batch
         return F.cross_entropy(model(x), y)
 
-    return Workload(
-        model=model,
-        make_batch=make_batch,
-        loss_fn=loss_fn,
-        optimizer_fn=optimizer,
-        name=name,
-        default_batch_size=64,
-        spec=WorkloadSpec("zoo", name, tuple(sorted(sizes.items()))),
-        description=(
-            f"mlp ({depth} hidden layers of {hidden}, {_param_millions(model) * 1e3:.1f}K params), "
-            f"{_MLP_IN} synthetic features, {_MLP_CLASSES} classes; {MLP_RECIPE.describe()}"
-        ),
+    return task_workload(
+        "zoo",
+        name,
+        model,
+        (make_batch, loss_fn),
+        BatchScaled(MLP_RECIPE, 64),
+        sizes,
+        f"mlp ({depth} hidden layers of {hidden}, {_param_millions(model) * 1e3:.1f}K params), "
+        f"{_MLP_IN} synthetic features, {_MLP_CLASSES} classes",
     )
 
 
