@@ -51,7 +51,6 @@ class KerasFramework(Framework):
     compile_modes: ClassVar[tuple[str, ...]] = ("xla",)
     island_kind: ClassVar[str] = "float32 layers"
     scaler_name: ClassVar[str] = "LossScaleOptimizer"
-    install_hint: ClassVar[str] = backend.INSTALL_HINT
 
     def __init__(self) -> None:
         # The last trainer built for a check, kept so the fp32 reference, its chaos run and its
