@@ -15,7 +15,7 @@ from mixprec.frameworks.keras import backend
 from mixprec.frameworks.keras.export import keras_code
 from mixprec.frameworks.keras.policy import KerasPolicy, keras_support
 from mixprec.frameworks.keras.session import KerasSession, build_keras_session
-from mixprec.frameworks.keras.trainer import KerasTrainer, make_batches, reference_weights
+from mixprec.frameworks.keras.trainer import KerasTrainer, make_batches, reference_weights, variable_names
 from mixprec.frameworks.keras.trajectory import forward_ranges, perturbed, run_trajectory
 from mixprec.frameworks.keras.workload import KerasWorkload, load_keras_workload, workload_label
 from mixprec.frameworks.session import BenchSettings, Session
@@ -204,10 +204,9 @@ class KerasFramework(Framework):
             return [], {}
         model = self._trainer[1].model
         names = [layer.name for layer in model._flatten_layers(include_self=False, recursive=True)]
+        # 'block/fc1/kernel' -> the layer 'fc1'
         owners = {
-            path: path.split("/")[-2]  # 'block/fc1/kernel' -> the layer 'fc1'
-            for v in model.trainable_variables
-            if "/" in (path := getattr(v, "path", None) or v.name)
+            path: path.split("/")[-2] for path in variable_names(model.trainable_variables) if "/" in path
         }
         return names, owners
 
