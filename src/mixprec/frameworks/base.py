@@ -64,7 +64,6 @@ class Framework:
         counts_flops: its sessions count a step's FLOPs (``BenchSettings.count_flops``), so rows
             have MFU; elsewhere MFU is n/a and a bench result says why once.
         scaler_name: the loss scaler's name in this framework, for reports.
-        install_hint: how to install what the backend needs, for errors.
         runs_as_written: its source runs unchanged as well as under a candidate (a training script),
             so ``Candidate.as_written`` is a candidate here: the source's own precision, a row of
             every sweep and check.
@@ -84,7 +83,6 @@ class Framework:
     linter: ClassVar[bool] = False
     counts_flops: ClassVar[bool] = False
     scaler_name: ClassVar[str] = "the loss scaler"
-    install_hint: ClassVar[str] = ""
     runs_as_written: ClassVar[bool] = False
     named: ClassVar[bool] = True  # ``--framework NAME`` selects it
 

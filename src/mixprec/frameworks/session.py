@@ -8,6 +8,7 @@ the sweep, its child processes and its pruning never look past it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
@@ -153,17 +154,6 @@ def steady(settings: BenchSettings, times: list[float], judged: list[float] | No
     return agree or len(times) >= max(settings.warmup, MAX_WARMUP) or sum(times) >= settings.max_warmup_s
 
 
-def run_warm_up(session: Session, emit: Emit) -> bool:
-    """Untimed steps of ``session`` until :meth:`Session.warm_enough`; False when ``emit`` stopped it."""
-    total = session.settings.warmup + session.settings.steps
-    while True:
-        event = session.step(timed=False)
-        if not emit({**event, "total": total}):
-            return False
-        if session.warm_enough(session.result.warmup_times_s):
-            return True
-
-
 class Session(Protocol):
     """One candidate's training, stepped on demand (the torch and Keras sessions implement it).
 
@@ -184,3 +174,40 @@ class Session(Protocol):
     def warm_up(self, emit: Emit) -> bool: ...
 
     def finish(self) -> Measurement: ...
+
+
+class SessionBase:
+    """What the backends' sessions share: the warm-up loop and a step's bookkeeping."""
+
+    index: int
+    settings: BenchSettings
+    result: Measurement
+
+    def step(self, timed: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def warm_enough(self, times: list[float]) -> bool:
+        return steady(self.settings, times)
+
+    def warm_up(self, emit: Emit) -> bool:
+        """Untimed steps until :meth:`warm_enough`; False when ``emit`` stopped it."""
+        total = self.settings.warmup + self.settings.steps
+        while True:
+            event = self.step(timed=False)
+            if not emit({**event, "total": total}):
+                return False
+            if self.warm_enough(self.result.warmup_times_s):
+                return True
+
+    def recorded(self, seconds: float, loss: float, timed: bool, *, skipped: bool = False) -> dict[str, Any]:
+        """Step ``index``, which took ``seconds`` and ended at ``loss``, in :attr:`result`; its 'step'
+        event. A non-finite loss raises, unless the step's update was skipped."""
+        i, result = self.index, self.result
+        if i == 0:
+            result.first_loss = loss
+        if not math.isfinite(loss) and not skipped:
+            raise NonFiniteLossError(f"non-finite loss ({loss}) at step {i}")
+        result.last_loss = loss
+        (result.step_times_s if timed else result.warmup_times_s).append(seconds)
+        self.index += 1
+        return {"event": "step", "index": i, "seconds": seconds, "timed": timed, "loss": loss}

@@ -15,7 +15,7 @@ from mixprec.frameworks.keras import backend
 from mixprec.frameworks.keras.export import keras_code
 from mixprec.frameworks.keras.policy import KerasPolicy, keras_support
 from mixprec.frameworks.keras.session import KerasSession, build_keras_session
-from mixprec.frameworks.keras.trainer import KerasTrainer, make_batches, reference_weights
+from mixprec.frameworks.keras.trainer import KerasTrainer, make_batches, reference_weights, variable_names
 from mixprec.frameworks.keras.trajectory import forward_ranges, perturbed, run_trajectory
 from mixprec.frameworks.keras.workload import KerasWorkload, load_keras_workload, workload_label
 from mixprec.frameworks.session import BenchSettings, Session
@@ -51,7 +51,6 @@ class KerasFramework(Framework):
     compile_modes: ClassVar[tuple[str, ...]] = ("xla",)
     island_kind: ClassVar[str] = "float32 layers"
     scaler_name: ClassVar[str] = "LossScaleOptimizer"
-    install_hint: ClassVar[str] = backend.INSTALL_HINT
 
     def __init__(self) -> None:
         # The last trainer built for a check, kept so the fp32 reference, its chaos run and its
@@ -205,10 +204,9 @@ class KerasFramework(Framework):
             return [], {}
         model = self._trainer[1].model
         names = [layer.name for layer in model._flatten_layers(include_self=False, recursive=True)]
+        # 'block/fc1/kernel' -> the layer 'fc1'
         owners = {
-            path: path.split("/")[-2]  # 'block/fc1/kernel' -> the layer 'fc1'
-            for v in model.trainable_variables
-            if "/" in (path := getattr(v, "path", None) or v.name)
+            path: path.split("/")[-2] for path in variable_names(model.trainable_variables) if "/" in path
         }
         return names, owners
 

@@ -5,26 +5,17 @@ processes and its pruning drive TensorFlow candidates exactly as torch ones.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 from mixprec.frameworks.keras import backend
 from mixprec.frameworks.keras.trainer import KerasTrainer, make_batches, reference_weights
 from mixprec.frameworks.keras.workload import KerasWorkload, keras_workload_from_spec
-from mixprec.frameworks.session import (
-    BenchSettings,
-    Emit,
-    Measurement,
-    NonFiniteLossError,
-    distinct_batches,
-    run_warm_up,
-    steady,
-)
+from mixprec.frameworks.session import BenchSettings, Measurement, SessionBase, distinct_batches
 from mixprec.policy import Candidate
 
 
-class KerasSession:
+class KerasSession(SessionBase):
     """One candidate's Keras model stepped on demand; each step timed until its loss is on the host."""
 
     def __init__(
@@ -54,25 +45,12 @@ class KerasSession:
         self.index = 0
 
     def step(self, timed: bool) -> dict[str, Any]:
-        i = self.index
         start = time.perf_counter()
-        loss, applied = self.trainer.step(self.batches[i % len(self.batches)])
+        loss, applied = self.trainer.step(self.batches[self.index % len(self.batches)])
         seconds = time.perf_counter() - start
-        if i == 0:
-            self.result.first_loss = loss
-        if not math.isfinite(loss):
-            raise NonFiniteLossError(f"non-finite loss ({loss}) at step {i}")
+        event = self.recorded(seconds, loss, timed)
         self.result.skipped_steps += int(not applied)
-        self.result.last_loss = loss
-        (self.result.step_times_s if timed else self.result.warmup_times_s).append(seconds)
-        self.index += 1
-        return {"event": "step", "index": i, "seconds": seconds, "timed": timed, "loss": loss}
-
-    def warm_enough(self, times: list[float]) -> bool:
-        return steady(self.settings, times)
-
-    def warm_up(self, emit: Emit) -> bool:
-        return run_warm_up(self, emit)
+        return event
 
     def finish(self) -> Measurement:
         if self.trainer.device.startswith("/GPU"):

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from mixprec.frameworks.keras import backend
-from mixprec.frameworks.keras.trainer import KerasTrainer
+from mixprec.frameworks.keras.trainer import KerasTrainer, variable_names
 from mixprec.numerics.compare import Trajectory
 from mixprec.numerics.ranges import LayerRanges, RangeReport
 from mixprec.numerics.trend import LayerSeries
@@ -78,8 +78,7 @@ def _record(series: dict[str, LayerSeries], report: RangeReport, step: int) -> N
 def _count_stalls(traj: Trajectory, before: list[np.ndarray], trainer: KerasTrainer, grads: dict) -> None:
     """Weights with a non-zero gradient that the first step left bit-identical (the update was
     below half an ulp of the half-precision weight)."""
-    names = [getattr(v, "path", None) or v.name for v in trainer.variables]
-    for name, old, var in zip(names, before, trainer.variables, strict=True):
+    for name, old, var in zip(variable_names(trainer.variables), before, trainer.variables, strict=True):
         if name not in grads:
             continue
         had_grad = grads[name] != 0

@@ -60,6 +60,7 @@ from mixprec.frameworks.script.modes import mode_for
 from mixprec.frameworks.script.optimizers import Optimizers
 from mixprec.frameworks.script.own import OwnPrecision, as_torch, compute_dtype
 from mixprec.frameworks.script.patches import Patches
+from mixprec.frameworks.torch.probe import FirstComputeLayer, nonfinite_buffers, perturb_weights
 
 
 @dataclasses.dataclass
@@ -187,7 +188,7 @@ class Agent:
         facts = self._facts
         facts.param_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
         facts.strict_math = _strict_math(self.device)  # (the script's own, before the candidate's)
-        self.nonfinite_at_start = _nonfinite_buffers(model)
+        self.nonfinite_at_start = set(nonfinite_buffers(model))
         try:
             self._apply_candidate(model)
         except MixprecError as exc:
@@ -198,8 +199,6 @@ class Agent:
         model.register_forward_hook(self._root_output)
         self.mode.discovered()
         if self.mode.probes():  # which dtype the first matmul/conv computed in
-            from mixprec.frameworks.torch.probe import FirstComputeLayer
-
             keep = self.candidate.keep_fp32 if self.inject else ()
             self._probe = FirstComputeLayer(model, keep, training_only=True)
         self._model_ids = {id(m) for m in model.modules()}
@@ -466,14 +465,6 @@ def _half_parameters(model: nn.Module) -> bool:
     return any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
 
 
-def _nonfinite_buffers(model: nn.Module) -> set[str]:
-    return {
-        n
-        for n, b in model.named_buffers()
-        if b is not None and b.is_floating_point() and not bool(torch.isfinite(b).all())
-    }
-
-
 def _batch_size(args: tuple, kwargs: dict) -> int:
     """The first tensor input's leading dimension (the samples of this forward)."""
     for value in (*args, *kwargs.values()):
@@ -489,15 +480,6 @@ def _as_grads(grad_tensors: Any, n: int) -> list[torch.Tensor | None]:
         return [grad_tensors]
     grads = list(grad_tensors)
     return grads + [None] * (n - len(grads))
-
-
-def perturb_weights(model: nn.Module, perturb: float) -> None:
-    """Every weight times ``1 + perturb * N(0, 1)``, from a fixed generator (the chaos floor)."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            noise = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
-            p.mul_(1 + perturb * noise)
 
 
 def _exit(code: int) -> None:

@@ -87,9 +87,6 @@ class ScriptFramework(Framework):
                     "intercepted where it calls them)"
                 )
 
-    def default_batch_size(self, workload: ScriptWorkload) -> int:
-        return workload.default_batch_size
-
     def resolve_device(self, device: Any) -> str:
         return str(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 

@@ -130,9 +130,7 @@ class Optimizers:
         """The lead optimizer is about to step (called before its step runs, outside the optimizer's
         own hooks, which an observer may register): the observers see the step's loss and batch."""
         agent = self.agent
-        if agent.window.lead_stepped:
-            agent.boundary()
-            agent.window.started = time.perf_counter()
+        self.starts(self.lead)
         for observer in agent.observers:
             with agent.internal():
                 observer.before_update(agent)

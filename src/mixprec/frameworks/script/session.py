@@ -35,15 +35,7 @@ from mixprec.frameworks.script.messages import (
 )
 from mixprec.frameworks.script.own import compute_dtype
 from mixprec.frameworks.script.workload import ScriptWorkload
-from mixprec.frameworks.session import (
-    BenchSettings,
-    Emit,
-    HonestyError,
-    Measurement,
-    NonFiniteLossError,
-    run_warm_up,
-    steady,
-)
+from mixprec.frameworks.session import BenchSettings, HonestyError, Measurement, SessionBase
 from mixprec.policy import Candidate
 
 # Seconds a script may take to reach its first optimizer step (imports, data, model, compile).
@@ -71,7 +63,7 @@ def _ended(child: Child, what: str) -> ScriptFailed:
     return ScriptFailed(f"the script stopped with exit code {code} before {what}{said} (log: {child.log})")
 
 
-class ScriptSession:
+class ScriptSession(SessionBase):
     """A candidate's run of the script, one optimizer step at a time (the Session interface)."""
 
     def __init__(self, workload: ScriptWorkload, candidate: Candidate, settings: BenchSettings) -> None:
@@ -138,29 +130,10 @@ class ScriptSession:
             self._command(GO)
             step = self._expect(Step, STEP_TIMEOUT_S, f"step {self.index}")
         loss = step.loss if step.loss is not None else math.nan
-        if self.index == 0:
-            self.result.first_loss = loss
-        if not math.isfinite(loss) and not step.skipped:
-            raise NonFiniteLossError(f"non-finite loss ({loss}) at step {self.index}")
-        self.result.last_loss = loss
-        (self.result.step_times_s if timed else self.result.warmup_times_s).append(step.seconds)
-        self.index += 1
-        return {
-            "event": "step",
-            "index": self.index - 1,
-            "seconds": step.seconds,
-            "timed": timed,
-            "loss": loss,
-        }
+        return self.recorded(step.seconds, loss, timed, skipped=step.skipped)
 
     def _command(self, word: str) -> None:
         self._to.write(json.dumps({"cmd": word}) + "\n")
-
-    def warm_up(self, emit: Emit) -> bool:
-        return run_warm_up(self, emit)
-
-    def warm_enough(self, times: list[float]) -> bool:
-        return steady(self.settings, times)
 
     def finish(self) -> Measurement:
         """Stop the script at this step boundary; its peak memory and what really ran."""

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from mixprec.frameworks.script.messages import Step, TraceRecord
+from mixprec.frameworks.torch.probe import nonfinite_buffers
 
 
 class Tracer:
@@ -89,14 +90,8 @@ class Tracer:
 
     def fill(self, record: TraceRecord, nonfinite_at_start: set[str]) -> None:
         """What the parent reads besides the steps and the facts."""
-        buffers = [
-            n
-            for n, b in self.model.named_buffers()
-            if b is not None
-            and b.is_floating_point()
-            and n not in nonfinite_at_start  # an attention mask of -inf is -inf by design
-            and not bool(torch.isfinite(b).all())
-        ]
+        # an attention mask of -inf is -inf by design
+        buffers = [n for n in nonfinite_buffers(self.model) if n not in nonfinite_at_start]
         series = list(self.recorder.series.values()) if self.recorder is not None else []
         record.first_output, record.first_grads = self.first_output, self.first_grads or {}
         record.series = [s.to_dict() for s in series]

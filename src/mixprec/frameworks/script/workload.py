@@ -220,8 +220,6 @@ def _is_python(program: str) -> bool:
 
 def _interpreter(program: str) -> str:
     """``python`` as the user's shell would find it; mixprec's own interpreter where that is the same."""
-    import shutil
-
     found = shutil.which(program) or program
     return sys.executable if Path(found).resolve() == Path(sys.executable).resolve() else found
 

@@ -1,5 +1,6 @@
 """Which precision a model's training step really computed in: the output dtype of its matmul and
-convolution layers (autocast casts their inputs; an autocast that never reached them leaves fp32).
+convolution layers (autocast casts their inputs; an autocast that never reached them leaves fp32);
+and the chaos floor's perturbed weights and the non-finite buffers a check reads of a model.
 Light on purpose: the script agent uses it inside the user's process."""
 
 from __future__ import annotations
@@ -58,3 +59,22 @@ class FirstComputeLayer:
         self._handles.clear()
         if self.name is None and self._fallback is not None:
             self.name, self.dtype, self.module = self._fallback
+
+
+def perturb_weights(model: nn.Module, perturb: float) -> None:
+    """Every weight times ``1 + perturb * N(0, 1)``, from a fixed generator (the chaos floor)."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
+            p.mul_(1 + perturb * noise)
+
+
+def nonfinite_buffers(model: nn.Module) -> list[str]:
+    """Floating buffers (BatchNorm running statistics above all) holding inf or NaN: a model broken
+    for evaluation, whatever its training loss says."""
+    return [
+        name
+        for name, b in model.named_buffers()
+        if b is not None and b.is_floating_point() and not bool(torch.isfinite(b).all())
+    ]

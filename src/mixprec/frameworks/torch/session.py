@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 import os
 import time
 from collections.abc import Callable
@@ -24,9 +23,8 @@ from mixprec.frameworks.session import (
     Emit,
     HonestyError,
     Measurement,
-    NonFiniteLossError,
+    SessionBase,
     distinct_batches,
-    run_warm_up,
     steady,
 )
 from mixprec.frameworks.torch.flops import count_flops
@@ -67,7 +65,7 @@ def _check_honesty(policy: Policy, probe: FirstComputeLayer) -> None:
             )
 
 
-class TrainingSession:
+class TrainingSession(SessionBase):
     """One candidate's model, optimizer and batches, stepped on demand and timed step by step.
 
     Sweeps alternate the steps of two sessions (the strict-fp32 baseline and a candidate), so each
@@ -173,16 +171,10 @@ class TrainingSession:
                 str(self._probe.dtype).removeprefix("torch.") if self._probe.dtype else None
             )
             self.result.observed_layer = self._probe.name
-            self.result.first_loss = loss_value
             self._probe = None
-        if not math.isfinite(loss_value):
-            raise NonFiniteLossError(f"non-finite loss ({loss_value}) at step {i}")
-        self.result.last_loss = loss_value
-        (self.result.step_times_s if timed else self.result.warmup_times_s).append(seconds)
         if instrument is None and not timed:
             self._clean_warmup.append(seconds)
-        self.index += 1
-        return {"event": "step", "index": i, "seconds": seconds, "timed": timed, "loss": loss_value}
+        return self.recorded(seconds, loss_value, timed)
 
     def _instrument(self, index: int, timed: bool) -> str | None:
         """Which warm-up step carries an instrument: FLOP counting on the second step and profiling
@@ -215,15 +207,8 @@ class TrainingSession:
         self.result.optimizer_share = optimizer_share(events)
         return loss
 
-    def warm_up(self, emit: Emit) -> bool:
-        """Untimed steps until the step time is steady: at least ``settings.warmup``, then more
-        while the last two differ by over ``STEADY_TOLERANCE`` (oneDNN creates its primitives and
-        allocators settle over the first steps), at most ``MAX_WARMUP`` or ``max_warmup_s``.
-        False when ``emit`` stopped it."""
-        return run_warm_up(self, emit)
-
     def warm_enough(self, times: list[float]) -> bool:
-        """Whether warm-up steps taking ``times`` seconds are enough (see :meth:`warm_up`); the
+        """Whether warm-up steps taking ``times`` seconds are enough (:func:`steady`); the
         instrumented steps (FLOP counting, profiling) are run but not judged for steadiness."""
         if self.settings.adaptive_warmup and self.settings.profile and len(times) < 3:
             return False  # the profiled warm-up step has not run yet

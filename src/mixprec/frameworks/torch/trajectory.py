@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.frameworks.torch.probe import FirstComputeLayer
+from mixprec.frameworks.torch.probe import FirstComputeLayer, nonfinite_buffers, perturb_weights
 from mixprec.frameworks.torch.ranges import StepRecorder
 from mixprec.numerics.compare import Trajectory
 from mixprec.numerics.limits import LOW_PRECISION_FORMATS
@@ -49,11 +49,7 @@ def _prepared_copy(workload: Workload, policy: Policy, perturb: float = 0.0) -> 
     model = policy.prepare(copy.deepcopy(workload.model))
     model.train()
     if perturb:
-        gen = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for p in model.parameters():
-                noise = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
-                p.mul_(1 + perturb * noise)
+        perturb_weights(model, perturb)
     return model
 
 
@@ -209,16 +205,6 @@ def _count_stalls(traj: Trajectory, before: Sequence[tuple[torch.Tensor, torch.T
         traj.stall_counts[1] += total
 
 
-def _nonfinite_buffers(model: nn.Module) -> list[str]:
-    """Floating buffers (BatchNorm running statistics above all) holding inf or NaN after training:
-    a model broken for evaluation, whatever its training loss says."""
-    return [
-        name
-        for name, b in model.named_buffers()
-        if b is not None and b.is_floating_point() and not bool(torch.isfinite(b).all())
-    ]
-
-
 def _steps(
     workload: Workload,
     policy: Policy,
@@ -280,4 +266,4 @@ def _steps(
             traj.scales.append(policy.stats.scale)
             optimizer.zero_grad(set_to_none=True)
     traj.series = list(recorder.series.values()) if recorder is not None else []
-    traj.nonfinite_buffers = _nonfinite_buffers(model)
+    traj.nonfinite_buffers = nonfinite_buffers(model)
