@@ -138,7 +138,8 @@ def main() -> None:
             medians = [r["median"] for r in runs]
             key = f"{name} {processes} process{'es' if processes > 1 else ''}"
             out[key] = runs
-            print(f"{key:18s} per setup: {', '.join(f'{m:.3f}' for m in medians)}  (fp32 / other)", flush=True)
+            shown = ", ".join(f"{m:.3f}" for m in medians)
+            print(f"{key:18s} per setup: {shown}  (fp32 / other)", flush=True)
     out["load_end"] = os.getloadavg()[0]
     if args.json:
         with open(args.json, "w") as f:

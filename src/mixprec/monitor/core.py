@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from mixprec.errors import MixprecError, UsageError
 from mixprec.monitor.config import MonitorConfig
@@ -218,6 +219,9 @@ class RunRecord:
         self._emit(MonitorFinding(finding.step, STOP, self.stopped, finding.module, evidence))
 
     def _emit(self, finding: MonitorFinding) -> None:
+        gate = getattr(self, "gate", None)
+        if gate is not None and gate.group is not None:  # which rank saw it, on every finding
+            finding.evidence.setdefault("rank", torch.distributed.get_rank())
         self.findings.append(finding)
         log.warning(finding.line())
         for sink in self.sinks:
@@ -320,6 +324,10 @@ class Monitor(RunRecord):
             raise UsageError(f"config must be a MonitorConfig, got {type(config).__name__}.")
         config = (config or MonitorConfig()).replace(**fields)
         _check_run(model, policy, scaler)
+        if isinstance(model, DistributedDataParallel):
+            # the monitor's own replays and hooks on the module inside: a replay runs on the one rank
+            # that saw the spike, and DDP's forward (buffer broadcast) would wait for the others
+            model = model.module
         self.schedule = plan_schedule(config.schedule or {}, config.train_steps, policy)
         given = [] if optimizer is None else optimizer if isinstance(optimizer, Sequence) else [optimizer]
         self.optimizers = [unwrapped(o) for o in given]
@@ -390,7 +398,8 @@ class Monitor(RunRecord):
                 "nothing more (its hooks are removed); make a new Monitor to watch another run."
             )
         new = self._record(loss, batch, "observe")
-        if self.stopped:
+        if self.stopped and (self.gate.group is None or self.gate.stop_agreed):
+            # (over data-parallel ranks, once every rank knows: the next pre-step hook agrees it)
             raise MonitorStop(self.stopped)
         return new
 

@@ -88,6 +88,8 @@ class MonitorFinding(findings.Finding):
 
     def line(self) -> str:
         where = f" [{self.module}]" if self.module else ""
+        if "rank" in self.evidence:
+            where += f" (rank {self.evidence['rank']})"
         act = f" -> {self.action}" if self.action and self.action != self.message else ""
         return f"mixprec monitor: step {self.step}: {self.kind}{where}: {self.message}{act}"
 

@@ -19,7 +19,7 @@ import torch
 
 from mixprec.errors import UsageError
 from mixprec.monitor.detectors import Detector, UpdateView
-from mixprec.monitor.findings import UNWATCHED, MonitorFinding
+from mixprec.monitor.findings import RESCUE, STOP, UNWATCHED, MonitorFinding
 from mixprec.monitor.shadow import grad_norm
 
 # Steps after which a policy (or GradScaler) the loop has never stepped is not the loop's, where the
@@ -55,6 +55,15 @@ def check_loss(loss: Any, call: str) -> None:
         )
 
 
+def agreement_group() -> Any | None:
+    """The process group whose ranks must take every decision together (torch.distributed's
+    default group, initialised, with more than one rank), or None for a single process."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    return dist.group.WORLD
+
+
 class UpdateGate:
     """The before/after-update state of one :class:`~mixprec.monitor.Monitor` (``run``, which keeps
     the record: the step, the findings, the withheld steps) and its plain path."""
@@ -84,6 +93,15 @@ class UpdateGate:
         self.unconfirmed = policy is not None or (scaler is not None and scaler.is_enabled())
         self.policy_steps = policy.stats.steps if policy is not None else 0
         self.updates = 0  # optimizer steps (the post-step hook), while that is unconfirmed
+        # Data parallel: the ranks hold the same all-reduced gradients, so an update one rank
+        # withholds and another applies leaves them with different weights for good. Every rank
+        # reaches the pre-step hook each step and agrees there (one all-reduce of a flag per rank):
+        # withheld or stopped on any rank is withheld or stopped on all.
+        self.group = agreement_group()
+        self.agreed_step = -1
+        self.stop_agreed = False
+        if self.group is not None:
+            self.armed = [o.register_step_pre_hook(self.before_update) for o in run.optimizers]
         self.requiet()
 
     def requiet(self) -> None:
@@ -138,7 +156,14 @@ class UpdateGate:
         """The optimizers' pre-step hook: what the quick test did not clear goes to the detectors,
         and a withheld update is held. A GradScaler that found inf/NaN does not step a for-loop or
         foreach optimizer, but it does step a fused one (the kernel takes the inf flag and skips
-        itself): such a step is the skip path's, as :meth:`check_update` has it."""
+        itself): such a step is the skip path's, as :meth:`check_update` has it. Over data-parallel
+        ranks the decision is then agreed (:meth:`agree`)."""
+        self._decide(optimizer)
+        if self.group is not None and self.agreed_step != self.run.step:
+            self.agree(optimizer)
+
+    def _decide(self, optimizer: torch.optim.Optimizer) -> None:
+        """This rank's decision on the update (:meth:`before_update`)."""
         run, staged = self.run, self.staged
         if staged is None:  # a normal step, or decided for an optimizer before this one
             if self.withheld_at == run.step and id(optimizer) not in self.held:
@@ -183,6 +208,42 @@ class UpdateGate:
             run.withheld.append(view.step)
         self.requiet()
         return withheld
+
+    def agree(self, optimizer: torch.optim.Optimizer) -> None:
+        """Every rank's decision on this step's update, in one all-reduce of a code per rank (0: it
+        lands, 1: withheld, 2: the run stopped): withheld or stopped on any rank is withheld or
+        stopped on this one too, with a finding naming the ranks whose evidence decided it (their own
+        findings say what they saw). A stop is raised by :meth:`Monitor.observe` only once agreed,
+        so every rank leaves the loop at the same step."""
+        run = self.run
+        step, rank, world = run.step, torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.agreed_step = step
+        own = 2 if run.stopped else 1 if self.withheld_at == step else 0
+        on_nccl = torch.distributed.get_backend(self.group) == "nccl"
+        codes = torch.zeros(world, dtype=torch.int32, device="cuda" if on_nccl else "cpu")
+        codes[rank] = own
+        torch.distributed.all_reduce(codes, group=self.group)
+        others = {r: c for r, c in enumerate(codes.tolist()) if c and r != rank}
+        self.stop_agreed = self.stop_agreed or own == 2 or 2 in others.values()
+        if not others:
+            return
+        names = ", ".join(str(r) for r in sorted(others))
+        evidence = {"rank": rank, "decided_by_ranks": sorted(others)}
+        if 2 in others.values() and not run.stopped:
+            run.stopped = (
+                f"step {step}: rank {names} stopped the run (its findings say why); every rank stops at "
+                "this step, so none waits for the others in a collective"
+            )
+            run._emit(MonitorFinding(step, STOP, run.stopped, None, evidence))
+        if self.withheld_at != step:
+            self.withheld_at = step
+            run.withheld.append(step)
+            self._hold(optimizer)
+            said = (
+                f"update withheld on every rank: rank {names} withheld it (its findings say why); the "
+                "ranks hold the same all-reduced gradients, so all must skip it to keep the same weights"
+            )
+            run._emit(MonitorFinding(step, RESCUE, said, None, evidence, action="update withheld"))
 
     def scaler_skips(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the run's GradScaler has found inf/NaN in ``optimizer``'s gradients (it will skip
@@ -256,8 +317,8 @@ class UpdateGate:
         if self.unconfirmed:
             self.confirm(step)
         read, self.staged, self.read = self.read, None, None
-        if self.armed and self.on_cpu:
-            self.disarm()  # (a CPU loss is read by before_step's quick test: no hook)
+        if self.armed and self.on_cpu and self.group is None:
+            self.disarm()  # (a CPU loss is read by before_step's quick test: no hook; ranks agree in it)
         return read
 
     def confirm(self, step: int) -> None:

@@ -1,0 +1,129 @@
+"""The monitor's decisions agreed across data-parallel ranks (issue 54): DDP on 2 gloo ranks, a
+bad batch on rank 1 only (targets x1000 at step ``BAD_AT``). The ranks hold the same all-reduced
+gradients, so the poisoned update must be withheld on both or the ranks' weights part for good;
+rank 1's monitor finds and diagnoses it from its own batch, and rank 0's takes the same decision.
+Spawned as tests/distributed/test_distributed.py spawns (FileStore, a deadline)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from test_distributed import _spawn
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import mixprec
+from mixprec.monitor import Monitor
+from mixprec.monitor.findings import DATA, RESCUE, SPIKE, STOP
+
+STEPS = 120
+BAD_AT = 80
+PER_RANK = 16
+
+
+def _loss(model, batch):
+    return F.mse_loss(model(batch[0]).float(), batch[1])
+
+
+def _train(
+    rank: int, world: int, bad_rank: int | None, *, broken: bool = False, monitored: bool = True, **monitor_kw
+) -> dict:
+    """``bad_rank``'s batch ``BAD_AT`` has targets x1000; ``broken``: from there on its inputs are NaN
+    (its data pipeline broke)."""
+    torch.manual_seed(0)  # the same initial weights on every rank (DDP broadcasts them anyway)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    teacher = torch.randn(16, 1, generator=torch.Generator().manual_seed(1))
+    policy = mixprec.get_policy("bf16-mixed", device="cpu")
+    ddp = DistributedDataParallel(policy.prepare(model))
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    monitor = None
+    if monitored:
+        monitor = Monitor(ddp, policy, optimizer=optimizer, loss_fn=_loss, every=20, **monitor_kw)
+    data = torch.Generator().manual_seed(100 + rank)  # each rank its own shard
+    stopped_at = None
+    for step in range(STEPS):
+        x = torch.randn(PER_RANK, 16, generator=data)
+        y = x @ teacher + 0.3 * torch.randn(PER_RANK, 1, generator=data)
+        if rank == bad_rank and step == BAD_AT:
+            y = y * 1000.0
+        if rank == bad_rank and broken and step >= BAD_AT:
+            x = torch.full_like(x, math.nan)
+        with policy.autocast():
+            loss = _loss(ddp, (x, y))
+        optimizer.zero_grad()
+        policy.backward(loss)
+        try:
+            if monitor is not None:
+                monitor.before_step(loss, (x, y), batch_index=step)
+            policy.step(optimizer)
+            if monitor is not None:
+                monitor.observe(loss, (x, y))
+        except mixprec.monitor.MonitorStop:
+            stopped_at = step
+            break
+    held_out = torch.randn(256, 16, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        eval_loss = F.mse_loss(model(held_out), held_out @ teacher).item()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return {
+        "weights": weights,
+        "eval_loss": eval_loss,
+        "stopped_at": stopped_at,
+        "withheld": list(monitor.withheld) if monitor else [],
+        "findings": [(f.step, f.kind, dict(f.evidence)) for f in monitor.findings] if monitor else [],
+        "world": dist.get_world_size(),
+    }
+
+
+def _clean(rank, world, out):
+    return _train(rank, world, None)
+
+
+def _bad_on_rank_1(rank, world, out):
+    return _train(rank, world, 1, rescue=True)
+
+
+def _bad_unmonitored(rank, world, out):
+    return _train(rank, world, 1, monitored=False)
+
+
+def _stop_on_rank_1(rank, world, out):
+    # rank 1's data pipeline breaks: NaN batches in a row, and its monitor stops the run (the data);
+    # rank 0's gradients are NaN too (all-reduced), though its own batches are fine
+    return _train(rank, world, 1, broken=True, rescue=True)
+
+
+def test_a_bad_batch_on_one_rank_is_withheld_on_every_rank_and_the_weights_stay_equal(tmp_path, monkeypatch):
+    runs = {}
+    for name, fn in {"clean": _clean, "rescued": _bad_on_rank_1, "poisoned": _bad_unmonitored}.items():
+        (tmp_path / name).mkdir()
+        runs[name] = _spawn(fn, tmp_path / name, monkeypatch)
+    clean, rescued, poisoned = runs["clean"], runs["rescued"], runs["poisoned"]
+    assert [r["world"] for r in rescued] == [2, 2]
+    # rank 1 found it in its own batch: a data spike, its rank and step named
+    seen = [(step, evidence) for step, kind, evidence in rescued[1]["findings"] if kind == SPIKE]
+    assert seen and seen[0][0] == BAD_AT and seen[0][1]["rank"] == 1, rescued[1]["findings"]
+    assert seen[0][1]["verdict"] == DATA and seen[0][1]["batch_index"] == BAD_AT
+    # rank 0 saw a normal loss and withheld the update too, saying whose evidence decided it
+    agreed = [ev for step, kind, ev in rescued[0]["findings"] if kind == RESCUE and step == BAD_AT]
+    assert agreed and agreed[0]["decided_by_ranks"] == [1] and agreed[0]["rank"] == 0, rescued[0]["findings"]
+    assert rescued[0]["withheld"] == rescued[1]["withheld"] == [BAD_AT]
+    # a rank-local decision leaves the ranks with different weights for good; agreed, they are equal
+    assert torch.equal(rescued[0]["weights"], rescued[1]["weights"])
+    assert torch.equal(clean[0]["weights"], clean[1]["weights"])
+    # the poisoned update damages the run; withheld on both ranks, it ends where the clean run does
+    damaged, healthy = poisoned[0]["eval_loss"], clean[0]["eval_loss"]
+    assert damaged > 1.5 * healthy, (damaged, healthy)
+    assert abs(rescued[0]["eval_loss"] - clean[0]["eval_loss"]) <= 0.2 * clean[0]["eval_loss"]
+
+
+def test_a_stop_on_one_rank_stops_every_rank_at_the_same_step_and_none_hangs(tmp_path, monkeypatch):
+    ranks = _spawn(_stop_on_rank_1, tmp_path, monkeypatch)
+    assert ranks[1]["stopped_at"] is not None and ranks[0]["stopped_at"] == ranks[1]["stopped_at"], ranks
+    assert BAD_AT < ranks[1]["stopped_at"] < BAD_AT + 20
+    assert all(torch.isfinite(r["weights"]).all() for r in ranks)  # no NaN update landed on either rank
+    assert any(kind == STOP and ev.get("decided_by_ranks") == [1] for _, kind, ev in ranks[0]["findings"])
+    assert torch.equal(ranks[0]["weights"], ranks[1]["weights"])
