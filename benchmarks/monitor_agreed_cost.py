@@ -45,7 +45,7 @@ def _rank(rank: int, world: int, store: str, args: dict, out: str) -> None:
     def loss_fn(m, batch):
         return F.mse_loss(m(batch[0]).float(), batch[1])
 
-    def block(monitor: Monitor | None, steps: int) -> list[float]:
+    def block(monitor: Monitor | None, steps: int, bare_all_reduce: bool = False) -> list[float]:
         times = []
         for _ in range(steps):
             x, y = torch.randn(32, 64), torch.randn(32, 1)
@@ -56,6 +56,8 @@ def _rank(rank: int, world: int, store: str, args: dict, out: str) -> None:
             policy.backward(loss)
             if monitor is not None:
                 monitor.before_step(loss, (x, y))
+            if bare_all_reduce:  # what the agreement's collective alone costs
+                dist.all_reduce(torch.zeros(world, dtype=torch.int32))
             policy.step(optimizer)
             if monitor is not None:
                 monitor.observe(loss, (x, y))
@@ -63,9 +65,10 @@ def _rank(rank: int, world: int, store: str, args: dict, out: str) -> None:
         return times
 
     block(None, 20)  # warm-up
-    plain, watched = [], []
+    plain, watched, collective = [], [], []
     for _ in range(args["blocks"]):
         plain += block(None, args["steps"])[WARM:]
+        collective += block(None, args["steps"], bare_all_reduce=True)[WARM:]
         monitor = Monitor(ddp, policy, optimizer=optimizer, loss_fn=loss_fn, rescue=True)
         watched += block(monitor, args["steps"])[WARM:]  # (past the detectors' own warm-up)
         monitor.close()
@@ -75,6 +78,7 @@ def _rank(rank: int, world: int, store: str, args: dict, out: str) -> None:
                 {
                     "plain_ms": statistics.median(plain) * 1e3,
                     "monitored_ms": statistics.median(watched) * 1e3,
+                    "all_reduce_only_ms": statistics.median(collective) * 1e3,
                 },
                 f,
             )
@@ -98,7 +102,8 @@ def main() -> None:
     result["share"] = result["monitored_ms"] / result["plain_ms"] - 1
     result.update(hidden=args.hidden, world=2, backend="gloo", load=os.getloadavg()[0])
     print(f"2 gloo ranks, hidden {args.hidden}: plain {result['plain_ms']:.3f} ms/step, monitored "
-          f"{result['monitored_ms']:.3f} ms/step: +{result['share']:.1%}")  # fmt: skip
+          f"{result['monitored_ms']:.3f} ms/step: +{result['share']:.1%}; the bare all-reduce alone "
+          f"{result['all_reduce_only_ms']:.3f} ms/step")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -127,12 +127,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per side and round")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--env", action="append", default=[], help="NAME=VALUE for every worker")
+    p.add_argument("--only", choices=("A/A", "A/B"), help="run one of the two comparisons")
     p.add_argument("--json")
     args = p.parse_args()
     env = dict(e.split("=", 1) for e in args.env)
     spec = {"model": args.model, "image_size": args.image_size, "batch": args.batch, "warmup": args.warmup}
     out: dict = {"spec": spec, "env": env, "cpus": os.cpu_count(), "load_start": os.getloadavg()[0]}
     for name, (a, b) in {"A/A": ("fp32", "fp32"), "A/B": ("fp32", args.candidate)}.items():
+        if args.only and name != args.only:
+            continue
         for processes in (1, 2):
             runs = [setup(spec, a, b, processes, env, args.rounds, args.steps) for _ in range(args.setups)]
             medians = [r["median"] for r in runs]
