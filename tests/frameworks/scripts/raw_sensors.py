@@ -35,7 +35,7 @@ def main() -> None:
     model.add_module("act", nn.GELU())
     model.add_module("head", nn.Linear(128, 1))
     model.to(args.device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     loader = DataLoader(readings(), batch_size=64, shuffle=True)
     step = 0
     while step < args.steps:
