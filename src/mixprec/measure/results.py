@@ -263,12 +263,28 @@ def _mfu(flops: int | None, step_s: float, peak: float | None, source: str) -> t
     return None, f"n/a: {achieved:.3g} TFLOP/s exceed the {peak / 1e12:.3g} TFLOP/s peak ({value:.0%}): {why}"  # type: ignore[operator]
 
 
+def _samples(row: BenchRow) -> int:
+    return row.world_size * row.batch_size * row.accumulation_steps
+
+
+def pace_note(paired: float, unpaired: float) -> str:
+    """Why a row's interval covers its samples/s ratio: strict fp32 ran at another pace in its rounds."""
+    pace = "slower" if paired > unpaired else "faster"
+    return (
+        f"its samples/s say {unpaired:.2f}x against strict fp32's over the whole sweep, its paired rounds "
+        f"{paired:.2f}x: strict fp32 ran {pace} beside it than over the sweep (the machine's pace moved), so "
+        "its interval covers both; a quiet machine, or a re-measure, settles it"
+    )
+
+
 def assemble(
     rows: Iterable[BenchRow], flops_per_step: int | None, peaks: Peaks, between_run_sd: float = 0.0
 ) -> list[BenchRow]:
     """``rows`` with every derived figure computed from their own measurements and the baseline.
 
-    The speedup of a row with paired ratios is their median with its bootstrap interval, and where
+    The speedup of a row with paired ratios is their median with its bootstrap interval (widened to
+    cover the ratio of its samples/s to strict fp32's over the sweep where that falls outside, with a
+    note: :func:`pace_note`), and where
     a repeat run lands: that interval widened by ``between_run_sd``, the spread between runs of
     log(speedup) on this machine (:func:`mixprec.measure.repeats.widen`; 0: not known); rows
     without (the baseline, data-parallel runs, schema-1 files) fall back on the ratio of
@@ -282,6 +298,15 @@ def assemble(
         if row.paired_ratios:
             median = statistics.median(row.paired_ratios)
             within = median_ci(row.paired_ratios)
+            unpaired = None
+            if base and base.throughput and row.throughput and _samples(row) == _samples(base):
+                unpaired = row.throughput / base.throughput
+            if within and unpaired and not within[0] <= unpaired <= within[1]:
+                # one truth: the samples/s a row shows say the same speedup, or its interval covers both
+                within = (min(within[0], unpaired), max(within[1], unpaired))
+                note = pace_note(median, unpaired)
+                if note not in row.notes:
+                    derived["notes"] = (*row.notes, note)
             derived["speedup_vs_fp32"] = median
             derived["speedup_ci"] = within
             if within and median > 0 and between_run_sd > 0:
