@@ -17,7 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import mixprec
 from mixprec.monitor import Monitor
-from mixprec.monitor.findings import DATA, RESCUE, SPIKE, STOP
+from mixprec.monitor.core import PoisonedCheckpointError
+from mixprec.monitor.findings import CHECKPOINT_REFUSED, DATA, REPLICAS_DIFFER, RESCUE, SPIKE, STOP
 
 STEPS = 120
 BAD_AT = 80
@@ -127,3 +128,69 @@ def test_a_stop_on_one_rank_stops_every_rank_at_the_same_step_and_none_hangs(tmp
     assert all(torch.isfinite(r["weights"]).all() for r in ranks)  # no NaN update landed on either rank
     assert any(kind == STOP and ev.get("decided_by_ranks") == [1] for _, kind, ev in ranks[0]["findings"])
     assert torch.equal(ranks[0]["weights"], ranks[1]["weights"])
+
+
+CHECK_EVERY = 10  # replica checks in these runs (the default, 100, is longer than a test)
+
+
+def _replicas(rank, world, out, *, fault: str):
+    """31 steps with a replica check every 10; at the end of step 29, rank 1 alone: ``nudge`` adds
+    1e-3 to one weight (a corrupted copy), ``nan`` puts a NaN in its AdamW state. Rank 0 then saves a
+    checkpoint after step 30, whose pre-step hook checked (``torch.save`` on rank 0 only, as scripts
+    do): its own state is still finite there."""
+    import mixprec.monitor.gate as gate
+
+    gate.REPLICA_CHECK_EVERY = CHECK_EVERY
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    policy = mixprec.get_policy("bf16-mixed", device="cpu")
+    ddp = DistributedDataParallel(policy.prepare(model))
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    monitor = Monitor(ddp, policy, optimizer=optimizer, loss_fn=_loss, every=20)
+    data = torch.Generator().manual_seed(100 + rank)
+    refused = None
+    for step in range(31):
+        x, y = torch.randn(PER_RANK, 16, generator=data), torch.randn(PER_RANK, 1, generator=data)
+        with policy.autocast():
+            loss = _loss(ddp, (x, y))
+        optimizer.zero_grad()
+        policy.backward(loss)
+        monitor.before_step(loss, (x, y))
+        policy.step(optimizer)
+        monitor.observe(loss, (x, y))
+        if step == 29 and rank == 1:
+            with torch.no_grad():
+                if fault == "nudge":
+                    model[0].weight[0, 0] += 1e-3
+                else:
+                    optimizer.state[model[2].weight]["exp_avg"][0, 0] = math.nan
+        if step == 30 and rank == 0:
+            try:
+                monitor.save({"model": model.state_dict()}, out / "ckpt.pt")
+            except PoisonedCheckpointError as exc:
+                refused = str(exc)
+    return {"findings": [(f.step, f.kind, dict(f.evidence)) for f in monitor.findings], "refused": refused}
+
+
+def _nudged(rank, world, out):
+    return _replicas(rank, world, out, fault="nudge")
+
+
+def _poisoned_state(rank, world, out):
+    return _replicas(rank, world, out, fault="nan")
+
+
+def test_replicas_that_part_are_found_at_the_next_check_on_every_rank(tmp_path, monkeypatch):
+    ranks = _spawn(_nudged, tmp_path, monkeypatch)
+    for r in ranks:
+        found = [step for step, kind, _ in r["findings"] if kind == REPLICAS_DIFFER]
+        assert found and found[0] == 30, r["findings"]  # the first check after step 29
+    assert ranks[0]["refused"] is None  # finite everywhere: differing replicas say so, not refuse
+
+
+def test_a_checkpoint_rank_0_saves_is_refused_when_rank_1s_state_is_not_finite(tmp_path, monkeypatch):
+    ranks = _spawn(_poisoned_state, tmp_path, monkeypatch)
+    refused = ranks[0]["refused"]
+    assert refused is not None and "rank 1's weights or optimizer state held inf/NaN at step 30" in refused
+    assert any(kind == CHECKPOINT_REFUSED for _, kind, _ in ranks[0]["findings"])
+    assert not (tmp_path / "out" / "ckpt.pt").exists()

@@ -233,8 +233,9 @@ def test_the_end_to_end_rule_rejects_a_pick_a_passing_candidate_lies_above():
 
     def paired(policy, speedup, ci):
         half = [ci[0], speedup, speedup, ci[1]]
+        steps = (20.0 / speedup,) * 4  # what its samples/s say agrees with its rounds (strict fp32: 20 ms)
         return BenchRow(
-            "w", Candidate(policy), "cpu", 8, "ok", step_times_ms=(10.0,) * 4, paired_ratios=tuple(half)
+            "w", Candidate(policy), "cpu", 8, "ok", step_times_ms=steps, paired_ratios=tuple(half)
         )
 
     base = BenchRow("w", Candidate("fp32"), "cpu", 8, "ok", step_times_ms=(20.0,) * 4)

@@ -247,6 +247,14 @@ class RunRecord:
         recorded as a finding; None when it may be. A buffer that held inf/NaN when the monitor was
         made (an attention mask of -inf) is by design and not checked."""
         bad = self.rescuer.nonfinite()
+        remote = getattr(getattr(self, "gate", None), "remote_poisoned", None)
+        if bad is None and remote is not None:  # (a save on rank 0 only: another rank's last check)
+            self._emit(MonitorFinding(self.step, CHECKPOINT_REFUSED, f"checkpoint refused: {remote}"))
+            return (
+                f"checkpoint refused at step {self.step}: {remote}, and every run resumed from this "
+                "data-parallel run would train on garbage there; roll back or fix the precision first "
+                "(that rank's findings say where)."
+            )
         if bad is None:
             return None
         message = f"checkpoint refused: {bad} is not finite"
@@ -324,6 +332,7 @@ class Monitor(RunRecord):
             raise UsageError(f"config must be a MonitorConfig, got {type(config).__name__}.")
         config = (config or MonitorConfig()).replace(**fields)
         _check_run(model, policy, scaler)
+        self.replicated = isinstance(model, DistributedDataParallel)  # (every rank the whole model)
         if isinstance(model, DistributedDataParallel):
             # the monitor's own replays and hooks on the module inside: a replay runs on the one rank
             # that saw the spike, and DDP's forward (buffer broadcast) would wait for the others

@@ -27,6 +27,7 @@ SCHEDULE = "schedule"  # a planned precision switch
 STOP = "stop"  # the rescues are spent and the run still fails, or the data is broken: the monitor stopped it
 DIVERGENCE = "divergence"  # a layer's range trend passes fp32's own limit: the run diverges in any precision
 UNWATCHED = "unwatched"  # the loop does not step the policy (or GradScaler) the monitor reads its skips from
+REPLICAS_DIFFER = "replicas_differ"  # data-parallel replicas whose weights were to stay equal differ
 KINDS = (
     SCALE_COLLAPSE,
     OVERFLOW,
@@ -43,13 +44,14 @@ KINDS = (
     STOP,
     DIVERGENCE,
     UNWATCHED,
+    REPLICAS_DIFFER,
 )
 # Findings that blame the precision (a rescue may act on them); the others do not.
 PRECISION_KINDS = (SCALE_COLLAPSE, OVERFLOW, PREDICTED_OVERFLOW, UNDERFLOW, STALL, DRIFT, NONFINITE_WEIGHTS)
 # Findings that leave the run unhealthy until something answered them: the precision's, a spike
 # (whatever its cause, its update damaged the run unless it was withheld, retried or rescued), a
 # divergence (no precision answers it) and a loop the monitor cannot watch (it vouches for nothing).
-OPEN_KINDS = (*PRECISION_KINDS, SPIKE, DIVERGENCE, UNWATCHED)
+OPEN_KINDS = (*PRECISION_KINDS, SPIKE, DIVERGENCE, UNWATCHED, REPLICAS_DIFFER)
 
 # A spike's diagnosis (the ``verdict`` in its evidence): the replay of its batch from the same weights
 # in fp32 and once more in the policy says which.

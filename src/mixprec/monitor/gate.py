@@ -19,7 +19,7 @@ import torch
 
 from mixprec.errors import UsageError
 from mixprec.monitor.detectors import Detector, UpdateView
-from mixprec.monitor.findings import RESCUE, STOP, UNWATCHED, MonitorFinding
+from mixprec.monitor.findings import REPLICAS_DIFFER, RESCUE, STOP, UNWATCHED, MonitorFinding
 from mixprec.monitor.shadow import grad_norm
 
 # Steps after which a policy (or GradScaler) the loop has never stepped is not the loop's, where the
@@ -53,6 +53,13 @@ def check_loss(loss: Any, call: str) -> None:
         raise UsageError(
             f"{call}() takes the step's loss, a scalar tensor or a number, got {type(loss).__name__}."
         )
+
+
+# Every this many steps the ranks also compare their replicas (Megatron's
+# --check-weight-hash-across-dp-replicas-interval): a float64 sum of each rank's parameters, equal
+# bit for bit between DDP replicas (the same all-reduced gradients, the same optimizer), and whether
+# each rank's weights and optimizer state are finite (a checkpoint any rank would refuse is refused).
+REPLICA_CHECK_EVERY = 100
 
 
 def agreement_group() -> Any | None:
@@ -100,6 +107,8 @@ class UpdateGate:
         self.group = agreement_group()
         self.agreed_step = -1
         self.stop_agreed = False
+        self.replicas = bool(getattr(run, "replicated", False))  # DDP: every rank holds the whole model
+        self.remote_poisoned: str | None = None  # another rank's state held inf/NaN at the last check
         if self.group is not None:
             self.armed = [o.register_step_pre_hook(self.before_update) for o in run.optimizers]
         self.requiet()
@@ -220,10 +229,19 @@ class UpdateGate:
         self.agreed_step = step
         own = 2 if run.stopped else 1 if self.withheld_at == step else 0
         on_nccl = torch.distributed.get_backend(self.group) == "nccl"
-        codes = torch.zeros(world, dtype=torch.int32, device="cuda" if on_nccl else "cpu")
-        codes[rank] = own
-        torch.distributed.all_reduce(codes, group=self.group)
-        others = {r: c for r, c in enumerate(codes.tolist()) if c and r != rank}
+        # per rank: its decision, and on a replica check its parameters' sum and whether its state is finite
+        rows = torch.zeros(world, 3, dtype=torch.float64, device="cuda" if on_nccl else "cpu")
+        rows[rank, 0] = own
+        checking = step % REPLICA_CHECK_EVERY == 0
+        if checking:
+            if self.replicas:
+                rows[rank, 1] = sum(p.detach().double().sum() for p in run.model.parameters())
+            rows[rank, 2] = run.rescuer.nonfinite() is not None
+        torch.distributed.all_reduce(rows, group=self.group)
+        table = rows.tolist()
+        if checking:
+            self.check_replicas(step, rank, table)
+        others = {r: int(row[0]) for r, row in enumerate(table) if row[0] and r != rank}
         self.stop_agreed = self.stop_agreed or own == 2 or 2 in others.values()
         if not others:
             return
@@ -244,6 +262,26 @@ class UpdateGate:
                 "ranks hold the same all-reduced gradients, so all must skip it to keep the same weights"
             )
             run._emit(MonitorFinding(step, RESCUE, said, None, evidence, action="update withheld"))
+
+    def check_replicas(self, step: int, rank: int, table: list[list[float]]) -> None:
+        """What a replica check found (:data:`REPLICA_CHECK_EVERY`): another rank's state not finite
+        (this rank's checkpoints are refused until a check finds every rank finite again), replicas
+        whose parameters differ (a ``replicas_differ`` finding: they were to be equal)."""
+        poisoned = [r for r, row in enumerate(table) if row[2] and r != rank]
+        self.remote_poisoned = (
+            f"rank {', '.join(map(str, poisoned))}'s weights or optimizer state held inf/NaN at step {step}"
+            if poisoned
+            else None
+        )
+        sums = [row[1] for row in table]
+        if self.replicas and len(set(sums)) > 1:
+            said = (
+                f"the data-parallel replicas' weights differ at step {step} (float64 sums per rank: "
+                f"{', '.join(f'{v:.17g}' for v in sums)}): they were to stay equal (the same all-reduced "
+                "gradients, the same optimizer); a rank-local update or a corrupted copy. A checkpoint "
+                "from one rank is not the run's"
+            )
+            self.run._emit(MonitorFinding(step, REPLICAS_DIFFER, said, None, {"sums": sums}))
 
     def scaler_skips(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the run's GradScaler has found inf/NaN in ``optimizer``'s gradients (it will skip
