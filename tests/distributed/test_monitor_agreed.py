@@ -30,7 +30,13 @@ def _loss(model, batch):
 
 
 def _train(
-    rank: int, world: int, bad_rank: int | None, *, broken: bool = False, monitored: bool = True, **monitor_kw
+    rank: int,
+    world: int,
+    bad_rank: int | None,
+    *,
+    broken: bool = False,
+    monitored: bool = True,
+    **monitor_kw,
 ) -> dict:
     """``bad_rank``'s batch ``BAD_AT`` has targets x1000; ``broken``: from there on its inputs are NaN
     (its data pipeline broke)."""

@@ -16,6 +16,8 @@ from typing import Any
 # contended (one busy process beside a CPU sweep halved strict fp32's samples/s on the 2-core EPYC,
 # and the 2-vs-1-thread probe, 687 vs 578 ms, did not see it: issue 53).
 CONTENDED_CPUS = 0.5
+# ... and at least this share of the machine's CPUs (a many-core host always has some work on it).
+CONTENDED_SHARE = 0.25
 # ... or the hypervisor took this share of the CPU time for other guests.
 CONTENDED_STEAL = 0.10
 
@@ -150,7 +152,7 @@ def contention(noise: dict[str, Any]) -> str | None:
     ``CONTENDED_CPUS`` busy, or the hypervisor stole ``CONTENDED_STEAL`` of the time), or None:
     which figures that moves and which it does not."""
     others, steal, cpus = noise.get("others_cpus"), noise.get("steal") or 0.0, noise.get("cpus")
-    if others is not None and others >= CONTENDED_CPUS:
+    if others is not None and others >= max(CONTENDED_CPUS, CONTENDED_SHARE * (cpus or 1)):
         busiest = noise.get("busiest_other") or {}
         top = f" ({busiest['name']!r} alone {busiest['cpus']:.1f})" if busiest.get("name") else ""
         seen = f"other processes kept {others:.1f} of the {cpus} CPUs busy while it measured{top}"

@@ -267,11 +267,14 @@ def _samples(row: BenchRow) -> int:
     return row.world_size * row.batch_size * row.accumulation_steps
 
 
+PACE_NOTE = "its samples/s say"
+
+
 def pace_note(paired: float, unpaired: float) -> str:
     """Why a row's interval covers its samples/s ratio: strict fp32 ran at another pace in its rounds."""
     pace = "slower" if paired > unpaired else "faster"
     return (
-        f"its samples/s say {unpaired:.2f}x against strict fp32's over the whole sweep, its paired rounds "
+        f"{PACE_NOTE} {unpaired:.2f}x against strict fp32's over the whole sweep, its paired rounds "
         f"{paired:.2f}x: strict fp32 ran {pace} beside it than over the sweep (the machine's pace moved), so "
         "its interval covers both; a quiet machine, or a re-measure, settles it"
     )
@@ -299,14 +302,15 @@ def assemble(
             median = statistics.median(row.paired_ratios)
             within = median_ci(row.paired_ratios)
             unpaired = None
-            if base and base.throughput and row.throughput and _samples(row) == _samples(base):
+            same = _samples(row) == _samples(base) if base else False
+            if row.status == Status.OK and base and base.throughput and row.throughput and same:
                 unpaired = row.throughput / base.throughput
             if within and unpaired and not within[0] <= unpaired <= within[1]:
                 # one truth: the samples/s a row shows say the same speedup, or its interval covers both
                 within = (min(within[0], unpaired), max(within[1], unpaired))
-                note = pace_note(median, unpaired)
-                if note not in row.notes:
-                    derived["notes"] = (*row.notes, note)
+                # (one note, this assembly's: a resumed row may carry a stale one)
+                kept = tuple(n for n in row.notes if not n.startswith(PACE_NOTE))
+                derived["notes"] = (*kept, pace_note(median, unpaired))
             derived["speedup_vs_fp32"] = median
             derived["speedup_ci"] = within
             if within and median > 0 and between_run_sd > 0:

@@ -333,6 +333,7 @@ class Monitor(RunRecord):
         config = (config or MonitorConfig()).replace(**fields)
         _check_run(model, policy, scaler)
         self.replicated = isinstance(model, DistributedDataParallel)  # (every rank the whole model)
+        self.dp_group = getattr(model, "process_group", None) if self.replicated else None
         if isinstance(model, DistributedDataParallel):
             # the monitor's own replays and hooks on the module inside: a replay runs on the one rank
             # that saw the spike, and DDP's forward (buffer broadcast) would wait for the others
@@ -407,7 +408,9 @@ class Monitor(RunRecord):
                 "nothing more (its hooks are removed); make a new Monitor to watch another run."
             )
         new = self._record(loss, batch, "observe")
-        if self.stopped and (self.gate.group is None or self.gate.stop_agreed):
+        gate = self.gate
+        if self.stopped and (gate.group is None or gate.stop_agreed or not self.optimizers):
+            # (no optimizer: no pre-step hook agrees it; the rank stops at once, as before)
             # (over data-parallel ranks, once every rank knows: the next pre-step hook agrees it)
             raise MonitorStop(self.stopped)
         return new
@@ -420,6 +423,7 @@ class Monitor(RunRecord):
         return self._record(loss, batch, "record")
 
     def _record(self, loss: torch.Tensor | float, batch: Any, call: str) -> list[MonitorFinding]:
+        self.gate.agreed = False  # (the next optimizer step's decision is agreed anew)
         value = self.gate.plain(loss, self.step)
         if value is not None:  # a plain step (the common one): the loss kept, the step counted
             self.losses.append(value)

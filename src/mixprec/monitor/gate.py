@@ -62,13 +62,15 @@ def check_loss(loss: Any, call: str) -> None:
 REPLICA_CHECK_EVERY = 100
 
 
-def agreement_group() -> Any | None:
-    """The process group whose ranks must take every decision together (torch.distributed's
-    default group, initialised, with more than one rank), or None for a single process."""
+def agreement_group(group: Any = None) -> Any | None:
+    """The process group whose ranks must take every decision together: ``group`` (a DDP module's
+    own, where tensor or pipeline parallelism splits the world), else torch.distributed's default
+    one, initialised and with more than one rank; None for a single process."""
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if not (dist.is_available() and dist.is_initialized()):
         return None
-    return dist.group.WORLD
+    group = group if group is not None else dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
 
 
 class UpdateGate:
@@ -104,8 +106,9 @@ class UpdateGate:
         # withholds and another applies leaves them with different weights for good. Every rank
         # reaches the pre-step hook each step and agrees there (one all-reduce of a flag per rank):
         # withheld or stopped on any rank is withheld or stopped on all.
-        self.group = agreement_group()
-        self.agreed_step = -1
+        self.group = agreement_group(getattr(run, "dp_group", None))
+        self.agreed = False  # this step's agreement is made (reset by Monitor._record each step)
+        self.rounds = 0  # agreements made: the replica checks' clock (optimizer steps, not observes)
         self.stop_agreed = False
         self.replicas = bool(getattr(run, "replicated", False))  # DDP: every rank holds the whole model
         self.remote_poisoned: str | None = None  # another rank's state held inf/NaN at the last check
@@ -158,6 +161,10 @@ class UpdateGate:
         optimizer = unwrapped(optimizer)
         if self.staged is not None and self.scaler_skips(optimizer):
             self.staged = None
+        # an adapter's call comes after the backward, which a framework may run inside
+        # optimizer.step (Lightning's closure: after the pre-step hook agreed): agreed again here,
+        # as every rank runs the same adapter
+        self.agreed = False
         self.before_update(optimizer)
         return self.withheld_at == self.run.step
 
@@ -168,7 +175,7 @@ class UpdateGate:
         itself): such a step is the skip path's, as :meth:`check_update` has it. Over data-parallel
         ranks the decision is then agreed (:meth:`agree`)."""
         self._decide(optimizer)
-        if self.group is not None and self.agreed_step != self.run.step:
+        if self.group is not None and not self.agreed:
             self.agree(optimizer)
 
     def _decide(self, optimizer: torch.optim.Optimizer) -> None:
@@ -225,19 +232,23 @@ class UpdateGate:
         findings say what they saw). A stop is raised by :meth:`Monitor.observe` only once agreed,
         so every rank leaves the loop at the same step."""
         run = self.run
-        step, rank, world = run.step, torch.distributed.get_rank(), torch.distributed.get_world_size()
-        self.agreed_step = step
+        dist, group = torch.distributed, self.group
+        step, rank, world = run.step, dist.get_rank(group), dist.get_world_size(group)
+        self.agreed = True
         own = 2 if run.stopped else 1 if self.withheld_at == step else 0
-        on_nccl = torch.distributed.get_backend(self.group) == "nccl"
+        params = list(run.model.parameters())
+        on_nccl = dist.get_backend(group) == "nccl"
+        device = params[0].device if on_nccl and params else "cpu"
         # per rank: its decision, and on a replica check its parameters' sum and whether its state is finite
-        rows = torch.zeros(world, 3, dtype=torch.float64, device="cuda" if on_nccl else "cpu")
+        rows = torch.zeros(world, 3, dtype=torch.float64, device=device)
         rows[rank, 0] = own
-        checking = step % REPLICA_CHECK_EVERY == 0
+        checking = self.rounds % REPLICA_CHECK_EVERY == 0
+        self.rounds += 1
         if checking:
             if self.replicas:
-                rows[rank, 1] = sum(p.detach().double().sum() for p in run.model.parameters())
+                rows[rank, 1] = sum(p.detach().sum(dtype=torch.float64) for p in params)
             rows[rank, 2] = run.rescuer.nonfinite() is not None
-        torch.distributed.all_reduce(rows, group=self.group)
+        dist.all_reduce(rows, group=group)
         table = rows.tolist()
         if checking:
             self.check_replicas(step, rank, table)
@@ -274,7 +285,7 @@ class UpdateGate:
             else None
         )
         sums = [row[1] for row in table]
-        if self.replicas and len(set(sums)) > 1:
+        if self.replicas and not poisoned and all(map(math.isfinite, sums)) and len(set(sums)) > 1:
             said = (
                 f"the data-parallel replicas' weights differ at step {step} (float64 sums per rank: "
                 f"{', '.join(f'{v:.17g}' for v in sums)}): they were to stay equal (the same all-reduced "

@@ -346,11 +346,10 @@ class Search:
                 break  # too slow to be a finalist: it cannot win
             cost = self.costs.row_check_s(top)
             if not self.budget.can_pay(cost):
-                self.notes.append(
-                    f"numerics of {numerics.label} not checked: the budget could not pay the about "
-                    f"{cost:.0f} s its check would take (--budget raises it)"
-                )
-                self.budget.cut(f"the numerics of {numerics.label} were not checked")
+                said = f"numerics of {numerics.label} not checked: the budget could not pay the about"
+                if not any(n.startswith(said) for n in self.notes):  # (said once, however often asked)
+                    self.notes.append(f"{said} {cost:.0f} s its check would take (--budget raises it)")
+                    self.budget.cut(f"the numerics of {numerics.label} were not checked")
                 for left in dict.fromkeys(r.candidate.numerics for r in faster):
                     if left not in verdicts:
                         self.checks.not_checked[left] = (

@@ -325,7 +325,12 @@ class Spike(Detector):
             )
         elif verdict == TRANSIENT:
             grads, self._retry = self._retry, None
-            run.report(finding, local=lambda: rescuer.retry(grads), dedupe=False)
+            if getattr(getattr(run, "gate", None), "group", None) is not None:
+                # over data-parallel ranks the replay's gradients are this rank's alone (never
+                # all-reduced): a retry would part the replicas, so the update is withheld on all
+                run.report(finding, local=rescuer.withhold, dedupe=False)
+            else:
+                run.report(finding, local=lambda: rescuer.retry(grads), dedupe=False)
         else:
             run.report(finding, dedupe=False)
 
