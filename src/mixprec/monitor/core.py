@@ -331,13 +331,13 @@ class Monitor(RunRecord):
         if config is not None and not isinstance(config, MonitorConfig):
             raise UsageError(f"config must be a MonitorConfig, got {type(config).__name__}.")
         config = (config or MonitorConfig()).replace(**fields)
-        _check_run(model, policy, scaler)
         self.replicated = isinstance(model, DistributedDataParallel)  # (every rank the whole model)
         self.dp_group = getattr(model, "process_group", None) if self.replicated else None
         if isinstance(model, DistributedDataParallel):
             # the monitor's own replays and hooks on the module inside: a replay runs on the one rank
             # that saw the spike, and DDP's forward (buffer broadcast) would wait for the others
             model = model.module
+        _check_run(model, policy, scaler)  # (one monitor per model: the module a wrapper holds too)
         self.schedule = plan_schedule(config.schedule or {}, config.train_steps, policy)
         given = [] if optimizer is None else optimizer if isinstance(optimizer, Sequence) else [optimizer]
         self.optimizers = [unwrapped(o) for o in given]
