@@ -91,8 +91,9 @@ def not_learning(losses: Sequence[float], spread: float = 0.0) -> str:
     """Why the verdicts have no power when the fp32 reference's loss does not fall over the checked
     steps: Kendall's trend test does not say it falls (at ``LEARNING_ALPHA``), or its fall is within
     the run-to-run ``spread`` (random labels, a learning rate of 0 or far too high). Two runs that
-    do not learn drift apart like chaos, so a comparison of their losses can neither pass nor fail
-    a candidate: it is inconclusive. '' when it learns."""
+    do not learn drift apart like chaos, so a comparison of their losses cannot pass a candidate
+    (only a gap past the chaos floor's allowance still fails it): it is inconclusive. '' when it
+    learns."""
     values = [v for v in losses if math.isfinite(v)]
     if len(values) < 4:
         return ""
