@@ -118,6 +118,8 @@ class RunRecord:
     from being written. A :class:`Monitor` is one, and adds the watching: the detectors, the
     sampler and the update gate."""
 
+    gate: UpdateGate  # (the Monitor's, made after this record)
+
     def __init__(
         self, config: MonitorConfig, rescuer: Rescuer, sinks: list[Sink], log_fn: LogFn | None
     ) -> None:
@@ -218,10 +220,15 @@ class RunRecord:
         evidence = {"answers": finding.kind, "rescues": self.rescues}
         self._emit(MonitorFinding(finding.step, STOP, self.stopped, finding.module, evidence))
 
+    @property
+    def data_parallel(self) -> bool:
+        """:attr:`mixprec.monitor.detectors.base.Run.data_parallel` (its ranks agree in the gate)."""
+        gate = getattr(self, "gate", None)  # (None while the Monitor is being made)
+        return gate is not None and gate.group is not None
+
     def _emit(self, finding: MonitorFinding) -> None:
-        gate = getattr(self, "gate", None)
-        if gate is not None and gate.group is not None:  # which rank saw it, on every finding
-            finding.evidence.setdefault("rank", torch.distributed.get_rank())
+        if self.data_parallel:  # which rank saw it, on every finding
+            finding.evidence.setdefault("rank", self.gate.rank)
         self.findings.append(finding)
         log.warning(finding.line())
         for sink in self.sinks:

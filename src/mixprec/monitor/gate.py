@@ -107,6 +107,7 @@ class UpdateGate:
         # reaches the pre-step hook each step and agrees there (one all-reduce of a flag per rank):
         # withheld or stopped on any rank is withheld or stopped on all.
         self.group = agreement_group(getattr(run, "dp_group", None))
+        self.rank = torch.distributed.get_rank(self.group) if self.group is not None else 0  # (in the group)
         self.agreed = False  # this step's agreement is made (reset by Monitor._record each step)
         self.rounds = 0  # agreements made: the replica checks' clock (optimizer steps, not observes)
         self.stop_agreed = False
@@ -233,7 +234,7 @@ class UpdateGate:
         so every rank leaves the loop at the same step."""
         run = self.run
         dist, group = torch.distributed, self.group
-        step, rank, world = run.step, dist.get_rank(group), dist.get_world_size(group)
+        step, rank, world = run.step, self.rank, dist.get_world_size(group)
         self.agreed = True
         own = 2 if run.stopped else 1 if self.withheld_at == step else 0
         params = list(run.model.parameters())

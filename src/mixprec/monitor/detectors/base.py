@@ -63,6 +63,12 @@ class Run(Protocol):
     """The latest batch whose loss was normal (None: none yet): replayed beside a suspect batch, it
     tells a bad batch from weights that fail on any batch (a run that diverges in fp32 too)."""
 
+    @property
+    def data_parallel(self) -> bool:
+        """Whether the run's ranks hold all-reduced gradients and take its decisions together (a
+        replay's gradients are then this rank's alone)."""
+        ...
+
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The run's own precision context, to replay a batch in it: the policy's autocast, a plain
         loop's (fp16 where it has a GradScaler), or the framework's (an adapter passes it)."""

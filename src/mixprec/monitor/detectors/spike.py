@@ -325,7 +325,7 @@ class Spike(Detector):
             )
         elif verdict == TRANSIENT:
             grads, self._retry = self._retry, None
-            if getattr(getattr(run, "gate", None), "group", None) is not None:
+            if run.data_parallel:
                 # over data-parallel ranks the replay's gradients are this rank's alone (never
                 # all-reduced): a retry would part the replicas, so the update is withheld on all
                 run.report(finding, local=rescuer.withhold, dedupe=False)
