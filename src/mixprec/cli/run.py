@@ -78,7 +78,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     folder = Path(args.out).resolve()  # (the script may change its folder: Hydra does)
     folder.mkdir(parents=True, exist_ok=True)
     record = folder / "run.json"
-    record.unlink(missing_ok=True)  # never an earlier run's record read as this one's
+    for earlier in (record, *folder.glob("run.rank*.json"), *folder.glob("events.rank*.jsonl")):
+        earlier.unlink(missing_ok=True)  # never an earlier run's record read as this one's
     observer, observe = None, None
     if args.monitor or args.rescue:
         findings = folder / "events.jsonl"
@@ -120,15 +121,33 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         )
     assert data is not None  # (a step was recorded)
     framework_name = (data.get("facts") or {}).get("framework", "plain")
-    err.print(
-        f"mixprec run: {steps} optimizer steps of {candidate.label} ({framework_name}); wrote {record}",
-        soft_wrap=True,
-    )
-    for finding in data.get("findings") or []:
-        err.print(f"  step {finding['step']}: {finding['kind']}: {finding['message']}", soft_wrap=True)
+    ranks = [data, *_other_ranks(folder, data)]
+    world = data.get("world") or 1
+    on = f" on {world} ranks" if world > 1 else ""
+    said = f"mixprec run: {steps} optimizer steps of {candidate.label} ({framework_name}){on}; wrote {record}"
+    err.print(said, soft_wrap=True)
+    for rank in ranks:
+        for finding in rank.get("findings") or []:
+            seen = finding.get("evidence", {}).get("rank", rank.get("rank")) if world > 1 else None
+            where = f" (rank {seen})" if seen is not None else ""
+            line = f"  step {finding['step']}: {finding['kind']}{where}: {finding['message']}"
+            err.print(line, soft_wrap=True)
     if code != 0:
         return code
-    return 4 if data.get("healthy") is False else 0
+    return 4 if any(rank.get("healthy") is False for rank in ranks) else 0
+
+
+def _other_ranks(folder: Path, lead: dict) -> list[dict]:
+    """The records of a launch's other ranks (``run.rankN.json``), in rank order."""
+    if (lead.get("world") or 1) <= 1:
+        return []
+    found = []
+    for rank in range(1, lead["world"]):
+        try:
+            found.append(json.loads((folder / f"run.rank{rank}.json").read_text()))
+        except (OSError, ValueError):
+            continue  # (a rank that wrote none: its findings are gone with it)
+    return found
 
 
 def _record_of(path: Path, pid: int) -> dict | None:

@@ -170,7 +170,7 @@ def run_sweep(
         device=device,
         batch_size=settings.batch_size,
         settings=recorded_settings(framework, config, settings, isolate),
-        env=framework.environment(device),
+        env=framework.environment(device) | _launched(workload),
         notes=notes,
         peaks=framework.peaks(info, list(dict.fromkeys(c.spec.peak_key for c in plan))),
         between_run_sd=between_run_sd,
@@ -526,3 +526,9 @@ class Sweep:
 
 def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else ""
+
+
+def _launched(workload: Any) -> dict[str, Any]:
+    """A source run as a launch of several processes (torchrun): its launcher and world size."""
+    launch = getattr(workload, "launch_record", None)
+    return {"launch": launch} if launch else {}

@@ -32,7 +32,8 @@ class ScriptMonitor:
 
     def __init__(self, agent: Any, settings: dict[str, Any]) -> None:
         settings = dict(settings)
-        self.findings = settings.pop("findings", None)
+        findings = settings.pop("findings", None)  # (each rank of a launch its own file)
+        self.findings = agent.mode.ranks.own_path(findings) if findings else None
         if settings.get("rescue") and not settings.get("snapshot_every"):
             settings["snapshot_every"] = SNAPSHOT_EVERY  # poisoned weights roll back to one
         self.config = MonitorConfig(**settings)

@@ -500,8 +500,8 @@ def install_from_env() -> None:
     if AGENT is not None or (owner is not None and owner != str(os.getpid())):
         return
     plan = Plan.from_env()
-    if plan is None:
-        return
+    if plan is None or (plan.launched and "LOCAL_RANK" not in os.environ):
+        return  # (no plan; or torchrun's own process, which starts the ranks)
     os.environ[OWNER_ENV] = str(os.getpid())
     try:
         AGENT = Agent(plan)

@@ -31,6 +31,8 @@ _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b(:|$
 # The folder mixprec is imported from, for an interpreter that does not have it installed.
 _MIXPREC_ROOT = Path(__file__).resolve().parents[3]
 _RUNS = itertools.count()
+# torchrun's own last word when a rank fails: the rank's exception above it is the reason.
+_LAUNCHER_ERROR = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 _LIVE: set[subprocess.Popen] = set()  # the measured runs not yet ended: stopped when mixprec exits
 # Python's options that take a value (``-W ignore``, ``-X dev``), and those that keep the agent out
 # of PYTHONPATH's reach (isolated, ignore the environment, no site).
@@ -75,7 +77,7 @@ class Child:
         """The exception the script died of (the last ``SomethingError: ...`` line it printed; a
         library's advice after it, such as dynamo's, is not the reason), else its last line."""
         lines = [line.strip() for line in self.tail(60).splitlines() if line.strip()]
-        raised = [line for line in lines if _EXCEPTION.match(line)]
+        raised = [line for line in lines if _EXCEPTION.match(line) and not line.startswith(_LAUNCHER_ERROR)]
         return raised[-1] if raised else (lines[-1] if lines else "")
 
     def discard(self, *, keep_log: bool = False) -> None:
@@ -112,7 +114,12 @@ def launch(
         plan = dataclasses.replace(plan, home=str(workload.cwd))
     else:
         folder.mkdir(parents=True)
-    plan = dataclasses.replace(plan, scratch=plan.scratch or str(folder / "output"))
+    plan = dataclasses.replace(
+        plan,
+        scratch=plan.scratch or str(folder / "output"),
+        world=workload.world,
+        launched=workload.launch is not None,
+    )
     plan_path = folder / "plan.json"
     plan.write(plan_path)
     env = {**os.environ, **workload.env, PLAN_ENV: str(plan_path)}
@@ -127,7 +134,7 @@ def launch(
     out = None if inherit_output else log.open("w")
     try:
         process = subprocess.Popen(
-            bootstrapped(list(workload.command)),
+            bootstrapped(list(workload.command_for(measured))),
             cwd=cwd,
             env=env,
             stdin=None if inherit_output else subprocess.DEVNULL,

@@ -37,7 +37,13 @@ class Plan:
         candidate: the candidate's dict (:meth:`mixprec.Candidate.to_dict`); ``as_written`` runs the
             script's own precision.
         steps: "trace": the steps to record.
-        read_fd / write_fd: "measure": the pipe ends to the parent.
+        read_fd / write_fd: "measure": the pipe ends to the parent (one process).
+        channel: "measure" over a launch's ranks: the folder of the two FIFOs to the parent
+            (``down``, read by rank 0; ``up``, written by every rank), whose descriptors no
+            launcher hands its workers.
+        world: the ranks the launch starts (1: one process).
+        launched: the command is a launcher (torchrun) that starts the ranks: its own process,
+            which imports mixprec's sitecustomize too, takes no agent.
         out: "trace": where the record goes (``torch.save``); "run": the folder for run.json.
         seed: seeds Python's, NumPy's and torch's generators before the script runs (None: the
             script's own randomness, as ``mixprec run`` leaves it).
@@ -56,6 +62,9 @@ class Plan:
     steps: int = 0
     read_fd: int | None = None
     write_fd: int | None = None
+    channel: str | None = None
+    world: int = 1
+    launched: bool = False
     out: str | None = None
     seed: int | None = 0
     perturb: float = 0.0

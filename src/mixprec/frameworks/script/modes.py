@@ -33,6 +33,7 @@ from mixprec.frameworks.script.messages import (
     TraceRecord,
     encode,
 )
+from mixprec.frameworks.script.ranks import Ranks
 
 Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
 
@@ -50,6 +51,7 @@ class Mode:
 
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
+        self.ranks = Ranks(agent.plan.world)  # this process's place in a launch run whole
 
     def install(self) -> None:
         """Before the script runs."""
@@ -79,19 +81,30 @@ class Measure(Mode):
 
     def install(self) -> None:
         plan = self.agent.plan
-        assert plan.read_fd is not None and plan.write_fd is not None
-        self._out = os.fdopen(plan.write_fd, "w", buffering=1)
-        self._in = os.fdopen(plan.read_fd, "r")
+        if plan.channel is not None:  # a launch's ranks: every rank may report a failure, rank 0 steps
+            self._out = open(Path(plan.channel) / "up", "w", buffering=1)  # noqa: SIM115 (lines < PIPE_BUF: whole)
+            self._in = open(Path(plan.channel) / "down") if self.ranks.lead else None  # noqa: SIM115
+        else:
+            assert plan.read_fd is not None and plan.write_fd is not None
+            self._out = os.fdopen(plan.write_fd, "w", buffering=1)
+            self._in = os.fdopen(plan.read_fd, "r")
 
     def step_ended(self, step: Step, loss: torch.Tensor | None) -> None:
-        """Report the step, then wait for the parent's next word."""
+        """Report the step, then wait for the parent's next word (rank 0; the others for its word)."""
         step.loss = float(loss) if loss is not None else math.nan
-        if step.index == 0:
-            self.send(Ready(self.agent.facts()))
-        self.send(step)
-        line = self._in.readline()
-        if not line or json.loads(line)["cmd"] == STOP:
-            self.send(self.done())
+        ranks, device = self.ranks, self.agent.device
+        ranks.job_step(step, device)
+        stop = True
+        if self._in is not None:
+            if step.index == 0:
+                self.send(Ready(self.agent.facts()))
+            self.send(step)
+            line = self._in.readline()
+            stop = not line or json.loads(line)["cmd"] == STOP
+        if ranks.agree_stop(stop, device):
+            done = self.done()
+            if ranks.lead:
+                self.send(done)
             self.agent.exit(0)
 
     def done(self) -> Done:
@@ -101,6 +114,8 @@ class Measure(Mode):
         else:  # ru_maxrss is KiB on Linux
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             method = "peak RSS of the script's process (the data, the interpreter and the libraries too)"
+        if self.ranks.world > 1:
+            peak, method = int(self.ranks.most(peak, device)), f"{method}, the fullest rank's"
         skipped = sum(1 for s in self.agent.steps if s.skipped)
         return Done(peak, method, skipped, self.agent.observed or Observed())
 
@@ -127,11 +142,13 @@ class Trace(Mode):
 
     def step_ended(self, step: Step, loss: torch.Tensor | None) -> None:
         agent = self.agent
-        step.loss = float(loss) if loss is not None else math.nan
+        step.loss = float(loss) if loss is not None else math.nan  # (rank 0's is the one recorded)
+        self.ranks.job_step(step, agent.device)
         if agent.tracer is not None:
             agent.tracer.end_step(step, agent.scale_after())
-        if step.index + 1 >= agent.plan.steps:
-            self.write(TraceRecord(agent.steps, agent.facts(), agent.observed or Observed()))
+        if step.index + 1 >= agent.plan.steps:  # (every rank stops at this step: none waits)
+            if self.ranks.lead:
+                self.write(TraceRecord(agent.steps, agent.facts(), agent.observed or Observed()))
             agent.exit(0)
 
     def write(self, record: TraceRecord) -> None:
@@ -139,11 +156,20 @@ class Trace(Mode):
         if agent.tracer is not None:
             agent.tracer.fill(record, agent.nonfinite_at_start)
         assert agent.plan.out
-        record.save(agent.plan.out)
+        _save(record, agent.plan.out)
 
     def fail(self, kind: str, message: str) -> None:
-        if self.agent.plan.out:
-            TraceRecord(facts=self.agent.facts(), error=f"{kind}: {message}").save(self.agent.plan.out)
+        """Any rank's failure is the run's (the first written stays: the others follow from it)."""
+        out = self.agent.plan.out
+        if out and not (self.ranks.world > 1 and os.path.exists(out)):
+            _save(TraceRecord(facts=self.agent.facts(), error=f"{kind}: {message}"), out)
+
+
+def _save(record: TraceRecord, out: str) -> None:
+    """``record`` to ``out`` whole (written beside it, then moved: ranks may write at once)."""
+    part = f"{out}.{os.getpid()}.part"
+    record.save(part)
+    os.replace(part, out)
 
 
 class Run(Mode):
@@ -218,10 +244,13 @@ class Run(Mode):
             return
         out = Path(agent.plan.out)
         out.mkdir(parents=True, exist_ok=True)
+        ranks = self.ranks
         data: dict[str, Any] = {
             "candidate": agent.candidate.to_dict(),
             "facts": agent.facts().to_dict(),
-            "pid": os.getpid(),
+            "pid": os.getpid() if ranks.world == 1 else os.getppid(),  # (a launch's: the launcher's)
+            "rank": ranks.rank,
+            "world": ranks.world,
             "steps": len(agent.steps),
             "step_seconds": [s.seconds for s in agent.steps],
             "observed": (agent.observed or Observed()).to_dict(),
@@ -231,7 +260,7 @@ class Run(Mode):
         for observer in agent.observers:
             with agent.internal():
                 data.update(observer.summary())
-        (out / "run.json").write_text(json.dumps(data, indent=1, default=str))
+        Path(ranks.own_path(str(out / "run.json"))).write_text(json.dumps(data, indent=1, default=str))
 
 
 MODES: dict[str, type[Mode]] = {m.name: m for m in (Measure, Trace, Run)}

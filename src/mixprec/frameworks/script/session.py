@@ -10,6 +10,7 @@ candidate's wait side by side, so their steps alternate on the same machine as e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -70,20 +71,26 @@ class ScriptSession(SessionBase):
         self.workload, self.candidate, self.settings = workload, candidate, settings
         self.result = Measurement()
         self.index = 0
-        down_r, down_w = os.pipe()  # parent -> child
-        up_r, up_w = os.pipe()  # child -> parent
-        plan = Plan(
-            mode="measure",
-            candidate=candidate.to_dict(),
-            read_fd=down_r,
-            write_fd=up_w,
-            seed=settings.seed,
-        )
-        try:
-            self.child = launch(workload, plan, pass_fds=(down_r, up_w))
-        finally:
-            os.close(down_r)
-            os.close(up_w)
+        plan = Plan(mode="measure", candidate=candidate.to_dict(), seed=settings.seed)
+        if workload.launch is not None:  # a launch's ranks: FIFOs (no launcher hands its ranks our pipes)
+            channel = workload.scratch / f"channel-{os.getpid()}-{time.monotonic_ns()}"
+            channel.mkdir()
+            os.mkfifo(channel / "down")
+            os.mkfifo(channel / "up")
+            # held open for reading and writing here: neither open waits for the rank's, and the
+            # ranks' ends come and go (a rank that ends is seen by the launcher's exit, not an EOF)
+            down_w = os.open(channel / "down", os.O_RDWR)
+            up_r = os.open(channel / "up", os.O_RDWR | os.O_NONBLOCK)
+            self.child = launch(workload, dataclasses.replace(plan, channel=str(channel)))
+        else:
+            down_r, down_w = os.pipe()  # parent -> child
+            up_r, up_w = os.pipe()  # child -> parent
+            try:
+                plan = dataclasses.replace(plan, read_fd=down_r, write_fd=up_w)
+                self.child = launch(workload, plan, pass_fds=(down_r, up_w))
+            finally:
+                os.close(down_r)
+                os.close(up_w)
         self._to = os.fdopen(down_w, "w", buffering=1)
         self._from = up_r  # read raw: a buffered reader would hide a second line from select()
         self._buffer = b""

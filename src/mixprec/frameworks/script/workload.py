@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.errors import UsageError
+from mixprec.frameworks.script.ranks import Launch, is_torchrun, launch_of
 
 # How reports name what trains the script.
 TRAINED_BY = {
@@ -25,8 +26,8 @@ TRAINED_BY = {
 }
 # The workloads whose scratch folder exists: removed when the command ends.
 _OPEN: list[ScriptWorkload] = []
-# Launchers whose script mixprec runs itself, as one process (one rank).
-_DISTRIBUTED = ("torchrun", "accelerate", "deepspeed")
+# Launchers whose script mixprec runs itself, as one process (one rank): torchrun's are run whole.
+_ONE_RANK = ("accelerate", "deepspeed")
 
 
 @dataclass
@@ -79,12 +80,14 @@ class ScriptWorkload:
     """The user's command (everything after ``--``), run as it is in its own processes.
 
     Attributes:
-        command: the argv mixprec runs (``python train.py ...``; a distributed launcher's script run
+        command: the argv mixprec runs (``python train.py ...``; a torchrun launch as
+            :mod:`.ranks` fits it to this machine; an Accelerate or DeepSpeed launcher's script run
             as one process).
         given: the command as the user gave it (for messages and ``mixprec run`` lines).
         cwd: the folder it runs in (where mixprec was started).
-        notes: what mixprec changed about how it runs (one rank of a distributed launch).
-        env: variables set for its processes (a distributed launch's rank 0 of a world of one).
+        notes: what mixprec changed about how it runs (the ranks of a launch).
+        env: variables set for its processes (a one-process launch's rank 0 of a world of one).
+        launch: a torchrun launch run whole (its ranks, the argv of a measured run), else None.
         facts: filled by the validating run (:meth:`ScriptFramework.validate_workload`).
     """
 
@@ -94,6 +97,7 @@ class ScriptWorkload:
     notes: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     facts: ScriptFacts | None = None
+    launch: Launch | None = None
     spec: None = None  # no WorkloadSpec: the script's own processes are the candidates' processes
     _scratch: Path | None = field(default=None, repr=False)
 
@@ -119,8 +123,22 @@ class ScriptWorkload:
             shutil.rmtree(self._scratch, ignore_errors=True)
 
     @property
+    def world(self) -> int:
+        """The ranks each run starts (1: one process)."""
+        return self.launch.world if self.launch is not None else 1
+
+    def command_for(self, measured: bool) -> tuple[str, ...]:
+        """The argv of a measured or traced run (a launch's own rendezvous), or of the user's run."""
+        return self.launch.measured if measured and self.launch is not None else self.command
+
+    @property
+    def launch_record(self) -> dict[str, Any] | None:
+        """What a result's JSON says of the launch (the launcher, the world size)."""
+        return self.launch.record() if self.launch is not None else None
+
+    @property
     def name(self) -> str:
-        argv = list(self.command)
+        argv = ["python", *self.launch.script] if self.launch is not None else list(self.command)
         script = _script_of(argv)
         if script is not None:
             return Path(script).name
@@ -150,8 +168,14 @@ class ScriptWorkload:
         env: dict[str, str] = {}
         argv = list(given)
         folder = Path(cwd or os.getcwd()).resolve()
-        launcher = Path(argv[0]).name
-        if launcher in _DISTRIBUTED or argv[:3] == [argv[0], "-m", "torch.distributed.run"]:
+        if is_torchrun(argv):
+            if Path(argv[0]).name != "torchrun":
+                argv[0] = _interpreter(argv[0])
+            launch = launch_of(argv)
+            argv, notes = list(launch.command), list(launch.notes)
+            preflight([argv[0], *launch.script], folder)
+            return cls(tuple(argv), given, folder, notes, env, launch=launch)
+        if Path(argv[0]).name in _ONE_RANK:
             argv, note = _one_rank(argv)
             notes.append(note)
             env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
@@ -225,9 +249,9 @@ def _interpreter(program: str) -> str:
 
 
 def _one_rank(argv: list[str]) -> tuple[list[str], str]:
-    """``torchrun [opts] train.py args`` (or ``accelerate launch``, ``deepspeed``) as one process:
-    ``python train.py args``; the note says one rank was measured."""
-    rest = argv[3:] if argv[1:3] == ["-m", "torch.distributed.run"] else argv[1:]
+    """``accelerate launch [opts] train.py args`` (or ``deepspeed``) as one process: ``python
+    train.py args``; the note says one rank was measured."""
+    rest = argv[1:]
     if Path(argv[0]).name == "accelerate" and rest[:1] == ["launch"]:
         rest = rest[1:]
     script = next((i for i, a in enumerate(rest) if a.endswith(".py")), None)
@@ -236,7 +260,7 @@ def _one_rank(argv: list[str]) -> tuple[list[str], str]:
     note = (
         f"a distributed launch ({Path(argv[0]).name}): one rank measured, as "
         f"python {shlex.join(rest[script:])} (every rank runs the same step; the collective "
-        "communication of more ranks is not measured)"
+        "communication of more ranks is not measured: only torchrun launches run whole)"
     )
     return [sys.executable, *rest[script:]], note
 

@@ -1,0 +1,67 @@
+"""A plain DDP script as people write them for ``torchrun``: gloo on the CPU, a DistributedSampler
+over a synthetic regression set, AdamW, no precision code. ``--bad-rank R --bad-at S``: rank R's
+targets are 1000x too large at step S (one bad shard). ``--weights DIR``: each rank saves its final
+weights there (``rank{N}.pt``), so a test can compare the replicas.
+
+    torchrun --nproc_per_node 2 ddp_train.py --steps 120 [--bad-rank 1 --bad-at 80] [--weights out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--bad-rank", type=int, default=-1)
+    parser.add_argument("--bad-at", type=int, default=-1)
+    parser.add_argument("--weights", default=None)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    teacher = torch.randn(16, 1, generator=g)
+    x = torch.randn(4096, 16, generator=g)
+    data = TensorDataset(x, x @ teacher + 0.01 * torch.randn(4096, 1, generator=g))
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step, epoch = 0, 0
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        for xb, yb in loader:
+            if step == args.bad_at and rank == args.bad_rank:
+                yb = yb * 1000.0
+            loss = F.mse_loss(model(xb), yb)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step += 1
+            if step >= args.steps:
+                break
+        epoch += 1
+    with torch.no_grad():
+        final = torch.stack([F.mse_loss(model(x[:512]), data.tensors[1][:512])])
+    dist.all_reduce(final)
+    if rank == 0:
+        print(f"final loss {final.item() / world:.6f} world {world}")
+    if args.weights:
+        os.makedirs(args.weights, exist_ok=True)
+        torch.save(model.module.state_dict(), os.path.join(args.weights, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
