@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -321,3 +326,173 @@ def test_the_bf16_mixed_export_runs_a_gpt_as_one_device_does():
     assert model.lm_head.weight is model.transformer.wte.weight
     policy = mixprec.get_policy("bf16-mixed", device="cpu")
     assert _fsdp_groups(model) == {g.name: g.mp_policy for g in sharding_plan(_gpt(), policy)}
+
+
+class _KeepNet(torch.nn.Module):
+    """Linear blocks in ``.layers``, then a LayerNorm and a head: the keep_fp32 set ["head", "norm"]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for block in self.layers:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize(
+    ("name", "keep", "units"),
+    [
+        ("bf16-true", ("head", "norm"), 2),
+        ("bf16-mixed", ("head", "norm"), 1),  # *-mixed gathers the LayerNorm in fp32 on its own anyway
+        ("bf16-true", ("layers.0",), 0),  # a block is a unit either way
+        ("bf16-true", ("layers.*",), 0),
+    ],
+)
+def test_the_header_counts_the_units_keep_fp32_adds_on_the_model(name, keep, units):
+    """FSDP2 cannot mix dtypes in one unit (pytorch#156784): each fp32 island outside the blocks is a
+    fully_shard unit of its own. Given the model, the header says how many the keep_fp32 set adds,
+    counted from the plan with and without it (the fully_shard calls the code makes); tune's exports
+    (export_all with the workload's model) say it too. Without the model it says what each costs."""
+    from mixprec.distributed.fsdp2 import keep_fp32_units
+    from mixprec.exports import export, export_all
+
+    policy = mixprec.get_policy(name, device="cpu", keep_fp32=list(keep))
+    plain = mixprec.get_policy(name, device="cpu")
+    assert len(sharding_plan(_KeepNet(), policy)) - len(sharding_plan(_KeepNet(), plain)) == units
+    assert keep_fp32_units(_KeepNet(), policy) == units
+
+    candidate = mixprec.Candidate(name, keep_fp32=keep)
+    header = " ".join(
+        line.lstrip("# ")
+        for line in export(candidate, "fsdp2", device="cpu", model=_KeepNet()).splitlines()
+        if line.startswith("#")
+    )
+    said = {0: "no extra fully_shard unit", 1: "1 extra fully_shard unit", 2: "2 extra fully_shard units"}
+    assert f"{said[units]} on your model" in header
+    assert "pytorch#156784" in header
+    tuned = export_all(candidate, device="cpu", model=_KeepNet())["fsdp2"].text
+    assert tuned is not None and f"{said[units]} on your model" in " ".join(tuned.split())
+    unmodelled = " ".join(export(candidate, "fsdp2", device="cpu").split())
+    assert "up to one extra fully_shard unit per module it matches" in unmodelled
+
+
+def test_the_true_export_says_its_stock_optimizer_keeps_half_state():
+    """bf16-true under FSDP2: the shards are bf16 and the AdamW the export builds keeps exp_avg and
+    exp_avg_sq in bf16 (lint's MP306); the comment above the optimizer line says so. Under
+    bf16-mixed the shards, and so the state, are fp32, and no such comment is written."""
+    from mixprec.exports import export
+
+    true = run_fsdp2(mixprec.PolicyConfig("bf16-true", "cpu"))
+    lines = export(mixprec.PolicyConfig("bf16-true", "cpu"), "fsdp2", device="cpu").splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("optimizer = torch.optim.AdamW("))
+    note = " ".join(line.lstrip("# ") for line in lines[at - 4 : at] if line.startswith("#"))
+    assert "keeps its state (exp_avg, exp_avg_sq) in bf16" in note and "MP306" in note
+    state = true.optimizer.state[true.model.layers[0][0].weight]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+
+    mixed = run_fsdp2(mixprec.PolicyConfig("bf16-mixed", "cpu"))
+    assert "MP306" not in export(mixprec.PolicyConfig("bf16-mixed", "cpu"), "fsdp2", device="cpu")
+    assert mixed.optimizer.state[mixed.model.layers[0][0].weight]["exp_avg"].dtype == torch.float32
+
+
+TORCHRUN_STEPS = 6
+# What the script runs around the pasted export: the fill-ins (the model above, a batch per rank, a
+# loss), hooks that record the weights each module computes with, and, after the export's loop,
+# what each rank saw.
+_BEFORE = """
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)  # the same initial weights on every rank, as a checkpoint would load them
+model = _KeepNet()
+seen = []  # (module, weight dtype, weight type) as it computes: after FSDP2's all-gather
+for name in ("layers.0.0", "norm", "head"):
+    model.get_submodule(name).register_forward_pre_hook(
+        lambda m, args, name=name: seen.append((name, str(m.weight.dtype), type(m.weight).__name__))
+    )
+generator = torch.Generator().manual_seed(1 + rank)  # each rank its own batch
+batch = (torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator))
+loader = [batch] * STEPS
+losses = []
+
+
+def loss_fn(model, batch):
+    loss = F.mse_loss(model(batch[0]).float(), batch[1])
+    losses.append(loss.item())
+    return loss
+"""
+_AFTER = """
+full = {n: p.full_tensor() for n, p in model.named_parameters()}  # a collective: every rank
+stored = {n: str(p.dtype) for n, p in model.named_parameters()}  # the shards' dtypes
+digest = float(sum(t.double().sum() for t in full.values()))
+record = {"losses": losses, "seen": seen, "stored": stored, "digest": digest, "units": [n for n, _ in groups]}
+with open(sys.argv[1] + f"/rank{rank}.json", "w") as f:
+    json.dump(record, f)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_the_keep_fp32_export_trains_under_torchrun_on_two_ranks(tmp_path):
+    """The bf16-true FSDP2 export with keep_fp32=["head", "norm"], run as a user runs it: pasted into
+    a script and launched by torchrun on 2 gloo ranks (CPU), each rank on its own batch. Its header
+    counts the 2 fully_shard units the islands add; the blocks compute with bf16 weights and the
+    islands with fp32 ones (all-gathered: plain tensors, not shards), their shards stay fp32 and the
+    blocks' bf16; both ranks' losses are finite and fall, and both end with the same weights."""
+    from mixprec.exports import export
+
+    candidate = mixprec.Candidate("bf16-true", keep_fp32=("head", "norm"))
+    text = export(candidate, "fsdp2", device="cpu", model=_KeepNet())
+    header = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    assert 'keep_fp32 ["head", "norm"]: 2 extra fully_shard units on your model' in header
+    assert text.count("lr=1e-3)") == 1  # the optimizer line is yours: a rate that shows in 6 steps
+    script = tmp_path / "train.py"
+    script.write_text(
+        "\n".join(
+            [
+                f"STEPS = {TORCHRUN_STEPS}",
+                "import torch",
+                inspect.getsource(_KeepNet),
+                _BEFORE,
+                text.replace("lr=1e-3)", "lr=1e-2)"),
+                _AFTER,
+            ]
+        )
+    )
+    launcher = ["--standalone", "--nproc_per_node", "2"]  # standalone: a free port, chosen by torchrun
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *launcher, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+    for record in ranks:
+        losses = record["losses"]
+        assert len(losses) == TORCHRUN_STEPS and all(map(math.isfinite, losses)), losses
+        assert losses[-1] < losses[0], losses
+        computed = [("layers.0.0", "bfloat16"), ("norm", "float32"), ("head", "float32")]
+        assert record["seen"] == [[m, f"torch.{d}", "Parameter"] for m, d in computed] * TORCHRUN_STEPS
+        assert record["stored"]["head.weight"] == record["stored"]["norm.weight"] == "torch.float32"
+        assert record["stored"]["layers.0.0.weight"] == "torch.bfloat16"
+        assert record["units"] == ["layers.0", "layers.1", "norm", "head", ""]  # 2 beyond blocks + root
+    assert ranks[0]["losses"] != ranks[1]["losses"]  # each rank its own batch
+    assert ranks[0]["digest"] == ranks[1]["digest"]  # one model: the same weights on both ranks

@@ -20,6 +20,8 @@ from harness import (
     with_sgd,
 )
 
+import mixprec
+
 # tf32 is a CUDA math mode: on a CPU it would be plain fp32 under a tf32 label.
 REFUSED = {"tf32"}
 
@@ -164,3 +166,21 @@ def test_the_plain_export_refuses_keep_fp32_that_splits_a_tied_weight_before_tra
         execute(text, {"model": TiedLM(), "loader": loader, "loss_fn": loss_fn})
     with pytest.raises(mixprec.errors.PolicyError, match="splits a tied weight"):
         mixprec.get_policy("bf16-true", device="cpu", keep_fp32=["head"]).prepare(TiedLM())
+
+
+@pytest.mark.parametrize("name", ["bf16-true", "fp16-true"])
+def test_the_true_export_says_its_stock_optimizer_keeps_half_state(name):
+    """Under *-true the plain export's AdamW keeps exp_avg and exp_avg_sq in the half dtype (lint's
+    MP306): the comment above the optimizer line says so; *-mixed writes none (fp32 state)."""
+    from mixprec.exports import export
+
+    config = mixprec.PolicyConfig(name, "cpu")
+    lines = export(config, "pytorch", device="cpu").splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("optimizer = torch.optim.AdamW("))
+    note = " ".join(line.lstrip("# ") for line in lines[at - 5 : at] if line.startswith("#"))
+    short = name.split("-")[0]
+    assert f"keeps its state (exp_avg, exp_avg_sq) in {short}" in note and "MP306" in note
+    run = run_plain(config, "pytorch")
+    state = run.optimizer.state[run.model.layers[0][0].weight]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == config.spec.param_dtype
+    assert "MP306" not in export(mixprec.PolicyConfig(f"{short}-mixed", "cpu"), "pytorch", device="cpu")

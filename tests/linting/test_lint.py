@@ -172,6 +172,14 @@ def _adam(eps: float) -> Callable:
     return lambda params: torch.optim.Adam(params, lr=1e-3, eps=eps)
 
 
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _sgd(momentum: float) -> Callable:
+    return lambda params: torch.optim.SGD(params, lr=1e-2, momentum=momentum)
+
+
 def _with_scaler(use: bool) -> Workload:
     workload = vectors(mlp(64, 64, 16))
     workload.scaler = torch.amp.GradScaler("cpu", enabled=use)  # kept next to the workload
@@ -309,6 +317,28 @@ CASES = [
         severity="error",
     ),
     Case(
+        "MP306",
+        lambda: vectors(mlp(64, 64, 16), optimizer_fn=_adamw),
+        lambda: vectors(mlp(64, 64, 16), optimizer_fn=_adamw),
+        {"device_info": CPU_BF16},
+        bad_kwargs={"policy": "bf16-true"},
+        good_kwargs={"policy": "bf16-mixed"},  # fp32 master weights: fp32 state
+        modules={None},
+        severity="warning",
+    ),
+    Case(
+        "MP306",
+        lambda: vectors(mlp(64, 64, 16), optimizer_fn=_sgd(momentum=0.9)),
+        lambda: vectors(mlp(64, 64, 16), optimizer_fn=_sgd(momentum=0.0)),  # plain SGD keeps no state
+        {"policy": "fp16-true", "device_info": CPU_FP16},
+    ),
+    Case(
+        "MP306",
+        lambda: vectors(mlp(64, 64, 16).to(torch.bfloat16), optimizer_fn=_adamw),  # the model as given
+        lambda: vectors(mlp(64, 64, 16), optimizer_fn=_adamw),
+        {"policy": "fp32"},
+    ),
+    Case(
         "MP401",
         lambda: images(cnn(32, 32, act=nn.LeakyReLU)),
         lambda: images(cnn(32, 32, act=nn.ReLU)),
@@ -335,6 +365,35 @@ def test_rule_fires_on_the_bad_model_only(case: Case):
         assert {f.severity for f in hits} == {case.severity}
     for f in hits:  # every finding is concrete
         assert f.message and f.fix and f.name == RULES[case.rule].name
+
+
+def test_half_optimizer_state_is_what_the_optimizer_keeps():
+    """MP306 says what a stock AdamW really does over bf16-true's parameters (its exp_avg and
+    exp_avg_sq are bf16 after a step) and counts only the parameters stored in bf16: the fp32 island
+    and BatchNorm, which bf16-true keeps fp32, are left out, and an island over the whole model
+    leaves nothing to report. The fix names the *-mixed policy."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 16))
+    workload = vectors(model, optimizer_fn=_adamw)
+    (hit,) = [
+        f
+        for f in lint(workload, policy=mixprec.Candidate("bf16-true", keep_fp32=("3",)))
+        if f.rule == "MP306"
+    ]
+    assert hit.details["tensors"] == 2 and hit.details["values"] == 64 * 64 + 64  # layer 0 only
+    assert hit.details["state"] == ["exp_avg", "exp_avg_sq"] and hit.details["dtype"] == "bf16"
+    assert hit.fix.startswith("train with bf16-mixed")
+
+    policy = mixprec.get_policy("bf16-true", device="cpu")
+    trained = policy.prepare(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16)))
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-3)
+    F.mse_loss(trained(torch.randn(8, 64, dtype=torch.bfloat16)).float(), torch.zeros(8, 16)).backward()
+    optimizer.step()
+    assert {str(s[k].dtype) for s in optimizer.state.values() for k in hit.details["state"]} == {
+        "torch.bfloat16"
+    }
+
+    everything = lint(workload, policy=mixprec.Candidate("bf16-true", keep_fp32=("*",)))
+    assert not [f for f in everything if f.rule == "MP306"]
 
 
 def test_findings_name_the_module_shape_and_a_concrete_fix():

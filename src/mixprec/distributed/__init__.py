@@ -28,7 +28,14 @@ Usage (under ``torchrun``, after ``dist.init_process_group``)::
 from mixprec.distributed.checks import StatsMismatchError, assert_stats_agree
 from mixprec.distributed.common import WRAPPERS
 from mixprec.distributed.ddp import DDPConfig, apply_ddp, ddp_config
-from mixprec.distributed.fsdp2 import ShardGroup, find_blocks, fsdp_mp_policy, shard_model, sharding_plan
+from mixprec.distributed.fsdp2 import (
+    ShardGroup,
+    find_blocks,
+    fsdp_mp_policy,
+    keep_fp32_units,
+    shard_model,
+    sharding_plan,
+)
 from mixprec.distributed.support import support
 
 __all__ = [
@@ -41,6 +48,7 @@ __all__ = [
     "ddp_config",
     "find_blocks",
     "fsdp_mp_policy",
+    "keep_fp32_units",
     "shard_model",
     "sharding_plan",
     "support",

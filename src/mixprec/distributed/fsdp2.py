@@ -19,7 +19,8 @@ from mixprec.distributed.common import (
 )
 from mixprec.distributed.support import support
 from mixprec.errors import PolicyError, UnsupportedError, UsageError
-from mixprec.policy.policy import Policy
+from mixprec.policy.islands import island_names
+from mixprec.policy.policy import Policy, PolicyConfig
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -142,8 +143,37 @@ def sharding_plan(
         raise PolicyError(f"sharding_plan takes a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(policy, Policy):
         raise PolicyError(f"sharding_plan takes a mixprec Policy, got {type(policy).__name__}.")
-    block_names = find_blocks(model, block_types)
     islands = policy_island_names(model, policy)
+    return _plan(model, policy, islands, find_blocks(model, block_types))
+
+
+def keep_fp32_units(
+    model: nn.Module, policy: Policy | PolicyConfig, *, blocks: Sequence[str] | None = None
+) -> int:
+    """How many ``fully_shard`` units ``policy``'s keep_fp32 set adds to its plan on ``model``: the
+    :func:`sharding_plan` with the set less the one without it (blocks, BatchNorm and, under *-mixed,
+    the modules autocast leaves in fp32 are units either way).
+
+    FSDP2 all-gathers a unit's parameters in one dtype (pytorch#156784 asks for more), so an fp32
+    island holding parameters outside the blocks is a unit of its own: its own all-gather in forward,
+    another in backward (``fully_shard`` reshards after forward by default) and its own
+    reduce-scatter each step, more collective calls over the same bytes. An island that is a block,
+    lies inside one, is already a unit under *-mixed (a LayerNorm) or is left to the group around a
+    tie adds none. ``blocks``: the block names (default: :func:`find_blocks`'s). Raises
+    :class:`PolicyError` where the plan does (a keep_fp32 module splitting a tie under *-true).
+    """
+    if not isinstance(policy, (Policy, PolicyConfig)):
+        raise PolicyError(f"keep_fp32_units takes a mixprec Policy, got {type(policy).__name__}.")
+    config = policy.config if isinstance(policy, Policy) else policy
+    names = find_blocks(model) if blocks is None else list(blocks)
+    kept = _plan(model, config.name, island_names(model, config.keep_fp32), names)
+    return len(kept) - len(_plan(model, config.name, [], names))
+
+
+def _plan(
+    model: nn.Module, policy: Policy | str, islands: list[str], block_names: list[str]
+) -> list[ShardGroup]:
+    """:func:`sharding_plan` with the fp32 islands and the blocks found."""
     # *-mixed: autocast casts only Linear/conv weights itself. Every other parameter must reach its
     # ops in fp32, as on one device: its module is sharded like a block (ties stay whole) with the
     # fp32 policy, and a block or root still holding such a parameter gets the fp32 policy too.

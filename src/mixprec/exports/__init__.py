@@ -107,7 +107,8 @@ def export(
     :class:`Policy` works too (it also carries finite_check and the scaler options): exported eager,
     with the optimizer as written, for its own device unless ``device`` is given. ``model``: the
     model a precision-map target resolves the candidate's ``keep_bf16`` against (its Linear names);
-    the other targets write code around your model and ignore it. Raises :class:`UsageError` for an
+    the fsdp2 target counts on it the fully_shard units keep_fp32 adds, for its header; the other
+    targets write code around your model and ignore it. Raises :class:`UsageError` for an
     unknown target, another object, a non-torch candidate, loop axes mixprec's torch backend does
     not run, a policy or device mixprec does not know, or a precision-map target without a model,
     :class:`~mixprec.errors.PolicyError` for a precision map that is invalid or names no Linear of
@@ -135,13 +136,17 @@ def export_status(
 
 
 def export_all(
-    candidate: Candidate | PolicyConfig | Policy, *, device: str | torch.device | None = None
+    candidate: Candidate | PolicyConfig | Policy,
+    *,
+    device: str | torch.device | None = None,
+    model: nn.Module | None = None,
 ) -> dict[str, ExportResult]:
     """An :class:`ExportResult` for every target of :data:`EXPORT_TARGETS`, in that order; the
-    arguments are :func:`export`'s."""
-    facts = Facts.of(candidate, device)
+    arguments are :func:`export`'s (``model``: the fsdp2 target counts on it the fully_shard units
+    keep_fp32 adds)."""
     results = {}
     for name, target in TARGETS.items():
+        facts = target.facts(candidate, device, model)
         try:
             results[name] = ExportResult(target.export(facts), None)
         except ExportRefused:

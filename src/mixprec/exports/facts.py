@@ -53,6 +53,9 @@ class Facts:
         precision_map: a low-format policy's precision map (``keep_bf16``) resolved against the model's
             Linear layers, for the precision-map targets (:mod:`mixprec.exports.maps`), which take the
             model; None for the targets that write a training loop around the user's model.
+        keep_fp32_units: the ``fully_shard`` units the keep_fp32 set adds to FSDP2's plan, counted on
+            the model by the fsdp2 target when it is given one
+            (:func:`mixprec.distributed.fsdp2.keep_fp32_units`); None: not counted.
     """
 
     config: PolicyConfig
@@ -64,6 +67,7 @@ class Facts:
     micro_batch: int | None = None
     accumulation_steps: int = 1
     precision_map: ResolvedMap | None = None
+    keep_fp32_units: int | None = None
 
     @classmethod
     def of(cls, source: Candidate | PolicyConfig | Policy, device: str | torch.device | None = None) -> Facts:

@@ -22,22 +22,31 @@ the DTensor shards (run on one gloo rank by the tests). With gradient accumulati
 (``FSDPModule.set_requires_gradient_sync`` sets every group's ``reduce_grads``, recursively): the
 groups' post-backward then skips the reduce-scatter and keeps the unsharded gradients, upcast to
 ``reduce_dtype`` (``FSDPParam.to_accumulated_grad_if_needed``), and the last micro-batch adds its
-own and reduce-scatters the sum (``FSDPParamGroup.post_backward``, torch 2.14).
+own and reduce-scatters the sum (``FSDPParamGroup.post_backward``, torch 2.14). FSDP2 cannot mix
+dtypes in one unit (pytorch#156784), so each fp32 island costs a unit of its own: given the model, the
+header counts the units the keep_fp32 set adds (:func:`mixprec.distributed.fsdp2.keep_fp32_units`).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+import torch
+from torch import nn
+
 from mixprec.distributed.common import autocast_fp32_params
-from mixprec.distributed.fsdp2 import fsdp_groups
+from mixprec.distributed.fsdp2 import fsdp_groups, keep_fp32_units
+from mixprec.errors import PolicyError, UsageError
 from mixprec.exports.facts import Facts
 from mixprec.exports.prepare import prepare_lines
 from mixprec.exports.pytorch import PyTorchTarget, plain_loop
 from mixprec.exports.target import Contract, Refusal
 from mixprec.exports.text import DTYPE_CODE, DTYPE_SHORT, comment, py
+from mixprec.policy.candidate import Candidate
+from mixprec.policy.policy import Policy, PolicyConfig
 
 
 class FSDP2Target(PyTorchTarget):
@@ -96,8 +105,9 @@ class FSDP2Target(PyTorchTarget):
             )
         if facts.keep:
             contract.runs.append(
-                "fp32 islands: a fully_shard group of their own with an fp32 policy (else the enclosing group"
-                " would all-gather their parameters in low precision)"
+                f"{extra_units(facts)} FSDP2 cannot mix dtypes in one unit (pytorch#156784), so each fp32"
+                " island is a fully_shard group of its own with an fp32 policy (else the enclosing group"
+                " would all-gather its parameters in low precision)"
                 + (
                     "; an island tied to a module outside it (a head tied to the embedding) is left to the"
                     " group around both, gathered in fp32: every weight is fp32 under *-mixed, as on one"
@@ -139,6 +149,35 @@ class FSDP2Target(PyTorchTarget):
             launch = 'torch.distributed.init_process_group("nccl") and torch.cuda.set_device(local_rank)'
         contract.launch = f"torchrun --nproc_per_node N train.py; this code runs after {launch}."
         return contract
+
+    def facts(
+        self,
+        source: Candidate | PolicyConfig | Policy,
+        device: str | torch.device | None = None,
+        model: nn.Module | None = None,
+    ) -> Facts:
+        """The candidate's facts; with ``model``, also the fully_shard units its keep_fp32 set adds,
+        counted on it with the blocks the code takes (``model.layers``, else those
+        :func:`~mixprec.distributed.find_blocks` finds). A keep_fp32 module that splits a tie under
+        *-true leaves them uncounted: the code raises that at its plan, with the reason."""
+        facts = Facts.of(source, device)
+        if model is None or not facts.keep:
+            return facts
+        if not isinstance(model, nn.Module):
+            raise UsageError(
+                f"The fsdp2 target counts the fully_shard units of keep_fp32 on a torch.nn.Module, got"
+                f" model={type(model).__name__}; pass the model, or no model."
+            )
+        layers = getattr(model, "layers", None)
+        blocks = None
+        if isinstance(layers, (nn.ModuleList, nn.Sequential)):
+            names = {id(module): name for name, module in model.named_modules()}
+            blocks = [names[id(block)] for block in layers]
+        try:
+            units = keep_fp32_units(model, facts.config, blocks=blocks)
+        except PolicyError:
+            return facts
+        return replace(facts, keep_fp32_units=units)
 
     def training_loop(self, facts: Facts) -> list[str]:
         if not facts.accumulates:
@@ -273,3 +312,28 @@ class FSDP2Target(PyTorchTarget):
             *outside,
             "blocks += [model.get_submodule(name) for name in extra]",
         ]
+
+
+def extra_units(facts: Facts) -> str:
+    """The header's sentence on what the keep_fp32 set costs under FSDP2: the units it adds to the
+    plan without it, counted on the model where the export was given one."""
+    keep, n = py(facts.keep), facts.keep_fp32_units
+    if n is None:
+        anyway = ", a norm or an embedding (a unit anyway under *-mixed)" if facts.mixed is not None else ""
+        return (
+            f"keep_fp32 {keep}: up to one extra fully_shard unit per module it matches (none for a block"
+            f" or a module inside one{anyway}), each one more all-gather in forward, one in backward and"
+            ' one more reduce-scatter per step, over the same bytes; export(candidate, "fsdp2",'
+            " model=model) counts them on your model."
+        )
+    if n == 0:
+        return (
+            f"keep_fp32 {keep}: no extra fully_shard unit on your model (its modules are blocks, lie inside"
+            " them, are units of their own anyway or are left to the group around a tie)."
+        )
+    units = "1 extra fully_shard unit" if n == 1 else f"{n} extra fully_shard units"
+    calls = "all-gather" if n == 1 else "all-gathers"
+    return (
+        f"keep_fp32 {keep}: {units} on your model ({n} more {calls} in forward, {n} in backward and {n}"
+        f" more reduce-scatter{'' if n == 1 else 's'} per step, over the same bytes)."
+    )

@@ -109,6 +109,7 @@ class PyTorchTarget(ExportTarget):
             *self.prepare(facts),
             *facts.compile_lines(),
             "",
+            *half_state_note(facts),
             facts.optimizer_line(after=self.optimizer_after),
             SCHEDULER,
             *self.training_loop(facts),
@@ -117,6 +118,24 @@ class PyTorchTarget(ExportTarget):
     def training_loop(self, facts: Facts) -> list[str]:
         """The loop after the optimizer and scheduler lines (FSDP2 adds its gradient-sync switch)."""
         return plain_loop(facts)
+
+
+def half_state_note(facts: Facts) -> list[str]:
+    """*-true: the comment above the optimizer line that a stock torch optimizer keeps its state in
+    the parameters' half dtype (what lint's MP306 reports)."""
+    if facts.true is None:
+        return []
+    short = DTYPE_SHORT[facts.true]
+    lost = {
+        "bf16": "0.999 * exp_avg_sq rounds back to exp_avg_sq in bf16: it stops decaying",
+        "fp16": "a gradient below 5e-3 adds nothing to exp_avg_sq in fp16: 1e-3 * grad**2 underflows",
+    }[short]
+    return comment(
+        f"{short} parameters: torch.optim.AdamW keeps its state (exp_avg, exp_avg_sq) in {short} too, as"
+        f" every stock torch optimizer with state does (SGD's momentum buffer too), and {lost}. For fp32"
+        " state keep fp32 master weights (a *-mixed policy) or use an optimizer that keeps fp32 state"
+        " for half parameters (mixprec lint: MP306)."
+    )
 
 
 def plain_loop(facts: Facts, sync: list[str] | None = None) -> list[str]:

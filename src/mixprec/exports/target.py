@@ -107,7 +107,8 @@ class ExportTarget:
         model: nn.Module | None = None,
     ) -> Facts:
         """The facts this target writes from (:meth:`Facts.of`); a training-loop target takes the
-        user's model as the code's fill-in and ignores ``model``."""
+        user's model as the code's fill-in and ignores ``model`` (the fsdp2 target counts on it the
+        units keep_fp32 adds)."""
         return Facts.of(source, device)
 
     def checked_against(self) -> str:

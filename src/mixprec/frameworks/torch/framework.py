@@ -339,7 +339,7 @@ class TorchFramework(Framework):
     ) -> tuple[dict[str, str], dict[str, str]]:
         from mixprec.exports import export_all
 
-        results = export_all(candidate, device=device)
+        results = export_all(candidate, device=device, model=getattr(workload, "model", None))
         texts = {target: r.text for target, r in results.items() if r.text is not None}
         refusals = {target: r.refused for target, r in results.items() if r.refused is not None}
         return texts, refusals

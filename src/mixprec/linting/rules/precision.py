@@ -1,5 +1,6 @@
 """MP3xx: precision mistakes. Losses autocast refuses, an Adam eps that fp16 rounds to zero,
-a GradScaler with bf16, and half-precision policies on devices that emulate them."""
+a GradScaler with bf16, half-precision policies on devices that emulate them, and optimizer state
+kept in half precision."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from mixprec.linting.context import LintContext
 from mixprec.linting.model import Finding, Rule, define_rule
 from mixprec.linting.rules.text import dims
 from mixprec.policy import check_support
+from mixprec.policy.islands import batch_norm_layers, is_fp32_island
 
 PRECISION_RULES: dict[str, Rule] = {}
 _rule = partial(define_rule, PRECISION_RULES)
@@ -181,6 +183,119 @@ def _bf16_not_native(ctx: LintContext) -> Iterator[Finding]:
 )
 def _fp16_not_native(ctx: LintContext) -> Iterator[Finding]:
     return _emulated(ctx, PRECISION_RULES["MP305"], torch.float16, ctx.device.native_fp16, "error")
+
+
+# The per-parameter state each stock torch optimizer allocates like the parameter (zeros_like: its
+# dtype), by class name; SGD and Muon keep a momentum buffer only with momentum. Checked by stepping
+# each over bf16 parameters (torch 2.14).
+_HALF_STATE = {
+    "Adam": ("exp_avg", "exp_avg_sq"),
+    "AdamW": ("exp_avg", "exp_avg_sq"),
+    "NAdam": ("exp_avg", "exp_avg_sq"),
+    "RAdam": ("exp_avg", "exp_avg_sq"),
+    "Adamax": ("exp_avg", "exp_inf"),
+    "Adafactor": ("row_var", "col_var"),
+    "Adagrad": ("sum",),
+    "Adadelta": ("square_avg", "acc_delta"),
+    "RMSprop": ("square_avg",),
+    "Rprop": ("prev", "step_size"),
+    "ASGD": ("ax",),
+    "LBFGS": ("d", "prev_flat_grad"),
+    "SGD": ("momentum_buffer",),
+    "Muon": ("momentum_buffer",),
+}
+_MOMENTUM_ONLY = {"SGD", "Muon"}
+_HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# What half state loses, measured with torch.optim.AdamW over half parameters.
+_LOST = {
+    "bf16": "in bf16, 0.999 * exp_avg_sq rounds back to exp_avg_sq: the second moment stops decaying",
+    "fp16": "in fp16, a gradient below 5e-3 adds nothing to exp_avg_sq: 1e-3 * grad**2 underflows",
+}
+
+
+def _stored_half(ctx: LintContext) -> dict[int, torch.dtype]:
+    """The parameters that train stored in bf16/fp16 (id -> dtype): under a *-true policy all but
+    the fp32 islands' and BatchNorm's (``prepare`` keeps those fp32), else those the model holds in half."""
+    model, true = ctx.workload.model, ctx.policy.spec.param_dtype
+    if true is None:
+        return {id(p): p.dtype for p in model.parameters() if p.dtype in _HALF}
+    norms = batch_norm_layers(model)
+    keep = ctx.policy.config.keep_fp32
+    fp32 = {
+        id(p)
+        for name, module in model.named_modules()
+        if name in norms or is_fp32_island(name, keep)
+        for p in module.parameters(recurse=False)
+    }
+    return {id(p): true for p in model.parameters() if p.is_floating_point() and id(p) not in fp32}
+
+
+@_rule(
+    "MP306",
+    "half-optimizer-state",
+    "warning",
+    summary="A stock torch optimizer over bf16/fp16 parameters keeps its state in bf16/fp16 too.",
+    rationale=(
+        "torch.optim's optimizers allocate their state like the parameter: over bf16 or fp16 "
+        "parameters (a *-true policy, or a model given in half precision) Adam's exp_avg and "
+        "exp_avg_sq, SGD's momentum buffer and the others are half too, and drop what is small next "
+        f"to them: {_LOST['bf16']}; {_LOST['fp16']}. *-mixed policies keep fp32 master weights, "
+        "so their optimizer state is fp32. Reported for the stock torch.optim optimizers that keep "
+        "state (SGD and Muon with momentum only); the fp32 islands and BatchNorm layers, which *-true "
+        "policies keep in fp32, are not counted."
+    ),
+    source=(
+        "NeMo AutoModel, 'Mixed-Precision Training' (do not combine torch.optim.AdamW with bf16 "
+        "resident parameters unless bf16 Adam state is accepted); Transformer Engine's FusedAdam "
+        "(exp_avg_dtype, exp_avg_sq_dtype, master_weights)"
+    ),
+)
+def _half_optimizer_state(ctx: LintContext) -> Iterator[Finding]:
+    opt = ctx.optimizer
+    name = type(opt).__name__
+    if opt is None or getattr(torch.optim, name, None) is not type(opt) or name not in _HALF_STATE:
+        return
+    half = _stored_half(ctx)
+    stateful = [
+        p
+        for group in opt.param_groups
+        if name not in _MOMENTUM_ONLY or group.get("momentum", 0)
+        for p in group["params"]
+        if id(p) in half
+    ]
+    if not stateful:
+        return
+    short = "/".join(sorted({_HALF[half[id(p)]] for p in stateful}))
+    states = ", ".join(_HALF_STATE[name])
+    true = ctx.policy.spec.param_dtype is not None
+    why = (
+        f"{ctx.policy.name} stores the weights in {short} without fp32 master weights"
+        if true
+        else f"the model's parameters are {short}"
+    )
+    mixed = "fp16-mixed" if short == "fp16" else "bf16-mixed"
+    how = (
+        f"train with {mixed} (fp32 master weights, so fp32 state)"
+        if true
+        else f"keep the parameters fp32 and compute in {short} with {mixed}"
+    )
+    yield PRECISION_RULES["MP306"].finding(
+        "warning",
+        None,
+        f"{name} keeps {states} in {short} for {len(stateful)} parameter tensors "
+        f"({sum(p.numel() for p in stateful):,} values): {why}",
+        f"{how}; or keep the {short} weights with an optimizer that keeps fp32 state for them "
+        "(Transformer Engine's FusedAdam keeps exp_avg and exp_avg_sq in fp32 by default, "
+        "master_weights=True adds an fp32 master copy; CUDA only)",
+        details={
+            "optimizer": name,
+            "state": list(_HALF_STATE[name]),
+            "dtype": short,
+            "tensors": len(stateful),
+            "values": sum(p.numel() for p in stateful),
+            "scope": "optimizer",
+        },
+    )
 
 
 __all__ = ["PRECISION_RULES"]
