@@ -26,10 +26,18 @@ def _exit(code: int) -> None:
 
 
 @contextlib.contextmanager
-def under(policy: str, mode: str = "run", observers: Sequence[Any] = (), **plan: Any) -> Iterator[Agent]:
-    """A loop in the body runs under an injected ``policy`` (``"P (as written)"``: the script's own)."""
+def under(
+    policy: str,
+    mode: str = "run",
+    observers: Sequence[Any] = (),
+    optimizer: str | None = None,
+    **plan: Any,
+) -> Iterator[Agent]:
+    """A loop in the body runs under an injected ``policy`` (``"P (as written)"``: the script's own),
+    its optimizers built with the ``optimizer`` implementation where one is named."""
     as_written = policy.endswith(" (as written)")
-    candidate = Candidate(policy.removesuffix(" (as written)"), framework="script", as_written=as_written)
+    name = policy.removesuffix(" (as written)")
+    candidate = Candidate(name, framework="script", as_written=as_written, optimizer=optimizer)
     agent = Agent(Plan(mode=mode, candidate=candidate.to_dict(), seed=None, **plan), exit=_exit)
     agent.observers.extend(observers)
     agent.install()

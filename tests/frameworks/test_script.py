@@ -119,6 +119,46 @@ def test_lightning_is_set_through_its_own_precision_flag(policy, flag, dtype):
     assert record.observed.dtype == dtype
 
 
+def test_a_plain_loops_adamw_is_built_in_the_candidates_implementation():
+    """Under optimizer='fused' the AdamW the script builds is fused; the record says what its
+    AdamW offers and asked for itself (tune's variants of its pick come from the validating run's)."""
+    workload = script("plain_loop.py", "--steps", "100", "--d-model", "64", "--layers", "1")
+    fused = trace(workload, cand("bf16-mixed", optimizer="fused"), 1)
+    assert fused.facts.framework_flags == {"optimizer": {"AdamW": {"fused": True, "foreach": False}}}
+    assert fused.facts.own["optimizers"] == [
+        {"class": "AdamW", "implementations": ["foreach", "fused"], "as_written": None}
+    ]
+    assert fused.observed.dtype == "bfloat16" and len(fused.steps) == 1
+
+
+def test_the_hf_trainer_builds_the_candidates_optimizer_through_its_own_optim(tmp_path):
+    """TrainingArguments(optim=): the script's "adamw_torch" becomes "adamw_torch_fused" under
+    optimizer='fused', and the Trainer's AdamW is built fused."""
+    require("transformers", "frameworks")
+    args = ["--output_dir", str(tmp_path), "--max_steps", "100", "--tiny", "--optim", "adamw_torch"]
+    record = trace(script("hf_trainer.py", *args), cand("bf16-mixed", optimizer="fused"), 1)
+    assert record.facts.framework == "hf"
+    assert record.facts.framework_flags == {
+        "bf16": True,
+        "fp16": False,
+        "optim": "adamw_torch_fused",
+        "optimizer": {"AdamW": {"fused": True, "foreach": False}},
+    }
+
+
+def test_lightning_builds_the_candidates_optimizer_in_configure_optimizers():
+    """configure_optimizers' torch.optim.Adam is built foreach under optimizer='foreach'."""
+    require("lightning", "frameworks")
+    record = trace(
+        script("lightning_module.py", "--max-steps", "100"), cand("bf16-mixed", optimizer="foreach"), 1
+    )
+    assert record.facts.framework == "lightning"
+    assert record.facts.framework_flags == {
+        "precision": "bf16-mixed",
+        "optimizer": {"Adam": {"foreach": True, "fused": False}},
+    }
+
+
 @pytest.mark.slow
 def test_check_finds_the_fp16_overflow_of_the_scripts_real_data_and_names_the_layer(capsys):
     """raw_sensors.py feeds unnormalised readings (tens of thousands): its first layer's outputs pass
@@ -177,6 +217,32 @@ def test_run_refuses_a_linked_run_json_before_the_script_starts(tmp_path, capsys
     assert main(["run", "--policy", "bf16-mixed", "--out", str(out), "--", PY, str(script)]) == 2
     assert "symbolic link" in capsys.readouterr().err
     assert not marker.exists()  # refused before anything ran: nothing measured is lost
+
+
+def test_run_builds_the_scripts_optimizer_in_the_implementation_named(tmp_path, capsys):
+    """`mixprec run --optimizer fused`, the line tune writes for such a pick: the script's own SGD
+    reads fused from inside it; a name that is no implementation is refused before it starts."""
+    import json
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch\n"
+        "model = torch.nn.Linear(8, 2)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\n"
+        "for _ in range(2):\n"
+        "    model(torch.randn(4, 8)).sum().backward(); opt.step(); opt.zero_grad()\n"
+        "open(sys.argv[1], 'w').write(repr((opt.defaults['fused'], opt.defaults['foreach'])))\n"
+    )
+    seen, out = tmp_path / "seen.txt", tmp_path / "out"
+    command = ["run", "--policy", "bf16-mixed", "--out", str(out)]
+    assert main([*command, "--optimizer", "fused", "--", PY, str(script), str(seen)]) == 0
+    assert seen.read_text() == "(True, False)"
+    facts = json.loads((out / "run.json").read_text())["facts"]
+    assert facts["framework_flags"] == {"optimizer": {"SGD": {"fused": True, "foreach": False}}}
+    seen.unlink()
+    assert main([*command, "--optimizer", "fast", "--", PY, str(script), str(seen)]) == 2
+    assert "valid: for-loop, foreach, fused" in capsys.readouterr().err
+    assert not seen.exists()
 
 
 def test_the_commands_that_take_a_script_and_those_that_do_not(capsys):

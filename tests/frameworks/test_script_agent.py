@@ -167,6 +167,60 @@ def test_two_optimizers_after_one_backward_are_one_step(policy):
     assert len(losses) == 5 and not any(s.skipped for s in losses)
 
 
+def adamw_loop(precision: str | None, **implementation: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A loop whose AdamW names its own implementation (``foreach=True`` as written)."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **(implementation or {"foreach": True}))
+    ctx, scaler = hand(precision)
+    for x, y in batches(4):
+        with ctx():
+            loss = F.cross_entropy(model(x), y)
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_the_scripts_optimizer_is_built_with_the_candidates_implementation(policy):
+    """optimizer='fused': the script's AdamW(foreach=True) is built fused, as AdamW(fused=True)
+    builds it (GradScaler hands a fused step its own inf check), trains as the hand edit that
+    writes fused=True, and the run's facts say so."""
+    with under(policy, optimizer="fused") as agent:
+        injected, opt = adamw_loop(None)
+    assert opt.defaults["fused"] is True and opt.defaults["foreach"] is False
+    assert opt._step_supports_amp_scaling
+    by_hand, _ = adamw_loop(policy, fused=True)
+    assert same(injected, by_hand)
+    assert agent.facts().framework_flags == {"optimizer": {"AdamW": {"fused": True, "foreach": False}}}
+    assert agent.facts().own["optimizers"] == [
+        {"class": "AdamW", "implementations": ["foreach", "fused"], "as_written": "foreach"}
+    ]
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda ps: torch.optim.NAdam(ps), "NAdam has no fused implementation (it takes no fused= argument)"),
+        (lambda ps: torch.optim.LBFGS(ps), "LBFGS has no fused implementation (it takes no fused= argument)"),
+    ],
+)
+def test_an_optimizer_without_the_implementation_fails_the_candidate_in_one_line(make, message, tmp_path):
+    """NAdam takes foreach= only; LBFGS neither (torch.optim's constructors set no fused= on it)."""
+    import json
+
+    with pytest.raises(Exited) as exited, under("bf16-mixed", optimizer="fused", out=str(tmp_path)):
+        make(mlp().parameters())
+    assert exited.value.code == 2
+    error = json.loads((tmp_path / "run.json").read_text())["error"]
+    assert error == f"the script's {message}: optimizer='fused' does not apply"
+
+
 class GAN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -465,15 +519,25 @@ def test_a_mask_buffer_of_minus_infinity_is_not_a_failure(tmp_path):
 
 
 def test_the_agent_puts_torch_back():
-    before = (torch.autograd.backward, torch.optim.Optimizer.__init__, torch.amp.GradScaler.step)
-    with under("fp16-mixed"):
+    before = (
+        torch.autograd.backward,
+        torch.optim.Optimizer.__init__,
+        torch.amp.GradScaler.step,
+        torch.optim.SGD.__init__,
+    )
+    with under("fp16-mixed", optimizer="foreach"):
         model = mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for x, y in batches(2):
             F.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-    assert (torch.autograd.backward, torch.optim.Optimizer.__init__, torch.amp.GradScaler.step) == before
+    assert (
+        torch.autograd.backward,
+        torch.optim.Optimizer.__init__,
+        torch.amp.GradScaler.step,
+        torch.optim.SGD.__init__,
+    ) == before
     assert "grad" not in torch.Tensor.__dict__
     assert not torch.nn.modules.module._global_forward_pre_hooks
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import shlex
 import sys
 from pathlib import Path
 
@@ -301,3 +302,40 @@ def test_two_scripts_in_one_process_get_their_own_answers(tmp_path):
     assert "pytorch" in loop_texts and "lightning" not in loop_texts
     assert lit_texts["run"].endswith("-- " + " ".join([sys.executable, "lit.py"]))
     assert loop_texts["run"].endswith("loop.py")
+
+
+def test_tune_tries_the_scripts_optimizers_in_each_implementation_they_all_offer(tmp_path):
+    """The optimizer axis over a script is the workload's: tune measures its pick with each
+    implementation every optimizer the validating run saw offers (not the one they all use as
+    written), and the pick's `mixprec run` line and export carry it."""
+    from dataclasses import replace
+
+    from mixprec.frameworks import framework_named
+    from mixprec.frameworks.script import ScriptWorkload
+    from mixprec.frameworks.script.workload import ScriptFacts
+    from mixprec.policy import Candidate
+
+    (tmp_path / "train.py").write_text("")
+    workload = ScriptWorkload.from_command([sys.executable, "train.py"], cwd=tmp_path)
+    backend, bf16 = framework_named("script"), Candidate("bf16-mixed", framework="script")
+    adamw = {"class": "AdamW", "implementations": ["foreach", "fused"], "as_written": None}
+    nadam = {"class": "NAdam", "implementations": ["foreach"], "as_written": None}
+
+    def variants(*built: dict) -> list[str | None]:
+        own = {"optimizers": list(built)}
+        workload.facts = ScriptFacts(
+            "plain", "fp32", own, "Net", [("fc", "Linear")], ["fc.weight"], "cpu", 8, [1.0]
+        )
+        return [c.optimizer for c in backend.optimizer_variants(workload, bf16)]
+
+    assert variants(adamw) == ["foreach", "fused"]
+    assert variants(adamw, nadam) == ["foreach"]  # what every optimizer of the script has
+    assert variants({**adamw, "as_written": "fused"}) == ["foreach"]  # not the script's own again
+    assert variants() == []
+    as_written = Candidate("bf16-mixed", framework="script", as_written=True)
+    assert backend.optimizer_variants(workload, as_written) == []
+    texts, _ = backend.exports(replace(bf16, optimizer="fused"), "cpu", workload)
+    assert texts["run"] == shlex.join(
+        ["mixprec", "run", "--policy", "bf16-mixed", "--optimizer", "fused", "--", sys.executable, "train.py"]
+    )
+    assert "fused=True" in texts["pytorch"]

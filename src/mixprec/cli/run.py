@@ -12,6 +12,7 @@ from rich.console import Console
 from mixprec.cli.common import positive_int
 from mixprec.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, UnsupportedError, UsageError
 from mixprec.policy import Candidate
+from mixprec.policy.candidate import OPTIMIZER_IMPLS
 from mixprec.policy.registry import canonical_name
 
 
@@ -24,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "your stdin, your own randomness), with the candidate applied: its precision (autocast, loss "
         "scaling with every gradient read unscaled, *-true casts, the fp32 math mode), channels_last, "
         "fp32 islands and torch.compile in a plain loop; through the HF Trainer, Lightning or Accelerate, "
-        "their own precision switch. A run whose candidate did not take effect is stopped (exit 3). "
+        "their own precision switch; the optimizer's implementation wherever the script builds a torch "
+        "optimizer. A run whose candidate did not take effect is stopped (exit 3). "
         "Ctrl-C reaches your script as it would without mixprec; a second one stops it.",
     )
     p.add_argument("--policy", required=True, help="the policy to train under (mixprec env lists them)")
@@ -33,6 +35,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--keep-fp32", default="", metavar="MODULES", help="modules kept in fp32 (comma-separated)"
     )
     p.add_argument("--compile", default=None, metavar="MODE", help="torch.compile the model in this mode")
+    p.add_argument(
+        "--optimizer",
+        default=None,
+        metavar="IMPL",
+        help=f"build the script's torch optimizers with this implementation ({', '.join(OPTIMIZER_IMPLS)})",
+    )
     p.add_argument(
         "--monitor", action="store_true", help="watch the run with mixprec's precision monitor (events.jsonl)"
     )
@@ -53,6 +61,7 @@ def candidate_of(args: argparse.Namespace) -> Candidate:
         channels_last=args.channels_last,
         keep_fp32=keep,
         compile=args.compile,
+        optimizer=args.optimizer,
         framework="script",
     )
 

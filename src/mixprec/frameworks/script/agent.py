@@ -30,6 +30,9 @@ frameworks offer a seam (:mod:`.patches` lists each):
 - **the HF Trainer, Lightning and Accelerate**: their own precision switches
   (``TrainingArguments(bf16=, fp16=)``, ``Trainer(precision=)``, ``Accelerator(mixed_precision=)``),
   set as the export for that framework sets them, patched where the framework reads them.
+- **the optimizer's implementation** (foreach, fused): set where the script builds each torch
+  optimizer (its own loop's, Lightning's ``configure_optimizers``, the HF Trainer's AdamW, named by
+  ``TrainingArguments(optim=)`` too), in place of the script's own ``foreach=``/``fused=``.
 
 The :class:`Agent` here is the core every run shares (the model, its forwards and backwards, the
 step's end); what a run is for is its mode (:mod:`.modes`: measure, trace, run); the optimizers
@@ -397,7 +400,9 @@ class Agent:
     def facts(self) -> Facts:
         """What the script is, as far as it ran."""
         facts = dataclasses.replace(self._facts)
-        facts.framework, facts.framework_flags = self.framework, self.framework_flags
+        facts.framework, facts.framework_flags = self.framework, dict(self.framework_flags)
+        if self.optimizers.applied:  # the keywords each optimizer class was built with
+            facts.framework_flags["optimizer"] = dict(self.optimizers.applied)
         facts.own = self.own.as_written
         # only where the script's own loop trains: a known framework imports some of these itself
         # (transformers imports deepspeed where it is installed), and its switches are the ones set

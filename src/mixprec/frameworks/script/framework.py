@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import shlex
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from mixprec.numerics.compare import Trajectory
 from mixprec.numerics.ranges import RangeReport
 from mixprec.numerics.trend import LayerSeries
 from mixprec.policy import POLICY_NAMES, Candidate, Support, check_support
+from mixprec.policy.candidate import OPTIMIZER_IMPLS
 
 VALIDATE_STEPS = 2  # strict-fp32 steps of the validating run (it also finds what the script is)
 VALIDATE_SHARE = 0.5  # of the budget left, what the validating run may take at most
@@ -50,6 +52,7 @@ class ScriptFramework(Framework):
     workload_name = "a training command after --"
     layouts = True
     compile_modes = ("default",)
+    optimizer_impls = OPTIMIZER_IMPLS  # set where the script builds its torch optimizers
     island_kind = "fp32 modules"
     runs_as_written = True
     named = False  # entered by the command after --, not --framework
@@ -145,13 +148,29 @@ class ScriptFramework(Framework):
 
     def tune_candidates(self, workload: ScriptWorkload, info: DeviceInfo) -> list[Candidate]:
         """The script as written, then every policy eager (channels_last too for a model with
-        convolutions, in a plain loop)."""
+        convolutions, in a plain loop). The optimizer's implementations are tried on the pick
+        (:meth:`optimizer_variants`), as for a workload."""
         facts = workload.facts
         layouts = (
             [False, True] if facts is not None and facts.has_conv and facts.framework == "plain" else [False]
         )
         cands = [Candidate(p, cl, framework=self.name) for p in POLICY_NAMES for cl in layouts]
         return [*self.source_candidates(workload), *cands]
+
+    def optimizer_variants(self, workload: ScriptWorkload, candidate: Candidate) -> list[Candidate]:
+        """``candidate`` with each implementation every optimizer of the script offers (as the
+        validating run recorded them), but the one they all use as written already. None for the
+        script as written: its optimizer is part of it."""
+        facts = workload.facts if isinstance(workload, ScriptWorkload) else None
+        built = (facts.own.get("optimizers") or []) if facts is not None else []
+        if not built or candidate.as_written:
+            return []
+        own = {o["as_written"] for o in built}
+        return [
+            replace(candidate, optimizer=impl)
+            for impl in built[0]["implementations"]
+            if all(impl in o["implementations"] for o in built) and own != {impl}
+        ]
 
     def has_convolutions(self, workload: ScriptWorkload) -> bool:
         return workload.facts is None or workload.facts.has_conv  # not yet run: assume it may
@@ -234,7 +253,7 @@ class ScriptFramework(Framework):
         refusals: dict[str, str] = {}
         facts = workload.facts if isinstance(workload, ScriptWorkload) else None
         plain = candidate.policy == "fp32" and not (
-            candidate.channels_last or candidate.keep_fp32 or candidate.compile
+            candidate.channels_last or candidate.keep_fp32 or candidate.compile or candidate.optimizer
         )
         if candidate.as_written or (plain and facts is not None and facts.is_baseline):
             return {"run": "keep the script as it is: its own precision was the pick"}, {}
@@ -267,6 +286,8 @@ def run_line(candidate: Candidate, given: Sequence[str]) -> str:
         parts += ["--keep-fp32", ",".join(candidate.keep_fp32)]
     if candidate.compile:
         parts += ["--compile", candidate.compile]
+    if candidate.optimizer:
+        parts += ["--optimizer", candidate.optimizer]
     return shlex.join([*parts, "--", *given])
 
 

@@ -1,7 +1,9 @@
 """The training frameworks a script may train through, and the precision switch of each that the
 agent sets: the HF Trainer's ``TrainingArguments(bf16=, fp16=)``, Lightning's
 ``Trainer(precision=)`` and ``Accelerator(mixed_precision=)``, as mixprec's export for that framework
-writes them, so that what is measured is what the user will run.
+writes them, so that what is measured is what the user will run. The optimizer's implementation is
+set where torch builds the optimizer (:mod:`.optimizers`), and named in ``TrainingArguments(optim=)``
+where the Trainer builds torch's AdamW.
 
 Each is patched where the framework reads it (``TrainingArguments.__post_init__``,
 ``Trainer.__init__``, ``Accelerator.__init__``), once its module is imported by the script (an
@@ -27,6 +29,9 @@ HF, LIGHTNING, ACCELERATE, MIXPREC, PLAIN = "hf", "lightning", "accelerate", "mi
 UNKNOWN_FRAMEWORKS = ("ignite", "fastai", "composer", "mmengine", "deepspeed", "colossalai", "keras")
 
 Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
+# TrainingArguments(optim=) for torch's AdamW in each implementation (a script's other optim, SGD
+# or Adafactor, keeps its own: the implementation is set where the Trainer builds it)
+HF_ADAMW = {"fused": "adamw_torch_fused", "foreach": "adamw_torch", "for-loop": "adamw_torch"}
 # a framework module -> the patch of its precision switch
 Patch = Callable[[Any, Agent], None]
 
@@ -53,6 +58,10 @@ def _hf_arguments(module: Any, agent: Agent) -> None:
             if agent.candidate.compile:
                 self.torch_compile, self.torch_compile_mode = True, agent.candidate.compile
             agent.framework_flags = {"bf16": self.bf16, "fp16": self.fp16}
+            optim = HF_ADAMW.get(agent.candidate.optimizer or "")
+            if optim is not None and str(getattr(self.optim, "value", self.optim)) in HF_ADAMW.values():
+                # its own name for the implementation; the AdamW it builds gets foreach= at construction
+                self.optim = agent.framework_flags["optim"] = optim
         if agent.mode.sandboxed and agent.plan.scratch:
             # a measured run saves nothing and reports nowhere; loading the best checkpoint at the
             # end needs saved ones (the Trainer refuses the pair), so it goes too

@@ -2,12 +2,19 @@
 (the *lead*), each one's ``step()`` goes through the candidate's Policy where the agent injects the
 loop, and a gradient read after a scaled backward is unscaled first.
 
+The candidate's optimizer implementation (``Candidate.optimizer``: for-loop, foreach, fused) is set
+where the script builds each optimizer: the torch.optim constructor that takes ``foreach=``/``fused=``
+gets the candidate's keywords in place of the script's own (a fused optimizer is only fused when built
+so: :mod:`mixprec.frameworks.torch.implementations`). An optimizer with no such implementation fails
+the candidate; what each optimizer offers and uses as written is recorded for tune's variants.
+
 ``optimizer.step`` is replaced on the instance by a bound method, as the optimizer's own is: an LR
 scheduler made afterwards wraps it through ``__func__`` (a plain function broke every one).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 import time
@@ -19,7 +26,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.errors import UnsupportedError
+from mixprec.frameworks.torch.implementations import accepted, keywords, named, offered
+
 Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
+
+
+@dataclasses.dataclass
+class Built:
+    """An optimizer in construction by a torch.optim constructor that has implementations."""
+
+    cls: type  # the outermost such constructor's class (AdamW's, not the Adam.__init__ it calls)
+    own: dict[str, Any]  # its foreach=/fused= as the script passed them
+    chosen: dict[str, bool]  # the candidate's keywords, passed instead ({}: none asked)
 
 
 class Optimizers:
@@ -29,12 +48,64 @@ class Optimizers:
         self.agent = agent
         self.all: list[torch.optim.Optimizer] = []
         self.lead: torch.optim.Optimizer | None = None
+        self.building: dict[int, Built] = {}  # id(optimizer) -> its constructor's, while it runs
+        self.applied: dict[str, dict[str, bool]] = {}  # class name -> the implementation keywords set
         self._owner: dict[int, torch.optim.Optimizer] = {}  # id(param) -> its optimizer
         self._unscaled: set[int] = set()  # optimizers unscaled since the last scale update
+
+    # ------------------------------------------------------------------ construction
+    def constructing(self, optimizer: torch.optim.Optimizer, cls: type, arguments: dict[str, Any]) -> None:
+        """``cls.__init__`` (a torch.optim constructor that takes foreach=/fused=) starts building
+        ``optimizer`` with ``arguments`` (bound, defaults applied): the candidate's implementation
+        replaces the script's own there."""
+        own = {k: arguments.get(k) for k in accepted(cls)}
+        chosen: dict[str, bool] = {}
+        impl = self.agent.candidate.optimizer
+        if impl is not None:
+            try:
+                chosen = keywords(cls, impl)
+            except UnsupportedError as exc:
+                self.agent.fail("UnsupportedError", f"the script's {exc}: optimizer={impl!r} does not apply")
+            arguments.update(chosen)
+        self.building[id(optimizer)] = Built(cls, own, chosen)
+
+    def _implementation(self, optimizer: torch.optim.Optimizer) -> None:
+        """A new optimizer is built: what it offers and uses as written is recorded, and the
+        candidate's implementation checked to be the one it was built with."""
+        agent, name = self.agent, type(optimizer).__name__
+        built = self.building.get(id(optimizer))
+        agent.own.as_written.setdefault("optimizers", []).append(
+            {
+                "class": name,
+                "implementations": offered(built.cls) if built else [],
+                "as_written": named(built.own) if built else None,
+            }
+        )
+        impl = agent.candidate.optimizer
+        if impl is None:
+            return
+        if built is not None:
+            self.applied[name] = built.chosen
+            return
+        # not built by a torch.optim constructor mixprec sets: right only where there is nothing to set
+        try:
+            unset = keywords(type(optimizer), impl)
+        except UnsupportedError as exc:
+            agent.fail("UnsupportedError", f"the script's {exc}: optimizer={impl!r} does not apply")
+            return
+        if unset:
+            flags = ", ".join(f"{k}={v}" for k, v in unset.items())
+            agent.fail(
+                "UnsupportedError",
+                f"the script's {name} is not a torch.optim optimizer: mixprec sets optimizer={impl!r} "
+                f"({flags}) where torch.optim's constructors build one",
+            )
+        self.applied[name] = unset
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """A new optimizer of the script's: the first names the model; one over another model is refused."""
         agent = self.agent
+        self._implementation(optimizer)
         params = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if agent.model is None:
             owner = find_model(params)

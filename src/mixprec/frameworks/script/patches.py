@@ -18,6 +18,8 @@ What is patched, and why there:
   ``get_total_norm`` + ``clip_grads_with_norm_``, a hand-written one) and every log sees the true
   gradients, as the AMP recipe's ``unscale_`` before clipping has it.
 - ``torch.optim.Optimizer.__init__`` and the global step hooks: a new optimizer names the model.
+- ``__init__`` of each torch.optim optimizer that takes ``foreach=``/``fused=`` (Adam, AdamW, SGD,
+  ...): it is built with the candidate's implementation, as ``AdamW(..., fused=True)`` builds it.
 - ``torch.nn`` global forward pre-hook (armed only between a step's events): the first forward of the
   model in a step, wherever the loop calls it (the root, a part of it, a compiled wrapper).
 """
@@ -34,6 +36,20 @@ import torch
 Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
 
 _TENSOR_GRAD: Any = torch._C.TensorBase.__dict__["grad"]  # the C++ property torch.Tensor inherits
+
+
+def _implemented_classes() -> list[type]:
+    """torch.optim's optimizers whose own constructor takes foreach= or fused=."""
+    from mixprec.frameworks.torch.implementations import accepted
+
+    return [
+        cls
+        for cls in vars(torch.optim).values()
+        if isinstance(cls, type)
+        and issubclass(cls, torch.optim.Optimizer)
+        and "__init__" in cls.__dict__
+        and accepted(cls)
+    ]
 
 
 class Patches:
@@ -74,6 +90,7 @@ class Patches:
         self._grad_scaler()
         self._backward()
         self._optimizer()
+        self._constructors()
         self._zero_grad()
 
     def remove(self) -> None:
@@ -218,6 +235,32 @@ class Patches:
             register_optimizer_step_post_hook(agent.optimizers.after_step),
         ):
             self._undo.append(handle.remove)
+
+    def _constructors(self) -> None:
+        for cls in _implemented_classes():
+            self.replace(cls, "__init__", self._constructor(cls))
+
+    def _constructor(self, cls: type) -> Callable[..., None]:
+        """``cls.__init__`` with its arguments bound, so the agent can set foreach=/fused= however the
+        script passed them; the constructor it calls itself (AdamW's Adam.__init__) runs as it is."""
+        original = cls.__dict__["__init__"]
+        signature = inspect.signature(original)
+        optimizers = self.agent.optimizers
+        agent = self.agent
+
+        @functools.wraps(original)  # its signature, which the implementation table reads
+        def __init__(self: torch.optim.Optimizer, *args: Any, **kw: Any) -> None:
+            if agent.internal_calls or id(self) in optimizers.building:
+                return original(self, *args, **kw)
+            bound = signature.bind(self, *args, **kw)
+            bound.apply_defaults()
+            optimizers.constructing(self, cls, bound.arguments)
+            try:
+                return original(*bound.args, **bound.kwargs)
+            finally:
+                optimizers.building.pop(id(self), None)
+
+        return __init__
 
     def _zero_grad(self) -> None:
         """``zero_grad`` reads every gradient to clear it: not a read that needs them unscaled (a

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
@@ -14,6 +13,7 @@ import torch
 from mixprec.frameworks.base import Framework, SessionBuilder
 from mixprec.frameworks.session import BenchSettings, MemoryPoint, Session
 from mixprec.frameworks.torch import session as torch_session
+from mixprec.frameworks.torch.implementations import offered
 from mixprec.frameworks.torch.ranges import collect_ranges
 from mixprec.frameworks.torch.trajectory import run_trajectory
 from mixprec.hardware.device import DeviceInfo, resolve_device
@@ -51,7 +51,6 @@ CUDA_DEFAULTS: dict[str, Any] = {
 CHECK_DEFAULTS: dict[str, Any] = {"image_size": 64, "max_image_size": 64, "batch_size": 8}
 # What a candidate process imports once in the fork server (the model's library comes on top).
 _PRELOAD = ("torch", "torchvision", "mixprec.frameworks.torch.session", "mixprec.workload.loader")
-_IMPLEMENTATION_FLAGS = (("foreach", "foreach"), ("fused", "fused"))
 
 
 def has_4d_weights(model: torch.nn.Module) -> bool:
@@ -198,9 +197,7 @@ class TorchFramework(Framework):
     def optimizer_variants(self, workload: Workload, candidate: Candidate) -> list[Candidate]:
         # the optimizer's class, from the factory as written (it may need the module itself)
         probe = workload.make_optimizer(workload.model)
-        accepted = inspect.signature(type(probe).__init__).parameters
-        impls = [impl for impl, flag in _IMPLEMENTATION_FLAGS if flag in accepted]
-        return [replace(candidate, optimizer=impl) for impl in impls]
+        return [replace(candidate, optimizer=impl) for impl in offered(type(probe))]
 
     def predictions(self, workload: Workload, info: DeviceInfo) -> tuple[list[Candidate], list[str]]:
         from mixprec.policy.lowformat import plan_layers

@@ -280,25 +280,16 @@ def with_implementation(optimizer: torch.optim.Optimizer, implementation: str) -
     'for-loop', 'foreach' (multi-tensor kernels) or 'fused' (one kernel). Raises
     :class:`UnsupportedError` when its class has no such implementation."""
     from mixprec.errors import UnsupportedError
+    from mixprec.frameworks.torch.implementations import keywords
 
     cls = type(optimizer)
-    accepted = inspect.signature(cls.__init__).parameters
-    flags = {
-        "for-loop": {"foreach": False, "fused": False},
-        "foreach": {"foreach": True, "fused": False},
-        "fused": {"fused": True, "foreach": False},
-    }[implementation]
-    wanted = [k for k, on in flags.items() if on]
-    if any(k not in accepted for k in wanted):
-        raise UnsupportedError(
-            f"{cls.__name__} has no {implementation} implementation (it takes no {wanted[0]}= argument)"
-        )
+    chosen = keywords(cls, implementation)
     if optimizer.state:
         raise UnsupportedError(
             f"{cls.__name__} already holds state: switch its implementation before the first step"
         )
-    chosen = {k: v for k, v in flags.items() if k in accepted}
     groups = [{**g, **chosen} for g in optimizer.param_groups]
+    accepted = inspect.signature(cls.__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     return cls(groups, **{**defaults, **chosen})
 
