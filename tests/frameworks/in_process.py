@@ -31,13 +31,23 @@ def under(
     mode: str = "run",
     observers: Sequence[Any] = (),
     optimizer: str | None = None,
+    compile: str | None = None,
+    compile_scope: str | None = None,
     **plan: Any,
 ) -> Iterator[Agent]:
     """A loop in the body runs under an injected ``policy`` (``"P (as written)"``: the script's own),
-    its optimizers built with the ``optimizer`` implementation where one is named."""
+    its optimizers built with the ``optimizer`` implementation where one is named, compiled where
+    ``compile`` names a mode (``compile_scope="step"``: the optimizers' updates too)."""
     as_written = policy.endswith(" (as written)")
     name = policy.removesuffix(" (as written)")
-    candidate = Candidate(name, framework="script", as_written=as_written, optimizer=optimizer)
+    candidate = Candidate(
+        name,
+        framework="script",
+        as_written=as_written,
+        optimizer=optimizer,
+        compile=compile,
+        compile_scope=compile_scope,
+    )
     agent = Agent(Plan(mode=mode, candidate=candidate.to_dict(), seed=None, **plan), exit=_exit)
     agent.observers.extend(observers)
     agent.install()

@@ -12,7 +12,7 @@ from rich.console import Console
 from mixprec.cli.common import positive_int
 from mixprec.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, UnsupportedError, UsageError
 from mixprec.policy import Candidate
-from mixprec.policy.candidate import OPTIMIZER_IMPLS
+from mixprec.policy.candidate import COMPILE_SCOPES, OPTIMIZER_IMPLS
 from mixprec.policy.registry import canonical_name
 
 
@@ -35,6 +35,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--keep-fp32", default="", metavar="MODULES", help="modules kept in fp32 (comma-separated)"
     )
     p.add_argument("--compile", default=None, metavar="MODE", help="torch.compile the model in this mode")
+    p.add_argument(
+        "--compile-scope",
+        choices=COMPILE_SCOPES,
+        default=None,
+        help="what --compile compiles in a plain loop: the model (default), or the step (the model and "
+        "each optimizer's update)",
+    )
     p.add_argument(
         "--optimizer",
         default=None,
@@ -61,6 +68,7 @@ def candidate_of(args: argparse.Namespace) -> Candidate:
         channels_last=args.channels_last,
         keep_fp32=keep,
         compile=args.compile,
+        compile_scope=args.compile_scope,
         optimizer=args.optimizer,
         framework="script",
     )

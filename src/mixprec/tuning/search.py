@@ -241,7 +241,7 @@ class Search:
         with phase("numerics"):
             self.check_faster()  # the candidates measured late, if any beat strict fp32
         with phase("compile"):
-            self.try_compile(modes)
+            self.try_compile(modes, info)
         with phase("numerics"):
             # a compiled candidate its compile share could not check, with the whole budget: what
             # the user can run here is checked before any prediction for hardware they may lack
@@ -393,7 +393,7 @@ class Search:
             fixed.reason = cured(verdict, fixed)
 
     # ------------------------------------------------------------------ 3. beyond eager
-    def try_compile(self, modes: Sequence[str]) -> None:
+    def try_compile(self, modes: Sequence[str], info: DeviceInfo) -> None:
         """Compiled variants chosen by what compiling can gain (:mod:`mixprec.tuning.compiling`):
         one per precision family first, most promising first (re-planned after each measurement
         recalibrates the prediction), each followed by its numerics check, then the other scopes
@@ -408,6 +408,9 @@ class Search:
             failed = {c for c, v in verdicts.items() if not v.acceptable}
             tried = {r.candidate for r in self.result.rows} | set(skipped)
             todo = compiling.plan(self.framework, self.result.rows, failed, modes, self.calibration)
+            # (a scope this workload does not take: a script trained by a framework compiles through
+            # that framework's switch, which compiles the model)
+            todo = [a for a in todo if self.framework.support(a.candidate, info, self.sweeps.workload)]
             attempt = next((a for a in todo if a.candidate not in tried), None)
             if attempt is None:
                 break

@@ -31,7 +31,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    teacher = torch.randn(16, 1, generator=g)
+    teacher = torch.randn(16, 1, generator=g) / 4  # (targets of unit scale: learnt from the first steps)
     x = torch.randn(4096, 16, generator=g)
     data = TensorDataset(x, x @ teacher + 0.01 * torch.randn(4096, 1, generator=g))
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)

@@ -52,6 +52,9 @@ class ScriptFramework(Framework):
     workload_name = "a training command after --"
     layouts = True
     compile_modes = ("default",)
+    # the model's forward (as torch.compile of a module); the step: that, and each optimizer's update
+    # compiled too (PyTorch's compiled-optimizer recipe), in a plain loop
+    compile_scopes = ("model", "step")
     optimizer_impls = OPTIMIZER_IMPLS  # set where the script builds its torch optimizers
     island_kind = "fp32 modules"
     runs_as_written = True
@@ -104,6 +107,14 @@ class ScriptFramework(Framework):
             return Support(False, f"{candidate.policy} is not injected into scripts yet", "bf16-mixed", False)
         framework = _framework_of(workload)
         if framework != "plain":
+            if candidate.compile_scope == "step":
+                return Support(
+                    False,
+                    f"the step scope through {FRAMEWORK_TITLES[framework]}: its own compile switch "
+                    "compiles the model, and what it runs is what is measured",
+                    None,
+                    False,
+                )
             return self._framework_support(candidate, info, framework, base)
         return base
 
@@ -286,6 +297,8 @@ def run_line(candidate: Candidate, given: Sequence[str]) -> str:
         parts += ["--keep-fp32", ",".join(candidate.keep_fp32)]
     if candidate.compile:
         parts += ["--compile", candidate.compile]
+    if candidate.compile_scope:
+        parts += ["--compile-scope", candidate.compile_scope]
     if candidate.optimizer:
         parts += ["--optimizer", candidate.optimizer]
     return shlex.join([*parts, "--", *given])

@@ -1,7 +1,9 @@
 """The training frameworks a script may train through, and the precision switch of each that the
 agent sets: the HF Trainer's ``TrainingArguments(bf16=, fp16=)``, Lightning's
 ``Trainer(precision=)`` and ``Accelerator(mixed_precision=)``, as mixprec's export for that framework
-writes them, so that what is measured is what the user will run. The optimizer's implementation is
+writes them, so that what is measured is what the user will run; a compiled candidate through each
+one's own compile switch (``TrainingArguments(torch_compile=True)``, ``trainer.fit(torch.compile(
+module))``, Accelerate's ``TorchDynamoPlugin``), which compiles the model. The optimizer's implementation is
 set where torch builds the optimizer (:mod:`.optimizers`), and named in ``TrainingArguments(optim=)``
 where the Trainer builds torch's AdamW.
 
@@ -55,9 +57,13 @@ def _hf_arguments(module: Any, agent: Agent) -> None:
             self.tf32 = None  # mixprec sets the fp32 math mode (the HF export's knobs)
             if (self.bf16 or self.fp16) and not torch.cuda.is_available():
                 self.use_cpu = True  # as the HF export writes it: bf16 on a CPU needs it said
+            agent.framework_flags = {"bf16": self.bf16, "fp16": self.fp16}
             if agent.candidate.compile:
                 self.torch_compile, self.torch_compile_mode = True, agent.candidate.compile
-            agent.framework_flags = {"bf16": self.bf16, "fp16": self.fp16}
+                agent.framework_flags |= {
+                    "torch_compile": True,
+                    "torch_compile_mode": agent.candidate.compile,
+                }
             optim = HF_ADAMW.get(agent.candidate.optimizer or "")
             if optim is not None and str(getattr(self.optim, "value", self.optim)) in HF_ADAMW.values():
                 # its own name for the implementation; the AdamW it builds gets foreach= at construction
@@ -108,6 +114,19 @@ def _lightning_trainer(module: Any, agent: Agent) -> None:
         original(self, *args, **kw)
 
     agent.patches.replace(cls, "__init__", __init__)
+    fit = cls.fit
+
+    def compiled_fit(self: Any, model: Any, *args: Any, **kw: Any) -> Any:
+        """A compiled candidate as Lightning's users compile (the lightning export's line):
+        ``trainer.fit(torch.compile(module))``, which Lightning unwraps to compile the module's
+        forward and training_step."""
+        mode = agent.candidate.compile if agent.inject else None
+        if mode and not isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = torch.compile(model, mode=mode)
+            agent.framework_flags["compile"] = mode
+        return fit(self, model, *args, **kw)
+
+    agent.patches.replace(cls, "fit", compiled_fit)
 
 
 def _as_list(plugins: Any) -> list[Any]:
@@ -162,6 +181,12 @@ def _accelerator(module: Any, agent: Agent) -> None:
                 )
             kw["mixed_precision"] = wanted
             agent.framework_flags = {"mixed_precision": wanted}
+            if agent.candidate.compile:  # its own switch: prepare() compiles the model (the export's)
+                from accelerate.utils import TorchDynamoPlugin
+
+                kw.pop("dynamo_backend", None)
+                kw["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", mode=agent.candidate.compile)
+                agent.framework_flags["dynamo_plugin"] = f"inductor, mode={agent.candidate.compile}"
         original(self, *args, **kw)
 
     agent.patches.replace(cls, "__init__", __init__)

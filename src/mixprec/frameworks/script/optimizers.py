@@ -140,17 +140,37 @@ class Optimizers:
             for p in group["params"]:
                 self._owner[id(p)] = optimizer
         agent, klass_step = self.agent, type(optimizer).step
+        update: list[Callable] = []  # the update as the candidate runs it, chosen at the first step
+
+        def updating(opt: torch.optim.Optimizer, *args: Any, **kw: Any) -> Any:
+            if not update:
+                update.append(self.compiled_update(opt, klass_step) or klass_step)
+            # (a closure, or GradScaler's arguments to a fused step: the optimizer's own, eager)
+            return (klass_step if args or kw else update[0])(opt, *args, **kw)
 
         def step(opt: torch.optim.Optimizer, *args: Any, **kw: Any) -> Any:
             if agent.internal_calls:
-                return klass_step(opt, *args, **kw)
+                return updating(opt, *args, **kw)
             if opt is self.lead and agent.observers and not args and not kw:
                 self.before_update()
             if not agent.routing:
-                return klass_step(opt, *args, **kw)
+                return updating(opt, *args, **kw)
             return self.routed_step(opt, klass_step, args, kw)
 
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+
+    def compiled_update(self, optimizer: torch.optim.Optimizer, klass_step: Callable) -> Callable | None:
+        """The step scope over a script (a plain loop the candidate's Policy runs): the optimizer's
+        update compiled, as PyTorch's compiled-optimizer recipe has it (the model's forward is
+        compiled beside it, the backward with it by AOTAutograd; the script's own loss code stays
+        eager). A learning rate its scheduler changes recompiles once, then is traced as a value.
+        None: the candidate compiles no update."""
+        agent = self.agent
+        if not (agent.loop and agent.candidate.compile and agent.candidate.compile_scope == "step"):
+            return None
+        compiled = torch.compile(lambda: klass_step(optimizer), mode=agent.candidate.compile)
+        agent.framework_flags.setdefault("compiled", []).append(f"{type(optimizer).__name__}.step")
+        return lambda opt: compiled()
 
     def routed_step(
         self, optimizer: torch.optim.Optimizer, klass_step: Callable, args: tuple, kw: dict
@@ -243,7 +263,7 @@ def find_model(params: set[int]) -> nn.Module | None:
     no module, a bare ``nn.Parameter``, are the script's own), or None when no module holds any."""
     with warnings.catch_warnings():  # isinstance() on every live object wakes deprecated module attributes
         warnings.simplefilter("ignore")
-        modules = [o for o in gc.get_objects() if isinstance(o, nn.Module)]
+        modules = [o for o in gc.get_objects() if _is_module(o)]
     children = {id(c) for m in modules for c in m.children()}
     best: tuple[int, int] | None = None
     model = None
@@ -257,3 +277,12 @@ def find_model(params: set[int]) -> nn.Module | None:
             best, model = (held, -len(own)), root
     inner = getattr(model, "_orig_mod", None)  # a torch.compile wrapper: the model it compiles
     return inner if isinstance(inner, nn.Module) else model
+
+
+def _is_module(obj: Any) -> bool:
+    """``isinstance(obj, nn.Module)``, False for a weak proxy whose object is gone (dynamo keeps
+    some: isinstance() on one raises ReferenceError)."""
+    try:
+        return isinstance(obj, nn.Module)
+    except ReferenceError:
+        return False

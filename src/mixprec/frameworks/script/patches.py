@@ -108,11 +108,17 @@ class Patches:
         agent = self.agent
 
         @functools.wraps(init)  # its signature, which torch.compile reads
-        def __init__(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True, **kw):
+        def __init__(
+            self,
+            device_type: str,
+            dtype: torch.dtype | None = None,
+            enabled: bool = True,
+            cache_enabled: bool | None = None,  # (positional too: dynamo passes all four so)
+        ):
             script = not agent.internal_calls
             if script and enabled:
                 dtype, enabled = agent.own.autocast(device_type, dtype)
-            init(self, device_type, dtype=dtype, enabled=enabled, **kw)
+            init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
             self._mixprec_script = script
 
         @functools.wraps(enter)
