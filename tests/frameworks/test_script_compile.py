@@ -110,3 +110,34 @@ def test_lightning_is_compiled_as_its_users_compile_it():
     record = trace(workload, Candidate("bf16-mixed", compile="default", framework="script"), 1)
     assert record.facts.framework == "lightning"
     assert record.facts.framework_flags == {"precision": "bf16-mixed", "compile": "default"}
+
+
+ACCELERATE_LOOP = """
+import torch
+from accelerate import Accelerator
+accelerator = Accelerator(cpu=True)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+model, opt = accelerator.prepare(model, opt)
+for step in range(1000):
+    x = torch.randn(8, 16)
+    loss = (model(x) - x[:, :1]).pow(2).mean()
+    accelerator.backward(loss)
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_accelerate_is_compiled_through_its_dynamo_plugin(tmp_path):
+    """``Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode=...))``, as the
+    accelerate export writes it (a compiled candidate was measured eager under its name)."""
+    require("accelerate", "frameworks")
+    (tmp_path / "train.py").write_text(ACCELERATE_LOOP)
+    workload = ScriptWorkload.from_command([sys.executable, "train.py"], cwd=tmp_path)
+    record = trace(workload, Candidate("bf16-mixed", compile="default", framework="script"), 1)
+    assert record.facts.framework == "accelerate"
+    assert record.facts.framework_flags == {
+        "mixed_precision": "bf16",
+        "dynamo_plugin": "inductor, mode=default",
+    }
+    assert record.observed.dtype == "bfloat16"
