@@ -90,7 +90,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         hint = f"; try {support.suggestion}" if support.suggestion else ""
         raise UnsupportedError(f"--policy {candidate.policy} is not supported here: {support.reason}{hint}")
     workload = ScriptWorkload.from_command(args.script)
-    for note in workload.notes:
+    for note in workload.launch.notes if workload.launch is not None else workload.notes:
         err.print(f"note: {note}", soft_wrap=True)
     folder = Path(args.out).resolve()  # (the script may change its folder: Hydra does)
     folder.mkdir(parents=True, exist_ok=True)

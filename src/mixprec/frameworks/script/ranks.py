@@ -70,7 +70,7 @@ class Launch:
         measured: the argv of a measured or traced run: its own rendezvous on a free port.
         world: the ranks it starts.
         script: the script and its arguments (what each rank runs).
-        notes: what was cut down, and how the job's step is measured.
+        notes: what was cut down to fit this machine.
     """
 
     command: tuple[str, ...]
@@ -78,6 +78,17 @@ class Launch:
     world: int
     script: tuple[str, ...]
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def measured_notes(self) -> list[str]:
+        """What a measured result says of the launch: what was cut, and how the job's step is read."""
+        if self.world == 1:
+            return list(self.notes)
+        how = (
+            f"torchrun: {self.world} ranks, each under the candidate; a step's time is the slowest "
+            "rank's and its samples every rank's; the losses compared are rank 0's"
+        )
+        return [*self.notes, how]
 
     def record(self) -> dict[str, Any]:
         """What a result's JSON says of the launch."""
@@ -124,11 +135,6 @@ def launch_of(argv: list[str], capacity: int | None = None) -> Launch:
         options = [*_dropped(options, _NPROC), f"--nproc-per-node={world}"]
     command = (*prefix, *options, *script)
     measured = (*prefix, *_dropped(options, (*_RENDEZVOUS, "--standalone")), "--standalone", *script)
-    if world > 1:
-        notes.append(
-            f"torchrun: {world} ranks, each under the candidate; a step's time is the slowest rank's "
-            "and its samples every rank's; the losses compared are rank 0's"
-        )
     return Launch(command, measured, world, tuple(script), notes)
 
 

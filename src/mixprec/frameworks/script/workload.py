@@ -172,7 +172,7 @@ class ScriptWorkload:
             if Path(argv[0]).name != "torchrun":
                 argv[0] = _interpreter(argv[0])
             launch = launch_of(argv)
-            argv, notes = list(launch.command), list(launch.notes)
+            argv, notes = list(launch.command), launch.measured_notes
             preflight([argv[0], *launch.script], folder)
             return cls(tuple(argv), given, folder, notes, env, launch=launch)
         if Path(argv[0]).name in _ONE_RANK:
