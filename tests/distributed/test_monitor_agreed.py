@@ -18,7 +18,16 @@ from torch.nn.parallel import DistributedDataParallel
 import mixprec
 from mixprec.monitor import Monitor
 from mixprec.monitor.core import PoisonedCheckpointError
-from mixprec.monitor.findings import CHECKPOINT_REFUSED, DATA, REPLICAS_DIFFER, RESCUE, SPIKE, STOP
+from mixprec.monitor.findings import (
+    CHECKPOINT_REFUSED,
+    DATA,
+    OVERFLOW,
+    REPLICAS_DIFFER,
+    RESCUE,
+    SPIKE,
+    STOP,
+    MonitorFinding,
+)
 
 STEPS = 120
 BAD_AT = 80
@@ -200,3 +209,50 @@ def test_a_checkpoint_rank_0_saves_is_refused_when_rank_1s_state_is_not_finite(t
     assert refused is not None and "rank 1's weights or optimizer state held inf/NaN at step 30" in refused
     assert any(kind == CHECKPOINT_REFUSED for _, kind, _ in ranks[0]["findings"])
     assert not (tmp_path / "out" / "ckpt.pt").exists()
+
+
+ISLAND_AT = 12
+
+
+def _island_on_rank_1(rank, world, out):
+    """fp16-mixed DDP; rank 1's detectors alone ask for an fp32 island of module '0' at step
+    ``ISLAND_AT`` (as the overflow detector does where only its own batch locates the overflow)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    policy = mixprec.get_policy("fp16-mixed", device="cpu")
+    ddp = DistributedDataParallel(policy.prepare(model))
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    monitor = Monitor(ddp, policy, optimizer=optimizer, loss_fn=_loss, rescue=True)
+    data = torch.Generator().manual_seed(100 + rank)
+    islanded_at = None
+    for step in range(ISLAND_AT + 6):
+        x = torch.randn(PER_RANK, 16, generator=data)
+        with policy.autocast():
+            loss = _loss(ddp, (x, x[:, :1]))
+        optimizer.zero_grad()
+        policy.backward(loss)
+        monitor.before_step(loss, (x, x[:, :1]), batch_index=step)
+        policy.step(optimizer)
+        monitor.observe(loss, (x, x[:, :1]))
+        if rank == 1 and step == ISLAND_AT:
+            finding = MonitorFinding(step, OVERFLOW, "planted: module '0' overflows on this batch", "0")
+            monitor.report(finding, monitor.rescuer.action("island", "0"))
+        if islanded_at is None and "0" in policy.config.keep_fp32:
+            islanded_at = step
+    return {
+        "islanded_at": islanded_at,
+        "keep_fp32": list(policy.config.keep_fp32),
+        "weights": torch.cat([p.detach().flatten() for p in model.parameters()]),
+        "findings": [(f.step, f.kind, dict(f.evidence)) for f in monitor.findings],
+    }
+
+
+def test_a_precision_rescue_one_rank_asks_for_is_taken_on_every_rank_at_the_same_step(tmp_path, monkeypatch):
+    """An fp32 island decided on rank 1 was made on rank 1 only: the ranks kept the same weights
+    (the gradients are all-reduced) but computed module '0' in different formats from then on."""
+    ranks = _spawn(_island_on_rank_1, tmp_path, monkeypatch)
+    assert [r["keep_fp32"] for r in ranks] == [["0"], ["0"]], ranks
+    assert ranks[0]["islanded_at"] == ranks[1]["islanded_at"] == ISLAND_AT + 1
+    agreed = [ev for _, kind, ev in ranks[0]["findings"] if kind == RESCUE]
+    assert agreed and agreed[0]["decided_by_ranks"] == [1] and agreed[0]["rank"] == 0
+    assert torch.equal(ranks[0]["weights"], ranks[1]["weights"])

@@ -64,7 +64,7 @@ from mixprec.monitor.findings import (
     Sink,
 )
 from mixprec.monitor.gate import UpdateGate, check_loss, unwrapped
-from mixprec.monitor.rescue import Rescuer, module_of, plan_schedule
+from mixprec.monitor.rescue import Rescue, Rescuer, module_of, plan_schedule
 from mixprec.monitor.sampler import Sampler
 from mixprec.monitor.scale import ScaleWatch
 from mixprec.numerics.limits import LOW_PRECISION_FORMATS
@@ -193,12 +193,19 @@ class RunRecord:
         if self.rescues >= self.config.max_rescues:
             self._stop(finding)
             return
+        if self.data_parallel and isinstance(rescue, Rescue):
+            self.gate.proposed = (finding, rescue)  # taken on every rank at the next agreement
+            return
+        self.take(finding, rescue)
+
+    def take(self, finding: MonitorFinding, rescue: Action, **evidence: Any) -> None:
+        """Take ``rescue``, in answer to ``finding`` (this rank's, or another's the ranks agreed)."""
         done = rescue()
         if done:
             self.rescues += 1
             self._last_action = finding.step
-            evidence = {"answers": finding.kind}
-            self._emit(MonitorFinding(finding.step, RESCUE, done, finding.module, evidence, action=done))
+            said = {"answers": finding.kind, **evidence}
+            self._emit(MonitorFinding(finding.step, RESCUE, done, finding.module, said, action=done))
 
     def stop(self, finding: MonitorFinding, why: str) -> None:
         """:meth:`mixprec.monitor.detectors.base.Run.stop`: before a guard of the loop's own stops the

@@ -20,6 +20,7 @@ import torch
 from mixprec.errors import UsageError
 from mixprec.monitor.detectors import Detector, UpdateView
 from mixprec.monitor.findings import REPLICAS_DIFFER, RESCUE, STOP, UNWATCHED, MonitorFinding
+from mixprec.monitor.rescue import SHARED_RESCUES, Rescue
 from mixprec.monitor.shadow import grad_norm
 
 # Steps after which a policy (or GradScaler) the loop has never stepped is not the loop's, where the
@@ -113,6 +114,9 @@ class UpdateGate:
         self.stop_agreed = False
         self.replicas = bool(getattr(run, "replicated", False))  # DDP: every rank holds the whole model
         self.remote_poisoned: str | None = None  # another rank's state held inf/NaN at the last check
+        # a rescue that changes how the run computes (an fp32 island, fp16 -> bf16, ...), proposed by
+        # this rank's detectors since the last agreement: taken by every rank at the next one
+        self.proposed: tuple[MonitorFinding, Rescue] | None = None
         if self.group is not None:
             self.armed = [o.register_step_pre_hook(self.before_update) for o in run.optimizers]
         self.requiet()
@@ -240,9 +244,15 @@ class UpdateGate:
         params = list(run.model.parameters())
         on_nccl = dist.get_backend(group) == "nccl"
         device = params[0].device if on_nccl and params else "cpu"
-        # per rank: its decision, and on a replica check its parameters' sum and whether its state is finite
-        rows = torch.zeros(world, 3, dtype=torch.float64, device=device)
+        # per rank: its decision, on a replica check its parameters' sum and whether its state is
+        # finite, and the rescue it proposes (its code, its module's index + 1)
+        rows = torch.zeros(world, 5, dtype=torch.float64, device=device)
         rows[rank, 0] = own
+        proposed, self.proposed = self.proposed, None
+        if proposed is not None:
+            rescue, modules = proposed[1], self.module_names()
+            rows[rank, 3] = SHARED_RESCUES.index(rescue.name) + 1
+            rows[rank, 4] = modules.index(rescue.module) + 1 if rescue.module in modules else 0
         checking = self.rounds % REPLICA_CHECK_EVERY == 0
         self.rounds += 1
         if checking:
@@ -253,6 +263,8 @@ class UpdateGate:
         table = rows.tolist()
         if checking:
             self.check_replicas(step, rank, table)
+        if any(row[3] for row in table):
+            self.take_rescues(step, rank, table, proposed)
         others = {r: int(row[0]) for r, row in enumerate(table) if row[0] and r != rank}
         self.stop_agreed = self.stop_agreed or own == 2 or 2 in others.values()
         if not others:
@@ -274,6 +286,33 @@ class UpdateGate:
                 "ranks hold the same all-reduced gradients, so all must skip it to keep the same weights"
             )
             run._emit(MonitorFinding(step, RESCUE, said, None, evidence, action="update withheld"))
+
+    def take_rescues(
+        self,
+        step: int,
+        rank: int,
+        table: list[list[float]],
+        proposed: tuple[MonitorFinding, Rescue] | None,
+    ) -> None:
+        """Every rescue any rank proposed, taken on this one, in rank order (one proposed twice,
+        once), so the ranks go on computing alike; another rank's is said with the ranks it came from."""
+        run, taken, modules = self.run, {}, self.module_names()
+        for r, row in enumerate(table):
+            if row[3]:
+                name = SHARED_RESCUES[int(row[3]) - 1]
+                module = modules[int(row[4]) - 1] if row[4] else None
+                taken.setdefault((name, module), []).append(r)
+        for (name, module), ranks in taken.items():
+            if proposed is not None and rank in ranks:
+                run.take(proposed[0], proposed[1], rank=rank, decided_by_ranks=ranks)
+                continue
+            said = f"rank {', '.join(map(str, ranks))} proposed it (its findings say why)"
+            finding = MonitorFinding(step, RESCUE, said, module, {"rank": rank, "decided_by_ranks": ranks})
+            run.take(finding, run.rescuer.action(name, module), rank=rank, decided_by_ranks=ranks)
+
+    def module_names(self) -> list[str]:
+        """The model's module names in order: the same list on every replica (an index names one)."""
+        return [name for name, _ in self.run.model.named_modules()]
 
     def check_replicas(self, step: int, rank: int, table: list[list[float]]) -> None:
         """What a replica check found (:data:`REPLICA_CHECK_EVERY`): another rank's state not finite

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -133,8 +134,33 @@ def plan_schedule(schedule: Mapping[float, str], train_steps: int, policy: Polic
     return planned
 
 
+# The rescues that change how the run computes or what it holds, by name: over data-parallel ranks
+# each is agreed and taken on every rank (:meth:`mixprec.monitor.gate.UpdateGate.agree`), so the
+# ranks keep computing alike. Their index + 1 is the code a rank puts in the agreement's tensor.
+SHARED_RESCUES = ("island", "to_bf16", "master_weights", "roll_back")
+
+
+@dataclass(frozen=True)
+class Rescue:
+    """One of :data:`SHARED_RESCUES` on a rescuer, named so another rank can take the same one
+    (``module``: the island's); calling it takes it here."""
+
+    rescuer: Any
+    name: str
+    module: str | None = None
+
+    def __call__(self) -> str:
+        act = getattr(self.rescuer, self.name)
+        return act(self.module) if self.name == "island" else act()
+
+
 class Rescuer:
     """The actions, on one run's model, policy and optimizers."""
+
+    def action(self, name: str, module: str | None = None) -> Rescue:
+        """The named rescue (:data:`SHARED_RESCUES`), to hand to ``Run.report``."""
+        assert name in SHARED_RESCUES, name
+        return Rescue(self, name, module)
 
     def __init__(
         self,

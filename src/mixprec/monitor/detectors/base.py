@@ -56,7 +56,8 @@ class Run(Protocol):
     sampler: Sampler
     """The sampled steps: per-layer range series, stalled-update shares, the interval."""
     rescuer: Rescuer
-    """The actions a report may ask for (``rescuer.island(module)``, ``rescuer.to_bf16``, ...)."""
+    """The actions a report may ask for (``rescuer.action("island", module)``, ``rescuer.action("to_bf16")``,
+    ...: named, so that data-parallel ranks take the same one)."""
     range_format: str | None
     """The low-precision format whose range the policy computes in ('fp16', 'bf16'), or None."""
     control_batch: Any

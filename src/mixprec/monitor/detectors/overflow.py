@@ -68,7 +68,7 @@ class Overflow(Detector):
             where = f"first non-finite in {module!r}" if module else "module not located"
             message = f"the loss is {view.loss} under the policy, finite in fp32 ({where})"
             run.report(
-                MonitorFinding(view.step, OVERFLOW, message, module), lambda: run.rescuer.island(module)
+                MonitorFinding(view.step, OVERFLOW, message, module), run.rescuer.action("island", module)
             )
             return True
         return self._skip(run, view)
@@ -92,16 +92,15 @@ class Overflow(Detector):
                 "scale" + (f" (first non-finite in {module!r})" if module else "")
             )
             finding = MonitorFinding(view.step, SCALE_COLLAPSE, message, module, evidence)
-            run.report(finding, run.rescuer.to_bf16, per_module=False)
+            run.report(finding, run.rescuer.action("to_bf16"), per_module=False)
             return True
         where = f"first non-finite in {module!r}" if module else "module not located"
         message = (
             f"the step overflowed the policy's format ({where}); the loss scale fell to {scale:g}, "
             f"{halvings:.0f} halvings below the level it had settled at"
         )
-        run.report(
-            MonitorFinding(view.step, OVERFLOW, message, module, evidence), lambda: run.rescuer.island(module)
-        )
+        finding = MonitorFinding(view.step, OVERFLOW, message, module, evidence)
+        run.report(finding, run.rescuer.action("island", module))
         return True
 
     def _unscaled_skip(self, run: Run, view: StepView) -> bool:
@@ -114,7 +113,7 @@ class Overflow(Detector):
             f"the step's gradients were not finite under the policy{shadow} ({where}); the finite "
             "check skipped it"
         )
-        run.report(MonitorFinding(view.step, OVERFLOW, message, module), lambda: run.rescuer.island(module))
+        run.report(MonitorFinding(view.step, OVERFLOW, message, module), run.rescuer.action("island", module))
         return True
 
     def on_sample(self, run: Run, view: SampleView) -> bool:
@@ -131,5 +130,5 @@ class Overflow(Detector):
             module,
             {"first_nonfinite_loss_step": at},
         )
-        run.report(finding, lambda: run.rescuer.island(module))
+        run.report(finding, run.rescuer.action("island", module))
         return True

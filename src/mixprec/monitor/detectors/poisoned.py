@@ -46,7 +46,7 @@ class PoisonedWeights(Detector):
             )
             evidence["batch_nonfinite"] = True
         finding = MonitorFinding(step, NONFINITE_WEIGHTS, message, module_of(bad), evidence)
-        run.report(finding, run.rescuer.roll_back)
+        run.report(finding, run.rescuer.action("roll_back"))
         return True
 
 

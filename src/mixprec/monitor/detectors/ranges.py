@@ -40,7 +40,6 @@ class PredictedRange(Detector):
             run.report(MonitorFinding(view.step, DIVERGENCE, message, layer, evidence))
             return False
         kind = UNDERFLOW if risk.direction == "underflow" else PREDICTED_OVERFLOW
-        run.report(
-            MonitorFinding(view.step, kind, risk.message, layer, evidence), lambda: run.rescuer.island(layer)
-        )
+        finding = MonitorFinding(view.step, kind, risk.message, layer, evidence)
+        run.report(finding, run.rescuer.action("island", layer))
         return False

@@ -321,7 +321,7 @@ class Spike(Detector):
             self.data_in_a_row.stop_if_broken(run, finding, skipped=False)
         elif verdict == PRECISION:
             run.report(
-                finding, lambda: rescuer.island(module), local=rescuer.withhold, dedupe=kind == OVERFLOW
+                finding, rescuer.action("island", module), local=rescuer.withhold, dedupe=kind == OVERFLOW
             )
         elif verdict == TRANSIENT:
             grads, self._retry = self._retry, None

@@ -31,5 +31,5 @@ class Stall(Detector):
             "weights cannot hold them; fp32 master weights can (the *-mixed policy, live with rescue=True)"
         )
         finding = MonitorFinding(view.step, STALL, message, None, {"stalled_fraction": seen.fraction})
-        run.report(finding, run.rescuer.master_weights)
+        run.report(finding, run.rescuer.action("master_weights"))
         return False
