@@ -14,7 +14,8 @@
 #           the summary kept)
 #   second  benchmarks/fp8_gpt.py (fp8-rowwise/tensorwise vs bf16-mixed on the zoo GPT, eager and
 #           compiled, verdicts beside), `mixprec tune --budget 80` on ResNet-50 (128 px) and on GPT-2, and
-#           `mixprec run --monitor -- python <script>` (the script source) on a nanoGPT-style script
+#           `mixprec run --monitor -- python <script>` (the script source) on a nanoGPT-style script,
+#           and `mixprec run --rescue -- torchrun ... ddp_train.py` (NCCL, one rank) with a bad batch
 #   seed    benchmarks/seed_table.py: ResNet-50 / VGG-19 / DenseNet-121 at 224 px
 # A 15-minute lease holds a machine start (1-2 min) and both stages: first ~5 min, second ~7 min.
 # Each step has its own time limit and none stops the next. After every step the results so far are
@@ -102,6 +103,14 @@ for stage in "$@"; do
         log run script
         timeout -k 10 60 $py -m mixprec run --policy bf16-mixed --monitor --out "$work/run-script" -- \
           $py tests/frameworks/scripts/plain_loop.py --steps 60 --device "$dev" | tail -n 15
+        echo "run exit code: ${PIPESTATUS[0]}"
+        pack second
+        log run torchrun
+        # the script source's torchrun launch on CUDA (NCCL, one rank per GPU: one here), a bad batch
+        # at step 80 that the monitor withholds
+        timeout -k 10 60 $py -m mixprec run --policy bf16-mixed --rescue --out "$work/run-torchrun" -- \
+          $py -m torch.distributed.run --standalone --nproc_per_node 1 tests/frameworks/scripts/ddp_train.py \
+          --steps 120 --bad-rank 0 --bad-at 80 --device "$dev" | tail -n 15
         echo "run exit code: ${PIPESTATUS[0]}"
         pack second
       else

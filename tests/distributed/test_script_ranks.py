@@ -151,3 +151,15 @@ def test_bench_over_torchrun_measures_every_rank(tmp_path):
         r.get("reason") for r in data["rows"]
     ]
     assert data["batch_size"] == 64 and data["env"]["launch"]["world"] == 2
+
+
+def test_run_over_a_one_rank_launch_reads_its_record(tmp_path, capfd):
+    """A 1-rank torchrun launch: rank 0's record names the launcher's pid (mixprec run read it as
+    another process's and said the script ran no optimizer step)."""
+    shutil.copy(DDP, tmp_path / "ddp_train.py")
+    os.chdir(tmp_path)
+    launch = [*TORCHRUN, "--nproc_per_node", "1", "ddp_train.py", "--steps", "5"]
+    code = main(["run", "--policy", "bf16-mixed", "--out", "out", "--", *launch])
+    assert code == 0, capfd.readouterr().err[-2000:]
+    record = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert (record["steps"], record["world"]) == (5, 1)

@@ -1,9 +1,11 @@
-"""A plain DDP script as people write them for ``torchrun``: gloo on the CPU, a DistributedSampler
+"""A plain DDP script as people write them for ``torchrun``: gloo on the CPU (NCCL with ``--device
+cuda``, a GPU per rank), a DistributedSampler
 over a synthetic regression set, AdamW, no precision code. ``--bad-rank R --bad-at S``: rank R's
 targets are 1000x too large at step S (one bad shard). ``--weights DIR``: each rank saves its final
 weights there (``rank{N}.pt``), so a test can compare the replicas.
 
     torchrun --nproc_per_node 2 ddp_train.py --steps 120 [--bad-rank 1 --bad-at 80] [--weights out]
+        [--device cuda]
 """
 
 from __future__ import annotations
@@ -26,9 +28,14 @@ def main() -> None:
     parser.add_argument("--bad-rank", type=int, default=-1)
     parser.add_argument("--bad-at", type=int, default=-1)
     parser.add_argument("--weights", default=None)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     teacher = torch.randn(16, 1, generator=g) / 4  # (targets of unit scale: learnt from the first steps)
@@ -36,12 +43,14 @@ def main() -> None:
     data = TensorDataset(x, x @ teacher + 0.01 * torch.randn(4096, 1, generator=g))
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)))
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)).to(device)
+    model = DistributedDataParallel(net, device_ids=[device.index] if cuda else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step, epoch = 0, 0
     while step < args.steps:
         sampler.set_epoch(epoch)
         for xb, yb in loader:
+            xb, yb = xb.to(device), yb.to(device)
             if step == args.bad_at and rank == args.bad_rank:
                 yb = yb * 1000.0
             loss = F.mse_loss(model(xb), yb)
@@ -53,7 +62,7 @@ def main() -> None:
                 break
         epoch += 1
     with torch.no_grad():
-        final = torch.stack([F.mse_loss(model(x[:512]), data.tensors[1][:512])])
+        final = torch.stack([F.mse_loss(model(x[:512].to(device)), data.tensors[1][:512].to(device))])
     dist.all_reduce(final)
     if rank == 0:
         print(f"final loss {final.item() / world:.6f} world {world}")

@@ -248,7 +248,7 @@ class Run(Mode):
         data: dict[str, Any] = {
             "candidate": agent.candidate.to_dict(),
             "facts": agent.facts().to_dict(),
-            "pid": os.getpid() if ranks.world == 1 else os.getppid(),  # (a launch's: the launcher's)
+            "pid": os.getppid() if agent.plan.launched else os.getpid(),  # (a launch's: the launcher's)
             "rank": ranks.rank,
             "world": ranks.world,
             "steps": len(agent.steps),
