@@ -156,7 +156,7 @@ def check(
     results = []
     for index, cand in enumerate(cands):
         support = framework.support(cand, info, checker.workload)
-        predicted = None if support else framework.predictable(cand, info)
+        predicted = None if support else framework.predictable(cand, info, checker.workload)
         if support or predicted:
             result = checker.check(cand, fix)
             result.predicted = predicted

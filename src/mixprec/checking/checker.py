@@ -135,7 +135,7 @@ class Checker(Reference):
             except Exception as exc:  # evidence, as the ranges: its failure must not hide the verdict
                 result.fix_note = f"Linear census unavailable: {type(exc).__name__}: {exc}"
             else:
-                untested = no_low_gemm(cand, census)
+                untested = no_low_gemm(cand, census) if census is not None else ""
                 if untested:  # a run without the format is bf16-mixed's: no verdict on the format
                     passed, verdict = False, Status.ERROR
                     result.verdict, result.reason = verdict, untested
@@ -258,7 +258,7 @@ class Checker(Reference):
         ordered = [n for n in dict.fromkeys(suspects) if n is not None and n in census.shapes]
         space = MapSpace(
             layers=layers,
-            rules=field_rules(self.workload, layers),
+            rules=field_rules(self.workload, layers, census.tied),
             suspects=ordered,
             directions=("wgrad", "dgrad", "forward") if cand.spec.block_format else (),
             present=census.directions or {},
@@ -301,9 +301,12 @@ def no_low_gemm(cand: Candidate, census: Any) -> str:
     map keeps them all in bf16), or ''."""
     fmt = cand.spec.low_format
     if not census.shapes:
+        from mixprec.policy.lowformat import none_converted
+
+        which = f"; {none_converted(cand.spec, census.refused)}" if census.refused else ""
         return (
             f"{NEVER_RAN}: no Linear of the model that {fmt} can take ran (dimensions multiples of its "
-            "block, fp32 weights); the run was bf16 autocast alone"
+            f"block, fp32 weights){which}; the run was bf16 autocast alone"
         )
     if not any(x["low_directions"] for x in map_report(cand, census, ())["layers"]):
         return (
@@ -313,10 +316,11 @@ def no_low_gemm(cand: Candidate, census: Any) -> str:
     return ""
 
 
-def field_rules(workload: Any, layers: Sequence[str]) -> list[str]:
+def field_rules(workload: Any, layers: Sequence[str], tied: Sequence[str] = ()) -> list[str]:
     """The layers every low-format recipe in the field keeps in bf16 by a fixed rule (Accelerate's
     torchao backend, Megatron's ``--first-last-layers-bf16``, torchtitan's NVFP4 recipe): the first
-    and the last Linear to run, and an LM head (a Linear whose weight an embedding shares)."""
+    and the last Linear to run, and an LM head (a Linear whose weight an embedding shares: found in
+    the workload's model, or named in ``tied`` where the model lives in another process, a script's)."""
     from torch import nn  # the low formats are torch's: only a torch workload gets here
 
     rules = [*layers[:1], *layers[-1:]]
@@ -325,6 +329,7 @@ def field_rules(workload: Any, layers: Sequence[str]) -> list[str]:
         embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         modules = dict(model.named_modules())
         rules += [n for n in layers if id(getattr(modules.get(n), "weight", None)) in embedded]
+    rules += [n for n in layers if n in tied]
     return list(dict.fromkeys(rules))
 
 

@@ -23,16 +23,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run your training script unchanged under a policy: mixprec run --policy P -- python train.py",
         description="Everything after '--' is your command, run as it is (your folder, your terminal, "
         "your stdin, your own randomness), with the candidate applied: its precision (autocast, loss "
-        "scaling with every gradient read unscaled, *-true casts, the fp32 math mode), channels_last, "
-        "fp32 islands and torch.compile in a plain loop; through the HF Trainer, Lightning or Accelerate, "
-        "their own precision switch; the optimizer's implementation wherever the script builds a torch "
-        "optimizer. A run whose candidate did not take effect is stopped (exit 3). "
-        "Ctrl-C reaches your script as it would without mixprec; a second one stops it.",
+        "scaling with every gradient read unscaled, *-true casts, the fp32 math mode, fp8/MXFP8/NVFP4 "
+        "Linear layers), channels_last, fp32 islands and torch.compile in a plain loop; through the HF "
+        "Trainer, Lightning or Accelerate, their own precision switch; the optimizer's implementation "
+        "wherever the script builds a torch optimizer. A run whose candidate did not take effect is "
+        "stopped (exit 3). Ctrl-C reaches your script as it would without mixprec; a second one stops it.",
     )
     p.add_argument("--policy", required=True, help="the policy to train under (mixprec env lists them)")
     p.add_argument("--channels-last", action="store_true", help="channels_last weights and inputs")
     p.add_argument(
         "--keep-fp32", default="", metavar="MODULES", help="modules kept in fp32 (comma-separated)"
+    )
+    p.add_argument(
+        "--keep-bf16",
+        default="",
+        metavar="LINEARS",
+        help="fp8-*, mxfp8, nvfp4: the precision map, Linear layers (optionally NAME:forward|dgrad|wgrad "
+        "under mxfp8/nvfp4) kept in bf16 (comma-separated; what check --fix finds)",
     )
     p.add_argument("--compile", default=None, metavar="MODE", help="torch.compile the model in this mode")
     p.add_argument(
@@ -63,10 +70,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def candidate_of(args: argparse.Namespace) -> Candidate:
     keep = tuple(n.strip() for n in args.keep_fp32.split(",") if n.strip())
+    mapped = tuple(n.strip() for n in args.keep_bf16.split(",") if n.strip())
     return Candidate(
         canonical_name(args.policy),
         channels_last=args.channels_last,
         keep_fp32=keep,
+        keep_bf16=mapped,
         compile=args.compile,
         compile_scope=args.compile_scope,
         optimizer=args.optimizer,

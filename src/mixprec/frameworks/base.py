@@ -211,9 +211,10 @@ class Framework:
         expresses fewer candidates than its own loop), None where only the device is asked."""
         raise NotImplementedError
 
-    def predictable(self, candidate: Candidate, info: DeviceInfo) -> str | None:
+    def predictable(self, candidate: Candidate, info: DeviceInfo, workload: Any = None) -> str | None:
         """Where a candidate cannot run fast here but its numerics can be computed here anyway (fp8
-        through torchao's reference kernels), the label of that prediction; None otherwise."""
+        through torchao's reference kernels), the label of that prediction; None otherwise.
+        ``workload``: as for :meth:`support` (None: only the device is asked)."""
         return None
 
     def source_candidates(self, workload: Any) -> list[Candidate]:
@@ -329,6 +330,12 @@ class Framework:
     def fix_snippet(self, candidate: Candidate, keep_fp32: Sequence[str]) -> str:
         """How a user applies ``candidate`` with ``keep_fp32`` kept in fp32, in one line."""
         return f"{candidate.policy} with {list(keep_fp32)!r} kept in fp32"
+
+    def map_snippet(self, candidate: Candidate) -> str:
+        """How a user applies a low-format ``candidate`` with its precision map (``keep_bf16``) and
+        its own options, in one line: mixprec's Policy by default."""
+        options = "".join(f", {k}={v!r}" for k, v in candidate.policy_options().items())
+        return f"mixprec.get_policy({candidate.policy!r}{options})"
 
     # ------------------------------------------------------------------ after the pick
     def exports(

@@ -77,6 +77,8 @@ class LayerPlan:
     low: dict[str, frozenset[str]] = field(default_factory=dict)
     kept: list[str] = field(default_factory=list)
     ineligible: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+    """Each ineligible Linear's :func:`refusal`: why the kernels cannot take it, and the fix."""
 
     def describe(self) -> list[str]:
         """The map as ``keep_bf16`` entries: whole layers, then single directions."""
@@ -96,6 +98,35 @@ def _eligible(module: nn.Module, spec: PolicySpec) -> bool:
     return fp8_eligible(module)
 
 
+def refusal(module: nn.Module, spec: PolicySpec) -> str:
+    """Why ``spec``'s kernels cannot take the Linear ``module``, with the fix, in a few words (''
+    where they can): what a report names when a format converts none of a model's layers."""
+    if _eligible(module, spec):
+        return ""
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.dtype != torch.float32:
+        dtype = str(weight.dtype).removeprefix("torch.") if weight is not None else "absent"
+        return f"its weight is {dtype}: the format takes fp32 master weights (train them in fp32)"
+    if type(module) is not nn.Linear:
+        return f"a {type(module).__name__}, not a plain torch.nn.Linear: {spec.name} converts only those"
+    from mixprec.policy.fp8 import FP8_DIVISOR
+
+    multiple = BLOCK_FORMATS[spec.block_format].block if spec.block_format is not None else FP8_DIVISOR
+    sizes = {"in_features": module.in_features, "out_features": module.out_features}
+    odd = [f"{k} {v}" for k, v in sizes.items() if v % multiple]
+    return f"{' and '.join(odd)} not a multiple of {multiple}: pad {'them' if len(odd) > 1 else 'it'} to one"
+
+
+def none_converted(spec: PolicySpec, refused: dict[str, str], model: str = "the model") -> str:
+    """One line: ``spec`` converts none of ``model``'s Linear layers, naming the first its kernels
+    cannot take and the fix (``refused``: a LayerPlan's)."""
+    if not refused:
+        return f"{spec.name} converts torch.nn.Linear layers, and {model} runs none outside fp32 islands"
+    name, why = next(iter(refused.items()))
+    more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+    return f"{spec.name} can take no Linear layer of {model}: {name!r}: {why}{more}"
+
+
 def plan_layers(
     model: nn.Module, spec: PolicySpec, keep_fp32: Iterable[str] = (), keep_bf16: Iterable[str] = ()
 ) -> LayerPlan:
@@ -113,8 +144,10 @@ def plan_layers(
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or is_fp32_island(name, islands):
             continue
-        if not _eligible(module, spec):
+        why = refusal(module, spec)
+        if why:
             plan.ineligible.append(name)
+            plan.refused[name] = why
             continue
         low = low_directions(name, entries)
         if low:

@@ -146,6 +146,24 @@ def fp8_predictable(name: str, info: DeviceInfo) -> bool:
     return spec.block_format is not None or torchao_available()
 
 
+def prediction_label(name: str, info: DeviceInfo) -> str | None:
+    """How the numerics of policy ``name`` are predicted on this device where it cannot run fast
+    (:func:`fp8_predictable`), in one line for the report; None where they are not."""
+    if not fp8_predictable(name, info):
+        return None
+    spec = POLICIES[canonical_name(name)]
+    reason = check_support(name, info).reason.split(";")[0].split(" (")[0]
+    how = (
+        f"torchao's {spec.fp8_recipe} fp8 recipe run here with the scales and fp8 casts an fp8 GPU "
+        "applies (torch._scaled_mm reference kernels)"
+        if spec.fp8_recipe is not None
+        else f"mixprec's emulation of the {spec.name} recipe run here (its block scales, element "
+        "rounding and gradient rounding, bit for bit torchao's emulated kernels where torchao has "
+        "them; fp32 accumulation)"
+    )
+    return f"numerics predicted on {info.type}: {how}; speed is not measurable here ({reason})"
+
+
 def check_support(name: str, info: DeviceInfo) -> Support:
     """Support of policy ``name`` on the device described by ``info``. Never raises for known names.
 

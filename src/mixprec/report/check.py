@@ -133,10 +133,9 @@ def check_report(result: CheckResult) -> Group:
 
 
 def map_snippet(c: CandidateCheck) -> str:
-    """The verified candidate, its own options (channels_last, keep_fp32) and the map, in one call."""
+    """The verified candidate, its own options (channels_last, keep_fp32) and the map, in one line."""
     fixed = replace(c.candidate, keep_bf16=(*c.candidate.keep_bf16, *c.fix_keep_bf16))
-    options = "".join(f", {k}={v!r}" for k, v in fixed.policy_options().items())
-    return f"mixprec.get_policy({fixed.policy!r}{options})"
+    return (known_framework(fixed.framework) or Framework()).map_snippet(fixed)
 
 
 def map_lines(c: CandidateCheck) -> list[str]:

@@ -226,7 +226,10 @@ class Agent:
         from mixprec.policy import get_policy
 
         with self.internal():  # the script's model is a torch model: the torch candidate's Policy
-            self.policy = get_policy(self.torch_candidate, device=self.device)
+            # a traced run is a check's, which decided the candidate may run here: supported, or a
+            # low format whose numerics are predicted on a device without its kernels
+            check = self.mode.name != "trace"
+            self.policy = get_policy(self.torch_candidate, device=self.device, check=check)
             if self.candidate.spec.param_dtype is None and _half_parameters(model):
                 # a script that trains half weights itself (model.to(torch.bfloat16)): fp32 master
                 # weights for this candidate (exact), and its half inputs widened to meet them

@@ -31,6 +31,7 @@ from mixprec.numerics.ranges import RangeReport
 from mixprec.numerics.trend import LayerSeries
 from mixprec.policy import POLICY_NAMES, Candidate, Support, check_support
 from mixprec.policy.candidate import OPTIMIZER_IMPLS
+from mixprec.policy.support import prediction_label
 
 VALIDATE_STEPS = 2  # strict-fp32 steps of the validating run (it also finds what the script is)
 VALIDATE_SHARE = 0.5  # of the budget left, what the validating run may take at most
@@ -100,12 +101,18 @@ class ScriptFramework(Framework):
     def support(self, candidate: Candidate, info: DeviceInfo, workload: Any = None) -> Support:
         if candidate.as_written:
             return Support(True, "the script's own precision")
+        framework = _framework_of(workload)
+        if candidate.spec.low_format is not None and framework != "plain":
+            return Support(
+                False,
+                f"{candidate.policy} through {FRAMEWORK_TITLES[framework]}: its precision switch has no "
+                f"{candidate.spec.low_format} Linear layers; mixprec converts them in plain loops",
+                "bf16-mixed",
+                False,
+            )
         base = check_support(candidate.policy, info)
         if not base:
             return base
-        if candidate.spec.low_format is not None:
-            return Support(False, f"{candidate.policy} is not injected into scripts yet", "bf16-mixed", False)
-        framework = _framework_of(workload)
         if framework != "plain":
             if candidate.compile_scope == "step":
                 return Support(
@@ -117,6 +124,11 @@ class ScriptFramework(Framework):
                 )
             return self._framework_support(candidate, info, framework, base)
         return base
+
+    def predictable(self, candidate: Candidate, info: DeviceInfo, workload: Any = None) -> str | None:
+        if candidate.spec.low_format is not None and _framework_of(workload) != "plain":
+            return None  # a framework's switch: the format is not applied, so nothing to predict
+        return prediction_label(candidate.policy, info)
 
     def _framework_support(
         self, candidate: Candidate, info: DeviceInfo, framework: str, base: Support
@@ -183,6 +195,30 @@ class ScriptFramework(Framework):
             if all(impl in o["implementations"] for o in built) and own != {impl}
         ]
 
+    def predictions(self, workload: ScriptWorkload, info: DeviceInfo) -> tuple[list[Candidate], list[str]]:
+        """The low formats this device cannot run fast but whose numerics a check predicts on the
+        script's own data (as for a workload), those that convert none of its Linear layers said in
+        one line each (the first layer and the fix), from one strict-fp32 step's census."""
+        from mixprec.frameworks.script.session import take_census as take
+        from mixprec.policy.lowformat import none_converted
+
+        names = [n for n in POLICY_NAMES if self.predictable(self.candidate(n), info, workload)]
+        if not names:
+            return [], []
+        try:
+            formats = take(workload, Candidate(names[0]).spec).formats
+        except ScriptFailed as exc:
+            return [], [f"low formats not predicted: the script's Linear census failed ({exc})"]
+        cands, notes = [], []
+        for name in names:
+            if formats[name].low:
+                cands.append(Candidate(name, framework=self.name))
+            else:
+                spec = Candidate(name).spec
+                said = none_converted(spec, formats[name].refused, "the script's model")
+                notes.append(f"{name} not predicted: {said}")
+        return cands, notes
+
     def has_convolutions(self, workload: ScriptWorkload) -> bool:
         return workload.facts is None or workload.facts.has_conv  # not yet run: assume it may
 
@@ -241,6 +277,14 @@ class ScriptFramework(Framework):
             raise ScriptFailed("the script's first step recorded no ranges")
         return ranges
 
+    def linear_census(
+        self, workload: ScriptWorkload, spec: Any, batch: Any, device: str, keep_fp32: Sequence[str] = ()
+    ) -> Any:
+        """The census of the script's own first step (:mod:`.census`): a strict-fp32 run of it."""
+        from mixprec.frameworks.script.session import take_census as take
+
+        return take(workload, spec, keep_fp32).census
+
     def island_names(self, workload: ScriptWorkload) -> tuple[list[str], dict[str, str]]:
         facts = workload.facts
         if facts is None:
@@ -249,7 +293,10 @@ class ScriptFramework(Framework):
         return facts.module_names, owners
 
     def fix_snippet(self, candidate: Candidate, keep_fp32: Sequence[str]) -> str:
-        return f"mixprec run --policy {candidate.policy} --keep-fp32 {','.join(keep_fp32)} -- <your command>"
+        return f"{run_line(replace(candidate, keep_fp32=tuple(keep_fp32)), [])} <your command>"
+
+    def map_snippet(self, candidate: Candidate) -> str:
+        return f"{run_line(candidate, [])} <your command>"
 
     # ------------------------------------------------------------------ after the pick
     def exports(
@@ -295,6 +342,8 @@ def run_line(candidate: Candidate, given: Sequence[str]) -> str:
         parts.append("--channels-last")
     if candidate.keep_fp32:
         parts += ["--keep-fp32", ",".join(candidate.keep_fp32)]
+    if candidate.keep_bf16:
+        parts += ["--keep-bf16", ",".join(candidate.keep_bf16)]
     if candidate.compile:
         parts += ["--compile", candidate.compile]
     if candidate.compile_scope:

@@ -17,9 +17,11 @@ import os
 import select
 import subprocess
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from mixprec.errors import UsageError
+from mixprec.frameworks.script.census import CENSUS_ENV, Convertible, ScriptCensus
 from mixprec.frameworks.script.launch import Child, launch
 from mixprec.frameworks.script.messages import (
     GO,
@@ -38,6 +40,7 @@ from mixprec.frameworks.script.own import compute_dtype
 from mixprec.frameworks.script.workload import ScriptWorkload
 from mixprec.frameworks.session import BenchSettings, HonestyError, Measurement, SessionBase
 from mixprec.policy import Candidate
+from mixprec.policy.registry import PolicySpec
 
 # Seconds a script may take to reach its first optimizer step (imports, data, model, compile).
 START_TIMEOUT_S = 600.0
@@ -255,3 +258,23 @@ def trace(
         raise ScriptFailed(record.error.split(": ", 1)[-1])
     child.discard()
     return record
+
+
+def take_census(workload: Any, spec: PolicySpec, keep_fp32: Sequence[str] = ()) -> ScriptCensus:
+    """One strict-fp32 step of the script with the Linear census of ``spec`` (:mod:`.census`;
+    ``keep_fp32`` in fp32 islands, as the candidate keeps them); ScriptFailed where the script stops
+    first."""
+    from mixprec.frameworks.torch.linears import LinearCensus
+
+    out = workload.scratch / f"census-{os.getpid()}-{time.monotonic_ns()}.json"
+    request = {"policy": spec.name, "keep_fp32": list(keep_fp32), "out": str(out)}
+    asking = dataclasses.replace(workload, env={**workload.env, CENSUS_ENV: json.dumps(request)})
+    try:
+        trace(asking, Candidate("fp32", framework="script"), 1)
+        if not out.exists():
+            raise ScriptFailed("the script's first step ended with no Linear census written")
+        data = json.loads(out.read_text(encoding="utf-8"))
+    finally:
+        out.unlink(missing_ok=True)
+    formats = {n: Convertible(**c) for n, c in data["formats"].items()}
+    return ScriptCensus(LinearCensus.from_dict(data["census"]), formats)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.frameworks.script.census import from_env as census_from_env
 from mixprec.frameworks.script.messages import Step, TraceRecord
 from mixprec.frameworks.torch.probe import nonfinite_buffers
 
@@ -36,6 +37,7 @@ class Tracer:
         self.stall_before: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.step_scale: float | None = None  # the loss scale of this step's backward
         self.range_report: Any = None
+        self.census = census_from_env(model)  # a Linear census of the first step, where the parent asks one
 
     def forward_output(self, output: Any) -> None:
         """The model's output in the first training forward (the output SQNR's tensor)."""
@@ -75,6 +77,9 @@ class Tracer:
 
         step_scale, self.step_scale = self.step_scale, None
         step.scale = scale_after
+        if self.census is not None:
+            census, self.census = self.census, None
+            census.finish()
         if self.recorder is not None:
             self.recorder.next_step(step_scale)
         if self.ranges is not None:

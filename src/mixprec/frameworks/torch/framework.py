@@ -21,7 +21,7 @@ from mixprec.numerics.compare import Trajectory
 from mixprec.numerics.ranges import RangeReport
 from mixprec.policy import POLICY_NAMES, Candidate, Policy, Support, check_support, get_policy
 from mixprec.policy.candidate import COMPILE_MODES, COMPILE_SCOPES, OPTIMIZER_IMPLS, check_torch_axes
-from mixprec.policy.support import fp8_predictable
+from mixprec.policy.support import fp8_predictable, prediction_label
 from mixprec.status import Status
 from mixprec.workload import Workload, WorkloadSpec, load_workload, validate_workload
 from mixprec.workload.models import preload_modules, source_of
@@ -163,20 +163,8 @@ class TorchFramework(Framework):
     def support(self, candidate: Candidate, info: DeviceInfo, workload: Any = None) -> Support:
         return check_support(candidate.policy, info)
 
-    def predictable(self, candidate: Candidate, info: DeviceInfo) -> str | None:
-        if not fp8_predictable(candidate.policy, info):
-            return None
-        reason = check_support(candidate.policy, info).reason.split(";")[0].split(" (")[0]
-        spec = candidate.spec
-        how = (
-            f"torchao's {spec.fp8_recipe} fp8 recipe run here with the scales and fp8 casts an fp8 GPU "
-            "applies (torch._scaled_mm reference kernels)"
-            if spec.fp8_recipe is not None
-            else f"mixprec's emulation of the {spec.name} recipe run here (its block scales, element "
-            "rounding and gradient rounding, bit for bit torchao's emulated kernels where torchao has "
-            "them; fp32 accumulation)"
-        )
-        return f"numerics predicted on {info.type}: {how}; speed is not measurable here ({reason})"
+    def predictable(self, candidate: Candidate, info: DeviceInfo, workload: Any = None) -> str | None:
+        return prediction_label(candidate.policy, info)
 
     def tune_candidates(self, workload: Workload, info: DeviceInfo) -> list[Candidate]:
         layouts = (False, True) if has_4d_weights(workload.model) else (False,)
@@ -200,7 +188,7 @@ class TorchFramework(Framework):
         return [replace(candidate, optimizer=impl) for impl in offered(type(probe))]
 
     def predictions(self, workload: Workload, info: DeviceInfo) -> tuple[list[Candidate], list[str]]:
-        from mixprec.policy.lowformat import plan_layers
+        from mixprec.policy.lowformat import none_converted, plan_layers
 
         cands: list[Candidate] = []
         notes: list[str] = []
@@ -213,7 +201,8 @@ class TorchFramework(Framework):
                 n = len(plan.ineligible)
                 notes.append(
                     f"{name} would convert none of this model's Linear layers ({n} "
-                    f"{'has' if n == 1 else 'have'} a dimension its kernels cannot take): nothing to predict"
+                    f"{'has' if n == 1 else 'have'} a dimension its kernels cannot take): nothing to "
+                    f"predict; {none_converted(spec, plan.refused)}"
                 )
         return cands, list(dict.fromkeys(notes))
 

@@ -4,10 +4,11 @@ loses, all from one fp32 forward and backward on a copy of the model."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -31,6 +32,9 @@ class LinearCensus:
     step_flops: FLOPs of one forward and backward of the whole model (torch's FlopCounterMode).
     sqnr_db: Linear name -> the SQNR of its worst GEMM's result with the operands quantised as the
         format quantises them, against fp32: where the format loses the most, the first suspect.
+    refused: Linear name -> why the format's kernels cannot take it, and the fix
+        (:func:`mixprec.policy.lowformat.refusal`): what a check names when none ran.
+    tied: Linear layers whose weight an embedding shares (an LM head): the field keeps them in bf16.
     """
 
     shapes: dict[str, tuple[int, int, int]] = field(default_factory=dict)
@@ -39,6 +43,8 @@ class LinearCensus:
     sqnr_db: dict[str, float] = field(default_factory=dict)
     flops: dict[str, dict[str, float]] = field(default_factory=dict)
     """Linear name -> direction -> FLOPs of that GEMM over all the layer's calls in the step."""
+    refused: dict[str, str] = field(default_factory=dict)
+    tied: list[str] = field(default_factory=list)
 
     def add_call(self, name: str, m: int, k: int, n: int, directions: Sequence[str]) -> None:
         """One call of the layer over ``m`` tokens, running ``directions``."""
@@ -53,6 +59,21 @@ class LinearCensus:
         """The share of the step's FLOPs in GEMMs the format runs (``low``: a LayerPlan's)."""
         done = sum(f for n, dirs in low.items() for d, f in self.flops.get(n, {}).items() if d in dirs)
         return done / self.step_flops if self.step_flops else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """As plain data (a script's census crosses processes as JSON)."""
+        return {
+            **{f.name: getattr(self, f.name) for f in fields(self)},
+            "shapes": {n: list(s) for n, s in self.shapes.items()},
+            "directions": {n: sorted(d) for n, d in self.directions.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LinearCensus:
+        found = cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+        found.shapes = {n: (int(s[0]), int(s[1]), int(s[2])) for n, s in found.shapes.items()}
+        found.directions = {n: frozenset(d) for n, d in found.directions.items()}
+        return found
 
 
 def _sqnr_db(x: torch.Tensor, q: torch.Tensor) -> float:
@@ -87,25 +108,46 @@ def _gemm_sqnr(
     return _sqnr_db(exact, _quantized(a, spec, grad=a_is_grad) @ _quantized(b, spec, b_is_weight).t())
 
 
-def census(
-    workload: Workload, spec: PolicySpec, batch: Any, device: str, keep_fp32: Sequence[str] = ()
-) -> LinearCensus:
-    """Shapes, FLOPs and quantised-GEMM SQNRs of the Linear layers ``spec`` would convert (fp32
-    islands, ``keep_fp32``, left out: they run in fp32)."""
-    model = copy.deepcopy(workload.model).to(device)
-    plan = plan_layers(model, spec, keep_fp32)
-    modules = dict(model.named_modules())
-    found = LinearCensus()
-    operands: dict[str, list[float]] = {}
+class Recorder:
+    """The census's hooks on a live model: every call of each Linear ``spec`` would convert (fp32
+    islands, ``keep_fp32``, left out: they run in fp32) recorded into :attr:`found` while installed.
+    ``quiet``: a context the hooks' own quantised GEMMs run in (a FLOP counter of the step, paused),
+    where something counts what the step computes around them."""
 
-    saved: dict[str, list[torch.Tensor]] = {}  # per layer, a stack: a layer may run several times
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: PolicySpec,
+        keep_fp32: Sequence[str] = (),
+        quiet: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        self.model, self.spec, self.quiet = model, spec, quiet
+        self.plan = plan_layers(model, spec, keep_fp32)
+        self.found = LinearCensus(refused=dict(self.plan.refused), tied=tied_linears(model))
+        self.operands: dict[str, list[float]] = {}
+        self.saved: dict[str, list[torch.Tensor]] = {}  # per layer, a stack: a layer may run several times
+        self.handles: list[Any] = []
 
-    def forward_hook(name: str) -> Any:
+    def install(self) -> None:
+        modules = dict(self.model.named_modules())
+        self.handles = [modules[name].register_forward_hook(self._forward(name)) for name in self.plan.low]
+
+    def remove(self) -> LinearCensus:
+        """The hooks off; what they recorded (its ``step_flops`` the caller's to count)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.found.sqnr_db = {n: min(v) for n, v in self.operands.items() if v}
+        return self.found
+
+    def _forward(self, name: str) -> Any:
+        spec = self.spec
+
         def hook(module: nn.Linear, args: tuple, output: Any) -> None:
             x = args[0].detach().reshape(-1, module.in_features).float()
             w = module.weight.detach().float()
             grads = torch.is_grad_enabled()  # a teacher under no_grad runs its forward only
-            found.add_call(
+            self.found.add_call(
                 name,
                 x.shape[0],
                 module.in_features,
@@ -114,35 +156,51 @@ def census(
                 + (["dgrad"] if grads and args[0].requires_grad else [])
                 + (["wgrad"] if grads and module.weight.requires_grad else []),
             )
-            operands.setdefault(name, []).append(_gemm_sqnr(x, w, spec, b_is_weight=True))
+            with self.quiet():
+                self.operands.setdefault(name, []).append(_gemm_sqnr(x, w, spec, b_is_weight=True))
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 # a hook on the output tensor, not a module backward hook: those break on an in-place
                 # op after the layer (ReLU(inplace=True), h += x), as frameworks/torch/ranges.py says
-                saved.setdefault(name, []).append(x)
-                output.register_hook(backward_hook(name, module, args[0].requires_grad))
+                self.saved.setdefault(name, []).append(x)
+                output.register_hook(self._backward(name, module, args[0].requires_grad))
 
         return hook
 
-    def backward_hook(name: str, module: nn.Linear, dgrad: bool) -> Any:
+    def _backward(self, name: str, module: nn.Linear, dgrad: bool) -> Any:
+        spec = self.spec
+
         def hook(dy: torch.Tensor) -> None:
-            if not saved.get(name):
+            if not self.saved.get(name):
                 return
-            x, w = saved[name].pop(), module.weight.detach().float()
+            x, w = self.saved[name].pop(), module.weight.detach().float()
             dy = dy.detach().reshape(-1, module.out_features).float()
-            if dgrad:  # dy @ W: reduces over the out features
-                operands[name].append(_gemm_sqnr(dy, w.t(), spec, b_is_weight=True, a_is_grad=True))
-            if module.weight.requires_grad:  # dy^T @ x: reduces over the tokens
-                operands[name].append(_gemm_sqnr(dy.t(), x.t(), spec, a_is_grad=True))
+            with self.quiet():
+                if dgrad:  # dy @ W: reduces over the out features
+                    self.operands[name].append(_gemm_sqnr(dy, w.t(), spec, b_is_weight=True, a_is_grad=True))
+                if module.weight.requires_grad:  # dy^T @ x: reduces over the tokens
+                    self.operands[name].append(_gemm_sqnr(dy.t(), x.t(), spec, a_is_grad=True))
 
         return hook
 
-    handles = [modules[name].register_forward_hook(forward_hook(name)) for name in plan.low]
+
+def tied_linears(model: nn.Module) -> list[str]:
+    """The Linear layers whose weight an embedding shares (an LM head tied to its token embedding)."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and id(m.weight) in embedded]
+
+
+def census(
+    workload: Workload, spec: PolicySpec, batch: Any, device: str, keep_fp32: Sequence[str] = ()
+) -> LinearCensus:
+    """Shapes, FLOPs and quantised-GEMM SQNRs of the Linear layers ``spec`` would convert (fp32
+    islands, ``keep_fp32``, left out: they run in fp32)."""
+    model = copy.deepcopy(workload.model).to(device)
+    recorder = Recorder(model, spec, keep_fp32)
+    recorder.install()
     try:
         workload.loss_fn(model, batch).backward()
     finally:
-        for handle in handles:
-            handle.remove()
+        found = recorder.remove()
     # counted in a pass of their own: the hooks' quantised GEMMs are not the step's
     found.step_flops = float(count_flops(lambda: workload.loss_fn(model, batch).backward()))
-    found.sqnr_db = {n: min(v) for n, v in operands.items() if v}
     return found
