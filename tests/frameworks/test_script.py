@@ -131,30 +131,36 @@ def test_a_plain_loops_adamw_is_built_in_the_candidates_implementation():
     assert fused.observed.dtype == "bfloat16" and len(fused.steps) == 1
 
 
-def test_the_hf_trainer_builds_the_candidates_optimizer_through_its_own_optim(tmp_path):
+def test_the_hf_trainer_builds_the_candidates_optimizer_and_compiles_through_its_own_switches(tmp_path):
     """TrainingArguments(optim=): the script's "adamw_torch" becomes "adamw_torch_fused" under
-    optimizer='fused', and the Trainer's AdamW is built fused."""
+    optimizer='fused', and the Trainer's AdamW is built fused; a compiled candidate sets its
+    torch_compile (which crashed under the agent: its autocast patch refused the four positional
+    arguments dynamo passes)."""
     require("transformers", "frameworks")
     args = ["--output_dir", str(tmp_path), "--max_steps", "100", "--tiny", "--optim", "adamw_torch"]
-    record = trace(script("hf_trainer.py", *args), cand("bf16-mixed", optimizer="fused"), 1)
+    candidate = cand("bf16-mixed", optimizer="fused", compile="default")
+    record = trace(script("hf_trainer.py", *args), candidate, 1)
     assert record.facts.framework == "hf"
     assert record.facts.framework_flags == {
         "bf16": True,
         "fp16": False,
+        "torch_compile": True,
+        "torch_compile_mode": "default",
         "optim": "adamw_torch_fused",
         "optimizer": {"AdamW": {"fused": True, "foreach": False}},
     }
 
 
-def test_lightning_builds_the_candidates_optimizer_in_configure_optimizers():
-    """configure_optimizers' torch.optim.Adam is built foreach under optimizer='foreach'."""
+def test_lightning_builds_the_candidates_optimizer_and_compiles_as_its_users_do():
+    """configure_optimizers' torch.optim.Adam is built foreach under optimizer='foreach'; a
+    compiled candidate is ``trainer.fit(torch.compile(module))`` (it was not compiled at all)."""
     require("lightning", "frameworks")
-    record = trace(
-        script("lightning_module.py", "--max-steps", "100"), cand("bf16-mixed", optimizer="foreach"), 1
-    )
+    candidate = cand("bf16-mixed", optimizer="foreach", compile="default")
+    record = trace(script("lightning_module.py", "--max-steps", "100"), candidate, 1)
     assert record.facts.framework == "lightning"
     assert record.facts.framework_flags == {
         "precision": "bf16-mixed",
+        "compile": "default",
         "optimizer": {"Adam": {"foreach": True, "fused": False}},
     }
 

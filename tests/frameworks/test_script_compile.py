@@ -1,7 +1,8 @@
 """Compiling over a script (issue 55): the step scope in a plain loop (the model's forward and each
 optimizer's update compiled, PyTorch's compiled-optimizer recipe), and through a framework its own
-compile switch, and only that. Before, a script was compiled as a model alone: no step scope, and
-Lightning and Accelerate were not compiled at all under a compiled candidate's name."""
+compile switch, and only that (the HF Trainer's and Lightning's: tests/frameworks/test_script.py).
+Before, a script was compiled as a model alone: no step scope, and Lightning and Accelerate were
+not compiled at all under a compiled candidate's name."""
 
 from __future__ import annotations
 
@@ -81,35 +82,6 @@ def test_the_step_scope_is_a_plain_loops_and_tune_plans_it_there_only(tmp_path):
     assert line == "mixprec run --policy bf16-mixed --compile default --compile-scope step -- python train.py"
     with pytest.raises(SystemExit):
         main(["run", "--policy", "bf16-mixed", "--compile-scope", "graph", "--", "python", "train.py"])
-
-
-def test_the_hf_trainer_is_compiled_through_its_own_torch_compile(tmp_path):
-    require("transformers", "frameworks")
-    workload = ScriptWorkload.from_command(
-        [
-            sys.executable,
-            str(SCRIPTS / "hf_trainer.py"),
-            "--output_dir",
-            str(tmp_path),
-            "--max_steps",
-            "100",
-            "--tiny",
-        ]
-    )
-    record = trace(workload, Candidate("bf16-mixed", compile="default", framework="script"), 1)
-    assert record.facts.framework == "hf"
-    assert record.facts.framework_flags["torch_compile_mode"] == "default"
-
-
-def test_lightning_is_compiled_as_its_users_compile_it():
-    """``trainer.fit(torch.compile(module))``: Lightning's own route (it was not compiled at all)."""
-    require("lightning", "frameworks")
-    workload = ScriptWorkload.from_command(
-        [sys.executable, str(SCRIPTS / "lightning_module.py"), "--max-steps", "100"]
-    )
-    record = trace(workload, Candidate("bf16-mixed", compile="default", framework="script"), 1)
-    assert record.facts.framework == "lightning"
-    assert record.facts.framework_flags == {"precision": "bf16-mixed", "compile": "default"}
 
 
 ACCELERATE_LOOP = """
