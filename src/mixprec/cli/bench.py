@@ -12,7 +12,9 @@ from mixprec.cli.common import (
     THREADS_HELP,
     CandidateProgress,
     Defaults,
+    add_batch_arg,
     add_workload_arguments,
+    check_batch_arg,
     first_failure,
     positive_int,
     require_supported,
@@ -94,6 +96,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --batch-sizes: samples per optimizer step at every size, by gradient accumulation "
         "(each size must divide N)",
     )
+    add_batch_arg(p, "--batch-sizes")
     p.add_argument(
         "--xla",
         choices=CHOICES,
@@ -126,6 +129,7 @@ def bench_config(args: argparse.Namespace, defaults: Defaults) -> BenchConfig:
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    check_batch_arg(args, "--batch-sizes", bool(args.batch_sizes))
     if args.batch_sizes or args.memory_budget or args.effective_batch:
         return run_batches(args, out, err)
     resume = args.resume or args.resume_anyway

@@ -51,6 +51,31 @@ THREADS_HELP = (
 )
 
 
+def add_batch_arg(p: argparse.ArgumentParser, searched_by: str) -> None:
+    """--batch-arg NAME: the script's own batch-size flag, rewritten per micro-batch."""
+    p.add_argument(
+        "--batch-arg",
+        metavar="NAME",
+        help=f"with {searched_by} over a script: the flag your script takes its batch size from (batch-size "
+        "for python train.py --batch-size 64); each micro-batch runs the script with --NAME rewritten, "
+        "gradient accumulation making up the effective batch",
+    )
+
+
+def check_batch_arg(args: argparse.Namespace, option: str, searched: bool) -> None:
+    """--batch-arg goes with the micro-batch search (``option``, given: ``searched``) over a script,
+    and that search over a script needs it: a one-line UsageError naming the fix otherwise."""
+    script = getattr(args, "script", None) is not None
+    if args.batch_arg and not searched:
+        raise UsageError(f"--batch-arg applies to the micro-batch search; pass {option} too.")
+    if script and searched and not args.batch_arg:
+        raise UsageError(
+            f"{option} over a script needs --batch-arg NAME: the flag your script takes its batch size "
+            "from, rewritten for each micro-batch (e.g. --batch-arg batch-size for -- python train.py "
+            "--batch-size 64)."
+        )
+
+
 def add_workload_arguments(p: argparse.ArgumentParser, *, verbose: bool = True) -> None:
     """--model / --workload, --model-config, --list-models, the size options and --framework, shared
     by the commands that train a workload (``verbose``: also --verbose, for what child processes print)."""
@@ -141,7 +166,17 @@ def workload_from_args(args: argparse.Namespace, defaults: Defaults) -> Any:
                 f"{flag} and a command after '--' both name what to train: your script builds its own "
                 f"model; drop {flag}."
             )
-        return ScriptWorkload.from_command(args.script)
+        workload = ScriptWorkload.from_command(args.script)
+        if getattr(args, "batch_arg", None):
+            from mixprec.frameworks.script.batch import batched
+
+            return batched(workload, args.batch_arg)
+        return workload
+    if getattr(args, "batch_arg", None):
+        raise UsageError(
+            "--batch-arg names the batch-size flag of your training script: it applies to a command "
+            "after '--' (a --model or --workload takes --batch-size)."
+        )
     sizes: dict[str, Any] = {}
     target = args.workload or args.model or "resnet50"
     sized = defaults._sized()

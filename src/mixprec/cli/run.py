@@ -56,6 +56,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"build the script's torch optimizers with this implementation ({', '.join(OPTIMIZER_IMPLS)})",
     )
     p.add_argument(
+        "--accumulate",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="K micro-batches per optimizer step (gradient accumulation: the script's batch is the "
+        "micro-batch; in its own loop each loss is divided by K and the optimizer, zero_grad, a clip and "
+        "the LR scheduler act every K-th iteration; the HF Trainer's gradient_accumulation_steps and "
+        "Lightning's accumulate_grad_batches are multiplied by K)",
+    )
+    p.add_argument(
         "--monitor", action="store_true", help="watch the run with mixprec's precision monitor (events.jsonl)"
     )
     p.add_argument(
@@ -119,6 +129,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         seed=None,  # the script's own randomness: a run meant to sample seeds still does
         observer=observer,
         observe=observe,
+        accumulate=args.accumulate,
     )
     child = launch(workload, plan, inherit_output=True)
     try:
@@ -150,6 +161,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     ranks = [data, *_other_ranks(folder, data)]
     world = data.get("world") or 1
     on = f" on {world} ranks" if world > 1 else ""
+    on += f", {args.accumulate} micro-batches each" if args.accumulate > 1 else ""
     said = f"mixprec run: {steps} optimizer steps of {candidate.label} ({framework_name}){on}; wrote {record}"
     err.print(said, soft_wrap=True)
     for rank in ranks:

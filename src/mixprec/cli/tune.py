@@ -14,7 +14,9 @@ from mixprec.cli.common import (
     THREADS_HELP,
     CandidateProgress,
     Defaults,
+    add_batch_arg,
     add_workload_arguments,
+    check_batch_arg,
     positive_int,
     threads_arg,
     workload_from_args,
@@ -79,8 +81,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--effective-batch",
         type=positive_int,
         metavar="N",
-        help="with --batch auto: samples per optimizer step (default: --batch-size, else the workload's)",
+        help="with --batch auto: samples per optimizer step (default: --batch-size, else the workload's; "
+        "a script's: its --batch-arg value)",
     )
+    add_batch_arg(p, "--batch auto")
     p.add_argument("--json", metavar="FILE", help="everything tune measured and decided, as JSON")
     p.add_argument("--report", metavar="DIR", help="write DIR/index.html and DIR/report.md")
     p.set_defaults(run=run)
@@ -126,11 +130,22 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if args.batch is None and (args.memory_budget or args.effective_batch):
         flag = "--memory-budget" if args.memory_budget else "--effective-batch"
         raise UsageError(f"{flag} applies to the micro-batch search; pass --batch auto too.")
+    check_batch_arg(args, "--batch auto", args.batch is not None)
     defaults = Defaults(args, "tune")
     framework = defaults.framework
     for mode in args.compile or ():  # a typo fails before the workload is built
         framework.validate(Candidate("fp32", compile=mode, framework=framework.name))
     workload = workload_from_args(args, defaults)
+    own = None
+    if args.batch_arg:
+        from mixprec.frameworks.script.batch import arg_of
+
+        own = arg_of(workload)
+    if own is not None and args.effective_batch not in (None, own.value):
+        raise UsageError(
+            f"--effective-batch {args.effective_batch} over a script: its effective batch is its own "
+            f"{own.flag} {own.value}; change it there (or drop --effective-batch)."
+        )
     config = tune_config(args, defaults)
     with (
         graceful(lambda text: err.print(f"mixprec: {text}")) as interrupt,

@@ -30,6 +30,10 @@ frameworks offer a seam (:mod:`.patches` lists each):
 - **the HF Trainer, Lightning and Accelerate**: their own precision switches
   (``TrainingArguments(bf16=, fp16=)``, ``Trainer(precision=)``, ``Accelerator(mixed_precision=)``),
   set as the export for that framework sets them, patched where the framework reads them.
+- **gradient accumulation** (the plan's ``accumulate``: a micro-batch search's candidate, ``mixprec
+  run --accumulate``): ``k`` iterations of a plain loop as one optimizer step (:mod:`.accumulation`),
+  the HF Trainer's ``gradient_accumulation_steps`` and Lightning's ``accumulate_grad_batches``
+  multiplied by ``k`` where those train.
 - **the optimizer's implementation** (foreach, fused): set where the script builds each torch
   optimizer (its own loop's, Lightning's ``configure_optimizers``, the HF Trainer's AdamW, named by
   ``TrainingArguments(optim=)`` too), in place of the script's own ``foreach=``/``fused=``.
@@ -57,6 +61,7 @@ import torch
 from torch import nn
 
 from mixprec.frameworks.script import scaler_state
+from mixprec.frameworks.script.accumulation import Accumulation
 from mixprec.frameworks.script.frameworks import PLAIN, UNKNOWN_FRAMEWORKS, install_import_hooks
 from mixprec.frameworks.script.messages import OWNER_ENV, Facts, Observed, Plan, Step
 from mixprec.frameworks.script.modes import mode_for
@@ -110,6 +115,7 @@ class Agent:
         self.patches = Patches(self)
         self.own = OwnPrecision(self)
         self.optimizers = Optimizers(self)
+        self.accumulation = Accumulation(self, plan.accumulate)
         self.mode = mode_for(self)
         self.exit = exit or _exit
         self._facts = Facts()
@@ -306,6 +312,8 @@ class Agent:
             self.window.started = time.perf_counter()
         self.patches.arm_forward()  # the next micro-batch's forward: autocast again
         self.window.backwards += 1
+        self.accumulation.backward()
+        factor = self.accumulation.loss_factor  # (1/k: the step's loss is the micro-batches' mean)
         outputs = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
         grads = _as_grads(grad_tensors, len(outputs))
         losses = [
@@ -316,11 +324,13 @@ class Agent:
             tape.backward(losses)
             if any(g is not None for g in grads):
                 tape.broken = tape.broken or "backward(gradient): the tape replays a scalar loss"
+            if factor != 1.0:
+                tape.broken = tape.broken or "gradient accumulation: the tape replays one micro-batch's loss"
         for loss, grad in zip(losses, grads, strict=True):
             if grad is None:
-                self.window.losses.append(loss.detach())
+                self.window.losses.append(loss.detach() * factor)
             else:  # a per-sample loss and its weights: the objective whose gradient is taken
-                self.window.losses.append((loss.detach().float() * grad.detach().float()).sum())
+                self.window.losses.append((loss.detach().float() * grad.detach().float()).sum() * factor)
         scale = None
         if self.routing and self.policy.scaler is not None:
             with self.internal():
@@ -332,6 +342,8 @@ class Agent:
             scale = self.scale_after()
         if self.tracer is not None:
             self.tracer.backward_starts(scale)
+        if factor != 1.0:  # each micro-batch's gradient a k-th: their sum is the mean's
+            outputs = tuple(out * factor for out in outputs)
         self.in_backward = True
         try:
             return original(outputs if len(outputs) > 1 else outputs[0], grad_tensors, *args, **kw)

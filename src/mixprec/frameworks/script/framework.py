@@ -20,11 +20,12 @@ import torch
 
 from mixprec.errors import UsageError
 from mixprec.frameworks.base import Framework
+from mixprec.frameworks.script import batch
 from mixprec.frameworks.script.messages import Facts, TraceRecord
 from mixprec.frameworks.script.own import as_torch
 from mixprec.frameworks.script.session import ScriptFailed, ScriptSession, ScriptTimedOut, trace
 from mixprec.frameworks.script.workload import TRAINED_BY, ScriptFacts, ScriptWorkload
-from mixprec.frameworks.session import BenchSettings, Session
+from mixprec.frameworks.session import BenchSettings, MemoryPoint, Session
 from mixprec.hardware.device import DeviceInfo
 from mixprec.numerics.compare import Trajectory
 from mixprec.numerics.ranges import RangeReport
@@ -35,6 +36,7 @@ from mixprec.policy.support import prediction_label
 
 VALIDATE_STEPS = 2  # strict-fp32 steps of the validating run (it also finds what the script is)
 VALIDATE_SHARE = 0.5  # of the budget left, what the validating run may take at most
+PEAK_STEPS = 2  # steps of a peak-memory run: the optimizer's state exists from the second on
 # the export target that writes a candidate the way each framework trains it
 EXPORT_OF = {"plain": "pytorch", "hf": "hf", "lightning": "lightning", "accelerate": "accelerate"}
 FRAMEWORK_TITLES = TRAINED_BY
@@ -60,6 +62,9 @@ class ScriptFramework(Framework):
     island_kind = "fp32 modules"
     runs_as_written = True
     named = False  # entered by the command after --, not --framework
+    # k micro-batches per optimizer step: the agent's in a plain loop, the framework's own switch
+    # elsewhere; another micro-batch needs --batch-arg (:mod:`.batch`)
+    accumulates = True
 
     # ------------------------------------------------------------------ workloads
     def workload_label(self, workload: ScriptWorkload) -> str:
@@ -71,13 +76,18 @@ class ScriptFramework(Framework):
         """A few strict-fp32 steps: the script runs, reaches optimizer steps, and shows what it is
         (its framework, its own precision, its model); a script that fails is one UsageError with its
         last line. Within half of ``budget`` where there is one: a script that never steps is said
-        within the time the user gave."""
+        within the time the user gave. A script with a batch argument runs at ``batch_size`` where
+        that divides its own batch (accumulating to it: ``tune --batch auto`` validates at a size
+        far below any budget), else at its own."""
         if workload.facts is None:
             limit = None
             if budget is not None and math.isfinite(budget.left()):
                 limit = max(budget.left() * VALIDATE_SHARE, 1.0)
+            arg = batch.arg_of(workload)
+            size = batch_size if arg is not None and arg.value % batch_size == 0 else None
+            run, k = sized(workload, size)
             try:
-                record = trace(workload, self.baseline, VALIDATE_STEPS, timeout_s=limit)
+                record = trace(run, self.baseline, VALIDATE_STEPS, timeout_s=limit, accumulate=k)
             except ScriptTimedOut as exc:
                 given = " (half of the time the budget had left)" if limit is not None else ""
                 raise UsageError(
@@ -231,12 +241,45 @@ class ScriptFramework(Framework):
 
     # ------------------------------------------------------------------ measuring
     def make_batches(self, workload: Any, batch_size: int, device: str, seed: int, n: int) -> list[Any]:
-        return [None] * n  # the script draws its own batches, the same for every run (seeded)
+        # the script draws its own batches, the same for every run (seeded): what stands for one is
+        # its size, the micro-batch a check runs the script at (its batch argument rewritten)
+        return [batch_size] * n
 
     def session(
         self, workload: ScriptWorkload, candidate: Candidate, settings: BenchSettings, batches: list | None
     ) -> Session:
-        return ScriptSession(workload, candidate, settings)
+        """The script at the settings' micro-batch (its batch argument rewritten) with their
+        accumulation; at its own batch where it has no batch argument."""
+        size = settings.batch_size if batch.arg_of(workload) else candidate.micro_batch
+        return ScriptSession(batch.at_size(workload, size), candidate, settings)
+
+    def peak_memory(
+        self,
+        workload: ScriptWorkload,
+        candidate: Candidate,
+        device: str,
+        batch_size: int,
+        accumulation_steps: int = 1,
+    ) -> MemoryPoint:
+        """The script's own measured peak over :data:`PEAK_STEPS` steps at ``batch_size`` (its batch
+        argument rewritten), ``accumulation_steps`` micro-batches each: ``max_memory_allocated`` on
+        CUDA, the process' peak RSS on a CPU (the interpreter and its libraries too: what the
+        machine must hold)."""
+        settings = BenchSettings(
+            device, batch_size, steps=PEAK_STEPS, warmup=0, accumulation_steps=accumulation_steps
+        )
+        session = ScriptSession(batch.at_size(workload, batch_size), candidate, settings)
+        try:
+            for _ in range(PEAK_STEPS):
+                session.step(False)
+            measured = session.finish()
+        except BaseException:
+            if session.child.process.poll() is None:  # (a run that ended has closed its side)
+                session.close(keep_log=True)
+            raise
+        if measured.peak_memory_bytes is None:
+            raise ScriptFailed("the script's run reported no peak memory")
+        return MemoryPoint(batch_size, measured.peak_memory_bytes, method=measured.memory_method)
 
     # ------------------------------------------------------------------ checking
     def trajectory(
@@ -251,15 +294,20 @@ class ScriptFramework(Framework):
     ) -> Trajectory:
         traj = Trajectory(candidate.label)
         try:
-            record = trace(workload, candidate, steps, perturb=perturb)
+            run, k = sized(workload, _size_of(batches))
+            record = trace(run, candidate, steps, perturb=perturb, accumulate=k)
         except ScriptFailed as exc:
             traj.error = str(exc)
             return traj
         fill(traj, record)
         facts = workload.facts
         if facts is not None and candidate == self.baseline and not perturb and facts.deterministic is None:
-            first = traj.losses[:1]
-            facts.deterministic = first == facts.first_losses[:1]
+            first, before = traj.losses[:1], facts.first_losses[:1]
+            if batch.arg_of(workload) is not None and first and before:
+                # another split into micro-batches sums the same mean in another order
+                facts.deterministic = math.isclose(first[0], before[0], rel_tol=1e-4)
+            else:
+                facts.deterministic = first == before
         if facts is not None and facts.deterministic is False:
             as_trend(traj, facts)
         return traj
@@ -272,7 +320,8 @@ class ScriptFramework(Framework):
         device: str,
         loss_scale: float | None,
     ) -> RangeReport:
-        ranges = trace(workload, candidate, 1, ranges=True).ranges
+        run, k = sized(workload, batch if isinstance(batch, int) else None)
+        ranges = trace(run, candidate, 1, ranges=True, accumulate=k).ranges
         if ranges is None:
             raise ScriptFailed("the script's first step recorded no ranges")
         return ranges
@@ -314,9 +363,9 @@ class ScriptFramework(Framework):
             candidate.channels_last or candidate.keep_fp32 or candidate.compile or candidate.optimizer
         )
         if candidate.as_written or (plain and facts is not None and facts.is_baseline):
-            return {"run": "keep the script as it is: its own precision was the pick"}, {}
+            return {"run": own_precision_line(candidate, workload)}, {}
         if isinstance(workload, ScriptWorkload):
-            texts["run"] = run_line(candidate, workload.given)
+            texts["run"] = run_line(candidate, batch.at_size(workload, candidate.micro_batch).given)
         torch_cand = as_torch(candidate)
         for name in dict.fromkeys([target, "mixprec"]):
             status = export_status(torch_cand, name, device=device)
@@ -335,8 +384,37 @@ def _framework_of(workload: Any) -> str:
     return facts.framework if facts is not None else "plain"
 
 
+def sized(workload: ScriptWorkload, size: int | None) -> tuple[ScriptWorkload, int]:
+    """``workload`` at micro-batch ``size`` and the micro-batches per optimizer step that make its
+    own batch; itself and 1 where it has no batch argument (the script runs its own) or no size."""
+    if size is None or batch.arg_of(workload) is None:
+        return workload, 1
+    return batch.at_size(workload, size), batch.accumulation(workload, size)
+
+
+def _size_of(batches: Sequence[Any]) -> int | None:
+    """The micro-batch :meth:`ScriptFramework.make_batches` stood for, if any."""
+    return batches[0] if batches and isinstance(batches[0], int) else None
+
+
+def own_precision_line(candidate: Candidate, workload: Any) -> str:
+    """The answer where the script's own precision won: as it is, or at the micro-batch found."""
+    if not isinstance(workload, ScriptWorkload) or batch.at_size(workload, candidate.micro_batch) is workload:
+        return "keep the script as it is: its own precision was the pick"
+    given = batch.at_size(workload, candidate.micro_batch).given
+    if not candidate.as_written:  # strict fp32 that is the script as written: mixprec run runs it so
+        return run_line(candidate, given)
+    k = candidate.accumulation_steps
+    return (
+        f"keep the script's own precision, at micro-batch {candidate.micro_batch} with {k} micro-batches "
+        "per optimizer step (gradient accumulation: in your loop, or your framework's switch): "
+        f"{shlex.join(given)}"
+    )
+
+
 def run_line(candidate: Candidate, given: Sequence[str]) -> str:
-    """``mixprec run`` with ``candidate``'s options, then the user's own command."""
+    """``mixprec run`` with ``candidate``'s options, then the user's own command (with its batch
+    argument rewritten to the candidate's micro-batch, where it has one)."""
     parts = ["mixprec", "run", "--policy", candidate.policy]
     if candidate.channels_last:
         parts.append("--channels-last")
@@ -350,6 +428,8 @@ def run_line(candidate: Candidate, given: Sequence[str]) -> str:
         parts += ["--compile-scope", candidate.compile_scope]
     if candidate.optimizer:
         parts += ["--optimizer", candidate.optimizer]
+    if candidate.accumulation_steps > 1:
+        parts += ["--accumulate", str(candidate.accumulation_steps)]
     return shlex.join([*parts, "--", *given])
 
 

@@ -3,7 +3,9 @@ agent sets: the HF Trainer's ``TrainingArguments(bf16=, fp16=)``, Lightning's
 ``Trainer(precision=)`` and ``Accelerator(mixed_precision=)``, as mixprec's export for that framework
 writes them, so that what is measured is what the user will run; a compiled candidate through each
 one's own compile switch (``TrainingArguments(torch_compile=True)``, ``trainer.fit(torch.compile(
-module))``, Accelerate's ``TorchDynamoPlugin``), which compiles the model. The optimizer's implementation is
+module))``, Accelerate's ``TorchDynamoPlugin``), which compiles the model. Gradient accumulation (the
+plan's ``accumulate``) goes through the HF Trainer's ``gradient_accumulation_steps`` and Lightning's
+``accumulate_grad_batches``, multiplied by it. The optimizer's implementation is
 set where torch builds the optimizer (:mod:`.optimizers`), and named in ``TrainingArguments(optim=)``
 where the Trainer builds torch's AdamW.
 
@@ -68,6 +70,9 @@ def _hf_arguments(module: Any, agent: Agent) -> None:
             if optim is not None and str(getattr(self.optim, "value", self.optim)) in HF_ADAMW.values():
                 # its own name for the implementation; the AdamW it builds gets foreach= at construction
                 self.optim = agent.framework_flags["optim"] = optim
+        if agent.plan.accumulate > 1:  # the Trainer's own accumulation (it divides the loss itself)
+            self.gradient_accumulation_steps *= agent.plan.accumulate
+            agent.framework_flags["gradient_accumulation_steps"] = self.gradient_accumulation_steps
         if agent.mode.sandboxed and agent.plan.scratch:
             # a measured run saves nothing and reports nowhere; loading the best checkpoint at the
             # end needs saved ones (the Trainer refuses the pair), so it goes too
@@ -106,6 +111,9 @@ def _lightning_trainer(module: Any, agent: Agent) -> None:
             else:
                 kw["precision"] = wanted
             agent.framework_flags = {"precision": wanted}
+        if agent.plan.accumulate > 1:  # the Trainer's own accumulation
+            kw["accumulate_grad_batches"] = kw.get("accumulate_grad_batches", 1) * agent.plan.accumulate
+            agent.framework_flags["accumulate_grad_batches"] = kw["accumulate_grad_batches"]
         if agent.mode.sandboxed and agent.plan.scratch:
             # its logs and checkpoints in the run's scratch folder; the script's own callbacks and
             # loggers stay (a ModelCheckpoint refuses enable_checkpointing=False, a
@@ -171,6 +179,13 @@ def _accelerator(module: Any, agent: Agent) -> None:
             return
         agent.framework = ACCELERATE
         agent.own.as_written["framework"] = {"mixed_precision": kw.get("mixed_precision")}
+        if agent.plan.accumulate > 1:
+            agent.fail(
+                "UnsupportedError",
+                "gradient accumulation through Accelerate is not measured yet (its accumulate() context "
+                "decides when the optimizer steps): search the micro-batch of a plain loop, the HF "
+                "Trainer or Lightning",
+            )
         if agent.inject:
             wanted = agent.candidate.spec.accelerate
             if wanted is None or agent.candidate.spec.param_dtype is not None:

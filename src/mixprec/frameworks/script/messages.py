@@ -55,6 +55,8 @@ class Plan:
         observer: "run": ``module:function`` building an observer of the run from the agent and
             ``observe`` (the monitor's adapter: :mod:`mixprec.monitor.script`), or None.
         observe: the observer's settings (the Monitor's: :class:`mixprec.monitor.MonitorConfig` fields).
+        accumulate: micro-batches per optimizer step (gradient accumulation: :mod:`.accumulation` in a
+            plain loop, the framework's own switch in the HF Trainer and Lightning); 1: none.
     """
 
     mode: str
@@ -73,6 +75,7 @@ class Plan:
     home: str | None = None
     observer: str | None = None
     observe: dict[str, Any] | None = None
+    accumulate: int = 1
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self)), encoding="utf-8")

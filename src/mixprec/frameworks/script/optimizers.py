@@ -151,6 +151,8 @@ class Optimizers:
         def step(opt: torch.optim.Optimizer, *args: Any, **kw: Any) -> Any:
             if agent.internal_calls:
                 return updating(opt, *args, **kw)
+            if agent.accumulation.holds_step(opt):  # a micro-batch before the last: gradients add up
+                return None
             if opt is self.lead and agent.observers and not args and not kw:
                 self.before_update()
             if not agent.routing:
@@ -248,8 +250,8 @@ class Optimizers:
         """A gradient is read after a scaled backward (a clip, a norm, a log): its optimizer's
         gradients are unscaled first, once per step, as ``GradScaler.unscale_`` before clipping."""
         optimizer = self._owner.get(id(tensor))
-        if optimizer is None or id(optimizer) in self._unscaled:
-            return
+        if optimizer is None or id(optimizer) in self._unscaled or self.agent.accumulation.holding():
+            return  # (mid-accumulation the sum stays scaled: the next micro-batch adds to it)
         self._unscaled.add(id(optimizer))
         with self.agent.internal():
             self.agent.policy.scaler.unscale_(optimizer)

@@ -20,6 +20,10 @@ What is patched, and why there:
 - ``torch.optim.Optimizer.__init__`` and the global step hooks: a new optimizer names the model.
 - ``__init__`` of each torch.optim optimizer that takes ``foreach=``/``fused=`` (Adam, AdamW, SGD,
   ...): it is built with the candidate's implementation, as ``AdamW(..., fused=True)`` builds it.
+- gradient accumulation (a plan's ``accumulate`` over 1, :mod:`.accumulation`): ``zero_grad``,
+  GradScaler's ``unscale_``/``step``/``update``, ``LRScheduler.step`` and ``clip_grad_norm_``/
+  ``clip_grad_value_`` (``torch.nn.utils``'s names, looked up at the call) are held on the
+  micro-batches before the last, so they act once per optimizer step.
 - ``torch.nn`` global forward pre-hook (armed only between a step's events): the first forward of the
   model in a step, wherever the loop calls it (the root, a part of it, a compiled wrapper).
 """
@@ -92,6 +96,8 @@ class Patches:
         self._optimizer()
         self._constructors()
         self._zero_grad()
+        if self.agent.plan.accumulate > 1:
+            self._accumulation()
 
     def remove(self) -> None:
         self.disarm_forward()
@@ -166,6 +172,8 @@ class Patches:
         def step_(self: Any, optimizer: Any, *args: Any, **kw: Any) -> Any:
             if agent.internal_calls:
                 return step(self, optimizer, *args, **kw)
+            if agent.accumulation.holds_step(optimizer):  # mid-accumulation: unscaled at the last
+                return None
             agent.optimizers.starts(optimizer)
             out = step(self, optimizer, *args, **kw)
             agent.own.scaler_stepped(self, optimizer)
@@ -276,10 +284,40 @@ class Patches:
             original = owner.__dict__["zero_grad"]
 
             def zero_grad(self: Any, *args: Any, _original: Callable = original, **kw: Any) -> Any:
+                if not agent.internal_calls and agent.accumulation.holding():
+                    return None  # the gradients of the micro-batches so far add up
                 with agent.internal():
                     return _original(self, *args, **kw)
 
             self.replace(owner, "zero_grad", functools.wraps(original)(zero_grad))
+
+    def _accumulation(self) -> None:
+        """The calls that end an accumulation early, held on the micro-batches before the last."""
+        from torch.amp import grad_scaler
+        from torch.nn.utils import clip_grad
+
+        agent = self.agent
+
+        def held(original: Callable, returns: Callable[..., Any] = lambda *a, **k: None) -> Callable:
+            @functools.wraps(original)
+            def call(*args: Any, **kw: Any) -> Any:
+                if agent.internal_calls or not agent.accumulation.holding():
+                    return original(*args, **kw)
+                return returns(*args, **kw)
+
+            return call
+
+        cls = grad_scaler.GradScaler
+        for name in ("unscale_", "update"):
+            self.replace(cls, name, held(cls.__dict__[name]))
+        scheduler = torch.optim.lr_scheduler.LRScheduler
+        self.replace(scheduler, "step", held(scheduler.__dict__["step"]))
+        # a clip mid-accumulation clips nothing; what it returns (the norm, logged) is read as is
+        norm = held(clip_grad.clip_grad_norm_, _total_norm)
+        value = held(clip_grad.clip_grad_value_)
+        for module in (torch.nn.utils, clip_grad):
+            self.replace(module, "clip_grad_norm_", norm)
+            self.replace(module, "clip_grad_value_", value)
 
     # ------------------------------------------------------------------ the model's forwards
     def arm_forward(self) -> None:
@@ -298,3 +336,18 @@ class Patches:
             return
         self.disarm_forward()
         agent.first_forward(module, args)
+
+
+def _total_norm(
+    parameters: Any,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """What ``clip_grad_norm_`` returns, without clipping: the gradients' total norm."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    return torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)

@@ -74,7 +74,12 @@ class ScriptSession(SessionBase):
         self.workload, self.candidate, self.settings = workload, candidate, settings
         self.result = Measurement()
         self.index = 0
-        plan = Plan(mode="measure", candidate=candidate.to_dict(), seed=settings.seed)
+        plan = Plan(
+            mode="measure",
+            candidate=candidate.to_dict(),
+            seed=settings.seed,
+            accumulate=settings.accumulation_steps,
+        )
         if workload.launch is not None:  # a launch's ranks: FIFOs (no launcher hands its ranks our pipes)
             channel = workload.scratch / f"channel-{os.getpid()}-{time.monotonic_ns()}"
             channel.mkdir()
@@ -215,11 +220,13 @@ def trace(
     perturb: float = 0.0,
     ranges: bool = False,
     timeout_s: float | None = None,
+    accumulate: int = 1,
 ) -> TraceRecord:
     """Run the script under ``candidate`` for ``steps`` optimizer steps, recording what a numerics
     check compares (losses, the first step's output and gradients, ranges); the record, or a
     ScriptFailed naming why the script stopped first. ``timeout_s``: the run's whole time (default:
-    :data:`START_TIMEOUT_S` to the first step and :data:`STEP_TIMEOUT_S` a step after it)."""
+    :data:`START_TIMEOUT_S` to the first step and :data:`STEP_TIMEOUT_S` a step after it).
+    ``accumulate``: micro-batches per optimizer step (the plan's)."""
     out = workload.scratch / f"trace-{os.getpid()}-{time.monotonic_ns()}.pt"
     plan = Plan(
         mode="trace",
@@ -229,6 +236,7 @@ def trace(
         seed=seed,
         perturb=perturb,
         ranges=ranges,
+        accumulate=accumulate,
     )
     limit = timeout_s if timeout_s is not None else START_TIMEOUT_S + STEP_TIMEOUT_S * steps
     child = launch(workload, plan)
