@@ -296,7 +296,8 @@ class UpdateGate:
     ) -> None:
         """Every rescue any rank proposed, taken on this one, in rank order (one proposed twice,
         once), so the ranks go on computing alike; another rank's is said with the ranks it came from."""
-        run, taken, modules = self.run, {}, self.module_names()
+        run, modules = self.run, self.module_names()
+        taken: dict[tuple[str, str | None], list[int]] = {}
         for r, row in enumerate(table):
             if row[3]:
                 name = SHARED_RESCUES[int(row[3]) - 1]

@@ -28,7 +28,8 @@ TUNED: tuple[str, ...] = ("foreach", "fused")
 
 def accepted(cls: type) -> set[str]:
     """The implementation keywords ``cls``'s constructor takes."""
-    return set(inspect.signature(cls.__init__).parameters) & {"foreach", "fused"}
+    init = next(vars(k)["__init__"] for k in cls.__mro__ if "__init__" in vars(k))  # (cls.__init__)
+    return set(inspect.signature(init).parameters) & {"foreach", "fused"}
 
 
 def keywords(cls: type, implementation: str) -> dict[str, bool]:
