@@ -6,6 +6,8 @@ measured one, and the pick's ``mixprec run`` line carries both."""
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +30,7 @@ PY = sys.executable
 
 def script(folder: Path, *args: str) -> ScriptWorkload:
     (folder / "train.py").write_text("pass\n")
-    return ScriptWorkload.from_command(["python", "train.py", *args], cwd=folder)
+    return ScriptWorkload.from_command([PY, "train.py", *args], cwd=folder)
 
 
 # ---------------------------------------------------------------------- the command line
@@ -61,7 +63,7 @@ def test_a_batched_script_runs_each_micro_batch_with_the_flag_rewritten(tmp_path
     workload = batched(script(tmp_path, "--batch-size", "64", "--steps", "9"), "batch-size")
     assert workload.default_batch_size == 64  # the effective batch, known before the script runs
     small = at_size(workload, 16)
-    assert small.given == ("python", "train.py", "--batch-size", "16", "--steps", "9")
+    assert small.given == (PY, "train.py", "--batch-size", "16", "--steps", "9")
     assert small.command[1:] == ("train.py", "--batch-size", "16", "--steps", "9")
     assert at_size(workload, 64) is workload and accumulation(workload, 16) == 4
     with pytest.raises(UsageError, match="does not divide the script's --batch-size 64"):
@@ -74,7 +76,8 @@ def test_the_run_line_of_a_batch_pick_carries_the_micro_batch_and_the_accumulati
     workload = batched(script(tmp_path, "--batch-size", "64"), "batch-size")
     pick = Candidate("bf16-mixed", framework="script", micro_batch=16, accumulation_steps=4)
     texts, _ = ScriptFramework().exports(pick, "cpu", workload)
-    assert texts["run"] == "mixprec run --policy bf16-mixed --accumulate 4 -- python train.py --batch-size 16"
+    line = f"mixprec run --policy bf16-mixed --accumulate 4 -- {shlex.quote(PY)} train.py --batch-size 16"
+    assert texts["run"] == line
 
 
 @pytest.mark.parametrize(
@@ -259,3 +262,20 @@ def test_tune_searches_the_micro_batch_of_a_script_under_a_memory_budget(tmp_pat
     assert 0 < row["peak_memory_bytes"] <= budget  # the sweep's own run of the pick: the script's RSS
     assert data["exports"]["run"].endswith(f"-- {' '.join(command[:2])} --batch-size {m} --wide 500000")
     assert f"--accumulate {k}" in data["exports"]["run"]
+
+
+def test_a_scripts_peak_memory_is_its_own_not_its_parents():
+    """On Linux ``ru_maxrss`` is carried across ``exec`` from the process that forked: a script
+    started by a 3.4 GB test worker read 3.4 GB at micro-batch 1, over any memory budget."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("reads /proc")
+    held = bytearray(768 * 2**20)
+    held[::4096] = b"\x01" * len(held[::4096])  # resident, page by page
+    code = (
+        "import resource; from mixprec.frameworks.script.modes import peak_rss; "
+        "print(peak_rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    )
+    said = subprocess.run([PY, "-c", code], capture_output=True, text=True, check=True).stdout
+    own, inherited = map(int, said.split())
+    assert inherited > len(held) > own  # the child holds torch and mixprec, not the parent's 768 MiB
+    del held

@@ -111,8 +111,8 @@ class Measure(Mode):
         device = self.agent.device
         if device.type == "cuda":
             peak, method = int(torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated"
-        else:  # ru_maxrss is KiB on Linux
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        else:
+            peak = peak_rss()
             method = "peak RSS of the script's process (the data, the interpreter and the libraries too)"
         if self.ranks.world > 1:
             peak, method = int(self.ranks.most(peak, device)), f"{method}, the fullest rank's"
@@ -163,6 +163,20 @@ class Trace(Mode):
         out = self.agent.plan.out
         if out and not (self.ranks.world > 1 and os.path.exists(out)):
             _save(TraceRecord(facts=self.agent.facts(), error=f"{kind}: {message}"), out)
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory, in bytes: the kernel's high-water mark of its own
+    address space (``VmHWM``). Not ``ru_maxrss``, which Linux carries across ``exec`` from the
+    process that forked it: a script started by a 3.4 GB test worker read 3.4 GB at micro-batch 1."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # (kB)
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (KiB on Linux; bytes on macOS)
 
 
 def _save(record: TraceRecord, out: str) -> None:
