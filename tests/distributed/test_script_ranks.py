@@ -63,6 +63,9 @@ def test_a_launch_is_cut_to_what_this_machine_holds_and_says_so():
     assert not any(a.startswith(("--nnodes", "--rdzv")) for a in multi.command)
     assert "over 4 nodes: one node runs here" in multi.notes[0]
     assert launch_of(["torchrun", "--nproc_per_node", "auto", "t.py"], capacity=3).world == 3
+    # a module launch: named and checked as python -m runs it (it was looked for as a file)
+    module = ScriptWorkload.from_command([*TORCHRUN, "--nproc_per_node", "1", "-m", "json.tool", "--help"])
+    assert module.name == "json.tool" and module.launch.python_argv == ["python", "-m", "json.tool", "--help"]
 
 
 def test_a_launch_mixprec_cannot_run_whole_is_refused_with_the_fix():

@@ -70,6 +70,7 @@ class Launch:
         measured: the argv of a measured or traced run: its own rendezvous on a free port.
         world: the ranks it starts.
         script: the script and its arguments (what each rank runs).
+        module: the script is a module (``torchrun -m pkg.train``), run as ``python -m`` runs one.
         notes: what was cut down to fit this machine.
     """
 
@@ -78,6 +79,13 @@ class Launch:
     world: int
     script: tuple[str, ...]
     notes: list[str] = field(default_factory=list)
+    module: bool = False
+
+    @property
+    def python_argv(self) -> list[str]:
+        """What each rank runs, as a ``python`` command line (``python train.py ...``, ``python -m
+        pkg.train ...``)."""
+        return ["python", *(["-m"] if self.module else []), *self.script]
 
     @property
     def measured_notes(self) -> list[str]:
@@ -135,7 +143,8 @@ def launch_of(argv: list[str], capacity: int | None = None) -> Launch:
         options = [*_dropped(options, _NPROC), f"--nproc-per-node={world}"]
     command = (*prefix, *options, *script)
     measured = (*prefix, *_dropped(options, (*_RENDEZVOUS, "--standalone")), "--standalone", *script)
-    return Launch(command, measured, world, tuple(script), notes)
+    module = any(o in ("-m", "--module") for o in options)
+    return Launch(command, measured, world, tuple(script), notes, module)
 
 
 def _python_of(program: str) -> str:

@@ -138,7 +138,7 @@ class ScriptWorkload:
 
     @property
     def name(self) -> str:
-        argv = ["python", *self.launch.script] if self.launch is not None else list(self.command)
+        argv = self.launch.python_argv if self.launch is not None else list(self.command)
         script = _script_of(argv)
         if script is not None:
             return Path(script).name
@@ -173,7 +173,7 @@ class ScriptWorkload:
                 argv[0] = _interpreter(argv[0])
             launch = launch_of(argv)
             argv, notes = list(launch.command), launch.measured_notes
-            preflight([argv[0], *launch.script], folder)
+            preflight([argv[0], *launch.python_argv[1:]], folder)
             return cls(tuple(argv), given, folder, notes, env, launch=launch)
         if Path(argv[0]).name in _ONE_RANK:
             argv, note = _one_rank(argv)
