@@ -13,6 +13,7 @@ matmul/conv computed in) travel inside them, and into ``mixprec run``'s run.json
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from mixprec.files import atomic_write_bytes
 from mixprec.numerics.ranges import LayerRanges, RangeReport, TensorRange
 
 PLAN_ENV = "MIXPREC_SCRIPT_PLAN"
@@ -253,7 +255,11 @@ class TraceRecord:
             observed=self.observed.to_dict(),
             ranges=_report_state(self.ranges) if self.ranges is not None else None,
         )
-        torch.save(data, path)
+        buffer = io.BytesIO()
+        torch.save(data, buffer)
+        # whole or not at all: the ranks of a launch may write one at once, and a reader never
+        # sees half a record
+        atomic_write_bytes(path, buffer.getvalue(), "trace record")
 
     @classmethod
     def load(cls, path: Path) -> TraceRecord:

@@ -156,13 +156,13 @@ class Trace(Mode):
         if agent.tracer is not None:
             agent.tracer.fill(record, agent.nonfinite_at_start)
         assert agent.plan.out
-        _save(record, agent.plan.out)
+        record.save(agent.plan.out)
 
     def fail(self, kind: str, message: str) -> None:
         """Any rank's failure is the run's (the first written stays: the others follow from it)."""
         out = self.agent.plan.out
         if out and not (self.ranks.world > 1 and os.path.exists(out)):
-            _save(TraceRecord(facts=self.agent.facts(), error=f"{kind}: {message}"), out)
+            TraceRecord(facts=self.agent.facts(), error=f"{kind}: {message}").save(out)
 
 
 def peak_rss() -> int:
@@ -177,13 +177,6 @@ def peak_rss() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (KiB on Linux; bytes on macOS)
-
-
-def _save(record: TraceRecord, out: str) -> None:
-    """``record`` to ``out`` whole (written beside it, then moved: ranks may write at once)."""
-    part = f"{out}.{os.getpid()}.part"
-    record.save(part)
-    os.replace(part, out)
 
 
 class Run(Mode):

@@ -89,7 +89,12 @@ class ScriptSession(SessionBase):
             # ranks' ends come and go (a rank that ends is seen by the launcher's exit, not an EOF)
             down_w = os.open(channel / "down", os.O_RDWR)
             up_r = os.open(channel / "up", os.O_RDWR | os.O_NONBLOCK)
-            self.child = launch(workload, dataclasses.replace(plan, channel=str(channel)))
+            try:
+                self.child = launch(workload, dataclasses.replace(plan, channel=str(channel)))
+            except BaseException:  # (not started: our ends are closed here, none will use them)
+                os.close(down_w)
+                os.close(up_r)
+                raise
         else:
             down_r, down_w = os.pipe()  # parent -> child
             up_r, up_w = os.pipe()  # child -> parent
