@@ -15,13 +15,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from extras import require
 from mixprec.cli import main
 from mixprec.errors import UsageError
 from mixprec.frameworks.script import ScriptWorkload
+from mixprec.frameworks.script import agent as script_agent
+from mixprec.frameworks.script.accelerate_launch import accelerate_launch_of
+from mixprec.frameworks.script.messages import Plan
 from mixprec.frameworks.script.ranks import Ranks, launch_of
 
 PY = sys.executable
 DDP = Path(__file__).parents[1] / "frameworks" / "scripts" / "ddp_train.py"
+ACCELERATE_LOOP = Path(__file__).parents[1] / "frameworks" / "scripts" / "accelerate_train.py"
+ACCELERATE = [PY, "-m", "accelerate.commands.launch"]
 TORCHRUN = [PY, "-m", "torch.distributed.run"]
 
 
@@ -168,3 +174,96 @@ def test_run_over_a_one_rank_launch_reads_its_record(tmp_path, capfd):
     assert code == 0, capfd.readouterr().err[-2000:]
     record = json.loads((tmp_path / "out" / "run.json").read_text())
     assert (record["steps"], record["world"]) == (5, 1)
+
+
+# ---------------------------------------------------------------------- accelerate launch
+def test_an_accelerate_launch_is_read_by_accelerate_and_fitted_to_this_machine():
+    """Its processes as Accelerate decides them (--multi_gpu, its config), cut to what the machine
+    holds and said; a measured run takes a free port. (It ran one process, without the launcher's
+    flags: ``python train.py``.)"""
+    require("accelerate", "frameworks")
+    given = ["accelerate", "launch", "--multi_gpu", "--num-processes", "8", "--main_process_port", "29400"]
+    launch = accelerate_launch_of([*given, "train.py", "--lr", "3e-4"], capacity=2)
+    assert (launch.world, launch.launcher, launch.script) == (2, "accelerate", ("train.py", "--lr", "3e-4"))
+    # (command[0]: the interpreter of the accelerate on PATH)
+    assert launch.command[1:] == (
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--main_process_port",
+        "29400",
+        "--num_processes",
+        "2",
+        "train.py",
+        "--lr",
+        "3e-4",
+    )
+    assert launch.measured[-5:-2] == ("--main_process_port", "0", "train.py")
+    assert "29400" not in launch.measured and "asks for 8 processes" in " ".join(launch.notes)
+    two_machines = ["--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "10.0.0.1"]
+    given = ["accelerate", "launch", "--multi_gpu", "--num_processes", "4", *two_machines]
+    machines = accelerate_launch_of([*given, "-m", "pkg.train"], capacity=4)
+    assert machines.world == 2 and machines.module and machines.python_argv == ["python", "-m", "pkg.train"]
+    assert "10.0.0.1" not in machines.command and "over 2 machines" in machines.notes[0]
+    # one process, through the launcher: its --mixed_precision reaches the script
+    given = ["accelerate", "launch", "--mixed_precision", "bf16", "train.py"]
+    single = accelerate_launch_of(given, capacity=2)
+    assert single.world == 1 and single.command[-3:] == ("--mixed_precision", "bf16", "train.py")
+    with pytest.raises(UsageError, match="accelerate refuses it: You need to use at least 2 processes"):
+        accelerate_launch_of(["accelerate", "launch", "--multi_gpu", "--num_processes", "1", "t.py"])
+    with pytest.raises(UsageError, match="--no_python runs a program"):
+        accelerate_launch_of(["accelerate", "launch", "--no_python", "train"])
+
+
+def test_under_a_launcher_the_agent_goes_into_the_script_process_only(monkeypatch):
+    """torchrun's ranks carry LOCAL_RANK; the one process of ``accelerate launch`` without
+    --multi_gpu does not, and is known by its command line; the launcher's own process, which
+    imports mixprec's sitecustomize too, is neither."""
+    plan = Plan("run", {}, launched=True, script=["train.py", "--lr", "1"])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    cases = {
+        (PY, "-u", "train.py", "--lr", "1"): True,
+        (PY, "-X", "utf8", "train.py", "--lr", "1"): True,
+        (PY, "/venv/bin/accelerate", "launch", "train.py", "--lr", "1"): False,
+        (PY, "-m", "accelerate.commands.launch", "train.py", "--lr", "1"): False,
+        (PY, "train.py", "--lr", "2"): False,
+    }
+    for argv, rank in cases.items():
+        monkeypatch.setattr(sys, "orig_argv", list(argv))
+        assert script_agent._a_rank(plan) is rank, argv
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert script_agent._a_rank(plan)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_run_over_accelerate_launch_trains_every_process(tmp_path, capfd):
+    """``mixprec run -- accelerate launch --multi_gpu --num_processes 2``: both processes train under
+    the candidate, in one group (the replicas end equal), each with its record."""
+    require("accelerate", "frameworks")
+    shutil.copy(ACCELERATE_LOOP, tmp_path / "accelerate_train.py")
+    os.chdir(tmp_path)
+    launch = [*ACCELERATE, "--multi_gpu", "--num_processes", "2", "accelerate_train.py", "--steps", "12"]
+    code = main(["run", "--policy", "bf16-mixed", "--out", "out", "--", *launch, "--weights", "w"])
+    said = capfd.readouterr()
+    assert code == 0, said.err[-3000:]
+    lead = json.loads((tmp_path / "out" / "run.json").read_text())
+    other = json.loads((tmp_path / "out" / "run.rank1.json").read_text())
+    assert (lead["world"], lead["steps"], other["rank"], other["steps"]) == (2, 12, 1, 12)
+    assert lead["facts"]["framework_flags"] == {"mixed_precision": "bf16"}
+    first, second = _weights(tmp_path / "w")
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_run_over_a_one_process_accelerate_launch_keeps_the_launchers_flags(tmp_path, capfd):
+    """Without --multi_gpu Accelerate starts one process; mixprec runs it through the launcher, so
+    the precision the launch asks for (--mixed_precision bf16) is what the script says it runs as
+    written. (It ran ``python train.py``: fp32 as written.)"""
+    require("accelerate", "frameworks")
+    shutil.copy(ACCELERATE_LOOP, tmp_path / "accelerate_train.py")
+    os.chdir(tmp_path)
+    launch = [*ACCELERATE, "--mixed_precision", "bf16", "accelerate_train.py", "--steps", "3"]
+    code = main(["run", "--policy", "fp32", "--out", "out", "--", *launch])
+    assert code == 0, capfd.readouterr().err[-3000:]
+    record = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert (record["world"], record["steps"]) == (1, 3)
+    assert record["facts"]["own"]["framework"] == {"mixed_precision": "bf16"}

@@ -511,6 +511,21 @@ def _exit(code: int) -> None:
 
 
 AGENT: Agent | None = None
+# The interpreter's options that take a value (``-X opt``, ``-W arg``): skipped to find the script.
+_VALUED_OPTIONS = ("-X", "-W")
+
+
+def _a_rank(plan: Plan) -> bool:
+    """Under a launcher, whether this process is one it started to run the script: torchrun's ranks
+    carry ``LOCAL_RANK``; a one-process launch (``accelerate launch`` without ``--multi_gpu``) does
+    not, so the process is known by its command line, the script's own (the launcher's names the
+    launcher)."""
+    if "LOCAL_RANK" in os.environ:
+        return True
+    argv, i = sys.orig_argv, 1
+    while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-m", "-c", "-"):
+        i += 2 if argv[i] in _VALUED_OPTIONS else 1
+    return plan.script is not None and argv[i:] == plan.script
 
 
 def install_from_env() -> None:
@@ -520,8 +535,8 @@ def install_from_env() -> None:
     if AGENT is not None or (owner is not None and owner != str(os.getpid())):
         return
     plan = Plan.from_env()
-    if plan is None or (plan.launched and "LOCAL_RANK" not in os.environ):
-        return  # (no plan; or torchrun's own process, which starts the ranks)
+    if plan is None or (plan.launched and not _a_rank(plan)):
+        return  # (no plan; or the launcher's own process, which starts the ranks)
     os.environ[OWNER_ENV] = str(os.getpid())
     try:
         AGENT = Agent(plan)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -178,7 +179,10 @@ def _accelerator(module: Any, agent: Agent) -> None:
             original(self, *args, **kw)
             return
         agent.framework = ACCELERATE
-        agent.own.as_written["framework"] = {"mixed_precision": kw.get("mixed_precision")}
+        # (what the script runs with: its argument, else what `accelerate launch --mixed_precision`
+        # or the launcher's config file left for the Accelerator in the environment)
+        asked = kw.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION")
+        agent.own.as_written["framework"] = {"mixed_precision": asked}
         if agent.plan.accumulate > 1:
             agent.fail(
                 "UnsupportedError",

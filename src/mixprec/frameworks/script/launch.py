@@ -119,6 +119,7 @@ def launch(
         scratch=plan.scratch or str(folder / "output"),
         world=workload.world,
         launched=workload.launch is not None,
+        script=workload.launch.python_argv[1:] if workload.launch is not None else None,
     )
     plan_path = folder / "plan.json"
     plan.write(plan_path)

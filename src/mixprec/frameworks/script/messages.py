@@ -44,8 +44,10 @@ class Plan:
             (``down``, read by rank 0; ``up``, written by every rank), whose descriptors no
             launcher hands its workers.
         world: the ranks the launch starts (1: one process).
-        launched: the command is a launcher (torchrun) that starts the ranks: its own process,
-            which imports mixprec's sitecustomize too, takes no agent.
+        launched: the command is a launcher (torchrun, ``accelerate launch``) that starts the ranks:
+            its own process, which imports mixprec's sitecustomize too, takes no agent.
+        script: under a launcher, what each rank runs after the interpreter (``train.py args``,
+            ``-m pkg.train args``): a rank is known by it where the launcher sets no ``LOCAL_RANK``.
         out: "trace": where the record goes (``torch.save``); "run": the folder for run.json.
         seed: seeds Python's, NumPy's and torch's generators before the script runs (None: the
             script's own randomness, as ``mixprec run`` leaves it).
@@ -69,6 +71,7 @@ class Plan:
     channel: str | None = None
     world: int = 1
     launched: bool = False
+    script: list[str] | None = None
     out: str | None = None
     seed: int | None = 0
     perturb: float = 0.0

@@ -72,6 +72,7 @@ class Launch:
         script: the script and its arguments (what each rank runs).
         module: the script is a module (``torchrun -m pkg.train``), run as ``python -m`` runs one.
         notes: what was cut down to fit this machine.
+        launcher: "torchrun" or "accelerate" (``accelerate launch``: :mod:`.accelerate_launch`).
     """
 
     command: tuple[str, ...]
@@ -80,6 +81,7 @@ class Launch:
     script: tuple[str, ...]
     notes: list[str] = field(default_factory=list)
     module: bool = False
+    launcher: str = "torchrun"
 
     @property
     def python_argv(self) -> list[str]:
@@ -93,14 +95,14 @@ class Launch:
         if self.world == 1:
             return list(self.notes)
         how = (
-            f"torchrun: {self.world} ranks, each under the candidate; a step's time is the slowest "
+            f"{self.launcher}: {self.world} ranks, each under the candidate; a step's time is the slowest "
             "rank's and its samples every rank's; the losses compared are rank 0's"
         )
         return [*self.notes, how]
 
     def record(self) -> dict[str, Any]:
         """What a result's JSON says of the launch."""
-        return {"launcher": "torchrun", "world": self.world, "command": shlex.join(self.command)}
+        return {"launcher": self.launcher, "world": self.world, "command": shlex.join(self.command)}
 
 
 def is_torchrun(argv: list[str]) -> bool:
@@ -113,7 +115,7 @@ def launch_of(argv: list[str], capacity: int | None = None) -> Launch:
     (default: its GPUs where CUDA is there, else its CPU cores). A UsageError names a launch mixprec
     cannot run whole (no script, ``--no-python``)."""
     if Path(argv[0]).name == "torchrun":
-        prefix, rest = [_python_of(argv[0]), "-m", "torch.distributed.run"], argv[1:]
+        prefix, rest = [python_of(argv[0]), "-m", "torch.distributed.run"], argv[1:]
     else:
         prefix, rest = argv[:3], argv[3:]
     options, script = _split(rest, argv)
@@ -130,13 +132,13 @@ def launch_of(argv: list[str], capacity: int | None = None) -> Launch:
             f"a launch over {nodes} nodes: one node runs here (its ranks and their communication, not "
             "the network between nodes)"
         )
-    capacity = capacity or _capacity()
+    capacity = capacity or capacity_here()
     asked = _value(options, _NPROC, "PET_NPROC_PER_NODE", "1")
     world = _ranks(asked, capacity)
     if world > capacity:
         notes.append(
             f"--nproc-per-node {asked} asks for {world} ranks and this machine holds {capacity} (a "
-            f"{'GPU' if _cuda() else 'CPU core'} each): {capacity} measured"
+            f"{'GPU' if cuda() else 'CPU core'} each): {capacity} measured"
         )
         world = capacity
     if str(world) != asked:
@@ -147,8 +149,9 @@ def launch_of(argv: list[str], capacity: int | None = None) -> Launch:
     return Launch(command, measured, world, tuple(script), notes, module)
 
 
-def _python_of(program: str) -> str:
-    """The interpreter a ``torchrun`` on PATH runs (its ``#!`` line), else mixprec's own."""
+def python_of(program: str) -> str:
+    """The interpreter a launcher on PATH (``torchrun``, ``accelerate``) runs (its ``#!`` line), else
+    mixprec's own."""
     found = shutil.which(program) or program
     try:
         with open(found, "rb") as f:
@@ -197,17 +200,17 @@ def _ranks(asked: str, capacity: int) -> int:
     raise UsageError(f"--nproc-per-node {asked!r}: give a number of ranks (or auto, cpu, gpu)")
 
 
-def _cuda() -> bool:
+def cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
 
 
-def _capacity() -> int:
+def capacity_here() -> int:
     """The ranks this machine holds: a GPU each where CUDA is there, else a CPU core each."""
     import torch
 
-    return torch.cuda.device_count() if _cuda() else os.cpu_count() or 1
+    return torch.cuda.device_count() if cuda() else os.cpu_count() or 1
 
 
 # ---------------------------------------------------------------------- in the ranks

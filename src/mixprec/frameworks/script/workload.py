@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.errors import UsageError
+from mixprec.frameworks.script.accelerate_launch import accelerate_launch_of, is_accelerate_launch
 from mixprec.frameworks.script.ranks import Launch, is_torchrun, launch_of
 
 # How reports name what trains the script.
@@ -26,7 +27,8 @@ TRAINED_BY = {
 }
 # The workloads whose scratch folder exists: removed when the command ends.
 _OPEN: list[ScriptWorkload] = []
-# Launchers whose script mixprec runs itself, as one process (one rank): torchrun's are run whole.
+# Launchers whose script mixprec runs itself, as one process (one rank): torchrun's and Accelerate's
+# are run whole (Accelerate's where it imports here).
 _ONE_RANK = ("accelerate", "deepspeed")
 
 
@@ -80,14 +82,14 @@ class ScriptWorkload:
     """The user's command (everything after ``--``), run as it is in its own processes.
 
     Attributes:
-        command: the argv mixprec runs (``python train.py ...``; a torchrun launch as
-            :mod:`.ranks` fits it to this machine; an Accelerate or DeepSpeed launcher's script run
-            as one process).
+        command: the argv mixprec runs (``python train.py ...``; a torchrun or Accelerate launch as
+            :mod:`.ranks` fits it to this machine; a DeepSpeed launcher's script run as one process).
         given: the command as the user gave it (for messages and ``mixprec run`` lines).
         cwd: the folder it runs in (where mixprec was started).
         notes: what mixprec changed about how it runs (the ranks of a launch).
         env: variables set for its processes (a one-process launch's rank 0 of a world of one).
-        launch: a torchrun launch run whole (its ranks, the argv of a measured run), else None.
+        launch: a torchrun or Accelerate launch run whole (its ranks, the argv of a measured run),
+            else None.
         facts: filled by the validating run (:meth:`ScriptFramework.validate_workload`).
     """
 
@@ -168,10 +170,12 @@ class ScriptWorkload:
         env: dict[str, str] = {}
         argv = list(given)
         folder = Path(cwd or os.getcwd()).resolve()
-        if is_torchrun(argv):
-            if Path(argv[0]).name != "torchrun":
+        launch = None
+        if is_accelerate_launch(argv) or is_torchrun(argv):
+            if Path(argv[0]).name not in ("torchrun", "accelerate"):  # (python -m the launcher)
                 argv[0] = _interpreter(argv[0])
-            launch = launch_of(argv)
+            launch = accelerate_launch_of(argv) if is_accelerate_launch(argv) else launch_of(argv)
+        if launch is not None:
             argv, notes = list(launch.command), launch.measured_notes
             preflight([argv[0], *launch.python_argv[1:]], folder)
             return cls(tuple(argv), given, folder, notes, env, launch=launch)
@@ -260,7 +264,7 @@ def _one_rank(argv: list[str]) -> tuple[list[str], str]:
     note = (
         f"a distributed launch ({Path(argv[0]).name}): one rank measured, as "
         f"python {shlex.join(rest[script:])} (every rank runs the same step; the collective "
-        "communication of more ranks is not measured: only torchrun launches run whole)"
+        "communication of more ranks is not measured: torchrun and accelerate launches run whole)"
     )
     return [sys.executable, *rest[script:]], note
 

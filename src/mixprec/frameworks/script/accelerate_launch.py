@@ -1,0 +1,134 @@
+"""``accelerate launch [opts] train.py`` run as Accelerate runs it: the launcher as given, with the
+candidate in every process it starts.
+
+What the launch starts is Accelerate's own decision, so it is read with Accelerate's own parser and
+checks (its config file, ``--multi_gpu`` / ``--use_fsdp`` / ``--use_deepspeed``, the GPUs it sees):
+a multi-process launch (Accelerate runs ``torch.distributed.run`` in its own process) has its ranks;
+anything else runs one process, still through the launcher, so the flags the script reads from it
+(``--mixed_precision``, ``--cpu``, ``--dynamo_backend``, the config file's) are what it runs with.
+Until mixprec 0.3 the script was run as ``python train.py``: without those flags, one rank.
+
+What does not fit this machine is cut down to what does and said, as for torchrun (:mod:`.ranks`);
+a measured run takes a free port (``--main_process_port 0``: Accelerate's own way) so a baseline and
+a candidate run side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+from mixprec.errors import UsageError
+from mixprec.frameworks.script.ranks import Launch, capacity_here, cuda, python_of
+
+# Accelerate's options that tie a launch to other machines or one fixed port (value-taking, flags).
+_MACHINES = ("--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port", "--rdzv_backend")
+_MACHINE_FLAGS = ("--same_network",)
+_PROCESSES = ("--num_processes",)
+
+
+_MODULE = ["-m", "accelerate.commands.launch"]
+
+
+def is_accelerate_launch(argv: list[str]) -> bool:
+    """``accelerate launch ...`` or ``python -m accelerate.commands.launch ...``."""
+    return (Path(argv[0]).name == "accelerate" and argv[1:2] == ["launch"]) or argv[1:3] == _MODULE
+
+
+def accelerate_launch_of(argv: list[str], capacity: int | None = None) -> Launch | None:
+    """The :class:`Launch` of ``accelerate launch ...``; None where Accelerate does not import in
+    mixprec's interpreter (the caller then runs the script as one process, and says so). A
+    UsageError names a launch Accelerate itself refuses."""
+    try:
+        from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    except ImportError:
+        return None
+    rest = argv[3:] if argv[1:3] == _MODULE else argv[2:]
+    args = _parsed(launch_command_parser(), rest, argv)
+    script = [args.training_script, *args.training_script_args]
+    options = rest[: len(rest) - len(script)]
+    if args.no_python:
+        raise UsageError(
+            f"{shlex.join(argv)}: --no_python runs a program, not a Python script mixprec can put a "
+            "candidate into; launch the Python script itself (accelerate launch ... train.py)"
+        )
+    try:
+        with _quiet():  # (its "values were not passed" warning is the user's own launch talking)
+            decided, _, _ = _validate_launch_command(argparse.Namespace(**vars(args)))
+    except ValueError as exc:
+        raise UsageError(f"{shlex.join(argv)}: accelerate refuses it: {exc}") from None
+    multi = not decided.cpu and (decided.multi_gpu or decided.use_fsdp or decided.use_megatron_lm)
+    multi = multi or (decided.use_deepspeed and not decided.cpu and (decided.num_machines or 1) <= 1)
+    notes: list[str] = []
+    machines = int(decided.num_machines or 1)
+    world = max(int(decided.num_processes or 1) // machines, 1) if multi else 1
+    if machines > 1:
+        options = [*_dropped(options, _MACHINES, _MACHINE_FLAGS), "--num_machines", "1"]
+        notes.append(
+            f"a launch over {machines} machines: one machine runs here (its processes and their "
+            "communication, not the network between machines)"
+        )
+    capacity = capacity or capacity_here()
+    if world > capacity:
+        notes.append(
+            f"accelerate launch asks for {world} processes and this machine holds {capacity} (a "
+            f"{'GPU' if cuda() else 'CPU core'} each): {capacity} measured"
+        )
+        world = capacity
+        if world == 1:  # (--multi_gpu with one process is refused by Accelerate)
+            options = _dropped(options, (), ("--multi_gpu",))
+    if multi and (machines > 1 or str(world) != str(decided.num_processes)):
+        options = [*_dropped(options, _PROCESSES, ()), "--num_processes", str(world)]
+    prefix = [argv[0] if argv[1:3] == _MODULE else python_of(argv[0]), *_MODULE]
+    command = (*prefix, *options, *script)
+    measured = command
+    if world > 1:
+        port = ("--main_process_port", "0")  # a free one, picked by Accelerate
+        measured = (*prefix, *_dropped(options, ("--main_process_port",), ()), *port, *script)
+    return Launch(command, measured, world, tuple(script), notes, bool(args.module), launcher="accelerate")
+
+
+def _parsed(parser: argparse.ArgumentParser, rest: list[str], argv: list[str]) -> argparse.Namespace:
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):  # (argparse's own words: the UsageError carries them)
+            return parser.parse_args(rest)
+    except SystemExit:
+        last = (said.getvalue().strip().splitlines() or [""])[-1]
+        raise UsageError(
+            f"accelerate launch cannot read {shlex.join(argv)} ({last}): give accelerate launch "
+            "[options] train.py ..."
+        ) from None
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    logger = logging.getLogger("accelerate.commands.launch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _dropped(options: list[str], valued: tuple[str, ...], flags: tuple[str, ...]) -> list[str]:
+    """``options`` without the named ones (``--opt value``, ``--opt=value``, and the flags)."""
+    kept, skip = [], False
+    for token in options:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=", 1)[0].replace("-", "_").replace("__", "--", 1)  # (both spellings)
+        if name in flags:
+            continue
+        if name in valued:
+            skip = "=" not in token
+            continue
+        kept.append(token)
+    return kept
