@@ -103,3 +103,22 @@ def test_a_noisy_passing_row_is_re_measured_when_the_budget_allows():
     assert again and "was too noisy to rank" in again[0], result.notes
     row = next(r.row for r in result.ranked if r.label == "bf16-true")
     assert len(row.paired_ratios) >= 8 and any("re-measured" in n for n in row.notes)
+
+
+def test_the_budget_reason_names_the_fp32_pick_it_settled_for():
+    """An fp32 pick with something else (compiled) is not called plain strict fp32: the reason
+    names it (it said "only strict fp32 could be recommended" over a recommended fp32+compile)."""
+    from mixprec.policy import Candidate
+    from mixprec.tuning.decide import Recommendation
+    from mixprec.tuning.run import exhausted_reason
+
+    def pick(candidate: Candidate) -> Recommendation:
+        return Recommendation(candidate, 1.1, None, 0, None, "why")
+
+    cuts = ["compiled candidates were not measured"]
+    compiled = exhausted_reason(300, cuts, pick(Candidate("fp32", compile="default")))
+    assert compiled is not None and "so only strict fp32 (fp32+compile) could be recommended" in compiled
+    assert "so only strict fp32 could be recommended" in exhausted_reason(300, cuts, pick(Candidate("fp32")))
+    assert exhausted_reason(300, cuts, None).endswith("so nothing could be recommended")
+    assert exhausted_reason(300, cuts, pick(Candidate("bf16-mixed"))) is None
+    assert exhausted_reason(300, [], pick(Candidate("fp32"))) is None

@@ -22,6 +22,7 @@ from mixprec.policy import Candidate
 from mixprec.tuning import batching
 from mixprec.tuning.batching import BatchPlan
 from mixprec.tuning.config import TuneConfig
+from mixprec.tuning.decide import Recommendation
 from mixprec.tuning.order import ordered
 from mixprec.tuning.result import TuneResult
 from mixprec.tuning.search import RESERVE_S, Search, Sweeps
@@ -105,14 +106,8 @@ def tune(
             f"tune took {elapsed:.0f} s of its {config.budget_s:.0f} s budget: a step under way when the "
             "budget ran out was finished, not thrown away"
         )
-    exhausted = None
-    if budget.cuts and (rec is None or rec.candidate.policy == "fp32"):
-        pick = "nothing could be recommended" if rec is None else "only strict fp32 could be recommended"
-        exhausted = f"the {config.budget_s:g} s budget ran out: {'; '.join(budget.cuts)}, so {pick}"
-        if rec is not None and rec.untried:  # what was not tried, and the budget that would try it
-            exhausted += f"; {rec.untried}"
     return TuneResult(
-        budget_exhausted=exhausted,
+        budget_exhausted=exhausted_reason(config.budget_s, budget.cuts, rec),
         workload=result.workload,
         description=workload.description,
         device=dev,
@@ -161,3 +156,19 @@ def _batch_plan(
         events=events,
         budget=budget,
     )
+
+
+def exhausted_reason(budget_s: float, cuts: list[str], rec: Recommendation | None) -> str | None:
+    """Why tune exits 5: the budget ran out before a lower precision than fp32 could be picked
+    (None: it did not, or a lower precision was picked all the same)."""
+    if not cuts or (rec is not None and rec.candidate.policy != "fp32"):
+        return None
+    if rec is None:
+        pick = "nothing could be recommended"
+    else:  # (fp32 with what else it has: +compile, +cl; strict fp32 math all the same)
+        label = rec.candidate.label
+        pick = f"only strict fp32{f' ({label})' if label != 'fp32' else ''} could be recommended"
+    reason = f"the {budget_s:g} s budget ran out: {'; '.join(cuts)}, so {pick}"
+    if rec is not None and rec.untried:  # what was not tried, and the budget that would try it
+        reason += f"; {rec.untried}"
+    return reason
