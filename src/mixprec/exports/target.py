@@ -83,6 +83,13 @@ def accumulated_step_refusal(facts: Facts) -> Refusal:
     )
 
 
+def monitor_comment(setup: str, *, when: str = "", then: str = "") -> list[str]:
+    """:meth:`ExportTarget.monitor`'s comment lines: ``when`` in the loop the precision monitor
+    (docs/monitor.md) is set up, its ``setup`` code, and what the loop ``then`` calls."""
+    head = "# optional, the precision monitor (docs/monitor.md):" + (f" {when}" if when else "")
+    return [head, f"#   {setup}", *([f"# then {then}"] if then else [])]
+
+
 class ExportTarget:
     """One training stack. Subclasses set the class attributes and override what differs."""
 
