@@ -147,9 +147,7 @@ class CompileCosts:
         else:
             entry["warm_history"] = [*entry.get("warm_history", []), float(seconds)][-WARM_KEPT:]
             entry["warm_s"] = float(seconds)  # the latest, for a reader from before the history
-        write_json_cache(
-            self.path, "compile cost cache", _VERSION, "entries", self.entries, "compile costs not kept"
-        )
+        write_json_cache(self.path, "compile cost cache", _VERSION, "entries", self.entries, "compile costs")
 
 
 def _seconds(value: object) -> bool:

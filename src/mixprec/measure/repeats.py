@@ -126,14 +126,7 @@ class Repeats:
 
     def save(self) -> None:
         """Write the runs kept (a warning where the file cannot be written)."""
-        write_json_cache(
-            self.path,
-            "repeat measurements",
-            _VERSION,
-            "devices",
-            self.devices,
-            "repeat measurements not kept",
-        )
+        write_json_cache(self.path, "repeat measurements", _VERSION, "devices", self.devices)
 
 
 def _run(entry: object) -> bool:
