@@ -252,3 +252,16 @@ def read_json_cache(
         )
         return {}
     return found
+
+
+def write_json_cache(
+    path: Path, what: str, version: int, section: str, data: dict[str, Any], lost: str = ""
+) -> None:
+    """Replace the JSON cache at ``path`` with ``data`` in the layout :func:`read_json_cache` reads;
+    one that cannot be written is a :class:`CacheWarning` saying what is ``lost`` (default: ``what``)
+    and why: a cache is a saving, never a reason to fail."""
+    text = json.dumps({"version": version, section: data}, indent=1, sort_keys=True)
+    try:
+        atomic_write_text(path, text, what)
+    except UsageError as exc:
+        warnings.warn(f"{lost or what} not kept: {exc}", CacheWarning, 3)

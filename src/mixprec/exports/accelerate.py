@@ -41,7 +41,7 @@ from mixprec.exports.loop import SCALER_ARGS, SCHEDULER, loop_head, loop_helper_
 from mixprec.exports.native import expects
 from mixprec.exports.prepare import helper_names, precision_lines, prepare_lines
 from mixprec.exports.pytorch import PyTorchTarget, step_loop
-from mixprec.exports.target import Contract, Refusal, step_scope_refusal
+from mixprec.exports.target import Contract, Refusal, monitor_comment, step_scope_refusal
 from mixprec.exports.text import DTYPE_SHORT, call_lines, helper_lines, helpers, indent, preamble, py, section
 
 
@@ -168,11 +168,11 @@ class AccelerateTarget(PyTorchTarget):
         return contract
 
     def monitor(self, facts: Facts) -> list[str]:
-        return [
-            "# optional, the precision monitor (docs/monitor.md): after accelerator.prepare(...)",
-            "#   monitor = mixprec.monitor.accelerate.watch(accelerator, model, optimizer, loss_fn=loss_fn)",
-            "# then monitor.observe(loss, batch) after optimizer.step()",
-        ]
+        return monitor_comment(
+            "monitor = mixprec.monitor.accelerate.watch(accelerator, model, optimizer, loss_fn=loss_fn)",
+            when="after accelerator.prepare(...)",
+            then="monitor.observe(loss, batch) after optimizer.step()",
+        )
 
     def body(self, facts: Facts) -> list[str]:
         mode = self.mode(facts)

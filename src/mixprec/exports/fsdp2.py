@@ -34,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import torch
 from torch import nn
 
 from mixprec.distributed.common import autocast_fp32_params
@@ -45,8 +44,6 @@ from mixprec.exports.prepare import prepare_lines
 from mixprec.exports.pytorch import PyTorchTarget, plain_loop
 from mixprec.exports.target import Contract, Refusal
 from mixprec.exports.text import DTYPE_CODE, DTYPE_SHORT, comment, py
-from mixprec.policy.candidate import Candidate
-from mixprec.policy.policy import Policy, PolicyConfig
 
 
 class FSDP2Target(PyTorchTarget):
@@ -150,17 +147,11 @@ class FSDP2Target(PyTorchTarget):
         contract.launch = f"torchrun --nproc_per_node N train.py; this code runs after {launch}."
         return contract
 
-    def facts(
-        self,
-        source: Candidate | PolicyConfig | Policy,
-        device: str | torch.device | None = None,
-        model: nn.Module | None = None,
-    ) -> Facts:
-        """The candidate's facts; with ``model``, also the fully_shard units its keep_fp32 set adds,
-        counted on it with the blocks the code takes (``model.layers``, else those
-        :func:`~mixprec.distributed.find_blocks` finds). A keep_fp32 module that splits a tie under
-        *-true leaves them uncounted: the code raises that at its plan, with the reason."""
-        facts = Facts.of(source, device)
+    def read_model(self, facts: Facts, model: nn.Module | None) -> Facts:
+        """With ``model``, the fully_shard units the keep_fp32 set adds, counted on it with the
+        blocks the code takes (``model.layers``, else those :func:`~mixprec.distributed.find_blocks`
+        finds). A keep_fp32 module that splits a tie under *-true leaves them uncounted: the code
+        raises that at its plan, with the reason."""
         if model is None or not facts.keep:
             return facts
         if not isinstance(model, nn.Module):

@@ -31,7 +31,7 @@ from mixprec.exports.facts import Facts
 from mixprec.exports.loop import SCALER_ARGS
 from mixprec.exports.prepare import helper_names, precision_lines, prepare_lines
 from mixprec.exports.pytorch import PyTorchTarget
-from mixprec.exports.target import Contract, Refusal, step_scope_refusal
+from mixprec.exports.target import Contract, Refusal, monitor_comment, step_scope_refusal
 from mixprec.exports.text import DTYPE_CODE, DTYPE_SHORT, call_lines, helper_lines, helpers, preamble, py
 
 LABELS = ("labels",)  # TrainingArguments.label_names' default for models that take labels
@@ -190,10 +190,7 @@ class HFTarget(PyTorchTarget):
         return contract
 
     def monitor(self, facts: Facts) -> list[str]:
-        return [
-            "# optional, the precision monitor (docs/monitor.md):",
-            "#   Trainer(..., callbacks=[mixprec.monitor.hf.MonitorCallback()])",
-        ]
+        return monitor_comment("Trainer(..., callbacks=[mixprec.monitor.hf.MonitorCallback()])")
 
     def body(self, facts: Facts) -> list[str]:
         names = helper_names(facts)

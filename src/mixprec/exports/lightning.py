@@ -40,7 +40,7 @@ from mixprec.exports import snippets
 from mixprec.exports.facts import Facts
 from mixprec.exports.loop import grad_scaler_lines
 from mixprec.exports.prepare import precision_lines
-from mixprec.exports.target import Contract, ExportTarget, Refusal, step_scope_refusal
+from mixprec.exports.target import Contract, ExportTarget, Refusal, monitor_comment, step_scope_refusal
 from mixprec.exports.text import (
     DTYPE_CODE,
     DTYPE_SHORT,
@@ -201,10 +201,9 @@ class LightningTarget(ExportTarget):
         return facts.mixed is not None
 
     def monitor(self, facts: Facts) -> list[str]:
-        return [
-            "# optional, the precision monitor (docs/monitor.md):",
-            "#   Trainer(..., callbacks=[mixprec.monitor.lightning.MonitorCallback(rescue=True)])",
-        ]
+        return monitor_comment(
+            "Trainer(..., callbacks=[mixprec.monitor.lightning.MonitorCallback(rescue=True)])"
+        )
 
     def body(self, facts: Facts) -> list[str]:
         device = py(facts.device_type)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from mixprec.exports.facts import Facts
 from mixprec.exports.loop import SCHEDULER, accumulate_lines, accumulation_lines, loop_head
-from mixprec.exports.target import Contract, ExportTarget
+from mixprec.exports.target import Contract, ExportTarget, monitor_comment
 from mixprec.exports.text import py
 
 EXPECTS = "model (nn.Module), loader (iterable of batches), loss_fn(model, batch) -> scalar loss"
@@ -49,11 +49,11 @@ class MixprecTarget(ExportTarget):
         )
 
     def monitor(self, facts: Facts) -> list[str]:
-        return [
-            "# optional, the precision monitor (docs/monitor.md): before the loop",
-            "#   monitor = mixprec.Monitor(model, policy, optimizer=optimizer, loss_fn=loss_fn, rescue=True)",
-            "# then monitor.observe(loss, batch) after policy.step(...); monitor.save(obj, path) checkpoints",
-        ]
+        return monitor_comment(
+            "monitor = mixprec.Monitor(model, policy, optimizer=optimizer, loss_fn=loss_fn, rescue=True)",
+            when="before the loop",
+            then="monitor.observe(loss, batch) after policy.step(...); monitor.save(obj, path) checkpoints",
+        )
 
     def body(self, facts: Facts) -> list[str]:
         options: dict[str, object] = {}

@@ -23,7 +23,7 @@ from mixprec.exports.loop import (
 )
 from mixprec.exports.native import expects
 from mixprec.exports.prepare import helper_names, precision_lines, prepare_lines
-from mixprec.exports.target import Contract, ExportTarget
+from mixprec.exports.target import Contract, ExportTarget, monitor_comment
 from mixprec.exports.text import DTYPE_SHORT, comment, helper_lines, helpers, preamble, py
 
 
@@ -94,11 +94,11 @@ class PyTorchTarget(ExportTarget):
 
     def monitor(self, facts: Facts) -> list[str]:
         scaler = ", scaler=scaler" if facts.scaler is not None else ""
-        return [
-            "# optional, the precision monitor (docs/monitor.md): before the loop",
-            f"#   monitor = mixprec.Monitor(model{scaler}, optimizer=optimizer, loss_fn=loss_fn)",
-            "# then monitor.observe(loss, batch) after each step; monitor.save(obj, path) checkpoints",
-        ]
+        return monitor_comment(
+            f"monitor = mixprec.Monitor(model{scaler}, optimizer=optimizer, loss_fn=loss_fn)",
+            when="before the loop",
+            then="monitor.observe(loss, batch) after each step; monitor.save(obj, path) checkpoints",
+        )
 
     def body(self, facts: Facts) -> list[str]:
         blocks = helpers(self.snippet_names(facts))

@@ -83,6 +83,13 @@ def accumulated_step_refusal(facts: Facts) -> Refusal:
     )
 
 
+def monitor_comment(setup: str, *, when: str = "", then: str = "") -> list[str]:
+    """:meth:`ExportTarget.monitor`'s comment lines: ``when`` in the loop the precision monitor
+    (docs/monitor.md) is set up, its ``setup`` code, and what the loop ``then`` calls."""
+    head = "# optional, the precision monitor (docs/monitor.md):" + (f" {when}" if when else "")
+    return [head, f"#   {setup}", *([f"# then {then}"] if then else [])]
+
+
 class ExportTarget:
     """One training stack. Subclasses set the class attributes and override what differs."""
 
@@ -106,10 +113,15 @@ class ExportTarget:
         device: str | torch.device | None = None,
         model: nn.Module | None = None,
     ) -> Facts:
-        """The facts this target writes from (:meth:`Facts.of`); a training-loop target takes the
-        user's model as the code's fill-in and ignores ``model`` (the fsdp2 target counts on it the
-        units keep_fp32 adds)."""
-        return Facts.of(source, device)
+        """The facts this target writes from: :meth:`Facts.of`, with what :meth:`read_model` takes
+        from ``model``."""
+        return self.read_model(Facts.of(source, device), model)
+
+    def read_model(self, facts: Facts, model: nn.Module | None) -> Facts:
+        """``facts`` with what this target reads off the user's model: nothing for a training-loop
+        target, which takes the model as the code's fill-in (the fsdp2 target counts on it the units
+        keep_fp32 adds, a precision-map target resolves its map against it)."""
+        return facts
 
     def checked_against(self) -> str:
         """What the export was checked against, for the header's first line; "" for torch alone."""

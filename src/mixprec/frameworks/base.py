@@ -41,6 +41,22 @@ if TYPE_CHECKING:
 # pickles by name into the child.
 SessionBuilder = Callable[[dict[str, Any], Candidate, BenchSettings], Session]
 _NAME = re.compile(r"^[a-z][a-z0-9_-]*$")
+# The vision backends' defaults on CUDA: the setup of SURF's A100 benchmark, 224 px and a batch
+# that fills the GPU.
+CUDA_DEFAULTS: dict[str, Any] = {
+    "image_size": 224,
+    "batch_size": 256,
+    "steps": 20,
+    "warmup": 5,
+    "min_time": 2.0,
+}
+
+
+def sized_defaults(device: str, command: str, cpu: dict[str, Any], check: dict[str, Any]) -> dict[str, Any]:
+    """A vision backend's :meth:`Framework.cli_defaults`: :data:`CUDA_DEFAULTS` on CUDA, ``cpu``
+    elsewhere, and for `check` its smaller sizes (``check``) on top."""
+    defaults = dict(CUDA_DEFAULTS if device.startswith("cuda") else cpu)
+    return {**defaults, **check} if command == "check" else defaults
 
 
 class Framework:

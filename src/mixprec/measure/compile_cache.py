@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import statistics
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +25,7 @@ from typing import Any
 
 import torch
 
-from mixprec.errors import CacheWarning, UsageError
-from mixprec.files import atomic_write_text, read_json_cache
+from mixprec.files import read_json_cache, write_json_cache
 from mixprec.hardware.peaks import default_cache_dir
 
 ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -150,11 +147,7 @@ class CompileCosts:
         else:
             entry["warm_history"] = [*entry.get("warm_history", []), float(seconds)][-WARM_KEPT:]
             entry["warm_s"] = float(seconds)  # the latest, for a reader from before the history
-        text = json.dumps({"version": _VERSION, "entries": self.entries}, indent=1, sort_keys=True)
-        try:
-            atomic_write_text(self.path, text, "compile cost cache")
-        except UsageError as exc:
-            warnings.warn(f"compile costs not kept: {exc}", CacheWarning, 2)
+        write_json_cache(self.path, "compile cost cache", _VERSION, "entries", self.entries, "compile costs")
 
 
 def _seconds(value: object) -> bool:

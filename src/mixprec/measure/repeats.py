@@ -18,14 +18,11 @@ EPYC's 3.2% above) with :data:`PRIOR_DF` degrees of freedom until the machine ha
 
 from __future__ import annotations
 
-import json
 import math
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from mixprec.errors import CacheWarning, UsageError
-from mixprec.files import atomic_write_text, read_json_cache
+from mixprec.files import read_json_cache, write_json_cache
 from mixprec.hardware.peaks import default_cache_dir
 
 # The spread between runs of log(speedup) before this machine has repeats of its own: the 2-core
@@ -129,11 +126,7 @@ class Repeats:
 
     def save(self) -> None:
         """Write the runs kept (a warning where the file cannot be written)."""
-        text = json.dumps({"version": _VERSION, "devices": self.devices}, indent=1, sort_keys=True)
-        try:
-            atomic_write_text(self.path, text, "repeat measurements")
-        except UsageError as exc:
-            warnings.warn(f"repeat measurements not kept: {exc}", CacheWarning, 2)
+        write_json_cache(self.path, "repeat measurements", _VERSION, "devices", self.devices)
 
 
 def _run(entry: object) -> bool:

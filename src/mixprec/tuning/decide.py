@@ -30,6 +30,18 @@ from mixprec.status import Status
 Verdicts = Mapping[Candidate, CandidateCheck]  # keyed by Candidate.numerics
 
 
+def _candidate_keys(candidate: Candidate) -> dict[str, Any]:
+    """The keys a decision table row and the recommendation open their JSON with: the candidate's
+    label, the candidate itself, and its policy, channels_last and keep_fp32 at the top level."""
+    return {
+        "label": candidate.label,
+        "candidate": candidate.to_dict(),
+        "policy": candidate.policy,
+        "channels_last": candidate.channels_last,
+        "keep_fp32": list(candidate.keep_fp32),
+    }
+
+
 @dataclass(frozen=True)
 class Untried:
     """A candidate tune planned but did not measure: its row in the decision table.
@@ -79,11 +91,7 @@ class Ranked:
     def to_dict(self) -> dict[str, Any]:
         row = self.row
         return {
-            "label": self.label,
-            "candidate": self.candidate.to_dict(),
-            "policy": self.candidate.policy,
-            "channels_last": self.candidate.channels_last,
-            "keep_fp32": list(self.candidate.keep_fp32),
+            **_candidate_keys(self.candidate),
             "status": str(self.status),
             "verdict": self.verdict,
             "reason": self.reason,
@@ -159,11 +167,7 @@ class Recommendation:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "label": self.label,
-            "candidate": self.candidate.to_dict(),
-            "policy": self.candidate.policy,
-            "channels_last": self.candidate.channels_last,
-            "keep_fp32": list(self.candidate.keep_fp32),
+            **_candidate_keys(self.candidate),
             "speedup_vs_fp32": self.speedup_vs_fp32,
             "speedup_vs_tf32": self.speedup_vs_tf32,
             "memory_saved_bytes": self.memory_saved_bytes,

@@ -11,15 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-import torch
 from torch import nn
 
 from mixprec.errors import UsageError
 from mixprec.exports.facts import Facts
 from mixprec.exports.maps.resolve import GEMM, ResolvedMap, resolve
 from mixprec.exports.target import Contract, ExportTarget, Refusal
-from mixprec.policy.candidate import Candidate
-from mixprec.policy.policy import Policy, PolicyConfig
 
 
 @dataclass(frozen=True)
@@ -77,19 +74,13 @@ class MapTarget(ExportTarget):
         """The text of the resolved map, for a map :meth:`cannot_express` accepts."""
         raise NotImplementedError
 
-    def facts(
-        self,
-        source: Candidate | PolicyConfig | Policy,
-        device: str | torch.device | None = None,
-        model: nn.Module | None = None,
-    ) -> Facts:
-        """The candidate's facts with its precision map resolved against ``model`` (required)."""
+    def read_model(self, facts: Facts, model: nn.Module | None) -> Facts:
+        """The precision map resolved against ``model`` (required)."""
         if not isinstance(model, nn.Module):
             raise UsageError(
                 f"The {self.name!r} target writes a precision map with the model's Linear names, and got "
                 f"model={model!r}; pass the model: export(candidate, {self.name!r}, model=model)."
             )
-        facts = Facts.of(source, device)
         return replace(facts, precision_map=resolve(facts.config, model))
 
     def checked_against(self) -> str:

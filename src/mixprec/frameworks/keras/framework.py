@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from mixprec.errors import UsageError
-from mixprec.frameworks.base import Framework, SessionBuilder
+from mixprec.frameworks.base import Framework, SessionBuilder, sized_defaults
 from mixprec.frameworks.keras import backend
 from mixprec.frameworks.keras.export import keras_code
 from mixprec.frameworks.keras.policy import KerasPolicy, keras_support
@@ -27,13 +27,6 @@ from mixprec.policy import POLICY_NAMES, Candidate, Support
 # resnet50 at 64 px and batch 16: about 0.7 s per fp32 step on a 2-core CPU, so the default sweep
 # and `tune` (tf.function tracing costs ~15 s per candidate) end within a few minutes.
 CPU_DEFAULTS: dict[str, Any] = {"image_size": 64, "batch_size": 16, "steps": 4, "warmup": 1, "min_time": 1.0}
-CUDA_DEFAULTS: dict[str, Any] = {
-    "image_size": 224,
-    "batch_size": 256,
-    "steps": 20,
-    "warmup": 5,
-    "min_time": 2.0,
-}
 # `check` builds a model per candidate and trains three runs: the smallest images the CNNs take.
 CHECK_DEFAULTS: dict[str, Any] = {"image_size": 32, "batch_size": 8}
 _CNNS = ("resnet50", "vgg19", "densenet121")
@@ -92,8 +85,7 @@ class KerasFramework(Framework):
         self._validated.add(key)
 
     def cli_defaults(self, device: str, command: str) -> dict[str, Any]:
-        defaults = dict(CUDA_DEFAULTS if device.startswith("cuda") else CPU_DEFAULTS)
-        return {**defaults, **CHECK_DEFAULTS} if command == "check" else defaults
+        return sized_defaults(device, command, CPU_DEFAULTS, CHECK_DEFAULTS)
 
     def sized_by_defaults(self, target: str | None, is_factory: bool, defaults: dict[str, Any]) -> str | None:
         return "image_size" if not is_factory and (target or "resnet50") in _CNNS else None

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from mixprec.frameworks.base import Framework, SessionBuilder
+from mixprec.frameworks.base import Framework, SessionBuilder, sized_defaults
 from mixprec.frameworks.session import BenchSettings, MemoryPoint, Session
 from mixprec.frameworks.torch import session as torch_session
 from mixprec.frameworks.torch.implementations import offered
@@ -28,9 +28,8 @@ from mixprec.workload.models import preload_modules, source_of
 
 # Sized so the default sweep (resnet50, every CPU policy, both layouts) ends in about two minutes
 # on a 2-core CPU, at a size where compute (not per-op overhead) dominates so the ranking means
-# something; on CUDA the setup of SURF's A100 benchmark: 224 px and a batch that fills the GPU. A
-# vision model by name gets the same on a CPU: at most 128 px (where the model takes smaller inputs
-# than its recipe's) and batch 16.
+# something (on CUDA: the base's CUDA_DEFAULTS). A vision model by name gets the same on a CPU: at
+# most 128 px (where the model takes smaller inputs than its recipe's) and batch 16.
 CPU_DEFAULTS: dict[str, Any] = {
     "image_size": 128,
     "max_image_size": 128,
@@ -38,13 +37,6 @@ CPU_DEFAULTS: dict[str, Any] = {
     "steps": 4,
     "warmup": 1,
     "min_time": 1.0,
-}
-CUDA_DEFAULTS: dict[str, Any] = {
-    "image_size": 224,
-    "batch_size": 256,
-    "steps": 20,
-    "warmup": 5,
-    "min_time": 2.0,
 }
 # `check` trains three runs per candidate: small enough for a CPU, the default model (and vision
 # models by name) at a small image size and batch.
@@ -106,8 +98,7 @@ class TorchFramework(Framework):
     def cli_defaults(self, device: str, command: str) -> dict[str, Any]:
         if command == "lint":
             return {}  # lint traces on the meta device: the model's own sizes cost nothing
-        defaults = dict(CUDA_DEFAULTS if device.startswith("cuda") else CPU_DEFAULTS)
-        return {**defaults, **CHECK_DEFAULTS} if command == "check" else defaults
+        return sized_defaults(device, command, CPU_DEFAULTS, CHECK_DEFAULTS)
 
     def sized_by_defaults(self, target: str | None, is_factory: bool, defaults: dict[str, Any]) -> str | None:
         if is_factory:
