@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from mixprec.cli import main
 from mixprec.frameworks import framework_named
 from mixprec.frameworks.script import ScriptWorkload
 from mixprec.frameworks.script.session import trace
+from mixprec.frameworks.script.waiting import wait_run
 from mixprec.policy import Candidate
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -364,6 +366,35 @@ def test_ctrl_c_reaches_the_script_and_mixprec_waits_for_it(tmp_path, how):
     assert (tmp_path / "saved").exists(), err
     assert torch.load(tmp_path / "ckpt.pt")["weight"].shape == (64, 64)
     assert "waiting for your script to finish" in err
+
+
+def test_a_signal_another_thread_of_mixprec_takes_is_passed_on_to_the_script(tmp_path):
+    """torch starts a thread at import that does not block SIGINT: a SIGINT sent to mixprec while its
+    main thread was between two waits landed there, raised KeyboardInterrupt in mixprec, and mixprec
+    then waited for a script that never got the signal (both ran on: the full suite's Ctrl-C test
+    hung beside other work). Here the signal is sent to such a thread: it reaches the script."""
+    ready = tmp_path / "ready"
+    sleeper = f"import pathlib, sys, time\npathlib.Path({str(ready)!r}).touch()\ntry:\n    time.sleep(30)\n"
+    sleeper += "except KeyboardInterrupt:\n    sys.exit(7)\n"
+    child = subprocess.Popen([PY, "-c", sleeper], start_new_session=True)
+
+    def takes_the_signal() -> None:  # (made before wait_run blocks SIGINT: as torch's thread is)
+        _wait_for(ready)
+        time.sleep(0.3)
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+    taker = threading.Thread(target=takes_the_signal)
+    taker.start()
+    said: list[str] = []
+    try:
+        code, signals = wait_run(child, said.append)
+    except KeyboardInterrupt:
+        child.kill()
+        pytest.fail("the SIGINT was raised in mixprec, not passed on to the script")
+    finally:
+        taker.join()
+    assert (code, signals) == (7, ["SIGINT"]), said
+    assert said == ["waiting for your script to finish (interrupt again to stop it)"]
 
 
 # ---------------------------------------------------------------------- frameworks' own settings

@@ -4,13 +4,21 @@ The script runs in mixprec's process group, so a Ctrl-C typed at the terminal re
 as it would without mixprec: the script's own ``except KeyboardInterrupt`` (a checkpoint saved on
 the way out) runs, and mixprec waits for it to finish. Only a second Ctrl-C stops the script
 (SIGTERM), and a third kills it. A SIGINT or SIGTERM sent to mixprec alone (``kill``), which the
-script did not receive, is passed on to it. Where the signal's origin cannot be read (no
-``sigtimedwait``: not Linux), the first Ctrl-C is passed on too.
+script did not receive, is passed on to it.
+
+The origin is read from the signal itself (``sigtimedwait``'s siginfo: the kernel's, from a
+terminal). A signal sent to the process may also be taken by another of its threads (torch starts
+threads at import, which do not block it), and then reaches mixprec through a Python handler,
+without its siginfo; so where it is not Linux. There a SIGINT counts as the terminal's when mixprec
+is the foreground job of its terminal (the script has it too), and is passed on otherwise. (Without
+that handler a SIGINT another thread took raised KeyboardInterrupt in mixprec, which then waited for
+a script that never got it: both ran on.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -26,7 +34,7 @@ def wait_run(process: subprocess.Popen, say: Callable[[str], None]) -> tuple[int
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "sigtimedwait"):
         return _wait_with_handlers(process, say)
     received: list[str] = []
-    with _blocked((signal.SIGINT, signal.SIGTERM)):
+    with _handled(process, received, say), _blocked((signal.SIGINT, signal.SIGTERM)):
         while process.poll() is None:
             info = signal.sigtimedwait([signal.SIGINT, signal.SIGTERM], 0.2)
             if info is None:
@@ -58,17 +66,40 @@ def _escalate(
 
 def _wait_with_handlers(process: subprocess.Popen, say: Callable[[str], None]) -> tuple[int, list[str]]:
     received: list[str] = []
+    with _handled(process, received, say):
+        return process.wait(), received
+
+
+@contextlib.contextmanager
+def _handled(process: subprocess.Popen, received: list[str], say: Callable[[str], None]) -> Iterator[None]:
+    """SIGINT and SIGTERM handled in Python in the body (from the main thread only: Python's rule),
+    their origin judged without siginfo (module docstring)."""
 
     def handler(signum: int, frame: object) -> None:
         received.append(signal.Signals(signum).name)
-        _escalate(process, received, False, say)
+        from_terminal = signum == signal.SIGINT and _foreground_of_a_terminal()
+        _escalate(process, received, from_terminal, say)
 
     with contextlib.ExitStack() as stack:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous = signal.signal(sig, handler)
                 stack.callback(signal.signal, sig, previous)
-        return process.wait(), received
+        yield
+
+
+def _foreground_of_a_terminal() -> bool:
+    """mixprec is its terminal's foreground job: a Ctrl-C typed there reached the script too."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY)
+    except OSError:  # no controlling terminal
+        return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
