@@ -62,8 +62,10 @@ def accelerate_launch_of(argv: list[str], capacity: int | None = None) -> Launch
             decided, _, _ = _validate_launch_command(argparse.Namespace(**vars(args)))
     except ValueError as exc:
         raise UsageError(f"{shlex.join(argv)}: accelerate refuses it: {exc}") from None
-    multi = not decided.cpu and (decided.multi_gpu or decided.use_fsdp or decided.use_megatron_lm)
-    multi = multi or (decided.use_deepspeed and not decided.cpu and (decided.num_machines or 1) <= 1)
+    # (these go through torch.distributed.run in Accelerate's process; DeepSpeed's does on one
+    # machine, which is what runs here)
+    kinds = (decided.multi_gpu, decided.use_fsdp, decided.use_megatron_lm, decided.use_deepspeed)
+    multi = not decided.cpu and any(kinds)
     notes: list[str] = []
     machines = int(decided.num_machines or 1)
     world = max(int(decided.num_processes or 1) // machines, 1) if multi else 1
