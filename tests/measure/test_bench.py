@@ -415,7 +415,12 @@ def test_cli_usage_errors(capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_data_parallel_sweep_on_two_gloo_ranks(tmp_path):
+    """Two gloo ranks per candidate, their step the slowest rank's, their peak memory each rank's
+    own: started from a process holding 768 MiB, a rank read that (``ru_maxrss`` is carried across
+    ``exec`` from the process that spawned it) as its tiny MLP's peak."""
     w = load_workload("mlp")
+    held = bytearray(768 * 2**20)
+    held[::4096] = b"\x01" * len(held[::4096])  # resident, page by page
     result = bench(
         w,
         policies="fp32,bf16-mixed",
@@ -432,10 +437,12 @@ def test_data_parallel_sweep_on_two_gloo_ranks(tmp_path):
         assert row.status == "ok", row.reason
         assert row.world_size == 2 and len(row.rank_step_time_ms) == 2
         assert len(row.rank_peak_memory_bytes) == 2 and row.peak_memory_bytes > 0
+        assert max(row.rank_peak_memory_bytes) < len(held) // 2  # the MLP's, not this process's
         # global throughput counts both ranks' batches per (slowest-rank) step
         assert row.throughput == pytest.approx(2 * row.batch_size / (row.step_time_ms.median_ms / 1e3))
     assert labels["bf16-mixed"].observed_dtype == "bfloat16"
     assert read_jsonl(tmp_path / "dp.jsonl")[0].world_size == 2
+    del held
 
 
 def test_data_parallel_needs_a_spec():

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import resource
 import signal
 import time
 import traceback
@@ -33,7 +32,7 @@ from mixprec.measure import preload
 from mixprec.measure.compile_cache import use_inductor_cache
 from mixprec.measure.failure import exception_status, failure_status
 from mixprec.policy import Candidate
-from mixprec.process import current_rss_bytes, die_with_parent, main_module_hidden
+from mixprec.process import current_rss_bytes, die_with_parent, main_module_hidden, peak_rss
 from mixprec.quiet import quiet_known_noise
 from mixprec.workload import WorkloadSpec
 from mixprec.workload.output import captured_fds
@@ -121,9 +120,8 @@ def _child(
             else:  # finish
                 result = session.finish()
                 if result.peak_memory_bytes is None:
-                    # ru_maxrss is KiB on Linux; the fork server's own pages are already resident at start.
-                    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-                    result.peak_memory_bytes = max(0, peak - rss_before)
+                    # (the fork server's own pages are already resident at start)
+                    result.peak_memory_bytes = max(0, peak_rss() - rss_before)
                     result.memory_method = (
                         "peak RSS of the isolated candidate process minus its RSS before building"
                     )

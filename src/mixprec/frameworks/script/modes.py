@@ -16,7 +16,6 @@ import importlib
 import json
 import math
 import os
-import resource
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -34,6 +33,7 @@ from mixprec.frameworks.script.messages import (
     encode,
 )
 from mixprec.frameworks.script.ranks import Ranks
+from mixprec.process import peak_rss
 
 Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
 
@@ -163,20 +163,6 @@ class Trace(Mode):
         out = self.agent.plan.out
         if out and not (self.ranks.world > 1 and os.path.exists(out)):
             TraceRecord(facts=self.agent.facts(), error=f"{kind}: {message}").save(out)
-
-
-def peak_rss() -> int:
-    """This process's peak resident memory, in bytes: the kernel's high-water mark of its own
-    address space (``VmHWM``). Not ``ru_maxrss``, which Linux carries across ``exec`` from the
-    process that forked it: a script started by a 3.4 GB test worker read 3.4 GB at micro-batch 1."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # (kB)
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (KiB on Linux; bytes on macOS)
 
 
 class Run(Mode):

@@ -10,7 +10,6 @@ applied here: every rank has to finish its steps for the collectives to complete
 from __future__ import annotations
 
 import json
-import resource
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -19,7 +18,7 @@ from typing import Any
 
 from mixprec.frameworks.session import BenchSettings, Measurement
 from mixprec.policy import Candidate
-from mixprec.process import current_rss_bytes, main_module_hidden
+from mixprec.process import current_rss_bytes, main_module_hidden, peak_rss
 from mixprec.workload import WorkloadSpec
 from mixprec.workload.output import captured_fds
 
@@ -78,9 +77,8 @@ def _rank_main(
                 workload, candidate, rank_settings, wrap_model=lambda model, policy: apply_ddp(model, policy)
             )
             if m.peak_memory_bytes is None:
-                m.peak_memory_bytes = max(
-                    0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
-                )
+                # (its own high-water mark: ru_maxrss would carry the spawning process's across exec)
+                m.peak_memory_bytes = max(0, peak_rss() - rss_before)
                 m.memory_method = "peak RSS per rank minus its RSS before building"
             out.write_text(json.dumps({"ok": True, "measurement": asdict(m)}), encoding="utf-8")
         finally:
