@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import mixprec
 from mixprec.cli import main
@@ -92,3 +93,17 @@ def test_unwritable_output_fails_before_any_measurement(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "--json" in captured.err and "cannot create folder" in captured.err
     assert captured.out == ""  # no table: it stopped before measuring anything
+
+
+def test_check_policies_all_lists_what_this_device_cannot_run(tmp_path, capsys):
+    """``check --policies all`` was refused on a CPU ("names 'tf32', which is not supported ...
+    pass --policies all to list it as unsupported"): it checks every policy but the fp32 reference,
+    and a row says why one cannot run here."""
+    out = tmp_path / "check.json"
+    code = main(["check", "--model", "mlp", "--policies", "all", "--steps", "2", "--json", str(out)])
+    rows = {c["policy"]: c for c in json.loads(out.read_text())["candidates"]}
+    assert code in (0, 4, 6), capsys.readouterr().err  # (4: bf16-true may fail here, as it should)
+    assert set(rows) == set(mixprec.POLICY_NAMES) - {"fp32"}
+    assert rows["bf16-mixed"]["verdict"] != "unsupported"
+    if not torch.cuda.is_available():  # (check runs on the GPU where there is one)
+        assert rows["tf32"]["verdict"] == "unsupported" and "TF32 needs" in rows["tf32"]["reason"]

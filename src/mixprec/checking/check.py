@@ -24,6 +24,7 @@ from mixprec.hardware.device import detect
 from mixprec.hardware.formats import slow_formats
 from mixprec.numerics.results import CandidateCheck, CheckResult
 from mixprec.policy import Candidate
+from mixprec.policy.registry import POLICY_NAMES
 from mixprec.status import Status
 
 
@@ -47,13 +48,21 @@ def make_checker(
     return Checker(workload, framework, dev, bs, config, events, budget)
 
 
+def checked_by_all() -> list[str]:
+    """What ``policies="all"`` checks: every policy but the fp32 reference (one this device cannot
+    run is a row that says so)."""
+    return [name for name in POLICY_NAMES if name != "fp32"]
+
+
 def candidates_of(
     framework: Framework, policies: str | Sequence[str | Candidate], emulate: Sequence[str]
 ) -> list[Candidate]:
-    """The candidates ``policies`` (names, a comma-separated string of them, or Candidates) and
-    ``emulate`` (formats) name, validated."""
+    """The candidates ``policies`` (names, a comma-separated string of them, ``all``: every policy
+    but the fp32 reference, or Candidates) and ``emulate`` (formats) name, validated."""
     if isinstance(policies, str):  # 'bf16-mixed,fp16-mixed', as bench takes it (not its characters)
         policies = [p.strip() for p in policies.split(",") if p.strip()]
+    if list(policies) == ["all"]:
+        policies = checked_by_all()
     cands = [p if isinstance(p, Candidate) else Candidate(p, framework=framework.name) for p in policies] + [
         Candidate("fp32", emulate=fmt, framework=framework.name) for fmt in emulate
     ]

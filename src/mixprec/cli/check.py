@@ -6,7 +6,7 @@ import argparse
 
 from rich.console import Console
 
-from mixprec.checking.check import check
+from mixprec.checking.check import check, checked_by_all
 from mixprec.checking.config import TRAIN_STEPS, CheckConfig
 from mixprec.cli.common import (
     CandidateProgress,
@@ -94,14 +94,15 @@ def check_config(args: argparse.Namespace, defaults: Defaults, policies: list[st
 
 
 def run(args: argparse.Namespace, out: Console, err: Console) -> int:
-    policies = [p for p in args.policies.split(",") if p.strip()]
+    every = args.policies.strip() == "all"  # (what this device cannot run: a row that says so)
+    policies = checked_by_all() if every else [p for p in args.policies.split(",") if p.strip()]
     if not policies and not args.emulate:
         raise UsageError("--policies is empty and no --emulate given: nothing to check.")
     defaults = Defaults(args, "check")
     framework = defaults.framework
     # fp8 on a device without it is still checked: its numerics are predicted here
     require_supported(
-        parse_policies(policies) if policies else [],
+        [] if every else parse_policies(policies),
         defaults,
         allowed=lambda cand, info: framework.predictable(cand, info) is not None,
     )
