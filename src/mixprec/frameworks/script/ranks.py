@@ -1,5 +1,6 @@
 """A distributed launch run whole: ``torchrun [opts] train.py`` (or ``python -m torch.distributed.run``)
-with the candidate in every rank.
+with the candidate in every rank (``accelerate launch``'s options are read in :mod:`.accelerate_launch`,
+into the same :class:`Launch`).
 
 The parent's half (:func:`launch_of`) reads the launcher's options: how many ranks it starts, whether
 this machine holds them (a CPU core or a GPU per rank) and whether it spans other nodes. What does not
@@ -63,7 +64,7 @@ _RENDEZVOUS = (
 
 @dataclass(frozen=True)
 class Launch:
-    """A torchrun launch as mixprec runs it.
+    """A launch (torchrun's, Accelerate's) as mixprec runs it.
 
     Attributes:
         command: the argv of ``mixprec run`` (the user's launch, cut down to what this machine holds).
