@@ -1,7 +1,8 @@
 """mixprec.distributed: DDP and FSDP2 with precision policies.
 
 Multi-rank tests spawn 2 CPU processes on gloo (OMP_NUM_THREADS=1, one torch thread each); one
-spawn per scenario group because every child pays the torch import. Each child initialises its
+spawn runs every gloo scenario group in turn (a module fixture) because every child pays the torch
+import. Each child initialises its
 process group from a FileStore in tmp_path (no TCP port to collide with other test runs on a
 shared machine), always destroys it, and writes its results to tmp_path; the parent compares
 them with a single-process run of the same policy on the concatenated batch. A deadline kills
@@ -151,7 +152,17 @@ def _entry(rank: int, fn, world: int, store: str, backend: str, out: str) -> Non
         dist.destroy_process_group()
 
 
-def _spawn(fn, tmp_path: Path, monkeypatch, *, world: int = WORLD, backend: str = "gloo") -> list[dict]:
+def _spawn(
+    fn,
+    tmp_path: Path,
+    monkeypatch,
+    *,
+    world: int = WORLD,
+    backend: str = "gloo",
+    deadline_s: float = SPAWN_DEADLINE_S,
+) -> list[dict]:
+    """``fn(rank, world, out)`` on ``world`` spawned ranks; each rank's result. ``deadline_s``: longer
+    for a spawn that runs several scenarios in turn."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned children
     out = tmp_path / "out"
     out.mkdir()
@@ -162,12 +173,12 @@ def _spawn(fn, tmp_path: Path, monkeypatch, *, world: int = WORLD, backend: str 
         join=False,
         start_method="spawn",
     )
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    deadline = time.monotonic() + deadline_s
     results = [out / f"rank{r}.pt" for r in range(world)]
     try:
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{fn.__name__} did not finish in {SPAWN_DEADLINE_S} s")
+                raise TimeoutError(f"{fn.__name__} did not finish in {deadline_s} s")
     except mp.ProcessExitedException as exc:
         # A crash inside gloo's teardown after every rank wrote its complete result is
         # torch's, not the code under test: the results are still judged below. A Python
@@ -253,9 +264,9 @@ def _ddp_worker(rank: int, world: int, out: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_ddp_two_ranks_gloo(tmp_path, monkeypatch):
-    r0, r1 = _spawn(_ddp_worker, tmp_path, monkeypatch)
+@pytest.mark.timeout(240)  # the first of the three tests below to run spawns all three's workers
+def test_ddp_two_ranks_gloo(gloo_runs):
+    r0, r1 = gloo_runs["ddp"]
 
     for name, opts in (("fp32", {}), ("bf16-mixed", {}), ("fp16-mixed", FP16_OPTS)):
         a, b = r0[name], r1[name]
@@ -380,9 +391,9 @@ _FSDP_CASES = (("bf16-mixed", {"finite_check": True}), ("fp16-mixed", FP16_OPTS)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_fsdp2_two_ranks_gloo(tmp_path, monkeypatch):
-    r0, r1 = _spawn(_fsdp_worker, tmp_path, monkeypatch)
+@pytest.mark.timeout(240)
+def test_fsdp2_two_ranks_gloo(gloo_runs):
+    r0, r1 = gloo_runs["fsdp"]
     for name, opts in _FSDP_CASES:
         low = str(mixprec.get_policy(name, device="cpu", check=False).compute_dtype)
         a, b = r0[name], r1[name]
@@ -628,11 +639,34 @@ def _ties_and_norms_worker(rank: int, world: int, out: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_fsdp2_shards_tied_heads_and_batch_norm(tmp_path, monkeypatch):
+@pytest.mark.timeout(240)
+def test_fsdp2_shards_tied_heads_and_batch_norm(gloo_runs):
     """Both failed before: a tied head in another group than its embedding ('shared with another
     FSDP group'), BatchNorm weights gathered in bf16 next to fp32 running statistics."""
-    r0, r1 = _spawn(_ties_and_norms_worker, tmp_path, monkeypatch)
+    r0, r1 = gloo_runs["ties"]
     for r in (r0, r1):
         assert r["tied"]
         assert all(math.isfinite(v) for key in ("cnn-bf16-mixed", "cnn-bf16-true", "lm") for v in r[key])
+
+
+# ----------------------------------------------------------------------------------- one gloo spawn
+GLOO_WORKERS = {"ddp": _ddp_worker, "fsdp": _fsdp_worker, "ties": _ties_and_norms_worker}
+
+
+def _gloo_workers(rank: int, world: int, out: Path) -> dict:
+    """The 2-rank gloo workers above in turn, one process group, each in its own folder: each builds
+    its models and batches from fixed seeds, so what it computes does not depend on the order."""
+    results = {}
+    for name, worker in GLOO_WORKERS.items():
+        (out / name).mkdir(exist_ok=True)
+        results[name] = worker(rank, world, out / name)
+    return results
+
+
+@pytest.fixture(scope="module")
+def gloo_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """{worker: [rank 0's result, rank 1's]}: one spawn, so each child pays the torch import once."""
+    tmp = tmp_path_factory.mktemp("gloo")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        r0, r1 = _spawn(_gloo_workers, tmp, monkeypatch, deadline_s=200.0)
+    return {name: [r0[name], r1[name]] for name in GLOO_WORKERS}

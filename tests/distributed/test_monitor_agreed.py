@@ -2,12 +2,15 @@
 bad batch on rank 1 only (targets x1000 at step ``BAD_AT``). The ranks hold the same all-reduced
 gradients, so the poisoned update must be withheld on both or the ranks' weights part for good;
 rank 1's monitor finds and diagnoses it from its own batch, and rank 0's takes the same decision.
-Spawned as tests/distributed/test_distributed.py spawns (FileStore, a deadline)."""
+Spawned as tests/distributed/test_distributed.py spawns (FileStore, a deadline): once for the whole
+module, every scenario in turn in one process group (each child pays the torch import once, not once
+per scenario), each with its own model, optimizer, monitor and folder."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -112,12 +115,8 @@ def _stop_on_rank_1(rank, world, out):
     return _train(rank, world, 1, broken=True, rescue=True)
 
 
-def test_a_bad_batch_on_one_rank_is_withheld_on_every_rank_and_the_weights_stay_equal(tmp_path, monkeypatch):
-    runs = {}
-    for name, fn in {"clean": _clean, "rescued": _bad_on_rank_1, "poisoned": _bad_unmonitored}.items():
-        (tmp_path / name).mkdir()
-        runs[name] = _spawn(fn, tmp_path / name, monkeypatch)
-    clean, rescued, poisoned = runs["clean"], runs["rescued"], runs["poisoned"]
+def test_a_bad_batch_on_one_rank_is_withheld_on_every_rank_and_the_weights_stay_equal(scenarios):
+    clean, rescued, poisoned = (scenarios.ranks(name) for name in ("clean", "rescued", "poisoned"))
     assert [r["world"] for r in rescued] == [2, 2]
     # rank 1 found it in its own batch: a data spike, its rank and step named
     seen = [(step, evidence) for step, kind, evidence in rescued[1]["findings"] if kind == SPIKE]
@@ -136,8 +135,8 @@ def test_a_bad_batch_on_one_rank_is_withheld_on_every_rank_and_the_weights_stay_
     assert abs(rescued[0]["eval_loss"] - clean[0]["eval_loss"]) <= 0.2 * clean[0]["eval_loss"]
 
 
-def test_a_stop_on_one_rank_stops_every_rank_at_the_same_step_and_none_hangs(tmp_path, monkeypatch):
-    ranks = _spawn(_stop_on_rank_1, tmp_path, monkeypatch)
+def test_a_stop_on_one_rank_stops_every_rank_at_the_same_step_and_none_hangs(scenarios):
+    ranks = scenarios.ranks("stopped")
     assert ranks[1]["stopped_at"] is not None and ranks[0]["stopped_at"] == ranks[1]["stopped_at"], ranks
     assert BAD_AT < ranks[1]["stopped_at"] < BAD_AT + 20
     assert all(torch.isfinite(r["weights"]).all() for r in ranks)  # no NaN update landed on either rank
@@ -195,20 +194,21 @@ def _poisoned_state(rank, world, out):
     return _replicas(rank, world, out, fault="nan")
 
 
-def test_replicas_that_part_are_found_at_the_next_check_on_every_rank(tmp_path, monkeypatch):
-    ranks = _spawn(_nudged, tmp_path, monkeypatch)
+def test_replicas_that_part_are_found_at_the_next_check_on_every_rank(scenarios):
+    ranks = scenarios.ranks("nudged")
     for r in ranks:
         found = [step for step, kind, _ in r["findings"] if kind == REPLICAS_DIFFER]
         assert found and found[0] == 30, r["findings"]  # the first check after step 29
     assert ranks[0]["refused"] is None  # finite everywhere: differing replicas say so, not refuse
 
 
-def test_a_checkpoint_rank_0_saves_is_refused_when_rank_1s_state_is_not_finite(tmp_path, monkeypatch):
-    ranks = _spawn(_poisoned_state, tmp_path, monkeypatch)
+def test_a_checkpoint_rank_0_saves_is_refused_when_rank_1s_state_is_not_finite(scenarios):
+    ranks = scenarios.ranks("poisoned_state")
     refused = ranks[0]["refused"]
     assert refused is not None and "rank 1's weights or optimizer state held inf/NaN at step 30" in refused
     assert any(kind == CHECKPOINT_REFUSED for _, kind, _ in ranks[0]["findings"])
-    assert not (tmp_path / "out" / "ckpt.pt").exists()
+    assert scenarios.folder("poisoned_state").is_dir()
+    assert not (scenarios.folder("poisoned_state") / "ckpt.pt").exists()
 
 
 ISLAND_AT = 12
@@ -247,12 +247,63 @@ def _island_on_rank_1(rank, world, out):
     }
 
 
-def test_a_precision_rescue_one_rank_asks_for_is_taken_on_every_rank_at_the_same_step(tmp_path, monkeypatch):
+def test_a_precision_rescue_one_rank_asks_for_is_taken_on_every_rank_at_the_same_step(scenarios):
     """An fp32 island decided on rank 1 was made on rank 1 only: the ranks kept the same weights
     (the gradients are all-reduced) but computed module '0' in different formats from then on."""
-    ranks = _spawn(_island_on_rank_1, tmp_path, monkeypatch)
+    ranks = scenarios.ranks("islanded")
     assert [r["keep_fp32"] for r in ranks] == [["0"], ["0"]], ranks
     assert ranks[0]["islanded_at"] == ranks[1]["islanded_at"] == ISLAND_AT + 1
     agreed = [ev for _, kind, ev in ranks[0]["findings"] if kind == RESCUE]
     assert agreed and agreed[0]["decided_by_ranks"] == [1] and agreed[0]["rank"] == 0
     assert torch.equal(ranks[0]["weights"], ranks[1]["weights"])
+
+
+# ----------------------------------------------------------------------------------- one spawn
+SCENARIOS = {
+    "clean": _clean,
+    "rescued": _bad_on_rank_1,
+    "poisoned": _bad_unmonitored,
+    "stopped": _stop_on_rank_1,
+    "nudged": _nudged,
+    "poisoned_state": _poisoned_state,
+    "islanded": _island_on_rank_1,
+}
+
+
+def _every_scenario(rank, world, out):
+    """Each scenario in turn on this rank, in its own folder under ``out``; every one builds its
+    own model, optimizer and monitor from fixed seeds (what it computes does not depend on what ran
+    before it), and the replica-check interval a scenario sets is put back after it."""
+    import mixprec.monitor.gate as gate
+
+    results = {}
+    for name, fn in SCENARIOS.items():
+        folder = out / name
+        folder.mkdir(exist_ok=True)
+        every = gate.REPLICA_CHECK_EVERY
+        try:
+            results[name] = fn(rank, world, folder)
+        finally:
+            gate.REPLICA_CHECK_EVERY = every
+    return results
+
+
+class _Scenarios:
+    def __init__(self, out, ranks):
+        self.out, self._ranks = out, ranks
+
+    def ranks(self, name):
+        """Scenario ``name``'s result on each rank, rank 0 first."""
+        return [r[name] for r in self._ranks]
+
+    def folder(self, name):
+        return self.out / name
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    """Every scenario above, on 2 gloo ranks, in one spawn."""
+    tmp = tmp_path_factory.mktemp("monitor_agreed")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        ranks = _spawn(_every_scenario, tmp, monkeypatch, deadline_s=240.0)
+    return _Scenarios(tmp / "out", ranks)

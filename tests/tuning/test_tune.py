@@ -12,6 +12,7 @@ import torch
 
 import mixprec
 from mixprec.cli import main
+from mixprec.measure.config import BenchConfig
 from mixprec.measure.results import BenchRow, assemble
 from mixprec.numerics.results import CandidateCheck
 from mixprec.policy import Candidate
@@ -318,9 +319,11 @@ def test_autotune_caches_its_decision(tmp_path, monkeypatch):
     monkeypatch.setattr(tune_mod, "tune", counting)
     cache = tmp_path / "autotune.json"
     w = mixprec.load_workload("mlp")
-    # what is cached, not how well it was tuned: eager candidates and a short budget are enough
-    opts = dict(device="cpu", cache_path=cache, budget_s=30, steps=2, warmup=1, check_steps=2, lint=False)
+    # what is cached, not how well it was tuned: eager candidates measured in this process (not one
+    # process each) and a short budget are enough
+    opts = dict(device="cpu", cache_path=cache, budget_s=30, check_steps=2, lint=False)
     opts.update(compile_modes=(), optimizers=False)
+    opts.update(config=TuneConfig(bench=BenchConfig(steps=2, warmup=1, isolate=False)))
     first = autotune(w, **opts)
     second = autotune(w, **opts)
     assert isinstance(first.policy, mixprec.Policy) and first.candidate == second.candidate
