@@ -80,6 +80,20 @@ def test_the_low_formats_are_predicted_in_a_plain_loop_and_refused_through_a_fra
     )
 
 
+def test_no_census_is_taken_where_the_budget_can_check_no_low_format(monkeypatch):
+    """The census is a run of the script: tune took it after its budget was spent (17 s past a 50 s
+    budget), then said "fp8-rowwise numerics not predicted: budget spent". Where no check can be
+    paid, the candidates come back unsorted and no run is made."""
+    from mixprec.frameworks.script import session
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the census ran")
+
+    monkeypatch.setattr(session, "take_census", no_run)
+    predicted, notes = framework_named("script").predictions(planted(), CPU, lambda candidate: False)
+    assert {c.policy for c in predicted} == set(LOW) and notes == []
+
+
 def test_the_census_of_the_scripts_first_step_says_what_each_format_takes():
     """One strict-fp32 step of the script, its Linear layers seen by the format: shapes, directions,
     operand SQNR on the script's own data, the step's FLOPs; and what each format cannot take, why."""

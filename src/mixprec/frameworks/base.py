@@ -259,9 +259,13 @@ class Framework:
         on its pick: same numerics, maybe faster steps)."""
         return []
 
-    def predictions(self, workload: Any, info: DeviceInfo) -> tuple[list[Candidate], list[str]]:
+    def predictions(
+        self, workload: Any, info: DeviceInfo, affordable: Callable[[Candidate], bool] | None = None
+    ) -> tuple[list[Candidate], list[str]]:
         """Candidates whose numerics tune predicts on this device without measuring their speed, and
-        notes on why none can be (fp8 on a CPU)."""
+        notes on why none can be (fp8 on a CPU). ``affordable(candidate)``: whether the budget can
+        still pay its check; a backend whose sorting costs a run skips the run where none is, and
+        hands every such candidate back unsorted (the caller says the budget ended first)."""
         return [], []
 
     # ------------------------------------------------------------------ measuring

@@ -71,11 +71,15 @@ class Checks:
         """Candidates the device cannot run fast but whose numerics can be computed here (fp8 on a
         CPU through torchao's recipe): whether they would pass, a labelled prediction, never a
         measured speed; each a row of the decision table, and the notes saying so."""
-        predicted, said = self.setting.framework.predictions(self.setting.workload, info)
+
+        def affordable(cand: Candidate) -> bool:
+            return self.setting.budget.can_pay(self.costs.check_s(cand))
+
+        predicted, said = self.setting.framework.predictions(self.setting.workload, info, affordable)
         notes = list(said)  # the backend's own list is not this tune's to add to
         rows: dict[Candidate, Untried] = {}
         for i, cand in enumerate(predicted):
-            if not self.setting.budget.can_pay(self.costs.check_s(cand)):
+            if not affordable(cand):
                 notes.append(f"{cand.label} numerics not predicted: budget spent (--budget raises it)")
                 for left in predicted[i:]:
                     rows[left] = Untried(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -205,16 +205,24 @@ class ScriptFramework(Framework):
             if all(impl in o["implementations"] for o in built) and own != {impl}
         ]
 
-    def predictions(self, workload: ScriptWorkload, info: DeviceInfo) -> tuple[list[Candidate], list[str]]:
+    def predictions(
+        self,
+        workload: ScriptWorkload,
+        info: DeviceInfo,
+        affordable: Callable[[Candidate], bool] | None = None,
+    ) -> tuple[list[Candidate], list[str]]:
         """The low formats this device cannot run fast but whose numerics a check predicts on the
         script's own data (as for a workload), those that convert none of its Linear layers said in
-        one line each (the first layer and the fix), from one strict-fp32 step's census."""
+        one line each (the first layer and the fix), from one strict-fp32 step's census: a run of
+        the script, not taken where the budget can pay none of their checks."""
         from mixprec.frameworks.script.session import take_census as take
         from mixprec.policy.lowformat import none_converted
 
-        names = [n for n in POLICY_NAMES if self.predictable(self.candidate(n), info, workload)]
-        if not names:
-            return [], []
+        named = [self.candidate(n) for n in POLICY_NAMES]
+        predictable = [c for c in named if self.predictable(c, info, workload)]
+        if not predictable or (affordable is not None and not any(map(affordable, predictable))):
+            return predictable, []
+        names = [c.policy for c in predictable]
         try:
             formats = take(workload, Candidate(names[0]).spec).formats
         except ScriptFailed as exc:

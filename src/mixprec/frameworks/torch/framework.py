@@ -178,7 +178,9 @@ class TorchFramework(Framework):
         probe = workload.make_optimizer(workload.model)
         return [replace(candidate, optimizer=impl) for impl in offered(type(probe))]
 
-    def predictions(self, workload: Workload, info: DeviceInfo) -> tuple[list[Candidate], list[str]]:
+    def predictions(
+        self, workload: Workload, info: DeviceInfo, affordable: Callable[[Candidate], bool] | None = None
+    ) -> tuple[list[Candidate], list[str]]:  # (its sorting reads the model: no run to skip)
         from mixprec.policy.lowformat import none_converted, plan_layers
 
         cands: list[Candidate] = []
