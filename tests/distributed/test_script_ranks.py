@@ -94,6 +94,16 @@ def _weights(folder: Path) -> list[dict[str, torch.Tensor]]:
     return [torch.load(folder / f"rank{r}.pt") for r in range(2)]
 
 
+def _run(tmp_path: Path, capfd, script: Path, policy: str, launch: list[str]) -> dict:
+    """``mixprec run --policy POLICY -- LAUNCH`` in ``tmp_path`` (``script`` copied there): rank 0's
+    record, once the run exited 0."""
+    shutil.copy(script, tmp_path / script.name)
+    os.chdir(tmp_path)
+    code = main(["run", "--policy", policy, "--out", "out", "--", *launch])
+    assert code == 0, capfd.readouterr().err[-3000:]
+    return json.loads((tmp_path / "out" / "run.json").read_text())
+
+
 def _final_loss(output: str) -> float:
     line = next(line for line in output.splitlines() if line.startswith("final loss"))
     return float(line.split()[2])
@@ -167,12 +177,8 @@ def test_bench_over_torchrun_measures_every_rank(tmp_path):
 def test_run_over_a_one_rank_launch_reads_its_record(tmp_path, capfd):
     """A 1-rank torchrun launch: rank 0's record names the launcher's pid (mixprec run read it as
     another process's and said the script ran no optimizer step)."""
-    shutil.copy(DDP, tmp_path / "ddp_train.py")
-    os.chdir(tmp_path)
     launch = [*TORCHRUN, "--nproc_per_node", "1", "ddp_train.py", "--steps", "5"]
-    code = main(["run", "--policy", "bf16-mixed", "--out", "out", "--", *launch])
-    assert code == 0, capfd.readouterr().err[-2000:]
-    record = json.loads((tmp_path / "out" / "run.json").read_text())
+    record = _run(tmp_path, capfd, DDP, "bf16-mixed", launch)
     assert (record["steps"], record["world"]) == (5, 1)
 
 
@@ -240,13 +246,8 @@ def test_run_over_accelerate_launch_trains_every_process(tmp_path, capfd):
     """``mixprec run -- accelerate launch --multi_gpu --num_processes 2``: both processes train under
     the candidate, in one group (the replicas end equal), each with its record."""
     require("accelerate", "frameworks")
-    shutil.copy(ACCELERATE_LOOP, tmp_path / "accelerate_train.py")
-    os.chdir(tmp_path)
     launch = [*ACCELERATE, "--multi_gpu", "--num_processes", "2", "accelerate_train.py", "--steps", "12"]
-    code = main(["run", "--policy", "bf16-mixed", "--out", "out", "--", *launch, "--weights", "w"])
-    said = capfd.readouterr()
-    assert code == 0, said.err[-3000:]
-    lead = json.loads((tmp_path / "out" / "run.json").read_text())
+    lead = _run(tmp_path, capfd, ACCELERATE_LOOP, "bf16-mixed", [*launch, "--weights", "w"])
     other = json.loads((tmp_path / "out" / "run.rank1.json").read_text())
     assert (lead["world"], lead["steps"], other["rank"], other["steps"]) == (2, 12, 1, 12)
     assert lead["facts"]["framework_flags"] == {"mixed_precision": "bf16"}
@@ -259,11 +260,7 @@ def test_run_over_a_one_process_accelerate_launch_keeps_the_launchers_flags(tmp_
     the precision the launch asks for (--mixed_precision bf16) is what the script says it runs as
     written. (It ran ``python train.py``: fp32 as written.)"""
     require("accelerate", "frameworks")
-    shutil.copy(ACCELERATE_LOOP, tmp_path / "accelerate_train.py")
-    os.chdir(tmp_path)
     launch = [*ACCELERATE, "--mixed_precision", "bf16", "accelerate_train.py", "--steps", "3"]
-    code = main(["run", "--policy", "fp32", "--out", "out", "--", *launch])
-    assert code == 0, capfd.readouterr().err[-3000:]
-    record = json.loads((tmp_path / "out" / "run.json").read_text())
+    record = _run(tmp_path, capfd, ACCELERATE_LOOP, "fp32", launch)
     assert (record["world"], record["steps"]) == (1, 3)
     assert record["facts"]["own"]["framework"] == {"mixed_precision": "bf16"}

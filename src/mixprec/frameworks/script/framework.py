@@ -222,19 +222,18 @@ class ScriptFramework(Framework):
         predictable = [c for c in named if self.predictable(c, info, workload)]
         if not predictable or (affordable is not None and not any(map(affordable, predictable))):
             return predictable, []
-        names = [c.policy for c in predictable]
         try:
-            formats = take(workload, Candidate(names[0]).spec).formats
+            formats = take(workload, predictable[0].spec).formats
         except ScriptFailed as exc:
             return [], [f"low formats not predicted: the script's Linear census failed ({exc})"]
         cands, notes = [], []
-        for name in names:
-            if formats[name].low:
-                cands.append(Candidate(name, framework=self.name))
+        for cand in predictable:
+            taken = formats[cand.policy]
+            if taken.low:
+                cands.append(cand)
             else:
-                spec = Candidate(name).spec
-                said = none_converted(spec, formats[name].refused, "the script's model")
-                notes.append(f"{name} not predicted: {said}")
+                said = none_converted(cand.spec, taken.refused, "the script's model")
+                notes.append(f"{cand.policy} not predicted: {said}")
         return cands, notes
 
     def has_convolutions(self, workload: ScriptWorkload) -> bool:
