@@ -21,12 +21,15 @@ from mixprec.errors import UsageError
 from mixprec.frameworks.script import ScriptWorkload
 from mixprec.frameworks.script import agent as script_agent
 from mixprec.frameworks.script.accelerate_launch import accelerate_launch_of
+from mixprec.frameworks.script.deepspeed_launch import deepspeed_launch_of
 from mixprec.frameworks.script.messages import Plan
 from mixprec.frameworks.script.ranks import Ranks, launch_of
 
 PY = sys.executable
 DDP = Path(__file__).parents[1] / "frameworks" / "scripts" / "ddp_train.py"
 ACCELERATE_LOOP = Path(__file__).parents[1] / "frameworks" / "scripts" / "accelerate_train.py"
+DEEPSPEED_LOOP = Path(__file__).parents[1] / "frameworks" / "scripts" / "deepspeed_train.py"
+DEEPSPEED = [PY, "-m", "deepspeed.launcher.runner"]
 ACCELERATE = [PY, "-m", "accelerate.commands.launch"]
 TORCHRUN = [PY, "-m", "torch.distributed.run"]
 
@@ -232,6 +235,8 @@ def test_under_a_launcher_the_agent_goes_into_the_script_process_only(monkeypatc
         (PY, "-X", "utf8", "train.py", "--lr", "1"): True,
         (PY, "/venv/bin/accelerate", "launch", "train.py", "--lr", "1"): False,
         (PY, "-m", "accelerate.commands.launch", "train.py", "--lr", "1"): False,
+        (PY, "/venv/bin/deepspeed", "--num_gpus", "2", "train.py", "--lr", "1"): False,
+        (PY, "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "train.py", "--lr", "1"): False,
         (PY, "train.py", "--lr", "2"): False,
     }
     for argv, rank in cases.items():
@@ -264,3 +269,72 @@ def test_run_over_a_one_process_accelerate_launch_keeps_the_launchers_flags(tmp_
     record = _run(tmp_path, capfd, ACCELERATE_LOOP, "fp32", launch)
     assert (record["world"], record["steps"]) == (1, 3)
     assert record["facts"]["own"]["framework"] == {"mixed_precision": "bf16"}
+
+
+# ---------------------------------------------------------------------- deepspeed
+def test_a_deepspeed_launch_is_read_by_deepspeed_and_fitted_to_this_machine(tmp_path):
+    """Its processes as DeepSpeed's runner decides them (hostfile, --num_gpus, --include), cut to
+    what the machine holds and said; each measured run its own free port (DeepSpeed's ranks meet at
+    a fixed one, 29500 by default: two runs side by side would meet in one rendezvous). (It ran one
+    process, ``python train.py``, without the --local_rank DeepSpeed passes.)"""
+    require("deepspeed", "frameworks")
+    given = ["deepspeed", "--num_gpus", "8", "--master_port", "29400", "train.py", "--lr", "3e-4"]
+    launch = deepspeed_launch_of(given, capacity=2)
+    assert (launch.world, launch.launcher, launch.script) == (2, "deepspeed", ("train.py", "--lr", "3e-4"))
+    assert launch.command[1:] == (
+        "-m",
+        "deepspeed.launcher.runner",
+        "--master_port",
+        "29400",
+        "--num_gpus=2",
+        "train.py",
+        "--lr",
+        "3e-4",
+    )
+    assert "deepspeed asks for 8 processes and this machine holds 2" in launch.notes[0]
+    measured = launch.measured_argv()
+    ports = [a for a in measured if a.startswith("--master_port")]
+    assert len(ports) == 1 and int(ports[0].split("=")[1]) > 0 and "29400" not in measured
+    assert measured[-3:] == ("train.py", "--lr", "3e-4")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=4\nworker-1 slots=4\n")
+    given = ["deepspeed", "--hostfile", str(hostfile), "--master_addr", "worker-0", "--module", "pkg.train"]
+    machines = deepspeed_launch_of(given, capacity=8)
+    assert machines.world == 4 and machines.module and machines.python_argv == ["python", "-m", "pkg.train"]
+    assert "worker-0" not in machines.command and str(hostfile) not in machines.command
+    assert {"--hostfile=/dev/null", "--num_gpus=4"} <= set(machines.command)
+    assert "over 2 machines: one machine runs here" in machines.notes[0]
+    with pytest.raises(UsageError, match="deepspeed refuses it: Cannot specify num_nodes/gpus"):
+        deepspeed_launch_of(["deepspeed", "--num_gpus", "2", "--include", "localhost:0", "t.py"])
+    with pytest.raises(UsageError, match="--no_python runs a program"):
+        deepspeed_launch_of(["deepspeed", "--no_python", "train"])
+    with pytest.raises(UsageError, match="deepspeed cannot read"):
+        deepspeed_launch_of(["deepspeed", "--num_gpus", "two", "t.py"])
+
+
+def test_without_deepspeed_in_mixprecs_python_a_deepspeed_launch_runs_one_rank_and_says_why(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.setitem(sys.modules, "deepspeed.launcher", None)  # (an import of it fails)
+    command = ["deepspeed", "--num_gpus", "2", "train.py", "--lr", "3e-4"]
+    workload = ScriptWorkload.from_command(command, cwd=tmp_path)
+    assert workload.command == (PY, "train.py", "--lr", "3e-4") and workload.world == 1
+    assert workload.env["WORLD_SIZE"] == "1" and "one rank measured" in workload.notes[0]
+    assert "deepspeed does not import in mixprec's Python" in workload.notes[0]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_run_over_a_deepspeed_launch_trains_every_process(tmp_path, capfd):
+    """``mixprec run -- deepspeed --num_gpus 2 train.py``: both processes (started by DeepSpeed's
+    launcher under its runner, with --local_rank) train under the candidate through the DeepSpeed
+    engine, in one group (the replicas end equal), each with its record; rank 0's is found though
+    its parent is DeepSpeed's launcher, not the process mixprec started."""
+    require("deepspeed", "frameworks")
+    launch = [*DEEPSPEED, "--num_gpus", "2", "deepspeed_train.py", "--steps", "12", "--weights", "w"]
+    lead = _run(tmp_path, capfd, DEEPSPEED_LOOP, "bf16-mixed", launch)
+    other = json.loads((tmp_path / "out" / "run.rank1.json").read_text())
+    assert (lead["world"], lead["steps"], other["rank"], other["steps"]) == (2, 12, 1, 12)
+    assert lead["observed"]["observed_dtype"] == "bfloat16"
+    first, second = _weights(tmp_path / "w")
+    assert all(torch.equal(first[k], second[k]) for k in first)

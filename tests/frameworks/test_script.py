@@ -263,15 +263,6 @@ def test_the_commands_that_take_a_script_and_those_that_do_not(capsys):
     assert "--model and a command after '--'" in capsys.readouterr().err
 
 
-def test_a_deepspeed_launch_is_measured_as_one_rank(tmp_path):
-    """(torchrun's and Accelerate's launches run whole: tests/distributed/test_script_ranks.py)"""
-    (tmp_path / "train.py").write_text("")
-    command = ["deepspeed", "--num_gpus", "2", "train.py", "--lr", "3e-4"]
-    workload = ScriptWorkload.from_command(command, cwd=tmp_path)
-    assert workload.command == (sys.executable, "train.py", "--lr", "3e-4") and workload.world == 1
-    assert workload.env["WORLD_SIZE"] == "1" and "one rank measured" in workload.notes[0]
-
-
 def test_a_script_whose_data_differs_run_to_run_is_compared_by_its_trends(tmp_path):
     """Two strict-fp32 runs disagree at the first step (the script seeds from the clock): the
     reference says so and compares running means, with no first-step output or gradients to take

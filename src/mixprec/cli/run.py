@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -14,6 +15,9 @@ from mixprec.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, UnsupportedError, 
 from mixprec.policy import Candidate
 from mixprec.policy.candidate import COMPILE_SCOPES, OPTIMIZER_IMPLS
 from mixprec.policy.registry import canonical_name
+
+if TYPE_CHECKING:
+    from mixprec.frameworks.script.launch import Child
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -137,7 +141,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     finally:
         child.discard()
         workload.close()
-    data = _record_of(record, child.process.pid)
+    data = _record_of(record, child)
     if data is not None and data.get("error"):
         raise _error_of(data["error"], code)
     steps = data.get("steps", 0) if data is not None else 0
@@ -188,13 +192,13 @@ def _other_ranks(folder: Path, lead: dict) -> list[dict]:
     return found
 
 
-def _record_of(path: Path, pid: int) -> dict | None:
-    """This run's record (None: the script wrote none, or another process's is there)."""
+def _record_of(path: Path, child: Child) -> dict | None:
+    """This run's record (None: the script wrote none, or another run's is there)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return data if data.get("pid") in (None, pid) else None
+    return data if child.folder is None or data.get("plan") == str(child.folder / "plan.json") else None
 
 
 def _error_of(message: str, code: int) -> Exception:

@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import logging
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
 from mixprec.errors import UsageError
-from mixprec.frameworks.script.ranks import Launch, capacity_here, cuda, python_of
+from mixprec.frameworks.script.ranks import (
+    Launch,
+    capacity_here,
+    cuda,
+    python_of,
+    read_launch,
+    without_options,
+)
 
 # Accelerate's options that tie a launch to other machines or one fixed port (value-taking, flags).
 _MACHINES = ("--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port", "--rdzv_backend")
@@ -49,7 +55,7 @@ def accelerate_launch_of(argv: list[str], capacity: int | None = None) -> Launch
     except ImportError:
         return None
     rest = argv[3:] if argv[1:3] == _MODULE else argv[2:]
-    args = _parsed(launch_command_parser(), rest, argv)
+    args = read_launch(launch_command_parser().parse_args, rest, argv, "accelerate launch")
     script = [args.training_script, *args.training_script_args]
     options = rest[: len(rest) - len(script)]
     if args.no_python:
@@ -70,7 +76,7 @@ def accelerate_launch_of(argv: list[str], capacity: int | None = None) -> Launch
     machines = int(decided.num_machines or 1)
     world = max(int(decided.num_processes or 1) // machines, 1) if multi else 1
     if machines > 1:
-        options = [*_dropped(options, _MACHINES, _MACHINE_FLAGS), "--num_machines", "1"]
+        options = [*without_options(options, _MACHINES, _MACHINE_FLAGS), "--num_machines", "1"]
         notes.append(
             f"a launch over {machines} machines: one machine runs here (its processes and their "
             "communication, not the network between machines)"
@@ -83,29 +89,16 @@ def accelerate_launch_of(argv: list[str], capacity: int | None = None) -> Launch
         )
         world = capacity
         if world == 1:  # (--multi_gpu with one process is refused by Accelerate)
-            options = _dropped(options, (), ("--multi_gpu",))
+            options = without_options(options, (), ("--multi_gpu",))
     if multi and (machines > 1 or str(world) != str(decided.num_processes)):
-        options = [*_dropped(options, _PROCESSES, ()), "--num_processes", str(world)]
+        options = [*without_options(options, _PROCESSES, ()), "--num_processes", str(world)]
     prefix = [argv[0] if argv[1:3] == _MODULE else python_of(argv[0]), *_MODULE]
     command = (*prefix, *options, *script)
     measured = command
     if world > 1:
         port = ("--main_process_port", "0")  # a free one, picked by Accelerate
-        measured = (*prefix, *_dropped(options, ("--main_process_port",), ()), *port, *script)
+        measured = (*prefix, *without_options(options, ("--main_process_port",), ()), *port, *script)
     return Launch(command, measured, world, tuple(script), notes, bool(args.module), launcher="accelerate")
-
-
-def _parsed(parser: argparse.ArgumentParser, rest: list[str], argv: list[str]) -> argparse.Namespace:
-    said = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(said):  # (argparse's own words: the UsageError carries them)
-            return parser.parse_args(rest)
-    except SystemExit:
-        last = (said.getvalue().strip().splitlines() or [""])[-1]
-        raise UsageError(
-            f"accelerate launch cannot read {shlex.join(argv)} ({last}): give accelerate launch "
-            "[options] train.py ..."
-        ) from None
 
 
 @contextlib.contextmanager
@@ -117,20 +110,3 @@ def _quiet() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
-
-
-def _dropped(options: list[str], valued: tuple[str, ...], flags: tuple[str, ...]) -> list[str]:
-    """``options`` without the named ones (``--opt value``, ``--opt=value``, and the flags)."""
-    kept, skip = [], False
-    for token in options:
-        if skip:
-            skip = False
-            continue
-        name = token.split("=", 1)[0].replace("-", "_").replace("__", "--", 1)  # (both spellings)
-        if name in flags:
-            continue
-        if name in valued:
-            skip = "=" not in token
-            continue
-        kept.append(token)
-    return kept

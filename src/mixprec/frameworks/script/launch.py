@@ -23,6 +23,7 @@ from pathlib import Path
 
 from mixprec.frameworks.script.messages import OWNER_ENV, PLAN_ENV, Plan
 from mixprec.frameworks.script.modes import MODES
+from mixprec.frameworks.script.ranks import free_port
 from mixprec.frameworks.script.workload import ScriptWorkload
 
 BOOT = Path(__file__).resolve().parent / "boot"
@@ -188,11 +189,3 @@ def bootstrapped(argv: list[str]) -> list[str]:
     if not flags & _NO_SITE or i >= len(argv) or argv[i] in ("-c", "-"):
         return argv
     return [argv[0], *options, "-c", _BOOTSTRAP.format(root=str(_MIXPREC_ROOT)), *argv[i:]]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from mixprec.frameworks.script.messages import (
+    PLAN_ENV,
     STOP,
     Done,
     Event,
@@ -241,7 +242,8 @@ class Run(Mode):
         data: dict[str, Any] = {
             "candidate": agent.candidate.to_dict(),
             "facts": agent.facts().to_dict(),
-            "pid": os.getppid() if agent.plan.launched else os.getpid(),  # (a launch's: the launcher's)
+            "pid": os.getpid(),
+            "plan": os.environ.get(PLAN_ENV),  # (whose run this is: a launch's ranks share its plan)
             "rank": ranks.rank,
             "world": ranks.world,
             "steps": len(agent.steps),

@@ -17,10 +17,15 @@ in a collective for a rank that is gone.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import os
 import shlex
 import shutil
+import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,7 +78,10 @@ class Launch:
         script: the script and its arguments (what each rank runs).
         module: the script is a module (``torchrun -m pkg.train``), run as ``python -m`` runs one.
         notes: what was cut down to fit this machine.
-        launcher: "torchrun" or "accelerate" (``accelerate launch``: :mod:`.accelerate_launch`).
+        launcher: "torchrun", "accelerate" (:mod:`.accelerate_launch`) or "deepspeed"
+            (:mod:`.deepspeed_launch`).
+        port_option: the launcher's option for its ranks' port, where it cannot pick a free one
+            itself: each measured run is given one (:meth:`measured_argv`).
     """
 
     command: tuple[str, ...]
@@ -83,6 +91,15 @@ class Launch:
     notes: list[str] = field(default_factory=list)
     module: bool = False
     launcher: str = "torchrun"
+    port_option: str | None = None
+
+    def measured_argv(self) -> tuple[str, ...]:
+        """The argv of one measured run: ``measured``, with a free port of its own where the launcher
+        needs one given (two launches on one port would meet in one rendezvous)."""
+        if self.port_option is None:
+            return self.measured
+        options = self.measured[: len(self.measured) - len(self.script)]
+        return (*options, f"{self.port_option}={free_port()}", *self.script)
 
     @property
     def python_argv(self) -> list[str]:
@@ -199,6 +216,47 @@ def _ranks(asked: str, capacity: int) -> int:
     if asked in ("auto", "cpu", "gpu"):
         return capacity if asked != "cpu" else os.cpu_count() or 1
     raise UsageError(f"--nproc-per-node {asked!r}: give a number of ranks (or auto, cpu, gpu)")
+
+
+def read_launch(
+    parse: Callable[[list[str]], argparse.Namespace], rest: list[str], argv: list[str], launcher: str
+) -> argparse.Namespace:
+    """A launcher's options read by its own parser (``parse``); a UsageError in argparse's words."""
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):  # (argparse's own words: the UsageError carries them)
+            return parse(rest)
+    except SystemExit:
+        last = (said.getvalue().strip().splitlines() or [""])[-1]
+        raise UsageError(
+            f"{launcher} cannot read {shlex.join(argv)} ({last}): give {launcher} [options] train.py ..."
+        ) from None
+
+
+def without_options(options: list[str], valued: tuple[str, ...], flags: tuple[str, ...]) -> list[str]:
+    """``options`` without the named ones (``--opt value``, ``--opt=value``, and the flags), each
+    long name matched in both spellings (``--num-gpus``, ``--num_gpus``)."""
+    kept, skip = [], False
+    for token in options:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=", 1)[0]
+        name = "--" + name[2:].replace("-", "_") if name.startswith("--") else name
+        if name in flags:
+            continue
+        if name in valued:
+            skip = "=" not in token
+            continue
+        kept.append(token)
+    return kept
+
+
+def free_port() -> int:
+    """A TCP port no process listens on now (the OS's pick; taken by the launch moments later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def cuda() -> bool:

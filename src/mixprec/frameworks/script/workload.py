@@ -10,12 +10,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mixprec.errors import UsageError
 from mixprec.frameworks.script.accelerate_launch import accelerate_launch_of, is_accelerate_launch
+from mixprec.frameworks.script.deepspeed_launch import deepspeed_launch_of, is_deepspeed_launch
 from mixprec.frameworks.script.ranks import Launch, is_torchrun, launch_of
 
 # How reports name what trains the script.
@@ -27,8 +29,13 @@ TRAINED_BY = {
 }
 # The workloads whose scratch folder exists: removed when the command ends.
 _OPEN: list[ScriptWorkload] = []
-# Launchers whose script mixprec runs itself, as one process (one rank): torchrun's and Accelerate's
-# are run whole (Accelerate's where it imports here).
+# The launches run whole: each launcher's test and reader (Accelerate's and DeepSpeed's read None
+# where they do not import in mixprec's interpreter: their script then runs as one process, said).
+_LAUNCHERS: tuple[tuple[Callable[[list[str]], bool], Callable[[list[str]], Launch | None]], ...] = (
+    (is_accelerate_launch, accelerate_launch_of),
+    (is_deepspeed_launch, deepspeed_launch_of),
+    (is_torchrun, launch_of),
+)
 _ONE_RANK = ("accelerate", "deepspeed")
 
 
@@ -82,13 +89,13 @@ class ScriptWorkload:
     """The user's command (everything after ``--``), run as it is in its own processes.
 
     Attributes:
-        command: the argv mixprec runs (``python train.py ...``; a torchrun or Accelerate launch as
-            :mod:`.ranks` fits it to this machine; a DeepSpeed launcher's script run as one process).
+        command: the argv mixprec runs (``python train.py ...``; a torchrun, Accelerate or DeepSpeed
+            launch as :mod:`.ranks` fits it to this machine).
         given: the command as the user gave it (for messages and ``mixprec run`` lines).
         cwd: the folder it runs in (where mixprec was started).
         notes: what mixprec changed about how it runs (the ranks of a launch).
         env: variables set for its processes (a one-process launch's rank 0 of a world of one).
-        launch: a torchrun or Accelerate launch run whole (its ranks, the argv of a measured run),
+        launch: a torchrun, Accelerate or DeepSpeed launch run whole (its ranks, the argv of a measured run),
             else None.
         facts: filled by the validating run (:meth:`ScriptFramework.validate_workload`).
     """
@@ -131,7 +138,7 @@ class ScriptWorkload:
 
     def command_for(self, measured: bool) -> tuple[str, ...]:
         """The argv of a measured or traced run (a launch's own rendezvous), or of the user's run."""
-        return self.launch.measured if measured and self.launch is not None else self.command
+        return self.launch.measured_argv() if measured and self.launch is not None else self.command
 
     @property
     def launch_record(self) -> dict[str, Any] | None:
@@ -171,10 +178,11 @@ class ScriptWorkload:
         argv = list(given)
         folder = Path(cwd or os.getcwd()).resolve()
         launch = None
-        if is_accelerate_launch(argv) or is_torchrun(argv):
-            if Path(argv[0]).name not in ("torchrun", "accelerate"):  # (python -m the launcher)
+        read = next((read for known, read in _LAUNCHERS if known(argv)), None)
+        if read is not None:
+            if Path(argv[0]).name not in ("torchrun", "accelerate", "deepspeed"):  # (python -m it)
                 argv[0] = _interpreter(argv[0])
-            launch = accelerate_launch_of(argv) if is_accelerate_launch(argv) else launch_of(argv)
+            launch = read(argv)
         if launch is not None:
             argv, notes = list(launch.command), launch.measured_notes
             preflight([argv[0], *launch.python_argv[1:]], folder)
@@ -253,8 +261,9 @@ def _interpreter(program: str) -> str:
 
 
 def _one_rank(argv: list[str]) -> tuple[list[str], str]:
-    """``accelerate launch [opts] train.py args`` (or ``deepspeed``) as one process: ``python
-    train.py args``; the note says one rank was measured."""
+    """``accelerate launch [opts] train.py args`` (or ``deepspeed``) where its launcher does not
+    import in mixprec's interpreter, as one process: ``python train.py args``; the note says one rank
+    was measured, and why."""
     rest = argv[1:]
     if Path(argv[0]).name == "accelerate" and rest[:1] == ["launch"]:
         rest = rest[1:]
@@ -264,7 +273,8 @@ def _one_rank(argv: list[str]) -> tuple[list[str], str]:
     note = (
         f"a distributed launch ({Path(argv[0]).name}): one rank measured, as "
         f"python {shlex.join(rest[script:])} (every rank runs the same step; the collective "
-        "communication of more ranks is not measured: torchrun and accelerate launches run whole)"
+        f"communication of more ranks is not measured: {Path(argv[0]).name} does not import in "
+        f"mixprec's Python, {sys.executable}; install mixprec beside it to run the launch whole)"
     )
     return [sys.executable, *rest[script:]], note
 
