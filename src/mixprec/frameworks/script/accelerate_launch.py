@@ -23,14 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mixprec.errors import UsageError
-from mixprec.frameworks.script.ranks import (
-    Launch,
-    capacity_here,
-    cuda,
-    python_of,
-    read_launch,
-    without_options,
-)
+from mixprec.frameworks.script.ranks import Launch, fitted, python_of, read_launch, without_options
 
 # Accelerate's options that tie a launch to other machines or one fixed port (value-taking, flags).
 _MACHINES = ("--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port", "--rdzv_backend")
@@ -81,15 +74,9 @@ def accelerate_launch_of(argv: list[str], capacity: int | None = None) -> Launch
             f"a launch over {machines} machines: one machine runs here (its processes and their "
             "communication, not the network between machines)"
         )
-    capacity = capacity or capacity_here()
-    if world > capacity:
-        notes.append(
-            f"accelerate launch asks for {world} processes and this machine holds {capacity} (a "
-            f"{'GPU' if cuda() else 'CPU core'} each): {capacity} measured"
-        )
-        world = capacity
-        if world == 1:  # (--multi_gpu with one process is refused by Accelerate)
-            options = without_options(options, (), ("--multi_gpu",))
+    world = fitted(world, capacity, "accelerate launch", "processes", notes)
+    if multi and world == 1:  # (--multi_gpu with one process is refused by Accelerate)
+        options = without_options(options, (), ("--multi_gpu",))
     if multi and (machines > 1 or str(world) != str(decided.num_processes)):
         options = [*without_options(options, _PROCESSES, ()), "--num_processes", str(world)]
     prefix = [argv[0] if argv[1:3] == _MODULE else python_of(argv[0]), *_MODULE]

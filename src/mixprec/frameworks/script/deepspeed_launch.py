@@ -25,14 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.errors import UsageError
-from mixprec.frameworks.script.ranks import (
-    Launch,
-    capacity_here,
-    cuda,
-    python_of,
-    read_launch,
-    without_options,
-)
+from mixprec.frameworks.script.ranks import Launch, fitted, python_of, read_launch, without_options
 
 _MODULE = ["-m", "deepspeed.launcher.runner"]
 # What picks hosts and slots (replaced by ``--num_gpus N`` where the launch is cut) and what ties the
@@ -80,13 +73,7 @@ def deepspeed_launch_of(argv: list[str], capacity: int | None = None) -> Launch 
             f"a launch over {len(hosts)} machines: one machine runs here (its processes and their "
             "communication, not the network between machines)"
         )
-    capacity = capacity or capacity_here()
-    if world > capacity:
-        notes.append(
-            f"deepspeed asks for {world} processes and this machine holds {capacity} (a "
-            f"{'GPU' if cuda() else 'CPU core'} each): {capacity} measured"
-        )
-        world = capacity
+    world = fitted(world, capacity, "deepspeed", "processes", notes)
     if len(hosts) > 1 or world != asked:
         options = [*without_options(options, _SLOTS, ()), f"--num_gpus={world}"]
     prefix = [argv[0] if argv[1:3] == _MODULE else python_of(argv[0]), *_MODULE]

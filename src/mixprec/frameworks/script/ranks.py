@@ -152,13 +152,7 @@ def launch_of(argv: list[str], capacity: int | None = None) -> Launch:
         )
     capacity = capacity or capacity_here()
     asked = _value(options, _NPROC, "PET_NPROC_PER_NODE", "1")
-    world = _ranks(asked, capacity)
-    if world > capacity:
-        notes.append(
-            f"--nproc-per-node {asked} asks for {world} ranks and this machine holds {capacity} (a "
-            f"{'GPU' if cuda() else 'CPU core'} each): {capacity} measured"
-        )
-        world = capacity
+    world = fitted(_ranks(asked, capacity), capacity, f"--nproc-per-node {asked}", "ranks", notes)
     if str(world) != asked:
         options = [*_dropped(options, _NPROC), f"--nproc-per-node={world}"]
     command = (*prefix, *options, *script)
@@ -250,6 +244,20 @@ def without_options(options: list[str], valued: tuple[str, ...], flags: tuple[st
             continue
         kept.append(token)
     return kept
+
+
+def fitted(world: int, capacity: int | None, who: str, what: str, notes: list[str]) -> int:
+    """``world`` ranks cut to the ``capacity`` this machine holds (default: :func:`capacity_here`),
+    said in ``notes`` (``who`` asks for ``world`` ``what``) where they do not fit."""
+    capacity = capacity or capacity_here()
+    if world <= capacity:
+        return world
+    each = "GPU" if cuda() else "CPU core"
+    notes.append(
+        f"{who} asks for {world} {what} and this machine holds {capacity} (a {each} each): {capacity} "
+        "measured"
+    )
+    return capacity
 
 
 def free_port() -> int:
