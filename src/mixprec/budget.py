@@ -10,16 +10,16 @@ say so. ``reserve_s`` is kept back at the end (deciding, linting, writing) by ev
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mixprec import clock
 from mixprec.errors import UsageError
 
 
 @dataclass
 class Budget:
-    """Seconds for a command, counted from ``start`` (a ``time.perf_counter()`` value).
+    """Seconds for a command, counted from ``start`` (a :func:`mixprec.clock.now` value).
 
     Attributes:
         seconds: the whole budget; ``math.inf`` for none.
@@ -32,7 +32,7 @@ class Budget:
 
     seconds: float = math.inf
     reserve_s: float = 0.0
-    start: float = field(default_factory=time.perf_counter)
+    start: float = field(default_factory=lambda: clock.now())
     stop: Callable[[], bool] | None = None
     cuts: list[str] = field(default_factory=list)
     end: float | None = None
@@ -51,16 +51,16 @@ class Budget:
 
     @property
     def deadline(self) -> float:
-        """The ``time.perf_counter()`` value at which work stops (the end minus the reserve)."""
+        """The :func:`mixprec.clock.now` value at which work stops (the end minus the reserve)."""
         assert self.end is not None
         return self.end - self.reserve_s
 
     def elapsed(self) -> float:
-        return time.perf_counter() - self.start
+        return clock.now() - self.start
 
     def left(self) -> float:
         """Seconds left before the deadline (negative once past it)."""
-        return self.deadline - time.perf_counter()
+        return self.deadline - clock.now()
 
     def expired(self) -> bool:
         """The deadline has passed, or ``stop`` asks to stop."""

@@ -7,7 +7,7 @@ from the runs' perturbation, so the verdict's arithmetic is all that runs."""
 from __future__ import annotations
 
 import pytest
-from tests.tuning.scripted import Planted, PlantedFramework
+from tests.tuning.scripted import Planted, PlantedFramework, planted_clock  # noqa: F401 (a fixture)
 
 import mixprec
 from mixprec.frameworks import register_framework, unregister_framework
@@ -16,6 +16,8 @@ from mixprec.status import Status
 
 BF16_ROUNDING = 2.0**-8
 SATURATED = 0.3  # how far apart two runs of this model end up, whatever started them apart
+
+pytestmark = pytest.mark.usefixtures("planted_clock")
 
 
 class Chaotic(PlantedFramework):

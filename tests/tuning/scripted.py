@@ -1,6 +1,12 @@
 """A framework whose candidates take planted step times (with seeded jitter) and train exactly like
 strict fp32: tune's search, race and decision on known answers, with no clock and no noise but the
-planted one."""
+planted one.
+
+The clock is planted too (:class:`PlantedClock`, put in ``mixprec.clock.now`` by the
+``planted_clock`` fixture): it moves only by the planted work done (each step's planted seconds,
+each checked step), so a budget pays for that and nothing else, and a tune decides the same on a
+machine busy with other tests as on a quiet one (a 30 s budget, paid in wall time, once left a
+loaded run no time to check what it measured: fp32 picked where bf16-mixed was planted 2x faster)."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import pytest
 import torch
 
 from mixprec.frameworks import Framework
@@ -17,6 +24,29 @@ from mixprec.hardware.device import DeviceInfo
 from mixprec.numerics.compare import Trajectory
 from mixprec.numerics.ranges import LayerRanges, RangeReport
 from mixprec.policy import Candidate, Support
+
+
+class PlantedClock:
+    """A clock that reads the planted work done so far."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def now(self) -> float:
+        return self.seconds
+
+    def spend(self, seconds: float) -> None:
+        self.seconds += seconds
+
+
+CLOCK = PlantedClock()
+
+
+@pytest.fixture
+def planted_clock(monkeypatch: pytest.MonkeyPatch) -> PlantedClock:
+    """``mixprec.clock`` reads the planted work (import this fixture into a test module to use it)."""
+    monkeypatch.setattr("mixprec.clock.now", CLOCK.now)
+    return CLOCK
 
 
 @dataclass
@@ -45,6 +75,7 @@ class PlantedSession:
         seconds = w.seconds[self.candidate.label] * math.exp(w.rng.gauss(0, w.jitter))
         if self.index == 0 and self.candidate.compile:
             seconds += w.compile_s
+        CLOCK.spend(seconds)
         (self.result.step_times_s if timed else self.result.warmup_times_s).append(seconds)
         self.result.first_loss = 1.0
         self.index += 1
@@ -91,6 +122,7 @@ class PlantedFramework(Framework):
 
     def trajectory(self, workload, candidate, batches, steps, device, *, perturb=0.0) -> Trajectory:
         """Every candidate trains exactly like strict fp32 but for a rounding far below any limit."""
+        CLOCK.spend(steps * workload.seconds.get(candidate.label, workload.seconds["fp32"]))
         traj = Trajectory(candidate.label, losses=[1.0 - 0.01 * i for i in range(steps)])
         traj.stepped, traj.scales = [True] * steps, [None] * steps
         noise = 1e-6 if candidate.policy != "fp32" or perturb else 0.0
@@ -99,6 +131,7 @@ class PlantedFramework(Framework):
         return traj
 
     def layer_ranges(self, workload, candidate, batch, device, loss_scale) -> RangeReport:
+        CLOCK.spend(workload.seconds.get(candidate.label, workload.seconds["fp32"]))
         layer = LayerRanges("w", "Planted", 0)
         layer.forward.update(torch.linspace(1, 2, 8))
         return RangeReport([layer])

@@ -3,8 +3,6 @@ steps, then what checks took on this machine. On planted step times (tests/tunin
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from mixprec.budget import Budget
@@ -17,20 +15,22 @@ from mixprec.tuning.config import TuneConfig
 from mixprec.tuning.cost import CHECK_STEP_COST
 from mixprec.tuning.search import Search, Sweeps
 
-from .scripted import Planted, PlantedFramework
+from .scripted import CLOCK, Planted, PlantedFramework, planted_clock  # noqa: F401 (a fixture)
 
 # the busy 2-core EPYC's default tune: strict fp32 2.9-3.4 s a step at 1 thread, bf16-mixed 1.98x
 BUSY = {"fp32": 3.4, "bf16-mixed": 1.7}
 STEPS = 6
 
+pytestmark = pytest.mark.usefixtures("planted_clock")
+
 
 class SlowChecks(PlantedFramework):
-    """Every training run of a check takes ``run_s`` of wall time (the speed sweep stays planted)."""
+    """Every training run of a check takes ``run_s`` more on the clock (the speed sweep as planted)."""
 
     run_s = 0.0
 
     def trajectory(self, workload, candidate, batches, steps, device, *, perturb=0.0):
-        time.sleep(self.run_s)
+        CLOCK.spend(self.run_s)
         return super().trajectory(workload, candidate, batches, steps, device, perturb=perturb)
 
 
@@ -89,9 +89,9 @@ def test_a_later_check_prices_only_its_own_runs(framework):
 def test_checks_that_take_longer_here_price_the_next_one_higher(framework):
     """A busy machine (or hooks that cost more on this model): the next check's price follows what
     the last took against its estimate, so the budget does not start a check it cannot finish."""
-    # steps long enough that a planted check (no run time) is faster than its estimate on a busy machine
+    # a planted check's runs cost their planted steps alone: less than the estimate, which prices hooks too
     search = swept(framework, {"fp32": 0.05, "bf16-mixed": 0.025, "bf16-true": 0.025})
-    search.checks.check(bf16())  # planted runs take no time: faster than estimated
+    search.checks.check(bf16())
     first = search.costs.pace
     assert first < 1.0
     unpaced = search.costs.check_s(bf16("bf16-true")) / first

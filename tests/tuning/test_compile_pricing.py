@@ -11,9 +11,11 @@ from mixprec.frameworks import register_framework, unregister_framework
 from mixprec.hardware.device import detect
 from mixprec.measure.compile_cache import CompileCosts, cost_key
 
-from .scripted import Planted, PlantedFramework
+from .scripted import Planted, PlantedFramework, planted_clock  # noqa: F401 (a fixture)
 
 SECONDS = {"fp32": 0.20, "bf16-mixed": 0.10, "bf16-mixed+compile": 0.07}
+
+pytestmark = pytest.mark.usefixtures("planted_clock")
 
 
 @pytest.fixture(autouse=True)
@@ -28,9 +30,9 @@ def planted_framework(tmp_path, monkeypatch):
 
 
 def _tune(budget_s: float = 30):
-    # 30 s: room for the eager stages on a busy machine (CI runs a test beside this one), while the
-    # cold prior (20 s, paid 1.5 times over to measure it, plus a check) does not fit the share
-    # compiling may take (85% of the budget)
+    # 30 s on the planted clock: room for the eager stages (a few planted seconds), while the cold
+    # prior (20 s, paid 1.5 times over to measure it, plus a check) does not fit the share compiling
+    # may take (85% of the budget)
     return mixprec.tune(Planted(SECONDS, jitter=0.01), budget_s=budget_s, steps=4, warmup=1, check_steps=2)
 
 

@@ -9,7 +9,9 @@ import pytest
 import mixprec
 from mixprec.frameworks import register_framework, unregister_framework
 
-from .scripted import Planted, PlantedFramework
+from .scripted import Planted, PlantedFramework, planted_clock  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("planted_clock")
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,9 @@ from mixprec.report import view as report_view
 from mixprec.report.html import render_report
 from mixprec.status import Status
 
-from .scripted import Planted, PlantedFramework
+from .scripted import Planted, PlantedFramework, planted_clock  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("planted_clock")
 
 
 @pytest.fixture(autouse=True)

@@ -5,11 +5,11 @@ the reference does not learn), and one candidate's run beside it: compared
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from mixprec import clock
 from mixprec.budget import Budget
 from mixprec.checking.config import CheckConfig
 from mixprec.errors import UsageError
@@ -159,12 +159,12 @@ class Reference:
         self.workload, self.framework, self.device, self.steps = workload, framework, device, steps
         self.batch_size, self.events, self.budget = batch_size, events, budget or Budget.unlimited()
         self.asked_steps = steps
-        started = time.perf_counter()
+        started = clock.now()
         self.fp32_runs(steps)
         self.reference_ranges = framework.layer_ranges(
             workload, framework.baseline, self.batches[0], device, None
         )
-        self.power = self.power_first(steps, time.perf_counter() - started)
+        self.power = self.power_first(steps, clock.now() - started)
         self.learning = not_learning(self.reference.losses, run_spread(self.reference, self.chaos))
 
     def fp32_runs(self, steps: int) -> None:
@@ -219,7 +219,7 @@ class Reference:
                     f"the fp32 reference did not learn over {self.steps} steps; the budget could not pay "
                     f"for {more}"
                 )
-            started = time.perf_counter()
+            started = clock.now()
             before = (self.steps, self.batches, self.reference, self.chaos, self.floor)
             try:
                 self.fp32_runs(more)
@@ -230,7 +230,7 @@ class Reference:
                     f"({str(exc).split(';')[0].removeprefix('the workload itself fails in strict fp32: ')}), "
                     f"so the candidates are judged over {self.steps}"
                 )
-            took_s = time.perf_counter() - started
+            took_s = clock.now() - started
             why = not_learning(self.reference.losses, run_spread(self.reference, self.chaos))
         if self.steps == tried:
             return ""

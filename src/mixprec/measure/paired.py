@@ -23,13 +23,13 @@ for good.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from mixprec import clock
 from mixprec.events import Events
 from mixprec.frameworks.base import Framework
 from mixprec.frameworks.session import BenchSettings, Measurement
@@ -126,7 +126,7 @@ class PairedSweep:
 
     def start_baseline(self, count_flops: bool) -> BenchRow:
         """Open, warm up and time the baseline; its row so far (it keeps running for the pairs)."""
-        wall = time.perf_counter()
+        wall = clock.now()
         settings = replace(self.settings, count_flops=count_flops)
         base = self.baseline_candidate
         self.baseline = self._open(base, settings)
@@ -134,7 +134,7 @@ class PairedSweep:
         warm = self.baseline.warm_up(no_limit, self._emit(base))
         self.baseline_cold = warm[0] if warm else None
         self.baseline_times += self.baseline.steps(self.settings.steps, no_limit, self._emit(base))
-        self.baseline_wall = time.perf_counter() - wall
+        self.baseline_wall = clock.now() - wall
         return self._row(base, step_times_ms=_ms(self.baseline_times), first_step_ms=_ms1(self.baseline_cold))
 
     def finish_baseline(self) -> BenchRow:
@@ -183,7 +183,7 @@ class PairedSweep:
         """Warm ``candidate`` up and time it in rounds paired with the baseline; never raises for
         the candidate's own failures (they become the row's status). :class:`SessionEnded` with
         status 'stopped' propagates: the sweep ends there."""
-        wall = time.perf_counter()
+        wall = clock.now()
         session: SessionHandle | None = None
         times: list[float] = []
         ratios: list[float] = []
@@ -236,7 +236,7 @@ class PairedSweep:
                 step_times_ms=_ms(seen) if status == Status.PRUNED else (),
                 paired_ratios=tuple(ratios) if status == Status.PRUNED else (),
                 first_step_ms=_ms1(cold[0] if cold else (ended.steps[0] if ended.steps else None)),
-                wall_s=time.perf_counter() - wall,
+                wall_s=clock.now() - wall,
                 error_traceback=ended.traceback,
             )
         median_ratio = statistics.median(ratios)
@@ -247,7 +247,7 @@ class PairedSweep:
             paired_ratios=tuple(ratios),
             first_step_ms=_ms1(cold[0] if cold else None),
         )
-        return _with(row, measurement, wall_s=time.perf_counter() - wall)
+        return _with(row, measurement, wall_s=clock.now() - wall)
 
     def close(self) -> None:
         if self.baseline is not None:

@@ -4,9 +4,9 @@ checked was not; and the numerics predicted for what this device cannot run fast
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
+from mixprec import clock
 from mixprec.checking.check import Checker, check, make_checker
 from mixprec.hardware.device import DeviceInfo
 from mixprec.numerics.results import CandidateCheck, CheckResult
@@ -44,7 +44,7 @@ class Checks:
         at = f" at micro-batch {micro_batch}" if micro_batch else ""
         setting.events({"event": "stage", "text": f"checking numerics of {candidate.label}{at}"})
         estimate = self.costs.unpaced_check_s(candidate, micro_batch)
-        started = time.perf_counter()
+        started = clock.now()
         res = check(
             setting.workload,
             policies=(candidate,),
@@ -64,7 +64,7 @@ class Checks:
         if estimate and whole and not candidate.compile and not searched:
             # a compile, a rescue search or a run that ended early in the time says nothing about
             # the next check's pace
-            self.costs.paced(time.perf_counter() - started, estimate)
+            self.costs.paced(clock.now() - started, estimate)
         return verdict
 
     def predict(self, info: DeviceInfo) -> tuple[dict[Candidate, Untried], list[str]]:

@@ -7,11 +7,11 @@ and fp8 predictions); then lint and the exports of the pick.
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
+from mixprec import clock
 from mixprec.budget import Budget
 from mixprec.events import Events, ignore
 from mixprec.frameworks import framework_of
@@ -69,7 +69,7 @@ def tune(
     choice = pick_threads(framework, workload, config.bench, dev, batching.fit_sizes(bs)[0] if auto else bs)
     if choice is not None:
         config = replace(config, bench=replace(config.bench, threads=choice.threads))
-    started = time.perf_counter()
+    started = clock.now()
     plan = _batch_plan(framework, workload, config, dev, bs, info, events, budget) if auto else None
     sweeps = Sweeps(
         workload, framework, config, device=dev, batch_size=bs, budget=budget, events=events, batches=plan
@@ -77,7 +77,7 @@ def tune(
     if choice is not None and choice.step_s:
         sweeps.notes += [choice.reason] + ([choice.contended] if choice.contended else [])
     if plan is not None:
-        sweeps.phases["batch"] = time.perf_counter() - started
+        sweeps.phases["batch"] = clock.now() - started
     # the race's in-process sessions set the chosen thread count; compiled artefacts are shared by
     # every candidate process and later runs (Inductor's caches in mixprec's cache directory)
     with threads_kept(), inductor_cache():

@@ -22,13 +22,13 @@ with what measuring them would have cost.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from mixprec import clock
 from mixprec.budget import Budget
 from mixprec.checking.check import Checker, cured
 from mixprec.errors import UsageError
@@ -106,11 +106,11 @@ class Sweeps:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Count the time inside against ``name`` (the report shows where the budget went)."""
-        start = time.perf_counter()
+        start = clock.now()
         try:
             yield
         finally:
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+            self.phases[name] = self.phases.get(name, 0.0) + clock.now() - start
 
     def stage(self, text: str) -> None:
         self.events({"event": "stage", "text": text})
