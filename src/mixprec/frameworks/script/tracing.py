@@ -12,7 +12,7 @@ from torch import nn
 
 from mixprec.frameworks.script.census import from_env as census_from_env
 from mixprec.frameworks.script.messages import Step, TraceRecord
-from mixprec.frameworks.torch.probe import nonfinite_buffers
+from mixprec.frameworks.torch.probe import model_output, nonfinite_buffers
 
 
 class Tracer:
@@ -43,7 +43,7 @@ class Tracer:
         """The model's output in the first training forward (the output SQNR's tensor)."""
         if self.first_output is not None or _in_functorch():
             return
-        first = _first_tensor(output)
+        first = model_output(output)
         if first is not None:
             self.first_output = first.detach().float().cpu().clone()
 
@@ -107,18 +107,3 @@ def _in_functorch() -> bool:
     """Inside a torch.func transform: its tensors are wrappers that cannot be saved."""
     peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
     return peek is not None and peek() is not None
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    if isinstance(value, dict):
-        value = [value[k] for k in ("logits", *value) if k in value and k != "loss"]
-    elif hasattr(value, "logits"):
-        value = [value.logits]
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    return None

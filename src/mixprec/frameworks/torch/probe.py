@@ -78,3 +78,21 @@ def nonfinite_buffers(model: nn.Module) -> list[str]:
         for name, b in model.named_buffers()
         if b is not None and b.is_floating_point() and not bool(torch.isfinite(b).all())
     ]
+
+
+def model_output(value: Any) -> torch.Tensor | None:
+    """The model output a check compares (its output SQNR): the output itself where it is a float
+    tensor, else the first float tensor inside it, an HF output's ``logits`` first and never its
+    ``loss`` (a scalar: no SQNR of the output to take)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    if isinstance(value, dict):
+        value = [value[k] for k in ("logits", *value) if k in value and k != "loss"]
+    elif hasattr(value, "logits"):
+        value = [value.logits]
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            t = model_output(v)
+            if t is not None:
+                return t
+    return None

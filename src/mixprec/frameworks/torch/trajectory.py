@@ -17,28 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.frameworks.torch.probe import FirstComputeLayer, nonfinite_buffers, perturb_weights
+from mixprec.frameworks.torch.probe import FirstComputeLayer, model_output, nonfinite_buffers, perturb_weights
 from mixprec.frameworks.torch.ranges import StepRecorder
 from mixprec.numerics.compare import Trajectory
 from mixprec.numerics.limits import LOW_PRECISION_FORMATS
 from mixprec.policy import Policy
 from mixprec.policy.scaler import dense, values
 from mixprec.workload import Workload
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    """The model output to compare: the tensor itself, or the first tensor inside a container."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    return None
-
 
 Context = Callable[[], contextlib.AbstractContextManager[Any]]
 
@@ -79,7 +64,7 @@ def probe_first_step(
     ctx = context or contextlib.nullcontext
     scale = policy.scaler.get_scale() if policy.scaler is not None else 1.0
     outputs: list[torch.Tensor | None] = []
-    hook = model.register_forward_hook(lambda m, a, out: outputs.append(_first_tensor(out)))
+    hook = model.register_forward_hook(lambda m, a, out: outputs.append(model_output(out)))
     run = _run_model(model, compile_mode)
     try:
         with policy.precision_scope():
