@@ -337,7 +337,6 @@ def test_autotune_caches_its_decision(tmp_path, monkeypatch):
 def test_autotune_returns_and_caches_the_whole_pick_and_applies_it(tmp_path, monkeypatch):
     """The cache kept a PolicyConfig: a compiled, fused, accumulating pick came back as its bare
     policy, eager, with the optimizer as written and the whole batch at once."""
-    import types
 
     import mixprec.tuning.cache as tune_mod
     from mixprec.tuning.decide import Recommendation
@@ -370,7 +369,6 @@ def test_autotune_returns_and_caches_the_whole_pick_and_applies_it(tmp_path, mon
 def test_autotune_tunes_again_when_a_tune_option_differs(tmp_path, monkeypatch):
     """The cache was keyed on the model, the device and the batch only: a pick made with a 30 s
     budget answered a call asking for 600 s. Options that make the same settings share a pick."""
-    import types
 
     import mixprec.tuning.cache as tune_mod
     from mixprec.tuning.config import TuneConfig
@@ -480,7 +478,6 @@ def test_a_late_sweep_that_takes_all_its_time_leaves_the_check_of_what_it_found(
     kept; every lower precision counts as faster than strict fp32 (on an AVX2-only CPU none is),
     and none is pruned. (It slept out the late sweep's time before: 35 s, and a skip wherever bf16
     was no faster than fp32.)"""
-    import mixprec.budget as budget_module
     import mixprec.tuning.search as search_module
     from mixprec.frameworks import framework_named
 
@@ -488,7 +485,7 @@ def test_a_late_sweep_that_takes_all_its_time_leaves_the_check_of_what_it_found(
     late_budgets = []
     clock = {"frozen_at": None}
 
-    def perf_counter() -> float:
+    def now() -> float:
         return clock["frozen_at"] if clock["frozen_at"] is not None else time.perf_counter()
 
     def busy_machine(workload, framework, config, **kwargs):
@@ -503,7 +500,7 @@ def test_a_late_sweep_that_takes_all_its_time_leaves_the_check_of_what_it_found(
         return result
 
     monkeypatch.setattr(search_module, "run_sweep", busy_machine)
-    monkeypatch.setattr(budget_module, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr("mixprec.clock.now", now)
     measured_speed = search_module.speed
     monkeypatch.setattr(search_module, "speed", lambda row: measured_speed(row) + 1.0)
     # two lower precisions for the late sweep, and none of the stages after the checks (the race,
