@@ -124,3 +124,27 @@ def test_the_budget_reason_names_the_fp32_pick_it_settled_for():
     assert exhausted_reason(300, cuts, None).endswith("so nothing could be recommended")
     assert exhausted_reason(300, cuts, pick(Candidate("bf16-mixed"))) is None
     assert exhausted_reason(300, [], pick(Candidate("fp32"))) is None
+    # the budget cut fp32's own variants alone, every lower precision settled: not a budget exit
+    assert exhausted_reason(300, cuts, pick(Candidate("fp32")), lower_left=False) is None
+
+
+def test_a_budget_that_cut_only_fp32s_compiles_is_not_an_exhausted_budget():
+    """The AVX2 EPYC's `make demo` (bf16 and fp16 emulated, every lower precision pruned at 6x
+    strict fp32's step): the budget could not pay fp32+cl's compiles, and tune exited 5, "only
+    strict fp32 (fp32+cl) could be recommended": `make demo` failed. No lower precision was left
+    unmeasured or unchecked, so the cut could not have changed the pick's precision: exit 0, the
+    untried compiles still said with the budget that would try them, and the pick said to be
+    measured."""
+    planted = Planted({"fp32": 0.20, "fp32+compile": 0.15, "bf16-mixed": 1.6, "bf16-mixed+compile": 1.5})
+    result = mixprec.tune(planted, budget_s=30, steps=4, warmup=1, check_steps=2)
+    rec = result.recommendation
+    assert rec is not None and rec.candidate.label == "fp32", result.notes
+    status = {r.label: r.status for r in result.ranked}
+    assert status["bf16-mixed"] == Status.PRUNED and status["fp32+compile"] == Status.NOT_MEASURED
+    assert result.budget_exhausted is None
+    assert rec.untried is not None and "fp32+compile" in rec.untried
+    # measured, not by default: bf16-mixed ran and lost (it said "the budget ended before any
+    # lower-precision candidate was measured")
+    _, banner = report_view.verdict_line(result)
+    assert banner.startswith("Keep strict fp32: no lower-precision candidate that was measured"), banner
+    assert "fp32+compile" in banner and "not by measurement" not in banner

@@ -172,12 +172,7 @@ def verdict_line(result: TuneResult) -> tuple[str, str]:
             return "muted", "This result holds no candidates and no recommendation."
         return "bad", _join("No candidate passed the numerics check, not even strict fp32.", tried)
     if rec.candidate.policy == "fp32" and not rec.candidate.keep_fp32:
-        lower = [
-            r
-            for r in result.ranked
-            if r.row is not None and r.row.status == Status.OK and r.row.policy != "fp32"
-        ]
-        if not lower and _labels(result, Status.NOT_MEASURED):
+        if result.fp32_by_default:
             budget = fmt_seconds(result.budget_s) if result.budget_s else "the"
             return "warn", _join(
                 f"Strict fp32 by default, not by measurement: the {budget} budget ended before any "

@@ -744,8 +744,7 @@ def _reason(
                 f" per step, {amortized(chosen, fp32, train_steps):.2f}x over {train_steps} steps "
                 f"after {chosen.compile_s:.0f} s of compilation"
             )
-    lower = [r for r in table if r.row is not None and r.row.status == Status.OK and r.row.policy != "fp32"]
-    if chosen.policy == "fp32" and untried and not lower:
+    if chosen.policy == "fp32" and untried and fp32_by_default(table):
         parts.append(
             "no lower-precision candidate was measured before the budget ended: strict fp32 by default, "
             "not by measurement"
@@ -776,3 +775,17 @@ def _reason(
     if untried:
         parts.append(untried)
     return "; ".join(parts) + "."
+
+
+# What a candidate that ran ends as in the table (measured, pruned as hopeless, failed): tried.
+_NOT_RUN = (Status.NOT_MEASURED, Status.UNSUPPORTED, Status.PREDICTED)
+
+
+def fp32_by_default(table: Sequence[Ranked]) -> bool:
+    """Strict fp32 stands by default, not by measurement: the budget left a lower precision
+    unmeasured and none ran. A lower precision that ran and lost (pruned at several times strict
+    fp32's step, on a CPU that only emulates bf16) settles it by measurement, whatever fp32 variants
+    (compiled, re-measured) the budget left."""
+    lower = [r for r in table if r.candidate.policy != "fp32"]
+    ran = any(r.row is not None and r.row.status not in _NOT_RUN for r in lower)
+    return not ran and any(r.status == Status.NOT_MEASURED for r in lower)

@@ -10,7 +10,7 @@ from mixprec.numerics.results import CheckResult
 from mixprec.policy import Candidate
 from mixprec.schema import SCHEMA_VERSION, check_version
 from mixprec.status import read_status
-from mixprec.tuning.decide import Ranked, Recommendation
+from mixprec.tuning.decide import Ranked, Recommendation, fp32_by_default
 
 
 @dataclass
@@ -62,6 +62,12 @@ class TuneResult:
     budget_exhausted: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
     batches: dict[str, Any] | None = None
+
+    @property
+    def fp32_by_default(self) -> bool:
+        """Strict fp32 stands by default: the budget left a lower precision unmeasured, none ran
+        (:func:`mixprec.tuning.decide.fp32_by_default`)."""
+        return fp32_by_default(self.ranked)
 
     def to_dict(self) -> dict[str, Any]:
         rec = self.recommendation

@@ -106,8 +106,9 @@ def tune(
             f"tune took {elapsed:.0f} s of its {config.budget_s:.0f} s budget: a step under way when the "
             "budget ran out was finished, not thrown away"
         )
+    exhausted = exhausted_reason(config.budget_s, budget.cuts, rec, search.left_a_lower_precision())
     return TuneResult(
-        budget_exhausted=exhausted_reason(config.budget_s, budget.cuts, rec),
+        budget_exhausted=exhausted,
         workload=result.workload,
         description=workload.description,
         device=dev,
@@ -158,10 +159,14 @@ def _batch_plan(
     )
 
 
-def exhausted_reason(budget_s: float, cuts: list[str], rec: Recommendation | None) -> str | None:
+def exhausted_reason(
+    budget_s: float, cuts: list[str], rec: Recommendation | None, lower_left: bool = True
+) -> str | None:
     """Why tune exits 5: the budget ran out before a lower precision than fp32 could be picked
-    (None: it did not, or a lower precision was picked all the same)."""
-    if not cuts or (rec is not None and rec.candidate.policy != "fp32"):
+    (None: it did not, or a lower precision was picked all the same, or ``lower_left`` is False:
+    what the budget cut was fp32 alone, every lower precision measured and settled, so it could not
+    have changed the pick's precision)."""
+    if not cuts or (rec is not None and (rec.candidate.policy != "fp32" or not lower_left)):
         return None
     if rec is None:
         pick = "nothing could be recommended"

@@ -290,6 +290,17 @@ class Search:
     def _row(self, candidate: Candidate) -> BenchRow | None:
         return next((r for r in self.result.rows if r.candidate == candidate), None)
 
+    def left_a_lower_precision(self) -> bool:
+        """Whether the budget left a lower precision than fp32 unsettled: planned and not measured
+        (the speed sweep's unreached, the compiles it could not pay), or measured with its numerics
+        unchecked. Where it left none (every lower precision measured and pruned, say, on a CPU that
+        only emulates bf16) what it cut was fp32's alone: compiled or re-measured fp32 variants,
+        which cannot make the pick a lower precision."""
+        rows = self.result.rows if self.result is not None else []
+        unmeasured = [u.candidate for u in self.untried.values() if u.status == Status.NOT_MEASURED]
+        unmeasured += [r.candidate for r in rows if r.status == Status.NOT_MEASURED]
+        return any(c.policy != "fp32" for c in (*unmeasured, *self.checks.not_checked))
+
     def not_measured(self, candidates: Sequence[Candidate], why: str, cost_s: float | None = None) -> None:
         """Record ``candidates`` as planned but not measured because the budget ended (each a
         ``not-measured`` row of the decision table), with what measuring and checking each would
