@@ -45,3 +45,18 @@ def test_a_stop_expires_it_and_an_unlimited_one_never_does():
 def test_a_budget_that_is_no_number_of_seconds_is_refused(bad):
     with pytest.raises(UsageError, match="budget must be a number of seconds > 0"):
         Budget(bad)
+
+
+def test_a_cut_of_fp32_work_alone_does_not_count_against_a_lower_precision():
+    """The exit-5 rule's input: a cut known to keep back fp32's own work (its compiles) cannot have
+    kept a lower precision from the pick; any other cut may have, and so does one said both ways."""
+    budget = Budget(60.0)
+    share = budget.share(0.5)
+    share.cut("compiled candidates were not measured", fp32_only=True)
+    assert budget.cuts == ["compiled candidates were not measured"] and not budget.cut_a_lower_precision
+    budget.whole().cut("the numerics of bf16-mixed were not checked")
+    assert budget.cut_a_lower_precision
+    budget.restore("the numerics of bf16-mixed were not checked")
+    assert not budget.cut_a_lower_precision
+    budget.keeping(5.0).cut("compiled candidates were not measured")  # (a lower precision's compile too)
+    assert budget.cut_a_lower_precision

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mixprec import clock
 from mixprec.errors import UsageError
@@ -28,6 +28,8 @@ class Budget:
         stop: polled by :meth:`expired` too: True stops the work as if the time were up (a signal).
         cuts: what running out of time prevented, in order (shared by every share of this budget).
         end: when this budget (or share) ends; by default ``start + seconds``.
+        fp32_only: the cuts that kept back fp32 work alone (its compiles): they cannot have kept a
+            lower precision from being picked (shared like ``cuts``).
     """
 
     seconds: float = math.inf
@@ -36,6 +38,7 @@ class Budget:
     stop: Callable[[], bool] | None = None
     cuts: list[str] = field(default_factory=list)
     end: float | None = None
+    fp32_only: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if isinstance(self.seconds, bool) or not (
@@ -74,24 +77,37 @@ class Budget:
         """The same clock ending at ``fraction`` of the whole budget (never after this one's end):
         what a stage may take first. Cuts recorded in the share are this budget's."""
         end = min(self.end or math.inf, self.start + fraction * self.seconds + self.reserve_s)
-        return Budget(self.seconds, self.reserve_s, self.start, self.stop, self.cuts, end)
+        return replace(self, end=end)
 
     def keeping(self, seconds: float) -> Budget:
         """The same clock ending ``seconds`` before this one's end: a stage that must leave time for
         the work after it (the late speed sweep, a numerics check)."""
         assert self.end is not None
-        return Budget(self.seconds, self.reserve_s, self.start, self.stop, self.cuts, self.end - seconds)
+        end = self.end - seconds
+        return replace(self, end=end)
 
     def whole(self) -> Budget:
         """This budget to its end (a share taken back to the full length)."""
-        return Budget(self.seconds, self.reserve_s, self.start, self.stop, self.cuts)
+        return replace(self, end=None)  # (None: start + seconds)
 
-    def cut(self, what: str) -> None:
-        """Record that running out of time prevented ``what`` (e.g. "the numerics of fp16-mixed")."""
+    def cut(self, what: str, fp32_only: bool = False) -> None:
+        """Record that running out of time prevented ``what`` (e.g. "the numerics of fp16-mixed");
+        ``fp32_only``: what it prevented was fp32 work alone (said of every time it is cut)."""
         if what not in self.cuts:
             self.cuts.append(what)
+            if fp32_only:
+                self.fp32_only.add(what)
+        if not fp32_only:
+            self.fp32_only.discard(what)
 
     def restore(self, what: str) -> None:
         """``what`` was done after all: it no longer counts as cut."""
         if what in self.cuts:
             self.cuts.remove(what)
+        self.fp32_only.discard(what)
+
+    @property
+    def cut_a_lower_precision(self) -> bool:
+        """Whether a cut may have kept a lower precision than fp32 from being picked (any cut not
+        known to be fp32's alone)."""
+        return any(what not in self.fp32_only for what in self.cuts)

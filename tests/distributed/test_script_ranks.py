@@ -218,6 +218,10 @@ def test_an_accelerate_launch_is_read_by_accelerate_and_fitted_to_this_machine()
     given = ["accelerate", "launch", "--mixed_precision", "bf16", "train.py"]
     single = accelerate_launch_of(given, capacity=2)
     assert single.world == 1 and single.command[-3:] == ("--mixed_precision", "bf16", "train.py")
+    # a `--` before the script's arguments: the script gets them as Accelerate gives them
+    given = ["accelerate", "launch", "--multi_gpu", "--num_processes", "4", "t.py", "--", "-x"]
+    dashed = accelerate_launch_of(given, capacity=2)
+    assert dashed.command[3:] == ("--multi_gpu", "--num_processes", "2", "t.py", "-x"), dashed.command
     with pytest.raises(UsageError, match="accelerate refuses it: You need to use at least 2 processes"):
         accelerate_launch_of(["accelerate", "launch", "--multi_gpu", "--num_processes", "1", "t.py"])
     with pytest.raises(UsageError, match="--no_python runs a program"):
@@ -237,13 +241,16 @@ def test_under_a_launcher_the_agent_goes_into_the_script_process_only(monkeypatc
         (PY, "-m", "accelerate.commands.launch", "train.py", "--lr", "1"): False,
         (PY, "/venv/bin/deepspeed", "--num_gpus", "2", "train.py", "--lr", "1"): False,
         (PY, "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "train.py", "--lr", "1"): False,
+        (PY, "-u", "train.py", "--local_rank=0", "--lr", "1"): False,  # (a DeepSpeed rank: LOCAL_RANK below)
         (PY, "train.py", "--lr", "2"): False,
     }
     for argv, rank in cases.items():
         monkeypatch.setattr(sys, "orig_argv", list(argv))
         assert script_agent._a_rank(plan) is rank, argv
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    assert script_agent._a_rank(plan)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # (torchrun's and DeepSpeed's ranks carry it)
+    for argv in ([PY, "train.py", "--lr", "1"], [PY, "-u", "train.py", "--local_rank=0", "--lr", "1"]):
+        monkeypatch.setattr(sys, "orig_argv", argv)
+        assert script_agent._a_rank(plan), argv
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
@@ -303,7 +310,23 @@ def test_a_deepspeed_launch_is_read_by_deepspeed_and_fitted_to_this_machine(tmp_
     assert machines.world == 4 and machines.module and machines.python_argv == ["python", "-m", "pkg.train"]
     assert "worker-0" not in machines.command and str(hostfile) not in machines.command
     assert {"--hostfile=/dev/null", "--num_gpus=4"} <= set(machines.command)
-    assert "over 2 machines: one machine runs here" in machines.notes[0]
+    assert "a launch over 2 machines: one machine's worth runs here" in machines.notes[0]
+    # one remote host (a one-line hostfile): no ssh to it, this machine's devices; pdsh's
+    # --force_multi dropped (it would not carry mixprec's plan); each rank's log file kept out of a
+    # measured run (its exception is read from mixprec's log)
+    (tmp_path / "one").write_text("worker-7 slots=2\n")
+    given = ["deepspeed", "-H", str(tmp_path / "one"), "--force_multi", "--enable_each_rank_log", "logs"]
+    remote = deepspeed_launch_of([*given, "train.py"], capacity=8)
+    assert remote.world == 2 and "a launch on worker-7: one machine's worth runs here" in remote.notes[0]
+    assert str(tmp_path / "one") not in remote.command and "--force_multi" not in remote.command
+    assert "--enable_each_rank_log" in remote.command
+    assert "--enable_each_rank_log" not in remote.measured_argv()
+    # `--` ending the options, or before the script's own arguments: mixprec's options go before the
+    # script, and the script gets the arguments DeepSpeed would give it (it named the script twice)
+    for dashed in (["--", "train.py", "--lr", "1"], ["train.py", "--", "--lr", "1"]):
+        cut = deepspeed_launch_of(["deepspeed", "--num_gpus", "8", *dashed], capacity=2)
+        assert cut.command[3:] == ("--num_gpus=2", "train.py", "--lr", "1"), cut.command
+        assert cut.measured_argv()[-3:] == ("train.py", "--lr", "1")
     with pytest.raises(UsageError, match="deepspeed refuses it: Cannot specify num_nodes/gpus"):
         deepspeed_launch_of(["deepspeed", "--num_gpus", "2", "--include", "localhost:0", "t.py"])
     with pytest.raises(UsageError, match="--no_python runs a program"):
@@ -315,13 +338,16 @@ def test_a_deepspeed_launch_is_read_by_deepspeed_and_fitted_to_this_machine(tmp_
 def test_without_deepspeed_in_mixprecs_python_a_deepspeed_launch_runs_one_rank_and_says_why(
     tmp_path, monkeypatch
 ):
+    """Both spellings: ``python -m deepspeed.launcher.runner`` ran as a plain Python program, the
+    agent in the runner's process and in no rank ("the script ran no optimizer step")."""
     (tmp_path / "train.py").write_text("")
     monkeypatch.setitem(sys.modules, "deepspeed.launcher", None)  # (an import of it fails)
-    command = ["deepspeed", "--num_gpus", "2", "train.py", "--lr", "3e-4"]
-    workload = ScriptWorkload.from_command(command, cwd=tmp_path)
-    assert workload.command == (PY, "train.py", "--lr", "3e-4") and workload.world == 1
-    assert workload.env["WORLD_SIZE"] == "1" and "one rank measured" in workload.notes[0]
-    assert "deepspeed does not import in mixprec's Python" in workload.notes[0]
+    for launcher in (["deepspeed"], DEEPSPEED):
+        command = [*launcher, "--num_gpus", "2", "train.py", "--lr", "3e-4"]
+        workload = ScriptWorkload.from_command(command, cwd=tmp_path)
+        assert workload.command == (PY, "train.py", "--lr", "3e-4") and workload.world == 1
+        assert workload.env["WORLD_SIZE"] == "1" and "one rank measured" in workload.notes[0]
+        assert "deepspeed does not import in mixprec's Python" in workload.notes[0]
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")

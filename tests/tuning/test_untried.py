@@ -141,6 +141,7 @@ def test_a_budget_that_cut_only_fp32s_compiles_is_not_an_exhausted_budget():
     assert rec is not None and rec.candidate.label == "fp32", result.notes
     status = {r.label: r.status for r in result.ranked}
     assert status["bf16-mixed"] == Status.PRUNED and status["fp32+compile"] == Status.NOT_MEASURED
+    assert any(n.startswith("not compiled: fp32+compile (the budget could not pay") for n in result.notes)
     assert result.budget_exhausted is None
     assert rec.untried is not None and "fp32+compile" in rec.untried
     # measured, not by default: bf16-mixed ran and lost (it said "the budget ended before any

@@ -198,7 +198,7 @@ def _record_of(path: Path, child: Child) -> dict | None:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return data if child.folder is None or data.get("plan") == str(child.folder / "plan.json") else None
+    return data if child.folder is not None and data.get("plan") == str(child.folder / "plan.json") else None
 
 
 def _error_of(message: str, code: int) -> Exception:

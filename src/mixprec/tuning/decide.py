@@ -777,15 +777,15 @@ def _reason(
     return "; ".join(parts) + "."
 
 
-# What a candidate that ran ends as in the table (measured, pruned as hopeless, failed): tried.
-_NOT_RUN = (Status.NOT_MEASURED, Status.UNSUPPORTED, Status.PREDICTED)
+# A bench row's status where its candidate ran: measured, pruned as hopeless, out of memory, failed.
+_RAN = (Status.OK, Status.PRUNED, Status.OOM, Status.ERROR)
 
 
 def fp32_by_default(table: Sequence[Ranked]) -> bool:
     """Strict fp32 stands by default, not by measurement: the budget left a lower precision
-    unmeasured and none ran. A lower precision that ran and lost (pruned at several times strict
-    fp32's step, on a CPU that only emulates bf16) settles it by measurement, whatever fp32 variants
+    unmeasured and none ran. One that ran and lost (pruned as hopeless against the fastest so far,
+    as bf16 is on a CPU that only emulates it) settles it by measurement, whatever fp32 variants
     (compiled, re-measured) the budget left."""
     lower = [r for r in table if r.candidate.policy != "fp32"]
-    ran = any(r.row is not None and r.row.status not in _NOT_RUN for r in lower)
+    ran = any(r.row is not None and r.row.status in _RAN for r in lower)
     return not ran and any(r.status == Status.NOT_MEASURED for r in lower)

@@ -106,7 +106,7 @@ def tune(
             f"tune took {elapsed:.0f} s of its {config.budget_s:.0f} s budget: a step under way when the "
             "budget ran out was finished, not thrown away"
         )
-    exhausted = exhausted_reason(config.budget_s, budget.cuts, rec, search.left_a_lower_precision())
+    exhausted = exhausted_reason(config.budget_s, budget.cuts, rec, budget.cut_a_lower_precision)
     return TuneResult(
         budget_exhausted=exhausted,
         workload=result.workload,
@@ -164,8 +164,8 @@ def exhausted_reason(
 ) -> str | None:
     """Why tune exits 5: the budget ran out before a lower precision than fp32 could be picked
     (None: it did not, or a lower precision was picked all the same, or ``lower_left`` is False:
-    what the budget cut was fp32 alone, every lower precision measured and settled, so it could not
-    have changed the pick's precision)."""
+    every cut kept back fp32 work alone, such as its compiles, which cannot have changed the pick's
+    precision)."""
     if not cuts or (rec is not None and (rec.candidate.policy != "fp32" or not lower_left)):
         return None
     if rec is None:

@@ -290,17 +290,6 @@ class Search:
     def _row(self, candidate: Candidate) -> BenchRow | None:
         return next((r for r in self.result.rows if r.candidate == candidate), None)
 
-    def left_a_lower_precision(self) -> bool:
-        """Whether the budget left a lower precision than fp32 unsettled: planned and not measured
-        (the speed sweep's unreached, the compiles it could not pay), or measured with its numerics
-        unchecked. Where it left none (every lower precision measured and pruned, say, on a CPU that
-        only emulates bf16) what it cut was fp32's alone: compiled or re-measured fp32 variants,
-        which cannot make the pick a lower precision."""
-        rows = self.result.rows if self.result is not None else []
-        unmeasured = [u.candidate for u in self.untried.values() if u.status == Status.NOT_MEASURED]
-        unmeasured += [r.candidate for r in rows if r.status == Status.NOT_MEASURED]
-        return any(c.policy != "fp32" for c in (*unmeasured, *self.checks.not_checked))
-
     def not_measured(self, candidates: Sequence[Candidate], why: str, cost_s: float | None = None) -> None:
         """Record ``candidates`` as planned but not measured because the budget ended (each a
         ``not-measured`` row of the decision table), with what measuring and checking each would
@@ -474,8 +463,10 @@ class Search:
                 self.checks.check(candidate.numerics, micro_batch=candidate.micro_batch)
         if skipped:
             self.notes.append(f"not compiled: {'; '.join(skipped.values())} (--budget raises the budget)")
-            if any("budget" in why for why in skipped.values()):
-                self.budget.cut("compiled candidates were not measured")
+            cut = [c for c, why in skipped.items() if "budget" in why]
+            if cut:  # (fp32's compiles alone cannot have kept a lower precision from the pick)
+                fp32_only = all(c.policy == "fp32" for c in cut)
+                self.budget.cut("compiled candidates were not measured", fp32_only=fp32_only)
 
     def try_optimizers(self, rec: Recommendation) -> None:
         """The pick with its optimizer's other implementations (for-loop / foreach / fused): same
@@ -566,6 +557,7 @@ class Search:
                 continue  # nothing measured to replace
             if not self.budget.can_pay(self.costs.remeasure_s(cand)):
                 self.notes.append(f"{cand.label} not re-measured: budget spent (--budget raises it)")
+                self.budget.cut(f"{cand.label}, too noisy to rank, was not re-measured")
                 return
             self.sweeps.stage(f"re-measuring {cand.label}: too noisy to rank")
             measured = self.sweeps.sweep([cand], self.budget, steps=steps).measured

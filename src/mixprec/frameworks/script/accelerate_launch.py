@@ -23,7 +23,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mixprec.errors import UsageError
-from mixprec.frameworks.script.ranks import Launch, fitted, python_of, read_launch, without_options
+from mixprec.frameworks.script.ranks import (
+    Launch,
+    fitted,
+    options_before,
+    python_of,
+    read_launch,
+    without_options,
+)
 
 # Accelerate's options that tie a launch to other machines or one fixed port (value-taking, flags).
 _MACHINES = ("--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port", "--rdzv_backend")
@@ -50,7 +57,7 @@ def accelerate_launch_of(argv: list[str], capacity: int | None = None) -> Launch
     rest = argv[3:] if argv[1:3] == _MODULE else argv[2:]
     args = read_launch(launch_command_parser().parse_args, rest, argv, "accelerate launch")
     script = [args.training_script, *args.training_script_args]
-    options = rest[: len(rest) - len(script)]
+    options = options_before(rest, script, argv)
     if args.no_python:
         raise UsageError(
             f"{shlex.join(argv)}: --no_python runs a program, not a Python script mixprec can put a "

@@ -1,6 +1,6 @@
 """A distributed launch run whole: ``torchrun [opts] train.py`` (or ``python -m torch.distributed.run``)
 with the candidate in every rank (``accelerate launch``'s options are read in :mod:`.accelerate_launch`,
-into the same :class:`Launch`).
+``deepspeed``'s in :mod:`.deepspeed_launch`, into the same :class:`Launch`).
 
 The parent's half (:func:`launch_of`) reads the launcher's options: how many ranks it starts, whether
 this machine holds them (a CPU core or a GPU per rank) and whether it spans other nodes. What does not
@@ -69,11 +69,12 @@ _RENDEZVOUS = (
 
 @dataclass(frozen=True)
 class Launch:
-    """A launch (torchrun's, Accelerate's) as mixprec runs it.
+    """A launch (torchrun's, Accelerate's, DeepSpeed's) as mixprec runs it.
 
     Attributes:
         command: the argv of ``mixprec run`` (the user's launch, cut down to what this machine holds).
-        measured: the argv of a measured or traced run: its own rendezvous on a free port.
+        measured: the argv of a measured or traced run: its own rendezvous on a free port (where
+            the launcher needs the port given, :meth:`measured_argv` adds it).
         world: the ranks it starts.
         script: the script and its arguments (what each rank runs).
         module: the script is a module (``torchrun -m pkg.train``), run as ``python -m`` runs one.
@@ -227,6 +228,21 @@ def read_launch(
         ) from None
 
 
+def options_before(rest: list[str], script: list[str], argv: list[str]) -> list[str]:
+    """The launcher's options in ``rest``: what comes before ``script`` (the script and its
+    arguments as the launcher's parser read them, which drops a ``--``). A ``--`` that ends the
+    options is dropped too: mixprec adds options after them, which must not land on the script's
+    side; the launcher passes the script the same arguments without it."""
+    for i, token in enumerate(rest):
+        after = rest[i + 1 :]
+        if token == script[0] and (after == script[1:] or (after[:1] == ["--"] and after[1:] == script[1:])):
+            return rest[: i - 1] if rest[i - 1 : i] == ["--"] else rest[:i]
+    raise UsageError(
+        f"cannot tell where the launcher's options end and the script starts in {shlex.join(argv)}: "
+        "give the launcher's options, then the script and its arguments"
+    )
+
+
 def without_options(options: list[str], valued: tuple[str, ...], flags: tuple[str, ...]) -> list[str]:
     """``options`` without the named ones (``--opt value``, ``--opt=value``, and the flags), each
     long name matched in both spellings (``--num-gpus``, ``--num_gpus``)."""
@@ -260,11 +276,20 @@ def fitted(world: int, capacity: int | None, who: str, what: str, notes: list[st
     return capacity
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port no process listens on now (the OS's pick; taken by the launch moments later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port no process listens on now, on any interface (where a rendezvous store binds), and
+    not handed out before by this process: a launch takes it seconds later (after its imports), so
+    two runs started side by side must not be given the same one meanwhile."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def cuda() -> bool:

@@ -36,7 +36,7 @@ _LAUNCHERS: tuple[tuple[Callable[[list[str]], bool], Callable[[list[str]], Launc
     (is_deepspeed_launch, deepspeed_launch_of),
     (is_torchrun, launch_of),
 )
-_ONE_RANK = ("accelerate", "deepspeed")
+_ONE_RANK = ("accelerate", "deepspeed", "ds")
 
 
 @dataclass
@@ -180,14 +180,14 @@ class ScriptWorkload:
         launch = None
         read = next((read for known, read in _LAUNCHERS if known(argv)), None)
         if read is not None:
-            if Path(argv[0]).name not in ("torchrun", "accelerate", "deepspeed"):  # (python -m it)
+            if Path(argv[0]).name not in ("torchrun", "accelerate", "deepspeed", "ds"):  # (python -m it)
                 argv[0] = _interpreter(argv[0])
             launch = read(argv)
         if launch is not None:
             argv, notes = list(launch.command), launch.measured_notes
             preflight([argv[0], *launch.python_argv[1:]], folder)
             return cls(tuple(argv), given, folder, notes, env, launch=launch)
-        if Path(argv[0]).name in _ONE_RANK:
+        if read is not None or Path(argv[0]).name in _ONE_RANK:  # (its launcher does not import here)
             argv, note = _one_rank(argv)
             notes.append(note)
             env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
@@ -264,16 +264,18 @@ def _one_rank(argv: list[str]) -> tuple[list[str], str]:
     """``accelerate launch [opts] train.py args`` (or ``deepspeed``) where its launcher does not
     import in mixprec's interpreter, as one process: ``python train.py args``; the note says one rank
     was measured, and why."""
-    rest = argv[1:]
-    if Path(argv[0]).name == "accelerate" and rest[:1] == ["launch"]:
+    launcher, rest = Path(argv[0]).name, argv[1:]
+    if rest[:1] == ["-m"] and len(rest) > 1:  # (python -m accelerate.commands.launch, ...)
+        launcher, rest = rest[1].split(".")[0], rest[2:]
+    if launcher == "accelerate" and rest[:1] == ["launch"]:
         rest = rest[1:]
     script = next((i for i, a in enumerate(rest) if a.endswith(".py")), None)
     if script is None:
         raise UsageError(f"found no .py script in {shlex.join(argv)}: give python train.py ... instead")
     note = (
-        f"a distributed launch ({Path(argv[0]).name}): one rank measured, as "
+        f"a distributed launch ({launcher}): one rank measured, as "
         f"python {shlex.join(rest[script:])} (every rank runs the same step; the collective "
-        f"communication of more ranks is not measured: {Path(argv[0]).name} does not import in "
+        f"communication of more ranks is not measured: {launcher} does not import in "
         f"mixprec's Python, {sys.executable}; install mixprec beside it to run the launch whole)"
     )
     return [sys.executable, *rest[script:]], note

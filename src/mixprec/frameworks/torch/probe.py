@@ -80,19 +80,20 @@ def nonfinite_buffers(model: nn.Module) -> list[str]:
     ]
 
 
-def model_output(value: Any) -> torch.Tensor | None:
+def model_output(value: Any, nested: bool = False) -> torch.Tensor | None:
     """The model output a check compares (its output SQNR): the output itself where it is a float
-    tensor, else the first float tensor inside it, an HF output's ``logits`` first and never its
-    ``loss`` (a scalar: no SQNR of the output to take)."""
+    tensor, else the first float tensor inside it that is not a scalar, an HF output's ``logits``
+    first: never its ``loss`` (a dict's, or the scalar that leads an HF ``return_dict=False``
+    tuple), of which no output SQNR can be taken."""
     if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
+        return value if value.is_floating_point() and not (nested and value.dim() == 0) else None
     if isinstance(value, dict):
         value = [value[k] for k in ("logits", *value) if k in value and k != "loss"]
     elif hasattr(value, "logits"):
         value = [value.logits]
     if isinstance(value, (list, tuple)):
         for v in value:
-            t = model_output(v)
+            t = model_output(v, nested=True)
             if t is not None:
                 return t
     return None
