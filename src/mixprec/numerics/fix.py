@@ -44,6 +44,7 @@ def search_keep_fp32(
     order = list(order)[:max_set]
     chosen: list[str] = []
     passed = False
+    run = _remembered(run)
     stage, steps, search_steps = trials.stage, trials.steps, trials.search_steps
     for name in order:
         if trials.over():
@@ -96,6 +97,21 @@ def record_verification(
 MapRun = Callable[[Sequence[str], int], tuple]
 
 
+def _remembered(run: Callable[..., tuple]) -> Callable[..., tuple]:
+    """``run`` that runs each (entries, steps) once: verifying a set over as many steps as a trial
+    already ran it (a check of a few steps searches at its full length) is that trial, not a second
+    run of the user's training (a launch of their script, several seconds each)."""
+    seen: dict[str, tuple] = {}
+
+    def once(*args: Any) -> tuple:
+        key = repr([list(a) if isinstance(a, (list, tuple)) else a for a in args])
+        if key not in seen:
+            seen[key] = run(*args)
+        return seen[key]
+
+    return once
+
+
 @dataclass(frozen=True)
 class MapSpace:
     """What a precision-map search may keep in bf16.
@@ -128,6 +144,7 @@ def search_precision_map(
     layers, rules, suspects = space.layers, space.rules, space.suspects
     directions, present = space.directions, space.present
     stage, steps, search_steps = trials.stage, trials.steps, trials.search_steps
+    run = _remembered(run)
 
     def passes(entries: Sequence[str], n: int) -> bool:
         stage(f"{cand.label}: trying keep_bf16={list(entries)}")
