@@ -232,10 +232,14 @@ def test_mixprec_run_accumulate_trains_the_script_at_16_as_at_64(tmp_path, monke
 @pytest.mark.slow
 def test_tune_searches_the_micro_batch_of_a_script_under_a_memory_budget(tmp_path):
     """``tune --batch auto --batch-arg batch-size --memory-budget 1GiB`` over a script whose step
-    peaks past 1 GiB at its own batch of 4 (its process' RSS on a CPU: the interpreter's ~0.7 GiB
+    peaks past 1 GiB at its own batch of 2 (its process' RSS on a CPU: the interpreter's ~0.7 GiB
     with it): a pick at a micro-batch whose measured peak fits, and the run line that runs it."""
     out = tmp_path / "tune.json"
-    command = [PY, str(SCRIPTS / "batch_loop.py"), "--batch-size", "4", "--wide", "500000"]
+    # Each run of the script is a launch (seconds of torch's import): its own batch of 2 makes the
+    # memory search two of them (micro-batches 1 and 2) where a batch of 4 made three, and --wide
+    # 1,000,000 (~0.25 GiB a sample) keeps a micro-batch of 1 under 1 GiB and 2 past it, the margins
+    # 4 at 500,000 had. --steps 2: the pick's row needs its peak, not a precise speed.
+    command = [PY, str(SCRIPTS / "batch_loop.py"), "--batch-size", "2", "--wide", "1000000"]
     args = [
         "tune",
         "--batch",
@@ -246,6 +250,8 @@ def test_tune_searches_the_micro_batch_of_a_script_under_a_memory_budget(tmp_pat
         "1GiB",
         "--budget",
         "30",
+        "--steps",
+        "2",
     ]
     args += ["--no-compile", "--no-optimizers", "--device", "cpu", "--json", str(out)]
     code = main([*args, "--", *command])
@@ -255,12 +261,15 @@ def test_tune_searches_the_micro_batch_of_a_script_under_a_memory_budget(tmp_pat
     assert budget == 2**30
     rec = data["recommendation"]["candidate"]
     m, k = rec["micro_batch"], rec["accumulation_steps"]
-    assert m * k == 4 and m < 4  # 4 at once is past the budget here
+    assert (m, k) == (1, 2)  # 2 at once is past the budget here: 1 per micro-batch, accumulated twice
     planned = {c["label"]: c for c in data["batches"]["candidates"]}[rec["policy"]]
     assert planned["micro_batch"] == m and 0 < planned["peak_memory_bytes"] <= budget
+    # the search measured the script's own batch and found it past the budget (what rules it out)
+    points = {p["batch_size"]: p["peak_bytes"] for p in planned["memory_model"]["points"]}
+    assert points[2] > budget >= points[1], points
     row = next(r for r in data["bench"]["rows"] if r["label"] == data["recommendation"]["label"])
     assert 0 < row["peak_memory_bytes"] <= budget  # the sweep's own run of the pick: the script's RSS
-    assert data["exports"]["run"].endswith(f"-- {' '.join(command[:2])} --batch-size {m} --wide 500000")
+    assert data["exports"]["run"].endswith(f"-- {' '.join(command[:2])} --batch-size {m} --wide 1000000")
     assert f"--accumulate {k}" in data["exports"]["run"]
 
 
