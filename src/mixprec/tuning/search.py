@@ -557,7 +557,8 @@ class Search:
                 continue  # nothing measured to replace
             if not self.budget.can_pay(self.costs.remeasure_s(cand)):
                 self.notes.append(f"{cand.label} not re-measured: budget spent (--budget raises it)")
-                self.budget.cut(f"{cand.label}, too noisy to rank, was not re-measured")
+                said = f"{cand.label}, too noisy to rank, was not re-measured"
+                self.budget.cut(said, fp32_only=cand.policy == "fp32")
                 return
             self.sweeps.stage(f"re-measuring {cand.label}: too noisy to rank")
             measured = self.sweeps.sweep([cand], self.budget, steps=steps).measured
