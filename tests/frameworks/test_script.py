@@ -263,7 +263,7 @@ def test_the_commands_that_take_a_script_and_those_that_do_not(capsys):
     assert "--model and a command after '--'" in capsys.readouterr().err
 
 
-def test_a_script_whose_data_differs_run_to_run_is_compared_by_its_trends(tmp_path):
+def test_a_script_whose_data_differs_run_to_run_is_compared_by_its_trends(tmp_path, monkeypatch):
     """Two strict-fp32 runs disagree at the first step (the script seeds from the clock): the
     reference says so and compares running means, with no first-step output or gradients to take
     an SQNR of (another batch). (The check reports the trajectory's note as its reference_note.)"""
@@ -287,6 +287,13 @@ def test_a_script_whose_data_differs_run_to_run_is_compared_by_its_trends(tmp_pa
     assert reference.first_output is None and reference.first_grads == {}
     losses = reference.losses  # running means of the run's losses
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
+    # the check's per-layer ranges of the reference are its run's first step: no launch of their own
+    # (a check made one more launch of the script per candidate, seconds each)
+    import mixprec.frameworks.script.framework as script_framework
+
+    monkeypatch.setattr(script_framework, "trace", lambda *a, **k: pytest.fail("a launch for ranges"))
+    ranges = framework.layer_ranges(workload, framework.baseline, None, "cpu", None)
+    assert ranges.layers and all(layer.calls > 0 for layer in ranges.layers)
 
 
 def test_the_readmes_run_line_runs_a_script_as_written(tmp_path):

@@ -302,10 +302,13 @@ class ScriptFramework(Framework):
         traj = Trajectory(candidate.label)
         try:
             run, k = sized(workload, _size_of(batches))
-            record = trace(run, candidate, steps, perturb=perturb, accumulate=k)
+            # its first step's ranges too (what layer_ranges gives): one launch of the script, not two
+            record = trace(run, candidate, steps, perturb=perturb, accumulate=k, ranges=not perturb)
         except ScriptFailed as exc:
             traj.error = str(exc)
             return traj
+        if record.ranges is not None:
+            workload.first_ranges[(candidate, _size_of(batches))] = record.ranges
         fill(traj, record)
         facts = workload.facts
         if facts is not None and candidate == self.baseline and not perturb and facts.deterministic is None:
@@ -327,7 +330,11 @@ class ScriptFramework(Framework):
         device: str,
         loss_scale: float | None,
     ) -> RangeReport:
-        run, k = sized(workload, batch if isinstance(batch, int) else None)
+        size = batch if isinstance(batch, int) else None
+        kept = workload.first_ranges.get((candidate, size))  # (recorded by its trajectory's run)
+        if kept is not None:
+            return kept
+        run, k = sized(workload, size)
         ranges = trace(run, candidate, 1, ranges=True, accumulate=k).ranges
         if ranges is None:
             raise ScriptFailed("the script's first step recorded no ranges")

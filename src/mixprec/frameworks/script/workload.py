@@ -108,6 +108,8 @@ class ScriptWorkload:
     facts: ScriptFacts | None = None
     launch: Launch | None = None
     spec: None = None  # no WorkloadSpec: the script's own processes are the candidates' processes
+    # the first step's per-layer ranges of each candidate's check run, by (candidate, micro-batch)
+    first_ranges: dict[tuple[Any, int | None], Any] = field(default_factory=dict, repr=False)
     _scratch: Path | None = field(default=None, repr=False)
 
     @property
