@@ -89,7 +89,8 @@ def test_factory_prints_show_once_however_many_candidates_run():
     optimizer's prints show once (or, with --verbose, once per process, marked as such)."""
     config = ",".join(f"{k}={v}" for k, v in TINY_GPT.items())
     argv = ["bench", "--workload", "examples/nanogpt.py:make_workload", "--model-config", config]
-    argv += ["--policies", "fp32,bf16-mixed,fp16-mixed", "--channels-last", "off", "--steps", "1"]
+    # two processes are "however many" (each rebuilds the workload); a third showed nothing new
+    argv += ["--policies", "fp32,bf16-mixed", "--channels-last", "off", "--steps", "1"]
     argv += ["--warmup", "1", "--min-time", "0", "--batch-size", "4", "--device", "cpu"]
     with ThreadPoolExecutor(max_workers=2) as pool:  # two separate processes: side by side
         run, verbose = pool.map(lambda extra: _run_cli(*argv, *extra), [(), ("--verbose",)])
@@ -101,10 +102,10 @@ def test_factory_prints_show_once_however_many_candidates_run():
     # business, not this test's)
     progress = [line.split(":")[0] for line in run.stderr.splitlines() if "(elapsed" in line]
     ran = {label.split("] ", 1)[1].removesuffix(" (again)") for label in progress}
-    assert ran == {"fp32", "bf16-mixed", "fp16-mixed"}
+    assert ran == {"fp32", "bf16-mixed"}
     assert verbose.returncode == 0, verbose.stderr
     rebuilt = [line for line in verbose.stderr.splitlines() if line.startswith("  | number of parameters")]
-    assert len(rebuilt) == 3  # one per candidate process (the baseline and two candidates)
+    assert len(rebuilt) == 2  # one per candidate process (the baseline and the candidate)
 
 
 @pytest.mark.usefixtures("single_thread")
