@@ -26,14 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.errors import UsageError
-from mixprec.frameworks.script.ranks import (
-    Launch,
-    fitted,
-    options_before,
-    python_of,
-    read_launch,
-    without_options,
-)
+from mixprec.frameworks.script import ranks
+from mixprec.frameworks.script.ranks import Launch, without_options
 
 _MODULE = ["-m", "deepspeed.launcher.runner"]
 # What picks hosts and slots (replaced by ``--num_gpus N`` where the launch is cut) and what ties the
@@ -61,12 +55,12 @@ def deepspeed_launch_of(argv: list[str], capacity: int | None = None) -> Launch 
         return None
     else:
         rest = argv[3:] if argv[1:3] == _MODULE else argv[1:]
-        args = read_launch(runner.parse_args, rest, argv, "deepspeed")
+        args = ranks.read_launch(runner.parse_args, rest, argv, "deepspeed")
         hosts, from_hostfile = _hosts(runner, args, argv)
     finally:
         logging.disable(logging.NOTSET)
     script = [args.user_script, *args.user_args]
-    options = options_before(rest, script, argv)
+    options = ranks.options_before(rest, script, argv)
     refused = (("no_python", "runs a program, not a Python script"), ("autotuning", "runs its own search"))
     for flag, why in refused:
         if getattr(args, flag):
@@ -82,10 +76,10 @@ def deepspeed_launch_of(argv: list[str], capacity: int | None = None) -> Launch 
         options = [*without_options(options, (*_MACHINES, *_SLOTS), _MACHINE_FLAGS), "--hostfile=/dev/null"]
         where = f"over {len(hosts)} machines" if len(hosts) > 1 else f"on {next(iter(hosts))}"
         notes.append(f"a launch {where}: one machine's worth runs here (its processes, their communication)")
-    world = fitted(world, capacity, "deepspeed", "processes", notes)
+    world = ranks.fitted(world, capacity, "deepspeed", "processes", notes)
     if elsewhere or world != asked:
         options = [*without_options(options, _SLOTS, ()), f"--num_gpus={world}"]
-    prefix = [argv[0] if argv[1:3] == _MODULE else python_of(argv[0]), *_MODULE]
+    prefix = [argv[0] if argv[1:3] == _MODULE else ranks.python_of(argv[0]), *_MODULE]
     command = (*prefix, *options, *script)
     # (a measured run: its own port, and the ranks' output in mixprec's log, where a failure is read)
     measured = (*prefix, *without_options(options, (_PORT, "--enable_each_rank_log"), ()), *script)
