@@ -23,7 +23,7 @@ def python_blocks(text: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
 
 
-def _run(block: str, index: int, folder: Path) -> subprocess.CompletedProcess:
+def _run(block: str, index: int, folder: Path, cache: Path) -> subprocess.CompletedProcess:
     script = folder / f"block{index}.py"
     script.write_text(block, encoding="utf-8")
     command = [sys.executable, str(script)]
@@ -32,7 +32,10 @@ def _run(block: str, index: int, folder: Path) -> subprocess.CompletedProcess:
         command = [torchrun, "--standalone", "--nproc-per-node", "1", str(script)]
     env = {
         **os.environ,
-        "MIXPREC_CACHE_DIR": str(folder / "cache"),  # autotune's cache: not the user's
+        # mixprec's cache (autotune's picks, this CPU's measured matmul peaks, the repeat spread): not
+        # the user's, and one for all the blocks, as a user's is: a bench block then finds the peaks
+        # the tune block measured instead of measuring them again (about 5 s a bench block)
+        "MIXPREC_CACHE_DIR": str(cache),
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": "",  # the installed mixprec, as a user has it
     }
@@ -51,7 +54,7 @@ def test_readme_python_blocks_run_as_pasted_into_an_empty_file(tmp_path):
     workers = max(2, min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         order = sorted(range(len(blocks)), key=lambda i: "tune(" not in blocks[i])  # the long one first
-        runs = {i: pool.submit(_run, blocks[i], i + 1, folders[i]) for i in order}
+        runs = {i: pool.submit(_run, blocks[i], i + 1, folders[i], tmp_path / "cache") for i in order}
         done = {i: run.result() for i, run in runs.items()}
     for i, block in enumerate(blocks):
         assert done[i].returncode == 0, (

@@ -169,12 +169,24 @@ def test_the_built_in_tasks_learn_within_a_checks_power_first_steps(build):
 @pytest.mark.slow
 def test_the_default_tunes_resnet50_learns_over_its_checked_steps(monkeypatch):
     """The default `mixprec tune` (ResNet-50, 128 px, batch 16 on a CPU, 6 checked steps): its fp32
-    reference learns there (it did not: torchvision's lr 0.1 for batch 256 at batch 16). The
-    reference's per-layer ranges, which serve the candidates' checks and not this question, are not
-    collected: a range collection costs about six ResNet-50 steps (a third of this test's time)."""
+    reference learns there (it did not: torchvision's lr 0.1 for batch 256 at batch 16).
+
+    Only the two runs' losses answer this question, so what serves the candidates' checks and not
+    it is left out: the reference's per-layer ranges (a collection costs about six ResNet-50 steps),
+    each run's first-step probe (an extra forward and backward on a copy of its own, for the
+    candidates' output and gradient SQNRs) and its per-step range hooks. None of them touches the
+    losses: the probe trains a copy and the run re-seeds after it, and the hooks only read (the same
+    losses to the bit with and without the probe and the hooks, measured on this test's model and
+    batches). The workload's validation step stays: the zoo's image batches are drawn in call
+    order, not by make_batches' seed, so its draw decides which batches the runs get (without it
+    they were the first six, over which this reference did not learn: the check ran 4x the steps,
+    still did not learn, and this test failed after 280 s)."""
+    import mixprec.frameworks.torch.trajectory as trajectory
     from mixprec.frameworks.torch.framework import TorchFramework
 
     monkeypatch.setattr(TorchFramework, "layer_ranges", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(trajectory, "probe_first_step", lambda *args, **kwargs: None)
+    monkeypatch.setattr(trajectory, "StepRecorder", lambda *args, **kwargs: None)
     checker = make_checker(
         build_zoo_workload("resnet50", image_size=128), CheckConfig(steps=6, batch_size=16, device="cpu")
     )
