@@ -349,7 +349,9 @@ def test_autotune_returns_and_caches_the_whole_pick_and_applies_it(tmp_path, mon
 
     def fake_tune(workload, **kw):
         calls.append(kw)
-        return types.SimpleNamespace(recommendation=rec, workload="mlp", created="2026-11-27T00:00:00Z")
+        return types.SimpleNamespace(
+            recommendation=rec, workload="mlp", created="2026-11-27T00:00:00Z", budget_exhausted=None
+        )
 
     monkeypatch.setattr(tune_mod, "tune", fake_tune)
     cache = tmp_path / "autotune.json"
@@ -379,7 +381,9 @@ def test_autotune_tunes_again_when_a_tune_option_differs(tmp_path, monkeypatch):
     def fake_tune(workload, **kw):
         calls.append(kw)
         rec = Recommendation(Candidate("bf16-mixed"), 1.8, None, None, {}, "fastest passing")
-        return types.SimpleNamespace(recommendation=rec, workload="mlp", created="2026-11-27T00:00:00Z")
+        return types.SimpleNamespace(
+            recommendation=rec, workload="mlp", created="2026-11-27T00:00:00Z", budget_exhausted=None
+        )
 
     monkeypatch.setattr(tune_mod, "tune", fake_tune)
     w, cache = mixprec.load_workload("mlp"), tmp_path / "autotune.json"
@@ -542,3 +546,27 @@ def test_an_at_risk_candidate_is_not_recommended_and_its_row_says_why():
     status = {c.label: (c.status, c.reason) for c in table}
     assert status["fp16-mixed"] == ("at-risk", risk)
     assert f"fp16-mixed rejected: {risk}" in rec.reason
+
+
+def test_autotune_does_not_cache_a_pick_the_budget_cut_short(tmp_path, monkeypatch):
+    """A loaded machine's 30 s tune ended "strict fp32 by default, not by measurement" (exit 5), and
+    autotune cached it: every later call, quiet or not, got fp32 from the cache."""
+    import mixprec.tuning.cache as tune_mod
+    from mixprec.tuning.decide import Recommendation
+
+    cut = ["the speed sweep stopped by the deadline before bf16-mixed"]
+
+    def fake_tune(workload, **kw):
+        rec = Recommendation(Candidate("fp32"), 1.0, None, None, {}, "strict fp32 by default")
+        exhausted = cut.pop() if cut else None
+        return types.SimpleNamespace(
+            recommendation=rec, workload="mlp", created="2026-11-27T00:00:00Z", budget_exhausted=exhausted
+        )
+
+    monkeypatch.setattr(tune_mod, "tune", fake_tune)
+    w, cache = mixprec.load_workload("mlp"), tmp_path / "autotune.json"
+    first = autotune(w, device="cpu", cache_path=cache, budget_s=30)
+    assert first.candidate == Candidate("fp32") and "not cached: the speed sweep stopped" in first.reason
+    assert not cache.exists() or not json.loads(cache.read_text()).get("entries")
+    autotune(w, device="cpu", cache_path=cache, budget_s=30)  # tuned again, settled: cached
+    assert len(json.loads(cache.read_text())["entries"]) == 1

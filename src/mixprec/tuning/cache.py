@@ -122,7 +122,9 @@ def autotune(
     The cache (``~/.cache/mixprec/autotune.json`` or ``$MIXPREC_CACHE_DIR``) is keyed by the
     model's parameter shapes, the device, the batch size, the torch/mixprec versions and the
     ``tune_options`` (:func:`autotune_key`), so a changed model, machine or tune is tuned again.
-    ``refresh=True`` ignores the cached decision.
+    ``refresh=True`` ignores the cached decision. A pick the budget cut short (tune's exit 5: strict
+    fp32 where a lower precision went unmeasured or unchecked) is returned, not cached: the next
+    call, on a quieter machine or with a larger budget, tunes again.
     A cache that cannot be read or written is a miss with a :class:`~mixprec.errors.CacheWarning`.
     ``tune_options`` go to :func:`mixprec.tune` (e.g. ``budget_s``).
     """
@@ -144,6 +146,8 @@ def autotune(
     candidate = rec.candidate if rec else Candidate("fp32")
     policy = get_policy(candidate, device=dev)
     reason = rec.reason if rec else "nothing passed: fp32"
+    if result.budget_exhausted:  # a pick the budget cut short is today's answer, not the decision
+        return Tuned(candidate, policy, f"{reason} (not cached: {result.budget_exhausted})")
     cache[key] = {
         "candidate": candidate.to_dict(),
         "label": candidate.label,
