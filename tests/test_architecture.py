@@ -21,6 +21,7 @@ LAYERS = {
     "files": 0,
     "quiet": 0,
     "process": 0,
+    "clock": 0,
     "budget": 0,
     "events": 0,
     "findings": 0,
