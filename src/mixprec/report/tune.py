@@ -17,7 +17,7 @@ from mixprec.exports.registry import EXPORT_TARGETS
 from mixprec.measure.noise import describe as describe_noise
 from mixprec.report.bench import drift_text
 from mixprec.report.format import RICH_STYLES, fmt_bytes, fmt_phases, shorten
-from mixprec.report.view import build, compile_text, untried
+from mixprec.report.view import build, compile_text, untried_clauses
 from mixprec.report.view_types import CANDIDATE_COLUMNS, Export, ReportView
 from mixprec.status import Status
 
@@ -129,20 +129,9 @@ def summary(result: TuneResult) -> Group:
 
 
 def untried_lines(result: TuneResult) -> list[str]:
-    """What the decision did not see measured, a line per kind (:func:`mixprec.report.view.untried`):
-    not measured (the budget ended first, with the budget that would try them), predicted only,
-    too noisy to rank."""
-    missing, predicted, noisy = untried(result)
-    lines = []
-    if missing:
-        more = result.recommendation.budget_to_try_s if result.recommendation else None
-        tail = f"; about --budget {more:g} would try them" if more else "; raise --budget to try them"
-        lines.append(f"not measured, the budget ended first: {', '.join(missing)}{tail}")
-    if predicted:
-        lines.append(f"predicted only, speed not measurable on this device: {', '.join(predicted)}")
-    if noisy:
-        lines.append(f"too noisy to rank, set aside: {', '.join(noisy)}")
-    return lines
+    """What the decision did not see measured, a line per kind (the banner's clauses,
+    :func:`mixprec.report.view.untried_clauses`, each list whole)."""
+    return [clause[0].lower() + clause[1:] for clause in untried_clauses(result)]
 
 
 def export_lines(exports: Sequence[Export]) -> list[Text]:

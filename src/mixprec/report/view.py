@@ -11,7 +11,7 @@ through its ``md`` filter.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from mixprec.measure.noise import describe as describe_noise
@@ -197,20 +197,28 @@ def verdict_line(result: TuneResult) -> tuple[str, str]:
 
 
 def tried_line(result: TuneResult) -> str:
-    """What the decision did not see measured, one clause per kind: 'Not measured (budget): ...;
-    about --budget 640 would try them. Predicted only (speed not measurable here): ... Too noisy to
-    rank: ...'; empty when everything planned was measured."""
+    """What the decision did not see measured, one sentence per kind (:func:`untried_clauses`):
+    'Not measured, the budget ended first: ...; about --budget 640 would try them. Predicted only,
+    speed not measurable on this device: ... Too noisy to rank, set aside: ...'; empty when
+    everything planned was measured."""
+    return " ".join(f"{clause}." for clause in untried_clauses(result, _named))
+
+
+def untried_clauses(result: TuneResult, names: Callable[[list[str]], str] = ", ".join) -> list[str]:
+    """What the decision did not see measured, a clause per kind (the banner's sentences, the
+    console's last lines): not measured (the budget ended first, with the budget that would try
+    them), predicted only, too noisy to rank; ``names`` lists the labels."""
     missing, predicted, noisy = untried(result)
-    parts = []
+    clauses = []
     if missing:
         more = result.recommendation.budget_to_try_s if result.recommendation is not None else None
         tail = f"; about --budget {more:g} would try them" if more else "; a larger --budget would try them"
-        parts.append(f"Not measured, the budget ended first: {_named(missing)}{tail}.")
+        clauses.append(f"Not measured, the budget ended first: {names(missing)}{tail}")
     if predicted:
-        parts.append(f"Predicted only, speed not measurable on this device: {_named(predicted)}.")
+        clauses.append(f"Predicted only, speed not measurable on this device: {names(predicted)}")
     if noisy:
-        parts.append(f"Too noisy to rank (set aside): {_named(noisy)}.")
-    return " ".join(parts)
+        clauses.append(f"Too noisy to rank, set aside: {names(noisy)}")
+    return clauses
 
 
 def untried(result: TuneResult) -> tuple[list[str], list[str], list[str]]:
