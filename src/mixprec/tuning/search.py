@@ -430,11 +430,8 @@ class Search:
                 continue
             if not budget.can_pay(costs.compile_and_check_s(candidate, compile_s, known)):
                 skipped[candidate] = f"{candidate.label} (the budget could not pay; {predicted})"
-                self.not_measured(
-                    [candidate],
-                    f"not compiled: the budget could not pay for its compile and check ({predicted})",
-                    costs.measure_compiled_s(compile_s),
-                )
+                why = f"not compiled: the budget could not pay for its compile and check ({predicted})"
+                self.not_measured([candidate], why, costs.measure_compiled_s(compile_s))
                 continue
             self.sweeps.stage(f"compiling {candidate.label}: {predicted}")
             row = next(
@@ -447,11 +444,8 @@ class Search:
             )
             if row is None:
                 skipped[candidate] = f"{candidate.label} (stopped by the budget while compiling)"
-                self.not_measured(
-                    [candidate],
-                    f"not measured: the budget ended while it compiled ({predicted})",
-                    costs.measure_compiled_s(compile_s),
-                )
+                why = f"not measured: the budget ended while it compiled ({predicted})"
+                self.not_measured([candidate], why, costs.measure_compiled_s(compile_s))
                 continue
             if row.status != Status.OK:
                 continue
