@@ -302,8 +302,10 @@ class ScriptFramework(Framework):
         traj = Trajectory(candidate.label)
         try:
             run, k = sized(workload, _size_of(batches))
-            # its first step's ranges too (what layer_ranges gives): one launch of the script, not two
-            record = trace(run, candidate, steps, perturb=perturb, accumulate=k, ranges=not perturb)
+            # its first step's ranges too (what layer_ranges gives): one launch of the script, not two;
+            # not under torch.compile, where taking the range hooks off after step 1 would recompile
+            ranges = not perturb and not candidate.compile
+            record = trace(run, candidate, steps, perturb=perturb, accumulate=k, ranges=ranges)
         except ScriptFailed as exc:
             traj.error = str(exc)
             return traj
