@@ -36,6 +36,7 @@ _LAUNCHERS: tuple[tuple[Callable[[list[str]], bool], Callable[[list[str]], Launc
     (is_deepspeed_launch, deepspeed_launch_of),
     (is_torchrun, launch_of),
 )
+# Launcher programs whose other forms (not read above) run their .py script as one process, said.
 _ONE_RANK = ("accelerate", "deepspeed", "ds")
 
 
