@@ -149,3 +149,32 @@ def test_a_budget_that_cut_only_fp32s_compiles_is_not_an_exhausted_budget():
     _, banner = report_view.verdict_line(result)
     assert banner.startswith("Keep strict fp32: no lower-precision candidate that was measured"), banner
     assert "fp32+compile" in banner and "not by measurement" not in banner
+
+
+def test_noisy_candidates_the_budget_cannot_re_measure_are_cut_as_a_lower_precision_where_one_is():
+    """The first noisy candidate left un-re-measured stops the re-measures: it and every one after it
+    are what the budget cut. An fp32 variant first (fp32+cl) made the cut fp32's alone, and a
+    bf16-mixed after it no reason to exit 5."""
+    import types
+
+    from mixprec.budget import Budget
+    from mixprec.policy import Candidate
+    from mixprec.tuning.search import Search
+
+    def cut_by(remeasure):
+        budget = Budget(60.0)
+        search = types.SimpleNamespace(
+            decide=lambda: (types.SimpleNamespace(remeasure=remeasure), None),
+            sweeps=types.SimpleNamespace(bench=types.SimpleNamespace(steps=4)),
+            _row=lambda cand: object(),
+            budget=budget,
+            costs=types.SimpleNamespace(remeasure_s=lambda cand: 1e9),  # (more than any budget)
+            notes=[],
+        )
+        Search.remeasure_noisy(search)
+        return budget
+
+    both = cut_by((Candidate("fp32", channels_last=True), Candidate("bf16-mixed")))
+    assert both.cuts == ["fp32+cl, bf16-mixed, too noisy to rank, not re-measured"]
+    assert both.cut_a_lower_precision
+    assert not cut_by((Candidate("fp32", channels_last=True),)).cut_a_lower_precision

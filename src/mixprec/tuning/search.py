@@ -545,14 +545,15 @@ class Search:
         if rec is None or not rec.remeasure:
             return
         steps = 2 * self.sweeps.bench.steps
-        for cand in rec.remeasure:
+        for i, cand in enumerate(rec.remeasure):
             old = self._row(cand)
             if old is None:
                 continue  # nothing measured to replace
             if not self.budget.can_pay(self.costs.remeasure_s(cand)):
                 self.notes.append(f"{cand.label} not re-measured: budget spent (--budget raises it)")
-                said = f"{cand.label}, too noisy to rank, was not re-measured"
-                self.budget.cut(said, fp32_only=cand.policy == "fp32")
+                left = rec.remeasure[i:]  # (this one and every one after it: a lower precision among them?)
+                said = f"{', '.join(c.label for c in left)}, too noisy to rank, not re-measured"
+                self.budget.cut(said, fp32_only=all(c.policy == "fp32" for c in left))
                 return
             self.sweeps.stage(f"re-measuring {cand.label}: too noisy to rank")
             measured = self.sweeps.sweep([cand], self.budget, steps=steps).measured
