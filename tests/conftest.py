@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch._dynamo  # before any test module imports tensorflow (see below)
 
+import suite_order
 from mixprec import state
 
 # A worker collects every test module, the Keras ones' `import tensorflow` among them; triton
@@ -16,6 +17,9 @@ from mixprec import state
 
 
 def pytest_collection_modifyitems(config, items):
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)  # under pytest-xdist
+    ids = [item.nodeid for item in items]
+    items[:] = suite_order.longest_first(items, ids, workers, suite_order.recorded())
     if torch.cuda.is_available():
         return
     # MIXPREC_GPU_TEST_DEVICE=cpu rehearses the modules that say REHEARSABLE (tests/test_gpu_paths.py)
@@ -25,6 +29,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not (rehearse and getattr(item.module, "REHEARSABLE", False)):
             item.add_marker(skip)
+
+
+_DURATIONS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each test's setup, call and teardown, as the process that prints the results sees them (the
+    controller under pytest-xdist), for ``MIXPREC_STORE_DURATIONS=1`` (tests/suite_order.py)."""
+    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("MIXPREC_STORE_DURATIONS") and not hasattr(session.config, "workerinput"):
+        suite_order.store(_DURATIONS)
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
