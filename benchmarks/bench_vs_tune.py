@@ -1,6 +1,8 @@
 """One truth for one configuration: `mixprec tune` (its defaults), then `mixprec.bench` of tune's
-pick (the exact candidate: layout, compile scope, optimizer) right after it, on the same machine,
-and the two figures for the pick side by side.
+pick (the exact candidate: layout, compile scope, optimizer) right after it, then the plain-PyTorch
+probe of benchmarks/probe_vs_tune.py (strict fp32 and the pick, written by hand, interleaved rounds
+in one fresh process), on the same machine, and the three figures for the pick side by side: they
+agree when the largest is within 10% of the smallest (issue 53).
 
 Both pair the candidate with strict fp32 step by step and report the median of the paired ratios
 with its 95% interval: where a repeat run lands on this machine (the run's own noise and the spread
@@ -45,6 +47,22 @@ open(spec["out"], "w").write(json.dumps(result.to_dict()))
 """
 
 
+# the plain probe of tune's pick in a fresh process: benchmarks/probe_vs_tune.py's hand-written steps
+PROBE = f"""
+import json, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+import torch
+from probe_vs_tune import MODELS, probe
+from mixprec.policy import Candidate
+spec = json.loads(sys.argv[1])
+model = MODELS[spec["model"]]
+torch.manual_seed(0)
+variants = {{"fp32 eager": Candidate("fp32"), "pick": Candidate.from_dict(spec["candidate"])}}
+result = probe(model["load"](), variants, model["batch_size"], spec["rounds"])
+open(spec["out"], "w").write(json.dumps(result))
+"""
+
+
 def _run(argv: list[str], module: bool = True) -> tuple[float, float]:
     load = os.getloadavg()[0]
     start = time.perf_counter()
@@ -72,6 +90,7 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="resnet50")
     parser.add_argument("--budget", type=float, default=None, help="tune's budget (default: its own)")
     parser.add_argument("--json", help="write both figures here")
+    parser.add_argument("--rounds", type=int, default=4, help="the probe's interleaved rounds")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tune_json, bench_json = Path(tmp) / "tune.json", Path(tmp) / "bench.json"
@@ -91,17 +110,28 @@ def main() -> None:
         if not bench_json.exists():
             raise SystemExit(f"mixprec.bench of {label} wrote no result (its error is above)")
         tuned, benched = _row(tune_json, label), _row(bench_json, label)
+        probe_json = Path(tmp) / "probe.json"
+        probe_spec = {"model": args.model, "candidate": rec["candidate"], "rounds": args.rounds}
+        probe_load, probe_s = _run(["-c", PROBE, json.dumps({**probe_spec, "out": str(probe_json)})], False)
+        if not probe_json.exists():
+            raise SystemExit(f"the plain probe of {label} wrote no result (its error is above)")
+        probed = json.loads(probe_json.read_text())["pick"]
     out = {
         "model": args.model,
         "pick": label,
         "tune": _figures(tuned, tune_load),
         "bench": _figures(benched, bench_load),
-        "seconds": {"tune": round(tune_s), "bench": round(bench_s)},
+        "probe": {"speedup": probed["speedup_vs_fp32_eager"], "ci": None, "load": probe_load, **probed},
+        "seconds": {"tune": round(tune_s), "bench": round(bench_s), "probe": round(probe_s)},
     }
-    for name in ("tune", "bench"):
+    for name in ("tune", "bench", "probe"):
         r = out[name]
         ci = f" [{r['ci'][0]:.2f}-{r['ci'][1]:.2f}]" if r["ci"] else ""
         print(f"{name:>5}: {label} {r['speedup']:.2f}x{ci} (load average {r['load']:.1f} before)")
+    figures = [out[name]["speedup"] for name in ("tune", "bench", "probe")]
+    spread = max(figures) / min(figures)
+    verdict = "<=" if spread <= 1.1 else ">"
+    print(f"three figures within {100 * (spread - 1):.1f}% of each other ({verdict} 10%)")
     a, b = out["tune"], out["bench"]
     tune_in_bench = bool(b["ci"] and b["ci"][0] <= a["speedup"] <= b["ci"][1])
     bench_in_tune = bool(a["ci"] and a["ci"][0] <= b["speedup"] <= a["ci"][1])
@@ -120,6 +150,7 @@ def main() -> None:
                     **out,
                     "agree": inside,
                     "each_within_the_other": tune_in_bench and bench_in_tune,
+                    "three_within_10_percent": spread <= 1.1,
                     "argv": sys.argv,
                 },
                 indent=2,
