@@ -42,7 +42,7 @@ from mixprec.policy import Candidate
 spec = json.loads(sys.argv[1])
 workload = mixprec.load_workload(spec["model"], **spec["sizes"])
 pick = Candidate.from_dict(spec["candidate"])
-result = mixprec.bench(workload, candidates=(pick,), batch_size=spec["batch_size"])
+result = mixprec.bench(workload, candidates=(pick,), batch_size=spec["batch_size"], threads=spec["threads"])
 open(spec["out"], "w").write(json.dumps(result.to_dict()))
 """
 
@@ -57,6 +57,8 @@ from mixprec.policy import Candidate
 spec = json.loads(sys.argv[1])
 model = MODELS[spec["model"]]
 torch.manual_seed(0)
+if isinstance(spec["threads"], int):  # tune's count (a GPU's tune records "auto")
+    torch.set_num_threads(spec["threads"])
 variants = {{"fp32 eager": Candidate("fp32"), "pick": Candidate.from_dict(spec["candidate"])}}
 result = probe(model["load"](), variants, model["batch_size"], spec["rounds"])
 open(spec["out"], "w").write(json.dumps(result))
@@ -99,19 +101,26 @@ def main() -> None:
         rec = json.loads(tune_json.read_text())["recommendation"]
         label = rec["label"]
         model, sizes = SIZES[args.model]
+        threads = json.loads(tune_json.read_text())["bench"]["settings"]["threads"]  # tune's, for all three
         spec = {
             "model": model,
             "sizes": sizes,
             "candidate": rec["candidate"],
             "batch_size": json.loads(tune_json.read_text())["bench"]["batch_size"],
             "out": str(bench_json),
+            "threads": threads,
         }
         bench_load, bench_s = _run(["-c", BENCH, json.dumps(spec)], module=False)
         if not bench_json.exists():
             raise SystemExit(f"mixprec.bench of {label} wrote no result (its error is above)")
         tuned, benched = _row(tune_json, label), _row(bench_json, label)
         probe_json = Path(tmp) / "probe.json"
-        probe_spec = {"model": args.model, "candidate": rec["candidate"], "rounds": args.rounds}
+        probe_spec = {
+            "model": args.model,
+            "candidate": rec["candidate"],
+            "rounds": args.rounds,
+            "threads": threads,
+        }
         probe_load, probe_s = _run(["-c", PROBE, json.dumps({**probe_spec, "out": str(probe_json)})], False)
         if not probe_json.exists():
             raise SystemExit(f"the plain probe of {label} wrote no result (its error is above)")
@@ -119,6 +128,7 @@ def main() -> None:
     out = {
         "model": args.model,
         "pick": label,
+        "threads": threads,
         "tune": _figures(tuned, tune_load),
         "bench": _figures(benched, bench_load),
         "probe": {"speedup": probed["speedup_vs_fp32_eager"], "ci": None, "load": probe_load, **probed},
