@@ -1,4 +1,4 @@
-"""The order the suite runs in under pytest-xdist: the longest tests first on every worker.
+"""The order the suite runs in under pytest-xdist: the longest test modules first on every worker.
 
 ``make test`` runs on every core with ``--dist worksteal``: worker ``i`` is sent the ``i``-th
 contiguous run of the collection, and a worker that runs out steals the tail of another's queue. In
