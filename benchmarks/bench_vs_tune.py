@@ -98,15 +98,16 @@ def main() -> None:
         tune_json, bench_json = Path(tmp) / "tune.json", Path(tmp) / "bench.json"
         budget = ["--budget", str(args.budget)] if args.budget else []
         tune_load, tune_s = _run(["tune", *MODELS[args.model], *budget, "--json", str(tune_json)])
-        rec = json.loads(tune_json.read_text())["recommendation"]
+        tuned_json = json.loads(tune_json.read_text())
+        rec = tuned_json["recommendation"]
         label = rec["label"]
         model, sizes = SIZES[args.model]
-        threads = json.loads(tune_json.read_text())["bench"]["settings"]["threads"]  # tune's, for all three
+        threads = tuned_json["bench"]["settings"]["threads"]  # tune's, for all three
         spec = {
             "model": model,
             "sizes": sizes,
             "candidate": rec["candidate"],
-            "batch_size": json.loads(tune_json.read_text())["bench"]["batch_size"],
+            "batch_size": tuned_json["bench"]["batch_size"],
             "out": str(bench_json),
             "threads": threads,
         }
@@ -120,8 +121,9 @@ def main() -> None:
             "candidate": rec["candidate"],
             "rounds": args.rounds,
             "threads": threads,
+            "out": str(probe_json),
         }
-        probe_load, probe_s = _run(["-c", PROBE, json.dumps({**probe_spec, "out": str(probe_json)})], False)
+        probe_load, probe_s = _run(["-c", PROBE, json.dumps(probe_spec)], module=False)
         if not probe_json.exists():
             raise SystemExit(f"the plain probe of {label} wrote no result (its error is above)")
         probed = json.loads(probe_json.read_text())["pick"]
