@@ -183,7 +183,7 @@ class ScriptWorkload:
         launch = None
         read = next((read for known, read in _LAUNCHERS if known(argv)), None)
         if read is not None:
-            if Path(argv[0]).name not in ("torchrun", "accelerate", "deepspeed", "ds"):  # (python -m it)
+            if Path(argv[0]).name not in ("torchrun", *_ONE_RANK):  # (python -m it)
                 argv[0] = _interpreter(argv[0])
             launch = read(argv)
         if launch is not None:
