@@ -26,16 +26,23 @@ $(DEMO_STAMP): pyproject.toml
 	touch $(DEMO_STAMP)
 
 # What `make test` needs on top: the test tools and every stack mixprec exports to or measures.
+# DeepSpeed (in the frameworks extra) is an sdist: its wheel is built against the torch above (no
+# build isolation, which would fetch another torch), no CUDA ops, its CPU shared-memory comm op
+# compiled now (else its first use JIT-compiles it, ~1.5 min; no wheel cache: a cached wheel built
+# without the op would be reused), with ninja on PATH so the op's two files compile at once. That
+# build is two minutes of the setup: it runs while pip installs the other stacks, then its wheel
+# is installed from disk. The requirements come from pyproject's frameworks extra, split in two.
+FRAMEWORKS = $(PYTHON) -c "import tomllib, sys; r = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['frameworks']; print(' '.join(x for x in r if x.startswith('deepspeed') == (sys.argv[1] == 'deepspeed')))"
+WHEELS := $(VENV)/wheels
+
 $(STAMP): $(DEMO_STAMP) pyproject.toml
-	# The frameworks extra (the stacks mixprec exports to, tested in tests/exports). DeepSpeed is an
-	# sdist: built against the torch above (no build isolation, which would fetch another torch), no
-	# CUDA ops, its CPU shared-memory comm op compiled now (else its first use JIT-compiles it, ~1.5 min;
-	# no wheel cache: a cached wheel built without the op would be reused).
-	# ninja on PATH: torch's extension builder compiles the op's two files at once (serially without).
 	$(PIP) "setuptools>=77" ninja
-	PATH="$(abspath $(BIN)):$$PATH" DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(PIP) --no-build-isolation \
-		--no-cache-dir "deepspeed>=0.19,<0.20"
-	$(PIP) -e ".[dev,frameworks,fp8,timm,hf,tensorflow]"
+	rm -rf $(WHEELS)
+	PATH="$(abspath $(BIN)):$$PATH" DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(BIN)/pip wheel --quiet --no-deps \
+		--no-build-isolation --no-cache-dir --wheel-dir $(WHEELS) $$($(FRAMEWORKS) deepspeed) & build=$$!; \
+	$(PIP) -e ".[dev,fp8,timm,hf,tensorflow]" $$($(FRAMEWORKS) others); installed=$$?; \
+	wait $$build && test $$installed = 0
+	$(PIP) $(WHEELS)/deepspeed-*.whl
 	$(BIN)/pip check
 	$(COMPILE)
 	touch $(STAMP)

@@ -92,6 +92,12 @@ def test_no_census_is_taken_where_the_budget_can_check_no_low_format(monkeypatch
     monkeypatch.setattr(session, "take_census", no_run)
     predicted, notes = framework_named("script").predictions(planted(), CPU, lambda candidate: False)
     assert {c.policy for c in predicted} == set(LOW) and notes == []
+    # nor where tune was given no low format (`--policies bf16-mixed`: 6 s of a census for nothing)
+    everything = lambda candidate: True  # noqa: E731
+    predicted, notes = framework_named("script").predictions(
+        planted(), CPU, everything, policies=["bf16-mixed"]
+    )
+    assert predicted == [] and notes == []
 
 
 def test_the_census_of_the_scripts_first_step_says_what_each_format_takes():

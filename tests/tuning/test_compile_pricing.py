@@ -23,7 +23,7 @@ def planted_framework(tmp_path, monkeypatch):
     monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     # the measuring order is not what this tests: no format probe inside the small budget
-    monkeypatch.setattr("mixprec.tuning.search.ordered", lambda candidates, info: list(candidates))
+    monkeypatch.setattr("mixprec.tuning.order.ordered", lambda candidates, info: list(candidates))
     register_framework(PlantedFramework())
     yield
     unregister_framework("planted")

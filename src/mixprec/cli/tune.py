@@ -18,12 +18,13 @@ from mixprec.cli.common import (
     add_workload_arguments,
     check_batch_arg,
     positive_int,
+    require_supported,
     threads_arg,
     workload_from_args,
 )
 from mixprec.cli.interrupt import graceful
 from mixprec.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, MixprecError, NumericsInconclusive, UsageError
-from mixprec.measure.config import BenchConfig
+from mixprec.measure.config import BenchConfig, parse_policies
 from mixprec.measure.memory import parse_size
 from mixprec.policy import Candidate
 from mixprec.policy.candidate import COMPILE_MODES
@@ -38,6 +39,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_workload_arguments(p)
     p.add_argument("--budget", type=float, default=300.0, help="seconds for the whole search (default 300)")
+    p.add_argument(
+        "--policies",
+        default="all",
+        help="the precisions to choose among: comma-separated policy names, or all (default); strict "
+        "fp32 is always measured, as every candidate's reference",
+    )
     p.add_argument("--steps", type=positive_int, help="timed steps per candidate")
     p.add_argument("--threads", type=threads_arg, default="auto", help=THREADS_HELP)
     p.add_argument("--check-steps", type=positive_int, default=6, help="training steps compared with fp32")
@@ -114,6 +121,7 @@ def tune_config(args: argparse.Namespace, defaults: Defaults) -> TuneConfig:
             threads=args.threads,
         ),
         check=CheckConfig(steps=args.check_steps, fix=not args.no_fix, train_steps=args.train_steps),
+        policies=args.policies,
         budget_s=args.budget,
         lint=not args.no_lint,
         compile_modes=() if args.no_compile else args.compile,
@@ -133,6 +141,12 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
     check_batch_arg(args, "--batch auto", args.batch is not None)
     defaults = Defaults(args, "tune")
     framework = defaults.framework
+    if args.policies != "all":  # fp8 on a device without it is still tuned for: its numerics predicted
+        require_supported(
+            parse_policies(args.policies),
+            defaults,
+            allowed=lambda cand, info: framework.predictable(cand, info) is not None,
+        )
     for mode in args.compile or ():  # a typo fails before the workload is built
         framework.validate(Candidate("fp32", compile=mode, framework=framework.name))
     workload = workload_from_args(args, defaults)

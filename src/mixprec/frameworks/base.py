@@ -24,7 +24,7 @@ What a backend provides, by stage:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mixprec.errors import PolicyError, UnsupportedError
@@ -260,12 +260,16 @@ class Framework:
         return []
 
     def predictions(
-        self, workload: Any, info: DeviceInfo, affordable: Callable[[Candidate], bool] | None = None
+        self,
+        workload: Any,
+        info: DeviceInfo,
+        affordable: Callable[[Candidate], bool] | None = None,
+        policies: Collection[str] = POLICY_NAMES,
     ) -> tuple[list[Candidate], list[str]]:
-        """Candidates whose numerics tune predicts on this device without measuring their speed, and
-        notes on why none can be (fp8 on a CPU). ``affordable(candidate)``: whether the budget can
-        still pay its check; a backend whose sorting costs a run skips the run where none is, and
-        hands every such candidate back unsorted (the caller says the budget ended first)."""
+        """Candidates among ``policies`` whose numerics tune predicts on this device without measuring
+        their speed, and notes on why none can be (fp8 on a CPU). ``affordable(candidate)``: whether
+        the budget can still pay its check; a backend whose sorting costs a run skips the run where
+        none is, and hands every such candidate back unsorted (the caller says the budget ended first)."""
         return [], []
 
     # ------------------------------------------------------------------ measuring

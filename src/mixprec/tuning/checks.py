@@ -75,7 +75,10 @@ class Checks:
         def affordable(cand: Candidate) -> bool:
             return self.setting.budget.can_pay(self.costs.check_s(cand))
 
-        predicted, said = self.setting.framework.predictions(self.setting.workload, info, affordable)
+        setting = self.setting
+        predicted, said = setting.framework.predictions(
+            setting.workload, info, affordable, policies=setting.config.policy_names
+        )
         notes = list(said)  # the backend's own list is not this tune's to add to
         rows: dict[Candidate, Untried] = {}
         for i, cand in enumerate(predicted):

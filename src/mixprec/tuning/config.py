@@ -15,7 +15,7 @@ from typing import Any
 from mixprec import validation
 from mixprec.checking.config import TRAIN_STEPS, CheckConfig
 from mixprec.errors import UsageError
-from mixprec.measure.config import BenchConfig
+from mixprec.measure.config import BenchConfig, parse_policies
 
 # The keyword API's flat names of the nested configs' fields: {name: (nested config, its field)}.
 FLAT = {name: ("bench", name) for name in ("device", "batch_size", "steps", "warmup")}
@@ -42,6 +42,11 @@ class TuneConfig:
     """How each candidate is judged: training steps compared with strict fp32 (``steps``), the
     keep_fp32 rescue search (``fix``), the run length the verdicts are about (``train_steps``: also
     the run a compile is amortised over). Its policies are tune's to choose."""
+
+    policies: str | tuple[str, ...] = "all"
+    """The precisions tune chooses among: 'all', or policy names (a tuple, or one comma-separated
+    string; aliases accepted). Strict fp32 is measured whatever is named: it is every row's
+    reference (and a script's own precision, what the user runs today)."""
 
     budget_s: float = 300.0
     """Seconds for the whole search (measuring, checking, compiling, re-measuring)."""
@@ -74,6 +79,9 @@ class TuneConfig:
     def __post_init__(self) -> None:
         validation.require("bench", self.bench, isinstance(self.bench, BenchConfig), "a mixprec BenchConfig")
         validation.require("check", self.check, isinstance(self.check, CheckConfig), "a mixprec CheckConfig")
+        if not isinstance(self.policies, str):
+            object.__setattr__(self, "policies", tuple(self.policies))
+        parse_policies(self.policies)  # unknown names fail here, with the closest match
         validation.seconds("budget", self.budget_s, zero_ok=False)
         validation.boolean("lint", self.lint)
         validation.fraction("noise", self.noise)
@@ -101,6 +109,11 @@ class TuneConfig:
             )
 
     @property
+    def policy_names(self) -> list[str]:
+        """The canonical names of ``policies``."""
+        return parse_policies(self.policies)
+
+    @property
     def device(self) -> Any:
         return self.bench.device
 
@@ -116,4 +129,4 @@ class TuneConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as JSON values (the nested configs' own ``to_dict``)."""
-        return validation.to_dict(self)
+        return validation.to_dict(self, policies=self.policy_names)

@@ -25,7 +25,8 @@ fp8 and never measured bf16-mixed. So a low format is measured right after its c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 from mixprec.hardware.device import DeviceInfo
 from mixprec.hardware.formats import FormatSpeed, format_speed
@@ -85,3 +86,15 @@ def ordered(candidates: Sequence[Candidate], info: DeviceInfo) -> list[Candidate
     model with convolutions (backends plan that layout only for 4-D weights): their rate decides."""
     conv = any(c.channels_last for c in candidates)
     return sweep_order(candidates, measured_gain(info, conv=conv))
+
+
+def tune_plan(framework: Any, workload: Any, info: DeviceInfo, policies: Collection[str]) -> list[Candidate]:
+    """The backend's tune candidates among ``policies`` (canonical names), validated, in measuring
+    order. Strict fp32 and a script's own precision (``as_written``) are always in: every row is
+    paired with the first, and the second is what the user runs today."""
+    wanted = [
+        c
+        for c in framework.tune_candidates(workload, info)
+        if c.policy in policies or c.policy == "fp32" or c.as_written
+    ]
+    return [framework.validate(c) for c in ordered(wanted, info)]

@@ -23,7 +23,7 @@ from mixprec.tuning import batching
 from mixprec.tuning.batching import BatchPlan
 from mixprec.tuning.config import TuneConfig
 from mixprec.tuning.decide import Recommendation
-from mixprec.tuning.order import ordered
+from mixprec.tuning.order import tune_plan
 from mixprec.tuning.result import TuneResult
 from mixprec.tuning.search import RESERVE_S, Search, Sweeps
 
@@ -142,8 +142,8 @@ def _batch_plan(
     """``--batch auto``: each supported candidate's largest micro-batch within the memory budget."""
     limit, source = batching.memory_budget(framework, device, config.memory_budget)
     candidates = [
-        framework.validate(c)
-        for c in ordered(framework.tune_candidates(workload, info), info)
+        c
+        for c in tune_plan(framework, workload, info, config.policy_names)
         if framework.support(c, info, workload).supported
     ]
     return batching.plan_micro_batches(

@@ -49,7 +49,7 @@ from mixprec.tuning.checks import Checks
 from mixprec.tuning.config import TuneConfig
 from mixprec.tuning.cost import RACE_WARMUP, Costs
 from mixprec.tuning.decide import Ranked, Recommendation, Untried, amortized, decide, speed
-from mixprec.tuning.order import ordered
+from mixprec.tuning.order import tune_plan
 
 # Share of the budget the eager speed sweep takes first; numerics, compile and rescues get the
 # rest, and what the sweep did not reach is measured after the numerics checks if time is left.
@@ -133,8 +133,7 @@ class Sweeps:
 
     def plan(self, info: DeviceInfo) -> list[Candidate]:
         """The backend's tune plan; with a batch plan, each at its micro-batch (those that fit)."""
-        candidates = self.framework.tune_candidates(self.workload, info)
-        plan = [self.framework.validate(c) for c in ordered(candidates, info)]
+        plan = tune_plan(self.framework, self.workload, info, self.config.policy_names)
         if self.batches is None:
             return plan
         return [b for c in plan if (b := self.batches.batched(c)) is not None]
@@ -189,7 +188,10 @@ class Sweeps:
                     self._unmeasured(result, cand, choice.status, reason)
         for cand in (Candidate(n, framework=self.framework.name) for n in POLICY_NAMES if n not in policies):
             support = self.framework.support(cand, info, self.workload)
-            why = ("not tried by tune: " if support else "") + _why(support)
+            if cand.policy not in self.config.policy_names:
+                why = "not tried by tune: not among the policies it was given (--policies)"
+            else:
+                why = ("not tried by tune: " if support else "") + _why(support)
             self._unmeasured(result, cand, Status.UNSUPPORTED, why)
 
     def _unmeasured(self, result: BenchResult, cand: Candidate, status: str, reason: str) -> None:

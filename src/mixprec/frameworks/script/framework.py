@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -210,6 +210,7 @@ class ScriptFramework(Framework):
         workload: ScriptWorkload,
         info: DeviceInfo,
         affordable: Callable[[Candidate], bool] | None = None,
+        policies: Collection[str] = POLICY_NAMES,
     ) -> tuple[list[Candidate], list[str]]:
         """The low formats this device cannot run fast but whose numerics a check predicts on the
         script's own data (as for a workload), those that convert none of its Linear layers said in
@@ -218,7 +219,7 @@ class ScriptFramework(Framework):
         from mixprec.frameworks.script.session import take_census as take
         from mixprec.policy.lowformat import none_converted
 
-        named = [self.candidate(n) for n in POLICY_NAMES]
+        named = [self.candidate(n) for n in POLICY_NAMES if n in policies]
         predictable = [c for c in named if self.predictable(c, info, workload)]
         if not predictable or (affordable is not None and not any(map(affordable, predictable))):
             return predictable, []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -179,13 +179,17 @@ class TorchFramework(Framework):
         return [replace(candidate, optimizer=impl) for impl in offered(type(probe))]
 
     def predictions(
-        self, workload: Workload, info: DeviceInfo, affordable: Callable[[Candidate], bool] | None = None
+        self,
+        workload: Workload,
+        info: DeviceInfo,
+        affordable: Callable[[Candidate], bool] | None = None,
+        policies: Collection[str] = POLICY_NAMES,
     ) -> tuple[list[Candidate], list[str]]:  # (its sorting reads the model: no run to skip)
         from mixprec.policy.lowformat import none_converted, plan_layers
 
         cands: list[Candidate] = []
         notes: list[str] = []
-        for name in (n for n in POLICY_NAMES if fp8_predictable(n, info)):
+        for name in (n for n in POLICY_NAMES if n in policies and fp8_predictable(n, info)):
             spec = Candidate(name).spec
             plan = plan_layers(workload.model, spec)
             if plan.low:
