@@ -151,10 +151,12 @@ def test_check_on_a_cpu_predicts_fp8_numerics_with_the_real_recipe(single_thread
 
 
 def test_tune_on_a_cpu_reports_the_fp8_prediction_never_a_speed(single_thread):
-    # 2 timed steps, not 4: what the rows say of fp8, not how precisely the others were timed
+    # 2 timed steps, not 4: what the rows say of fp8, not how precisely the others were timed; the
+    # work bounded by what is searched (strict fp32 and fp8-rowwise), not by a clock
     result = mixprec.tune(
-        _workload(), budget_s=60, steps=2, compile_modes=(), optimizers=False, lint=False, device="cpu"
-    )
+        _workload(), policies=("fp8-rowwise",), budget_s=3600, steps=2, compile_modes=(), optimizers=False,
+        lint=False, device="cpu",
+    )  # fmt: skip
     rows = {r.label: r for r in result.ranked}
     assert rows["fp8-rowwise"].status == "unsupported" and rows["fp8-rowwise"].row.throughput is None
     notes = " ".join(result.notes)
