@@ -30,8 +30,9 @@ $(DEMO_STAMP): pyproject.toml
 # build isolation, which would fetch another torch), no CUDA ops, its CPU shared-memory comm op
 # compiled now (else its first use JIT-compiles it, ~1.5 min; no wheel cache: a cached wheel built
 # without the op would be reused), with ninja on PATH so the op's two files compile at once. That
-# build is two minutes of the setup: it runs while pip installs the other stacks, then its wheel
-# is installed from disk. The requirements come from pyproject's frameworks extra, split in two.
+# build is two minutes of one core (one of the two files is most of it): it runs while pip
+# installs the other stacks and compiles them, then its wheel is installed from disk. The
+# requirements come from pyproject's frameworks extra, split in two.
 FRAMEWORKS = $(PYTHON) -c "import tomllib, sys; r = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['frameworks']; print(' '.join(x for x in r if x.startswith('deepspeed') == (sys.argv[1] == 'deepspeed')))"
 WHEELS := $(VENV)/wheels
 
@@ -41,6 +42,7 @@ $(STAMP): $(DEMO_STAMP) pyproject.toml
 	PATH="$(abspath $(BIN)):$$PATH" DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(BIN)/pip wheel --quiet --no-deps \
 		--no-build-isolation --no-cache-dir --wheel-dir $(WHEELS) $$($(FRAMEWORKS) deepspeed) & build=$$!; \
 	$(PIP) -e ".[dev,fp8,timm,hf,tensorflow]" $$($(FRAMEWORKS) others); installed=$$?; \
+	$(COMPILE); \
 	wait $$build && test $$installed = 0
 	$(PIP) $(WHEELS)/deepspeed-*.whl
 	$(BIN)/pip check
@@ -62,8 +64,13 @@ lint: $(STAMP)
 # -n auto: one pytest-xdist worker per core (each on one intra-op thread: tests/conftest.py); most of
 # the suite's time is single-threaded (process start-up, Python) and CI has 2 cores. --durations
 # lists the slowest tests in the log, where a slow one shows up first.
-test: $(STAMP) lint
-	MIXPREC_REQUIRE_FRAMEWORKS=1 $(BIN)/python -m pytest -q -n auto --dist worksteal --durations=25
+# Lint runs beside the suite (mypy is half a minute of one core, hidden under the suite's start-up)
+# and counts the same: its output follows the suite's, and either failing fails `make test`.
+test: $(STAMP)
+	@$(MAKE) --no-print-directory lint > $(VENV)/lint.log 2>&1 & lint=$$!; \
+	MIXPREC_REQUIRE_FRAMEWORKS=1 $(BIN)/python -m pytest -q -n auto --dist worksteal --durations=25; \
+	tests=$$?; wait $$lint; linted=$$?; echo "--- make lint"; cat $(VENV)/lint.log; \
+	if [ $$linted != 0 ]; then echo "make lint failed" >&2; exit $$linted; fi; exit $$tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build src/*.egg-info

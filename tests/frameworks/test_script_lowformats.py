@@ -28,6 +28,7 @@ from mixprec.numerics.compare import compare
 from mixprec.numerics.results import CandidateCheck
 from mixprec.policy import Candidate
 from mixprec.status import Status
+from mixprec.tuning.config import TuneConfig
 
 require("torchao", "fp8")  # fails, not skips, under make test (MIXPREC_REQUIRE_FRAMEWORKS=1)
 
@@ -158,6 +159,7 @@ def test_a_format_that_takes_no_layer_is_said_in_one_line_and_tune_predicts_the_
         workload=workload,
         budget=Budget.unlimited(),
         baseline=cand("fp32"),
+        config=TuneConfig(),
     )
     checks = Checks(setting, types.SimpleNamespace(check_s=lambda c: 1.0), {})
     judged = []

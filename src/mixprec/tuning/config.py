@@ -41,7 +41,7 @@ class TuneConfig:
     check: CheckConfig = field(default_factory=_default_check)
     """How each candidate is judged: training steps compared with strict fp32 (``steps``), the
     keep_fp32 rescue search (``fix``), the run length the verdicts are about (``train_steps``: also
-    the run a compile is amortised over). Its policies are tune's to choose."""
+    the run a compile is amortised over). Its policies are tune's to choose (among ``policies``)."""
 
     policies: str | tuple[str, ...] = "all"
     """The precisions tune chooses among: 'all', or policy names (a tuple, or one comma-separated
