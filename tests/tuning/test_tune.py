@@ -320,8 +320,10 @@ def test_autotune_caches_its_decision(tmp_path, monkeypatch):
     cache = tmp_path / "autotune.json"
     w = mixprec.load_workload("mlp")
     # what is cached, not how well it was tuned: eager candidates measured in this process (not one
-    # process each) and a short budget are enough
-    opts = dict(device="cpu", cache_path=cache, budget_s=30, check_steps=2, lint=False)
+    # process each), two precisions; a budget this tune cannot spend, as a pick the budget cut short
+    # is not cached (30 s once asked the first tune to fit it: on a loaded machine it was tuned twice)
+    opts = dict(device="cpu", cache_path=cache, budget_s=3600, check_steps=2, lint=False)
+    opts.update(policies=("bf16-mixed",))
     opts.update(compile_modes=(), optimizers=False)
     opts.update(config=TuneConfig(bench=BenchConfig(steps=2, warmup=1, isolate=False)))
     first = autotune(w, **opts)
