@@ -178,8 +178,13 @@ class Sweeps:
         """A row for each candidate the memory budget left no micro-batch (over-budget, or the
         failure that ended its memory search, an out-of-memory included), then one for each policy
         the plan leaves out, with why (unsupported, or not worth trying here): the table lists
-        every policy."""
+        every policy tune was given; those it was not given are named once, in a note."""
         policies = {c.policy for c in planned}
+        left_out = [n for n in POLICY_NAMES if n not in policies and n not in self.config.policy_names]
+        if left_out:
+            said = "not tried, not among the policies tune was given (--policies)"
+            self.notes.append(f"{said}: {', '.join(left_out)}")
+        policies.update(left_out)
         if self.batches is not None:
             for cand, choice in self.batches.choices.items():
                 if choice.micro_batch is None:
@@ -188,10 +193,7 @@ class Sweeps:
                     self._unmeasured(result, cand, choice.status, reason)
         for cand in (Candidate(n, framework=self.framework.name) for n in POLICY_NAMES if n not in policies):
             support = self.framework.support(cand, info, self.workload)
-            if cand.policy not in self.config.policy_names:
-                why = "not tried by tune: not among the policies it was given (--policies)"
-            else:
-                why = ("not tried by tune: " if support else "") + _why(support)
+            why = ("not tried by tune: " if support else "") + _why(support)
             self._unmeasured(result, cand, Status.UNSUPPORTED, why)
 
     def _unmeasured(self, result: BenchResult, cand: Candidate, status: str, reason: str) -> None:
