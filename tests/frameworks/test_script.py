@@ -323,15 +323,16 @@ def test_tune_over_a_script_recommends_from_the_script_and_answers_in_its_terms(
     import json
 
     out = tmp_path / "tune.json"
-    # the small model (as the other tests here run it); the work is bounded by what is searched
-    # (strict fp32 and bf16-mixed, eager, the optimizer as written: its implementations have their
-    # own test), not by the clock: a budget this tune cannot spend
+    # the small model (as the other tests here run it), strict fp32 and bf16-mixed, eager, the
+    # optimizer as written (its implementations have their own test): 19 s on a quiet 2-core CPU.
+    # The budget caps it, nothing below needs it to be reached: with 3600 s a loaded machine spent
+    # 106 s re-measuring noisy rows, as a tune with time left does
     command = [PY, str(SCRIPTS / "plain_loop.py"), "--steps", "100000", "--d-model", "64", "--layers", "1"]
-    tune = ["tune", "--policies", "bf16-mixed", "--budget", "3600", "--no-compile", "--no-optimizers"]
+    tune = ["tune", "--policies", "bf16-mixed", "--budget", "60", "--no-compile", "--no-optimizers"]
     tune += ["--steps", "2", "--json", str(out)]
     code = main([*tune, "--", *command])
     data = json.loads(out.read_text())
-    assert code in (0, 4, 6), code  # 6: its fp32 run did not learn in the checked steps (warm-up)
+    assert code in (0, 4, 5, 6), code  # 6: its fp32 run did not learn in the checked steps (warm-up)
     labels = {r["label"] for r in data["bench"]["rows"] if r["status"] == "ok"}
     assert "fp32" in labels  # the script itself, in strict fp32: the reference every row is paired with
     table = {c["label"]: c for c in data["candidates"]}
@@ -339,8 +340,9 @@ def test_tune_over_a_script_recommends_from_the_script_and_answers_in_its_terms(
     # baseline is its row, not a second run of it (that read 0.83x of itself)
     assert "fp32 (as written)" not in table
     # bf16-mixed measured on the script (pruned: measured and found far slower than the best, as
-    # where bf16 is emulated); the policies not named are not tried, and their rows say so
-    assert "bf16-mixed" in labels or table["bf16-mixed"]["status"] == "pruned"
+    # where bf16 is emulated), or said to be left by the budget (a loaded machine); the policies not
+    # named are not tried, and a note says so
+    assert "bf16-mixed" in labels or table["bf16-mixed"]["status"] in ("pruned", "not-measured")
     assert "fp16-mixed" not in table and any("fp16-mixed" in n for n in data["notes"] if "--policies" in n)
     assert "-- " + " ".join(command) in data["command"] and "trained by its own loop" in data["description"]
     rec = data["recommendation"]
