@@ -37,6 +37,15 @@ def parse_policies(policies: str | Sequence[str] | None) -> list[str]:
     return names
 
 
+def settle_policies(config: Any) -> None:
+    """A frozen config's ``policies`` field as held: 'all' or a comma-separated string as given, any
+    other sequence as a tuple; unknown names fail here, with the closest match (BenchConfig's and
+    TuneConfig's field alike)."""
+    if not isinstance(config.policies, str) and config.policies is not None:
+        object.__setattr__(config, "policies", tuple(config.policies))
+    parse_policies(config.policies)
+
+
 def parse_choice(value: str | bool, option: str) -> list[bool]:
     """'off' / 'on' / 'both' (or a bool) -> the values of an on/off axis to measure."""
     if isinstance(value, bool):
@@ -119,10 +128,7 @@ class BenchConfig:
     """With ``resume``, keep rows measured under other settings too."""
 
     def __post_init__(self) -> None:
-        policies = self.policies
-        if not isinstance(policies, str) and policies is not None:
-            object.__setattr__(self, "policies", tuple(policies))
-        parse_policies(self.policies)  # unknown names fail here, with the closest match
+        settle_policies(self)
         for name in ("channels_last", "compile"):
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -15,7 +15,7 @@ from typing import Any
 from mixprec import validation
 from mixprec.checking.config import TRAIN_STEPS, CheckConfig
 from mixprec.errors import UsageError
-from mixprec.measure.config import BenchConfig, parse_policies
+from mixprec.measure.config import BenchConfig, parse_policies, settle_policies
 
 # The keyword API's flat names of the nested configs' fields: {name: (nested config, its field)}.
 FLAT = {name: ("bench", name) for name in ("device", "batch_size", "steps", "warmup")}
@@ -79,9 +79,7 @@ class TuneConfig:
     def __post_init__(self) -> None:
         validation.require("bench", self.bench, isinstance(self.bench, BenchConfig), "a mixprec BenchConfig")
         validation.require("check", self.check, isinstance(self.check, CheckConfig), "a mixprec CheckConfig")
-        if not isinstance(self.policies, str):
-            object.__setattr__(self, "policies", tuple(self.policies))
-        parse_policies(self.policies)  # unknown names fail here, with the closest match
+        settle_policies(self)
         validation.seconds("budget", self.budget_s, zero_ok=False)
         validation.boolean("lint", self.lint)
         validation.fraction("noise", self.noise)

@@ -180,7 +180,8 @@ class Sweeps:
         the plan leaves out, with why (unsupported, or not worth trying here): the table lists
         every policy tune was given; those it was not given are named once, in a note."""
         policies = {c.policy for c in planned}
-        left_out = [n for n in POLICY_NAMES if n not in policies and n not in self.config.policy_names]
+        given = self.config.policy_names
+        left_out = [n for n in POLICY_NAMES if n not in policies and n not in given]
         if left_out:
             said = "not tried, not among the policies tune was given (--policies)"
             self.notes.append(f"{said}: {', '.join(left_out)}")
