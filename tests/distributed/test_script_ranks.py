@@ -163,7 +163,9 @@ def test_run_rescue_over_torchrun_withholds_a_bad_shard_on_every_rank(tmp_path, 
 def test_bench_over_torchrun_measures_every_rank(tmp_path):
     """A measured step is the job's: both ranks' samples (2 x 32), the slowest rank's time; the
     record names the launcher and the world size. (The validating run before the sweep is a traced
-    run of every rank: the numerics check's path.)"""
+    run of every rank: the numerics check's path.) The baseline and the candidate run side by side,
+    each launch on a port of its own (``--standalone``): one MASTER_PORT for both failed every
+    candidate with EADDRINUSE."""
     shutil.copy(DDP, tmp_path / "ddp_train.py")
     os.chdir(tmp_path)
     launch = [*TORCHRUN, "--nproc_per_node", "2", "ddp_train.py", "--steps", "100000"]

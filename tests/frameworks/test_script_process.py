@@ -218,30 +218,6 @@ def test_an_isolated_interpreter_and_a_module_are_run_under_the_candidate(tmp_pa
         assert record["steps"] == 3 and record["observed"]["observed_dtype"] == "bfloat16", command
 
 
-def test_each_launch_of_a_distributed_script_gets_its_own_port(tmp_path, capsys):
-    """The baseline and a candidate run side by side: one MASTER_PORT for both failed every
-    candidate with EADDRINUSE."""
-    write(
-        tmp_path,
-        "ddp.py",
-        """
-        import torch, torch.distributed as dist
-        dist.init_process_group("gloo")
-        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 16))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for _ in range(10000):
-            model(torch.randn(32, 16)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-        """,
-    )
-    launcher = [PY, "-m", "torch.distributed.run", "--nproc_per_node", "1", str(tmp_path / "ddp.py")]
-    out = tmp_path / "bench.json"
-    code = main(["bench", "--policies", "bf16-mixed", "--steps", "2", "--json", str(out), "--", *launcher])
-    rows = json.loads(out.read_text())["rows"]
-    assert code == 0 and {r["status"] for r in rows} <= {"ok", "pruned"}, [r.get("reason") for r in rows]
-
-
 # ---------------------------------------------------------------------- signals
 def _gone(pid: int) -> bool:
     try:
