@@ -12,7 +12,7 @@ DEMO_STAMP := $(VENV)/.demo-installed
 # a 2-core machine); one compileall over every core afterwards makes the same .pyc files in 46 s. As
 # pip does, it skips the few files written for a newer Python (torch's py312_intrinsics.py).
 PIP     := $(BIN)/pip install --quiet --no-compile
-COMPILE := $(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
+COMPILE = $(BIN)/python -m compileall -q -j 0 $(1) > /dev/null || true
 
 # What `make demo` needs: torch and mixprec (5.6 GB, most of it torch's CUDA libraries, which the
 # torch 2.14.1 wheel brings even on a CPU machine).
@@ -22,7 +22,7 @@ $(DEMO_STAMP): pyproject.toml
 	# pinned torch first: on these machines pip takes both wheels from local disk
 	$(PIP) torch==2.14.1 torchvision==0.29.1
 	$(PIP) -e .
-	$(COMPILE)
+	$(call COMPILE,$(VENV)/lib)
 	touch $(DEMO_STAMP)
 
 # What `make test` needs on top: the test tools and every stack mixprec exports to or measures.
@@ -42,12 +42,12 @@ $(STAMP): $(DEMO_STAMP) pyproject.toml
 	PATH="$(abspath $(BIN)):$$PATH" DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 $(BIN)/pip wheel --quiet --no-deps \
 		--no-build-isolation --no-cache-dir --wheel-dir $(WHEELS) $$($(FRAMEWORKS) deepspeed) & build=$$!; \
 	$(PIP) -e ".[dev,fp8,timm,hf,tensorflow]" $$($(FRAMEWORKS) others); installed=$$?; \
-	$(COMPILE); \
+	$(call COMPILE,$(VENV)/lib); \
 	wait $$build && test $$installed = 0
 	$(PIP) $(WHEELS)/deepspeed-*.whl
 	$(BIN)/pip check
 	# (only what the wheel added: another compileall over the whole venv re-reads every .pyc, 12 s)
-	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib/python*/site-packages/deepspeed > /dev/null || true
+	$(call COMPILE,$(VENV)/lib/python*/site-packages/deepspeed)
 	touch $(STAMP)
 
 setup: $(STAMP)
