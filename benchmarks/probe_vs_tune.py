@@ -106,6 +106,10 @@ def plain_step(workload: mixprec.Workload, candidate: Candidate) -> Callable[[An
             flag = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
             for group in optimizer.param_groups:
                 group.update(flag[candidate.optimizer])
+                if candidate.optimizer == "foreach" and torch.is_tensor(group["lr"]):
+                    # off CUDA, Adam's foreach kernels take a float rate (a tensor one needs
+                    # capturable): what mixprec's own switch sets (mixprec.workload.optimizers)
+                    group["lr"] = float(group["lr"])
         autocast = (
             (lambda: torch.autocast("cpu", dtype=spec.autocast_dtype)) if spec.autocast_dtype else nullcontext
         )

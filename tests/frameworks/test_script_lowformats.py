@@ -161,7 +161,7 @@ def test_a_format_that_takes_no_layer_is_said_in_one_line_and_tune_predicts_the_
         baseline=cand("fp32"),
         config=TuneConfig(),
     )
-    checks = Checks(setting, types.SimpleNamespace(check_s=lambda c: 1.0), {})
+    checks = Checks(setting, types.SimpleNamespace(prediction_check_s=lambda c: 1.0), {})
     judged = []
 
     def check(candidate, fix=None, micro_batch=None):  # (the check itself: test_check_over_a_script...)

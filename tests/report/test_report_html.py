@@ -214,7 +214,10 @@ def test_user_text_is_escaped(result):
     evil = copy.deepcopy(result)
     evil.workload = "<i>net</i>"
     evil.description = EVIL
-    evil.ranked[1] = dataclasses.replace(evil.ranked[1], reason=f"{EVIL} | cell\nbreak")
+    # the row's own notes cleared: what this machine's measurement adds to the cell (a pace that
+    # moved over the sweep, say) would follow the reason, and the cell must end where the reason does
+    quiet_row = dataclasses.replace(evil.ranked[1].row, notes=(), mfu_note="")
+    evil.ranked[1] = dataclasses.replace(evil.ranked[1], reason=f"{EVIL} | cell\nbreak", row=quiet_row)
     evil.recommendation.reason = "a < b && c > d"
     evil.exports["pytorch"] = "if a < b:\n    x = '</pre>'\n"
     evil.lint = _findings()

@@ -139,3 +139,31 @@ def test_a_loss_gap_against_a_reference_that_does_not_learn_is_inconclusive_not_
     rec = result.recommendation
     assert rec is not None and rec.candidate.policy == "bf16-mixed" and rec.numerics_unverified
     assert not result.budget_exhausted
+
+
+class GridPlanted(PlantedFramework):
+    """The nanoGPT on random tokens as the AMX Xeon ran it (issue 53): fp32's loss falls 0.028 to the
+    uniform guess's; the half candidate computes its loss in bf16, read on bf16's grid (0.0625
+    apart at 10.9), 0.119 off at its first step, before any update."""
+
+    def trajectory(self, workload, candidate, batches, steps, device, *, perturb=0.0):
+        traj = super().trajectory(workload, candidate, batches, steps, device, perturb=perturb)
+        fp32 = [10.8811, 10.8746, 10.8775, 10.8682, 10.8733, 10.8535]
+        bf16 = [11.0, 10.9375, 10.875, 10.875, 10.875, 10.875]
+        losses = bf16 if candidate.policy != "fp32" else [v * (1 + perturb) for v in fp32]
+        traj.losses = [losses[t % 6] for t in range(steps)]
+        return traj
+
+
+def test_a_candidate_whose_loss_is_read_too_coarsely_to_follow_fp32s_is_inconclusive():
+    unregister_framework("planted")
+    register_framework(GridPlanted())
+    planted = Planted({"fp32": 0.2, "bf16-mixed": 0.1})
+    GridPlanted().tune_candidates(planted, None)
+    result = mixprec.check(planted, policies=["bf16-mixed"], steps=6)
+    assert result.learns is True  # the reference learns: the losses have power, the reading has none
+    (cand,) = result.candidates
+    assert cand.verdict == Status.INCONCLUSIVE, cand.reason
+    assert cand.reason.startswith(
+        "inconclusive: its loss is computed in bf16, whose readings are 0.0625 apart"
+    )

@@ -17,7 +17,7 @@ from mixprec.numerics.limits import LOW_PRECISION_FORMATS
 from mixprec.numerics.ranges import RangeReport
 from mixprec.numerics.results import CandidateCheck, CheckResult
 from mixprec.numerics.trend import BITS_FACTOR, Outlook, Prediction, least_headroom
-from mixprec.numerics.verdict import Floor, allowed_rel_loss_diff
+from mixprec.numerics.verdict import Floor, allowed_rel_loss_diff, unresolved_loss
 from mixprec.policy import Candidate
 from mixprec.policy.islands import is_fp32_island
 from mixprec.policy.support import cures
@@ -167,10 +167,12 @@ class Checker(Reference):
             result.randomness = against_spread(cmp.max_rel_loss_diff, spread, floor.apart)
         if result.verdict == Status.PASS and result.randomness:
             result.reason += f"; {result.randomness}"
-        if result.verdict == Status.PASS and self.learning:
-            # no failure seen, but two runs that do not learn cannot show one: never a pass
+        powerless = self.learning or unresolved_loss(traj.losses, cmp.loss_range)
+        if result.verdict == Status.PASS and powerless:
+            # no failure seen, but two runs that do not learn (or a loss read too coarsely to follow
+            # fp32's) cannot show one: never a pass
             result.verdict = Status.INCONCLUSIVE
-            result.reason = f"{INCONCLUSIVE}: {self.learning} (its figures: {result.reason})"
+            result.reason = f"{INCONCLUSIVE}: {powerless} (its figures: {result.reason})"
         return result
 
     def evidence(self, cand: Candidate, traj: Trajectory, seen: Outlook) -> str:

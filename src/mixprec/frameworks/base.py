@@ -233,6 +233,12 @@ class Framework:
         ``workload``: as for :meth:`support` (None: only the device is asked)."""
         return None
 
+    def emulation_slowdown(self, candidate: Candidate, device: str) -> float:
+        """How many times strict fp32's step a step of ``candidate`` takes here where its numerics
+        are only predicted (:meth:`predictable`): what its check is priced at. 1.0 where the backend
+        cannot tell."""
+        return 1.0
+
     def source_candidates(self, workload: Any) -> list[Candidate]:
         """Candidates the source brings itself, measured and checked beside whatever was asked (a
         script's own precision, as written); none by default."""

@@ -15,6 +15,10 @@ from mixprec.status import Status
 from mixprec.tuning.cost import Costs, Setting
 from mixprec.tuning.decide import Untried
 
+# An emulation this many times slower than strict fp32 is named when it keeps a prediction from
+# running (a slower one than the format's hardware would be is expected; one this far off is news).
+SAID_SLOWDOWN = 4.0
+
 
 class Checks:
     """The numerics checks of one tune and their verdicts. Each is priced and timed by ``costs``,
@@ -73,7 +77,7 @@ class Checks:
         measured speed; each a row of the decision table, and the notes saying so."""
 
         def affordable(cand: Candidate) -> bool:
-            return self.setting.budget.can_pay(self.costs.check_s(cand))
+            return self.setting.budget.can_pay(self.costs.prediction_check_s(cand))
 
         setting = self.setting
         predicted, said = setting.framework.predictions(
@@ -83,12 +87,14 @@ class Checks:
         rows: dict[Candidate, Untried] = {}
         for i, cand in enumerate(predicted):
             if not affordable(cand):
-                notes.append(f"{cand.label} numerics not predicted: budget spent (--budget raises it)")
+                why = self._unpaid(cand)
+                notes.append(f"{cand.label} numerics not predicted: {why} (--budget raises it)")
                 for left in predicted[i:]:
+                    first = "the budget ended first" if left != cand or why == "budget spent" else why
                     rows[left] = Untried(
                         left,
                         Status.PREDICTED,
-                        f"not predicted: the budget ended first; its speed cannot be measured on this "
+                        f"not predicted: {first}; its speed cannot be measured on this "
                         f"device (no {left.spec.compute_format} tensor cores)",
                     )
                 return rows, notes
@@ -118,3 +124,14 @@ class Checks:
                 f"({verdict.reason}){mapped}; {verdict.predicted or 'predicted here, speed not measured'}"
             )
         return rows, notes
+
+    def _unpaid(self, candidate: Candidate) -> str:
+        """Why the budget cannot pay ``candidate``'s prediction: spent, or its emulation's price."""
+        slow = self.costs.slowdowns.get(candidate, 1.0)
+        if slow < SAID_SLOWDOWN:
+            return "budget spent"
+        return (
+            f"its emulation here runs {slow:,.0f}x strict fp32's time (one Linear layer timed both ways), "
+            f"so its check would take about {self.costs.prediction_check_s(candidate):,.0f} s, more than "
+            f"the {max(self.setting.budget.left(), 0.0):,.0f} s left"
+        )

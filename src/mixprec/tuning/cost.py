@@ -71,6 +71,8 @@ class Costs:
         self.compile_costs = CompileCosts()
         self.compile_s: dict[str | None, float] = {}  # the longest compile seen, per scope
         self._paces: list[float] = []  # what each eager numerics check took here over its estimate
+        # a predicted candidate's step over strict fp32's, timed on one layer before its check is priced
+        self.slowdowns: dict[Candidate, float] = {}
 
     # ------------------------------------------------------------------ measuring
     def measure_s(self) -> float:
@@ -144,11 +146,27 @@ class Costs:
         processes on the 2-core EPYC and never started (priced from its runs, it took 113 s)."""
         return self.pace * self.unpaced_check_s(candidate, micro_batch)
 
+    def prediction_check_s(self, candidate: Candidate) -> float:
+        """:meth:`check_s` of a candidate whose numerics are only predicted here: its steps at strict
+        fp32's times what its emulation costs over fp32 on this device (:meth:`slowdown`), at the
+        micro-batch the predictions are checked at."""
+        self.slowdown(candidate)  # timed here once, before its first price
+        return self.check_s(candidate, self.setting.baseline.micro_batch)
+
+    def slowdown(self, candidate: Candidate) -> float:
+        """The emulation of ``candidate`` over strict fp32 here, timed once by the backend
+        (:meth:`~mixprec.frameworks.Framework.emulation_slowdown`)."""
+        if candidate not in self.slowdowns:
+            framework = self.setting.framework
+            self.slowdowns[candidate] = framework.emulation_slowdown(candidate, self.setting.device)
+        return self.slowdowns[candidate]
+
     def unpaced_check_s(self, candidate: Candidate | None, micro_batch: int | None) -> float:
         """:meth:`check_s` before the pace: what a check's wall time is compared with."""
         key = micro_batch or self.setting.baseline.micro_batch
         fp32_s = self.step_s(self.setting.framework.baseline, key)
-        cand_s = self.step_s(candidate, key) if candidate is not None else fp32_s
+        slow = self.slowdowns.get(candidate, 1.0) if candidate is not None else 1.0
+        cand_s = (self.step_s(candidate, key) if candidate is not None else fp32_s) * slow
         checker = self.checkers.get(key)
         # the steps the checks compare (more than asked where a reference needed them to learn: a
         # new micro-batch's will too), and each run's first-step probe
@@ -158,7 +176,9 @@ class Costs:
         if candidate is None or checker is None or checker.floor_run_needed(candidate):
             fp32_runs += 1
         ranges = 1 if checker is not None else 2
-        return CHECK_STEP_COST * steps * (fp32_runs * fp32_s + cand_s) + RANGES_STEPS * ranges * fp32_s
+        # (the last range collection is the candidate's own: at its emulation's pace)
+        ranged_s = RANGES_STEPS * (ranges - 1 + slow) * fp32_s
+        return CHECK_STEP_COST * steps * (fp32_runs * fp32_s + cand_s) + ranged_s
 
     def row_check_s(self, row: BenchRow) -> float:
         """Checking the numerics of ``row``'s candidate at its micro-batch, with what compiling adds:

@@ -5,7 +5,7 @@ targets are 1000x too large at step S (one bad shard). ``--weights DIR``: each r
 weights there (``rank{N}.pt``), so a test can compare the replicas.
 
     torchrun --nproc_per_node 2 ddp_train.py --steps 120 [--bad-rank 1 --bad-at 80] [--weights out]
-        [--device cuda]
+        [--device cuda] [--width 1024 --hidden 2 --batch 256 --lr 1e-3]
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ def main() -> None:
     parser.add_argument("--bad-at", type=int, default=-1)
     parser.add_argument("--weights", default=None)
     parser.add_argument("--device", default="cpu")
+    # --width W --hidden N: N more W-wide layers, a step that computes enough for a format to matter
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-2)  # (1e-2 makes the wide net's fp32 diverge)
     args = parser.parse_args()
     cuda = args.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -43,9 +47,13 @@ def main() -> None:
     data = TensorDataset(x, x @ teacher + 0.01 * torch.randn(4096, 1, generator=g))
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True)
-    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)).to(device)
+    w = args.width
+    layers = [nn.Linear(16, w), nn.ReLU()]
+    for _ in range(args.hidden):
+        layers += [nn.Linear(w, w), nn.ReLU()]
+    net = nn.Sequential(*layers, nn.Linear(w, 1)).to(device)
     model = DistributedDataParallel(net, device_ids=[device.index] if cuda else None)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     step, epoch = 0, 0
     while step < args.steps:
         sampler.set_epoch(epoch)

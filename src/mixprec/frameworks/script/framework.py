@@ -140,6 +140,13 @@ class ScriptFramework(Framework):
             return None  # a framework's switch: the format is not applied, so nothing to predict
         return prediction_label(candidate.policy, info)
 
+    def emulation_slowdown(self, candidate: Candidate, device: str) -> float:
+        """The torch probe's figure: the script converts its Linear layers with the same policy, on
+        the same torch, in a process of its own on this machine."""
+        from mixprec.frameworks.torch.emulation_cost import emulation_slowdown
+
+        return emulation_slowdown(as_torch(candidate), device)
+
     def _framework_support(
         self, candidate: Candidate, info: DeviceInfo, framework: str, base: Support
     ) -> Support:

@@ -203,6 +203,11 @@ class TorchFramework(Framework):
                 )
         return cands, list(dict.fromkeys(notes))
 
+    def emulation_slowdown(self, candidate: Candidate, device: str) -> float:
+        from mixprec.frameworks.torch.emulation_cost import emulation_slowdown
+
+        return emulation_slowdown(candidate, device)
+
     def linear_census(
         self, workload: Workload, spec: Any, batch: Any, device: str, keep_fp32: Sequence[str] = ()
     ) -> Any:
