@@ -50,6 +50,7 @@ import torch
 
 import mixprec
 from mixprec import state
+from mixprec.frameworks.torch.session import with_implementation
 from mixprec.hardware.environment import collect
 from mixprec.policy import Candidate
 
@@ -103,13 +104,10 @@ def plain_step(workload: mixprec.Workload, candidate: Candidate) -> Callable[[An
             model = model.to(memory_format=torch.channels_last)
         optimizer = workload.make_optimizer(model)
         if candidate.optimizer:
-            flag = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
-            for group in optimizer.param_groups:
-                group.update(flag[candidate.optimizer])
-                if candidate.optimizer == "foreach" and torch.is_tensor(group["lr"]):
-                    # off CUDA, Adam's foreach kernels take a float rate (a tensor one needs
-                    # capturable): what mixprec's own switch sets (mixprec.workload.optimizers)
-                    group["lr"] = float(group["lr"])
+            # rebuilt with the implementation's flags, as mixprec's session does: the zoo recipes pick
+            # a tensor or a float learning rate when built (Adam's foreach kernels take no tensor
+            # one off CUDA), so flipping the flags afterwards crashed the probe of a +foreach pick
+            optimizer = with_implementation(optimizer, candidate.optimizer)
         autocast = (
             (lambda: torch.autocast("cpu", dtype=spec.autocast_dtype)) if spec.autocast_dtype else nullcontext
         )
