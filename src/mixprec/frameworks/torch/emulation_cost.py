@@ -41,7 +41,7 @@ def emulation_slowdown(candidate: Candidate, device: str) -> float:
 
 
 def _layer_seconds(candidate: Candidate, device: str) -> float:
-    from mixprec.frameworks.torch.framework import emulation_context
+    from mixprec.numerics.emulate import emulate
 
     policy = get_policy(candidate, device=device, check=False)
     generator = torch.Generator().manual_seed(0)
@@ -49,7 +49,8 @@ def _layer_seconds(candidate: Candidate, device: str) -> float:
         torch.manual_seed(0)
         layer = policy.prepare(nn.Sequential(nn.Linear(FEATURES, FEATURES)).to(device))
     x = torch.randn(ROWS, FEATURES, generator=generator).to(device)
-    context = emulation_context(candidate.emulate) or contextlib.nullcontext
+    fmt = candidate.emulate
+    context = (lambda: emulate(fmt)) if fmt is not None else contextlib.nullcontext
     best = math.inf
     with torch.enable_grad(), policy.precision_scope():
         for _ in range(TRIES):
