@@ -32,9 +32,13 @@ TRIES = 2  # the first pays one-time costs (dispatch, a kernel's set-up): the fa
 def emulation_slowdown(candidate: Candidate, device: str) -> float:
     """How many times strict fp32's time one Linear layer's forward and backward take under
     ``candidate`` on ``device`` (at least 1.0: a prediction is never priced below strict fp32's
-    step); the RNG, the math mode and the grad mode are left as they were."""
-    own = _layer_seconds(candidate, device)
-    fp32 = _layer_seconds(Candidate("fp32"), device)
+    step); the RNG, the math mode and the grad mode are left as they were. A probe that cannot run
+    prices the check as before, at strict fp32's step: the check itself says what failed."""
+    try:
+        own = _layer_seconds(candidate, device)
+        fp32 = _layer_seconds(Candidate("fp32"), device)
+    except Exception:  # an optimisation of the price, never a reason for the tune to fail
+        return 1.0
     if not (math.isfinite(own) and fp32 > 0):
         return 1.0
     return max(1.0, own / fp32)
