@@ -30,6 +30,7 @@ its operands are rounded but its result is not.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,3 +174,10 @@ def emulate(fmt: str, *, scaled_fp8: bool = True) -> EmulationMode:
     else:
         plan = _Plan(fmt=fmt, grad_fmt=fmt, round_output=True, scaled=False)
     return EmulationMode(plan)
+
+
+def emulation_context(fmt: str | None) -> Callable[[], EmulationMode] | None:
+    """The context that rounds every matmul/conv to ``fmt`` (``Candidate.emulate``), or None."""
+    if fmt is None:
+        return None
+    return lambda: emulate(fmt)

@@ -19,6 +19,7 @@ import time
 import torch
 from torch import nn
 
+from mixprec.numerics.emulate import emulation_context
 from mixprec.policy import Candidate, get_policy
 
 # The probe's layer and rows: a shape every low format's kernels take (multiples of 32), small
@@ -45,16 +46,13 @@ def emulation_slowdown(candidate: Candidate, device: str) -> float:
 
 
 def _layer_seconds(candidate: Candidate, device: str) -> float:
-    from mixprec.numerics.emulate import emulate
-
     policy = get_policy(candidate, device=device, check=False)
     generator = torch.Generator().manual_seed(0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         layer = policy.prepare(nn.Sequential(nn.Linear(FEATURES, FEATURES)).to(device))
     x = torch.randn(ROWS, FEATURES, generator=generator).to(device)
-    fmt = candidate.emulate
-    context = (lambda: emulate(fmt)) if fmt is not None else contextlib.nullcontext
+    context = emulation_context(candidate.emulate) or contextlib.nullcontext
     best = math.inf
     with torch.enable_grad(), policy.precision_scope():
         for _ in range(TRIES):

@@ -18,6 +18,7 @@ from mixprec.frameworks.torch.ranges import collect_ranges
 from mixprec.frameworks.torch.trajectory import run_trajectory
 from mixprec.hardware.device import DeviceInfo, resolve_device
 from mixprec.numerics.compare import Trajectory
+from mixprec.numerics.emulate import emulation_context
 from mixprec.numerics.ranges import RangeReport
 from mixprec.policy import POLICY_NAMES, Candidate, Policy, Support, check_support, get_policy
 from mixprec.policy.candidate import COMPILE_MODES, COMPILE_SCOPES, OPTIMIZER_IMPLS, check_torch_axes
@@ -47,15 +48,6 @@ _PRELOAD = ("torch", "torchvision", "mixprec.frameworks.torch.session", "mixprec
 
 def has_4d_weights(model: torch.nn.Module) -> bool:
     return any(p.dim() == 4 for p in model.parameters())
-
-
-def emulation_context(fmt: str | None) -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
-    """The context that rounds every matmul/conv to ``fmt`` (``Candidate.emulate``), or None."""
-    if fmt is None:
-        return None
-    from mixprec.numerics.emulate import emulate
-
-    return lambda: emulate(fmt)
 
 
 # Timed steps per thread count of the thread probe (after one untimed): the median of three.
