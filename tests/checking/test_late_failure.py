@@ -87,6 +87,26 @@ def test_a_compiled_candidate_is_judged_over_the_run_by_its_eager_twins_ranges()
     assert "'head'" in result.reason and result.series
 
 
+def test_a_compiled_candidate_checked_after_its_eager_twin_reads_the_twins_run(monkeypatch):
+    # a tune checks eager first, then compiled: the compiled check's ranges are the run the eager
+    # check made (run again, it cost a compiled check of the nanoGPT on the AMX Xeon ~15 s)
+    from mixprec.frameworks.torch.framework import TorchFramework
+
+    eager, compiled = mixprec.Candidate("fp16-mixed"), mixprec.Candidate("fp16-mixed", compile="default")
+    runs: list[mixprec.Candidate] = []
+    trajectory = TorchFramework.trajectory
+
+    def counted(self, workload, candidate, *args, **kwargs):
+        runs.append(candidate)
+        return trajectory(self, workload, candidate, *args, **kwargs)
+
+    monkeypatch.setattr(TorchFramework, "trajectory", counted)
+    first, second = check(mixprec.load_workload(EXAMPLE), policies=[eager, compiled], device="cpu").candidates
+    assert runs.count(eager) == 1 and runs.count(compiled) == 1
+    assert first.verdict == second.verdict == "at-risk", (first.reason, second.reason)
+    assert "'head'" in second.reason and second.series == first.series
+
+
 def test_a_stall_across_the_whole_model_is_not_searched_for_fp32_islands():
     # updates far below half a bf16 ulp everywhere: no few fp32 layers can cure it, and searching
     # for them used to spend make demo's whole budget on ResNet-50

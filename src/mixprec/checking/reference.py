@@ -155,7 +155,8 @@ class Reference:
         predicted over its ``train_steps``."""
         steps, self.train_steps = config.steps, config.train_steps
         self.thresholds = {**default_thresholds(), **(config.thresholds or {})}
-        self._eager: dict[tuple[Candidate, int], Trajectory] = {}  # compiled candidates' eager twins
+        # eager runs with their ranges, per (candidate, steps): a compiled twin's ranges are theirs
+        self._eager: dict[tuple[Candidate, int], Trajectory] = {}
         self.workload, self.framework, self.device, self.steps = workload, framework, device, steps
         self.batch_size, self.events, self.budget = batch_size, events, budget or Budget.unlimited()
         self.asked_steps = steps
@@ -264,6 +265,8 @@ class Reference:
             cand, keep_fp32=(*cand.keep_fp32, *keep_fp32), keep_bf16=(*cand.keep_bf16, *keep_bf16)
         )
         traj = self.framework.trajectory(self.workload, trial, self.batches, steps, self.device)
+        if not trial.compile and traj.series:
+            self._eager[(trial, steps)] = traj
         if self.reference.dropped_imaginary:  # the model's own cast, in fp32 as well: not the candidate's
             traj.dropped_imaginary = None
         ref = replace(self.reference, losses=self.reference.losses[:steps])
@@ -317,7 +320,9 @@ class Reference:
 
     def ranged(self, trial: Candidate, traj: Trajectory, steps: int) -> Trajectory:
         """``traj``, or for a compiled candidate (whose graph range hooks would change) its eager
-        twin's run: the formats it rounds to are the same, so are the trends of its ranges."""
+        twin's run: the formats it rounds to are the same, so are the trends of its ranges. The
+        twin's own check made that run already where it came first (a tune checks eager, then
+        compiled): run again, it took a compiled check of the nanoGPT on the AMX Xeon ~15 s more."""
         if traj.series or not trial.compile:
             return traj
         eager = replace(trial, compile=None, compile_scope=None)

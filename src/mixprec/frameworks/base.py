@@ -83,6 +83,8 @@ class Framework:
         runs_as_written: its source runs unchanged as well as under a candidate (a training script),
             so ``Candidate.as_written`` is a candidate here: the source's own precision, a row of
             every sweep and check.
+        compiles_cached: what a compile produces outlives its process (Inductor's on-disk caches),
+            so a numerics check compiling the graphs a speed run compiled reads most of them back.
     """
 
     name: ClassVar[str]
@@ -100,6 +102,7 @@ class Framework:
     counts_flops: ClassVar[bool] = False
     scaler_name: ClassVar[str] = "the loss scaler"
     runs_as_written: ClassVar[bool] = False
+    compiles_cached: ClassVar[bool] = False
     named: ClassVar[bool] = True  # ``--framework NAME`` selects it
 
     # ------------------------------------------------------------------ workloads

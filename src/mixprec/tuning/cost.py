@@ -20,13 +20,15 @@ from mixprec.status import Status
 from mixprec.tuning.compiling import MIN_COMPILE_S
 from mixprec.tuning.config import TuneConfig
 
-# What checking a compiled candidate's numerics costs on top of an eager check, in multiples of its
-# measured compile (its first step beyond a steady one): its training step compiles again (other
-# graphs than the speed run's: no cache hit), and recompiles as its optimizer state appears. On the
-# default tune (ResNet-50, the EPYC) bf16-mixed+compile-step's speed run compiled in 19 s; its check,
-# unpriced, took 189 s and ran the 300 s budget to 6 min 39 s (it compiled a first-step probe and
-# recompiled when the probe's hooks came off; both gone: the whole check now takes 66 s).
-CHECK_COMPILES = 3.0
+# What checking a compiled candidate's numerics adds to an eager check, in multiples of its first
+# compile here: its checking process compiles its training step again (and recompiles as its
+# optimizer state appears). After the speed run, where the backend's compiled artefacts outlive a
+# process (Inductor's caches), most of that is read back: the nanoGPT's bf16-true+compile-step on
+# the AMX Xeon compiled cold in 75 s in its speed run; its check compiled in 26 s from the cache
+# (0.35x), in 97 s with the cache empty (1.3x). Priced 3x (the cold case, with a first-step probe
+# compiled too, since gone), its check was priced 194 s and never ran in a 300 s tune (issue 53).
+CHECK_COMPILES_CACHED = 0.5
+CHECK_COMPILES = 1.5
 # A checked training step over a measured one of the same candidate: deep copies, the range
 # recorder's hooks, the loss read at every step (the default tune on the quiet EPYC: 7.8-8.4 s for an
 # fp32 run of 6 steps and its first-step probe, against 1.04-1.14 s steps).
@@ -181,13 +183,23 @@ class Costs:
         return CHECK_STEP_COST * steps * (fp32_runs * fp32_s + cand_s) + ranged_s
 
     def row_check_s(self, row: BenchRow) -> float:
-        """Checking the numerics of ``row``'s candidate at its micro-batch, with what compiling adds:
-        :data:`CHECK_COMPILES` times its measured compile (the cold prior where none was measured)."""
+        """Checking the numerics of ``row``'s candidate at its micro-batch, with what compiling it
+        again adds (:meth:`check_compile_s`; from the cold prior where no compile was measured)."""
         cand = row.candidate
         compiles = row.compile_s if row.compile_s is not None else MIN_COMPILE_S
         return self.check_s(cand.numerics, cand.micro_batch) + (
-            CHECK_COMPILES * compiles if cand.compile else 0.0
+            self.check_compile_s(cand, compiles) if cand.compile else 0.0
         )
+
+    def check_compile_s(self, candidate: Candidate, compile_s: float) -> float:
+        """What a numerics check of ``candidate`` spends compiling, its compile here priced or
+        measured at ``compile_s`` (a compile from the cache is cheap: the base is its first, cold
+        compile here where one was recorded): :data:`CHECK_COMPILES_CACHED` times that where the
+        backend's compiled artefacts outlive the speed run's process, :data:`CHECK_COMPILES`
+        where the check compiles cold."""
+        cold = self.compile_costs.cold_s(self._cost_key(candidate)) or 0.0
+        share = CHECK_COMPILES_CACHED if self.setting.framework.compiles_cached else CHECK_COMPILES
+        return share * max(compile_s, cold)
 
     def step_s(self, candidate: Candidate, micro_batch: int | None) -> float:
         """Seconds of one measured training step of ``candidate`` (a numerics key) at ``micro_batch``
@@ -257,15 +269,15 @@ class Costs:
 
     def compile_and_check_s(self, candidate: Candidate, compile_s: float, known: bool) -> float:
         """What must fit before ``candidate`` is compiled, its compile priced ``compile_s``: measuring
-        it compiles once (and half again: a recompile), checking it compiles again (other graphs:
-        :data:`CHECK_COMPILES`). A first compile is only the prior's guess (``known`` False): what
+        it compiles once (and half again: a recompile), checking it compiles again
+        (:meth:`check_compile_s`). A first compile is only the prior's guess (``known`` False): what
         measuring it costs is gated here, and its check once the measured compile prices it
         (:meth:`row_check_s`). Gated on 4.5x the prior, the default tune of the nanoGPT-style GPT on
         the EPYC, its eager stages slowed by other work beside it, compiled nothing (73 s left for
         compiling, 112 s priced), where its step compiles in 5-12 s and runs 1.2x faster than the
         eager pick."""
-        compiles = 1.5 + (CHECK_COMPILES if known else 0.0)
-        return compiles * compile_s + self.check_s(candidate.numerics, candidate.micro_batch)
+        checking = self.check_compile_s(candidate, compile_s) if known else 0.0
+        return 1.5 * compile_s + checking + self.check_s(candidate.numerics, candidate.micro_batch)
 
     def measure_compiled_s(self, compile_s: float) -> float:
         """Measuring a compiled candidate whose compile is priced ``compile_s``."""

@@ -357,9 +357,10 @@ class Search:
                     self.budget.cut(f"the numerics of {numerics.label} were not checked")
                 for left in dict.fromkeys(r.candidate.numerics for r in faster):
                     if left not in verdicts:
+                        fastest = max((r for r in faster if r.candidate.numerics == left), key=speed)
                         self.checks.not_checked[left] = (
                             f"numerics not checked: the budget ended first (about "
-                            f"{self.costs.check_s(left):.0f} s more would check it)"
+                            f"{self.costs.row_check_s(fastest):.0f} s more would check it)"
                         )
                 break
             verdict = self.checks.check(numerics, micro_batch=top.candidate.micro_batch)

@@ -55,6 +55,7 @@ class ScriptFramework(Framework):
     workload_name = "a training command after --"
     layouts = True
     compile_modes = ("default",)
+    compiles_cached = True
     # the model's forward (as torch.compile of a module); the step: that, and each optimizer's update
     # compiled too (PyTorch's compiled-optimizer recipe), in a plain loop
     compile_scopes = ("model", "step")

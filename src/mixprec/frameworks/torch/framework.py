@@ -64,6 +64,7 @@ class TorchFramework(Framework):
     workload_name: ClassVar[str] = "mixprec.Workload"
     layouts: ClassVar[bool] = True
     compile_modes: ClassVar[tuple[str, ...]] = COMPILE_MODES
+    compiles_cached: ClassVar[bool] = True
     compile_scopes: ClassVar[tuple[str, ...]] = COMPILE_SCOPES
     optimizer_impls: ClassVar[tuple[str, ...]] = OPTIMIZER_IMPLS
     accumulates: ClassVar[bool] = True
