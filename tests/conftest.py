@@ -1,8 +1,9 @@
-"""Suite-wide guards: no test may leak global torch precision state."""
+"""Suite-wide guards: no test may leak global torch precision state or its process's signal state."""
 
 from __future__ import annotations
 
 import os
+import signal
 
 # Two pytest-xdist workers share the two cores, and most of the suite's time is in processes the tests
 # start (candidates, scripts, ranks) on torch's default thread count. libgomp's idle threads spin
@@ -97,6 +98,47 @@ def _torch_state_unchanged():
     assert after == before, f"global torch state leaked: {before} -> {after}"
     assert torch.is_grad_enabled() == grad_enabled
     assert torch.is_autocast_enabled("cpu") == autocast_cpu
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _inherited() -> tuple[frozenset[int], frozenset[int]]:
+    """What a process started now inherits of SIGINT and SIGTERM: which are ignored (an ignored
+    signal stays ignored across exec; a Python handler does not) and which this thread blocks."""
+    ignored = frozenset(s for s in _SIGNALS if signal.getsignal(s) == signal.SIG_IGN)
+    return ignored, frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, ())) & frozenset(_SIGNALS)
+
+
+def _take_interrupts() -> None:
+    """SIGINT and SIGTERM as a terminal's foreground job has them: delivered, not ignored."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+# A suite started in the background of a non-interactive shell (`.ci/run > log &` from a script) has
+# SIGINT ignored, and so has every process its tests start: the tests that press Ctrl-C on a script
+# saw the script sleep through it (three failed so on the AMX Xeon, exit 0 where 7 was expected).
+_take_interrupts()
+
+
+@pytest.fixture(autouse=True)
+def _signals_unchanged():
+    """Every test leaves SIGINT's and SIGTERM's handlers and this thread's mask as found. One that
+    leaves either ignored or blocked fails (a later test's children would inherit it, and a Ctrl-C
+    test fail in its place); a Python handler left behind is put back (children do not inherit it)."""
+    handlers = [signal.getsignal(s) for s in _SIGNALS]
+    before = _inherited()
+    yield
+    after = _inherited()
+    _take_interrupts()
+    for sig, handler in zip(_SIGNALS, handlers, strict=True):
+        if handler is not None and signal.getsignal(sig) != handler:
+            signal.signal(sig, handler)
+    assert after == before, f"signals left ignored or blocked (ignored, blocked): {before} -> {after}"
 
 
 @pytest.fixture(autouse=True, scope="session")
