@@ -70,3 +70,29 @@ def test_an_emulated_format_is_pruned_once_not_retried_and_not_measured_again_in
     assert any(n.startswith("not retried: emulated here") for n in first.notes)
     assert second.status == "pruned" and second.reason.startswith("not measured: fp16-mixed was pruned")
     assert not second.step_times_ms  # nothing was run for it
+
+
+def test_a_noisy_leader_far_ahead_on_its_figure_races_a_rival_its_interval_reaches():
+    """The nanoGPT's bf16-true+compile-step on the AMX Xeon read 3.47x [1.46-7.20] (strict fp32 ran
+    1.4-3.5 s per step beside it, 1.3 s over the sweep); bf16-true, at 2.10x, was more than 25%
+    below that figure, so no race ran, and the leader was then set aside as too noisy to rank and
+    bf16-true picked without a duel. A rival within the window of the leader's low end races it."""
+    from mixprec.tuning.decide import Ranked
+    from mixprec.tuning.search import _finalists
+
+    from .test_decide_resolved import measured
+
+    fp32 = measured(mixprec.Candidate("fp32"), 1.0, None)
+    leader = measured(
+        mixprec.Candidate("bf16-true", compile="default", compile_scope="step"), 3.47, (1.46, 7.20)
+    )
+    rival = measured(mixprec.Candidate("bf16-true"), 2.10, (1.52, 2.99))
+    table = [
+        Ranked(leader.candidate, "noisy", "too noisy to rank", "pass", leader),
+        Ranked(rival.candidate, "recommended", "matches fp32", "pass", rival),
+    ]
+    assert _finalists(table, fp32, train_steps=0) == [leader, rival]
+    # a leader measured as firmly as its figure still races only what is within 25% of it
+    firm = measured(leader.candidate, 3.47, (3.30, 3.60))
+    table[0] = Ranked(firm.candidate, "pass", "matches fp32", "pass", firm)
+    assert _finalists(table, fp32, train_steps=0) == []
