@@ -145,13 +145,20 @@ def _signals_unchanged():
 def _private_cache_dir(tmp_path_factory):
     """Measured CPU peaks are cached per user; tests keep theirs out of the real home directory."""
 
-    old = os.environ.get("MIXPREC_CACHE_DIR")
+    old = {name: os.environ.get(name) for name in ("MIXPREC_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
     os.environ["MIXPREC_CACHE_DIR"] = str(tmp_path_factory.mktemp("mixprec-cache"))
+    # Inductor's artefacts in one directory for both workers of this run, as they were before mixprec
+    # kept them in its own cache directory (which is per worker here): a graph one worker compiled
+    # is read, not compiled again, by the other. (The tests of that cache set their own.)
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(shared / "inductor")
     yield
-    if old is None:
-        os.environ.pop("MIXPREC_CACHE_DIR", None)
-    else:
-        os.environ["MIXPREC_CACHE_DIR"] = old
+    for name, value in old.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -109,3 +109,29 @@ def test_tunes_inductor_cache_is_its_own_and_the_callers_environment_comes_back(
     with compile_cache.inductor_cache() as used:
         assert used == cache / "inductor" and os.environ[compile_cache.ENV] == str(used)
     assert compile_cache.ENV not in os.environ  # the caller's own torch.compile is left alone
+
+
+def test_torchs_own_default_written_into_the_environment_is_not_a_choice(cache):
+    """Inductor writes its default into the environment the first time it looks its cache up; tune's
+    strict-fp32 validation step did, so every compile of a tune went to /tmp/torchinductor_<user>
+    (cleared by a reboot) while the prices of those compiles were kept for the next run."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    torchs = cache_dir()  # what any compile in this process does first
+    assert os.environ[compile_cache.ENV] == torchs
+    with compile_cache.inductor_cache() as used:
+        assert used == cache / "inductor" and os.environ[compile_cache.ENV] == str(used)
+    assert os.environ[compile_cache.ENV] == torchs  # the caller's environment as it was
+
+
+@pytest.mark.slow
+def test_a_compile_inside_tunes_cache_lands_in_mixprecs_directory(cache):
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    cache_dir()  # as tune's validation step leaves it
+    torch._dynamo.reset()
+    with compile_cache.inductor_cache():
+        torch.compile(lambda x: torch.sin(x) * 2 + 1)(torch.randn(8))
+    mixprecs = cache / "inductor"
+    assert mixprecs.is_dir() and any(mixprecs.iterdir()), f"nothing compiled into {mixprecs}"

@@ -39,16 +39,32 @@ WARM_KEPT = 5
 _VERSION = 1
 
 
+def _chosen(value: str | None) -> bool:
+    """Whether ``value`` of the variable is a choice rather than torch's default: Inductor writes its
+    default into the environment the first time it looks its cache up (``cache_dir()`` in
+    ``torch/_inductor/runtime/cache_dir_utils.py``), so after anything compiled in this process (tune's
+    strict-fp32 validation step did) an unset variable reads as set, and every compile of a tune went
+    to ``/tmp/torchinductor_<user>``, which a reboot clears, beside prices kept for the next run."""
+    if not value:
+        return False
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
+    except ImportError:  # pragma: no cover - a torch without it: every value counts as chosen
+        return True
+    return os.path.abspath(value) != os.path.abspath(torch_default())
+
+
 def inductor_dir() -> Path:
     """Where Inductor keeps its artefacts for this process: the user's setting, else mixprec's."""
-    return Path(os.environ.get(ENV) or default_cache_dir() / "inductor").expanduser()
+    value = os.environ.get(ENV)
+    return Path(value if _chosen(value) else default_cache_dir() / "inductor").expanduser()
 
 
 def use_inductor_cache() -> Path:
     """Point Inductor's caches at mixprec's cache directory unless the user chose another; call
     before anything compiles (Inductor reads the variable when it compiles, so a process that has
     not compiled yet, a candidate's child included, picks it up)."""
-    os.environ.setdefault(ENV, str(default_cache_dir() / "inductor"))
+    os.environ[ENV] = str(inductor_dir())
     return inductor_dir()
 
 
