@@ -92,6 +92,14 @@ def test_a_noisy_leader_far_ahead_on_its_figure_races_a_rival_its_interval_reach
         Ranked(rival.candidate, "recommended", "matches fp32", "pass", rival),
     ]
     assert _finalists(table, fp32, train_steps=0) == [leader, rival]
+    # strict fp32, though within the window of that low end, is not a rival: against a noisy leader
+    # it is the leader's own figure again (a re-measure's to settle)
+    wide = measured(leader.candidate, 3.47, (1.20, 7.20))  # 1.0x is within 25% of 1.20x
+    only_fp32 = [
+        Ranked(wide.candidate, "noisy", "too noisy to rank", "pass", wide),
+        Ranked(fp32.candidate, "pass", "the strict fp32 reference", "pass", fp32),
+    ]
+    assert _finalists(only_fp32, fp32, train_steps=0) == []
     # a leader measured as firmly as its figure still races only what is within 25% of it
     firm = measured(leader.candidate, 3.47, (3.30, 3.60))
     table[0] = Ranked(firm.candidate, "pass", "matches fp32", "pass", firm)

@@ -57,7 +57,9 @@ def _chosen(value: str | None) -> bool:
 def inductor_dir() -> Path:
     """Where Inductor keeps its artefacts for this process: the user's setting, else mixprec's."""
     value = os.environ.get(ENV)
-    return Path(value if _chosen(value) else default_cache_dir() / "inductor").expanduser()
+    if value and _chosen(value):
+        return Path(value).expanduser()
+    return (default_cache_dir() / "inductor").expanduser()
 
 
 def use_inductor_cache() -> Path:

@@ -628,7 +628,8 @@ def _finalists(table: Sequence[Ranked], base: BenchRow | None, train_steps: int)
     end of its interval where it has one (a noisy figure far ahead is the duel's to settle: the
     nanoGPT's bf16-true+compile-step on the AMX Xeon read 3.47x [1.46-7.20], so bf16-true at 2.10x
     raced nothing, and the leader was then set aside as too noisy to rank, bf16-true picked
-    unraced; in bench, the pair read 2.50x and 2.15x); none without a rival."""
+    unraced; in bench, the pair read 2.50x and 2.15x), strict fp32 only within the window of its
+    figure; none without a rival."""
     passing = [  # a noisy candidate races too: a duel with the leader resolves it
         r.row
         for r in table
@@ -643,10 +644,17 @@ def _finalists(table: Sequence[Ranked], base: BenchRow | None, train_steps: int)
     if len(passing) < 2:
         return []
     leader = passing[0]
-    reach = effective(leader)
+    low = effective(leader)
     if leader.speedup_ci and speed(leader):  # (the same share of its amortised figure)
-        reach *= min(1.0, leader.speedup_ci[0] / speed(leader))
-    rivals = [r for r in passing[1:] if effective(r) >= reach * (1 - RACE_WINDOW)][:RACE_RIVALS]
+        low *= min(1.0, leader.speedup_ci[0] / speed(leader))
+
+    def rival(row: BenchRow) -> bool:
+        # (strict fp32 against a noisy leader is the leader's own figure again: a re-measure's)
+        if row.candidate == (base.candidate if base is not None else None):
+            return effective(row) >= effective(leader) * (1 - RACE_WINDOW)
+        return effective(row) >= low * (1 - RACE_WINDOW)
+
+    rivals = [r for r in passing[1:] if rival(r)][:RACE_RIVALS]
     return [leader, *rivals] if rivals else []
 
 
