@@ -147,9 +147,10 @@ def _private_cache_dir(tmp_path_factory):
 
     old = {name: os.environ.get(name) for name in ("MIXPREC_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
     os.environ["MIXPREC_CACHE_DIR"] = str(tmp_path_factory.mktemp("mixprec-cache"))
-    # Inductor's artefacts in one directory for both workers of this run, as they were before mixprec
-    # kept them in its own cache directory (which is per worker here): a graph one worker compiled
-    # is read, not compiled again, by the other. (The tests of that cache set their own.)
+    # Inductor's artefacts in one directory for both workers of this run (mixprec's own cache directory
+    # is per worker here; until tune stopped mistaking torch's default for a choice, both workers used
+    # /tmp/torchinductor_<user>): a graph one worker compiled is read, not compiled again, by the
+    # other. (The tests of that cache set their own.)
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(shared / "inductor")
