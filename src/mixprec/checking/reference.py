@@ -265,7 +265,7 @@ class Reference:
             cand, keep_fp32=(*cand.keep_fp32, *keep_fp32), keep_bf16=(*cand.keep_bf16, *keep_bf16)
         )
         traj = self.framework.trajectory(self.workload, trial, self.batches, steps, self.device)
-        if not trial.compile and traj.series:
+        if trial == cand and not cand.compile and traj.series:  # (not a fix search's trials)
             self._eager[(trial, steps)] = traj
         if self.reference.dropped_imaginary:  # the model's own cast, in fp32 as well: not the candidate's
             traj.dropped_imaginary = None

@@ -39,14 +39,12 @@ WARM_KEPT = 5
 _VERSION = 1
 
 
-def _chosen(value: str | None) -> bool:
+def _chosen(value: str) -> bool:
     """Whether ``value`` of the variable is a choice rather than torch's default: Inductor writes its
     default into the environment the first time it looks its cache up (``cache_dir()`` in
     ``torch/_inductor/runtime/cache_dir_utils.py``), so after anything compiled in this process (tune's
     strict-fp32 validation step did) an unset variable reads as set, and every compile of a tune went
     to ``/tmp/torchinductor_<user>``, which a reboot clears, beside prices kept for the next run."""
-    if not value:
-        return False
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
     except ImportError:  # pragma: no cover - a torch without it: every value counts as chosen

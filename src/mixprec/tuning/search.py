@@ -343,10 +343,14 @@ class Search:
         faster = _faster(self.result.rows)
         passed = [r for r in faster if (v := verdicts.get(r.candidate.numerics)) and v.acceptable]
         best_pass: BenchRow | None = max(passed, key=speed) if passed else None  # from a first round
+
+        def fastest(numerics: Candidate) -> BenchRow:
+            return max((r for r in faster if r.candidate.numerics == numerics), key=speed)
+
         for numerics in dict.fromkeys(r.candidate.numerics for r in faster):
             if numerics in verdicts:
                 continue
-            top = max((r for r in faster if r.candidate.numerics == numerics), key=speed)
+            top = fastest(numerics)
             if best_pass is not None and speed(top) < speed(best_pass) * (1 - RACE_WINDOW):
                 break  # too slow to be a finalist: it cannot win
             cost = self.costs.row_check_s(top)
@@ -357,10 +361,9 @@ class Search:
                     self.budget.cut(f"the numerics of {numerics.label} were not checked")
                 for left in dict.fromkeys(r.candidate.numerics for r in faster):
                     if left not in verdicts:
-                        fastest = max((r for r in faster if r.candidate.numerics == left), key=speed)
                         self.checks.not_checked[left] = (
                             f"numerics not checked: the budget ended first (about "
-                            f"{self.costs.row_check_s(fastest):.0f} s more would check it)"
+                            f"{self.costs.row_check_s(fastest(left)):.0f} s more would check it)"
                         )
                 break
             verdict = self.checks.check(numerics, micro_batch=top.candidate.micro_batch)
@@ -650,7 +653,7 @@ def _finalists(table: Sequence[Ranked], base: BenchRow | None, train_steps: int)
 
     def rival(row: BenchRow) -> bool:
         # (strict fp32 against a noisy leader is the leader's own figure again: a re-measure's)
-        if row.candidate == (base.candidate if base is not None else None):
+        if base is not None and row.candidate == base.candidate:
             return effective(row) >= effective(leader) * (1 - RACE_WINDOW)
         return effective(row) >= low * (1 - RACE_WINDOW)
 
