@@ -121,3 +121,17 @@ def test_a_check_at_a_micro_batch_is_priced_at_that_micro_batchs_steps(framework
     assert search.costs.step_s(bf16(), 64) == pytest.approx(0.8)
     assert search.costs.step_s(search.framework.baseline, 64) == pytest.approx(1.6)  # 64 samples, not 32
     assert search.costs.step_s(search.framework.baseline, 32) == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("budget_s", range(150, 250, 10))
+def test_the_speed_sweep_starts_no_candidate_its_share_cannot_finish(framework, budget_s):
+    """`make demo` beside two busy processes: its speed sweep started bf16-mixed+cl with 18 s of its
+    share left, where a candidate took 32 s, and stopped it part-way 24 s later with no row; the
+    check of bf16-mixed then missed its 151 s price by 2 s and tune exited 5 with strict fp32. A
+    candidate the share cannot finish, by the quickest measured so far, is not started."""
+    seconds = {**BUSY, "bf16-true": 1.6, "fp16-mixed": 3.0, "bf16-mixed+cl": 1.8, "bf16-true+cl": 1.5}
+    search = swept(framework, seconds, budget_s=budget_s)
+    stopped = search.result.stopped or ""
+    assert "while measuring" not in stopped, stopped
+    measured = [r for r in search.result.rows if r.status == "ok" and not r.baseline_repeat]
+    assert len(measured) >= 2  # strict fp32 and at least one candidate: the share paid for both
