@@ -9,6 +9,7 @@ from mixprec.budget import Budget
 from mixprec.events import ignore
 from mixprec.frameworks import register_framework, unregister_framework
 from mixprec.hardware.device import detect
+from mixprec.measure.race import FIRST_ROUNDS
 from mixprec.policy import Candidate
 from mixprec.tuning import search as search_module
 from mixprec.tuning.config import TuneConfig
@@ -135,3 +136,27 @@ def test_the_speed_sweep_starts_no_candidate_its_share_cannot_finish(framework, 
     assert "while measuring" not in stopped, stopped
     measured = [r for r in search.result.rows if r.status == "ok" and not r.baseline_repeat]
     assert len(measured) >= 2  # strict fp32 and at least one candidate: the share paid for both
+
+
+def test_a_check_that_could_only_win_the_race_waits_for_a_budget_that_pays_the_race_too(framework):
+    """`make demo` beside two busy processes (2026-11-30): bf16-mixed+cl (2.19x) passed, then the 45 s
+    left went to checking bf16-true (1.76x: slower, within the race window; it failed), and the race of
+    bf16-mixed+cl against bf16-mixed had 4 s: not run, and bf16-mixed was picked at 1.73x. A check of
+    a candidate slower than a pass is paid only with the race that could pick it."""
+    # (planted policies stand for the layouts: bf16-mixed for +cl, fp16-mixed for the eager NCHW twin)
+    seconds = {"fp32": 3.4, "bf16-mixed": 1.55, "fp16-mixed": 1.95, "bf16-true": 1.9}
+    search = swept(framework, seconds, budget_s=3600)
+    for passing in (bf16(), bf16("fp16-mixed")):
+        assert search.checks.check(passing).acceptable
+    true_row = next(r for r in search.result.rows if r.label == "bf16-true")
+    leader = next(r for r in search.result.rows if r.label == "bf16-mixed")
+    check_s = search.costs.row_check_s(true_row)
+    race_s = search.costs.race_s([leader, true_row])(1, FIRST_ROUNDS)
+    # what is left pays bf16-true's check, or the race, not both
+    left = max(check_s, race_s) + 0.5 * min(check_s, race_s)
+    search.budget.end = CLOCK.now() + search_module.RESERVE_S + left
+    search.check_faster()
+    assert bf16("bf16-true") not in search.checks.verdicts
+    assert any("its check and the race it would need" in n for n in search.notes), search.notes
+    search.race_finalists()
+    assert search.race is not None and any(d.ratios for d in search.race.duels), search.notes
