@@ -160,3 +160,16 @@ def test_a_check_that_could_only_win_the_race_waits_for_a_budget_that_pays_the_r
     assert any("its check and the race it would need" in n for n in search.notes), search.notes
     search.race_finalists()
     assert search.race is not None and any(d.ratios for d in search.race.duels), search.notes
+
+
+def test_the_late_sweep_opens_no_strict_fp32_session_it_cannot_measure_a_candidate_beside(framework):
+    """`make demo` beside two busy processes (2026-11-30): after bf16-mixed's check, 30 s were left;
+    the late sweep opened strict fp32 (about 20 s) and was stopped before its first candidate."""
+    search = swept(framework, {**BUSY, "bf16-true": 1.6, "fp16-mixed": 3.0}, budget_s=150)
+    assert search.result.stopped  # the share ended before every candidate was measured
+    rows, base = len(search.result.rows), search.result.baseline
+    assert base is not None and base.wall_s
+    search.budget.end = CLOCK.now() + search_module.RESERVE_S + 0.9 * (base.wall_s + search.costs.measure_s())
+    before = CLOCK.now()
+    search.finish_speed(detect("cpu"))
+    assert CLOCK.now() == before and len(search.result.rows) == rows
