@@ -605,8 +605,22 @@ class Search:
             micro_batch=rec.candidate.micro_batch or self.sweeps.bench.batch_size,
             accumulation_steps=rec.candidate.accumulation_steps,
             peak_memory_bytes=measured if measured is not None else (row.peak_memory_bytes if row else None),
-            lint_worth_fixing=[f for f in findings or [] if f.get("severity") in ("warning", "error")][:5],
+            lint_worth_fixing=[
+                f
+                for f in findings or []
+                if f.get("severity") in ("warning", "error") and not self._layout_measured(rec, f)
+            ][:5],
         )
+
+    def _layout_measured(self, rec: Recommendation, finding: dict[str, Any]) -> bool:
+        """Whether ``finding`` is a layout change this tune measured on the pick: the table holds
+        the answer, so it is not advice. `make demo` recommended bf16-mixed over bf16-mixed+cl
+        ("within measurement noise") and then advised channels_last under the pick."""
+        fix = finding.get("mechanical_fix") or {}
+        if fix.get("kind") != "layout":
+            return False
+        other = self._row(replace(rec.candidate, channels_last=bool(fix.get("channels_last"))))
+        return other is not None and other.status in (Status.OK, Status.PRUNED)
 
 
 def _why(support: Support) -> str:
