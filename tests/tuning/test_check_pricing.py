@@ -173,3 +173,14 @@ def test_the_late_sweep_opens_no_strict_fp32_session_it_cannot_measure_a_candida
     before = CLOCK.now()
     search.finish_speed(detect("cpu"))
     assert CLOCK.now() == before and len(search.result.rows) == rows
+
+
+def test_a_sweep_after_the_first_is_priced_with_the_strict_fp32_session_it_opens(framework):
+    """A re-measure was priced at its candidate's rounds alone; started with that much left, it
+    spent 23 s opening strict fp32 and replaced nothing (the nanoGPT's tune on the AMX Xeon)."""
+    search = swept(framework, BUSY)
+    base = search.result.baseline
+    assert base is not None and base.wall_s
+    opened = base.wall_s  # the first sweep's strict-fp32 session, as timed on the planted clock
+    assert search.costs.remeasure_s(bf16()) >= opened + 2 * search.costs.measure_s()
+    assert search.costs.variants_s(bf16(), 2) >= opened + 2 * search.costs.sweep_s()

@@ -94,14 +94,24 @@ class Costs:
         step_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
         return SESSION_COST * (bench.warmup + 2 * bench.steps + 2) * step_s
 
+    def opening_s(self) -> float:
+        """What a sweep after the first spends before its first candidate: it opens a strict-fp32
+        session of its own (set-up, warm-up, the first timed steps), about what the first sweep's
+        took (the baseline row's wall time). Unpriced, it was lost where a stage had time for its
+        candidates alone: a re-measure started with that much left spent 23 s and replaced nothing,
+        and a busy `make demo`'s late sweep spent its last 20 s opening strict fp32."""
+        base = self.result.baseline
+        return base.wall_s if base is not None and base.wall_s else 0.0
+
     def remeasure_s(self, candidate: Candidate) -> float:
-        """Measuring ``candidate`` again with twice the paired rounds (compiled: from the cache)."""
-        return 2 * self.measure_s() + (RECOMPILE_S if candidate.compile else 0.0)
+        """Measuring ``candidate`` again with twice the paired rounds (compiled: from the cache), in
+        a sweep of its own."""
+        return self.opening_s() + 2 * self.measure_s() + (RECOMPILE_S if candidate.compile else 0.0)
 
     def variants_s(self, candidate: Candidate, count: int) -> float:
-        """Measuring ``count`` variants of ``candidate`` (its optimizer's implementations), each
-        warmed up and paired with strict fp32 (compiled: from the cache)."""
-        return count * (self.sweep_s() + (RECOMPILE_S if candidate.compile else 0.0))
+        """Measuring ``count`` variants of ``candidate`` (its optimizer's implementations) in a sweep
+        of their own, each warmed up and paired with strict fp32 (compiled: from the cache)."""
+        return self.opening_s() + count * (self.sweep_s() + (RECOMPILE_S if candidate.compile else 0.0))
 
     def race_s(self, finalists: Sequence[BenchRow]) -> Callable[[int, int], float]:
         """What racing the leader (``finalists[0]``) against the first ``n`` others over ``rounds``

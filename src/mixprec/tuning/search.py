@@ -311,17 +311,14 @@ class Search:
     def finish_speed(self, info: DeviceInfo) -> None:
         """The candidates the speed sweep's share of the budget did not reach, measured with the
         time the numerics checks left: the share is what the sweep may take first, not a cap."""
-        base = self.result.baseline
-        if not self.result.stopped or base is None:
+        if not self.result.stopped or self.result.baseline is None:
             return  # without its strict-fp32 row nothing measured later has a reference
         first = f"speed sweep {self.result.stopped}"
         seen = {r.candidate for r in self.result.rows}
         todo = [c for c in self.sweeps.plan(info) if c not in seen]
-        # the late sweep opens a strict-fp32 session of its own before its first candidate: with less
-        # left than both take, it would measure nothing (beside two busy processes, `make demo`'s
-        # late sweep spent its last 20 s opening strict fp32 and stopped before bf16-true+cl)
+        # (with less left than strict fp32's opening and one candidate, it would measure nothing)
         budget = self.costs.keeping_a_check(self.budget, todo, self.checks.verdicts)
-        if not todo or not budget.can_pay((base.wall_s or 0.0) + self.costs.measure_s()):
+        if not todo or not budget.can_pay(self.costs.opening_s() + self.costs.measure_s()):
             return
         more = self.sweeps.sweep(todo, budget)
         added = self.add(more.measured)
@@ -512,7 +509,7 @@ class Search:
             return
         current, noise = rec.candidate, self.sweeps.config.noise
         while (smaller := self.batches.smaller(current)) is not None:
-            if not self.budget.can_pay(self.costs.sweep_s()):
+            if not self.budget.can_pay(self.costs.opening_s() + self.costs.sweep_s()):
                 self.notes.append(f"{smaller.label} not measured: budget spent (--budget raises it)")
                 return
             self.sweeps.stage(f"measuring the pick one micro-batch down: {smaller.label}")
