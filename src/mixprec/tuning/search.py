@@ -355,14 +355,7 @@ class Search:
             top = fastest(numerics)
             if best_pass is not None and speed(top) < speed(best_pass) * (1 - RACE_WINDOW):
                 break  # too slow to be a finalist: it cannot win
-            # Slower than a pass, it can be picked only by winning the race: its check is worth its
-            # price only with the race's first rounds after it. Beside two busy processes `make demo`
-            # spent its last 41 s checking bf16-true (1.76x, failed) after bf16-mixed+cl (2.19x) had
-            # passed; the race of bf16-mixed+cl against bf16-mixed then had 4 s, and bf16-mixed was
-            # picked at 1.73x, "within measurement noise".
-            race_s = 0.0
-            if best_pass is not None and speed(top) <= speed(best_pass):
-                race_s = self.costs.race_s([best_pass, top])(1, FIRST_ROUNDS)
+            race_s = self.costs.race_to_win_s(top, best_pass)
             cost = self.costs.row_check_s(top) + race_s
             if not self.budget.can_pay(cost):
                 said = f"numerics of {numerics.label} not checked: the budget could not pay the about"
@@ -605,19 +598,20 @@ class Search:
             lint_worth_fixing=[
                 f
                 for f in findings or []
-                if f.get("severity") in ("warning", "error") and not self._layout_measured(rec, f)
+                if f.get("severity") in ("warning", "error") and not _layout_measured(self.result, rec, f)
             ][:5],
         )
 
-    def _layout_measured(self, rec: Recommendation, finding: dict[str, Any]) -> bool:
-        """Whether ``finding`` is a layout change this tune measured on the pick: the table holds
-        the answer, so it is not advice. `make demo` recommended bf16-mixed over bf16-mixed+cl
-        ("within measurement noise") and then advised channels_last under the pick."""
-        fix = finding.get("mechanical_fix") or {}
-        if fix.get("kind") != "layout":
-            return False
-        other = self._row(replace(rec.candidate, channels_last=bool(fix.get("channels_last"))))
-        return other is not None and other.status in (Status.OK, Status.PRUNED)
+
+def _layout_measured(result: BenchResult, rec: Recommendation, finding: dict[str, Any]) -> bool:
+    """Whether lint ``finding`` is a layout change this tune measured on the pick: the table holds
+    the answer, so it is not advice. `make demo` recommended bf16-mixed over bf16-mixed+cl
+    ("within measurement noise") and then advised channels_last under the pick."""
+    fix = finding.get("mechanical_fix") or {}
+    if fix.get("kind") != "layout":
+        return False
+    other = replace(rec.candidate, channels_last=bool(fix.get("channels_last")))
+    return any(r.candidate == other and r.status in (Status.OK, Status.PRUNED) for r in result.rows)
 
 
 def _why(support: Support) -> str:
