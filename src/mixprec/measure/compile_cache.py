@@ -64,8 +64,9 @@ def use_inductor_cache() -> Path:
     """Point Inductor's caches at mixprec's cache directory unless the user chose another; call
     before anything compiles (Inductor reads the variable when it compiles, so a process that has
     not compiled yet, a candidate's child included, picks it up)."""
-    os.environ[ENV] = str(inductor_dir())
-    return inductor_dir()
+    chosen = inductor_dir()
+    os.environ[ENV] = str(chosen)
+    return chosen
 
 
 @contextlib.contextmanager
