@@ -144,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         "gpt2", seq_len=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head
     )
     cands = candidates(not args.no_compile)
-    # eager first, then compiled, each measured and then checked, every result written as soon as it
-    # exists: the H200 lease of 2026-11-27 spent its 150 s on the six speeds (each compile ~15-20 s)
-    # and judged none, so a stage cut by its time limit now still has the eager verdicts
+    # eager first, then compiled; each group judged first (fp8's verdict is the point: the H200
+    # leases of 2026-11-27 spent their time on speeds and judged none), then measured, every
+    # result written as soon as it exists, so a stage cut by its time limit keeps what it has
     benches: list[mixprec.BenchResult] = []
     checks: list[mixprec.CheckResult] = []
     bench_s = check_s = 0.0
@@ -156,6 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if not group:
             continue
+        started = time.perf_counter()
+        try:
+            checks.append(mixprec.check(workload, policies=group, steps=args.check_steps, device=args.device))
+            (out / f"fp8-gpt-check-{part}.json").write_text(json.dumps(checks[-1].to_dict(), indent=1))
+            for c in checks[-1].candidates:
+                print(f"{part} verdict: {c.candidate.label}: {c.verdict} ({c.reason})", flush=True)
+        except mixprec.MixprecError as exc:  # the speeds are still worth measuring
+            print(f"check of the {part} candidates failed: {exc}", file=sys.stderr)
+        check_s += time.perf_counter() - started
         started = time.perf_counter()
         benches.append(
             mixprec.bench(
@@ -170,15 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         bench_s += time.perf_counter() - started
         (out / f"fp8-gpt-bench-{part}.json").write_text(json.dumps(benches[-1].to_dict(), indent=1))
-        print(markdown(table(_joined(benches), *checks), f"{part}: speed (its verdicts next)"), flush=True)
-        started = time.perf_counter()
-        try:
-            checks.append(mixprec.check(workload, policies=group, steps=args.check_steps, device=args.device))
-            (out / f"fp8-gpt-check-{part}.json").write_text(json.dumps(checks[-1].to_dict(), indent=1))
-        except mixprec.MixprecError as exc:  # keep the speed table: it was measured
-            print(f"check of the {part} candidates failed: {exc}", file=sys.stderr)
-        check_s += time.perf_counter() - started
-        print(markdown(table(_joined(benches), *checks), f"{part}: with verdicts"), flush=True)
+        print(markdown(table(_joined(benches), *checks), f"{part}: verdicts and speed"), flush=True)
     bench = benches[0]
     rows = table(_joined(benches), *checks)
     title = f"{bench.description} on {bench.device}, batch {args.batch_size}"

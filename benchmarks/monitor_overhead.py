@@ -154,6 +154,63 @@ def _profiled(loop: Loop, steps: int) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
 
 
+def _host_profile(loop: Loop, steps: int) -> str:
+    """``steps`` steps of ``loop`` under cProfile: the Python functions by their own time (a
+    launch-bound step is the host's Python; what the monitor adds to it shows here by name)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    loop.run(steps)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    return text.getvalue()
+
+
+def _syncs_per_step(loop: Loop, steps: int) -> tuple[float, list[str]]:
+    """The host's waits for the GPU per step over ``steps`` steps (CUDA's sync debug mode warns at
+    each: ``.item()``, a device-to-host copy), and the Python lines that asked, most frequent first."""
+    import collections
+    import warnings
+
+    loop._sync()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            loop.run(steps)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    where = collections.Counter(
+        f"{Path(w.filename).name}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)
+    )
+    return sum(where.values()) / steps, [f"{k} x{n}" for k, n in where.most_common(8)]
+
+
+def _rate_on_device(loop: Loop) -> None:
+    """The recipes' learning rate as it was before this lease: a tensor on the parameters' device
+    (SGD's for-loop and foreach steps read it back with ``.item()``)."""
+    opt = loop.optimizer
+    for group in opt.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"] = group["lr"].to(loop.device)
+    if isinstance(getattr(opt, "_warm_count", None), torch.Tensor):
+        opt._warm_count = opt._warm_count.to(loop.device)
+
+
+def _paired(a: Loop, b: Loop, rounds: int, steps: int) -> list[float]:
+    """Per-round ratios b/a of time per step, interleaved (A B B A ...)."""
+    ratios = []
+    for r in range(rounds):
+        order = (a, b) if r % 2 == 0 else (b, a)
+        t = {id(loop): loop.run(steps) for loop in order}
+        ratios.append(t[id(b)] / t[id(a)])
+    return ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=21, help="rounds for the MLP (ResNet-50: a quarter)")
@@ -183,12 +240,35 @@ def main() -> None:
             times["plain"].append(t[id(plain)])
             times["monitor"].append(t[id(watched)])
             ratios.append(t[id(watched)] / t[id(plain)])
+        extra: dict[str, object] = {}
+        if args.device.startswith("cuda"):
+            try:  # (a failure here, untried before the lease, keeps the paired rounds above)
+                # the host's reads of the device, plain and monitored (steps the sampler leaves alone
+                # and sampled ones alike: the window is the monitor's default interval)
+                for label, loop in (("plain", plain), ("monitor", watched)):
+                    per_step, where = _syncs_per_step(loop, 100)
+                    extra[f"syncs_per_step_{label}"], extra[f"sync_lines_{label}"] = per_step, where
+                # the learning-rate question: the recipes' rate as a tensor on the GPU, read back by SGD
+                old = Loop(build, batch, args.policy, False, args.device)
+                _rate_on_device(old)
+                old.run(20)
+                extra["syncs_per_step_rate_on_device"], extra["sync_lines_rate_on_device"] = _syncs_per_step(
+                    old, 50
+                )
+                lr_ratios = _paired(plain, old, max(3, rounds // 2) | 1, steps)
+                extra["rate_on_device_ratio"] = statistics.median(lr_ratios)
+                extra["rate_on_device_ratios"] = lr_ratios
+            except Exception as exc:
+                extra["sync_count_error"] = f"{type(exc).__name__}: {exc}"
+                print(f"{name}: counting the host's reads failed: {extra['sync_count_error']}")
         if args.profile:
             args.out.mkdir(parents=True, exist_ok=True)
             for label, loop in (("plain", plain), ("monitor", watched)):
                 table = _profiled(loop, 50)
                 path = args.out / f"monitor_overhead-profile-{name.split()[0]}-{label}.txt"
-                path.write_text(table)
+                path.write_text(
+                    table + "\n\n# the host's Python, cProfile over 200 steps\n" + _host_profile(loop, 200)
+                )
         ratio = statistics.median(ratios)
         quartiles = statistics.quantiles(ratios, n=4)
         results[name] = {
@@ -201,6 +281,7 @@ def main() -> None:
             "plain_ms": statistics.median(times["plain"]) * 1e3,
             "monitor_ms": statistics.median(times["monitor"]) * 1e3,
             "findings": [f.to_dict() for f in watched.monitor.findings] if watched.monitor else [],
+            **extra,
         }
         r = results[name]
         print(
@@ -210,6 +291,19 @@ def main() -> None:
             f"observe {r['observe_us']:.1f} us, "
             f"sampled step +{r['sampled_extra_ms']:.2f} ms -> {r['expected_overhead']:+.2%}"
         )
+        if "syncs_per_step_plain" in extra:
+            print(
+                f"{'':22s} host reads of the GPU per step: plain {r['syncs_per_step_plain']:.2f}, "
+                f"monitored {r['syncs_per_step_monitor']:.2f} ({', '.join(r['sync_lines_monitor'][:3])}); "
+                f"the rate on the GPU: {r['syncs_per_step_rate_on_device']:.2f} "
+                f"({', '.join(r['sync_lines_rate_on_device'][:2])}), "
+                f"its step {r['rate_on_device_ratio']:.3f}x"
+            )
+        if args.out:  # each model's result as it lands (a command cut short keeps the first)
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "monitor_overhead.partial.json").write_text(
+                json.dumps(results, indent=2, default=str)
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "monitor_overhead.json"
     out.write_text(

@@ -42,7 +42,35 @@ ANCHORS = (
     "NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5 training, A100 80GB, batch 256: "
     "TF32 ~938 img/s (NCHW), AMP fp16 + channels_last ~2470 img/s",
     "Lambda Labs ResNet-50 training benchmark, H100 SXM, NCHW: TF32 1895 img/s, AMP 2791 img/s",
+    "Lambda Labs ResNet-50 training benchmark, H200, NCHW, synthetic data: TF32 2259 img/s, "
+    "AMP 3079 img/s (1.36x)",
 )
+# ResNet-50's public record per GPU (Lambda's PyTorch training benchmark, NCHW, synthetic data):
+# img/s of TF32 and AMP (fp16), set beside this run's NCHW tf32 and fp16-mixed rows
+PUBLIC_RESNET50 = {
+    "H200": {"tf32": 2259.0, "fp16-mixed": 3079.0},
+    "H100": {"tf32": 1895.0, "fp16-mixed": 2791.0},
+}
+
+
+def beside_the_record(device: str, rows: list[BenchRow]) -> list[str]:
+    """This run's NCHW ResNet-50 tf32 and fp16-mixed rows beside the public record for the GPU,
+    with both AMP/TF32 ratios; nothing where the GPU has no record."""
+    record = next((r for gpu, r in PUBLIC_RESNET50.items() if gpu in device), None)
+    ours = {r.policy: r.throughput for r in rows if not r.channels_last and r.throughput}
+    if record is None or not ours:
+        return []
+    lines = ["", f"ResNet-50 beside the public record for the {device} (Lambda, NCHW, synthetic data):", ""]
+    for policy, theirs in record.items():
+        mine = ours.get(policy)
+        got = f"{mine:,.0f} img/s, {mine / theirs:.2f}x the record" if mine else "not measured"
+        lines.append(f"- {policy}: record {theirs:,.0f} img/s; this run {got}")
+    if ours.get("tf32") and ours.get("fp16-mixed"):
+        lines.append(
+            f"- fp16-mixed over tf32: record {record['fp16-mixed'] / record['tf32']:.2f}x; "
+            f"this run {ours['fp16-mixed'] / ours['tf32']:.2f}x"
+        )
+    return lines
 
 
 def _row_cells(model: str, row: BenchRow) -> list[str]:
@@ -99,6 +127,12 @@ def markdown(model_rows: list[tuple[str, list[BenchRow]]], meta: dict[str, str])
         "",
         "Published anchors:",
         *(f"- {a}" for a in ANCHORS),
+        *(
+            line
+            for model, rows in model_rows
+            if model == "resnet50"
+            for line in beside_the_record(meta["device"], rows)
+        ),
         "",
     ]
     return "\n".join(lines)

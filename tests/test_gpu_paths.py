@@ -362,3 +362,68 @@ def test_run_on_a_script_leaves_the_weights_of_the_hand_edit_on_the_device(tmp_p
     a, b, none = (torch.load(p, weights_only=True) for p in (injected, by_hand, plain))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], none[k]) for k in a)  # the policy did something
+
+
+def _synchronising_calls(run) -> list[str]:
+    """Where ``run()`` made the host wait for the GPU: CUDA's sync debug mode warns at each such call
+    (``.item()``, a device-to-host copy, ``nonzero``...); the Python line that asked, per warning."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("name", ["mlp", "resnet50"])
+def test_the_monitors_normal_gpu_step_reads_nothing_back_the_plain_step_does_not(name, policy):
+    """The H200's paired rounds put the monitor at +13-15% of the step where its own work, timed,
+    predicts +0.7-2.4%. A host read per step would be the difference (it stops the host from
+    queueing ahead): the monitor's unsampled step reads nothing the plain loop does not, with the
+    loss handed over before the update (``before_step``, as ``mixprec train`` does). Under bf16-mixed
+    the recipes' step reads nothing at all (the tensor rate on the CPU, not read back per parameter);
+    fp16-mixed's GradScaler reads its inf flag once (its own ``step()``), plain or monitored."""
+    if not ON_CUDA:
+        pytest.skip("CUDA's sync debug mode counts the host's reads of the device")
+    device = torch.device(DEVICE)
+    w = mixprec.load_workload(name, **({"image_size": 32} if name == "resnet50" else {}))
+    batches = [w.make_batch(8, device) for _ in range(4)]
+
+    def loop(monitored: bool) -> tuple[list[str], int]:
+        p = mixprec.get_policy(policy, device=device)
+        model = p.prepare(copy.deepcopy(w.model).to(device))
+        optimizer = w.make_optimizer(model)
+        monitor = mixprec.Monitor(model, p, optimizer=optimizer, loss_fn=w.loss_fn) if monitored else None
+        sampled = [0]
+
+        def step(i: int) -> None:
+            batch = batches[i % len(batches)]
+            with p.autocast():
+                loss = w.loss_fn(model, batch)
+            optimizer.zero_grad(set_to_none=True)
+            p.backward(loss)
+            if monitor is not None:
+                monitor.before_step(loss, batch)
+            p.step(optimizer)
+            if monitor is not None:
+                sampled[0] += monitor.sampler.due(monitor.step)
+                monitor.observe(loss, batch)
+
+        for i in range(12):  # start-up: the loop confirmed, the warm-up and GradScaler's first steps behind
+            step(i)
+        sampled[0] = 0
+        calls = _synchronising_calls(lambda: [step(i) for i in range(12, 42)])
+        return calls, sampled[0]
+
+    plain, _ = loop(False)
+    watched, samples = loop(True)
+    # bf16-mixed: nothing; fp16-mixed: GradScaler's inf flag, once a step at most
+    assert len(plain) <= (0 if policy == "bf16-mixed" else 30), plain
+    assert samples == 0  # (the default interval, 100: steps 12-41 are all unsampled)
+    assert len(watched) <= len(plain), (sorted(set(watched) - set(plain)), len(watched), len(plain))

@@ -91,3 +91,24 @@ def test_a_step_compiled_whole_warms_up_like_the_eager_step():
     eager = run(False)
     assert eager == pytest.approx([2e-3, 4e-3, 6e-3, 6e-3, 6e-3])
     assert run(True) == pytest.approx(eager)
+
+
+@pytest.mark.parametrize(
+    ("cls", "options", "on_params"),
+    [
+        (WarmupSGD, {}, False),  # for-loop: param.add_(grad, alpha=-lr), one read per parameter
+        (WarmupSGD, {"foreach": True}, False),  # one read per parameter group
+        (WarmupAdamW, {"foreach": False}, False),  # for-loop Adam: step_size as a number
+        (WarmupSGD, {"fused": True}, True),  # the fused kernels take the rate on their device
+        (WarmupAdamW, {"capturable": True, "foreach": True}, True),
+    ],
+)
+def test_a_tensor_rate_stays_off_the_gpu_where_the_step_reads_it_as_a_number(cls, options, on_params):
+    """On the H200 the recipes' tensor rate lived with the weights: SGD's for-loop and foreach steps
+    read it with `.item()` (each a host-device sync, every step; 161 per ResNet-50 step for the
+    for-loop). The meta device stands in for the GPU: the rate is made where the parameters live
+    only for the kernels that take it there."""
+    model = nn.Linear(4, 2, device="meta")
+    opt = cls(model.parameters(), lr=0.3, warmup_steps=3, **options)
+    where = {g["lr"].device.type for g in opt.param_groups} | {opt._warm_count.device.type}
+    assert where == ({"meta"} if on_params else {"cpu"})

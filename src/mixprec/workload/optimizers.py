@@ -58,6 +58,17 @@ def _tensor_lr_ok(optimizer: torch.optim.Optimizer) -> bool:
     return not foreach
 
 
+def _rate_device(optimizer: torch.optim.Optimizer) -> torch.device:
+    """Where a tensor learning rate lives: on the parameters' device only for the kernels that take
+    it there (fused, capturable); else on the CPU. SGD's for-loop and foreach steps and Adam's
+    for-loop step pass the rate as a number (``alpha=-lr``): a rate on the GPU is read back with one
+    ``.item()`` per parameter or per parameter group, each a host-device synchronisation, every
+    step (torch's own tutorial on a tensor rate under ``torch.compile`` keeps it on the CPU)."""
+    device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+    d = optimizer.defaults
+    return device if d.get("fused") or d.get("capturable") else torch.device("cpu")
+
+
 class _Warmup:
     """The learning rate ramps from ``lr / warmup_steps`` to ``lr`` over the first ``warmup_steps``
     optimizer steps, in every implementation alike (a verdict is shared by an optimizer's
@@ -75,7 +86,7 @@ class _Warmup:
         self.defaults["warmup_steps"] = self.warmup_steps
         self._warming = self.warmup_steps > 0
         self._tensor_lr = self._warming and _tensor_lr_ok(self)  # type: ignore[arg-type]
-        device = next((p.device for g in self.param_groups for p in g["params"]), torch.device("cpu"))
+        device = _rate_device(self)  # type: ignore[arg-type]
         self._warm_count = torch.zeros((), device=device)
         self._float_count = 0
         first = 1 / self.warmup_steps if self._warming else 1.0
