@@ -157,11 +157,25 @@ def main(argv: list[str] | None = None) -> int:
         if not group:
             continue
         started = time.perf_counter()
+        landed = out / f"fp8-gpt-verdicts-{part}.jsonl"
+        landed.unlink(missing_ok=True)
+
+        def verdict(event: dict[str, object], part: str = part, landed: Path = landed) -> None:
+            """Each verdict as it lands (the third lease's 100 s ended inside the check: nothing)."""
+            if event.get("event") != "verdict":
+                return
+            c = event["check"]
+            print(f"{part} verdict: {c.candidate.label}: {c.verdict} ({c.reason})", flush=True)
+            with landed.open("a") as f:
+                f.write(json.dumps(c.to_dict()) + "\n")
+
         try:
-            checks.append(mixprec.check(workload, policies=group, steps=args.check_steps, device=args.device))
+            checks.append(
+                mixprec.check(
+                    workload, policies=group, steps=args.check_steps, device=args.device, events=verdict
+                )
+            )
             (out / f"fp8-gpt-check-{part}.json").write_text(json.dumps(checks[-1].to_dict(), indent=1))
-            for c in checks[-1].candidates:
-                print(f"{part} verdict: {c.candidate.label}: {c.verdict} ({c.reason})", flush=True)
         except mixprec.MixprecError as exc:  # the speeds are still worth measuring
             print(f"check of the {part} candidates failed: {exc}", file=sys.stderr)
         check_s += time.perf_counter() - started

@@ -91,10 +91,16 @@ with mixprec.get_policy("fp32", device="cuda").precision_scope():
     strict = a @ a
 with mixprec.get_policy("tf32", device="cuda", check=False).precision_scope():
     asked_tf32 = a @ a
+exact = a.double() @ a.double()
+def error(m):
+    return ((m.double() - exact).abs().max() / exact.abs().max()).item()
 print(json.dumps({
     "supported": bool(mixprec.check_support("tf32", info)),
     "reason": mixprec.check_support("tf32", info).reason,
-    "tf32_request_honoured": not torch.equal(strict, asked_tf32),
+    # TF32's 10-bit mantissa: ~1e-3 of the largest value; fp32's ~1e-6. (Not bit equality: with the
+    # request cuBLAS may pick another fp32 kernel, another summation order; the third H200 lease)
+    "tf32_request_honoured": error(asked_tf32) > 1e-4,
+    "errors": [error(strict), error(asked_tf32)],
     "env_reports": mixprec.hardware.environment.collect("cuda")["precision_state"]["NVIDIA_TF32_OVERRIDE"],
     "effective_conv": mixprec.hardware.environment.collect("cuda")["precision_state"]["cudnn.conv"],
 }))
@@ -113,7 +119,7 @@ def test_nvidia_tf32_override_zero_is_detected_and_really_forces_fp32():
     )
     probe = json.loads(out.stdout.strip().splitlines()[-1])
     assert probe["supported"] is False and "NVIDIA_TF32_OVERRIDE=0" in probe["reason"]
-    assert probe["tf32_request_honoured"] is False  # the driver libraries ignore the TF32 request
+    assert probe["tf32_request_honoured"] is False, probe["errors"]  # the driver ignores the request
     assert probe["env_reports"] == "0"
     assert probe["effective_conv"] == "ieee (NVIDIA_TF32_OVERRIDE=0)"
 

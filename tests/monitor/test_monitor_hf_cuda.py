@@ -39,10 +39,19 @@ def train(tmp_path, steps, *, onset=ONSET, corrupt_at=None, **monitor_kw):
 
     w = mixprec.load_workload("hf:gpt2", seq_len=16, n_layer=1, n_embd=32, n_head=2)
     data = [{k: v[0] for k, v in w.make_batch(1, torch.device("cpu")).items()} for _ in range(steps * 2)]
-    gain = {"value": 1.0, "corrupt": False}
+    gain = {"value": 1.0, "corrupt": False, "ids": None}
 
-    def garbage(module, args, output):  # the corrupt batch, in the step and in its fp32 shadow
-        return output * 1e30 if gain["corrupt"] else output
+    def garbage(module, args, output):
+        """The corrupt batch's embeddings, in its step and in its fp32 shadow; any other batch's stay
+        clean (the monitor's control batch, replayed in the same step: a step-wide fault failed it
+        too, and the third H200 lease called the weights diverged instead of the batch bad)."""
+        if not gain["corrupt"]:
+            return output
+        ids = args[0]
+        if gain["ids"] is None:  # the step's own forward comes first
+            gain["ids"] = ids.detach().clone()
+        same = ids.shape == gain["ids"].shape and torch.equal(ids, gain["ids"])
+        return output * 1e30 if same else output
 
     w.model.transformer.wte.register_forward_hook(garbage)
 
@@ -56,7 +65,7 @@ def train(tmp_path, steps, *, onset=ONSET, corrupt_at=None, **monitor_kw):
             if state.global_step == onset:
                 gain["value"] = GAIN
             # the whole step is the corrupt batch's, the monitor's shadow at its end included
-            gain["corrupt"] = state.global_step == corrupt_at
+            gain["corrupt"], gain["ids"] = state.global_step == corrupt_at, None
 
     monitor = MonitorCallback(every=10, **monitor_kw)
     args = TrainingArguments(

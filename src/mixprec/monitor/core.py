@@ -4,11 +4,14 @@ their findings and, with ``rescue=True``, runs the actions they ask for.
 
 It costs what the user can afford:
 
-* **every step**, nothing the step does not already pay for: the loss is kept as a device tensor
-  (read at the next sampled step), the skipped flag comes from the policy's ``step()`` (which
-  reads it anyway) or, in a plain ``torch.amp`` loop, from the scale GradScaler has just updated
-  (its ``step()`` synchronises already for non-fused optimizers); a CPU step between the
-  sampled, timed and fed ones takes the gate's plain path (:mod:`~mixprec.monitor.gate`);
+* **every step**, at most one host read: a loss handed over before the update
+  (:meth:`Monitor.before_step`) is read then, after the GradScaler's own read of its inf flag where
+  there is one (one read a step on a GPU without a scaler: what judging a spike before its update
+  costs); a loss only observed is kept as a device tensor (read at the next sampled step); the
+  skipped flag comes from the policy's ``step()`` (which reads it anyway) or, in a plain
+  ``torch.amp`` loop, from the scale GradScaler has just updated (its ``step()`` synchronises
+  already for non-fused optimizers); a step between the sampled, timed and fed ones whose loss was
+  read takes the gate's plain path (:mod:`~mixprec.monitor.gate`);
 * **every** ``every`` **steps** (default 100): per-layer forward/backward abs-max and underflow
   share on the real step (:mod:`mixprec.monitor.sampler`), the losses since the last sample, a
   finite check of the weights, and the detectors' trends;
@@ -142,10 +145,13 @@ class RunRecord:
         if isinstance(loss, torch.Tensor):
             if self._host is None:
                 self._host = loss.device.type == "cpu" and loss.numel() == 1
-            if not self._host:
+            if read is not None and read[0] is loss:
+                value = read[1]  # (read before the update: a device loss too)
+            elif not self._host:
                 self._pending.append(loss.detach())
                 return None
-            value = read[1] if read is not None and read[0] is loss else loss.item()
+            else:
+                value = loss.item()
         else:
             value = float(loss)
         if self._pending:
@@ -523,10 +529,11 @@ class Monitor(RunRecord):
         weights and, with ``rescue=True``, its update withheld, rescued or retried before it lands.
         ``batch_index``: where the loop gives it (what a skip list names; default: the step);
         ``grad_norm``: the gradient norm where the loop has it for free (what ``clip_grad_norm_``
-        returned). A CPU loss is read here (the read :meth:`observe` would make) and compared with
-        the detectors' quick limit: a normal step arms no optimizer hook. A device loss is read in
-        the optimizer's pre-step hook only where the step's GradScaler has just synchronised (else
-        it is judged when a sampled step reads it). :meth:`observe` still follows the step."""
+        returned). The loss is read here and compared with the detectors' quick limit: a normal step
+        arms no optimizer hook. That read is free for a CPU loss and one host read a step for a GPU
+        loss (what judging a spike before its update costs); where a GradScaler reads its inf flag
+        anyway, a GPU loss is read in the optimizer's pre-step hook, after that read. :meth:`observe`
+        still follows the step."""
         self.gate.before_step(loss, batch, batch_index, grad_norm)
 
     def check_update(self, optimizer: Any) -> bool:

@@ -90,7 +90,10 @@ class UpdateGate:
         self.withheld_at = -1  # the last step whose update the monitor withheld
         self.held: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # optimizer: its gradients
         self.on_host: bool | None = None  # whether a staged loss tensor is read before the update
-        self.on_cpu = False  # and whether it is a CPU one (read at once, in before_step)
+        # and whether before_step reads it at once: a CPU loss (no sync), or a device loss no
+        # GradScaler synchronises for (one read a step, what withholding a spike before its update
+        # costs on a GPU: the H200's torchrun run updated on a 1e6 loss it read at the next sample)
+        self.read_at_once = False
         self.plain_until = 0  # the steps before it take the plain path (Monitor._next_busy_step)
         # the optimizers' pre-step hooks (before_update) while a staged step waits, their post-step
         # hooks (after_update) while an update must be seen: a CPU run's normal step arms neither
@@ -131,7 +134,7 @@ class UpdateGate:
         """:meth:`Monitor.before_step <mixprec.monitor.Monitor.before_step>`: a CPU loss read and
         cleared by the quick test now, else staged for the optimizers' pre-step hook."""
         value = None
-        if self.on_cpu and norm is None and not self.grad_each:
+        if self.read_at_once and norm is None and not self.grad_each:
             # the quick test now, on a value the host holds (it stays cold code: keep it short; a
             # loss item() refuses is checked below, where the error names the fix)
             try:
@@ -151,10 +154,10 @@ class UpdateGate:
         if self.on_host is None:  # (the first step: whether its loss can be read without a sync)
             scaler = self.scale.scaler or (self.policy.scaler if self.policy is not None else None)
             tensor = isinstance(loss, torch.Tensor)
-            self.on_cpu = tensor and loss.device.type == "cpu"
-            # (a device loss only where its GradScaler has just read its inf check)
-            self.on_host = self.on_cpu or (tensor and scaler is not None)
-            if self.on_cpu:  # (read now, as every later step is)
+            self.read_at_once = tensor and (loss.device.type == "cpu" or scaler is None)
+            # (a device loss with a GradScaler: in the pre-step hook, after the scaler's own read)
+            self.on_host = self.read_at_once or (tensor and scaler is not None)
+            if self.read_at_once:  # (read now, as every later step is)
                 self.before_step(loss, batch, index, norm)
                 return
         self.staged = (run.step, loss, batch, index, norm, value)
@@ -407,7 +410,7 @@ class UpdateGate:
         if self.unconfirmed:
             self.confirm(step)
         read, self.staged, self.read = self.read, None, None
-        if self.armed and self.on_cpu and self.group is None:
+        if self.armed and self.read_at_once and self.group is None:
             self.disarm()  # (a CPU loss is read by before_step's quick test: no hook; ranks agree in it)
         return read
 
@@ -447,7 +450,7 @@ class UpdateGate:
 
     def close(self) -> None:
         """The hooks removed; :meth:`before_step`'s quick test reads nothing more."""
-        self.on_cpu = False
+        self.read_at_once = False
         self.disarm()
         for handle in self.after:
             handle.remove()

@@ -105,6 +105,8 @@ class _GradScaler(torch.amp.GradScaler):
             growth_interval=options.growth_interval,
         )
         self._allow_fp16_grads = allow_fp16_grads
+        # optimizer id: whether its inf flag was set, as GradScaler's step() read it (see below)
+        self._found_read: dict[int, bool] = {}
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         allow_fp16 = allow_fp16 or self._allow_fp16_grads
@@ -138,6 +140,22 @@ class _GradScaler(torch.amp.GradScaler):
                     found[device] = found_inf.to(device=device, non_blocking=True, copy=True)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, found[device], inv_scale.to(device))
         return found
+
+    def _maybe_opt_step(
+        self, optimizer: Any, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        # GradScaler's own: one host read of the inf flag, then the step or not. The value is kept
+        # for found_inf_host: read again after the step, the flag waited for the optimizer's kernels
+        # queued behind it (the H200's sync debug mode: two reads a step, one of them a stall)
+        found = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
+        self._found_read[id(optimizer)] = found
+        return None if found else optimizer.step(*args, **kwargs)
+
+    def found_inf_host(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s last step found inf/NaN: the value :meth:`step` read (no second
+        read), else the flag read now (a fused optimizer takes the flag into its kernel unread)."""
+        found = self._found_read.pop(id(optimizer), None)
+        return bool(self.found_inf(optimizer)) if found is None else found
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Device tensor > 0 when ``optimizer``'s gradients had inf/NaN (after ``unscale_``)."""

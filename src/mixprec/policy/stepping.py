@@ -63,7 +63,7 @@ def step_optimizers(
             except NotImplementedError as exc:
                 _refuse_sparse_half_step(exc, o, policy.name, policy.param_names)
                 raise
-        found_host = [bool(policy.scaler.found_inf(o)) for o in opts]
+        found_host = [policy.scaler.found_inf_host(o) for o in opts]  # (read once, by its step)
     else:
         total_norm = _finite_total_norm(policy, opts) if clip_grad_norm is not None else None
         if total_norm is not None:

@@ -359,9 +359,9 @@ class Spike(Detector):
     def on_losses(self, run: Run, start: int, losses: Sequence[float], judged: set[int]) -> None:
         """The losses join the range in batches (a hot loop: a normal step's only work before its
         update is the quick test). One no check before its update saw (the loop handed nothing over
-        with Monitor.before_step, or a GPU loop without a GradScaler reads its losses only at the
-        sampled steps) and that spikes is reported, undiagnosed: its update has landed, and the
-        weights that made it are gone. A non-finite one is the overflow path's, as before."""
+        with Monitor.before_step: on a GPU its losses are read at the sampled steps only) and that
+        spikes is reported, undiagnosed: its update has landed, and the weights that made it are
+        gone. A non-finite one is the overflow path's, as before."""
         end = start + len(losses)
         for step, value in enumerate(losses, start):
             if step in self.taken or step in judged or not self.loss.take(value):
@@ -371,9 +371,8 @@ class Spike(Detector):
             late = UpdateView(step, value, None, None, None, landed=True)
             why = (
                 "found after its update landed, so no replay from the weights that made it: hand the "
-                "loss and batch over before the optimizer step (Monitor.before_step; a GPU loop without "
-                "a GradScaler has its losses read at the sampled steps only) to have it diagnosed and "
-                "withheld"
+                "loss and batch over before the optimizer step (Monitor.before_step: one read of the loss "
+                "a step on a GPU) to have it diagnosed and withheld"
             )
             self._report(run, late, UNDIAGNOSED, self._evidence(run, late, True, False), why)
         self.taken = {s for s in self.taken if s >= end}
