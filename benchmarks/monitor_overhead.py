@@ -216,6 +216,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=21, help="rounds for the MLP (ResNet-50: a quarter)")
     parser.add_argument("--steps", type=int, default=400, help="steps per round and variant for the MLP")
     parser.add_argument("--policy", default="bf16-mixed")
+    parser.add_argument(
+        "--models", default="mlp,resnet50", help="which of the two to run, comma-separated: mlp, resnet50"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu"))
     parser.add_argument(
@@ -226,7 +229,17 @@ def main() -> None:
     )
     args = parser.parse_args()
     results = {}
+    wanted = {m.strip() for m in args.models.split(",")}
+    # monitor_overhead.json for both models (the name the committed results have), else per model
+    stem = (
+        "monitor_overhead" if len(wanted) == len(MODELS) else f"monitor_overhead-{'-'.join(sorted(wanted))}"
+    )
+    unknown = wanted - {name.split()[0] for name in MODELS}
+    if unknown:
+        parser.error(f"--models: unknown {sorted(unknown)}; the models are mlp and resnet50")
     for name, (build, batch, share) in MODELS.items():
+        if name.split()[0] not in wanted:
+            continue
         plain, watched = (
             Loop(build, batch, args.policy, False, args.device),
             Loop(build, batch, args.policy, True, args.device),
@@ -301,11 +314,9 @@ def main() -> None:
             )
         if args.out:  # each model's result as it lands (a command cut short keeps the first)
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "monitor_overhead.partial.json").write_text(
-                json.dumps(results, indent=2, default=str)
-            )
+            (args.out / f"{stem}.partial.json").write_text(json.dumps(results, indent=2, default=str))
     args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / "monitor_overhead.json"
+    out = args.out / f"{stem}.json"
     out.write_text(
         json.dumps(
             {
