@@ -463,3 +463,40 @@ def test_a_data_spike_on_the_gpu_is_withheld_before_its_update():
     monitor.close()
     found = [(f.step, f.evidence.get("verdict")) for f in monitor.findings]
     assert found == [(BAD_AT, "data")] and monitor.withheld == [BAD_AT], monitor.findings
+
+
+def test_the_recipes_sgd_compiled_whole_warms_up_and_trains_like_its_eager_step():
+    """The recipes' tensor rate moved to the CPU after the third H200 lease (eager SGD read it back
+    per parameter group, a sync each): a step compiled whole (compile_scope='step') now takes a CPU
+    rate beside the device's weights. It must warm up and update as the eager step does. (Whether
+    ``reduce-overhead`` keeps its CUDA graphs with it is for the next lease to see in its log.)"""
+    from mixprec.workload.optimizers import WarmupSGD
+
+    torch._dynamo.reset()
+
+    def run(compiled: bool) -> tuple[list[float], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1)).to(DEVICE)
+        opt = WarmupSGD(model.parameters(), lr=0.05, momentum=0.9, warmup_steps=3)
+        x, y = torch.randn(16, 8, device=DEVICE), torch.randn(16, 1, device=DEVICE)
+
+        def step() -> torch.Tensor:
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        fn = torch.compile(step) if compiled else step
+        rates = []
+        for _ in range(5):
+            fn()
+            rates.append(float(opt.param_groups[0]["lr"]))
+        return rates, [p.detach().cpu() for p in model.parameters()]
+
+    eager_rates, eager_weights = run(False)
+    rates, weights = run(True)
+    assert eager_rates == pytest.approx([0.05 / 3, 0.1 / 3, 0.05, 0.05, 0.05])
+    assert rates == pytest.approx(eager_rates)
+    for got, want in zip(weights, eager_weights, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

@@ -132,3 +132,31 @@ def test_a_spike_after_a_long_plain_stretch_is_still_caught_before_its_update():
     monitor, _, _ = run(regression(150), "bf16-mixed", 240, every=400, rescue=True)
     assert monitor.withheld == [150]
     assert any(f.step == 150 and f.evidence.get("verdict") == "data" for f in monitor.findings)
+
+
+def test_a_loss_left_on_the_device_keeps_its_place_among_the_ones_read_before_their_update():
+    """A GPU loop whose ``observe()`` is sometimes given another tensor than ``before_step`` was (a
+    mean built twice): that step's loss waits on the device for the next sampled step, while the
+    next steps' were read before their update. The plain path appended those ahead of it, so the
+    detectors' ranges put values on the wrong steps (a review of the third H200 lease's change, which
+    gave a GPU loss the plain path). ``_host = False`` is the monitor's state for a GPU loss."""
+    w = regression()
+    policy = mixprec.get_policy("bf16-mixed", device="cpu")
+    model = policy.prepare(w.model)
+    optimizer = w.make_optimizer(model)
+    monitor = Monitor(model, policy, optimizer=optimizer, loss_fn=w.loss_fn, every=1000)
+    monitor._host = False  # (as a CUDA loss: not read by observe(), kept for the next sample)
+    torch.manual_seed(0)
+    seen = []
+    for step in range(60):
+        batch = w.make_batch(32, CPU)
+        with policy.autocast():
+            loss = w.loss_fn(model, batch)
+        optimizer.zero_grad()
+        policy.backward(loss)
+        monitor.before_step(loss, batch, batch_index=step)
+        policy.step(optimizer)
+        monitor.observe(loss.detach() if step % 7 == 3 else loss, batch)
+        seen.append(loss.item())
+    assert monitor.read_losses() == seen
+    monitor.close()

@@ -192,3 +192,13 @@ def test_finite_gradients_whose_norm_overflows_are_stepped_as_clip_grad_norm_ste
     nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
     opt_reference.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+def test_the_inf_flag_a_step_read_does_not_outlive_its_scale_update():
+    """GradScaler's step keeps the flag it read for the policy's count; a clipped step never asks for
+    it (it reads the clip's norm instead), so the kept flag must end with the step's scale update, or
+    a later optimizer reusing the same id() would be told a stale skip."""
+    policy = mixprec.get_policy("fp16-mixed", device="cpu")
+    step, _ = _policy_step(_model(), policy, "sgd", 1.0)
+    step(torch.randn(4, 16), torch.randn(4, 16))
+    assert policy.scaler._found_read == {}

@@ -45,3 +45,21 @@ def test_a_carrier_slower_than_strict_fp32_sends_its_low_formats_to_the_end(fram
     # a carrier that is faster keeps them right behind it (where fp8 may pay: a wide model)
     fast = {**slow, "bf16-mixed": 0.5}
     assert measured_order(fast) == ["bf16-mixed", "fp8-rowwise", "fp8-tensorwise", "fp16-mixed"]
+
+
+@pytest.mark.parametrize(
+    ("status", "ratios"), [("ok", (0.8, 0.78, 0.82, 0.8)), ("pruned", ())], ids=["slower", "pruned"]
+)
+def test_a_low_format_with_a_precision_map_waits_behind_a_slow_carrier_too(status, ratios):
+    """A low format with ``keep_bf16`` (tune's precision-map fix) rides on the same carrier; the
+    order test rebuilt it as its carrier, which a carrier refuses (the review of this change: the
+    whole sweep stopped on a PolicyError). A carrier pruned as far slower sends its riders last too."""
+    from mixprec.measure.results import BenchRow
+    from mixprec.measure.sweep import riding_last
+
+    carrier = Candidate("bf16-mixed")
+    row = BenchRow("w", carrier, "cpu", 8, status, paired_ratios=ratios)
+    mapped = Candidate("fp8-rowwise", keep_bf16=("head",))
+    rest = [(2, mapped), (3, Candidate("fp8-rowwise", channels_last=True)), (4, Candidate("fp16-mixed"))]
+    moved = riding_last(carrier, row, rest)
+    assert [i for i, _ in moved] == [3, 4, 2]  # (fp8 with channels_last rides on bf16-mixed+cl)

@@ -14,7 +14,7 @@ import hashlib
 import json
 import statistics
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 from mixprec import validation
@@ -283,18 +283,24 @@ def riding_last(
     measured: Candidate, row: BenchRow, rest: list[tuple[int, Candidate]]
 ) -> list[tuple[int, Candidate]]:
     """``rest`` with the low formats that ride on ``measured`` moved to its end when ``measured``
-    ran slower than strict fp32 (its interval below 1x). fp8, MXFP8 and NVFP4 run everything but
-    their eligible GEMMs in their carrier (bf16-mixed) and add scaling casts: where the carrier
-    loses to strict fp32 they lose more. The H200's tune of a small nanoGPT-style script
-    (2026-11-30): bf16-mixed 0.80x [0.61-0.95], then fp8-rowwise 0.30x and fp8-tensorwise 0.33x
-    took 30 s of the 120 s budget, and tf32, fp16-mixed and compile were never measured."""
+    ran slower than strict fp32 (its interval below 1x, or pruned as far slower). fp8, MXFP8 and
+    NVFP4 run everything but their eligible GEMMs in their carrier (bf16-mixed) and add scaling
+    casts: where the carrier loses to strict fp32 they lose more. The H200's tune of a small
+    nanoGPT-style script (2026-11-30): bf16-mixed 0.80x [0.61-0.95], then fp8-rowwise 0.30x and
+    fp8-tensorwise 0.33x took 30 s of the 120 s budget, and tf32, fp16-mixed and compile were never
+    measured."""
     interval = median_ci(row.paired_ratios) if row.paired_ratios else None
-    if interval is None or interval[1] >= 1.0:
+    slower = row.status == Status.PRUNED or (
+        row.status == Status.OK and interval is not None and interval[1] < 1.0
+    )
+    if not slower:
         return rest
+    # the same layout, compile and optimizer on the carrier (a low format's own keep_bf16 aside)
+    same = [f.name for f in fields(Candidate) if f.name not in ("policy", "keep_bf16")]
     riding = [
         (i, c)
         for i, c in rest
-        if carrier(c.policy) == measured.policy and replace(c, policy=measured.policy) == measured
+        if carrier(c.policy) == measured.policy and all(getattr(c, k) == getattr(measured, k) for k in same)
     ]
     return [item for item in rest if item not in riding] + riding
 
@@ -480,7 +486,7 @@ class Sweep:
                         row = replace(row, notes=(*row.notes, f"not retried: {support.reason}"))
                     emulated.setdefault(cand.policy, row)
             rows.record(row, i)
-            if refused is None and row.status == Status.OK:
+            if refused is None:
                 queue[at:] = riding_last(cand, row, queue[at:])
         # A transient must not prune a candidate for good: one more attempt, when time is left.
         for i, first in pruned:

@@ -4,10 +4,11 @@ optimizer step and right after it. Where the loop hands its loss and batch over
 train`` do), the spike test of the loss (and gradient norm) against the run's own range is a few
 float operations on a value the host holds; on a spike, its batch replayed from the same weights in
 fp32 and in the policy says data, precision or transient, and the update is withheld, rescued or
-retried before it lands (:mod:`~mixprec.monitor.detectors.spike`). A CPU step whose loss the quick
-test read and cleared, and that is neither sampled, timed nor fed to the detectors, takes the plain
-path (keep the loss, count the step) and runs no optimizer hook: on a launch-bound step these
-microseconds of cold Python are the monitor's whole cost."""
+retried before it lands (:mod:`~mixprec.monitor.detectors.spike`). A step whose loss the quick
+test read and cleared (a CPU loss, or a GPU one no enabled GradScaler reads for: one host read), and
+that is neither sampled, timed nor fed to the detectors, takes the plain path (keep the loss, count
+the step) and runs no optimizer hook: on a launch-bound step these microseconds of cold Python are
+the monitor's whole cost."""
 
 from __future__ import annotations
 
@@ -154,9 +155,10 @@ class UpdateGate:
         if self.on_host is None:  # (the first step: whether its loss can be read without a sync)
             scaler = self.scale.scaler or (self.policy.scaler if self.policy is not None else None)
             tensor = isinstance(loss, torch.Tensor)
-            self.read_at_once = tensor and (loss.device.type == "cpu" or scaler is None)
+            scaling = scaler is not None and scaler.is_enabled()  # (nanoGPT's GradScaler(enabled=False))
+            self.read_at_once = tensor and (loss.device.type == "cpu" or not scaling)
             # (a device loss with a GradScaler: in the pre-step hook, after the scaler's own read)
-            self.on_host = self.read_at_once or (tensor and scaler is not None)
+            self.on_host = self.read_at_once or (tensor and scaling)
             if self.read_at_once:  # (read now, as every later step is)
                 self.before_step(loss, batch, index, norm)
                 return
@@ -397,6 +399,7 @@ class UpdateGate:
             and read is not None
             and read[0] is loss
             and not self.armed
+            and not self.run._pending  # (a loss kept on the device goes first: the whole path keeps order)
             and self.policy.stats.skipped_steps == self.scale.skips_seen
         ):
             self.read = None
@@ -411,7 +414,7 @@ class UpdateGate:
             self.confirm(step)
         read, self.staged, self.read = self.read, None, None
         if self.armed and self.read_at_once and self.group is None:
-            self.disarm()  # (a CPU loss is read by before_step's quick test: no hook; ranks agree in it)
+            self.disarm()  # (a loss read by before_step's quick test needs no hook; ranks agree in it)
         return read
 
     def confirm(self, step: int) -> None:

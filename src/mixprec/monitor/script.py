@@ -41,6 +41,9 @@ class ScriptMonitor:
         self.monitor: Monitor | None = None
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # this step's, before it
         self._checked = False  # whether the tape was checked against its step's own loss
+        # the loss handed over before this step's update: recorded as is (the monitor keeps the value
+        # it read then; another tensor of the same sum would be kept on a GPU and read again later)
+        self._handed: torch.Tensor | None = None
         self.replay_note = ""  # why the steps cannot be replayed, where they cannot
 
     # ------------------------------------------------------------------ the agent's calls
@@ -83,11 +86,13 @@ class ScriptMonitor:
                 self.replay_note = f"the script's step cannot be replayed: {tape.broken}"
                 agent.taping = False
         replayable = tape is not None and not tape.broken and agent.taping
+        self._handed = loss
         monitor.before_step(loss, tape if replayable else None, batch_index=window.index)
 
     def step(self, agent: Any, loss: torch.Tensor | None, skipped: bool) -> str | None:
         """Record the step; what stopped the run, if the monitor gave up on it."""
         buffers, self._buffers = self._buffers, None
+        handed, self._handed = self._handed, None
         if loss is None:
             return None
         if self.monitor is None:  # (a framework's loop steps with a closure: no update seen before)
@@ -97,7 +102,7 @@ class ScriptMonitor:
             with torch.no_grad():  # the withheld batch's forward moved them: back as before it
                 for live, saved in buffers:
                     live.copy_(saved)
-        self.monitor.record(loss)
+        self.monitor.record(handed if handed is not None else loss)
         return f"the monitor stopped the run: {self.monitor.stopped}" if self.monitor.stopped else None
 
     def summary(self) -> dict[str, Any]:

@@ -151,6 +151,10 @@ class _GradScaler(torch.amp.GradScaler):
         self._found_read[id(optimizer)] = found
         return None if found else optimizer.step(*args, **kwargs)
 
+    def update(self, new_scale: Any = None) -> None:
+        self._found_read.clear()  # (a step's flags, read or not, end with its scale update)
+        super().update(new_scale)
+
     def found_inf_host(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s last step found inf/NaN: the value :meth:`step` read (no second
         read), else the flag read now (a fused optimizer takes the flag into its kernel unread)."""
