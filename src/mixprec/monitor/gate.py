@@ -132,8 +132,8 @@ class UpdateGate:
 
     # ------------------------------------------------------------------ before the update
     def before_step(self, loss: Any, batch: Any, index: int | None, norm: float | None) -> None:
-        """:meth:`Monitor.before_step <mixprec.monitor.Monitor.before_step>`: a CPU loss read and
-        cleared by the quick test now, else staged for the optimizers' pre-step hook."""
+        """:meth:`Monitor.before_step <mixprec.monitor.Monitor.before_step>`: the loss read and cleared
+        by the quick test now (:attr:`read_at_once`), else staged for the optimizers' pre-step hook."""
         value = None
         if self.read_at_once and norm is None and not self.grad_each:
             # the quick test now, on a value the host holds (it stays cold code: keep it short; a
