@@ -137,7 +137,10 @@ def test_the_hf_trainer_builds_the_candidates_optimizer_and_compiles_through_its
     torch_compile (which crashed under the agent: its autocast patch refused the four positional
     arguments dynamo passes)."""
     require("transformers", "frameworks")
+    # aot_eager: Dynamo traces through the agent as Inductor would (the crash was in the trace), without
+    # Inductor generating the kernels (90 s of the suite on a 2-core CPU)
     args = ["--output_dir", str(tmp_path), "--max_steps", "100", "--tiny", "--optim", "adamw_torch"]
+    args += ["--torch_compile_backend", "aot_eager"]
     candidate = cand("bf16-mixed", optimizer="fused", compile="default")
     record = trace(script("hf_trainer.py", *args), candidate, 1)
     assert record.facts.framework == "hf"
