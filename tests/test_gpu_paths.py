@@ -442,25 +442,9 @@ def test_a_data_spike_on_the_gpu_is_withheld_before_its_update():
     the 1e6 loss of a bad batch was found after its update had landed. Handed over before the update
     it is read then, diagnosed from the same weights and withheld, as on the CPU."""
     sys.path.insert(0, str(ROOT / "tests" / "monitor"))
-    from monitor_faults import BAD_AT, regression
+    from monitor_faults import BAD_AT, loop, regression
 
-    device = torch.device(DEVICE)
-    w = regression(BAD_AT)
-    policy = mixprec.get_policy("bf16-mixed", device=device)
-    model = policy.prepare(w.model.to(device))
-    optimizer = w.make_optimizer(model)
-    monitor = mixprec.Monitor(model, policy, optimizer=optimizer, loss_fn=w.loss_fn, every=20, rescue=True)
-    torch.manual_seed(0)
-    for step in range(BAD_AT + 5):
-        batch = w.make_batch(32, device)
-        with policy.autocast():
-            loss = w.loss_fn(model, batch)
-        optimizer.zero_grad()
-        policy.backward(loss)
-        monitor.before_step(loss, batch, batch_index=step)
-        policy.step(optimizer)
-        monitor.observe(loss, batch)
-    monitor.close()
+    monitor, *_ = loop(regression(BAD_AT), BAD_AT + 5, device=torch.device(DEVICE), rescue=True)
     found = [(f.step, f.evidence.get("verdict")) for f in monitor.findings]
     assert found == [(BAD_AT, "data")] and monitor.withheld == [BAD_AT], monitor.findings
 

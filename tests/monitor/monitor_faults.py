@@ -10,6 +10,8 @@ from torch import nn
 
 import mixprec
 
+CPU = torch.device("cpu")
+
 
 def mlp() -> mixprec.Workload:
     torch.manual_seed(0)
@@ -148,3 +150,33 @@ def transient_mlp():
     w.make_batch = counted
     w.faults = FaultInjector(w.model, module="head", steps={100}, transient=True, clock=lambda: drawn[0] - 1)
     return w
+
+
+def loop(workload, steps, *, policy_name="bf16-mixed", before=True, faults=None, device=CPU, **monitor_kw):
+    """A plain loop under a mixprec Policy that hands the loss and batch over before the optimizer
+    step (``before=False``: only after, as loops written before issue 37 do). ``faults(model,
+    optimizer)`` builds a FaultInjector. Returns (monitor, losses, policy, injector)."""
+    policy = mixprec.get_policy(policy_name, device=device)
+    model = policy.prepare(workload.model.to(device))
+    optimizer = workload.make_optimizer(model)
+    injector = faults(model, optimizer) if faults is not None else None
+    monitor = mixprec.Monitor(
+        model, policy, optimizer=optimizer, loss_fn=workload.loss_fn, every=20, **monitor_kw
+    )
+    torch.manual_seed(0)
+    losses = []
+    for step in range(steps):
+        batch = workload.make_batch(32, device)
+        with policy.autocast():
+            loss = workload.loss_fn(model, batch)
+        optimizer.zero_grad()
+        policy.backward(loss)
+        if before:
+            monitor.before_step(loss, batch, batch_index=step)
+        policy.step(optimizer)
+        monitor.observe(loss, batch)
+        losses.append(float(loss.detach()))
+    monitor.close()
+    if injector is not None:
+        injector.close()
+    return monitor, losses, policy, injector

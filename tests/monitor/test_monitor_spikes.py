@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from monitor_faults import BAD_AT, regression
+from monitor_faults import BAD_AT, loop, regression
 
 import mixprec
 from mixprec.cli import main
@@ -32,34 +32,6 @@ CPU = torch.device("cpu")
 @pytest.fixture(autouse=True)
 def _one_thread(single_thread):
     """Tiny models: one thread (see conftest.single_thread)."""
-
-
-def loop(workload, steps, *, policy_name="bf16-mixed", before=True, faults=None, **monitor_kw):
-    """A plain loop under a mixprec Policy that hands the loss and batch over before the optimizer
-    step (``before=False``: only after, as loops written before issue 37 do). ``faults(model,
-    optimizer)`` builds a FaultInjector. Returns (monitor, losses, policy, injector)."""
-    policy = mixprec.get_policy(policy_name, device="cpu")
-    model = policy.prepare(workload.model)
-    optimizer = workload.make_optimizer(model)
-    injector = faults(model, optimizer) if faults is not None else None
-    monitor = Monitor(model, policy, optimizer=optimizer, loss_fn=workload.loss_fn, every=20, **monitor_kw)
-    torch.manual_seed(0)
-    losses = []
-    for step in range(steps):
-        batch = workload.make_batch(32, CPU)
-        with policy.autocast():
-            loss = workload.loss_fn(model, batch)
-        optimizer.zero_grad()
-        policy.backward(loss)
-        if before:
-            monitor.before_step(loss, batch, batch_index=step)
-        policy.step(optimizer)
-        monitor.observe(loss, batch)
-        losses.append(float(loss.detach()))
-    monitor.close()
-    if injector is not None:
-        injector.close()
-    return monitor, losses, policy, injector
 
 
 def spikes(monitor):
