@@ -201,14 +201,17 @@ def _rate_on_device(loop: Loop) -> None:
         opt._warm_count = opt._warm_count.to(loop.device)
 
 
-def _paired(a: Loop, b: Loop, rounds: int, steps: int) -> list[float]:
-    """Per-round ratios b/a of time per step, interleaved (A B B A ...)."""
-    ratios = []
+def _paired(a: Loop, b: Loop, rounds: int, steps: int) -> tuple[list[float], list[float], list[float]]:
+    """Interleaved rounds (A B B A ...): per round the ratio b/a of time per step, and each loop's
+    seconds per step."""
+    ratios, a_s, b_s = [], [], []
     for r in range(rounds):
         order = (a, b) if r % 2 == 0 else (b, a)
         t = {id(loop): loop.run(steps) for loop in order}
+        a_s.append(t[id(a)])
+        b_s.append(t[id(b)])
         ratios.append(t[id(b)] / t[id(a)])
-    return ratios
+    return ratios, a_s, b_s
 
 
 def main() -> None:
@@ -245,14 +248,8 @@ def main() -> None:
             Loop(build, batch, args.policy, True, args.device),
         )
         plain.run(20), watched.run(20)  # warm-up
-        ratios, times = [], {"plain": [], "monitor": []}
         rounds, steps = max(3, args.rounds // share) | 1, max(100, args.steps // share)
-        for r in range(rounds):
-            order = (plain, watched) if r % 2 == 0 else (watched, plain)
-            t = {id(loop): loop.run(steps) for loop in order}
-            times["plain"].append(t[id(plain)])
-            times["monitor"].append(t[id(watched)])
-            ratios.append(t[id(watched)] / t[id(plain)])
+        ratios, plain_s, monitor_s = _paired(plain, watched, rounds, steps)
         extra: dict[str, object] = {}
         if args.device.startswith("cuda"):
             try:  # (a failure here, untried before the lease, keeps the paired rounds above)
@@ -268,7 +265,7 @@ def main() -> None:
                 extra["syncs_per_step_rate_on_device"], extra["sync_lines_rate_on_device"] = _syncs_per_step(
                     old, 50
                 )
-                lr_ratios = _paired(plain, old, max(3, rounds // 2) | 1, steps)
+                lr_ratios = _paired(plain, old, max(3, rounds // 2) | 1, steps)[0]
                 extra["rate_on_device_ratio"] = statistics.median(lr_ratios)
                 extra["rate_on_device_ratios"] = lr_ratios
             except Exception as exc:
@@ -291,8 +288,8 @@ def main() -> None:
             "ratio_iqr": [quartiles[0], quartiles[2]],
             "ratios": ratios,
             **watched.components(),
-            "plain_ms": statistics.median(times["plain"]) * 1e3,
-            "monitor_ms": statistics.median(times["monitor"]) * 1e3,
+            "plain_ms": statistics.median(plain_s) * 1e3,
+            "monitor_ms": statistics.median(monitor_s) * 1e3,
             "findings": [f.to_dict() for f in watched.monitor.findings] if watched.monitor else [],
             **extra,
         }
