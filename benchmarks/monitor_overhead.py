@@ -271,14 +271,6 @@ def main() -> None:
             except Exception as exc:
                 extra["sync_count_error"] = f"{type(exc).__name__}: {exc}"
                 print(f"{name}: counting the host's reads failed: {extra['sync_count_error']}")
-        if args.profile:
-            args.out.mkdir(parents=True, exist_ok=True)
-            for label, loop in (("plain", plain), ("monitor", watched)):
-                table = _profiled(loop, 50)
-                path = args.out / f"monitor_overhead-profile-{name.split()[0]}-{label}.txt"
-                path.write_text(
-                    table + "\n\n# the host's Python, cProfile over 200 steps\n" + _host_profile(loop, 200)
-                )
         ratio = statistics.median(ratios)
         quartiles = statistics.quantiles(ratios, n=4)
         results[name] = {
@@ -312,6 +304,14 @@ def main() -> None:
         if args.out:  # each model's result as it lands (a command cut short keeps the first)
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / f"{stem}.partial.json").write_text(json.dumps(results, indent=2, default=str))
+        if args.profile:  # after the figures are written: the profiles are the first thing a cut loses
+            args.out.mkdir(parents=True, exist_ok=True)
+            for label, loop in (("plain", plain), ("monitor", watched)):
+                table = _profiled(loop, 50)
+                path = args.out / f"monitor_overhead-profile-{name.split()[0]}-{label}.txt"
+                path.write_text(
+                    table + "\n\n# the host's Python, cProfile over 200 steps\n" + _host_profile(loop, 200)
+                )
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"{stem}.json"
     out.write_text(
