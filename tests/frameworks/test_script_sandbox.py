@@ -81,3 +81,27 @@ def test_trees_removed_and_temporary_folders_elsewhere_are_untouched(boxed):
         (Path(scratch) / "a" / "b").mkdir(parents=True)
         (Path(scratch) / "a" / "b" / "f").write_text("x")
     assert not os.path.exists(scratch)
+
+
+def test_a_script_run_from_the_folder_that_holds_mixprecs_scratch_is_traced(tmp_path, monkeypatch):
+    """`cd /tmp && mixprec tune -- python ~/train.py`: mixprec's scratch folder lies in the user's
+    folder, and the sandbox moved the agent's trace record into the run's own folder, where the
+    parent never found it ("the script does not train in strict fp32: the script ended before 2
+    optimizer steps (exit 0)")."""
+    import sys
+
+    from mixprec.frameworks.script import ScriptWorkload
+    from mixprec.frameworks.script.session import trace
+    from mixprec.policy import Candidate
+
+    script = Path(__file__).parent / "scripts" / "plain_loop.py"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the scratch goes here, as /tmp's does
+    workload = ScriptWorkload.from_command(
+        [sys.executable, str(script), "--steps", "4", "--d-model", "32", "--layers", "1"], cwd=tmp_path
+    )
+    try:
+        assert workload.scratch.parent == tmp_path
+        record = trace(workload, Candidate("fp32", framework="script"), 2)
+    finally:
+        workload.close()
+    assert len(record.steps) == 2 and all(s.loss > 0 for s in record.steps)

@@ -68,3 +68,17 @@ def test_the_cli_takes_the_toy_framework(tmp_path, capsys):
     )
     assert code == 0, capsys.readouterr().err
     assert [r["label"] for r in json.loads(out.read_text())["rows"]] == ["fp32", "fp16-true"]
+
+
+def test_a_baseline_that_crashes_mid_sweep_ends_the_sweep_not_the_candidate():
+    """Strict fp32's session raising during a candidate's paired rounds is strict fp32's failure: the
+    candidate is not blamed for it, the sweep stops with the reason and keeps fp32's timed steps (the
+    H200's script tune blamed every later candidate with BrokenPipeError, then lost every row)."""
+    result = mixprec.bench(ToyWorkload(fp32_fails_at=100), policies="fp32,fp16-true", steps=2, warmup=1)
+    rows = {r.label: r for r in result.rows}
+    assert "fp16-true" not in rows or rows["fp16-true"].status != "error", rows["fp16-true"].reason
+    assert result.stopped and "strict fp32's session ended: RuntimeError: corrupt shard" in result.stopped
+    assert "while measuring fp16-true" in result.stopped
+    fp32 = rows["fp32"]
+    assert fp32.status == "ok" and len(fp32.step_times_ms) >= 2
+    assert any("its session ended during the sweep" in n for n in fp32.notes)

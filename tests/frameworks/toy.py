@@ -31,6 +31,7 @@ class ToyWorkload:
     features: int = 8
     scale: float = 1.0  # of the inputs: large ones overflow fp16
     lr: float = 0.05
+    fp32_fails_at: int | None = None  # strict fp32's session raises at this step (a crash mid-sweep)
     name: str = "toy"
     description: str = "linear regression in NumPy"
     default_batch_size: int = 16
@@ -73,6 +74,9 @@ class ToySession:
         self.result, self.index = Measurement(), 0
 
     def step(self, timed: bool) -> dict[str, Any]:
+        fails_at = self.trainer.workload.fp32_fails_at
+        if fails_at is not None and self.index >= fails_at and self.trainer.dtype is np.float32:
+            raise RuntimeError(f"corrupt shard at step {self.index}")
         start = time.perf_counter()
         loss = self.trainer.step(self.batches[self.index % len(self.batches)])
         seconds = time.perf_counter() - start

@@ -129,6 +129,7 @@ class Measurement:
     # seconds spent building the compiled step before the first step ran (TensorFlow traces its
     # tf.function then); part of the first step's cost, kept out of the cold step pruning compares
     trace_s: float | None = None
+    notes: list[str] = field(default_factory=list)  # what the row should say about how it ran
 
 
 Emit = Callable[[dict[str, Any]], bool]  # returns False to stop the candidate (pruned)

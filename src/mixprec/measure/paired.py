@@ -55,6 +55,11 @@ MAX_ROUND_STEPS = 500
 SessionHandle = ChildSession | LocalSession
 
 
+class BaselineEnded(SessionEnded):
+    """The baseline's session ended during a candidate's paired rounds: not the candidate's
+    failure, and nothing is paired after it (the sweep keeps the rows measured so far)."""
+
+
 class PairedSweep:
     """The baseline session and the measurement of one candidate after another against it; the
     workload's framework backend builds the sessions (in child processes or in this one)."""
@@ -85,6 +90,7 @@ class PairedSweep:
         self.baseline_cold: float | None = None
         self.compiling = False  # the candidate being measured runs under torch.compile
         self.baseline_wall = 0.0
+        self.baseline_ended: str | None = None  # why the baseline's session ended early, if it did
         self.best_ratio = 1.0  # the best median paired ratio so far (the baseline itself is 1)
 
     # ------------------------------------------------------------------ sessions
@@ -138,21 +144,38 @@ class PairedSweep:
         return self._row(base, step_times_ms=_ms(self.baseline_times), first_step_ms=_ms1(self.baseline_cold))
 
     def finish_baseline(self) -> BenchRow:
-        """Close the baseline session; its row over every step it timed during the sweep."""
-        assert self.baseline is not None
-        measurement = self.baseline.finish()
-        self.baseline = None
+        """Close the baseline session; its row over every step it timed during the sweep (also when
+        the session ended early: the steps it timed were timed)."""
         row = self._row(
             self.baseline_candidate,
             step_times_ms=_ms(self.baseline_times),
             first_step_ms=_ms1(self.baseline_cold),
         )
+        if self.baseline is None:
+            assert self.baseline_ended is not None, "finish_baseline before start_baseline"
+            note = f"its session ended during the sweep ({self.baseline_ended}): the steps timed before"
+            return replace(row, wall_s=self.baseline_wall, notes=(*row.notes, note))
+        try:
+            measurement = self.baseline.finish()
+        except SessionEnded as ended:  # (at its last word: the rows paired with it stand)
+            self.baseline = None
+            note = f"its session ended as it was stopped ({ended.reason}): no peak memory"
+            return replace(row, wall_s=self.baseline_wall, notes=(*row.notes, note))
+        self.baseline = None
         return _with(row, measurement, wall_s=self.baseline_wall)
 
     def _baseline_round(self, n: int) -> float:
-        """Run ``n`` baseline steps; their median (the first left out when ``n >= 3``)."""
+        """Run ``n`` baseline steps; their median (the first left out when ``n >= 3``).
+        :class:`BaselineEnded` where the baseline's session ends."""
         assert self.baseline is not None
-        times = self.baseline.steps(n, lambda index, timed: BASELINE_LIMIT_S, lambda event: None)
+        try:
+            times = self.baseline.steps(n, lambda index, timed: BASELINE_LIMIT_S, lambda event: None)
+        except SessionEnded as ended:
+            self.baseline.close()
+            self.baseline, self.baseline_ended = None, ended.reason
+            raise BaselineEnded(
+                ended.status, f"strict fp32's session ended: {ended.reason}", traceback=ended.traceback
+            ) from ended
         kept = _settled(times)
         self.baseline_times += kept
         return statistics.median(kept)
@@ -182,7 +205,7 @@ class PairedSweep:
     def measure(self, candidate: Candidate) -> BenchRow:
         """Warm ``candidate`` up and time it in rounds paired with the baseline; never raises for
         the candidate's own failures (they become the row's status). :class:`SessionEnded` with
-        status 'stopped' propagates: the sweep ends there."""
+        status 'stopped', and :class:`BaselineEnded`, propagate: the sweep ends there."""
         wall = clock.now()
         session: SessionHandle | None = None
         times: list[float] = []
@@ -220,7 +243,7 @@ class PairedSweep:
         except SessionEnded as ended:
             if session is not None:
                 session.close()
-            if ended.status == "stopped":
+            if ended.status == "stopped" or isinstance(ended, BaselineEnded):
                 raise
             status = Status(ended.status)
             reason = ended.reason
@@ -286,6 +309,7 @@ def _with(row: BenchRow, m: Measurement, **extra: Any) -> BenchRow:
         recompiles=m.recompiles,
         compute_share=m.compute_share,
         optimizer_share=m.optimizer_share,
+        notes=(*row.notes, *m.notes),
         **extra,
     )
     if m.trace_s is not None and out.first_step_ms is not None:  # what the first step cost a user

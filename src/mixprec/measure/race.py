@@ -272,7 +272,8 @@ def paired_rounds(
                 row = sweep.measure(rival)
                 if row.status == Status.OK:
                     got[rival] = row.paired_ratios
-        except SessionEnded:  # told to stop (the budget): what was measured counts
+        except SessionEnded:  # told to stop (the budget), or the leader's session ended: what was
+            # measured counts
             pass
         finally:
             sweep.close()

@@ -30,7 +30,7 @@ from mixprec.measure.config import BenchConfig, parse_choice
 from mixprec.measure.data_parallel import measure_data_parallel
 from mixprec.measure.failure import exception_status
 from mixprec.measure.isolate import SessionEnded
-from mixprec.measure.paired import PairedSweep
+from mixprec.measure.paired import BaselineEnded, PairedSweep
 from mixprec.measure.recorder import RowRecorder
 from mixprec.measure.repeats import Repeats
 from mixprec.measure.results import NO_FLOPS_NOTE, BenchResult, BenchRow, median_ci
@@ -472,6 +472,9 @@ class Sweep:
             self.events({"event": "candidate", "label": cand.label, "index": i, "count": count})
             try:
                 row = refused or sweep.measure(cand)
+            except BaselineEnded as ended:  # nothing can be paired after it; the rows so far stand
+                result.stopped = f"{ended.reason} while measuring {cand.label}"
+                break
             except SessionEnded:  # told to stop while measuring it
                 result.stopped = f"stopped by the deadline while measuring {cand.label}"
                 break
@@ -496,6 +499,9 @@ class Sweep:
             self.events({"event": "candidate", "label": label, "index": i, "count": count})
             try:
                 again = sweep.measure(first.candidate)
+            except BaselineEnded as ended:
+                result.stopped = f"{ended.reason} while retrying {first.candidate.label}"
+                break
             except SessionEnded:
                 result.stopped = f"stopped by the deadline while retrying {first.candidate.label}"
                 break

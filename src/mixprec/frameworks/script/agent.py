@@ -138,7 +138,7 @@ class Agent:
         if self.plan.home and self.mode.sandboxed:
             from mixprec.frameworks.script import sandbox
 
-            self.patches.add(sandbox.install(self.plan.home, os.getcwd()))
+            self.patches.add(sandbox.install(self.plan.home, os.getcwd(), own=self.plan.own))
         self.mode.install()
 
     def uninstall(self) -> None:

@@ -112,7 +112,7 @@ def launch(
         from mixprec.frameworks.script.sandbox import mirror
 
         cwd = mirror(workload.cwd, folder / "cwd")
-        plan = dataclasses.replace(plan, home=str(workload.cwd))
+        plan = dataclasses.replace(plan, home=str(workload.cwd), own=str(workload.scratch))
     else:
         folder.mkdir(parents=True)
     plan = dataclasses.replace(

@@ -56,6 +56,9 @@ class Plan:
         scratch: where the frameworks' output folders go in "measure" and "trace" modes.
         home: "measure"/"trace": the user's folder, which the run's scratch working folder mirrors
             (:mod:`.sandbox`: reads as there, writes never there); None: no sandbox.
+        own: mixprec's scratch folder (the trace and census records the parent reads are written
+            there): never redirected by the sandbox, also where it lies in ``home`` (a script run
+            from ``/tmp``).
         observer: "run": ``module:function`` building an observer of the run from the agent and
             ``observe`` (the monitor's adapter: :mod:`mixprec.monitor.script`), or None.
         observe: the observer's settings (the Monitor's: :class:`mixprec.monitor.MonitorConfig` fields).
@@ -78,6 +81,7 @@ class Plan:
     ranges: bool = False
     scratch: str | None = None
     home: str | None = None
+    own: str | None = None
     observer: str | None = None
     observe: dict[str, Any] | None = None
     accumulate: int = 1

@@ -39,18 +39,22 @@ def mirror(home: Path, folder: Path) -> Path:
 class Sandbox:
     """Where the script's writes go: ``root`` (the run's folder) for whatever would land in ``home``."""
 
-    def __init__(self, home: str, root: str) -> None:
+    def __init__(self, home: str, root: str, own: str | None = None) -> None:
+        """``own``: mixprec's scratch folder, which holds ``root`` and the records the parent reads;
+        left alone where it lies in ``home`` (a script run from /tmp, whose tune found no trace)."""
         self.home = os.path.realpath(home)
         self.root = os.path.realpath(root)
+        self.own = os.path.realpath(own) if own is not None else None
         # the originals, for the sandbox's own file operations
         self._unlink, self._mkdir, self._symlink = os.unlink, os.mkdir, os.symlink
 
     def _inside(self, path: str) -> str | None:
         """``path`` relative to the run's folder when it lies in it or in the user's folder."""
         full = os.path.abspath(path)
-        for base in (self.root, self.home):  # (the run's folder first: it may lie inside the user's)
-            if full == base or full.startswith(base + os.sep):
-                return os.path.relpath(full, base)
+        # the run's folder first (it may lie inside the user's), then mixprec's own, left alone
+        for base in (self.root, self.own, self.home):
+            if base is not None and (full == base or full.startswith(base + os.sep)):
+                return None if base == self.own else os.path.relpath(full, base)
         return None
 
     def reading(self, path: Any) -> Any:
@@ -62,6 +66,8 @@ class Sandbox:
         if not isinstance(text, str) or not os.path.isabs(text):
             return path
         full = os.path.abspath(text)
+        if self.own is not None and full.startswith(self.own + os.sep):
+            return path  # mixprec's own records
         if full.startswith(self.home + os.sep) and not full.startswith(self.root + os.sep):
             mapped = os.path.join(self.root, os.path.relpath(full, self.home))
             if os.path.lexists(mapped):
@@ -120,10 +126,10 @@ def _relative_to_fd(kw: dict[str, Any]) -> bool:
     return any(kw.get(k) is not None for k in ("dir_fd", "src_dir_fd", "dst_dir_fd"))
 
 
-def install(home: str, root: str) -> Callable[[], None]:
-    """Redirect the writes of this process that would land in ``home`` to ``root``; returns what
-    puts every patched function back."""
-    box = Sandbox(home, root)
+def install(home: str, root: str, own: str | None = None) -> Callable[[], None]:
+    """Redirect the writes of this process that would land in ``home`` to ``root`` (never those into
+    mixprec's ``own`` scratch folder); returns what puts every patched function back."""
+    box = Sandbox(home, root, own)
     undo: list[Callable[[], None]] = []
 
     def patch(owner: Any, name: str, make: Callable[[Any], Any]) -> None:

@@ -5,6 +5,11 @@
 A session's child runs the script until its first optimizer step ends, reports it and waits; each
 :meth:`ScriptSession.step` lets it run one more step. The strict-fp32 baseline's child and the
 candidate's wait side by side, so their steps alternate on the same machine as every paired sweep's.
+
+Every script stops at its own last step (its ``--steps``, ``max_iters``, epochs), and the strict-fp32
+baseline steps through the whole sweep: a session whose script ends there starts it again and warms it
+up untimed before the next timed step (the H200's script tune lost every row when a 200-step script
+ended under its baseline).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from mixprec.frameworks.script.messages import (
 )
 from mixprec.frameworks.script.own import compute_dtype
 from mixprec.frameworks.script.workload import ScriptWorkload
-from mixprec.frameworks.session import BenchSettings, HonestyError, Measurement, SessionBase
+from mixprec.frameworks.session import BenchSettings, HonestyError, Measurement, SessionBase, steady
 from mixprec.policy import Candidate
 from mixprec.policy.registry import PolicySpec
 
@@ -56,6 +61,11 @@ class ScriptTimedOut(ScriptFailed):
     """The script did not reach the steps asked for within the time it was given."""
 
 
+class ScriptRanOut(ScriptFailed):
+    """The script exited on its own with code 0: its loop ended (its own step count) before the
+    steps asked for."""
+
+
 def _ended(child: Child, what: str) -> ScriptFailed:
     """Why the child is gone, in the script's own words where it left some (its log kept)."""
     code = child.process.poll()
@@ -63,7 +73,7 @@ def _ended(child: Child, what: str) -> ScriptFailed:
     child.discard(keep_log=True)
     said = f": {last}" if last else ""
     if code == 0:
-        return ScriptFailed(f"the script ended before {what} (exit 0){said}")
+        return ScriptRanOut(f"the script ended before {what} (exit 0){said}")
     return ScriptFailed(f"the script stopped with exit code {code} before {what}{said} (log: {child.log})")
 
 
@@ -74,12 +84,22 @@ class ScriptSession(SessionBase):
         self.workload, self.candidate, self.settings = workload, candidate, settings
         self.result = Measurement()
         self.index = 0
-        plan = Plan(
+        self.script_steps: int | None = None  # the steps one run of the script reported, once it ended
+        self.restarts = 0
+        self._earlier_skipped = 0  # steps the scaler skipped in the runs before this one
+        self._plan = Plan(
             mode="measure",
             candidate=candidate.to_dict(),
             seed=settings.seed,
             accumulate=settings.accumulation_steps,
         )
+        self._start()
+        self.facts = self._ready.facts
+
+    def _start(self) -> None:
+        """Launch the script and wait for its first optimizer step (in :attr:`_first`)."""
+        workload, plan = self.workload, self._plan
+        self._child_steps = self._child_skipped = 0  # this run's optimizer steps reported, skipped
         if workload.launch is not None:  # a launch's ranks: FIFOs (no launcher hands its ranks our pipes)
             channel = workload.scratch / f"channel-{os.getpid()}-{time.monotonic_ns()}"
             channel.mkdir()
@@ -108,8 +128,9 @@ class ScriptSession(SessionBase):
         self._from = up_r  # read raw: a buffered reader would hide a second line from select()
         self._buffer = b""
         self._first: Step | None = None
-        self.facts = self._expect(Ready, START_TIMEOUT_S, "its first optimizer step").facts
+        self._ready: Ready = self._expect(Ready, START_TIMEOUT_S, "its first optimizer step")
         self._first = self._expect(Step, STEP_TIMEOUT_S, "its first optimizer step")
+        self._child_steps, self._child_skipped = 1, int(bool(self._first.skipped))
 
     def _expect(self, kind: type[Any], timeout_s: float, what: str) -> Any:
         event = self._next(timeout_s, what)
@@ -144,25 +165,66 @@ class ScriptSession(SessionBase):
 
     def step(self, timed: bool) -> dict[str, Any]:
         """One optimizer step of the script: its wall time, loss and samples."""
-        if self._first is not None:
-            step, self._first = self._first, None
-        else:
-            self._command(GO)
-            step = self._expect(Step, STEP_TIMEOUT_S, f"step {self.index}")
+        try:
+            step = self._next_step()
+        except ScriptRanOut:
+            if self.index < 2:  # (the first steps of a run: nothing to start again for)
+                raise
+            step = self._start_again()
         loss = step.loss if step.loss is not None else math.nan
         return self.recorded(step.seconds, loss, timed, skipped=step.skipped)
 
-    def _command(self, word: str) -> None:
-        self._to.write(json.dumps({"cmd": word}) + "\n")
+    def _next_step(self) -> Step:
+        if self._first is not None:
+            step, self._first = self._first, None
+            return step
+        self._command(GO, f"step {self.index}")
+        step = self._expect(Step, STEP_TIMEOUT_S, f"step {self.index}")
+        self._child_steps += 1
+        self._child_skipped += int(bool(step.skipped))
+        return step
+
+    def _start_again(self) -> Step:
+        """The script ended at its own last step: run it again, warmed up untimed as the first run
+        was (its first steps compile, tune kernels, fill caches), and return its next step."""
+        ended_after = self._child_steps
+        self.script_steps = max(self.script_steps or 0, ended_after)
+        self._earlier_skipped += self._child_skipped
+        self.close(keep_log=False)
+        self.restarts += 1
+        self._start()
+        warm: list[float] = []
+        try:
+            while not steady(self.settings, warm):
+                warm.append(self._next_step().seconds)
+            return self._next_step()
+        except ScriptRanOut:
+            raise ScriptFailed(
+                f"the script ended on its own after {ended_after} steps, too few to time it again after "
+                f"its {len(warm)} warm-up steps: give it more steps (its --steps, max_iters or epochs)"
+            ) from None
+
+    def _command(self, word: str, what: str) -> None:
+        """Tell the script ``word``; ScriptFailed (ScriptRanOut where it exited 0) where it is gone."""
+        try:
+            self._to.write(json.dumps({"cmd": word}) + "\n")
+        except (BrokenPipeError, OSError, ValueError):  # (ValueError: our end already closed)
+            self.child.process.wait(timeout=30)
+            raise _ended(self.child, what) from None
 
     def finish(self) -> Measurement:
         """Stop the script at this step boundary; its peak memory and what really ran."""
-        self._command(STOP)
+        self._command(STOP, "stopping")
         done: Done = self._expect(Done, 60.0, "stopping")
         self.close()
         self.result.peak_memory_bytes = done.peak_memory_bytes
         self.result.memory_method = done.memory_method
-        self.result.skipped_steps = done.skipped_steps
+        self.result.skipped_steps = done.skipped_steps + self._earlier_skipped
+        if self.restarts:
+            self.result.notes.append(
+                f"the script ended on its own after {self.script_steps} measured steps: started again "
+                f"{self.restarts} time(s), each run warmed up untimed"
+            )
         self.result.observed_dtype, self.result.observed_layer = done.observed.dtype, done.observed.layer
         check_honesty(self.candidate, self.facts, self.result)
         return self.result
