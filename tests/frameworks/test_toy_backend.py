@@ -74,7 +74,9 @@ def test_a_baseline_that_crashes_mid_sweep_ends_the_sweep_not_the_candidate():
     """Strict fp32's session raising during a candidate's paired rounds is strict fp32's failure: the
     candidate is not blamed for it, the sweep stops with the reason and keeps fp32's timed steps (the
     H200's script tune blamed every later candidate with BrokenPipeError, then lost every row)."""
-    result = mixprec.bench(ToyWorkload(fp32_fails_at=100), policies="fp32,fp16-true", steps=2, warmup=1)
+    # fp32 steps 3 times before the candidate (1 warm-up, 2 timed), then at least once a round: its
+    # step 4 falls in fp16-true's second round at the latest, whatever the machine's speed
+    result = mixprec.bench(ToyWorkload(fp32_fails_at=4), policies="fp32,fp16-true", steps=2, warmup=1)
     rows = {r.label: r for r in result.rows}
     assert "fp16-true" not in rows or rows["fp16-true"].status != "error", rows["fp16-true"].reason
     assert result.stopped and "strict fp32's session ended: RuntimeError: corrupt shard" in result.stopped
@@ -82,3 +84,14 @@ def test_a_baseline_that_crashes_mid_sweep_ends_the_sweep_not_the_candidate():
     fp32 = rows["fp32"]
     assert fp32.status == "ok" and len(fp32.step_times_ms) >= 2
     assert any("its session ended during the sweep" in n for n in fp32.notes)
+
+
+def test_tune_over_a_baseline_that_crashes_mid_sweep_does_not_call_it_the_budget():
+    """The sweep stopped by strict fp32's crash is not the budget running out: tune says why, keeps
+    going with what it has, and does not send the user to raise --budget (exit 5)."""
+    result = mixprec.tune(ToyWorkload(fp32_fails_at=4), budget_s=30, steps=2, warmup=1, check_steps=3)
+    assert result.budget_exhausted is None
+    assert result.bench.baseline_ended and "corrupt shard at step 4" in result.bench.baseline_ended
+    assert any("strict fp32's session ended: RuntimeError: corrupt shard" in n for n in result.notes)
+    data = json.loads(json.dumps(result.to_dict()))
+    assert "corrupt shard" in data["bench"]["baseline_ended"]

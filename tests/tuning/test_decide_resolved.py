@@ -293,3 +293,20 @@ def test_a_noisy_row_can_only_cost_a_re_measure_not_the_answer(drawn, data, nois
         # it could be faster than the pick: it is set aside for a re-measure, and said so
         assert cand in after.remeasure and after.too_noisy
         assert {r.candidate: r.status for r in ranked}[cand] == Status.NOISY
+
+
+def test_a_pick_the_race_kept_ahead_of_a_faster_row_says_why():
+    """The end-to-end tune picked strict fp32 over fp32+foreach, 3% faster by its row against strict
+    fp32, because the race had fp32 ahead of it in their open duel, and said nothing of it (CI,
+    test_tune_end_to_end_on_the_tiny_mlp): the recommendation names the duel."""
+    fp32 = BenchRow("w", FP32, "cpu", 16, "ok", step_times_ms=(FP32_STEP_MS,) * 8, speedup_vs_fp32=1.0)
+    foreach = Candidate("fp32", optimizer="foreach")
+    table = [fp32, measured(foreach, 1.03, (1.0, 1.06))]
+    # open: its interval reaches below 0.97 and above 1.03; its median favours fp32
+    duel = Duel(FP32, foreach, (0.90, 0.93, 0.95, 1.05))
+    assert duel.outcome == "unresolved" and duel.ahead() == FP32
+    rec, _ = decide(table, passed(foreach), race=Race(FP32, [duel]))
+    assert rec is not None and rec.candidate == FP32
+    assert rec.tie_break is not None and rec.tied_with == foreach
+    assert "fp32+foreach measured 3.0% faster than fp32 against strict fp32" in rec.tie_break
+    assert duel.describe() in rec.tie_break

@@ -173,8 +173,10 @@ class PairedSweep:
         except SessionEnded as ended:
             self.baseline.close()
             self.baseline, self.baseline_ended = None, ended.reason
+            base = self.baseline_candidate
+            who = "strict fp32" if base == self.framework.baseline else base.label  # (a race's leader)
             raise BaselineEnded(
-                ended.status, f"strict fp32's session ended: {ended.reason}", traceback=ended.traceback
+                ended.status, f"{who}'s session ended: {ended.reason}", traceback=ended.traceback
             ) from ended
         kept = _settled(times)
         self.baseline_times += kept

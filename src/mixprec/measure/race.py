@@ -26,7 +26,7 @@ from mixprec.events import Events
 from mixprec.frameworks import Framework
 from mixprec.frameworks.session import BenchSettings
 from mixprec.measure.isolate import SessionEnded
-from mixprec.measure.paired import PairedSweep
+from mixprec.measure.paired import BaselineEnded, PairedSweep
 from mixprec.measure.repeats import widen
 from mixprec.measure.results import median_ci
 from mixprec.policy import Candidate
@@ -272,8 +272,9 @@ def paired_rounds(
                 row = sweep.measure(rival)
                 if row.status == Status.OK:
                     got[rival] = row.paired_ratios
-        except SessionEnded:  # told to stop (the budget), or the leader's session ended: what was
-            # measured counts
+        except BaselineEnded as ended:  # what was measured counts; the rivals left are out, said
+            events({"event": "stage", "text": f"race stopped: {ended.reason}"})
+        except SessionEnded:  # told to stop (the budget): what was measured counts
             pass
         finally:
             sweep.close()

@@ -349,7 +349,10 @@ class BenchResult:
         peaks: the peak FLOP/s per compute dtype behind MFU, with their sources.
         env: the environment block (versions, device, precision state).
         notes: what the sweep adjusted or skipped, and why.
-        stopped: why the sweep ended before its last candidate (a deadline), else None.
+        stopped: why the sweep ended before its last candidate (a deadline, or the baseline's
+            session ending), else None.
+        baseline_ended: why strict fp32's session ended mid-sweep where it did (then ``stopped``
+            says so too): not the budget's doing, so no reason to raise it.
         noise: what the machine was doing meanwhile (see :mod:`mixprec.measure.noise`).
         between_run_sd / between_run_basis: the spread between runs of log(speedup) on this
             machine that the rows' intervals include, and where it comes from
@@ -367,6 +370,7 @@ class BenchResult:
     env: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     stopped: str | None = None
+    baseline_ended: str | None = None
     noise: dict[str, Any] = field(default_factory=dict)
     between_run_sd: float = 0.0
     between_run_basis: str = ""
@@ -422,6 +426,7 @@ class BenchResult:
             "baseline_drift": self.baseline_drift,
             "notes": self.notes,
             "stopped": self.stopped,
+            "baseline_ended": self.baseline_ended,
             "noise": self.noise,
             "between_run": {"sd": self.between_run_sd, "basis": self.between_run_basis},
             "rows": [r.to_dict() for r in self.rows],
@@ -447,6 +452,7 @@ class BenchResult:
             env=data.get("env") or {},
             notes=list(data.get("notes") or []),
             stopped=data.get("stopped"),
+            baseline_ended=data.get("baseline_ended"),
             noise=dict(data.get("noise") or {}),
             between_run_sd=float((data.get("between_run") or {}).get("sd") or 0.0),
             between_run_basis=str((data.get("between_run") or {}).get("basis") or ""),

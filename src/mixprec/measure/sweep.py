@@ -473,7 +473,7 @@ class Sweep:
             try:
                 row = refused or sweep.measure(cand)
             except BaselineEnded as ended:  # nothing can be paired after it; the rows so far stand
-                result.stopped = f"{ended.reason} while measuring {cand.label}"
+                result.stopped = result.baseline_ended = f"{ended.reason} while measuring {cand.label}"
                 break
             except SessionEnded:  # told to stop while measuring it
                 result.stopped = f"stopped by the deadline while measuring {cand.label}"
@@ -500,7 +500,8 @@ class Sweep:
             try:
                 again = sweep.measure(first.candidate)
             except BaselineEnded as ended:
-                result.stopped = f"{ended.reason} while retrying {first.candidate.label}"
+                why = f"{ended.reason} while retrying {first.candidate.label}"
+                result.stopped = result.baseline_ended = why
                 break
             except SessionEnded:
                 result.stopped = f"stopped by the deadline while retrying {first.candidate.label}"

@@ -431,11 +431,15 @@ def decide(
         return None, table
     judge = _Judge(fp32, effective, noise, race)
     resolved = [r for r in passing if not judge.noisy(r)] or list(passing)
-    fastest = max(resolved, key=effective)
+    by_rows = fastest = max(resolved, key=effective)
     if race is not None:
         fastest = _race_leader(fastest, resolved, race, fp32, train_steps)
     chosen, band = _choose(fastest, resolved, passing, judge)
     tie_break = _tie_break(chosen, fastest, race, effective) if band else None
+    if tie_break is None and chosen is fastest and fastest is not by_rows and race is not None:
+        # the rows' fastest lost to the race's leader: the duel of the two, said as the reason
+        tie_break = _raced_past(chosen, by_rows, race, effective)
+        fastest = by_rows  # (the one it won over: tied_with)
     above = None if band else _above(chosen, fastest, judge)
     rivals = sorted(
         (
@@ -663,6 +667,18 @@ def _tie_break(chosen: BenchRow, fastest: BenchRow, race: Race | None, effective
     return (
         f"{fastest.label} measured {gap:.1%} faster than {chosen.label}, within measurement noise; "
         f"{chosen.label} is simpler/safer, so it is preferred"
+    )
+
+
+def _raced_past(chosen: BenchRow, by_rows: BenchRow, race: Race, effective: Speed) -> str:
+    """Why the race's leader ``chosen`` won over ``by_rows``, faster by their figures against strict
+    fp32: the two were measured against each other, and it was ahead."""
+    duel = race.duel(by_rows.candidate, chosen.candidate)
+    gap = effective(by_rows) / (effective(chosen) or 1) - 1
+    said = duel.describe() if duel is not None else "the race kept it ahead"
+    return (
+        f"{by_rows.label} measured {gap:.1%} faster than {chosen.label} against strict fp32, but measured "
+        f"against each other {said}; the direct comparison decides"
     )
 
 

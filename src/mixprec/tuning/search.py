@@ -228,7 +228,8 @@ class Search:
             search = cls(sweeps, sweeps.sweep(plan, sweeps.budget.share(SPEED_SHARE)))
             if stopped := search.result.stopped:
                 search.notes.append(f"speed sweep {stopped}")
-                search.budget.cut(f"the speed sweep {stopped}")
+                if not search.result.baseline_ended:  # (a crash is no reason to raise --budget)
+                    search.budget.cut(f"the speed sweep {stopped}")
                 search.not_measured(
                     sweeps.unreached(search.result, plan, info), f"not measured: the speed sweep {stopped}"
                 )
@@ -328,11 +329,12 @@ class Search:
         what = f"; {', '.join(late)} measured later with the time the numerics checks left" if late else ""
         if more.stopped:
             self.notes.append(f"{first}{what}; the rest of the sweep {more.stopped}")
-            self.budget.cut(f"the speed sweep {more.stopped}")
+            if not more.baseline_ended:
+                self.budget.cut(f"the speed sweep {more.stopped}")
             why = f"not measured: the rest of the speed sweep {more.stopped}"
             self.not_measured(self.sweeps.unreached(self.result, todo, info), why)
             return
-        self.result.stopped = None
+        self.result.stopped = self.result.baseline_ended = None
         self.notes.append(f"{first}{what}")
 
     # ------------------------------------------------------------------ 2. numerics

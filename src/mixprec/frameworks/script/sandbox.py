@@ -45,6 +45,8 @@ class Sandbox:
         self.home = os.path.realpath(home)
         self.root = os.path.realpath(root)
         self.own = os.path.realpath(own) if own is not None else None
+        if self.own is not None and (self.home + os.sep).startswith(self.own + os.sep):
+            self.own = None  # (the user's folder inside mixprec's: nothing of it may be let through)
         # the originals, for the sandbox's own file operations
         self._unlink, self._mkdir, self._symlink = os.unlink, os.mkdir, os.symlink
 

@@ -191,10 +191,14 @@ class ScriptSession(SessionBase):
         self.script_steps = max(self.script_steps or 0, ended_after)
         self._earlier_skipped += self._child_skipped
         self.close(keep_log=False)
+        # (its log was kept with the failed runs' when it ended: an end of its own is no failure)
+        self.child.log.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (only where it holds no other run's log)
+            self.child.log.parent.rmdir()
         self.restarts += 1
-        self._start()
         warm: list[float] = []
         try:
+            self._start()
             while not steady(self.settings, warm):
                 warm.append(self._next_step().seconds)
             return self._next_step()
@@ -209,7 +213,7 @@ class ScriptSession(SessionBase):
         try:
             self._to.write(json.dumps({"cmd": word}) + "\n")
         except (BrokenPipeError, OSError, ValueError):  # (ValueError: our end already closed)
-            self.child.process.wait(timeout=30)
+            stop(self.child.process)  # (it closed its end: it is ending, else it is ended now)
             raise _ended(self.child, what) from None
 
     def finish(self) -> Measurement:
