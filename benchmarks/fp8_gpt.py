@@ -114,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-steps", type=int, default=8)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument(
+        "--parts",
+        default="eager,compiled",
+        help="which groups to judge and time, comma-separated: eager, compiled (the fourth H200 lease "
+        "judged and timed the eager group in its 150 s; the compiled one is the next lease's)",
+    )
+    parser.add_argument(
         "--table-from",
         metavar="BENCH_JSON",
         help="print a saved bench's table (its JSON, or the .jsonl rows of one cut short) and exit",
@@ -144,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         "gpt2", seq_len=args.seq_len, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head
     )
     cands = candidates(not args.no_compile)
+    parts = {p.strip() for p in args.parts.split(",")}
+    if not parts <= {"eager", "compiled"}:
+        parser.error(f"--parts: unknown {sorted(parts - {'eager', 'compiled'})}; they are eager and compiled")
+    if not any(("compiled" if c.compile else "eager") in parts for c in cands):
+        parser.error(f"--parts {args.parts} with --no-compile: nothing to run (--parts eager)")
     # eager first, then compiled; each group judged first (fp8's verdict is the point: the H200
     # leases of 2026-11-27 spent their time on speeds and judged none), then measured, every
     # result written as soon as it exists, so a stage cut by its time limit keeps what it has
@@ -154,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         ("eager", [c for c in cands if c.compile is None]),
         ("compiled", [c for c in cands if c.compile]),
     ):
-        if not group:
+        if not group or part not in parts:
             continue
         started = time.perf_counter()
         landed = out / f"fp8-gpt-verdicts-{part}.jsonl"

@@ -435,11 +435,8 @@ def decide(
     if race is not None:
         fastest = _race_leader(fastest, resolved, race, fp32, train_steps)
     chosen, band = _choose(fastest, resolved, passing, judge)
-    tie_break = _tie_break(chosen, fastest, race, effective) if band else None
-    if tie_break is None and chosen is fastest and fastest is not by_rows and race is not None:
-        # the rows' fastest lost to the race's leader: the duel of the two, said as the reason
-        tie_break = _raced_past(chosen, by_rows, race, effective)
-        fastest = by_rows  # (the one it won over: tied_with)
+    beaten = fastest if chosen is not fastest else by_rows  # (within noise, or what the race beat)
+    tie_break = _tie_break(chosen, beaten, race, effective) if band or chosen is fastest else None
     above = None if band else _above(chosen, fastest, judge)
     rivals = sorted(
         (
@@ -491,7 +488,7 @@ def decide(
         margin=_margin(verdict),
         reason=reason,
         tie_break=tie_break,
-        tied_with=fastest.candidate if tie_break else None,
+        tied_with=beaten.candidate if tie_break else None,
         too_noisy=too_noisy,
         noisy_with=rivals[0].candidate if rivals else None,
         remeasure=tuple(r.candidate for r in remeasure),
@@ -653,8 +650,8 @@ def _outcomes(fastest: BenchRow, race: Race | None) -> Callable[[BenchRow], str 
 
 
 def _tie_break(chosen: BenchRow, fastest: BenchRow, race: Race | None, effective: Speed) -> str | None:
-    """Why ``chosen`` won over the faster ``fastest`` (a measured tie, or within the noise); None
-    when the fastest won."""
+    """Why ``chosen`` won over ``fastest``, faster by its figure against strict fp32 (a measured tie,
+    their race, or within the noise); None when the fastest won."""
     if chosen is fastest:
         return None
     duel = race.duel(fastest.candidate, chosen.candidate) if race is not None else None
@@ -664,21 +661,14 @@ def _tie_break(chosen: BenchRow, fastest: BenchRow, race: Race | None, effective
             f"{chosen.label} is simpler/safer, so it is preferred"
         )
     gap = 1 - effective(chosen) / (effective(fastest) or 1)
+    if duel is not None and duel.ahead() == chosen.candidate:  # (the race's leader, kept ahead)
+        return (
+            f"{fastest.label} measured {gap:.1%} faster than {chosen.label} against strict fp32, but "
+            f"measured against each other {duel.describe()}; the direct comparison decides"
+        )
     return (
         f"{fastest.label} measured {gap:.1%} faster than {chosen.label}, within measurement noise; "
         f"{chosen.label} is simpler/safer, so it is preferred"
-    )
-
-
-def _raced_past(chosen: BenchRow, by_rows: BenchRow, race: Race, effective: Speed) -> str:
-    """Why the race's leader ``chosen`` won over ``by_rows``, faster by their figures against strict
-    fp32: the two were measured against each other, and it was ahead."""
-    duel = race.duel(by_rows.candidate, chosen.candidate)
-    gap = effective(by_rows) / (effective(chosen) or 1) - 1
-    said = duel.describe() if duel is not None else "the race kept it ahead"
-    return (
-        f"{by_rows.label} measured {gap:.1%} faster than {chosen.label} against strict fp32, but measured "
-        f"against each other {said}; the direct comparison decides"
     )
 
 

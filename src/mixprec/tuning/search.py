@@ -228,8 +228,7 @@ class Search:
             search = cls(sweeps, sweeps.sweep(plan, sweeps.budget.share(SPEED_SHARE)))
             if stopped := search.result.stopped:
                 search.notes.append(f"speed sweep {stopped}")
-                if not search.result.baseline_ended:  # (a crash is no reason to raise --budget)
-                    search.budget.cut(f"the speed sweep {stopped}")
+                _cut_by_deadline(search.budget, search.result, f"the speed sweep {stopped}")
                 search.not_measured(
                     sweeps.unreached(search.result, plan, info), f"not measured: the speed sweep {stopped}"
                 )
@@ -329,8 +328,7 @@ class Search:
         what = f"; {', '.join(late)} measured later with the time the numerics checks left" if late else ""
         if more.stopped:
             self.notes.append(f"{first}{what}; the rest of the sweep {more.stopped}")
-            if not more.baseline_ended:
-                self.budget.cut(f"the speed sweep {more.stopped}")
+            _cut_by_deadline(self.budget, more, f"the speed sweep {more.stopped}")
             why = f"not measured: the rest of the speed sweep {more.stopped}"
             self.not_measured(self.sweeps.unreached(self.result, todo, info), why)
             return
@@ -701,3 +699,10 @@ def _compute_share(rec: Recommendation, row: BenchRow) -> str | None:
         f"precision speeds up only that share, the rest is elementwise ops, the optimizer and "
         f"framework overhead{hint}"
     )
+
+
+def _cut_by_deadline(budget: Budget, sweep: BenchResult, what: str) -> None:
+    """``what`` cut by the budget, unless the sweep stopped because strict fp32's session ended: a
+    crash is no reason to raise --budget."""
+    if not sweep.baseline_ended:
+        budget.cut(what)

@@ -53,7 +53,8 @@ def _onednn_default() -> bool:
 
 def collect(device: str | None = None, *, full: bool = False) -> dict[str, Any]:
     """mixprec's env block with a ``tensorflow`` section."""
+    tensorflow = tensorflow_facts(device)
     env = environment.collect("cuda" if str(device).startswith("cuda") else "cpu", full=full)
     env["framework"] = "tensorflow"
-    env["tensorflow"] = tensorflow_facts(device)
+    env["tensorflow"] = tensorflow
     return env
