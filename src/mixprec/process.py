@@ -7,6 +7,7 @@ import ctypes
 import resource
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +34,33 @@ def main_module_hidden() -> Iterator[None]:
         if main is not None:
             main.__dict__.pop("__spec__", None)
             main.__dict__.update(saved)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while the block runs, then deliver them to the handlers they had.
+
+    multiprocessing's ``Process.start()`` stopped half-way leaves a fork-server child that never got
+    its data: it prints an ``EOFError`` traceback over the command's clean exit (a SIGTERM landing
+    as ``mixprec bench`` started its next candidate, tests/test_hardening.py). Handlers can only be
+    set from the main thread; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[tuple[int, Any]] = []
+    wanted = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: held.append((signum, frame))) for s in wanted}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for number, frame in held:
+            handler = previous[number]
+            if callable(handler):
+                handler(number, frame)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(number)
 
 
 def die_with_parent() -> None:

@@ -32,7 +32,7 @@ from mixprec.measure import preload
 from mixprec.measure.compile_cache import use_inductor_cache
 from mixprec.measure.failure import exception_status, failure_status
 from mixprec.policy import Candidate
-from mixprec.process import current_rss_bytes, die_with_parent, main_module_hidden, peak_rss
+from mixprec.process import current_rss_bytes, die_with_parent, main_module_hidden, peak_rss, signals_deferred
 from mixprec.quiet import quiet_known_noise
 from mixprec.workload import WorkloadSpec
 from mixprec.workload.output import captured_fds
@@ -163,7 +163,7 @@ class ChildSession:
         self._proc = ctx.Process(
             target=_child, args=(child_conn, spec.to_dict(), candidate, settings, build), daemon=True
         )
-        with main_module_hidden():
+        with main_module_hidden(), signals_deferred():  # (a start cut half-way: a child's traceback)
             self._proc.start()
         child_conn.close()
         self._next_index = 0
