@@ -53,10 +53,10 @@ def signals_deferred() -> Iterator[None]:
     try:
         yield
     finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
+        for wanted_signal, handler in previous.items():
+            signal.signal(wanted_signal, handler)
         for number, frame in held:
-            handler = previous[number]
+            handler = previous[signal.Signals(number)]
             if callable(handler):
                 handler(number, frame)
             elif handler == signal.SIG_DFL:
