@@ -455,28 +455,14 @@ def test_the_recipes_sgd_compiled_whole_warms_up_and_trains_like_its_eager_step(
     rate beside the device's weights. It must warm up and update as the eager step does. (Whether
     ``reduce-overhead`` keeps its CUDA graphs with it is for the next lease to see in its log.)"""
     from mixprec.workload.optimizers import WarmupSGD
+    from warmup_step import warm_up_rates
 
     torch._dynamo.reset()
 
     def run(compiled: bool) -> tuple[list[float], list[torch.Tensor]]:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1)).to(DEVICE)
-        opt = WarmupSGD(model.parameters(), lr=0.05, momentum=0.9, warmup_steps=3)
-        x, y = torch.randn(16, 8, device=DEVICE), torch.randn(16, 1, device=DEVICE)
-
-        def step() -> torch.Tensor:
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        fn = torch.compile(step) if compiled else step
-        rates = []
-        for _ in range(5):
-            fn()
-            rates.append(float(opt.param_groups[0]["lr"]))
-        return rates, [p.detach().cpu() for p in model.parameters()]
+        return warm_up_rates(
+            lambda params: WarmupSGD(params, lr=0.05, momentum=0.9, warmup_steps=3), compiled, DEVICE
+        )
 
     eager_rates, eager_weights = run(False)
     rates, weights = run(True)

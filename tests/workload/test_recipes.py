@@ -10,6 +10,7 @@ from torch import nn
 from mixprec.frameworks.torch.session import with_implementation
 from mixprec.workload import load_workload
 from mixprec.workload.optimizers import TORCHVISION_RECIPE, Recipe, WarmupAdamW, WarmupSGD
+from warmup_step import warm_up_rates
 
 CPU = torch.device("cpu")
 
@@ -69,24 +70,8 @@ def test_a_step_compiled_whole_warms_up_like_the_eager_step():
     torch._dynamo.reset()
 
     def run(compiled: bool) -> list[float]:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
-        opt = WarmupAdamW(model.parameters(), lr=6e-3, warmup_steps=3, foreach=True)
-        x, y = torch.randn(16, 8), torch.randn(16, 1)
-
-        def step() -> torch.Tensor:
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        fn = torch.compile(step) if compiled else step
-        rates = []
-        for _ in range(5):
-            fn()
-            rates.append(float(opt.param_groups[0]["lr"]))
-        return rates
+        make = lambda params: WarmupAdamW(params, lr=6e-3, warmup_steps=3, foreach=True)  # noqa: E731
+        return warm_up_rates(make, compiled)[0]
 
     eager = run(False)
     assert eager == pytest.approx([2e-3, 4e-3, 6e-3, 6e-3, 6e-3])
