@@ -200,8 +200,20 @@ def test_tune_races_compiled_candidates_and_exports_the_pick(tmp_path):
     assert pick is not None and pick.candidate is not None, result.notes
     measured = [r for r in result.bench.rows if r.status == "ok"]
     assert len(measured) >= 3, [(r.label, r.status, r.reason) for r in result.bench.rows]
-    if ON_CUDA:
-        assert pick.candidate.policy != "fp32", pick.reason
+    # Which policy wins is the device's to say (a launch-bound tiny GPT under 12 test workers ran no
+    # faster in bf16 in the fifth lease): what must hold is the decision's contract with its rows.
+    # A lower precision that passed its check and whose whole paired interval beat strict fp32
+    # is never passed over for fp32.
+    beat_and_passed = [
+        r.label
+        for r in result.ranked
+        if r.candidate.policy != "fp32"
+        and r.verdict == "pass"
+        and r.row is not None
+        and r.row.speedup_ci is not None
+        and r.row.speedup_ci[0] > 1.0
+    ]
+    assert pick.candidate.policy != "fp32" or not beat_and_passed, (beat_and_passed, pick.reason)
     text = mixprec.export(pick.candidate, "pytorch", device=DEVICE)
     assert "torch.autocast" in text or pick.candidate.policy in ("fp32", "tf32", "bf16-true", "fp16-true")
 

@@ -283,15 +283,17 @@ def riding_last(
     measured: Candidate, row: BenchRow, rest: list[tuple[int, Candidate]]
 ) -> list[tuple[int, Candidate]]:
     """``rest`` with the low formats that ride on ``measured`` moved to its end when ``measured``
-    ran slower than strict fp32 (its interval below 1x, or pruned as far slower). fp8, MXFP8 and
-    NVFP4 run everything but their eligible GEMMs in their carrier (bf16-mixed) and add scaling
-    casts: where the carrier loses to strict fp32 they lose more. The H200's tune of a small
-    nanoGPT-style script (2026-11-30): bf16-mixed 0.80x [0.61-0.95], then fp8-rowwise 0.30x and
-    fp8-tensorwise 0.33x took 30 s of the 120 s budget, and tf32, fp16-mixed and compile were never
-    measured."""
-    interval = median_ci(row.paired_ratios) if row.paired_ratios else None
+    ran no faster than strict fp32 (its paired median at or below 1x, or pruned as far slower).
+    fp8, MXFP8 and NVFP4 run everything but their eligible GEMMs in their carrier (bf16-mixed) and
+    add scaling casts (eager fp8 ran at 0.75x bf16-mixed on an H200): where the carrier does not
+    beat strict fp32 they lose to it. The H200's tune of a small nanoGPT-style script (2026-11-30):
+    bf16-mixed 0.80x [0.61-0.95], then fp8-rowwise 0.30x and fp8-tensorwise 0.33x took 30 s of the
+    120 s budget, and tf32, fp16-mixed and compile were never measured; the fifth lease's (the
+    same script): bf16-mixed 0.96x [0.88-1.02], an interval that reaches 1x, and the time the
+    checks left went to fp8 (0.31x, 0.32x: 28 s) before fp16-mixed, bf16-true and tf32. It orders;
+    it never prunes."""
     slower = row.status == Status.PRUNED or (
-        row.status == Status.OK and interval is not None and interval[1] < 1.0
+        row.status == Status.OK and bool(row.paired_ratios) and statistics.median(row.paired_ratios) <= 1.0
     )
     if not slower:
         return rest
@@ -303,6 +305,16 @@ def riding_last(
         if carrier(c.policy) == measured.policy and all(getattr(c, k) == getattr(measured, k) for k in same)
     ]
     return [item for item in rest if item not in riding] + riding
+
+
+def after_slow_carriers(todo: list[Candidate], rows: Iterable[BenchRow]) -> list[Candidate]:
+    """``todo`` (a sweep's candidates not measured yet) with the low formats whose carrier's row
+    is among ``rows`` and ran no faster than strict fp32 moved to its end (:func:`riding_last`):
+    the order of a sweep's late part, whose carriers were measured in its first."""
+    queue = list(enumerate(todo))
+    for row in rows:
+        queue = riding_last(row.candidate, row, queue)
+    return [cand for _, cand in queue]
 
 
 class Sweep:

@@ -38,7 +38,7 @@ from mixprec.frameworks.session import BenchSettings
 from mixprec.hardware.device import DeviceInfo
 from mixprec.measure.race import FIRST_ROUNDS, Measure, Race, paired_rounds, race
 from mixprec.measure.results import BenchResult, BenchRow
-from mixprec.measure.sweep import run_sweep
+from mixprec.measure.sweep import after_slow_carriers, run_sweep
 from mixprec.numerics.results import CandidateCheck
 from mixprec.policy import POLICY_NAMES, Candidate, Support
 from mixprec.policy.islands import batch_norm_layers
@@ -315,7 +315,8 @@ class Search:
             return  # without its strict-fp32 row nothing measured later has a reference
         first = f"speed sweep {self.result.stopped}"
         seen = {r.candidate for r in self.result.rows}
-        todo = [c for c in self.sweeps.plan(info) if c not in seen]
+        # a low format whose carrier already ran no faster than fp32 waits for the rest
+        todo = after_slow_carriers([c for c in self.sweeps.plan(info) if c not in seen], self.result.rows)
         # (with less left than strict fp32's opening and one candidate, it would measure nothing)
         budget = self.costs.keeping_a_check(self.budget, todo, self.checks.verdicts)
         if not todo or not budget.can_pay(self.costs.opening_s() + self.costs.measure_s()):
