@@ -17,7 +17,7 @@ from mixprec.policy import Candidate
 from mixprec.tuning import search as search_module
 from mixprec.tuning.config import TuneConfig
 from mixprec.tuning.decide import Recommendation
-from mixprec.tuning.search import Search, Sweeps
+from mixprec.tuning.search import Search, Sweeps, complete
 
 from .scripted import Planted, PlantedFramework, planted_clock  # noqa: F401 (a fixture)
 
@@ -58,6 +58,12 @@ def pick(search: Search) -> Recommendation:
     return rec
 
 
+def complete_with(search: Search, rec: Recommendation, findings: list[dict]):
+    """``complete`` with the planted backend's lint answering ``findings`` (resnet18's, real)."""
+    search.framework.lint = lambda workload, candidate, device: findings  # (this instance only)
+    return complete(search, rec, lint=True)
+
+
 def test_a_layout_the_tune_measured_on_its_pick_is_not_listed_as_advice(search, nchw_findings):
     """`make demo` beside two busy processes picked bf16-mixed over bf16-mixed+cl ("within
     measurement noise") and then listed "lint MP201: model runs NCHW ... channels_last" under it."""
@@ -65,11 +71,31 @@ def test_a_layout_the_tune_measured_on_its_pick_is_not_listed_as_advice(search, 
     nchw = search._row(rec.candidate)
     assert nchw is not None
     search.add([replace(nchw, candidate=replace(rec.candidate, channels_last=True))])
-    done = search.complete(rec, nchw_findings)
+    done, _ = complete_with(search, rec, nchw_findings)
     assert "MP201" not in {f["rule"] for f in done.lint_worth_fixing}
 
 
 def test_a_layout_the_tune_did_not_measure_stays_advice(search, nchw_findings):
     rec = pick(search)
-    done = search.complete(rec, nchw_findings)
+    done, _ = complete_with(search, rec, nchw_findings)
     assert "MP201" in {f["rule"] for f in done.lint_worth_fixing}
+
+
+def test_a_lint_that_fails_is_a_note_and_the_pick_stands(search):
+    """Lint is advice: its failure under the pick must not lose the recommendation."""
+    rec = pick(search)
+
+    def broken(workload, candidate, device):
+        raise RuntimeError("the tracer met an op it does not know")
+
+    search.framework.lint = broken
+    done, findings = complete(search, rec, lint=True)
+    assert done.candidate == rec.candidate and findings is None and done.lint_worth_fixing == []
+    assert any(n.startswith("lint failed: RuntimeError: the tracer met") for n in search.notes), search.notes
+
+
+def test_no_lint_asked_is_no_lint_run(search):
+    rec = pick(search)
+    search.framework.lint = lambda *args: pytest.fail("linted though tune was told not to")
+    done, findings = complete(search, rec, lint=False)
+    assert findings is None and done.candidate == rec.candidate

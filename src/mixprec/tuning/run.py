@@ -25,7 +25,7 @@ from mixprec.tuning.config import TuneConfig
 from mixprec.tuning.decide import Recommendation
 from mixprec.tuning.order import tune_plan
 from mixprec.tuning.result import TuneResult
-from mixprec.tuning.search import RESERVE_S, Search, Sweeps
+from mixprec.tuning.search import RESERVE_S, Search, Sweeps, complete
 
 
 def tune(
@@ -49,6 +49,8 @@ def tune(
     """
     config = (config or TuneConfig()).with_fields(**fields)
     framework = framework_of(workload)
+    # (a script's own batch before it runs: the --batch auto default and the size it is validated at)
+    bs = config.bench.batch_size or framework.default_batch_size(workload)
     modes = list(framework.compile_modes[:1] if config.compile_modes is None else config.compile_modes)
     for mode in modes:  # validated before anything runs
         framework.validate(Candidate("fp32", compile=mode, framework=framework.name))
@@ -56,7 +58,6 @@ def tune(
     events = events or ignore
     dev = framework.resolve_device(config.device)
     info = detect(dev)
-    bs = config.bench.batch_size or framework.default_batch_size(workload)
     auto = config.batch == "auto"
     if auto:
         bs = batching.effective(framework, config.effective_batch, bs)
@@ -88,16 +89,13 @@ def tune(
         search = Search.start(sweeps, info)
         rec, ranked = search.run(info, modes)
     result = search.result
+    # (before the pick is completed: linting it cuts nothing from the search)
+    exhausted = exhausted_reason(config.budget_s, budget.cuts, rec, budget.cut_a_lower_precision)
     findings: list[dict[str, Any]] | None = None
     exports: dict[str, str] = {}
     refusals: dict[str, str] = {}
     if rec is not None:
-        if config.lint and budget.elapsed() < budget.seconds:
-            try:  # the backend's findings under the pick, whole (layout and fp32 islands included)
-                findings = framework.lint(workload, rec.candidate, dev)
-            except Exception as exc:  # lint is advice: its failure must not lose the recommendation
-                sweeps.notes.append(f"lint failed: {type(exc).__name__}: {exc}")
-        rec = search.complete(rec, findings)
+        rec, findings = complete(search, rec, lint=config.lint)
         exports, refusals = framework.exports(rec.candidate, dev, workload)
     elapsed = budget.elapsed()
     sweeps.phases["other"] = max(0.0, elapsed - sum(sweeps.phases.values()))
@@ -106,7 +104,6 @@ def tune(
             f"tune took {elapsed:.0f} s of its {config.budget_s:.0f} s budget: a step under way when the "
             "budget ran out was finished, not thrown away"
         )
-    exhausted = exhausted_reason(config.budget_s, budget.cuts, rec, budget.cut_a_lower_precision)
     return TuneResult(
         budget_exhausted=exhausted,
         workload=result.workload,

@@ -580,28 +580,49 @@ class Search:
             self.notes.append(f"{cand.label} {note}")
 
     # ------------------------------------------------------------------ after the pick
-    def complete(self, rec: Recommendation, findings: list[dict[str, Any]] | None) -> Recommendation:
-        """The pick whole: the micro-batch and accumulation it trains with, its measured peak memory,
-        the lint findings worth fixing under it; the notes about its batch and its compute share."""
-        row, plan, workload = self._row(rec.candidate), self.batches, self.sweeps.workload
-        measured = plan.peak(rec.candidate) if plan is not None else None
-        if plan is not None:
-            model = getattr(workload, "model", None)  # a torch workload's: BatchNorm follows the micro-batch
-            batch_norm = isinstance(model, torch.nn.Module) and bool(batch_norm_layers(model))
-            self.notes += batching.notes(plan, self.framework.default_batch_size(workload), batch_norm)
-        if row is not None and (note := _compute_share(rec, row)):
-            self.notes.append(note)
-        return replace(
-            rec,
-            micro_batch=rec.candidate.micro_batch or self.sweeps.bench.batch_size,
-            accumulation_steps=rec.candidate.accumulation_steps,
-            peak_memory_bytes=measured if measured is not None else (row.peak_memory_bytes if row else None),
-            lint_worth_fixing=[
-                f
-                for f in findings or []
-                if f.get("severity") in ("warning", "error") and not _layout_measured(self.result, rec, f)
-            ][:5],
-        )
+
+
+def complete(
+    search: Search, rec: Recommendation, *, lint: bool
+) -> tuple[Recommendation, list[dict[str, Any]] | None]:
+    """The pick whole: the micro-batch and accumulation it trains with, its measured peak memory,
+    the lint findings worth fixing under it; the notes about its batch and its compute share.
+    With ``lint`` (and budget left), the backend's findings under the pick, whole (layout and
+    fp32 islands included), returned beside it (None: not linted)."""
+    sweeps, plan, budget = search.sweeps, search.batches, search.budget
+    row = search._row(rec.candidate)
+    findings = _lint(sweeps, rec.candidate) if lint and budget.elapsed() < budget.seconds else None
+    measured = plan.peak(rec.candidate) if plan is not None else None
+    if plan is not None:
+        model = getattr(
+            sweeps.workload, "model", None
+        )  # a torch workload's: BatchNorm follows the micro-batch
+        batch_norm = isinstance(model, torch.nn.Module) and bool(batch_norm_layers(model))
+        search.notes += batching.notes(plan, sweeps.framework.default_batch_size(sweeps.workload), batch_norm)
+    if row is not None and (note := _compute_share(rec, row)):
+        search.notes.append(note)
+    whole = replace(
+        rec,
+        micro_batch=rec.candidate.micro_batch or sweeps.bench.batch_size,
+        accumulation_steps=rec.candidate.accumulation_steps,
+        peak_memory_bytes=measured if measured is not None else (row.peak_memory_bytes if row else None),
+        lint_worth_fixing=[
+            f
+            for f in findings or []
+            if f.get("severity") in ("warning", "error") and not _layout_measured(search.result, rec, f)
+        ][:5],
+    )
+    return whole, findings
+
+
+def _lint(sweeps: Sweeps, pick: Candidate) -> list[dict[str, Any]] | None:
+    """The backend's lint findings under ``pick``; None, with a note, where lint fails: it is advice,
+    and its failure must not lose the recommendation."""
+    try:
+        return sweeps.framework.lint(sweeps.workload, pick, sweeps.device)
+    except Exception as exc:
+        sweeps.notes.append(f"lint failed: {type(exc).__name__}: {exc}")
+        return None
 
 
 def _layout_measured(result: BenchResult, rec: Recommendation, finding: dict[str, Any]) -> bool:
