@@ -58,6 +58,8 @@ class Planted:
     jitter: float = 0.02
     compile_s: float = 0.0  # what a compiled candidate's first step costs on top
     emulated: frozenset[str] = frozenset()  # policies the device only emulates (supported, not native)
+    # a candidate's step (by its index in the session) that stalls, 50x its planted time, once
+    stalls: dict[str, int] = field(default_factory=dict)
     name: str = "planted"
     description: str = "planted step times"
     default_batch_size: int = 8
@@ -75,6 +77,9 @@ class PlantedSession:
         seconds = w.seconds[self.candidate.label] * math.exp(w.rng.gauss(0, w.jitter))
         if self.index == 0 and self.candidate.compile:
             seconds += w.compile_s
+        if w.stalls.get(self.candidate.label) == self.index:
+            seconds *= 50
+            del w.stalls[self.candidate.label]
         CLOCK.spend(seconds)
         (self.result.step_times_s if timed else self.result.warmup_times_s).append(seconds)
         self.result.first_loss = 1.0

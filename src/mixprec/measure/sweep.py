@@ -317,6 +317,36 @@ def after_slow_carriers(todo: list[Candidate], rows: Iterable[BenchRow]) -> list
     return [cand for _, cand in queue]
 
 
+def retried(first: BenchRow, again: BenchRow) -> BenchRow:
+    """``again``, the row of a pruned candidate's second attempt, saying what the first was."""
+    if again.status == Status.PRUNED:
+        return replace(again, reason=f"pruned twice: {first.reason}; again: {again.reason}")
+    note = f"pruned on the first attempt ({first.reason}); measured on a retry"
+    return replace(again, notes=(*again.notes, note))
+
+
+def stalled(rows: Iterable[BenchRow], prune_factor: float) -> list[BenchRow]:
+    """The pruned rows a stalled step pruned, not the candidate's speed, and not retried: a step ran
+    past the limit after paired rounds that put the candidate within ``prune_factor`` of the best
+    (the AMX Xeon VM, 2026-11-30: one bf16-mixed step of ResNet-50 ran past 6 s after rounds at
+    1.88x strict fp32; the sweep's share of tune's budget was spent, so it was not retried, and the
+    row stood as pruned). A row pruned while warming up has no rounds to say so: it is left."""
+    rows = list(rows)
+    best = max(
+        (statistics.median(r.paired_ratios) for r in rows if r.status == Status.OK and r.paired_ratios),
+        default=1.0,
+    )
+    return [
+        r
+        for r in rows
+        if r.status == Status.PRUNED
+        and r.paired_ratios
+        and statistics.median(r.paired_ratios) * prune_factor >= best
+        and not r.reason.startswith("pruned twice")
+        and not any(n.startswith("not retried") for n in r.notes)  # (a format only emulated here)
+    ]
+
+
 class Sweep:
     """One bench run: the plan, the settings it is measured under, where rows go and the clock.
 
@@ -518,12 +548,7 @@ class Sweep:
             except SessionEnded:
                 result.stopped = f"stopped by the deadline while retrying {first.candidate.label}"
                 break
-            if again.status == Status.PRUNED:
-                again = replace(again, reason=f"pruned twice: {first.reason}; again: {again.reason}")
-            else:
-                note = f"pruned on the first attempt ({first.reason}); measured on a retry"
-                again = replace(again, notes=(*again.notes, note))
-            rows.record(again, i)
+            rows.record(retried(first, again), i)
         final = sweep.finish_baseline()
         result.flops_per_step = result.flops_per_step or final.flops_per_step
         rows.record(final, 0, closing=True)

@@ -38,7 +38,7 @@ from mixprec.frameworks.session import BenchSettings
 from mixprec.hardware.device import DeviceInfo
 from mixprec.measure.race import FIRST_ROUNDS, Measure, Race, paired_rounds, race
 from mixprec.measure.results import BenchResult, BenchRow
-from mixprec.measure.sweep import after_slow_carriers, run_sweep
+from mixprec.measure.sweep import after_slow_carriers, retried, run_sweep, stalled
 from mixprec.numerics.results import CandidateCheck
 from mixprec.policy import POLICY_NAMES, Candidate, Support
 from mixprec.policy.islands import batch_norm_layers
@@ -286,10 +286,11 @@ class Search:
         )
 
     def add(self, rows: Sequence[BenchRow]) -> list[BenchRow]:
-        """Fold rows measured in another (paired) sweep into this one; the non-baseline ones."""
+        """Fold rows measured in another (paired) sweep into this one; the non-baseline ones (a
+        candidate measured again replaces its row)."""
         added = [r for r in rows if r.candidate != self.sweeps.baseline]
         for row in added:
-            self.result.add(row)
+            self.result.update(row)
         return added
 
     def _row(self, candidate: Candidate) -> BenchRow | None:
@@ -309,12 +310,14 @@ class Search:
 
     # ------------------------------------------------------------------ 1. speed
     def finish_speed(self, info: DeviceInfo) -> None:
-        """The candidates the speed sweep's share of the budget did not reach, measured with the
-        time the numerics checks left: the share is what the sweep may take first, not a cap."""
-        if not self.result.stopped or self.result.baseline is None:
+        """The candidates the speed sweep's share of the budget did not reach, and those a stalled
+        step pruned that it left no time to retry, measured with the time the numerics checks left:
+        the share is what the sweep may take first, not a cap."""
+        again = {r.candidate: r for r in stalled(self.result.rows, self.sweeps.bench.prune_factor)}
+        if not (self.result.stopped or again) or self.result.baseline is None:
             return  # without its strict-fp32 row nothing measured later has a reference
-        first = f"speed sweep {self.result.stopped}"
-        seen = {r.candidate for r in self.result.rows}
+        first = f"speed sweep {self.result.stopped}" if self.result.stopped else None
+        seen = {r.candidate for r in self.result.rows if r.candidate not in again}
         # a low format whose carrier already ran no faster than fp32 waits for the rest
         todo = after_slow_carriers([c for c in self.sweeps.plan(info) if c not in seen], self.result.rows)
         # (with less left than strict fp32's opening and one candidate, it would measure nothing)
@@ -322,19 +325,24 @@ class Search:
         if not todo or not budget.can_pay(self.costs.opening_s() + self.costs.measure_s()):
             return
         more = self.sweeps.sweep(todo, budget)
-        added = self.add(more.measured)
-        self.notes.remove(first)
-        self.budget.restore(f"the {first}")
+        added = self.add(
+            [retried(again[r.candidate], r) if r.candidate in again else r for r in more.measured]
+        )
+        if first is not None:
+            self.notes.remove(first)
+            self.budget.restore(f"the {first}")
         late = [r.label for r in added if r.status not in (Status.UNSUPPORTED, Status.ERROR)]
-        what = f"; {', '.join(late)} measured later with the time the numerics checks left" if late else ""
+        what = f"{', '.join(late)} measured later with the time the numerics checks left" if late else None
+        said = "; ".join(part for part in (first, what) if part)
         if more.stopped:
-            self.notes.append(f"{first}{what}; the rest of the sweep {more.stopped}")
+            self.notes.append(f"{said or 'the late speed sweep'}; the rest of the sweep {more.stopped}")
             _cut_by_deadline(self.budget, more, f"the speed sweep {more.stopped}")
             why = f"not measured: the rest of the speed sweep {more.stopped}"
             self.not_measured(self.sweeps.unreached(self.result, todo, info), why)
             return
         self.result.stopped = self.result.baseline_ended = None
-        self.notes.append(f"{first}{what}")
+        if said:
+            self.notes.append(said)
 
     # ------------------------------------------------------------------ 2. numerics
     def check_faster(self) -> None:
@@ -579,9 +587,8 @@ class Search:
             self.result.update(replace(row, notes=(*row.notes, note)))
             self.notes.append(f"{cand.label} {note}")
 
-    # ------------------------------------------------------------------ after the pick
 
-
+# ---------------------------------------------------------------------- after the pick
 def complete(
     search: Search, rec: Recommendation, *, lint: bool
 ) -> tuple[Recommendation, list[dict[str, Any]] | None]:
@@ -594,9 +601,8 @@ def complete(
     findings = _lint(sweeps, rec.candidate) if lint and budget.elapsed() < budget.seconds else None
     measured = plan.peak(rec.candidate) if plan is not None else None
     if plan is not None:
-        model = getattr(
-            sweeps.workload, "model", None
-        )  # a torch workload's: BatchNorm follows the micro-batch
+        # a torch workload's model: its BatchNorm statistics follow the micro-batch
+        model = getattr(sweeps.workload, "model", None)
         batch_norm = isinstance(model, torch.nn.Module) and bool(batch_norm_layers(model))
         search.notes += batching.notes(plan, sweeps.framework.default_batch_size(sweeps.workload), batch_norm)
     if row is not None and (note := _compute_share(rec, row)):
