@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pytest
 import torch
 
-from mixprec.frameworks import Framework
+from mixprec.frameworks import Framework, register_framework, unregister_framework
 from mixprec.frameworks.session import BenchSettings, Measurement
 from mixprec.hardware.device import DeviceInfo
 from mixprec.numerics.compare import Trajectory
@@ -140,3 +141,12 @@ class PlantedFramework(Framework):
         layer = LayerRanges("w", "Planted", 0)
         layer.forward.update(torch.linspace(1, 2, 8))
         return RangeReport([layer])
+
+
+@pytest.fixture
+def planted_framework() -> Iterator[PlantedFramework]:
+    """The planted backend, registered for the test (import this fixture into a test module to use it)."""
+    fw = PlantedFramework()
+    register_framework(fw)
+    yield fw
+    unregister_framework("planted")

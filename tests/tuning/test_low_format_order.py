@@ -8,20 +8,11 @@ from dataclasses import replace
 import pytest
 
 import mixprec
-from mixprec.frameworks import register_framework, unregister_framework
 from mixprec.policy import Candidate
 
-from .scripted import Planted, PlantedFramework, planted_clock  # noqa: F401 (a fixture)
+from .scripted import Planted, PlantedFramework, planted_clock, planted_framework  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.usefixtures("planted_clock")
-
-
-@pytest.fixture
-def framework():
-    fw = PlantedFramework()
-    register_framework(fw)
-    yield fw
-    unregister_framework("planted")
+pytestmark = pytest.mark.usefixtures("planted_clock", "planted_framework")
 
 
 def measured_order(seconds: dict[str, float]) -> list[str]:
@@ -39,7 +30,7 @@ def measured_order(seconds: dict[str, float]) -> list[str]:
     return [label for label in order if label != "fp32" and not label.endswith("(retry)")]
 
 
-def test_a_carrier_slower_than_strict_fp32_sends_its_low_formats_to_the_end(framework):
+def test_a_carrier_slower_than_strict_fp32_sends_its_low_formats_to_the_end():
     """The H200's tune of a small nanoGPT-style script (2026-11-30): bf16-mixed 0.80x, then its fp8
     formats (0.30x, 0.33x) measured before tf32 and fp16-mixed, which the 120 s budget never reached."""
     slow = {"fp32": 1.0, "bf16-mixed": 1.25, "fp8-rowwise": 3.0, "fp8-tensorwise": 3.0, "fp16-mixed": 0.8}
@@ -82,7 +73,7 @@ def test_a_carrier_no_faster_than_strict_fp32_with_an_interval_reaching_1x_still
     assert [i for i, _ in riding_last(carrier, faster, rest)] == [2, 3]
 
 
-def test_the_late_part_of_a_cut_sweep_measures_a_slow_carriers_low_formats_last(framework, monkeypatch):
+def test_the_late_part_of_a_cut_sweep_measures_a_slow_carriers_low_formats_last(monkeypatch):
     """A sweep cut by its share of the budget right after a carrier that ran slower than strict
     fp32: the late part (the time the checks left) measured that carrier's fp8 formats first, in
     the plan's order, though the first part had already moved them to its end."""

@@ -7,18 +7,10 @@ from __future__ import annotations
 import pytest
 
 import mixprec
-from mixprec.frameworks import register_framework, unregister_framework
 
-from .scripted import Planted, PlantedFramework, planted_clock  # noqa: F401 (a fixture)
+from .scripted import Planted, PlantedFramework, planted_clock, planted_framework  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.usefixtures("planted_clock")
-
-
-@pytest.fixture(autouse=True)
-def planted_framework():
-    register_framework(PlantedFramework())
-    yield
-    unregister_framework("planted")
+pytestmark = pytest.mark.usefixtures("planted_clock", "planted_framework")
 
 
 def tune(seconds: dict[str, float], jitter: float = 0.02):

@@ -11,21 +11,13 @@ import pytest
 
 import mixprec
 import mixprec.tuning.search as search_module
-from mixprec.frameworks import register_framework, unregister_framework
 from mixprec.measure.results import BenchRow
 from mixprec.measure.sweep import stalled
 from mixprec.policy import Candidate
 
-from .scripted import Planted, PlantedFramework, planted_clock  # noqa: F401 (a fixture)
+from .scripted import Planted, planted_clock, planted_framework  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.usefixtures("planted_clock")
-
-
-@pytest.fixture(autouse=True)
-def planted_framework():
-    register_framework(PlantedFramework())
-    yield
-    unregister_framework("planted")
+pytestmark = pytest.mark.usefixtures("planted_clock", "planted_framework")
 
 
 def test_a_stalled_step_that_the_sweep_had_no_time_to_retry_is_measured_later(monkeypatch):

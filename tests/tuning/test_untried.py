@@ -14,21 +14,13 @@ import mixprec
 import mixprec.tuning
 from mixprec.cli import main
 from mixprec.errors import BudgetExhausted
-from mixprec.frameworks import register_framework, unregister_framework
 from mixprec.report import view as report_view
 from mixprec.report.html import render_report
 from mixprec.status import Status
 
-from .scripted import Planted, PlantedFramework, planted_clock  # noqa: F401 (a fixture)
+from .scripted import Planted, planted_clock, planted_framework  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.usefixtures("planted_clock")
-
-
-@pytest.fixture(autouse=True)
-def planted_framework():
-    register_framework(PlantedFramework())
-    yield
-    unregister_framework("planted")
+pytestmark = pytest.mark.usefixtures("planted_clock", "planted_framework")
 
 
 def _cut_after_strict_fp32():
