@@ -329,9 +329,9 @@ def stalled(rows: Iterable[BenchRow], prune_factor: float) -> list[BenchRow]:
     """The pruned rows a stalled step pruned, not the candidate's speed, and not retried: a step ran
     past the limit after paired rounds that put the candidate within ``prune_factor`` of the best
     (the AMX Xeon VM, 2026-11-30: a bf16-mixed row of ResNet-50 pruned after rounds at 1.88x
-    strict fp32, its steps about 0.5 s against a limit of about 4 s; the sweep's share of tune's budget was
-    spent, so it was not retried, and the row stood as pruned). A row pruned while warming up has no
-    rounds to say so: it is left."""
+    strict fp32, its steps about 0.5 s against a limit of about 4 s; the sweep's share of tune's
+    budget was spent, so it was not retried, and the row stood as pruned). A row pruned while
+    warming up has no rounds to say so: it is left."""
     rows = list(rows)
     best = max(
         (statistics.median(r.paired_ratios) for r in rows if r.status == Status.OK and r.paired_ratios),
