@@ -60,6 +60,7 @@ def _exit_code(argv):
         (["demo", "--policy", "tf32", "--device", "cpu"], 3, "not supported on cpu"),
         (["demo", "--device", "tpu"], 2, "valid: cpu, cuda"),
         (["env", "--bogus"], 2, "unrecognized arguments"),
+        (["bench", "--model", "mlp", "--settle", "1.5"], 2, "settle must be a number in [0, 1), got 1.5"),
     ],
 )
 def test_errors_are_one_line_with_exit_code(argv, code, fragment, capsys):

@@ -68,7 +68,7 @@ def test_a_layout_the_tune_measured_on_its_pick_is_not_listed_as_advice(search, 
     """`make demo` beside two busy processes picked bf16-mixed over bf16-mixed+cl ("within
     measurement noise") and then listed "lint MP201: model runs NCHW ... channels_last" under it."""
     rec = pick(search)
-    nchw = search._row(rec.candidate)
+    nchw = search.row(rec.candidate)
     assert nchw is not None
     search.add([replace(nchw, candidate=replace(rec.candidate, channels_last=True))])
     done, _ = complete_with(search, rec, nchw_findings)

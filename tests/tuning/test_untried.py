@@ -158,7 +158,7 @@ def test_noisy_candidates_the_budget_cannot_re_measure_are_cut_as_a_lower_precis
         search = types.SimpleNamespace(
             decide=lambda: (types.SimpleNamespace(remeasure=remeasure), None),
             sweeps=types.SimpleNamespace(bench=types.SimpleNamespace(steps=4)),
-            _row=lambda cand: object(),
+            row=lambda cand: object(),
             budget=budget,
             costs=types.SimpleNamespace(remeasure_s=lambda cand: 1e9),  # (more than any budget)
             notes=[],

@@ -56,6 +56,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--min-time", type=float, help="keep timing a candidate until this many seconds (at most 200 steps)"
     )
     p.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="measure a candidate again, in up to two more sessions, until its speedup's 95%% interval is "
+        "within SHARE of it either side (0.05: a figure the next run repeats within about 10%%; at most "
+        "40 paired rounds)",
+    )
+    p.add_argument(
         "--prune-factor", type=float, default=5.0, help="stop candidates this many times slower than the best"
     )
     p.add_argument("--json", metavar="FILE", help="write results as JSON (rows also stream to FILE's .jsonl)")
@@ -117,6 +126,7 @@ def bench_config(args: argparse.Namespace, defaults: Defaults) -> BenchConfig:
         steps=args.steps or defaults["steps"],
         warmup=args.warmup or defaults["warmup"],
         min_time_s=defaults["min_time"] if args.min_time is None else args.min_time,
+        settle=args.settle,
         device=defaults.device,
         jsonl=Path(args.json).with_suffix(".jsonl") if args.json else None,
         resume=args.resume or args.resume_anyway,

@@ -93,6 +93,15 @@ class BenchConfig:
     min_time_s: float = 0.0
     """Keep timing a candidate until this much timed time has passed (at most 200 steps)."""
 
+    settle: float = 0.0
+    """Measure a candidate again, in up to two more sessions, until its speedup's 95% interval lies
+    within this share of it either side over all its paired rounds (0.05: 5%, a figure the next run
+    repeats within about 10%), at most ``settle_rounds`` rounds; 0: one session of ``steps``
+    rounds. A noisy machine takes more rounds (:mod:`mixprec.measure.settle`)."""
+
+    settle_rounds: int = 40
+    """With ``settle`` (and tune's): the most paired rounds a candidate gets, over all sessions."""
+
     prune_factor: float = 5.0
     """Stop a candidate that many times slower than the best so far (compared like with like,
     retried once at the end; see :mod:`mixprec.measure.paired`)."""
@@ -144,6 +153,8 @@ class BenchConfig:
         validation.positive_int("steps", self.steps)
         validation.positive_int("warmup", self.warmup)
         validation.seconds("min_time_s", self.min_time_s)
+        validation.fraction("settle", self.settle)
+        validation.positive_int("settle_rounds", self.settle_rounds)
         validation.number_above("prune_factor", self.prune_factor, 1)
         validation.positive_int("nproc", self.nproc)
         if self.threads != "auto":

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
@@ -34,6 +34,7 @@ from mixprec.measure.paired import BaselineEnded, PairedSweep
 from mixprec.measure.recorder import RowRecorder
 from mixprec.measure.repeats import Repeats
 from mixprec.measure.results import NO_FLOPS_NOTE, BenchResult, BenchRow, median_ci
+from mixprec.measure.settle import settle_rows
 from mixprec.measure.threads import pick_threads, threads_kept
 from mixprec.policy import Candidate
 from mixprec.policy.registry import carrier
@@ -89,6 +90,13 @@ def bench(
     if choice is not None:
         config = replace(config, threads=choice.threads)
     result = run_sweep(workload, framework, config, device=device, events=events, budget=budget)
+    if config.settle:  # every row's rounds pooled over more sessions until its interval is narrow
+
+        def again(candidates: Sequence[Candidate], rounds: int) -> BenchResult:
+            fresh = replace(config, candidates=tuple(candidates), steps=rounds, jsonl=None, resume=False)
+            return run_sweep(workload, framework, fresh, device=device, events=events, budget=budget)
+
+        settle_rows(result, again, config.settle, config.settle_rounds)
     if choice is not None and choice.step_s:
         result.notes += [choice.reason] + ([choice.contended] if choice.contended else [])
     return result

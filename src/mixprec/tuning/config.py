@@ -57,6 +57,12 @@ class TuneConfig:
     noise: float = 0.03
     """The smallest relative speed difference treated as real."""
 
+    settle: float = 0.05
+    """The pick is measured again, in up to two more sessions, until its speedup's 95% interval lies
+    within this share of it either side over all its paired rounds (at most ``bench.settle_rounds``,
+    and what the budget pays; :mod:`mixprec.tuning.settle`): the figure the next run repeats. 0:
+    the pick's figure as its sweep left it."""
+
     compile_modes: tuple[str, ...] | None = None
     """Compile modes tried on the best eager candidates (() for none; default: the framework's first,
     torch.compile's "default" or Keras' "xla")."""
@@ -83,6 +89,7 @@ class TuneConfig:
         validation.seconds("budget", self.budget_s, zero_ok=False)
         validation.boolean("lint", self.lint)
         validation.fraction("noise", self.noise)
+        validation.fraction("settle", self.settle)
         validation.boolean("optimizers", self.optimizers)
         if self.compile_modes is not None:
             modes = (

@@ -110,6 +110,30 @@ class Costs:
         a sweep of its own."""
         return self.opening_s() + 2 * self.measure_s() + (RECOMPILE_S if candidate.compile else 0.0)
 
+    def settle_s(self, row: BenchRow, rounds: int) -> float:
+        """A sweep of ``row``'s candidate alone for ``rounds`` more paired rounds: strict fp32's
+        opening, the candidate's set-up and warm-up as its sessions so far took them (their wall
+        time beyond their paired rounds and its compile; compiled: its recompile from the cache),
+        each round a step of strict fp32 and one of the candidate. (Pricing the warm-up steps alone
+        left a 2-core VM's settling sweep stopped by the deadline before the candidate's rounds.)"""
+        base_s, cand_s = self._steps_s(row)
+        timed = len(row.paired_ratios) * (base_s + cand_s) + (row.compile_s or 0.0)
+        set_up = max(SESSION_COST * (self.setting.bench.warmup + 2) * cand_s, (row.wall_s or 0.0) - timed)
+        compiled = RECOMPILE_S if row.candidate.compile else 0.0
+        return self.opening_s() + set_up + compiled + SESSION_COST * rounds * (base_s + cand_s)
+
+    def rounds_paid(self, row: BenchRow, seconds: float) -> int:
+        """How many more paired rounds of ``row``'s candidate ``seconds`` pay (:meth:`settle_s`)."""
+        base_s, cand_s = self._steps_s(row)
+        left = seconds - self.settle_s(row, 0)
+        return max(0, int(left / (SESSION_COST * (base_s + cand_s))))
+
+    def _steps_s(self, row: BenchRow) -> tuple[float, float]:
+        """Strict fp32's step and ``row``'s, in seconds (1 s where nothing was timed)."""
+        base = self.result.baseline
+        base_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
+        return base_s, row.step_time_ms.median_ms / 1e3 if row.step_time_ms else base_s
+
     def variants_s(self, candidate: Candidate, count: int) -> float:
         """Measuring ``count`` variants of ``candidate`` (its optimizer's implementations) in a sweep
         of their own, each warmed up and paired with strict fp32 (compiled: from the cache)."""

@@ -20,6 +20,7 @@ from mixprec.measure.compile_cache import inductor_cache
 from mixprec.measure.threads import pick_threads, threads_kept
 from mixprec.policy import Candidate
 from mixprec.tuning import batching
+from mixprec.tuning import settle as settling
 from mixprec.tuning.batching import BatchPlan
 from mixprec.tuning.config import TuneConfig
 from mixprec.tuning.decide import Recommendation
@@ -87,7 +88,11 @@ def tune(
             # 2-core EPYC ran a strict-fp32 step in 2.9 s at 1 thread and 10.2 s at the default 2)
             framework.use_threads(config.bench.threads)
         search = Search.start(sweeps, info)
+        kept = settling.reserve(search)
         rec, ranked = search.run(info, modes)
+        with sweeps.phase("speed"):  # the pick's figure, to the precision a repeat reproduces
+            if settling.settle(search, rec, kept):
+                rec, ranked = search.decide()
     result = search.result
     # (before the pick is completed: linting it cuts nothing from the search)
     exhausted = exhausted_reason(config.budget_s, budget.cuts, rec, budget.cut_a_lower_precision)

@@ -293,7 +293,8 @@ class Search:
             self.result.update(row)
         return added
 
-    def _row(self, candidate: Candidate) -> BenchRow | None:
+    def row(self, candidate: Candidate) -> BenchRow | None:
+        """``candidate``'s row with its derived figures (None: not measured)."""
         return next((r for r in self.result.rows if r.candidate == candidate), None)
 
     def not_measured(self, candidates: Sequence[Candidate], why: str, cost_s: float | None = None) -> None:
@@ -521,7 +522,7 @@ class Search:
                 current = smaller
                 continue
             row = next((r for r in rows if r.candidate == smaller and r.status == Status.OK), None)
-            mine = self._row(current)
+            mine = self.row(current)
             if row is not None and mine is not None and speed(row) >= speed(mine) * (1 - noise):
                 self.notes.append(
                     f"{smaller.label} is within {noise:.0%} of {current.label}'s speed "
@@ -568,7 +569,7 @@ class Search:
             return
         steps = 2 * self.sweeps.bench.steps
         for i, cand in enumerate(rec.remeasure):
-            old = self._row(cand)
+            old = self.row(cand)
             if old is None:
                 continue  # nothing measured to replace
             if not self.budget.can_pay(self.costs.remeasure_s(cand)):
@@ -597,7 +598,7 @@ def complete(
     With ``lint`` (and budget left), the backend's findings under the pick, whole (layout and
     fp32 islands included), returned beside it (None: not linted)."""
     sweeps, plan, budget = search.sweeps, search.batches, search.budget
-    row = search._row(rec.candidate)
+    row = search.row(rec.candidate)
     findings = _lint(sweeps, rec.candidate) if lint and budget.elapsed() < budget.seconds else None
     measured = plan.peak(rec.candidate) if plan is not None else None
     if plan is not None:

@@ -1,0 +1,104 @@
+"""A figure the next run repeats: a row's paired rounds pooled over more sessions until its
+interval is narrow.
+
+A sweep measures each candidate over a few paired rounds in one process of its own. On a quiet
+machine that repeats; on the 2-core AMX Xeon VM the same candidate's rounds agree with each other
+within a process and not between processes: ResNet-50's bf16-mixed+cl read 1.61x over the 4
+rounds of one and 2.17x over the 11 of the next (a plain probe in one process: 2.01x, 2.30x, 2.48x
+in three runs), so more rounds in the same process only narrow an interval around that process's
+figure. Settling a row measures its candidate again in fresh sweeps (each a strict-fp32 session
+and the candidate's, paired as every sweep is) for the rounds its interval needs to reach
+``width`` either side, at least :data:`MIN_ROUNDS` in all and at most ``most``, and pools every
+round into the row: its figure is the median over the sessions (issue 53). ``bench --settle`` does
+it for every row; ``tune`` for its pick (:mod:`mixprec.tuning.settle`, within its budget).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from mixprec.measure.results import BenchResult, BenchRow
+from mixprec.policy import Candidate
+from mixprec.status import Status
+
+# A bootstrap interval of 4 rounds is about their range: a figure is settled over at least this many.
+MIN_ROUNDS = 8
+# More sessions a row is measured in at most (the rounds each needs are estimated from those so far).
+SETTLE_SWEEPS = 2
+
+# One more paired sweep of these candidates for this many rounds each (its rows).
+Sweep = Callable[[Sequence[Candidate], int], BenchResult]
+
+
+def spread(row: BenchRow) -> float | None:
+    """How far ``row``'s speedup interval reaches from its figure, as a share of it (the farther
+    side): the interval it reports, which covers what its samples/s say too
+    (:func:`mixprec.measure.results.assemble`). None without one."""
+    if row.speedup_ci is None or not row.speedup_vs_fp32:
+        return None
+    low, high = row.speedup_ci
+    return max(high - row.speedup_vs_fp32, row.speedup_vs_fp32 - low) / row.speedup_vs_fp32
+
+
+def rounds_wanted(row: BenchRow, width: float, most: int) -> int:
+    """More paired rounds ``row`` needs for its interval to reach ``width`` either side (a median's
+    interval narrows as 1/sqrt(rounds)), at least :data:`MIN_ROUNDS` and at most ``most`` in all;
+    0 where it is settled (or has ``most``), or is not a paired row that measured."""
+    reach, done = spread(row), len(row.paired_ratios)
+    if row.status != Status.OK or reach is None or (reach <= width and done >= MIN_ROUNDS):
+        return 0
+    needed = math.ceil(round(done * (reach / width) ** 2, 6))  # (16.000000000000014 is 16 rounds)
+    return max(0, min(most, max(MIN_ROUNDS, needed)) - done)
+
+
+def pooled(first: BenchRow, so_far: BenchRow, new: BenchRow) -> BenchRow:
+    """``new``'s row with every round of ``so_far`` before its own: the paired ratios and step times
+    of all its sessions, the first session's cold step (a compiled candidate's compile) and notes."""
+    return replace(
+        new,
+        paired_ratios=so_far.paired_ratios + new.paired_ratios,
+        step_times_ms=so_far.step_times_ms + new.step_times_ms,
+        first_step_ms=first.first_step_ms,
+        wall_s=(so_far.wall_s or 0.0) + (new.wall_s or 0.0),
+        notes=first.notes,
+    )
+
+
+def settled_note(first: BenchRow, row: BenchRow, sessions: int) -> str:
+    """The note on a settled row: its rounds in all, over how many sessions, and what its first
+    session's said."""
+    said = f"{first.speedup_vs_fp32 or 0:.2f}x"
+    if first.speedup_ci:
+        said += f" [{first.speedup_ci[0]:.2f}-{first.speedup_ci[1]:.2f}]"
+    return (
+        f"settled over {len(row.paired_ratios)} paired rounds in {sessions} sessions (its interval now "
+        f"within {spread(row) or 0:.0%} either side; its first {len(first.paired_ratios)} said {said})"
+    )
+
+
+def settle_rows(result: BenchResult, sweep: Sweep, width: float, most: int) -> None:
+    """Every measured row of ``result`` (strict fp32 aside) that is not settled, measured again by
+    ``sweep`` (the candidates together, each for the most rounds any of them needs) until it is, in
+    at most :data:`SETTLE_SWEEPS` more sessions; each row pooled over its sessions, with a note."""
+    firsts = {r.candidate: r for r in result.rows if not r.baseline_repeat and r.paired_ratios}
+    sessions = dict.fromkeys(firsts, 1)
+    for _ in range(SETTLE_SWEEPS):
+        current = {r.candidate: r for r in result.rows if r.candidate in firsts and not r.baseline_repeat}
+        wanted = {c: n for c, r in current.items() if (n := rounds_wanted(r, width, most))}
+        if not wanted:
+            break
+        swept = sweep(list(wanted), max(wanted.values()))
+        measured = {
+            r.candidate: r for r in result.measured if r.candidate in wanted and not r.baseline_repeat
+        }
+        for new in swept.measured:
+            if new.candidate in wanted and new.status == Status.OK and not new.baseline_repeat:
+                result.update(pooled(firsts[new.candidate], measured[new.candidate], new))
+                sessions[new.candidate] += 1
+    for row in result.rows:
+        if row.candidate in firsts and not row.baseline_repeat and sessions[row.candidate] > 1:
+            note = settled_note(firsts[row.candidate], row, sessions[row.candidate])
+            measured_row = next(r for r in result.measured if r.key == row.key)
+            result.update(replace(measured_row, notes=(*measured_row.notes, note)))

@@ -1,0 +1,86 @@
+"""Tune's pick, settled (:mod:`mixprec.measure.settle`) within the budget.
+
+The speed sweep's few rounds (4 by default) rank candidates; the pick's figure is what the user
+takes away, so once it is known its candidate is measured again in sessions of its own until its
+interval is narrow, and the time for that is kept back from the speed sweep on (:func:`reserve`):
+without it the stages before left 5 rounds of ResNet-50 on the AMX Xeon, where its pick needs
+about 40 (60 s). The same pick read 2.44x in one tune and 1.92x in the next on a 2-core EPYC, and
+2.23x [1.75-3.06] on the AMX Xeon beside bench's 1.70x and a plain probe's 2.01x (issue 53).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mixprec.measure import settle as settling
+from mixprec.measure.results import BenchRow
+from mixprec.status import Status
+from mixprec.tuning.decide import Recommendation, speed
+from mixprec.tuning.search import Search
+
+# At most this share of the budget is kept back to settle the pick's figure.
+SETTLE_SHARE = 0.15
+
+
+def reserve(search: Search) -> float:
+    """Seconds the budget keeps back (its ``reserve_s``) to settle the pick's figure, taken once the
+    speed sweep has measured: what settling its fastest row would cost, at most ``SETTLE_SHARE`` of
+    the budget; none where that row is settled already (a quiet machine's rows may be).
+    :func:`settle` gives it back."""
+    rows = [r for r in search.result.rows if r.status == Status.OK and r.paired_ratios]
+    fastest = max(rows, key=speed, default=None)
+    width, most = search.sweeps.config.settle, search.sweeps.bench.settle_rounds
+    if not width or fastest is None or not (rounds := settling.rounds_wanted(fastest, width, most)):
+        return 0.0
+    kept = min(SETTLE_SHARE * search.budget.seconds, search.costs.settle_s(fastest, rounds))
+    search.budget.reserve_s += kept
+    return kept
+
+
+def settle(search: Search, rec: Recommendation | None, kept: float) -> bool:
+    """The pick's row over the paired rounds it needs to be settled, those the budget pays (with
+    the ``kept`` seconds :func:`reserve` held back for it), in at most
+    :data:`~mixprec.measure.settle.SETTLE_SWEEPS` more sessions. True where rounds joined it (the
+    decision is to be made again)."""
+    search.budget.reserve_s -= kept
+    first = search.row(rec.candidate) if rec is not None else None
+    if not search.sweeps.config.settle or first is None or first.status != Status.OK:
+        return False
+    row, measured, sessions = first, first, 1
+    rounds, short = _more_rounds(search, row)
+    while rounds and sessions <= settling.SETTLE_SWEEPS:
+        search.sweeps.stage(f"settling {row.candidate.label}'s figure: {rounds} more paired rounds")
+        swept = search.sweeps.sweep([row.candidate], search.budget, rounds).measured
+        new = next((r for r in swept if r.candidate == row.candidate and r.status == Status.OK), None)
+        if new is None:  # (the budget stopped it, or the candidate failed this time)
+            search.notes.append(f"{row.candidate.label}'s figure not settled: its sweep measured no row")
+            short = False
+            break
+        measured = settling.pooled(first, measured, new)
+        search.result.update(measured)
+        row, sessions = search.row(row.candidate) or row, sessions + 1
+        rounds, short = _more_rounds(search, row)
+    unpaid = f"the budget pays no {search.sweeps.bench.steps} more paired rounds (--budget raises it)"
+    if sessions == 1:
+        if short:
+            search.notes.append(
+                f"{row.candidate.label}'s figure not settled (its interval reaches "
+                f"{settling.spread(row) or 0:.0%} either side over {len(row.paired_ratios)} paired "
+                f"rounds): {unpaid}"
+            )
+        return False
+    note = settling.settled_note(first, row, sessions) + (f"; {unpaid}" if short else "")
+    search.result.update(replace(measured, notes=(*first.notes, note)))
+    search.notes.append(f"{row.candidate.label} {note}")
+    return True
+
+
+def _more_rounds(search: Search, row: BenchRow) -> tuple[int, bool]:
+    """The paired rounds ``row`` needs that the budget pays (0: settled, or too few paid to open a
+    session for), and whether the budget is why it gets fewer than it needs."""
+    wanted = settling.rounds_wanted(row, search.sweeps.config.settle, search.sweeps.bench.settle_rounds)
+    paid = search.costs.rounds_paid(row, search.budget.left())
+    rounds = min(wanted, paid)
+    if rounds < search.sweeps.bench.steps:  # (fewer do not pay for strict fp32's opening)
+        rounds = 0
+    return rounds, paid < wanted
