@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import random
 import statistics
+import types
 
 import pytest
 
 import mixprec
+from mixprec.budget import Budget
+from mixprec.measure.results import BenchRow
+from mixprec.policy import Candidate
+from mixprec.tuning.settle import reserve
 
 from .scripted import Planted, planted_clock, planted_framework  # noqa: F401 (fixtures)
 
@@ -76,3 +81,37 @@ def test_bench_settles_every_row_when_asked_and_stops_at_its_round_cap():
     noisy = Planted(SPEEDS, jitter=0.5, rng=random.Random(5))  # no 7 rounds can settle 50% noise
     capped = mixprec.bench(noisy, steps=4, warmup=1, settle=0.05, settle_rounds=7, isolate=False)
     assert {len(r.paired_ratios) for r in capped.rows if r.paired_ratios} == {7}
+
+
+def _search_for_reserve(settle_s):
+    """What :func:`mixprec.tuning.settle.reserve` reads of a tune after its speed sweep: one row
+    at 2x over 4 rounds, 10% either side (it wants 12 more rounds), a 300 s budget."""
+    row = BenchRow(
+        "w",
+        Candidate("bf16-mixed"),
+        "cpu",
+        8,
+        "ok",
+        paired_ratios=(1.9, 2.0, 2.0, 2.1),
+        speedup_vs_fp32=2.0,
+        speedup_ci=(1.8, 2.2),
+    )
+    return types.SimpleNamespace(
+        result=types.SimpleNamespace(rows=[row]),
+        sweeps=types.SimpleNamespace(
+            config=types.SimpleNamespace(settle=0.05), bench=types.SimpleNamespace(settle_rounds=40, steps=4)
+        ),
+        budget=Budget(300.0),
+        costs=types.SimpleNamespace(settle_s=settle_s),
+    )
+
+
+def test_the_time_to_settle_the_pick_is_kept_back_only_where_its_share_pays_a_session():
+    cheap = _search_for_reserve(lambda row, rounds: 10.0 + 2.0 * rounds)  # 12 rounds: 34 s
+    assert reserve(cheap) == 34.0 and cheap.budget.reserve_s == 34.0
+    dear = _search_for_reserve(lambda row, rounds: 10.0 + 5.0 * rounds)  # 12 rounds: 70 s, capped
+    assert reserve(dear) == 0.15 * 300 and dear.budget.reserve_s == 45.0
+    # a busy machine: strict fp32's opening and 4 rounds cost more than the 45 s share would keep,
+    # so nothing is kept back to go unused (`make demo` beside two busy loops ended 50 s early)
+    busy = _search_for_reserve(lambda row, rounds: 40.0 + 3.0 * rounds)  # 4 rounds: 52 s
+    assert reserve(busy) == 0.0 and busy.budget.reserve_s == 0.0

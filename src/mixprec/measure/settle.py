@@ -6,11 +6,12 @@ machine that repeats; on the 2-core AMX Xeon VM the machine's pace moved between
 rounds and the next's more than their interval said: ResNet-50's bf16-mixed+cl read 1.61x over
 the 4 rounds of one session (1.55-1.78) and 2.17x over the 11 of the next (1.41-3.76), and a plain
 probe in one process 2.01x, 2.30x and 2.48x in three runs; more rounds in the same process narrow
-an interval around that process's figure, not the spread between processes. Settling a row measures its candidate again in fresh sweeps (each a strict-fp32 session
-and the candidate's, paired as every sweep is) for the rounds its interval needs to reach
-``width`` either side, at least :data:`MIN_ROUNDS` in all and at most ``most``, and pools every
-round into the row: its figure is the median over the sessions (issue 53). ``bench --settle`` does
-it for every row; ``tune`` for its pick (:mod:`mixprec.tuning.settle`, within its budget).
+an interval around that process's figure, not the spread between processes. Settling a row
+measures its candidate again in fresh sweeps (each a strict-fp32 session and the candidate's,
+paired as every sweep is) for the rounds its interval needs to reach ``width`` either side, at
+least :data:`MIN_ROUNDS` in all and at most ``most``, and pools every round into the row: its
+figure is the median over the sessions (issue 53). ``bench --settle`` does it for every row;
+``tune`` for its pick (:mod:`mixprec.tuning.settle`, within its budget).
 """
 
 from __future__ import annotations

@@ -26,13 +26,18 @@ def reserve(search: Search) -> float:
     """Seconds the budget keeps back (its ``reserve_s``) to settle the pick's figure, taken once the
     speed sweep has measured: what settling its fastest row would cost, at most ``SETTLE_SHARE`` of
     the budget; none where that row is settled already (a quiet machine's rows may be).
-    :func:`settle` gives it back."""
+    :func:`settle` gives it back. None either where that share cannot pay a session of the
+    fewest rounds worth opening one for: kept, it would go unused (`make demo` beside two busy
+    loops ended 50 s early with bf16-mixed+cl and the bf16-true rows never measured)."""
     rows = [r for r in search.result.rows if r.status == Status.OK and r.paired_ratios]
     fastest = max(rows, key=speed, default=None)
     width, most = search.sweeps.config.settle, search.sweeps.bench.settle_rounds
     if not width or fastest is None or not (rounds := settling.rounds_wanted(fastest, width, most)):
         return 0.0
-    kept = min(SETTLE_SHARE * search.budget.seconds, search.costs.settle_s(fastest, rounds))
+    share = SETTLE_SHARE * search.budget.seconds
+    if share < search.costs.settle_s(fastest, min(rounds, search.sweeps.bench.steps)):
+        return 0.0
+    kept = min(share, search.costs.settle_s(fastest, rounds))
     search.budget.reserve_s += kept
     return kept
 
