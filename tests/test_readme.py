@@ -65,15 +65,17 @@ def test_readme_python_blocks_run_as_pasted_into_an_empty_file(tmp_path):
 
 
 def test_readme_names_exist_in_the_public_api():
-    """Every `mixprec.<name>` the README mentions is importable from mixprec."""
+    """Every `mixprec.<name>` the README mentions is importable from mixprec: an attribute of the
+    package or one of its modules (whether `mixprec.monitor` is an attribute yet depends on what
+    the process imported before: alone, this test failed one run in three)."""
+    import importlib.util
+
     import mixprec
 
     text = README.read_text(encoding="utf-8")
     names = set(re.findall(r"\bmixprec\.([a-z_A-Z]+)\b", text))
     missing = sorted(
-        n
-        for n in names
-        if not hasattr(mixprec, n) and n not in ("distributed", "tuning", "numerics", "keras", "frameworks")
+        n for n in names if not hasattr(mixprec, n) and importlib.util.find_spec(f"mixprec.{n}") is None
     )
     assert not missing, f"README mentions mixprec.{missing} which `import mixprec` does not provide"
 
