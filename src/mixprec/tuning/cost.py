@@ -92,9 +92,8 @@ class Costs:
 
     def sweep_s(self) -> float:
         """One candidate's warm-up and paired rounds beside strict fp32, at strict fp32's step."""
-        bench, base = self.setting.bench, self.result.baseline
-        step_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
-        return SESSION_COST * (bench.warmup + 2 * bench.steps + 2) * step_s
+        bench = self.setting.bench
+        return SESSION_COST * (bench.warmup + 2 * bench.steps + 2) * self._base_step_s()
 
     def opening_s(self) -> float:
         """What a sweep after the first spends before its first candidate: it opens a strict-fp32
@@ -128,10 +127,14 @@ class Costs:
         left = seconds - self.settle_s(row, 0)
         return max(0, int(left / (SESSION_COST * (base_s + cand_s))))
 
-    def _steps_s(self, row: BenchRow) -> tuple[float, float]:
-        """Strict fp32's step and ``row``'s, in seconds (1 s where nothing was timed)."""
+    def _base_step_s(self) -> float:
+        """Strict fp32's step in seconds (1 s where it was not timed)."""
         base = self.result.baseline
-        base_s = base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
+        return base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
+
+    def _steps_s(self, row: BenchRow) -> tuple[float, float]:
+        """Strict fp32's step and ``row``'s, in seconds (strict fp32's where ``row`` was not timed)."""
+        base_s = self._base_step_s()
         return base_s, row.step_time_ms.median_ms / 1e3 if row.step_time_ms else base_s
 
     def variants_s(self, candidate: Candidate, count: int) -> float:
