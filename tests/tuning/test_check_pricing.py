@@ -184,3 +184,18 @@ def test_a_sweep_after_the_first_is_priced_with_the_strict_fp32_session_it_opens
     opened = base.wall_s  # the first sweep's strict-fp32 session, as timed on the planted clock
     assert search.costs.remeasure_s(bf16()) >= opened + 2 * search.costs.measure_s()
     assert search.costs.variants_s(bf16(), 2) >= opened + 2 * search.costs.sweep_s()
+
+
+@pytest.mark.parametrize("rounds", [8, 20])
+def test_a_sweep_of_more_rounds_is_priced_with_its_longer_strict_fp32_opening(framework, rounds):
+    """A sweep's strict-fp32 session times as many steps before its first candidate as the sweep
+    has rounds: a re-measure (8) or a settling sweep (up to 36) was priced with the first sweep's
+    opening of 4, so one that just fit ran out before its candidate's last round (planted: priced
+    18 s, took 21.5 s)."""
+    search = swept(framework, {"fp32": 1.0, "bf16-mixed": 0.5})
+    cand = bf16()
+    row = search.row(cand)
+    priced = search.costs.remeasure_s(cand) if rounds == 8 else search.costs.settle_s(row, rounds)
+    before = CLOCK.now()
+    search.sweeps.sweep([cand], search.budget, steps=rounds)
+    assert CLOCK.now() - before <= priced

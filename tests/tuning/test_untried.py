@@ -161,6 +161,7 @@ def test_noisy_candidates_the_budget_cannot_re_measure_are_cut_as_a_lower_precis
             row=lambda cand: object(),
             budget=budget,
             costs=types.SimpleNamespace(remeasure_s=lambda cand: 1e9),  # (more than any budget)
+            held_s=0.0,  # (nothing kept back to settle the pick)
             notes=[],
         )
         Search.remeasure_noisy(search)

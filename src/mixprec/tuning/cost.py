@@ -95,19 +95,22 @@ class Costs:
         bench = self.setting.bench
         return SESSION_COST * (bench.warmup + 2 * bench.steps + 2) * self._base_step_s()
 
-    def opening_s(self) -> float:
+    def opening_s(self, steps: int | None = None) -> float:
         """What a sweep after the first spends before its first candidate: it opens a strict-fp32
         session of its own (set-up, warm-up, the first timed steps), about what the first sweep's
-        took (the baseline row's wall time). Unpriced, it was lost where a stage had time for its
-        candidates alone: a re-measure started with that much left spent 23 s and replaced nothing,
-        and a busy `make demo`'s late sweep spent its last 20 s opening strict fp32."""
+        took (the baseline row's wall time), with its ``steps`` timed steps where that sweep times
+        more than the first's. Unpriced, it was lost where a stage had time for its candidates
+        alone: a re-measure started with that much left spent 23 s and replaced nothing, and a busy
+        `make demo`'s late sweep spent its last 20 s opening strict fp32."""
         base = self.result.baseline
-        return base.wall_s if base is not None and base.wall_s else 0.0
+        more = max(0, (steps or 0) - self.setting.bench.steps) * self._base_step_s()
+        return (base.wall_s if base is not None and base.wall_s else 0.0) + more
 
     def remeasure_s(self, candidate: Candidate) -> float:
         """Measuring ``candidate`` again with twice the paired rounds (compiled: from the cache), in
         a sweep of its own."""
-        return self.opening_s() + 2 * self.measure_s() + (RECOMPILE_S if candidate.compile else 0.0)
+        steps = 2 * self.setting.bench.steps
+        return self.opening_s(steps) + 2 * self.measure_s() + (RECOMPILE_S if candidate.compile else 0.0)
 
     def settle_s(self, row: BenchRow, rounds: int) -> float:
         """A sweep of ``row``'s candidate alone for ``rounds`` more paired rounds: strict fp32's
@@ -119,7 +122,7 @@ class Costs:
         timed = len(row.paired_ratios) * (base_s + cand_s) + (row.compile_s or 0.0)
         set_up = max(SESSION_COST * (self.setting.bench.warmup + 2) * cand_s, (row.wall_s or 0.0) - timed)
         compiled = RECOMPILE_S if row.candidate.compile else 0.0
-        return self.opening_s() + set_up + compiled + SESSION_COST * rounds * (base_s + cand_s)
+        return self.opening_s(rounds) + set_up + compiled + SESSION_COST * rounds * (base_s + cand_s)
 
     def rounds_paid(self, row: BenchRow, seconds: float) -> int:
         """How many more paired rounds of ``row``'s candidate ``seconds`` pay (:meth:`settle_s`)."""

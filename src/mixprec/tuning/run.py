@@ -88,10 +88,10 @@ def tune(
             # 2-core EPYC ran a strict-fp32 step in 2.9 s at 1 thread and 10.2 s at the default 2)
             framework.use_threads(config.bench.threads)
         search = Search.start(sweeps, info)
-        kept = settling.reserve(search)
+        settling.reserve(search)
         rec, ranked = search.run(info, modes)
         with sweeps.phase("speed"):  # the pick's figure, to the precision a repeat reproduces
-            if settling.settle(search, rec, kept):
+            if settling.settle(search, rec):
                 rec, ranked = search.decide()
     result = search.result
     # (before the pick is completed: linting it cuts nothing from the search)

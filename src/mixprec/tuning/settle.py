@@ -26,9 +26,10 @@ def reserve(search: Search) -> float:
     """Seconds the budget keeps back (its ``reserve_s``) to settle the pick's figure, taken once the
     speed sweep has measured: what settling its fastest row would cost, at most ``SETTLE_SHARE`` of
     the budget; none where that row is settled already (a quiet machine's rows may be).
-    :func:`settle` gives it back. None either where that share cannot pay a session of the
-    fewest rounds worth opening one for: kept, it would go unused (`make demo` beside two busy
-    loops ended 50 s early with bf16-mixed+cl and the bf16-true rows never measured)."""
+    :func:`settle` gives it back (or :meth:`Search.remeasure_noisy` first, for a noisy rival).
+    None either where that share cannot pay a session of the fewest rounds worth opening one
+    for: kept, it would go unused (`make demo` beside two busy loops ended 50 s early with
+    bf16-mixed+cl and the bf16-true rows never measured)."""
     rows = [r for r in search.result.rows if r.status == Status.OK and r.paired_ratios]
     fastest = max(rows, key=speed, default=None)
     width, most = search.sweeps.config.settle, search.sweeps.bench.settle_rounds
@@ -37,17 +38,17 @@ def reserve(search: Search) -> float:
     share = SETTLE_SHARE * search.budget.seconds
     if share < search.costs.settle_s(fastest, min(rounds, search.sweeps.bench.steps)):
         return 0.0
-    kept = min(share, search.costs.settle_s(fastest, rounds))
-    search.budget.reserve_s += kept
-    return kept
+    search.held_s = min(share, search.costs.settle_s(fastest, rounds))
+    search.budget.reserve_s += search.held_s
+    return search.held_s
 
 
-def settle(search: Search, rec: Recommendation | None, kept: float) -> bool:
+def settle(search: Search, rec: Recommendation | None) -> bool:
     """The pick's row over the paired rounds it needs to be settled, those the budget pays (with
-    the ``kept`` seconds :func:`reserve` held back for it), in at most
+    what :func:`reserve` held back for it, where re-measuring a noisy rival did not take it), in at most
     :data:`~mixprec.measure.settle.SETTLE_SWEEPS` more sessions. True where rounds joined it (the
     decision is to be made again)."""
-    search.budget.reserve_s -= kept
+    search.release_held()
     first = search.row(rec.candidate) if rec is not None else None
     if not search.sweeps.config.settle or first is None or first.status != Status.OK:
         return False
