@@ -75,3 +75,57 @@ def test_mixprec_own_processes_are_not_others_and_an_orphan_is():
         own.wait()
         os.kill(orphan, 9)
         os.remove(orphan_pid_file)
+
+
+def test_a_baseline_far_slower_than_this_machines_record_is_contention_no_process_shows(tmp_path):
+    """One `bench_vs_tune` run on the AMX Xeon VM: strict fp32 took 1.40 s a step where the runs
+    before took 0.81 s; no process beside it, no steal reported; nothing said. The fastest step kept
+    per workload says it (measure/pace.py)."""
+    import pytest
+
+    from mixprec.files import CacheWarning
+    from mixprec.measure.pace import Paces, pace_key
+
+    key = pace_key("torch", "resnet50", 16, 1.3e11, "cpu", 2)
+    paces = Paces(tmp_path / "steps.json")
+    assert paces.slower(key, 10.0) is None  # nothing kept yet: nothing to be slower than
+    paces.record(key, 0.81)
+    paces.record(key, 0.95)  # (a slower step is not the machine's pace)
+    again = Paces(tmp_path / "steps.json")
+    assert again.slower(key, 1.0) is None  # run-to-run noise
+    said = again.slower(key, 1.40)
+    assert said.startswith("contention: strict fp32's step took 1400 ms, 1.7x") and "(810 ms on" in said
+    assert "Samples/s" in said and "paired step by step" in said
+    # another workload (a bigger model under the same name counts other FLOPs) has its own record
+    assert again.slower(pace_key("torch", "resnet50", 16, 2.6e11, "cpu", 2), 1.40) is None
+    (tmp_path / "steps.json").write_text("{not json")
+    with pytest.warns(CacheWarning, match="baseline step record"):
+        assert Paces(tmp_path / "steps.json").entries == {}
+
+
+def test_a_sweep_says_when_its_baseline_is_far_slower_than_before(monkeypatch, tmp_path):
+    """The same, through mixprec.bench on planted step times: a second bench of the workload whose
+    strict-fp32 step is twice the first's says so in its noise block and the console's line."""
+    import random
+
+    import mixprec
+    from mixprec.frameworks import register_framework, unregister_framework
+    from tuning.scripted import CLOCK, Planted, PlantedFramework
+
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("mixprec.clock.now", CLOCK.now)
+    monkeypatch.setattr(noise, "others_load", lambda *a: {})  # (the test's own neighbours aside)
+    register_framework(PlantedFramework())
+    try:
+        runs = [
+            mixprec.bench(
+                Planted({"fp32": step, "bf16-mixed": step / 2}, rng=random.Random(0)), steps=4, warmup=1
+            )
+            for step in (1.0, 1.05, 2.0)
+        ]
+    finally:
+        unregister_framework("planted")
+    assert runs[0].noise["contended"] is None and runs[1].noise["contended"] is None
+    said = runs[2].noise["contended"]
+    assert said is not None and "the fastest this machine gave this workload before" in said
+    assert said in noise.describe(runs[2].noise)

@@ -199,3 +199,18 @@ def test_a_sweep_of_more_rounds_is_priced_with_its_longer_strict_fp32_opening(fr
     before = CLOCK.now()
     search.sweeps.sweep([cand], search.budget, steps=rounds)
     assert CLOCK.now() - before <= priced
+
+
+def test_the_rounds_a_settling_budget_pays_fit_in_it(framework):
+    """tune's pick on the AMX Xeon (bench_vs_tune run 11): 'bf16-mixed+cl's figure not settled: its
+    sweep measured no row': the rounds bought with the time left did not count the longer
+    strict-fp32 opening a sweep of more rounds times."""
+    search = swept(framework, {"fp32": 1.0, "bf16-mixed": 0.5})
+    cand = bf16()
+    row = search.row(cand)
+    seconds = search.costs.settle_s(row, 0) + 30.0
+    rounds = search.costs.rounds_paid(row, seconds)
+    assert rounds > search.sweeps.bench.steps and search.costs.settle_s(row, rounds) <= seconds
+    search.budget.end = CLOCK.now() + search.budget.reserve_s + seconds
+    swept_rows = search.sweeps.sweep([cand], search.budget, steps=rounds).measured
+    assert [len(r.paired_ratios) for r in swept_rows if r.candidate == cand] == [rounds]

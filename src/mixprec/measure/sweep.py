@@ -30,6 +30,7 @@ from mixprec.measure.config import BenchConfig, parse_choice
 from mixprec.measure.data_parallel import measure_data_parallel
 from mixprec.measure.failure import exception_status
 from mixprec.measure.isolate import SessionEnded
+from mixprec.measure.pace import Paces, pace_key
 from mixprec.measure.paired import BaselineEnded, PairedSweep
 from mixprec.measure.recorder import RowRecorder
 from mixprec.measure.repeats import Repeats
@@ -397,8 +398,26 @@ class Sweep:
         result.measured.sort(key=lambda r: order.get(r.candidate, len(self.plan)))  # resumed rows too
         base = result.baseline
         result.noise = noise.summarize(start, noise.snapshot(dev), base.step_times_ms if base else ())
+        if base is not None and base.status == Status.OK and base.step_time_ms:
+            self._against_pace(result, base.step_time_ms.median_ms / 1e3)
         self._revalidate_cpu_peaks()
         return result
+
+    def _against_pace(self, result: BenchResult, step_s: float) -> None:
+        """Strict fp32's step against the fastest this machine gave the workload before
+        (:mod:`mixprec.measure.pace`): contention said where no other rule saw it; kept where faster."""
+        paces = Paces()
+        key = pace_key(
+            self.framework.name,
+            result.workload,
+            self.settings.batch_size,
+            result.flops_per_step,
+            self.settings.device,
+            self.settings.threads,
+        )
+        if result.noise is not None and not result.noise.get("contended"):
+            result.noise["contended"] = paces.slower(key, step_s)
+        paces.record(key, step_s)
 
     def row(self, candidate: Candidate, status: str, reason: str = "", **fields: Any) -> BenchRow:
         own = self.settings.for_candidate(candidate)

@@ -127,8 +127,11 @@ class Costs:
     def rounds_paid(self, row: BenchRow, seconds: float) -> int:
         """How many more paired rounds of ``row``'s candidate ``seconds`` pay (:meth:`settle_s`)."""
         base_s, cand_s = self._steps_s(row)
-        left = seconds - self.settle_s(row, 0)
-        return max(0, int(left / (SESSION_COST * (base_s + cand_s))))
+        left, per_round = seconds - self.settle_s(row, 0), SESSION_COST * (base_s + cand_s)
+        rounds, steps = int(left / per_round), self.setting.bench.steps
+        if rounds > steps:  # beyond the first sweep's, each round opens strict fp32 one step longer too
+            rounds = int((left + steps * base_s) / (per_round + base_s))
+        return max(0, rounds)
 
     def _base_step_s(self) -> float:
         """Strict fp32's step in seconds (1 s where it was not timed)."""
