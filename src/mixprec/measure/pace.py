@@ -32,8 +32,8 @@ def pace_key(
     framework: str, workload: str, batch_size: int, flops: float | None, device: str, threads: Any
 ) -> str:
     """What strict fp32's step time depends on: the work (framework, workload, batch, FLOPs per
-    step where counted: a changed model is a new workload), the machine (device, threads) and
-    torch's version."""
+    step where counted: a changed model is a new workload), the machine (``device``: its kind and
+    name, since a home directory may be shared by unlike machines; threads) and torch's version."""
     parts = [
         framework,
         workload,

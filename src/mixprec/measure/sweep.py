@@ -412,7 +412,7 @@ class Sweep:
             result.workload,
             self.settings.batch_size,
             result.flops_per_step,
-            self.settings.device,
+            f"{self.settings.device} {self.info.name}",  # (a cache directory shared by unlike machines)
             self.settings.threads,
         )
         if result.noise is not None and not result.noise.get("contended"):
