@@ -3,11 +3,11 @@ machine gave the same workload before is contention no process list shows.
 
 The other rules (:func:`mixprec.measure.noise.contention`, the thread probe's) see processes
 beside mixprec and the steal time a hypervisor reports. On the 2-core AMX Xeon VM neither saw why
-one `bench_vs_tune` run's strict-fp32 step took 1.40 s where the runs before took 0.81 s (the
-hypervisor reports no steal; nothing else ran in the guest), and every samples/s it printed read
-~40% low without a word. The fastest strict-fp32 step per workload (its name, batch, FLOPs per step,
-threads, device, torch) is kept in mixprec's cache directory (``baseline_steps.json``); a sweep
-whose step is :data:`SLOWER` times that says so.
+one `bench_vs_tune` run's strict-fp32 step took 1.40 s where the run before took 0.81 s (the
+hypervisor reports no steal; no process in the guest took CPU time the other rule counts), and every
+samples/s it printed read ~40% low without a word. The fastest strict-fp32 step per workload (its
+name, batch, FLOPs per step, threads, device, torch) is kept in mixprec's cache directory
+(``baseline_steps.json``); a sweep whose step is :data:`SLOWER` times that says so.
 """
 
 from __future__ import annotations
