@@ -12,15 +12,13 @@ name, batch, FLOPs per step, threads, device, torch) is kept in mixprec's cache 
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mixprec.files import read_json_cache, write_json_cache
 from mixprec.hardware.peaks import default_cache_dir
+from mixprec.measure.compile_cache import cost_key
 
 # A strict-fp32 step this many times the fastest kept for it: the machine is not what it was.
 # (Run to run on a quiet machine the median step moves ~10-15% on the AMX Xeon VM.)
@@ -31,19 +29,10 @@ _VERSION = 1
 def pace_key(
     framework: str, workload: str, batch_size: int, flops: float | None, device: str, threads: Any
 ) -> str:
-    """What strict fp32's step time depends on: the work (framework, workload, batch, FLOPs per
-    step where counted: a changed model is a new workload), the machine (``device``: its kind and
-    name, since a home directory may be shared by unlike machines; threads) and torch's version."""
-    parts = [
-        framework,
-        workload,
-        str(batch_size),
-        f"{flops or 0:.4g}",
-        device,
-        str(threads),
-        torch.__version__,
-    ]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+    """What strict fp32's step time depends on: what a compile's cost does (:func:`cost_key`), with
+    the FLOPs per step where counted (a changed model under the same name is a new workload) and
+    ``device`` naming the machine too (a home directory may be shared by unlike machines)."""
+    return cost_key(framework, workload, batch_size, f"strict fp32, {flops or 0:.4g} FLOPs", device, threads)
 
 
 class Paces:

@@ -102,9 +102,11 @@ class Costs:
         more than the first's. Unpriced, it was lost where a stage had time for its candidates
         alone: a re-measure started with that much left spent 23 s and replaced nothing, and a busy
         `make demo`'s late sweep spent its last 20 s opening strict fp32."""
-        base = self.result.baseline
-        more = max(0, (steps or 0) - self.setting.bench.steps) * self._base_step_s()
-        return (base.wall_s if base is not None and base.wall_s else 0.0) + more
+        base = self.result.baseline  # (assembled anew on each read: read once)
+        opening = base.wall_s if base is not None and base.wall_s else 0.0
+        if (more := (steps or 0) - self.setting.bench.steps) > 0:
+            opening += more * _step_s(base)
+        return opening
 
     def remeasure_s(self, candidate: Candidate) -> float:
         """Measuring ``candidate`` again with twice the paired rounds (compiled: from the cache), in
@@ -135,8 +137,7 @@ class Costs:
 
     def _base_step_s(self) -> float:
         """Strict fp32's step in seconds (1 s where it was not timed)."""
-        base = self.result.baseline
-        return base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
+        return _step_s(self.result.baseline)
 
     def _steps_s(self, row: BenchRow) -> tuple[float, float]:
         """Strict fp32's step and ``row``'s, in seconds (strict fp32's where ``row`` was not timed)."""
@@ -343,3 +344,8 @@ class Costs:
         threads = bench.threads if isinstance(bench.threads, int) else framework.threads()
         machine, batch = detect(self.setting.device).name, bench.batch_size or 0
         return cost_key(framework.name, self.result.workload, batch, candidate.label, machine, threads)
+
+
+def _step_s(base: BenchRow | None) -> float:
+    """The strict-fp32 row ``base``'s step in seconds (1 s where it was not timed)."""
+    return base.step_time_ms.median_ms / 1e3 if base is not None and base.step_time_ms else 1.0
