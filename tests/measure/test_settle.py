@@ -3,6 +3,8 @@ more rounds a row needs, and what a pooled row keeps of its first session."""
 
 from __future__ import annotations
 
+import pytest
+
 from mixprec.measure.results import BenchRow
 from mixprec.measure.settle import MIN_ROUNDS, pooled, rounds_wanted
 from mixprec.policy import Candidate
@@ -54,3 +56,119 @@ def test_a_pooled_row_keeps_every_round_and_its_first_sessions_compile_and_notes
     assert row.step_times_ms == (10.0, 11.0, 12.0, 12.0, 13.0)
     assert row.first_step_ms == 9000.0 and row.wall_s == 38.0
     assert row.notes == ("pruned on the first attempt",)
+
+
+# ---------------------------------------------------------------------- each session one vote
+def _pooled_in_sweep(first, new):
+    """``first`` and ``new`` pooled as settling pools them, its figures assembled as a sweep's are."""
+    from mixprec.measure.results import BenchResult
+
+    baseline = BenchRow("w", Candidate("fp32"), "cpu", 8, "ok", step_times_ms=(100.0,) * 4)
+    result = BenchResult("w", "", "cpu", 8, {}, measured=[baseline, first])
+    result.update(pooled(first, first, new))
+    return next(r for r in result.rows if r.candidate == first.candidate)
+
+
+def test_a_long_session_does_not_outvote_the_one_before_it():
+    """Run 14 on the AMX Xeon (its rounds, from benchmarks/results/cpu-intel-xeon-amx): tune's pick
+    read 2.29, 1.69, 2.38, 2.59 in its first session and 18 rounds between 1.49 and 2.36 in its
+    settling one; pooled round by round the figure was that one session's, 1.78x [1.66-1.97], beside
+    bench's 2.26x and the probe's 2.20x. Sessions that disagree weigh nearer the same, and the
+    interval holds the disagreement."""
+    first = _row((2.29, 1.69, 2.38, 2.59), (1.69, 2.59))
+    settling = (
+        1.97,
+        2.36,
+        1.68,
+        1.77,
+        1.79,
+        1.49,
+        1.75,
+        1.77,
+        1.55,
+        1.72,
+        1.49,
+        1.8,
+        1.94,
+        1.66,
+        1.86,
+        1.67,
+        2.19,
+        2.16,
+    )
+    row = _pooled_in_sweep(first, _row(settling, (1.67, 1.94)))
+    assert row.sessions == (4, 18) and len(row.paired_ratios) == 22
+    # (the 22 rounds' median: 1.78; the two sessions' medians 2.34 and 1.78)
+    assert 1.95 < row.speedup_vs_fp32 < 2.1
+    low, high = row.speedup_ci
+    assert low <= 1.78 and high >= 2.34
+
+
+def test_sessions_that_agree_weigh_by_their_rounds_and_one_session_is_its_median():
+    """No session effect (one distribution, 11% per round): the figure and interval are about the
+    rounds pooled as one session's; a session of 4 that disagrees with 36 that agree moves it little
+    where its own spread explains it."""
+    import random
+    import statistics
+
+    from mixprec.measure.results import median_ci, session_speedup
+
+    assert session_speedup([3.0, 1.0, 2.0, 4.0]) == (2.5, median_ci([3.0, 1.0, 2.0, 4.0]))
+    assert session_speedup([3.0, 1.0, 2.0, 4.0], [4])[0] == 2.5
+    rng = random.Random(1)
+    same = [2.0 * rng.lognormvariate(0, 0.11) for _ in range(40)]
+    figure, (low, high) = session_speedup(same, [4, 18, 18])
+    assert figure == pytest.approx(statistics.median(same), rel=0.01)
+    one = median_ci(same)
+    # (a median's normal interval over 40 rounds: ~4.5% either side; this draw's bootstrap said 2.5%)
+    assert (high - low) <= 2 * (one[1] - one[0])
+    # the same rounds split 4 + 36, as a tune's first session and its settling one
+    figure, (low, high) = session_speedup(same, [4, 36])
+    assert figure == pytest.approx(statistics.median(same), rel=0.02) and high / low < 1.2
+
+
+def test_sessions_that_do_not_add_up_to_the_rounds_are_refused_and_a_stored_one_is_a_corrupt_line():
+    from mixprec.measure.results import session_speedup
+    from mixprec.measure.rowstore import _well_typed
+
+    with pytest.raises(ValueError, match=r"3 paired ratios do not split into sessions of \[2, 2\]"):
+        session_speedup([1.0, 2.0, 3.0], [2, 2])
+    good = _row((2.0, 2.1, 1.9), (1.9, 2.1), sessions=(1, 2))
+    assert BenchRow.from_dict(good.to_dict()).sessions == (1, 2) and _well_typed(good)
+    assert not _well_typed(_row((2.0, 2.1, 1.9), (1.9, 2.1), sessions=(2, 2)))
+
+
+def test_a_settled_rows_standard_error_is_its_sessions_not_its_rounds():
+    """Tune compares a settled pick with its rivals by the standard error of log(speedup): over 22
+    rounds of two sessions that disagree, the rounds' own error (~3%) said the figure was known far
+    better than its sessions do; it is at least what the sessions' interval says now."""
+    import math
+
+    from mixprec.tuning.decide import Z, log_speed_se
+
+    first = _row((2.29, 1.69, 2.38, 2.59), (1.69, 2.59))
+    settling = (
+        1.97,
+        2.36,
+        1.68,
+        1.77,
+        1.79,
+        1.49,
+        1.75,
+        1.77,
+        1.55,
+        1.72,
+        1.49,
+        1.8,
+        1.94,
+        1.66,
+        1.86,
+        1.67,
+        2.19,
+        2.16,
+    )
+    row = _pooled_in_sweep(first, _row(settling, (1.67, 1.94)))
+    rounds_only = BenchRow(**{**row.__dict__, "sessions": ()})
+    assert log_speed_se(rounds_only) < 0.04
+    low, high = row.speedup_ci
+    assert log_speed_se(row) == math.log(high / low) / (2 * Z) > 0.08

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
+import math
 import os
 import random
 import statistics
@@ -75,6 +77,9 @@ class BenchRow:
         rank_step_time_ms / rank_peak_memory_bytes: per rank, in data-parallel runs.
         paired_ratios: per round, the strict-fp32 step time over this candidate's step time,
             measured back to back (see :mod:`mixprec.measure.paired`).
+        sessions: how many of ``paired_ratios`` each session measured, in order, where a settled
+            row pooled more than one (:mod:`mixprec.measure.settle`); empty: one session. How much
+            each session weighs in the row's figure: :func:`session_speedup`.
         graph_breaks / graphs / recompiles: torch.compile candidates: graph breaks, graphs
             compiled, and graphs compiled after the first step.
         compute_share: share of one profiled step's operator time spent in matmuls, convolutions
@@ -112,6 +117,7 @@ class BenchRow:
     rank_step_time_ms: tuple[float, ...] = ()
     rank_peak_memory_bytes: tuple[int | None, ...] = ()
     paired_ratios: tuple[float, ...] = ()
+    sessions: tuple[int, ...] = ()
     graph_breaks: int | None = None
     graphs: int | None = None
     recompiles: int | None = None
@@ -188,7 +194,14 @@ class BenchRow:
             "throughput": self.throughput,
             "step_time_ms": self.step_time_ms.to_dict() if self.step_time_ms else None,
         }
-        for key in ("step_times_ms", "rank_step_time_ms", "rank_peak_memory_bytes", "paired_ratios", "notes"):
+        for key in (
+            "step_times_ms",
+            "rank_step_time_ms",
+            "rank_peak_memory_bytes",
+            "paired_ratios",
+            "sessions",
+            "notes",
+        ):
             d[key] = list(d[key])
         d["speedup_ci"] = list(self.speedup_ci) if self.speedup_ci else None
         d["repeat_ci"] = list(self.repeat_ci) if self.repeat_ci else None
@@ -203,7 +216,14 @@ class BenchRow:
             # candidate's: a candidate without a micro-batch of its own accumulates nothing itself
             flat = {**d, "accumulation_steps": 1}
         data["candidate"] = Candidate.from_dict(flat)
-        for key in ("step_times_ms", "rank_step_time_ms", "rank_peak_memory_bytes", "paired_ratios", "notes"):
+        for key in (
+            "step_times_ms",
+            "rank_step_time_ms",
+            "rank_peak_memory_bytes",
+            "paired_ratios",
+            "sessions",
+            "notes",
+        ):
             data[key] = tuple(d.get(key) or ())
         for key in ("speedup_ci", "repeat_ci"):
             ci = d.get(key)
@@ -228,6 +248,50 @@ def baseline_row(rows: Iterable[BenchRow]) -> BenchRow | None:
 
 
 Peaks = dict[str, tuple[float | None, str]]  # a spec's peak_key -> (FLOP/s or None, source)
+
+
+def _sessions_of(values: Sequence[float], sessions: Sequence[int]) -> list[list[float]]:
+    """``values`` split into their sessions (``sessions``: rounds per session, in order; empty: one)."""
+    sizes = list(sessions) or [len(values)]
+    if sum(sizes) != len(values) or not values or 0 in sizes:
+        raise ValueError(f"{len(values)} paired ratios do not split into sessions of {sizes} rounds")
+    starts = itertools.accumulate([0, *sizes])
+    return [list(values[a:b]) for a, b in itertools.pairwise(starts)]
+
+
+def session_speedup(
+    values: Sequence[float], sessions: Sequence[int] = (), *, level: float = 0.95
+) -> tuple[float, tuple[float, float] | None]:
+    """The figure of paired ratios measured over ``sessions`` (rounds per session, in order; empty:
+    one session) and its interval. One session: the median of its rounds, with
+    :func:`median_ci`. More: each session's median, weighed as a random-effects meta-analysis
+    weighs studies (DerSimonian-Laird, in log space): by its precision (rounds over the spread of
+    rounds within sessions) plus the spread between sessions beyond what that precision explains.
+    Sessions that agree weigh by their rounds, as one long session would; sessions that disagree
+    weigh nearer the same, and the interval holds the disagreement. Why: on the 2-core AMX Xeon one
+    process pair's 18 rounds sat ~25% below the sessions before and after it; pooled round by round,
+    that longest session was tune's figure (issue 53)."""
+    groups = _sessions_of(values, sessions)
+    if len(groups) == 1 or min(values) <= 0:
+        return statistics.median(values), median_ci(values, level=level)
+    logs = [[math.log(v) for v in g] for g in groups]
+    spread_dof = sum(len(g) - 1 for g in logs)
+    if spread_dof:  # the rounds' spread about their own session's mean, pooled over sessions
+        within = sum((x - statistics.fmean(g)) ** 2 for g in logs for x in g) / spread_dof
+    else:
+        within = statistics.variance([x for g in logs for x in g])
+    medians = [math.log(statistics.median(g)) for g in groups]
+    # a median's variance over n rounds is about pi/2 times the mean's
+    variances = [max(math.pi / 2 * within / len(g), 1e-12) for g in groups]
+    weights = [1 / v for v in variances]
+    centre = sum(w * m for w, m in zip(weights, medians, strict=True)) / sum(weights)
+    q = sum(w * (m - centre) ** 2 for w, m in zip(weights, medians, strict=True))
+    scale = sum(weights) - sum(w * w for w in weights) / sum(weights)
+    between = max(0.0, (q - (len(groups) - 1)) / scale)
+    weights = [1 / (v + between) for v in variances]
+    centre = sum(w * m for w, m in zip(weights, medians, strict=True)) / sum(weights)
+    reach = statistics.NormalDist().inv_cdf(0.5 + level / 2) * math.sqrt(1 / sum(weights))
+    return math.exp(centre), (math.exp(centre - reach), math.exp(centre + reach))
 
 
 def median_ci(
@@ -299,8 +363,7 @@ def assemble(
     for row in rows:
         derived: dict[str, Any] = {}
         if row.paired_ratios:
-            median = statistics.median(row.paired_ratios)
-            within = median_ci(row.paired_ratios)
+            median, within = session_speedup(row.paired_ratios, row.sessions)
             unpaired = None
             same = _samples(row) == _samples(base) if base else False
             if row.status == Status.OK and base and base.throughput and row.throughput and same:

@@ -10,7 +10,8 @@ an interval around that process's figure, not the spread between processes. Sett
 measures its candidate again in fresh sweeps (each a strict-fp32 session and the candidate's,
 paired as every sweep is) for the rounds its interval needs to reach ``width`` either side, at
 least :data:`MIN_ROUNDS` in all and at most ``most``, and pools every round into the row: its
-figure is the median over the sessions (issue 53). ``bench --settle`` does it for every row;
+figure weighs each session by its rounds and by how far the sessions disagree
+(:func:`~mixprec.measure.results.session_speedup`; issue 53). ``bench --settle`` does it for every row;
 ``tune`` for its pick (:mod:`mixprec.tuning.settle`, within its budget).
 """
 
@@ -56,10 +57,12 @@ def rounds_wanted(row: BenchRow, width: float, most: int) -> int:
 
 def pooled(first: BenchRow, so_far: BenchRow, new: BenchRow) -> BenchRow:
     """``new``'s row with every round of ``so_far`` before its own: the paired ratios and step times
-    of all its sessions, the first session's cold step (a compiled candidate's compile) and notes."""
+    of all its sessions (and how many rounds each measured: what each weighs in its figure), the
+    first session's cold step (a compiled candidate's compile) and notes."""
     return replace(
         new,
         paired_ratios=so_far.paired_ratios + new.paired_ratios,
+        sessions=(*(so_far.sessions or (len(so_far.paired_ratios),)), len(new.paired_ratios)),
         step_times_ms=so_far.step_times_ms + new.step_times_ms,
         first_step_ms=first.first_step_ms,
         wall_s=(so_far.wall_s or 0.0) + (new.wall_s or 0.0),

@@ -234,12 +234,15 @@ def speed(row: BenchRow) -> float:
 
 
 def log_speed_se(row: BenchRow) -> float:
-    """Standard error of log(speedup). Paired rows: the spread of their log paired ratios over
-    sqrt(rounds). Unpaired rows (data-parallel, schema-1 files): from the step times' IQR
-    (IQR ~ 1.35 sigma, se(median) ~ 1.25 sigma / sqrt(n), so ~0.93 * IQR / median / sqrt(n))."""
+    """Standard error of log(speedup). Paired rows: their log paired ratios' spread over sqrt(rounds),
+    settled rows at least their interval's (it spans their sessions). Unpaired rows (data-parallel,
+    schema-1 files): from the step times' IQR (~1.35 sigma; se(median) ~ 0.93 * IQR / median / sqrt(n))."""
     ratios = [r for r in row.paired_ratios if r > 0]
     if len(ratios) >= 2:
-        return statistics.stdev(math.log(r) for r in ratios) / math.sqrt(len(ratios))
+        se = statistics.stdev(math.log(r) for r in ratios) / math.sqrt(len(ratios))
+        if len(row.sessions) < 2 or not row.speedup_ci or min(row.speedup_ci) <= 0:
+            return se
+        return max(se, math.log(row.speedup_ci[1] / row.speedup_ci[0]) / (2 * Z))
     st = row.step_time_ms
     if not st or not st.median_ms or not st.n:
         return 0.0
