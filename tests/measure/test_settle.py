@@ -69,34 +69,22 @@ def _pooled_in_sweep(first, new):
     return next(r for r in result.rows if r.candidate == first.candidate)
 
 
+def _run_14():
+    """Tune's pick in run 14 on the AMX Xeon (benchmarks/results/cpu-intel-xeon-amx): its first
+    session's 4 rounds and its settling session's 18, pooled."""
+    first = _row((2.29, 1.69, 2.38, 2.59), (1.69, 2.59))
+    settling = (1.97, 2.36, 1.68, 1.77, 1.79, 1.49, 1.75, 1.77, 1.55)
+    settling += (1.72, 1.49, 1.8, 1.94, 1.66, 1.86, 1.67, 2.19, 2.16)
+    return _pooled_in_sweep(first, _row(settling, (1.67, 1.94)))
+
+
 def test_a_long_session_does_not_outvote_the_one_before_it():
     """Run 14 on the AMX Xeon (its rounds, from benchmarks/results/cpu-intel-xeon-amx): tune's pick
     read 2.29, 1.69, 2.38, 2.59 in its first session and 18 rounds between 1.49 and 2.36 in its
     settling one; pooled round by round the figure was that one session's, 1.78x [1.66-1.97], beside
     bench's 2.26x and the probe's 2.20x. Sessions that disagree weigh nearer the same, and the
     interval holds the disagreement."""
-    first = _row((2.29, 1.69, 2.38, 2.59), (1.69, 2.59))
-    settling = (
-        1.97,
-        2.36,
-        1.68,
-        1.77,
-        1.79,
-        1.49,
-        1.75,
-        1.77,
-        1.55,
-        1.72,
-        1.49,
-        1.8,
-        1.94,
-        1.66,
-        1.86,
-        1.67,
-        2.19,
-        2.16,
-    )
-    row = _pooled_in_sweep(first, _row(settling, (1.67, 1.94)))
+    row = _run_14()
     assert row.sessions == (4, 18) and len(row.paired_ratios) == 22
     # (the 22 rounds' median: 1.78; the two sessions' medians 2.34 and 1.78)
     assert 1.95 < row.speedup_vs_fp32 < 2.1
@@ -146,28 +134,7 @@ def test_a_settled_rows_standard_error_is_its_sessions_not_its_rounds():
 
     from mixprec.tuning.decide import Z, log_speed_se
 
-    first = _row((2.29, 1.69, 2.38, 2.59), (1.69, 2.59))
-    settling = (
-        1.97,
-        2.36,
-        1.68,
-        1.77,
-        1.79,
-        1.49,
-        1.75,
-        1.77,
-        1.55,
-        1.72,
-        1.49,
-        1.8,
-        1.94,
-        1.66,
-        1.86,
-        1.67,
-        2.19,
-        2.16,
-    )
-    row = _pooled_in_sweep(first, _row(settling, (1.67, 1.94)))
+    row = _run_14()
     rounds_only = BenchRow(**{**row.__dict__, "sessions": ()})
     assert log_speed_se(rounds_only) < 0.04
     low, high = row.speedup_ci

@@ -32,6 +32,17 @@ from mixprec.status import Status
 STATUSES = (Status.OK, Status.UNSUPPORTED, Status.OOM, Status.ERROR, Status.PRUNED, Status.NO_EFFECT)
 
 
+# BenchRow's tuple fields: lists in its JSON
+_SEQUENCES = (
+    "step_times_ms",
+    "rank_step_time_ms",
+    "rank_peak_memory_bytes",
+    "paired_ratios",
+    "sessions",
+    "notes",
+)
+
+
 @dataclass(frozen=True)
 class StepTime:
     """Median, inter-quartile range and count of timed step times, in milliseconds."""
@@ -194,14 +205,7 @@ class BenchRow:
             "throughput": self.throughput,
             "step_time_ms": self.step_time_ms.to_dict() if self.step_time_ms else None,
         }
-        for key in (
-            "step_times_ms",
-            "rank_step_time_ms",
-            "rank_peak_memory_bytes",
-            "paired_ratios",
-            "sessions",
-            "notes",
-        ):
+        for key in _SEQUENCES:
             d[key] = list(d[key])
         d["speedup_ci"] = list(self.speedup_ci) if self.speedup_ci else None
         d["repeat_ci"] = list(self.repeat_ci) if self.repeat_ci else None
@@ -216,14 +220,7 @@ class BenchRow:
             # candidate's: a candidate without a micro-batch of its own accumulates nothing itself
             flat = {**d, "accumulation_steps": 1}
         data["candidate"] = Candidate.from_dict(flat)
-        for key in (
-            "step_times_ms",
-            "rank_step_time_ms",
-            "rank_peak_memory_bytes",
-            "paired_ratios",
-            "sessions",
-            "notes",
-        ):
+        for key in _SEQUENCES:
             data[key] = tuple(d.get(key) or ())
         for key in ("speedup_ci", "repeat_ci"):
             ci = d.get(key)
