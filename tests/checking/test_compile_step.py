@@ -17,13 +17,20 @@ def gpt():
     return mixprec.load_workload("gpt2", n_layer=1, n_head=2, n_embd=64, seq_len=16)
 
 
-@pytest.mark.slow
-def test_a_compiled_step_is_checked_and_measured_as_itself(gpt, single_thread, monkeypatch):
+@pytest.fixture
+def aot_eager():
+    """Every graph to aot_eager (torch's own debug switch, through its config's own patch: a
+    monkeypatch's undo deleted the option and every later compile in the worker failed): Dynamo
+    captures and counts the step's graphs as under Inductor, without Inductor making kernels
+    (about 30 of this test's 32-55 s)."""
     import torch._dynamo
 
-    # every graph to aot_eager (torch's own debug switch): Dynamo captures and counts the step's
-    # graphs as under Inductor, without Inductor making kernels (about 30 of this test's 32-43 s)
-    monkeypatch.setattr(torch._dynamo.config, "debug_backend_override", ">=0:aot_eager")
+    with torch._dynamo.config.patch(debug_backend_override=">=0:aot_eager"):
+        yield
+
+
+@pytest.mark.slow
+def test_a_compiled_step_is_checked_and_measured_as_itself(gpt, single_thread, aot_eager):
     result = mixprec.check(gpt, policies=[STEP], steps=3, batch_size=4)
     verdict = result.candidates[0]
     assert verdict.candidate == STEP and verdict.label == "bf16-true+compile-step"
