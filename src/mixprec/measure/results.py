@@ -247,11 +247,17 @@ def baseline_row(rows: Iterable[BenchRow]) -> BenchRow | None:
 Peaks = dict[str, tuple[float | None, str]]  # a spec's peak_key -> (FLOP/s or None, source)
 
 
+def sessions_fit(rounds: int, sessions: Sequence[int]) -> bool:
+    """Whether ``sessions`` (rounds per session; empty: one) split ``rounds`` paired ratios."""
+    whole = all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sessions)
+    return rounds >= 1 and whole and (not sessions or sum(sessions) == rounds)
+
+
 def _sessions_of(values: Sequence[float], sessions: Sequence[int]) -> list[list[float]]:
     """``values`` split into their sessions (``sessions``: rounds per session, in order; empty: one)."""
+    if not sessions_fit(len(values), sessions):
+        raise ValueError(f"{len(values)} paired ratios do not split into sessions of {list(sessions)} rounds")
     sizes = list(sessions) or [len(values)]
-    if sum(sizes) != len(values) or not values or 0 in sizes:
-        raise ValueError(f"{len(values)} paired ratios do not split into sessions of {sizes} rounds")
     starts = itertools.accumulate([0, *sizes])
     return [list(values[a:b]) for a, b in itertools.pairwise(starts)]
 

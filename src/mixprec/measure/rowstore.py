@@ -29,7 +29,7 @@ from typing import Any
 
 from mixprec.errors import UsageError
 from mixprec.files import open_regular
-from mixprec.measure.results import STATUSES, BenchRow
+from mixprec.measure.results import STATUSES, BenchRow, sessions_fit
 from mixprec.schema import SCHEMA_VERSION
 
 HEADER_KIND = "mixprec-bench-rows"
@@ -84,8 +84,7 @@ def _well_typed(row: BenchRow) -> bool:
         and isinstance(row.baseline_repeat, bool)
         and all(_is_number(t) and t >= 0 for t in row.step_times_ms)
         and all(_is_number(t) for t in (*row.paired_ratios, *row.rank_step_time_ms))
-        and all(isinstance(n, int) and n >= 1 for n in row.sessions)
-        and (not row.sessions or sum(row.sessions) == len(row.paired_ratios))
+        and (not row.sessions or sessions_fit(len(row.paired_ratios), row.sessions))
         and all(v is None or _is_number(v) for v in optional_numbers)
         and all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in optional_ints)
         and all(v is None or isinstance(v, int) for v in row.rank_peak_memory_bytes)
