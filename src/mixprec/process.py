@@ -1,13 +1,15 @@
-"""Process plumbing shared by the isolated and the data-parallel runners."""
+"""Process plumbing shared by the isolated and the data-parallel runners and the script agent."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import resource
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -94,3 +96,52 @@ def peak_rss() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (KiB on Linux; bytes on macOS)
+
+
+# The name torch gives ProcessGroupGloo's worker threads (checked against torch 2.14).
+GLOO_WORKER_THREAD = "pt_gloo_runloop"
+
+
+def gloo_worker_states() -> list[str]:
+    """The scheduler state of each of this process's gloo worker threads, from ``/proc`` ("R"
+    running or waiting for a core, "S" asleep, ...); empty where there are none, or no ``/proc``."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    states = []
+    for task in tasks:
+        with contextlib.suppress(OSError, IndexError):
+            with open(f"/proc/self/task/{task}/comm", encoding="ascii", errors="replace") as f:
+                if f.read().strip() != GLOO_WORKER_THREAD:
+                    continue
+            with open(f"/proc/self/task/{task}/stat", encoding="ascii", errors="replace") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])  # (the name may hold spaces)
+    return states
+
+
+def let_gloo_workers_finish(timeout_s: float = 2.0, look_every_s: float = 0.002) -> bool:
+    """Wait, the GIL let go, until every gloo worker thread of this process is asleep at two looks
+    in a row: True once they are (at once where there are none), False at ``timeout_s``.
+
+    Called at exit while the interpreter still runs (``atexit``). Why: torch 2.14's gloo worker lets
+    go of a collective's work a moment after the caller has its result; where that drops the last
+    reference to a tensor made in Python, freeing it takes the GIL, and once the interpreter has
+    begun to shut down that stops the thread inside a ``noexcept`` destructor: the rank aborts
+    (SIGABRT, "terminate called without an active exception"; pytorch#190489) after its last step,
+    everything written. ``destroy_process_group()`` joins the workers only when nothing else holds
+    the group (a DDP or FSDP2 model does). Two-rank runs that end with an ``all_reduce``, beside two
+    busy processes on 2 cores: 3 of 12 aborted, 0 of 12 with this wait (``benchmarks/gloo_exit.py``;
+    9 of 26 and 0 of 16 in a first loop). A collective still in flight (an async one never waited for)
+    sleeps on its peer too: that one is not waited for."""
+    deadline = time.monotonic() + timeout_s
+    asleep = 0
+    while asleep < 2:
+        states = gloo_worker_states()
+        if not states:
+            return True
+        asleep = asleep + 1 if all(state == "S" for state in states) else 0
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(look_every_s)  # (lets go of the GIL: a worker waiting for it to free a tensor runs)
+    return True

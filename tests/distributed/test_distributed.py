@@ -37,6 +37,7 @@ from mixprec.distributed import (
     support,
 )
 from mixprec.errors import PolicyError, UnsupportedError, UsageError
+from mixprec.process import let_gloo_workers_finish
 
 WORLD = 2
 PER_RANK = 8  # samples per rank; the reference sees WORLD * PER_RANK
@@ -144,12 +145,12 @@ def _entry(rank: int, fn, world: int, store: str, backend: str, out: str) -> Non
         partial = Path(out) / f"rank{rank}.pt.partial"
         torch.save(result, partial)
         partial.replace(Path(out) / f"rank{rank}.pt")  # a result file is complete or absent
-        # No rank tears gloo down while a peer may still be sending: a peer closing its sockets
-        # early is what made gloo abort in teardown (SIGABRT, "terminate called without an
-        # active exception") once in CI.
-        dist.barrier()
+        dist.barrier()  # no rank tears gloo down while a peer may still be sending
     finally:
         dist.destroy_process_group()
+    # (gloo's workers let go of the last collectives before the interpreter shuts down: a rank
+    # aborted once in CI, SIGABRT "terminate called without an active exception"; see the docstring)
+    let_gloo_workers_finish()
 
 
 def _spawn(

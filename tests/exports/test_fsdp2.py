@@ -406,6 +406,7 @@ TORCHRUN_STEPS = 6
 # what each rank saw.
 _BEFORE = """
 import json
+import os
 import sys
 
 import torch
@@ -441,6 +442,12 @@ with open(sys.argv[1] + f"/rank{rank}.json", "w") as f:
     json.dump(record, f)
 dist.barrier()
 dist.destroy_process_group()
+# Everything is written: leave without the interpreter's shutdown. In torch 2.14.1 gloo's worker
+# thread can let go of the all-gathers above (their tensors' Python objects with them) after it
+# began, which aborts the rank (SIGABRT, "terminate called without an active exception"; once in
+# CI). destroy_process_group() does not join the workers while the FSDP2 model holds the group.
+sys.stdout.flush()
+os._exit(0)
 """
 
 

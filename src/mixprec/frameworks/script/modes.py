@@ -34,7 +34,7 @@ from mixprec.frameworks.script.messages import (
     encode,
 )
 from mixprec.frameworks.script.ranks import Ranks
-from mixprec.process import peak_rss
+from mixprec.process import let_gloo_workers_finish, peak_rss
 
 Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
 
@@ -221,8 +221,11 @@ class Run(Mode):
             return
         self._finished = True
         if agent.window.lead_stepped:
-            agent.boundary()
+            agent.boundary()  # (on a launch's ranks: mixprec's own collectives, the job's last)
         self.write()
+        # before the interpreter shuts down, or a gloo rank can abort now (also after the script's
+        # destroy_process_group: its model can hold the group, and the group its worker threads)
+        let_gloo_workers_finish()
 
     def stop(self, why: str, code: int) -> None:
         """End the run now with ``why`` in its record (the CLI prints it), exit ``code``."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from mixprec.frameworks.session import BenchSettings, Measurement
 from mixprec.policy import Candidate
-from mixprec.process import current_rss_bytes, main_module_hidden, peak_rss
+from mixprec.process import current_rss_bytes, let_gloo_workers_finish, main_module_hidden, peak_rss
 from mixprec.workload import WorkloadSpec
 from mixprec.workload.output import captured_fds
 
@@ -83,6 +83,7 @@ def _rank_main(
             out.write_text(json.dumps({"ok": True, "measurement": asdict(m)}), encoding="utf-8")
         finally:
             dist.destroy_process_group()
+            let_gloo_workers_finish()  # (the rank's DDP model can outlive the group: see its docstring)
     except BaseException as exc:  # the parent reads the reason from the file
         out.write_text(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), encoding="utf-8")
 
