@@ -3,9 +3,13 @@ for the start to finish, then reaches the handler it had."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
+
+import pytest
 
 from mixprec.process import signals_deferred
 
@@ -27,8 +31,6 @@ def test_a_sigterm_during_the_block_reaches_its_handler_after_it():
 
 
 def test_an_interrupt_raised_by_the_handler_comes_out_of_the_block():
-    import pytest
-
     with pytest.raises(KeyboardInterrupt), signals_deferred():
         os.kill(os.getpid(), signal.SIGINT)  # Python's own handler raises KeyboardInterrupt
         time.sleep(0.05)
@@ -36,49 +38,96 @@ def test_an_interrupt_raised_by_the_handler_comes_out_of_the_block():
     assert ran_on  # the block itself ran to its end
 
 
-def test_the_gloo_workers_are_found_by_name_and_waited_for_until_asleep(tmp_path):
-    """A real one-rank gloo group in this process: its worker threads carry the name the wait looks
-    for (if torch renamed them, the wait would return at once and guard nothing), they are asleep
-    after a collective, and gone once the group is destroyed with nothing else holding it."""
+@contextlib.contextmanager
+def one_gloo_rank(tmp_path):
+    """A real one-rank gloo group in this process (its worker threads are the ones waited for)."""
     from datetime import timedelta
 
-    import pytest
-    import torch
     import torch.distributed as dist
-
-    from mixprec.process import gloo_worker_states, let_gloo_workers_finish
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    before = len(gloo_worker_states())
     store = f"file://{tmp_path / 'store'}"
     dist.init_process_group("gloo", init_method=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
     try:
-        assert len(gloo_worker_states()) > before
-        dist.all_reduce(torch.ones(3))
-        assert let_gloo_workers_finish(timeout_s=10.0)
-        assert set(gloo_worker_states()) == {"S"}
+        yield
     finally:
         dist.destroy_process_group()
-    assert len(gloo_worker_states()) == before
 
 
-def test_the_wait_needs_two_asleep_looks_in_a_row_and_gives_up_at_its_timeout(monkeypatch):
+def test_the_gloo_workers_are_found_by_name_and_gone_with_their_group(tmp_path):
+    """The workers carry the name the wait looks for (renamed by torch, the wait would return at
+    once and guard nothing); after a collective they look idle; once the group is destroyed with
+    nothing else holding it, they are gone."""
+    import torch
+    import torch.distributed as dist
+
+    from mixprec.process import gloo_workers, let_gloo_workers_finish
+
+    before = set(gloo_workers())
+    with one_gloo_rank(tmp_path):
+        assert set(gloo_workers()) > before
+        dist.all_reduce(torch.ones(3))
+        assert let_gloo_workers_finish(timeout_s=10.0)
+    assert set(gloo_workers()) == before
+
+
+def test_a_worker_running_python_is_waited_for(tmp_path):
+    """A worker thread that runs Python (a future's callback, as a DDP comm hook's is): the wait
+    returns after the callback, not while it runs (a wait that returned at once would fail here;
+    the rule for a worker asleep on the GIL is pinned by the planted looks below)."""
+    import torch
+    import torch.distributed as dist
+
+    from mixprec.process import gloo_workers, let_gloo_workers_finish
+
+    seen: dict[str, float] = {}
+
+    def busy(future):
+        seen["thread"] = threading.get_native_id()
+        started = time.monotonic()
+        while time.monotonic() - started < 0.5:  # Python, for 0.5 s: the GIL, taken and given back
+            pass
+        seen["ended"] = time.monotonic()
+        return future.value()
+
+    with one_gloo_rank(tmp_path):
+        # the workers kept busy a moment first (one-rank all-gathers of 16M floats: copies), so the
+        # small collective completes on a worker after .then attached its callback, not before
+        large = torch.ones(2**24)
+        held = [dist.all_gather([torch.empty_like(large)], large, async_op=True) for _ in range(4)]
+        future = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(busy)
+        while "thread" not in seen:
+            time.sleep(0.001)
+        assert str(seen["thread"]) in gloo_workers(), "the callback ran outside gloo's workers"
+        assert let_gloo_workers_finish(timeout_s=10.0)
+        assert "ended" in seen  # (it returned after the callback's 0.5 s, not during them)
+        future.wait()
+        for work in held:
+            work.wait()
+
+
+def test_the_wait_wants_a_quiet_window_and_gives_up_at_its_timeout(monkeypatch):
+    """Planted looks: a worker counts as idle only asleep with no context switch between two
+    looks; one that keeps switching (a GIL waiter wakes every switch interval) or runs is waited
+    for until the timeout."""
     import mixprec.process as process
 
-    looks = iter([["S", "R"], ["S", "S"], ["R", "S"], ["S", "S"], ["S", "S"]])
-    seen: list[list[str]] = []
+    looks = iter([{"1": ("S", 5)}, {"1": ("S", 6)}, {"1": ("R", 7)}, {"1": ("S", 8)}, {"1": ("S", 8)}])
+    seen: list[dict] = []
 
-    def states() -> list[str]:
+    def workers() -> dict:
         seen.append(next(looks))
         return seen[-1]
 
-    monkeypatch.setattr(process, "gloo_worker_states", states)
-    assert process.let_gloo_workers_finish(timeout_s=10.0, look_every_s=0.0)
-    assert len(seen) == 5  # the asleep look between two running ones did not count
-    monkeypatch.setattr(process, "gloo_worker_states", lambda: ["R"])
-    started = time.monotonic()
-    assert not process.let_gloo_workers_finish(timeout_s=0.05, look_every_s=0.001)
-    assert time.monotonic() - started < 5.0  # (it gave up; no timing claim beyond that)
-    monkeypatch.setattr(process, "gloo_worker_states", list)
+    monkeypatch.setattr(process, "gloo_workers", workers)
+    monkeypatch.setattr(process.sys, "getswitchinterval", lambda: 0.0)
+    assert process.let_gloo_workers_finish(timeout_s=10.0)
+    assert len(seen) == 5  # asleep at 5 and 6, but it switched between: not yet
+    counter = iter(range(10**9))
+    monkeypatch.setattr(process, "gloo_workers", lambda: {"1": ("S", next(counter))})
+    assert not process.let_gloo_workers_finish(timeout_s=0.05)
+    monkeypatch.setattr(process, "gloo_workers", lambda: {"1": ("R", 0)})
+    assert not process.let_gloo_workers_finish(timeout_s=0.05)
+    monkeypatch.setattr(process, "gloo_workers", dict)
     assert process.let_gloo_workers_finish()  # none: at once

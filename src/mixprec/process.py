@@ -102,27 +102,33 @@ def peak_rss() -> int:
 GLOO_WORKER_THREAD = "pt_gloo_runloop"
 
 
-def gloo_worker_states() -> list[str]:
-    """The scheduler state of each of this process's gloo worker threads, from ``/proc`` ("R"
-    running or waiting for a core, "S" asleep, ...); empty where there are none, or no ``/proc``."""
+def gloo_workers() -> dict[str, tuple[str, int]]:
+    """This process's gloo worker threads, from ``/proc``: thread id -> (scheduler state, "R"
+    running or waiting for a core, "S" asleep, ...; context switches so far). Empty where there are
+    none, or no ``/proc``."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
-        return []
-    states = []
+        return {}
+    found = {}
     for task in tasks:
-        with contextlib.suppress(OSError, IndexError):
-            with open(f"/proc/self/task/{task}/comm", encoding="ascii", errors="replace") as f:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            folder = f"/proc/self/task/{task}"
+            with open(f"{folder}/comm", encoding="ascii", errors="replace") as f:
                 if f.read().strip() != GLOO_WORKER_THREAD:
                     continue
-            with open(f"/proc/self/task/{task}/stat", encoding="ascii", errors="replace") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])  # (the name may hold spaces)
-    return states
+            with open(f"{folder}/stat", encoding="ascii", errors="replace") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]  # (a thread's name may hold spaces)
+            with open(f"{folder}/status", encoding="ascii", errors="replace") as f:
+                switches = sum(int(line.split()[1]) for line in f if "ctxt_switches:" in line)
+            found[task] = (state, switches)
+    return found
 
 
-def let_gloo_workers_finish(timeout_s: float = 2.0, look_every_s: float = 0.002) -> bool:
-    """Wait, the GIL let go, until every gloo worker thread of this process is asleep at two looks
-    in a row: True once they are (at once where there are none), False at ``timeout_s``.
+def let_gloo_workers_finish(timeout_s: float = 2.0) -> bool:
+    """Wait, the GIL let go, until this process's gloo worker threads look idle: each asleep, with no
+    context switch over a window of two GIL switch intervals. True once they do (at once where there
+    are none), False at ``timeout_s``. Best effort, from what ``/proc`` shows.
 
     Called at exit while the interpreter still runs (``atexit``). Why: torch 2.14's gloo worker lets
     go of a collective's work a moment after the caller has its result; where that drops the last
@@ -130,18 +136,19 @@ def let_gloo_workers_finish(timeout_s: float = 2.0, look_every_s: float = 0.002)
     begun to shut down that stops the thread inside a ``noexcept`` destructor: the rank aborts
     (SIGABRT, "terminate called without an active exception"; pytorch#190489) after its last step,
     everything written. ``destroy_process_group()`` joins the workers only when nothing else holds
-    the group (a DDP or FSDP2 model does). Two-rank runs that end with an ``all_reduce``, beside two
-    busy processes on 2 cores: 3 of 12 aborted, 0 of 12 with this wait (``benchmarks/gloo_exit.py``;
-    9 of 26 and 0 of 16 in a first loop). A collective still in flight (an async one never waited for)
-    sleeps on its peer too: that one is not waited for."""
+    the group (a DDP or FSDP2 model does). Why these looks: an idle worker sleeps on its queue with no
+    timeout, so it does not switch; one waiting for the GIL sleeps too, but wakes once per switch
+    interval to ask for it; one preempted is "R". Not waited for: a collective still in flight (an
+    async one never waited for), asleep on its peer."""
+    window = 2 * sys.getswitchinterval()
     deadline = time.monotonic() + timeout_s
-    asleep = 0
-    while asleep < 2:
-        states = gloo_worker_states()
-        if not states:
+    before = gloo_workers()
+    while before:
+        time.sleep(window)  # (lets go of the GIL: a worker waiting for it to free a tensor runs)
+        now = gloo_workers()
+        if now == before and all(state == "S" for state, _ in now.values()):
             return True
-        asleep = asleep + 1 if all(state == "S" for state in states) else 0
         if time.monotonic() >= deadline:
             return False
-        time.sleep(look_every_s)  # (lets go of the GIL: a worker waiting for it to free a tensor runs)
+        before = now
     return True

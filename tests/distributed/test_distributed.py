@@ -148,9 +148,10 @@ def _entry(rank: int, fn, world: int, store: str, backend: str, out: str) -> Non
         dist.barrier()  # no rank tears gloo down while a peer may still be sending
     finally:
         dist.destroy_process_group()
-    # (gloo's workers let go of the last collectives before the interpreter shuts down: a rank
-    # aborted once in CI, SIGABRT "terminate called without an active exception"; see the docstring)
-    let_gloo_workers_finish()
+        # gloo's workers let go of the last collectives before the interpreter shuts down (a rank
+        # aborted once in CI, SIGABRT "terminate called without an active exception"; see
+        # let_gloo_workers_finish)
+        let_gloo_workers_finish()
 
 
 def _spawn(

@@ -457,7 +457,8 @@ def test_the_keep_fp32_export_trains_under_torchrun_on_two_ranks(tmp_path):
     a script and launched by torchrun on 2 gloo ranks (CPU), each rank on its own batch. Its header
     counts the 2 fully_shard units the islands add; the blocks compute with bf16 weights and the
     islands with fp32 ones (all-gathered: plain tensors, not shards), their shards stay fp32 and the
-    blocks' bf16; both ranks' losses are finite and fall, and both end with the same weights."""
+    blocks' bf16; both ranks' losses are finite and fall, and both end with the same weights. (The
+    script leaves with os._exit once its results are written: see _AFTER, torch's gloo at exit.)"""
     from mixprec.exports import export
 
     candidate = mixprec.Candidate("bf16-true", keep_fp32=("head", "norm"))

@@ -579,3 +579,38 @@ def test_the_traced_first_gradients_are_unscaled_under_loss_scaling(tmp_path, cl
     for name, g in want.items():
         error = (got[name] - g).norm() / g.norm()
         assert error < 1e-2, (name, float(error))
+
+
+def test_a_runs_end_waits_for_gloos_workers_after_its_record_even_when_writing_it_fails(
+    tmp_path, monkeypatch
+):
+    """`mixprec run`'s finish at the script's exit (atexit) ends with the wait for gloo's worker
+    threads (mixprec.process.let_gloo_workers_finish): after the last step's collectives and the
+    record, and also where writing the record raised, or a rank can abort as the interpreter shuts
+    down."""
+    import mixprec.frameworks.script.modes as modes
+
+    calls: list[bool] = []
+    record = tmp_path / "run.json"
+    monkeypatch.setattr(modes, "let_gloo_workers_finish", lambda: calls.append(record.exists()))
+
+    def train() -> None:
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in batches(2):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    with under("bf16-mixed", out=str(tmp_path)):
+        train()
+    assert calls == [True]
+    record.unlink()
+
+    def broken(self, error=None):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(modes.Run, "write", broken)
+    with pytest.raises(OSError, match="disk full"), under("bf16-mixed", out=str(tmp_path)):
+        train()
+    assert calls == [True, False]

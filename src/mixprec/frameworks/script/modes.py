@@ -220,12 +220,15 @@ class Run(Mode):
         if self._finished or os.getpid() != agent.pid:
             return
         self._finished = True
-        if agent.window.lead_stepped:
-            agent.boundary()  # (on a launch's ranks: mixprec's own collectives, the job's last)
-        self.write()
-        # before the interpreter shuts down, or a gloo rank can abort now (also after the script's
-        # destroy_process_group: its model can hold the group, and the group its worker threads)
-        let_gloo_workers_finish()
+        try:
+            if agent.window.lead_stepped:
+                agent.boundary()  # (on a launch's ranks: mixprec's own collectives, the job's last)
+            self.write()
+        finally:
+            # at atexit, before the interpreter shuts down: a gloo worker still letting go of a
+            # collective then aborts the rank (also after the script's destroy_process_group, which
+            # its model can outlive); see let_gloo_workers_finish. (Before os._exit: no shutdown.)
+            let_gloo_workers_finish()
 
     def stop(self, why: str, code: int) -> None:
         """End the run now with ``why`` in its record (the CLI prints it), exit ``code``."""

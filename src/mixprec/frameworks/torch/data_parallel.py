@@ -83,7 +83,7 @@ def _rank_main(
             out.write_text(json.dumps({"ok": True, "measurement": asdict(m)}), encoding="utf-8")
         finally:
             dist.destroy_process_group()
-            let_gloo_workers_finish()  # (the rank's DDP model can outlive the group: see its docstring)
+            let_gloo_workers_finish()  # (this rank's DDP model can outlive the group: see the function)
     except BaseException as exc:  # the parent reads the reason from the file
         out.write_text(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), encoding="utf-8")
 
