@@ -64,6 +64,44 @@ def test_an_emulated_format_is_pruned_once_not_retried_and_not_measured_again_in
     assert not second.step_times_ms  # nothing was run for it
 
 
+def _bench_planted(seconds: dict[str, float], emulated: frozenset[str]) -> dict:
+    planted = Planted(seconds, emulated=emulated)
+    framework = PlantedFramework()
+    framework.tune_candidates(planted, None)  # the planted labels and emulated formats
+    plan = [mixprec.Candidate(label.split("+")[0], "+cl" in label, framework="planted") for label in seconds]
+    return {r.label: r for r in mixprec.bench(planted, candidates=plan[1:], steps=4, warmup=1).rows}
+
+
+def test_a_format_measured_far_slower_where_it_is_emulated_spares_its_other_candidates():
+    """`make demo` on a 2-core Xeon without AVX512-BF16/FP16 (bf16 matmuls 0.11x fp32), beside two
+    busy loops: bf16-mixed measured 0.37x [0.33-0.45] (not pruned: the best was within 5x), then
+    bf16-mixed+cl took 56 s more for 0.39x, and the budget ran out before bf16-true and every fp16
+    candidate: exit 5, "raise --budget". Where the device only emulates a format and one candidate in
+    it is slower than strict fp32 beyond what another could gain on it, the others are not measured;
+    the same figures where the format is native, and a compiled one, are still measured."""
+    seconds = {
+        "fp32": 0.10,
+        "fp32+cl": 0.09,
+        "bf16-mixed": 0.26,
+        "bf16-mixed+cl": 0.25,
+        "bf16-true": 0.24,
+        "bf16-true+cl": 0.23,
+    }
+    rows = _bench_planted(seconds, emulated=frozenset({"bf16-mixed", "bf16-true"}))
+    assert rows["bf16-mixed"].status == "ok" and rows["bf16-mixed"].speedup_vs_fp32 < 0.5
+    for label in ("bf16-mixed+cl", "bf16-true", "bf16-true+cl"):
+        row = rows[label]
+        assert row.status == "pruned" and not row.step_times_ms, (label, row.status)  # nothing ran
+        assert row.reason.startswith("not measured: bf16-mixed measured 0.3"), row.reason
+        assert row.reason.endswith("this device only emulates bfloat16"), row.reason
+    native = _bench_planted(seconds, emulated=frozenset())
+    assert all(native[label].status == "ok" for label in seconds if label != "fp32")
+    # emulated but within what a sibling may gain on it (0.8x): the others are measured
+    near = {**seconds, "bf16-mixed": 0.125, "bf16-mixed+cl": 0.12, "bf16-true": 0.115, "bf16-true+cl": 0.11}
+    close = _bench_planted(near, emulated=frozenset({"bf16-mixed", "bf16-true"}))
+    assert all(close[label].status == "ok" for label in seconds if label != "fp32")
+
+
 def test_a_noisy_leader_far_ahead_on_its_figure_races_a_rival_its_interval_reaches():
     """The nanoGPT's bf16-true+compile-step on the AMX Xeon read 3.47x [1.46-7.20] (strict fp32 ran
     1.4-3.5 s per step beside it, 1.3 s over the sweep); bf16-true, at 2.10x, was more than 25%
@@ -96,3 +134,21 @@ def test_a_noisy_leader_far_ahead_on_its_figure_races_a_rival_its_interval_reach
     firm = measured(leader.candidate, 3.47, (3.30, 3.60))
     table[0] = Ranked(firm.candidate, "pass", "matches fp32", "pass", firm)
     assert _finalists(table, fp32, train_steps=0) == []
+
+
+def test_tune_on_a_device_that_emulates_every_half_format_measures_one_candidate_of_each():
+    """The same machine through tune (the planted backend searches no layouts): one candidate per
+    emulated format measured, the other not, and the answer is strict fp32 with no half-precision
+    candidate left "not measured because the budget ended first"."""
+    seconds = {"fp32": 0.10, "bf16-mixed": 0.26, "bf16-true": 0.24, "fp16-mixed": 0.30, "fp16-true": 0.28}
+    emulated = frozenset({"bf16-mixed", "bf16-true", "fp16-mixed", "fp16-true"})
+    result = mixprec.tune(
+        Planted(seconds, emulated=emulated), budget_s=60, steps=4, warmup=1, check_steps=2, compile_modes=()
+    )
+    rows = {r.label: r for r in result.bench.rows}
+    measured = sorted(label for label, r in rows.items() if r.status == "ok" and r.step_times_ms)
+    assert measured == ["bf16-mixed", "fp16-mixed", "fp32"], measured
+    for label in ("bf16-true", "fp16-true"):
+        assert rows[label].status == "pruned" and rows[label].reason.startswith("not measured: "), label
+    assert result.recommendation.candidate.label == "fp32"
+    assert not any("budget ended first" in n for n in result.notes), result.notes

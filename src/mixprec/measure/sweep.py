@@ -41,6 +41,19 @@ from mixprec.policy import Candidate
 from mixprec.policy.registry import carrier
 from mixprec.status import Status
 
+# A candidate in a format this device only emulates (bf16 or fp16 on a CPU without their units) runs
+# at most this much faster than another candidate in that format measured here (half weights
+# against autocast, another layout: bf16 weights 1.04-1.07x bf16 autocast where bf16 is native, on
+# the EPYC's ResNet-50 and GPT in benchmarks/results/cpu-amd-epyc): one measured
+# slower than strict fp32 by more spares the others of its format their measurement.
+EMULATED_SIBLING_GAIN = 1.5
+
+
+def _format(cand: Candidate) -> str | None:
+    """The low-precision format ``cand`` computes in ("bfloat16", "float16"; None: fp32's)."""
+    dtype = cand.spec.low_precision_dtype
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
 
 def plan_candidates(
     framework: Framework, policies: Iterable[str], layouts: Iterable[bool], compiled: Iterable[bool]
@@ -516,7 +529,7 @@ class Sweep:
                 rows.record(replace(row, candidate=cand), i)
             return
         pruned: list[tuple[int, BenchRow]] = []
-        emulated: dict[str, BenchRow] = {}  # policy -> its pruned row, where the device emulates it
+        emulated: dict[str | None, BenchRow] = {}  # format -> its pruned or far slower row, where emulated
         quickest: float | None = None  # the shortest wall time of a candidate measured in full so far
         queue, at = list(todo), 0
         while at < len(queue):
@@ -557,7 +570,9 @@ class Sweep:
                 else:  # a format this device only emulates: far slower is expected, no second attempt
                     if not row.notes or not row.notes[-1].startswith("not retried"):
                         row = replace(row, notes=(*row.notes, f"not retried: {support.reason}"))
-                    emulated.setdefault(cand.policy, row)
+                    emulated.setdefault(_format(cand), row)
+            elif refused is None and self._emulated_and_slow(cand, row):
+                emulated.setdefault(_format(cand), row)
             rows.record(row, i)
             if refused is None:
                 queue[at:] = riding_last(cand, row, queue[at:])
@@ -601,17 +616,36 @@ class Sweep:
             result.flops_per_step = result.flops_per_step or row.flops_per_step
             rows.record(row, i)
 
-    def _as_hopeless_as(self, cand: Candidate, emulated: dict[str, BenchRow]) -> BenchRow | None:
-        """A pruned row, unmeasured, for an eager candidate whose format this device only emulates
-        when another layout of it was already pruned: the emulation, not the layout, is the cost."""
-        first = emulated.get(cand.policy)
-        if first is None or cand.compile:
+    def _emulated_and_slow(self, cand: Candidate, row: BenchRow) -> bool:
+        """Whether ``row`` measured an eager candidate in a format this device only emulates, slower
+        than strict fp32 by more than another candidate in that format could gain on it
+        (:data:`EMULATED_SIBLING_GAIN`), its interval's upper end included."""
+        if row.status != Status.OK or cand.compile or _format(cand) is None:
+            return False
+        interval = median_ci(row.paired_ratios)
+        if interval is None or interval[1] * EMULATED_SIBLING_GAIN >= 1.0:
+            return False
+        return not self.framework.support(cand, self.info, self.workload).native
+
+    def _as_hopeless_as(self, cand: Candidate, emulated: dict[str | None, BenchRow]) -> BenchRow | None:
+        """A pruned row, unmeasured, for an eager candidate in a format this device only emulates
+        when another candidate in that format (another layout, autocast or half weights) was already
+        pruned or measured far slower than strict fp32: the emulation, not the layout or the
+        policy, is the cost."""
+        first = emulated.get(_format(cand)) if not cand.compile else None
+        if first is None:
             return None
+        if first.status == Status.PRUNED:
+            why = f"{first.label} was pruned ({first.reason})"
+        else:
+            ratio = statistics.median(first.paired_ratios)
+            low, high = median_ci(first.paired_ratios) or (ratio, ratio)
+            why = (
+                f"{first.label} measured {ratio:.2f}x strict fp32 [{low:.2f}-{high:.2f}], below what "
+                f"another candidate in its format gains on it (at most {EMULATED_SIBLING_GAIN:g}x)"
+            )
         return self.row(
-            cand,
-            Status.PRUNED,
-            f"not measured: {first.label} was pruned ({first.reason}) and this device only emulates "
-            f"{cand.policy}'s format",
+            cand, Status.PRUNED, f"not measured: {why}, and this device only emulates {_format(cand)}"
         )
 
     def refused(self, cand: Candidate) -> BenchRow | None:
