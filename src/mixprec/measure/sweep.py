@@ -633,20 +633,19 @@ class Sweep:
         pruned or measured far slower than strict fp32: the emulation, not the layout or the
         policy, is the cost."""
         first = emulated.get(_format(cand)) if not cand.compile else None
-        if first is None:
+        if first is None or self.framework.support(cand, self.info, self.workload).native:
             return None
         if first.status == Status.PRUNED:
-            why = f"{first.label} was pruned ({first.reason})"
+            why = f"{first.label} was pruned ({first.reason}) and this device only emulates {_format(cand)}"
         else:
             ratio = statistics.median(first.paired_ratios)
             low, high = median_ci(first.paired_ratios) or (ratio, ratio)
             why = (
-                f"{first.label} measured {ratio:.2f}x strict fp32 [{low:.2f}-{high:.2f}], below what "
-                f"another candidate in its format gains on it (at most {EMULATED_SIBLING_GAIN:g}x)"
+                f"{first.label} measured {ratio:.2f}x strict fp32 [{low:.2f}-{high:.2f}] and this device "
+                f"only emulates {_format(cand)}: another candidate in it gains at most "
+                f"{EMULATED_SIBLING_GAIN:g}x on that"
             )
-        return self.row(
-            cand, Status.PRUNED, f"not measured: {why}, and this device only emulates {_format(cand)}"
-        )
+        return self.row(cand, Status.PRUNED, f"not measured: {why}")
 
     def refused(self, cand: Candidate) -> BenchRow | None:
         """The row of a candidate that is not measured: unsupported here, or one the backend need
