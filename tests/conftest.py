@@ -71,6 +71,29 @@ def single_thread():
 
 
 @pytest.fixture
+def one_gloo_rank(tmp_path):
+    """A world of one gloo rank in this process, from a FileStore (no TCP port to collide with other
+    runs); destroyed after the test unless the test destroyed it itself. Yields the gloo worker
+    threads this process had before it (mixprec.process.gloo_workers)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from mixprec.process import gloo_workers
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    before = frozenset(gloo_workers())
+    store = f"file://{tmp_path / 'store'}"
+    dist.init_process_group("gloo", init_method=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
+    try:
+        yield before
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.fixture
 def fresh_accelerator_state():
     """Accelerate keeps its state process-wide (the HF Trainer makes an Accelerator too): a test
     starts and ends without one, whichever framework's test ran before it in this process. Its

@@ -3,7 +3,6 @@ for the start to finish, then reaches the handler it had."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
@@ -38,24 +37,7 @@ def test_an_interrupt_raised_by_the_handler_comes_out_of_the_block():
     assert ran_on  # the block itself ran to its end
 
 
-@contextlib.contextmanager
-def one_gloo_rank(tmp_path):
-    """A real one-rank gloo group in this process (its worker threads are the ones waited for)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    store = f"file://{tmp_path / 'store'}"
-    dist.init_process_group("gloo", init_method=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_the_gloo_workers_are_found_by_name_and_gone_with_their_group(tmp_path):
+def test_the_gloo_workers_are_found_by_name_and_gone_with_their_group(one_gloo_rank):
     """The workers carry the name the wait looks for (renamed by torch, the wait would return at
     once and guard nothing); after a collective they look idle; once the group is destroyed with
     nothing else holding it, they are gone."""
@@ -64,15 +46,16 @@ def test_the_gloo_workers_are_found_by_name_and_gone_with_their_group(tmp_path):
 
     from mixprec.process import gloo_workers, let_gloo_workers_finish
 
-    before = set(gloo_workers())
-    with one_gloo_rank(tmp_path):
-        assert set(gloo_workers()) > before
-        dist.all_reduce(torch.ones(3))
-        assert let_gloo_workers_finish(timeout_s=10.0)
+    before = one_gloo_rank
+    dist.all_reduce(torch.ones(3))  # (after it: a worker ran it, so it has named itself)
+    assert set(gloo_workers()) > before
+    assert let_gloo_workers_finish(timeout_s=10.0)
+    dist.destroy_process_group()
     assert set(gloo_workers()) == before
 
 
-def test_a_worker_running_python_is_waited_for(tmp_path):
+@pytest.mark.usefixtures("one_gloo_rank")
+def test_a_worker_running_python_is_waited_for():
     """A worker thread that runs Python (a future's callback, as a DDP comm hook's is): the wait
     returns after the callback, not while it runs (a wait that returned at once would fail here;
     the rule for a worker asleep on the GIL is pinned by the planted looks below)."""
@@ -91,20 +74,19 @@ def test_a_worker_running_python_is_waited_for(tmp_path):
         seen["ended"] = time.monotonic()
         return future.value()
 
-    with one_gloo_rank(tmp_path):
-        # the workers kept busy a moment first (one-rank all-gathers of 16M floats: copies), so the
-        # small collective completes on a worker after .then attached its callback, not before
-        large = torch.ones(2**24)
-        held = [dist.all_gather([torch.empty_like(large)], large, async_op=True) for _ in range(4)]
-        future = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(busy)
-        while "thread" not in seen:
-            time.sleep(0.001)
-        assert str(seen["thread"]) in gloo_workers(), "the callback ran outside gloo's workers"
-        assert let_gloo_workers_finish(timeout_s=10.0)
-        assert "ended" in seen  # (it returned after the callback's 0.5 s, not during them)
-        future.wait()
-        for work in held:
-            work.wait()
+    # the workers kept busy a moment first (one-rank all-gathers of 16M floats: copies), so the
+    # small collective completes on a worker after .then attached its callback, not before
+    large = torch.ones(2**24)
+    held = [dist.all_gather([torch.empty_like(large)], large, async_op=True) for _ in range(4)]
+    future = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(busy)
+    while "thread" not in seen:
+        time.sleep(0.001)
+    assert str(seen["thread"]) in gloo_workers(), "the callback ran outside gloo's workers"
+    assert let_gloo_workers_finish(timeout_s=10.0)
+    assert "ended" in seen  # (it returned after the callback's 0.5 s, not during them)
+    future.wait()
+    for work in held:
+        work.wait()
 
 
 def test_the_wait_wants_a_quiet_window_and_gives_up_at_its_timeout(monkeypatch):

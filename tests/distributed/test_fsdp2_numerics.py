@@ -13,11 +13,9 @@ block's input to bf16, so the residual stream, LayerNorm and the embeddings ran 
 from __future__ import annotations
 
 import collections
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -41,18 +39,6 @@ FSDP_ONLY = {
 @pytest.fixture(autouse=True)
 def _one_thread(single_thread):
     """Tiny tensors: one thread (see tests/conftest.single_thread)."""
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    store = f"file://{tmp_path / 'store'}"
-    dist.init_process_group("gloo", init_method=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class _OpDtypes(TorchDispatchMode):
@@ -111,7 +97,7 @@ def _diff(one: dict, fsdp: dict) -> dict[str, tuple[set, set]]:
     return {op: (one.get(op, set()), fsdp.get(op, set())) for op in sorted(ops)}
 
 
-def test_bf16_mixed_gpt_runs_the_single_device_op_dtypes_under_fsdp2(one_rank):
+def test_bf16_mixed_gpt_runs_the_single_device_op_dtypes_under_fsdp2(one_gloo_rank):
     one = _one_step("bf16-mixed", sharded=False)
     fsdp = _one_step("bf16-mixed", sharded=True)
     assert _diff(one, fsdp) == {}

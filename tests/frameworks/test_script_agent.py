@@ -52,6 +52,17 @@ def same(a: nn.Module, b: nn.Module) -> bool:
     )
 
 
+def train_briefly(steps: int = 2) -> nn.Module:
+    """A fresh MLP trained ``steps`` plain SGD steps (the loop a test runs under the agent)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches(steps):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
 def compare(loop: Callable[[str | None], nn.Module], policy: str) -> Agent:
     """``loop`` under the agent leaves the weights the hand edit leaves (and not the loop's own)."""
     with under(policy) as agent:
@@ -526,12 +537,7 @@ def test_the_agent_puts_torch_back():
         torch.optim.SGD.__init__,
     )
     with under("fp16-mixed", optimizer="foreach"):
-        model = mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for x, y in batches(2):
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_briefly()
     assert (
         torch.autograd.backward,
         torch.optim.Optimizer.__init__,
@@ -593,17 +599,8 @@ def test_a_runs_end_waits_for_gloos_workers_after_its_record_even_when_writing_i
     calls: list[bool] = []
     record = tmp_path / "run.json"
     monkeypatch.setattr(modes, "let_gloo_workers_finish", lambda: calls.append(record.exists()))
-
-    def train() -> None:
-        model = mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for x, y in batches(2):
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-
     with under("bf16-mixed", out=str(tmp_path)):
-        train()
+        train_briefly()
     assert calls == [True]
     record.unlink()
 
@@ -612,5 +609,5 @@ def test_a_runs_end_waits_for_gloos_workers_after_its_record_even_when_writing_i
 
     monkeypatch.setattr(modes.Run, "write", broken)
     with pytest.raises(OSError, match="disk full"), under("bf16-mixed", out=str(tmp_path)):
-        train()
+        train_briefly()
     assert calls == [True, False]

@@ -622,10 +622,10 @@ class Sweep:
         (:data:`EMULATED_SIBLING_GAIN`), its interval's upper end included."""
         if row.status != Status.OK or cand.compile or _format(cand) is None:
             return False
+        if self.framework.support(cand, self.info, self.workload).native:
+            return False  # (before the bootstrap: most devices compute their half formats natively)
         interval = median_ci(row.paired_ratios)
-        if interval is None or interval[1] * EMULATED_SIBLING_GAIN >= 1.0:
-            return False
-        return not self.framework.support(cand, self.info, self.workload).native
+        return interval is not None and interval[1] * EMULATED_SIBLING_GAIN < 1.0
 
     def _as_hopeless_as(self, cand: Candidate, emulated: dict[str | None, BenchRow]) -> BenchRow | None:
         """A pruned row, unmeasured, for an eager candidate in a format this device only emulates
