@@ -57,6 +57,7 @@ def _bench(argv: list[str], neighbours: int) -> dict:
         r["label"]: {
             "samples_per_s": r.get("throughput"),
             "speedup": r.get("speedup_vs_fp32"),
+            "speedup_ci": r.get("speedup_ci"),
             "status": r.get("status"),
         }
         for r in result["rows"]

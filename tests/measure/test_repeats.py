@@ -128,3 +128,21 @@ def test_bench_learns_the_spread_from_its_own_repeats_and_says_what_its_interval
     from mixprec.report.bench import summary_line
 
     assert "where a repeat run lands, 19 times in 20" in summary_line(second)
+
+
+def test_a_resumed_sweep_records_no_repeat_of_the_rows_it_read_back(tmp_path, monkeypatch):
+    """`bench --resume` of a finished sweep measured nothing, yet recorded every row it read back
+    from the stream as one more run of its configuration: a repeat that agrees exactly, which
+    pulled this machine's spread between runs towards 0 and narrowed every later interval."""
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
+    workload = mixprec.load_workload("mlp")
+    settings = {"policies": "fp32,bf16-mixed", "steps": 3, "device": "cpu", "threads": 1, "prune_factor": 1e6}
+    jsonl = tmp_path / "sweep.jsonl"
+    mixprec.bench(workload, jsonl=jsonl, **settings)
+    ((device, configs),) = Repeats().devices.items()
+    assert [len(runs) for runs in configs.values()] == [1]  # bf16-mixed over strict fp32, measured once
+    for _ in range(2):
+        again = mixprec.bench(workload, jsonl=jsonl, resume=True, **settings)
+        assert any("resumed a complete sweep" in n for n in again.notes)
+    assert Repeats().devices == {device: configs}
+    assert "prior" in Repeats().between_run_sd(device)[1]

@@ -102,6 +102,43 @@ def test_a_format_measured_far_slower_where_it_is_emulated_spares_its_other_cand
     assert all(close[label].status == "ok" for label in seconds if label != "fp32")
 
 
+@pytest.mark.parametrize("emulated", [frozenset({"bf16-mixed"}), frozenset()])
+def test_a_share_that_cannot_finish_an_emulated_candidate_at_twice_the_quickest_does_not_start_it(emulated):
+    """`make demo` beside two busy loops on the Xeon without AVX512-BF16: fp32+cl took 27 s, the
+    speed sweep's share had 45 s left and started bf16-mixed, which took 64 s where it ran in full
+    (0.41x): stopped part-way after 45 s, it left no row and was measured again in the late sweep.
+    A candidate in a format the device only emulates is expected to take at least twice the
+    quickest; a native one, the quickest's time."""
+    from mixprec.budget import Budget
+    from mixprec.measure.sweep import EMULATED_WALL_FACTOR
+
+    seconds = {"fp32": 3.0, "fp32+cl": 2.7, "bf16-mixed": 9.0}  # bf16-mixed 0.33x: emulated
+    framework = PlantedFramework()
+    framework.tune_candidates(Planted(seconds, emulated=emulated), None)
+    plan = [
+        mixprec.Candidate("fp32", True, framework="planted"),
+        mixprec.Candidate("bf16-mixed", framework="planted"),
+    ]
+    full = {
+        r.label: r
+        for r in mixprec.bench(Planted(seconds, emulated=emulated), candidates=plan, steps=4, warmup=1).rows
+    }
+    quickest = full["fp32+cl"].wall_s
+    assert full["bf16-mixed"].wall_s > EMULATED_WALL_FACTOR * quickest  # what the factor stands for
+    # the budget leaves 1.5x the quickest after it: the quickest's time, not twice it
+    budget = Budget(full["fp32"].wall_s + 2.5 * quickest)
+    result = mixprec.bench(
+        Planted(seconds, emulated=emulated), candidates=plan, steps=4, warmup=1, budget=budget
+    )
+    rows = {r.label: r for r in result.rows}
+    if emulated:
+        assert "bf16-mixed" not in rows or not rows["bf16-mixed"].step_times_ms, rows
+        assert result.stopped and result.stopped.startswith("stopped by the deadline before bf16-mixed")
+        assert "this device only emulates bfloat16: at least 2x that" in result.stopped, result.stopped
+    else:  # native: started with the quickest's time left, and stopped part-way by the deadline
+        assert result.stopped and "while measuring bf16-mixed" in result.stopped, result.stopped
+
+
 def test_a_noisy_leader_far_ahead_on_its_figure_races_a_rival_its_interval_reaches():
     """The nanoGPT's bf16-true+compile-step on the AMX Xeon read 3.47x [1.46-7.20] (strict fp32 ran
     1.4-3.5 s per step beside it, 1.3 s over the sweep); bf16-true, at 2.10x, was more than 25%

@@ -33,6 +33,7 @@ class RowRecorder:
         self.result, self.events, self.count = result, events, count
         self.store: RowStore | None = None
         self.done: dict[tuple, BenchRow] = {}
+        self.resumed: set[tuple] = set()  # keys of the rows taken from the stream, not measured now
         if jsonl is not None:
             self.store = RowStore(jsonl, key, resume=resume, resume_anyway=resume_anyway)
             for note in self.store.notes:
@@ -47,6 +48,8 @@ class RowRecorder:
         replaces its first row in the result, and is marked ``baseline_repeat`` in the stream, where
         the first stays (a reader sees which of the two fp32 rows is the repeat)."""
         self.result.update(row)
+        if resumed:
+            self.resumed.add(row.key)
         shown = next(r for r in self.result.rows if r.key == row.key)
         if self.store is not None and not resumed:
             self.store.append(replace(shown, baseline_repeat=True) if closing else shown)

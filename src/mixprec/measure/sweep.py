@@ -47,6 +47,13 @@ from mixprec.status import Status
 # the EPYC's ResNet-50 and GPT in benchmarks/results/cpu-amd-epyc): one measured
 # slower than strict fp32 by more spares the others of its format their measurement.
 EMULATED_SIBLING_GAIN = 1.5
+# A candidate in a format this device only emulates takes at least this many times the quickest
+# candidate's wall time so far (its steps are slower than strict fp32's, which its rounds time too):
+# beside two busy loops on the Xeon without AVX512-BF16, bf16-mixed (0.41x) took 64 s, fp32+cl 27 s.
+# The speed sweep's share does not start one it cannot finish at that: stopped part-way, it leaves
+# no row, and its time is lost to the checks (that sweep stopped it after 45 s; it was measured
+# again in the late sweep).
+EMULATED_WALL_FACTOR = 2.0
 
 
 def _format(cand: Candidate) -> str | None:
@@ -230,16 +237,21 @@ def run_sweep(
     finally:
         rows.close()
     if reference == framework.baseline and config.nproc == 1:  # speedups over strict fp32, paired
-        _record_repeats(repeats, info.name, {**key, "description": result.description}, result)
+        described = {**key, "description": result.description}
+        _record_repeats(repeats, info.name, described, result, resumed=rows.resumed)
     return result
 
 
-def _record_repeats(repeats: Repeats, device: str, key: dict[str, Any], result: BenchResult) -> None:
-    """Keep each measured speedup of this run, so a later run of the same configuration on this
-    machine teaches the spread between runs its intervals include (:mod:`mixprec.measure.repeats`)."""
+def _record_repeats(
+    repeats: Repeats, device: str, key: dict[str, Any], result: BenchResult, resumed: set[tuple]
+) -> None:
+    """Keep each speedup this run measured, so a later run of the same configuration on this
+    machine teaches the spread between runs its intervals include (:mod:`mixprec.measure.repeats`).
+    A row read back from the stream by ``--resume`` (its key in ``resumed``) was no run of its own:
+    recorded again, it would be a repeat that agrees exactly, narrowing every interval."""
     for row in result.measured:
         within = median_ci(row.paired_ratios)
-        if row.status != Status.OK or row.baseline_repeat or within is None:
+        if row.status != Status.OK or row.baseline_repeat or within is None or row.key in resumed:
             continue
         config = json.dumps({**key, "candidate": row.candidate.to_dict()}, sort_keys=True, default=str)
         speedup = statistics.median(row.paired_ratios)
@@ -541,15 +553,22 @@ class Sweep:
                 result.stopped = f"stopped by the deadline before {cand.label}"
                 break
             refused = self.refused(cand) or self._as_hopeless_as(cand, emulated)
-            if refused is None and quickest is not None and not self.budget.can_pay(quickest):
+            slower = self._emulated(cand)
+            expected = None if quickest is None else quickest * (EMULATED_WALL_FACTOR if slower else 1.0)
+            if refused is None and expected is not None and not self.budget.can_pay(expected):
                 # A candidate stopped part-way leaves no row: its time is lost to the stages after
                 # the sweep. Beside two busy processes, `make demo`'s sweep started bf16-mixed+cl
                 # with 18 s of its share left (a candidate took 32 s there) and was stopped 24 s
                 # later; bf16-mixed's check then missed its 151 s price by 2 s (issue 53).
                 left = max(self.budget.left(), 0.0)
+                emulation = (
+                    f", and this device only emulates {slower}: at least {EMULATED_WALL_FACTOR:g}x that"
+                    if slower
+                    else ""
+                )
                 result.stopped = (
                     f"stopped by the deadline before {cand.label} ({left:.0f} s left; "
-                    f"the quickest candidate so far took {quickest:.0f} s)"
+                    f"the quickest candidate so far took {quickest:.0f} s{emulation})"
                 )
                 break
             self.events({"event": "candidate", "label": cand.label, "index": i, "count": count})
@@ -616,14 +635,19 @@ class Sweep:
             result.flops_per_step = result.flops_per_step or row.flops_per_step
             rows.record(row, i)
 
+    def _emulated(self, cand: Candidate) -> str | None:
+        """The low-precision format ``cand`` computes in where this device only emulates it, else None."""
+        fmt = _format(cand)
+        if fmt is None or self.framework.support(cand, self.info, self.workload).native:
+            return None
+        return fmt
+
     def _emulated_and_slow(self, cand: Candidate, row: BenchRow) -> bool:
         """Whether ``row`` measured an eager candidate in a format this device only emulates, slower
         than strict fp32 by more than another candidate in that format could gain on it
         (:data:`EMULATED_SIBLING_GAIN`), its interval's upper end included."""
-        if row.status != Status.OK or cand.compile or _format(cand) is None:
-            return False
-        if self.framework.support(cand, self.info, self.workload).native:
-            return False  # (before the bootstrap: most devices compute their half formats natively)
+        if row.status != Status.OK or cand.compile or self._emulated(cand) is None:
+            return False  # (support before the bootstrap: most devices compute their half formats natively)
         interval = median_ci(row.paired_ratios)
         return interval is not None and interval[1] * EMULATED_SIBLING_GAIN < 1.0
 
@@ -632,17 +656,18 @@ class Sweep:
         when another candidate in that format (another layout, autocast or half weights) was already
         pruned or measured far slower than strict fp32: the emulation, not the layout or the
         policy, is the cost."""
-        first = emulated.get(_format(cand)) if not cand.compile else None
-        if first is None or self.framework.support(cand, self.info, self.workload).native:
+        fmt = None if cand.compile else self._emulated(cand)
+        first = emulated.get(fmt) if fmt is not None else None
+        if first is None:
             return None
         if first.status == Status.PRUNED:
-            why = f"{first.label} was pruned ({first.reason}) and this device only emulates {_format(cand)}"
+            why = f"{first.label} was pruned ({first.reason}) and this device only emulates {fmt}"
         else:
             ratio = statistics.median(first.paired_ratios)
             low, high = median_ci(first.paired_ratios) or (ratio, ratio)
             why = (
                 f"{first.label} measured {ratio:.2f}x strict fp32 [{low:.2f}-{high:.2f}] and this device "
-                f"only emulates {_format(cand)}: another candidate in it gains at most "
+                f"only emulates {fmt}: another candidate in it gains at most "
                 f"{EMULATED_SIBLING_GAIN:g}x on that"
             )
         return self.row(cand, Status.PRUNED, f"not measured: {why}")
