@@ -134,9 +134,41 @@ def test_a_share_that_cannot_finish_an_emulated_candidate_at_twice_the_quickest_
     if emulated:
         assert "bf16-mixed" not in rows or not rows["bf16-mixed"].step_times_ms, rows
         assert result.stopped and result.stopped.startswith("stopped by the deadline before bf16-mixed")
+        assert "the quickest candidate computing natively took" in result.stopped, result.stopped
         assert "this device only emulates bfloat16: at least 2x that" in result.stopped, result.stopped
     else:  # native: started with the quickest's time left, and stopped part-way by the deadline
         assert result.stopped and "while measuring bf16-mixed" in result.stopped, result.stopped
+
+
+def test_an_emulated_candidate_is_not_held_to_twice_the_wall_time_of_another_emulated_one():
+    """The same busy demo's late sweep, with the factor applied to any quickest: bf16-mixed (63 s,
+    emulated) was the quickest, and fp16-mixed was kept back with 92 s left (exit 5), where a
+    cold-step prune ends it in 13 s. Against an emulated candidate's wall time no factor."""
+    from mixprec.budget import Budget
+
+    seconds = {"fp32": 3.0, "bf16-mixed": 9.0, "fp16-mixed": 9.0}
+    emulated = frozenset({"bf16-mixed", "fp16-mixed"})
+    framework = PlantedFramework()
+    framework.tune_candidates(Planted(seconds, emulated=emulated), None)
+    plan = [
+        mixprec.Candidate("bf16-mixed", framework="planted"),
+        mixprec.Candidate("fp16-mixed", framework="planted"),
+    ]
+    full = {
+        r.label: r
+        for r in mixprec.bench(Planted(seconds, emulated=emulated), candidates=plan, steps=4, warmup=1).rows
+    }
+    quickest = full["bf16-mixed"].wall_s
+    budget = Budget(full["fp32"].wall_s + 2.5 * quickest)
+    result = mixprec.bench(
+        Planted(seconds, emulated=emulated),
+        candidates=plan,
+        steps=4,
+        warmup=1,
+        budget=budget,
+        prune_factor=1e6,
+    )
+    assert not (result.stopped or "").startswith("stopped by the deadline before fp16-mixed"), result.stopped
 
 
 def test_a_noisy_leader_far_ahead_on_its_figure_races_a_rival_its_interval_reaches():
@@ -189,3 +221,7 @@ def test_tune_on_a_device_that_emulates_every_half_format_measures_one_candidate
         assert rows[label].status == "pruned" and rows[label].reason.startswith("not measured: "), label
     assert result.recommendation.candidate.label == "fp32"
     assert not any("budget ended first" in n for n in result.notes), result.notes
+    # the recommendation says why they were not measured: never run, not pruned as slower
+    reason = result.recommendation.reason
+    assert "bf16-true, fp16-true not measured: this device only emulates their format" in reason, reason
+    assert "pruned as far slower" not in reason, reason

@@ -29,6 +29,14 @@ from mixprec.policy import Candidate
 from mixprec.schema import SCHEMA_VERSION, check_version, known_fields
 from mixprec.status import Status
 
+# How a pruned row that never ran begins its reason (:attr:`BenchRow.spared`), and what a
+# recommendation says of such rows.
+SPARED = "not measured: "
+SPARED_SAID = (
+    "not measured: this device only emulates their format, and a candidate in it was pruned or "
+    "measured far slower than strict fp32"
+)
+
 STATUSES = (Status.OK, Status.UNSUPPORTED, Status.OOM, Status.ERROR, Status.PRUNED, Status.NO_EFFECT)
 
 
@@ -161,6 +169,12 @@ class BenchRow:
     @property
     def label(self) -> str:
         return self.candidate.label + (" (repeat)" if self.baseline_repeat else "")
+
+    @property
+    def spared(self) -> bool:
+        """A pruned row that never ran: another candidate in its format, which the device only
+        emulates, was pruned or measured far slower than strict fp32 (its reason says which)."""
+        return self.status == Status.PRUNED and self.reason.startswith(SPARED)
 
     @property
     def interval(self) -> tuple[float, float] | None:

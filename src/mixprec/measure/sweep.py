@@ -34,7 +34,7 @@ from mixprec.measure.pace import Paces, pace_key
 from mixprec.measure.paired import BaselineEnded, PairedSweep
 from mixprec.measure.recorder import RowRecorder
 from mixprec.measure.repeats import Repeats
-from mixprec.measure.results import NO_FLOPS_NOTE, BenchResult, BenchRow, median_ci
+from mixprec.measure.results import NO_FLOPS_NOTE, SPARED, BenchResult, BenchRow, median_ci
 from mixprec.measure.settle import settle_rows
 from mixprec.measure.threads import pick_threads, threads_kept
 from mixprec.policy import Candidate
@@ -47,12 +47,14 @@ from mixprec.status import Status
 # the EPYC's ResNet-50 and GPT in benchmarks/results/cpu-amd-epyc): one measured
 # slower than strict fp32 by more spares the others of its format their measurement.
 EMULATED_SIBLING_GAIN = 1.5
-# A candidate in a format this device only emulates takes at least this many times the quickest
-# candidate's wall time so far (its steps are slower than strict fp32's, which its rounds time too):
-# beside two busy loops on the Xeon without AVX512-BF16, bf16-mixed (0.41x) took 64 s, fp32+cl 27 s.
-# The speed sweep's share does not start one it cannot finish at that: stopped part-way, it leaves
-# no row, and its time is lost to the checks (that sweep stopped it after 45 s; it was measured
-# again in the late sweep).
+# A candidate in a format this device only emulates takes at least this many times the wall time of
+# the quickest candidate computing natively (its steps are slower than strict fp32's, which its
+# rounds time too): beside two busy loops on the Xeon without AVX512-BF16, bf16-mixed (0.41x) took
+# 64 s, fp32+cl 27 s. The speed sweep's share does not start one it cannot finish at that: stopped
+# part-way, it leaves no row, and its time is lost to the checks (that sweep stopped it after 45 s;
+# it was measured again in the late sweep). Against an emulated candidate's own wall time no factor:
+# the late sweep, whose quickest was bf16-mixed (63 s), then kept fp16-mixed back with 92 s left,
+# where a cold-step prune ends it in 13 s (exit 5).
 EMULATED_WALL_FACTOR = 2.0
 
 
@@ -543,6 +545,7 @@ class Sweep:
         pruned: list[tuple[int, BenchRow]] = []
         emulated: dict[str | None, BenchRow] = {}  # format -> its pruned or far slower row, where emulated
         quickest: float | None = None  # the shortest wall time of a candidate measured in full so far
+        native: float | None = None  # ... of one computing in a format this device has units for
         queue, at = list(todo), 0
         while at < len(queue):
             i, cand = queue[at]
@@ -553,23 +556,9 @@ class Sweep:
                 result.stopped = f"stopped by the deadline before {cand.label}"
                 break
             refused = self.refused(cand) or self._as_hopeless_as(cand, emulated)
-            slower = self._emulated(cand)
-            expected = None if quickest is None else quickest * (EMULATED_WALL_FACTOR if slower else 1.0)
-            if refused is None and expected is not None and not self.budget.can_pay(expected):
-                # A candidate stopped part-way leaves no row: its time is lost to the stages after
-                # the sweep. Beside two busy processes, `make demo`'s sweep started bf16-mixed+cl
-                # with 18 s of its share left (a candidate took 32 s there) and was stopped 24 s
-                # later; bf16-mixed's check then missed its 151 s price by 2 s (issue 53).
-                left = max(self.budget.left(), 0.0)
-                emulation = (
-                    f", and this device only emulates {slower}: at least {EMULATED_WALL_FACTOR:g}x that"
-                    if slower
-                    else ""
-                )
-                result.stopped = (
-                    f"stopped by the deadline before {cand.label} ({left:.0f} s left; "
-                    f"the quickest candidate so far took {quickest:.0f} s{emulation})"
-                )
+            unfinishable = None if refused is not None else self._unfinishable(cand, quickest, native)
+            if unfinishable is not None:
+                result.stopped = unfinishable
                 break
             self.events({"event": "candidate", "label": cand.label, "index": i, "count": count})
             try:
@@ -582,6 +571,8 @@ class Sweep:
                 break
             if refused is None and row.status == Status.OK and row.wall_s:
                 quickest = row.wall_s if quickest is None else min(quickest, row.wall_s)
+                if self._emulated(cand) is None:
+                    native = row.wall_s if native is None else min(native, row.wall_s)
             if row.status == Status.PRUNED:
                 support = self.framework.support(cand, self.info, self.workload)
                 if support.native:
@@ -635,6 +626,30 @@ class Sweep:
             result.flops_per_step = result.flops_per_step or row.flops_per_step
             rows.record(row, i)
 
+    def _unfinishable(self, cand: Candidate, quickest: float | None, native: float | None) -> str | None:
+        """Why the sweep stops before ``cand``: what is left cannot pay for the quickest candidate
+        measured in full so far (``quickest`` seconds), nor, in a format this device only emulates,
+        for :data:`EMULATED_WALL_FACTOR` times the quickest computing natively (``native``). A
+        candidate stopped part-way leaves no row: its time is lost to the stages after the sweep.
+        Beside two busy processes, `make demo`'s sweep started bf16-mixed+cl with 18 s of its share
+        left (a candidate took 32 s there) and was stopped 24 s later; bf16-mixed's check then
+        missed its 151 s price by 2 s (issue 53). None: start it."""
+        if quickest is None:
+            return None
+        expected, why = quickest, f"the quickest candidate so far took {quickest:.0f} s"
+        fmt = self._emulated(cand)
+        if fmt is not None and native is not None and EMULATED_WALL_FACTOR * native > expected:
+            expected = EMULATED_WALL_FACTOR * native
+            why = (
+                f"the quickest candidate computing natively took {native:.0f} s, and this device only "
+                f"emulates {fmt}: at least {EMULATED_WALL_FACTOR:g}x that"
+            )
+        if self.budget.can_pay(expected):
+            return None
+        return (
+            f"stopped by the deadline before {cand.label} ({max(self.budget.left(), 0.0):.0f} s left; {why})"
+        )
+
     def _emulated(self, cand: Candidate) -> str | None:
         """The low-precision format ``cand`` computes in where this device only emulates it, else None."""
         fmt = _format(cand)
@@ -670,7 +685,7 @@ class Sweep:
                 f"only emulates {fmt}: another candidate in it gains at most "
                 f"{EMULATED_SIBLING_GAIN:g}x on that"
             )
-        return self.row(cand, Status.PRUNED, f"not measured: {why}")
+        return self.row(cand, Status.PRUNED, f"{SPARED}{why}")
 
     def refused(self, cand: Candidate) -> BenchRow | None:
         """The row of a candidate that is not measured: unsupported here, or one the backend need

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mixprec.measure.race import Race
-from mixprec.measure.results import BenchRow, baseline_row
+from mixprec.measure.results import SPARED_SAID, BenchRow, baseline_row
 from mixprec.numerics.results import CandidateCheck
 from mixprec.policy import Candidate, PolicyConfig, get_policy
 from mixprec.status import Status
@@ -522,9 +522,7 @@ def _choose(
     beaten = [r for r in resolved if outcome(r) == "slower"]
 
     def in_band(r: BenchRow) -> bool:
-        if r is fastest:
-            return True
-        if outcome(r) == "tie":
+        if r is fastest or outcome(r) == "tie":
             return True
         if outcome(r) not in (None, "open") or any(effective(r) <= effective(b) for b in beaten):
             return False
@@ -740,9 +738,10 @@ def _reason(
     untried: str | None = None,
 ) -> str:
     parts = [f"{r.label} rejected: {r.reason}" for r in table if r.status in REJECTED]
-    pruned = [r.label for r in table if r.status == Status.PRUNED]
-    if pruned:
-        parts.append(f"{', '.join(pruned)} pruned as far slower than the best")
+    pruned = [r for r in table if r.status == Status.PRUNED]
+    for spared, said in ((False, "pruned as far slower than the best"), (True, SPARED_SAID)):
+        if named := [r.label for r in pruned if bool(r.row and r.row.spared) == spared]:
+            parts.append(f"{', '.join(named)} {said}")
     how_fast = "measured"
     if chosen.speedup_vs_fp32:
         ci = chosen.interval
