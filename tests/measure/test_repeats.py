@@ -133,12 +133,19 @@ def test_bench_learns_the_spread_from_its_own_repeats_and_says_what_its_interval
 def test_a_resumed_sweep_records_no_repeat_of_the_rows_it_read_back(tmp_path, monkeypatch):
     """`bench --resume` of a finished sweep measured nothing, yet recorded every row it read back
     from the stream as one more run of its configuration: a repeat that agrees exactly, which
-    pulled this machine's spread between runs towards 0 and narrowed every later interval."""
+    pulled this machine's spread between runs towards 0 and narrowed every later interval. The
+    interrupted run records what it measured, once."""
     monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
     workload = mixprec.load_workload("mlp")
     settings = {"policies": "fp32,bf16-mixed", "steps": 3, "device": "cpu", "threads": 1, "prune_factor": 1e6}
     jsonl = tmp_path / "sweep.jsonl"
-    mixprec.bench(workload, jsonl=jsonl, **settings)
+
+    def interrupt(event):  # Ctrl-C once bf16-mixed's row is in: the run --resume exists for
+        if event["event"] == "row" and event["row"].label == "bf16-mixed":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        mixprec.bench(workload, jsonl=jsonl, events=interrupt, **settings)
     ((device, configs),) = Repeats().devices.items()
     assert [len(runs) for runs in configs.values()] == [1]  # bf16-mixed over strict fp32, measured once
     for _ in range(2):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import mixprec
+from mixprec.measure.results import spared_said
 
 from .scripted import Planted, PlantedFramework, planted_clock, planted_framework  # noqa: F401 (fixtures)
 
@@ -89,6 +90,9 @@ def test_a_format_measured_far_slower_where_it_is_emulated_spares_its_other_cand
     }
     rows = _bench_planted(seconds, emulated=frozenset({"bf16-mixed", "bf16-true"}))
     assert rows["bf16-mixed"].status == "ok" and rows["bf16-mixed"].speedup_vs_fp32 < 0.5
+    spared = [row for row in rows.values() if row.spared]
+    assert [r.label for r in spared] == ["bf16-mixed+cl", "bf16-true", "bf16-true+cl"]
+    assert "only emulates their format, and a candidate in it was pruned" in spared_said(spared)
     for label in ("bf16-mixed+cl", "bf16-true", "bf16-true+cl"):
         row = rows[label]
         assert row.status == "pruned" and not row.step_times_ms, (label, row.status)  # nothing ran
@@ -100,75 +104,6 @@ def test_a_format_measured_far_slower_where_it_is_emulated_spares_its_other_cand
     near = {**seconds, "bf16-mixed": 0.125, "bf16-mixed+cl": 0.12, "bf16-true": 0.115, "bf16-true+cl": 0.11}
     close = _bench_planted(near, emulated=frozenset({"bf16-mixed", "bf16-true"}))
     assert all(close[label].status == "ok" for label in seconds if label != "fp32")
-
-
-@pytest.mark.parametrize("emulated", [frozenset({"bf16-mixed"}), frozenset()])
-def test_a_share_that_cannot_finish_an_emulated_candidate_at_twice_the_quickest_does_not_start_it(emulated):
-    """`make demo` beside two busy loops on the Xeon without AVX512-BF16: fp32+cl took 27 s, the
-    speed sweep's share had 45 s left and started bf16-mixed, which took 64 s where it ran in full
-    (0.41x): stopped part-way after 45 s, it left no row and was measured again in the late sweep.
-    A candidate in a format the device only emulates is expected to take at least twice the
-    quickest; a native one, the quickest's time."""
-    from mixprec.budget import Budget
-    from mixprec.measure.sweep import EMULATED_WALL_FACTOR
-
-    seconds = {"fp32": 3.0, "fp32+cl": 2.7, "bf16-mixed": 9.0}  # bf16-mixed 0.33x: emulated
-    framework = PlantedFramework()
-    framework.tune_candidates(Planted(seconds, emulated=emulated), None)
-    plan = [
-        mixprec.Candidate("fp32", True, framework="planted"),
-        mixprec.Candidate("bf16-mixed", framework="planted"),
-    ]
-    full = {
-        r.label: r
-        for r in mixprec.bench(Planted(seconds, emulated=emulated), candidates=plan, steps=4, warmup=1).rows
-    }
-    quickest = full["fp32+cl"].wall_s
-    assert full["bf16-mixed"].wall_s > EMULATED_WALL_FACTOR * quickest  # what the factor stands for
-    # the budget leaves 1.5x the quickest after it: the quickest's time, not twice it
-    budget = Budget(full["fp32"].wall_s + 2.5 * quickest)
-    result = mixprec.bench(
-        Planted(seconds, emulated=emulated), candidates=plan, steps=4, warmup=1, budget=budget
-    )
-    rows = {r.label: r for r in result.rows}
-    if emulated:
-        assert "bf16-mixed" not in rows or not rows["bf16-mixed"].step_times_ms, rows
-        assert result.stopped and result.stopped.startswith("stopped by the deadline before bf16-mixed")
-        assert "the quickest candidate computing natively took" in result.stopped, result.stopped
-        assert "this device only emulates bfloat16: at least 2x that" in result.stopped, result.stopped
-    else:  # native: started with the quickest's time left, and stopped part-way by the deadline
-        assert result.stopped and "while measuring bf16-mixed" in result.stopped, result.stopped
-
-
-def test_an_emulated_candidate_is_not_held_to_twice_the_wall_time_of_another_emulated_one():
-    """The same busy demo's late sweep, with the factor applied to any quickest: bf16-mixed (63 s,
-    emulated) was the quickest, and fp16-mixed was kept back with 92 s left (exit 5), where a
-    cold-step prune ends it in 13 s. Against an emulated candidate's wall time no factor."""
-    from mixprec.budget import Budget
-
-    seconds = {"fp32": 3.0, "bf16-mixed": 9.0, "fp16-mixed": 9.0}
-    emulated = frozenset({"bf16-mixed", "fp16-mixed"})
-    framework = PlantedFramework()
-    framework.tune_candidates(Planted(seconds, emulated=emulated), None)
-    plan = [
-        mixprec.Candidate("bf16-mixed", framework="planted"),
-        mixprec.Candidate("fp16-mixed", framework="planted"),
-    ]
-    full = {
-        r.label: r
-        for r in mixprec.bench(Planted(seconds, emulated=emulated), candidates=plan, steps=4, warmup=1).rows
-    }
-    quickest = full["bf16-mixed"].wall_s
-    budget = Budget(full["fp32"].wall_s + 2.5 * quickest)
-    result = mixprec.bench(
-        Planted(seconds, emulated=emulated),
-        candidates=plan,
-        steps=4,
-        warmup=1,
-        budget=budget,
-        prune_factor=1e6,
-    )
-    assert not (result.stopped or "").startswith("stopped by the deadline before fp16-mixed"), result.stopped
 
 
 def test_a_noisy_leader_far_ahead_on_its_figure_races_a_rival_its_interval_reaches():
@@ -223,5 +158,8 @@ def test_tune_on_a_device_that_emulates_every_half_format_measures_one_candidate
     assert not any("budget ended first" in n for n in result.notes), result.notes
     # the recommendation says why they were not measured: never run, not pruned as slower
     reason = result.recommendation.reason
-    assert "bf16-true, fp16-true not measured: this device only emulates their format" in reason, reason
+    assert (
+        "bf16-true, fp16-true not measured: this device only emulates their formats, and a candidate in "
+        "each was pruned or measured far slower than strict fp32" in reason
+    ), reason
     assert "pruned as far slower" not in reason, reason

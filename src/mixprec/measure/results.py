@@ -29,13 +29,8 @@ from mixprec.policy import Candidate
 from mixprec.schema import SCHEMA_VERSION, check_version, known_fields
 from mixprec.status import Status
 
-# How a pruned row that never ran begins its reason (:attr:`BenchRow.spared`), and what a
-# recommendation says of such rows.
+# How a pruned row that never ran begins its reason (:attr:`BenchRow.spared`).
 SPARED = "not measured: "
-SPARED_SAID = (
-    "not measured: this device only emulates their format, and a candidate in it was pruned or "
-    "measured far slower than strict fp32"
-)
 
 STATUSES = (Status.OK, Status.UNSUPPORTED, Status.OOM, Status.ERROR, Status.PRUNED, Status.NO_EFFECT)
 
@@ -240,6 +235,16 @@ class BenchRow:
             ci = d.get(key)
             data[key] = (float(ci[0]), float(ci[1])) if ci else None
         return cls(**data)
+
+
+def spared_said(rows: Sequence[BenchRow]) -> str:
+    """What a recommendation says of ``rows``, each :attr:`BenchRow.spared`."""
+    several = len({r.candidate.spec.low_precision_dtype for r in rows}) > 1
+    which = "their formats, and a candidate in each" if several else "their format, and a candidate in it"
+    return (
+        f"{', '.join(r.label for r in rows)} not measured: this device only emulates {which} was pruned or "
+        "measured far slower than strict fp32"
+    )
 
 
 def baseline_row(rows: Iterable[BenchRow]) -> BenchRow | None:

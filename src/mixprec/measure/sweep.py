@@ -47,15 +47,6 @@ from mixprec.status import Status
 # the EPYC's ResNet-50 and GPT in benchmarks/results/cpu-amd-epyc): one measured
 # slower than strict fp32 by more spares the others of its format their measurement.
 EMULATED_SIBLING_GAIN = 1.5
-# A candidate in a format this device only emulates takes at least this many times the wall time of
-# the quickest candidate computing natively (its steps are slower than strict fp32's, which its
-# rounds time too): beside two busy loops on the Xeon without AVX512-BF16, bf16-mixed (0.41x) took
-# 64 s, fp32+cl 27 s. The speed sweep's share does not start one it cannot finish at that: stopped
-# part-way, it leaves no row, and its time is lost to the checks (that sweep stopped it after 45 s;
-# it was measured again in the late sweep). Against an emulated candidate's own wall time no factor:
-# the late sweep, whose quickest was bf16-mixed (63 s), then kept fp16-mixed back with 92 s left,
-# where a cold-step prune ends it in 13 s (exit 5).
-EMULATED_WALL_FACTOR = 2.0
 
 
 def _format(cand: Candidate) -> str | None:
@@ -238,9 +229,10 @@ def run_sweep(
             sweep.run(rows)
     finally:
         rows.close()
-    if reference == framework.baseline and config.nproc == 1:  # speedups over strict fp32, paired
-        described = {**key, "description": result.description}
-        _record_repeats(repeats, info.name, described, result, resumed=rows.resumed)
+        if reference == framework.baseline and config.nproc == 1:  # speedups over strict fp32, paired
+            # (also when interrupted: the rows measured are runs; a resume reads them back)
+            described = {**key, "description": result.description}
+            _record_repeats(repeats, info.name, described, result, resumed=rows.resumed)
     return result
 
 
@@ -545,7 +537,6 @@ class Sweep:
         pruned: list[tuple[int, BenchRow]] = []
         emulated: dict[str | None, BenchRow] = {}  # format -> its pruned or far slower row, where emulated
         quickest: float | None = None  # the shortest wall time of a candidate measured in full so far
-        native: float | None = None  # ... of one computing in a format this device has units for
         queue, at = list(todo), 0
         while at < len(queue):
             i, cand = queue[at]
@@ -556,9 +547,16 @@ class Sweep:
                 result.stopped = f"stopped by the deadline before {cand.label}"
                 break
             refused = self.refused(cand) or self._as_hopeless_as(cand, emulated)
-            unfinishable = None if refused is not None else self._unfinishable(cand, quickest, native)
-            if unfinishable is not None:
-                result.stopped = unfinishable
+            if refused is None and quickest is not None and not self.budget.can_pay(quickest):
+                # A candidate stopped part-way leaves no row: its time is lost to the stages after
+                # the sweep. Beside two busy processes, `make demo`'s sweep started bf16-mixed+cl
+                # with 18 s of its share left (a candidate took 32 s there) and was stopped 24 s
+                # later; bf16-mixed's check then missed its 151 s price by 2 s (issue 53).
+                left = max(self.budget.left(), 0.0)
+                result.stopped = (
+                    f"stopped by the deadline before {cand.label} ({left:.0f} s left; "
+                    f"the quickest candidate so far took {quickest:.0f} s)"
+                )
                 break
             self.events({"event": "candidate", "label": cand.label, "index": i, "count": count})
             try:
@@ -571,8 +569,6 @@ class Sweep:
                 break
             if refused is None and row.status == Status.OK and row.wall_s:
                 quickest = row.wall_s if quickest is None else min(quickest, row.wall_s)
-                if self._emulated(cand) is None:
-                    native = row.wall_s if native is None else min(native, row.wall_s)
             if row.status == Status.PRUNED:
                 support = self.framework.support(cand, self.info, self.workload)
                 if support.native:
@@ -625,30 +621,6 @@ class Sweep:
             row = measure_data_parallel(self.row(cand, Status.OK), outcome)
             result.flops_per_step = result.flops_per_step or row.flops_per_step
             rows.record(row, i)
-
-    def _unfinishable(self, cand: Candidate, quickest: float | None, native: float | None) -> str | None:
-        """Why the sweep stops before ``cand``: what is left cannot pay for the quickest candidate
-        measured in full so far (``quickest`` seconds), nor, in a format this device only emulates,
-        for :data:`EMULATED_WALL_FACTOR` times the quickest computing natively (``native``). A
-        candidate stopped part-way leaves no row: its time is lost to the stages after the sweep.
-        Beside two busy processes, `make demo`'s sweep started bf16-mixed+cl with 18 s of its share
-        left (a candidate took 32 s there) and was stopped 24 s later; bf16-mixed's check then
-        missed its 151 s price by 2 s (issue 53). None: start it."""
-        if quickest is None:
-            return None
-        expected, why = quickest, f"the quickest candidate so far took {quickest:.0f} s"
-        fmt = self._emulated(cand)
-        if fmt is not None and native is not None and EMULATED_WALL_FACTOR * native > expected:
-            expected = EMULATED_WALL_FACTOR * native
-            why = (
-                f"the quickest candidate computing natively took {native:.0f} s, and this device only "
-                f"emulates {fmt}: at least {EMULATED_WALL_FACTOR:g}x that"
-            )
-        if self.budget.can_pay(expected):
-            return None
-        return (
-            f"stopped by the deadline before {cand.label} ({max(self.budget.left(), 0.0):.0f} s left; {why})"
-        )
 
     def _emulated(self, cand: Candidate) -> str | None:
         """The low-precision format ``cand`` computes in where this device only emulates it, else None."""

@@ -49,9 +49,10 @@ class ThreadChoice:
         slow, best = self.step_s.get(self.default), self.step_s.get(self.threads)
         if self.threads == self.default or not slow or not best or slow < CONTENDED * best:
             return None
-        # (why the last clause: a layout's gain depends on the thread count. Quiet at 2 threads and
-        # beside one busy loop at 1, fp32+cl measured 1.36x vs 1.10x on the AMX Xeon, 1.05x vs 1.17x
-        # on the Xeon without AMX; benchmarks/busy_bench.py)
+        # (why the last clause: a speedup measured at another thread count is another figure. Quiet
+        # at 2 threads and beside one busy loop at 1, fp32+cl read 1.36x vs 1.10x on the AMX Xeon;
+        # on the Xeon without AMX 1.05x vs 1.17x once and within 4% three times: the count and the
+        # contention together, benchmarks/busy_bench.py)
         return (
             f"contention: the strict-fp32 step took {slow / best:.1f}x as long at {self.default} threads "
             f"as at {self.threads} (another process holds a core; OpenMP's threads wait for it): "

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mixprec.measure.race import Race
-from mixprec.measure.results import SPARED_SAID, BenchRow, baseline_row
+from mixprec.measure.results import BenchRow, baseline_row, spared_said
 from mixprec.numerics.results import CandidateCheck
 from mixprec.policy import Candidate, PolicyConfig, get_policy
 from mixprec.status import Status
@@ -739,9 +739,10 @@ def _reason(
 ) -> str:
     parts = [f"{r.label} rejected: {r.reason}" for r in table if r.status in REJECTED]
     pruned = [r for r in table if r.status == Status.PRUNED]
-    for spared, said in ((False, "pruned as far slower than the best"), (True, SPARED_SAID)):
-        if named := [r.label for r in pruned if bool(r.row and r.row.spared) == spared]:
-            parts.append(f"{', '.join(named)} {said}")
+    if slow := [r.label for r in pruned if not (r.row and r.row.spared)]:
+        parts.append(f"{', '.join(slow)} pruned as far slower than the best")
+    if spared := [r.row for r in pruned if r.row and r.row.spared]:
+        parts.append(spared_said(spared))
     how_fast = "measured"
     if chosen.speedup_vs_fp32:
         ci = chosen.interval
@@ -785,8 +786,7 @@ def _reason(
     return "; ".join(parts) + "."
 
 
-# A bench row's status where its candidate ran: measured, pruned as hopeless, out of memory, failed.
-_RAN = (Status.OK, Status.PRUNED, Status.OOM, Status.ERROR)
+_RAN = (Status.OK, Status.PRUNED, Status.OOM, Status.ERROR)  # a row whose candidate (or a sibling) ran
 
 
 def fp32_by_default(table: Sequence[Ranked]) -> bool:
