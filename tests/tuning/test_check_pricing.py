@@ -138,6 +138,66 @@ def test_the_speed_sweep_starts_no_candidate_its_share_cannot_finish(framework, 
     assert len(measured) >= 2  # strict fp32 and at least one candidate: the share paid for both
 
 
+# strict fp32 3.4 s a step, every candidate slower (nothing owed a check) and bf16-true slowest: longer
+# than the quickest candidate the share judges a start by. Measured in this order.
+SLOWER = {"fp32": 3.4, "tf32": 3.6, "fp16-mixed": 3.7, "bf16-mixed": 3.8, "bf16-true": 10.0, "fp16-true": 4.0}
+# fp16-mixed 2x strict fp32 first (its check is owed from then on), bf16-mixed slowest and last
+OWED = {"fp32": 3.4, "fp16-mixed": 1.6, "tf32": 3.6, "bf32": 3.7, "fp16-true": 4.0, "bf16-true": 3.9}
+OWED["bf16-mixed"] = 7.0
+FINISHED = " was finished "
+
+
+def _in_order(monkeypatch: pytest.MonkeyPatch, seconds: dict[str, float]) -> None:
+    """Tune's plan in ``seconds``'s order (tune's own is this machine's predicted format speeds)."""
+    order, planned = list(seconds), search_module.tune_plan
+    monkeypatch.setattr(
+        search_module, "tune_plan", lambda *args: sorted(planned(*args), key=lambda c: order.index(c.label))
+    )
+
+
+def _finished(search: Search) -> str | None:
+    """The candidate the speed sweep finished after its share ran out, if any."""
+    return next((n.split(FINISHED)[0] for n in search.result.notes if FINISHED in n), None)
+
+
+def test_a_candidate_under_way_when_the_speed_share_ends_is_finished(framework, monkeypatch):
+    """`make demo` beside two busy processes on a Xeon without AVX512-BF16: the share ended 33 s into
+    bf16-mixed's 71 s and stopped it, with no row; the late sweep measured it again from its start
+    (71 s), then had 56 s left and did not start fp16-mixed (tune exit 5). With nothing measured
+    faster than strict fp32, no check needs the time: a candidate under way when the share ends is
+    finished, and the share starts nothing after it."""
+    _in_order(monkeypatch, SLOWER)
+    finished = []
+    for budget_s in range(200, 400, 10):
+        search = swept(framework, SLOWER, budget_s=budget_s)
+        stopped = search.result.stopped or ""
+        assert "while measuring" not in stopped, (budget_s, stopped)
+        if label := _finished(search):
+            timed = [r for r in search.result.measured if r.status == "ok" and not r.baseline_repeat]
+            assert timed[-1].label == label, budget_s  # its row, and none measured after it
+            assert stopped.startswith("stopped by the deadline before") or not stopped
+            finished.append(label)
+    assert "bf16-true" in finished  # the share ended while it ran, at some of these budgets
+
+
+def test_a_candidate_is_finished_past_the_share_only_with_time_for_the_check_owed(framework, monkeypatch):
+    """fp16-mixed, measured 2x strict fp32 before the share ended, is checked next: a candidate under
+    way is finished past the share only where the time after it still pays that check."""
+    _in_order(monkeypatch, OWED)
+    outcomes = set()
+    for budget_s in range(200, 500, 10):
+        search = swept(framework, OWED, budget_s=budget_s)
+        if "while measuring" in (search.result.stopped or ""):
+            outcomes.add("stopped")
+        if label := _finished(search):
+            owed = [r.candidate for r in search_module._faster(search.result.rows) if r.label != label]
+            # (a step under way when the time is up is finished, and strict fp32 closes the sweep)
+            slack = max(OWED.values()) + 2 * OWED["fp32"]
+            assert search.budget.left() + slack >= search.costs.check_room(owed, ()), budget_s
+            outcomes.add("finished, a check owed" if owed else "finished")
+    assert {"stopped", "finished, a check owed"} <= outcomes, outcomes
+
+
 def test_a_check_that_could_only_win_the_race_waits_for_a_budget_that_pays_the_race_too(framework):
     """`make demo` beside two busy processes (2026-11-30): bf16-mixed+cl (2.19x) passed, then the 45 s
     left went to checking bf16-true (1.76x: slower, within the race window; it failed), and the race of

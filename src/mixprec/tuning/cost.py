@@ -183,13 +183,16 @@ class Costs:
         unpaid. (The time kept goes to the later stages when no check needs it.) Where what is
         left cannot pay for one more candidate and its check, nothing is kept: a speed measured
         without its verdict still tells the user what a larger --budget would check."""
-        unknown = [c for c in todo if c.policy != "fp32" and c.numerics not in known]
-        if not unknown:
-            return budget
-        keep = CHECK_ROOM * max(self.check_s(c.numerics, c.micro_batch) for c in unknown)
-        if not budget.can_pay(self.measure_s() + keep):
+        keep = self.check_room(todo, known)
+        if not keep or not budget.can_pay(self.measure_s() + keep):
             return budget
         return budget.keeping(keep)
+
+    def check_room(self, candidates: Sequence[Candidate], known: Collection[Candidate]) -> float:
+        """About one numerics check, with room to stop a candidate process, where ``candidates``
+        hold a lower precision whose numerics are not ``known`` yet (0 where none does)."""
+        unknown = [c for c in candidates if c.policy != "fp32" and c.numerics not in known]
+        return CHECK_ROOM * max((self.check_s(c.numerics, c.micro_batch) for c in unknown), default=0.0)
 
     # ------------------------------------------------------------------ checking
     def check_s(self, candidate: Candidate | None = None, micro_batch: int | None = None) -> float:

@@ -22,7 +22,7 @@ with what measuring them would have cost.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -138,9 +138,15 @@ class Sweeps:
             return plan
         return [b for c in plan if (b := self.batches.batched(c)) is not None]
 
-    def sweep(self, candidates: Sequence[Candidate], budget: Budget, steps: int | None = None) -> BenchResult:
+    def sweep(
+        self,
+        candidates: Sequence[Candidate],
+        budget: Budget,
+        steps: int | None = None,
+        finish_within: Callable[[BenchResult], Budget] | None = None,
+    ) -> BenchResult:
         """One paired sweep of ``candidates`` (the workload was validated once, by tune); ``steps``
-        paired rounds each instead of the run's."""
+        paired rounds each instead of the run's; ``finish_within``: :func:`run_sweep`'s."""
         if self.batches is not None:
             self.batches.timed.update(candidates)
         baseline = self.baseline if self.batches is not None else None
@@ -155,8 +161,22 @@ class Sweeps:
             self.bench, candidates=tuple(candidates), baseline=baseline, steps=steps or self.bench.steps
         )
         return run_sweep(
-            self.workload, self.framework, config, device=self.device, events=on_bench, budget=budget
+            self.workload,
+            self.framework,
+            config,
+            device=self.device,
+            events=on_bench,
+            budget=budget,
+            finish_within=finish_within,
         )
+
+    def past_share(self, partial: BenchResult) -> Budget:
+        """How long a candidate under way when the speed sweep's share ran out may take to finish
+        (``partial``: the sweep's rows so far): the budget, less a check of a candidate that already
+        beat strict fp32 (checked next). Stopped, its rounds are lost, and the late sweep measures it
+        again from its start."""
+        owed = [r.candidate for r in _faster(partial.rows)]
+        return self.budget.keeping(Costs(partial, self, {}).check_room(owed, ()))
 
     # ------------------------------------------------------------------ the rows of what no sweep timed
     def unreached(
@@ -226,7 +246,8 @@ class Search:
         the plan left out or the sweep did not reach, saying why."""
         with sweeps.phase("speed"):
             plan = sweeps.plan(info)
-            search = cls(sweeps, sweeps.sweep(plan, sweeps.budget.share(SPEED_SHARE)))
+            share = sweeps.budget.share(SPEED_SHARE)
+            search = cls(sweeps, sweeps.sweep(plan, share, finish_within=sweeps.past_share))
             if stopped := search.result.stopped:
                 search.notes.append(f"speed sweep {stopped}")
                 _cut_by_deadline(search.budget, search.result, f"the speed sweep {stopped}")
