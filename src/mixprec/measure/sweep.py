@@ -135,13 +135,16 @@ def run_sweep(
     events: Events,
     budget: Budget | None = None,
     finish_within: Callable[[BenchResult], Budget] | None = None,
+    earlier: Sequence[BenchRow] = (),
 ) -> BenchResult:
     """The sweep under :func:`bench`, for a workload already validated on ``device``: `tune` and
     `bench_batches` run one per stage or size with a ``replace`` of their config.
 
     ``budget`` ends the sweep: no candidate starts once it has run out. ``finish_within``, given the
     rows so far, is the longer budget within which a candidate under way at that moment may still
-    finish (tune's speed share: its rounds are lost otherwise); by default it is stopped there."""
+    finish (tune's speed share: its rounds are lost otherwise); by default it is stopped there.
+    ``earlier``: rows this run measured in sweeps before this one (a format this device only
+    emulates, found far slower there, spares its other candidates here as in one sweep)."""
     if config.nproc > 1 and framework.data_parallel() is None:
         raise UsageError(f"nproc > 1 (data-parallel ranks) is not available for {framework.title}; drop it.")
     if config.accumulation_steps > 1 and not framework.accumulates:
@@ -216,6 +219,7 @@ def run_sweep(
         nproc=config.nproc,
         budget=budget or Budget.unlimited(),
         finish_within=finish_within,
+        earlier=earlier,
         events=events,
         baseline=reference,
     )
@@ -405,12 +409,13 @@ class Sweep:
         events: Events,
         baseline: Candidate | None = None,
         finish_within: Callable[[BenchResult], Budget] | None = None,
+        earlier: Sequence[BenchRow] = (),
     ) -> None:
         self.framework, self.workload, self.plan, self.settings = framework, workload, plan, settings
         self.baseline = framework.baseline if baseline is None else baseline
         self.result, self.info, self.isolate, self.prune_factor = result, info, isolate, prune_factor
         self.nproc, self.budget, self.events = nproc, budget, events
-        self.finish_within = finish_within
+        self.finish_within, self.earlier = finish_within, earlier
         self._finish: Budget | None = None  # finish_within's budget, once ``budget`` ran out
         self.batches: list | None = None
 
@@ -558,6 +563,12 @@ class Sweep:
             return
         pruned: list[tuple[int, BenchRow]] = []
         emulated: dict[str | None, BenchRow] = {}  # format -> its pruned or far slower row, where emulated
+        for row in self.earlier:  # (the late sweep measured bf16-mixed+cl 61 s after bf16-mixed's 0.41x)
+            if not row.spared and (
+                (row.status == Status.PRUNED and self._emulated(row.candidate))
+                or self._emulated_and_slow(row.candidate, row)
+            ):
+                emulated.setdefault(_format(row.candidate), row)
         quickest: float | None = None  # the shortest wall time of a candidate measured in full so far
         queue, at = list(todo), 0
         while at < len(queue):

@@ -144,9 +144,10 @@ class Sweeps:
         budget: Budget,
         steps: int | None = None,
         finish_within: Callable[[BenchResult], Budget] | None = None,
+        earlier: Sequence[BenchRow] = (),
     ) -> BenchResult:
         """One paired sweep of ``candidates`` (the workload was validated once, by tune); ``steps``
-        paired rounds each instead of the run's; ``finish_within``: :func:`run_sweep`'s."""
+        paired rounds each instead of the run's; ``finish_within`` and ``earlier``: :func:`run_sweep`'s."""
         if self.batches is not None:
             self.batches.timed.update(candidates)
         baseline = self.baseline if self.batches is not None else None
@@ -168,6 +169,7 @@ class Sweeps:
             events=on_bench,
             budget=budget,
             finish_within=finish_within,
+            earlier=earlier,
         )
 
     def past_share(self, partial: BenchResult) -> Budget:
@@ -347,14 +349,14 @@ class Search:
         budget = self.costs.keeping_a_check(self.budget, todo, self.checks.verdicts)
         if not todo or not budget.can_pay(self.costs.opening_s() + self.costs.measure_s()):
             return
-        more = self.sweeps.sweep(todo, budget)
+        more = self.sweeps.sweep(todo, budget, earlier=self.result.rows)
         added = self.add(
             [retried(again[r.candidate], r) if r.candidate in again else r for r in more.measured]
         )
         if first is not None:
             self.notes.remove(first)
             self.budget.restore(f"the {first}")
-        late = [r.label for r in added if r.status not in (Status.UNSUPPORTED, Status.ERROR)]
+        late = [r.label for r in added if r.status not in (Status.UNSUPPORTED, Status.ERROR) and not r.spared]
         what = f"{', '.join(late)} measured later with the time the numerics checks left" if late else None
         said = "; ".join(part for part in (first, what) if part)
         if more.stopped:
