@@ -175,7 +175,7 @@ def test_a_candidate_under_way_when_the_speed_share_ends_is_finished(framework, 
         if label := _finished(search):
             timed = [r for r in search.result.measured if r.status == "ok" and not r.baseline_repeat]
             assert timed[-1].label == label, budget_s  # its row, and none measured after it
-            assert stopped.startswith("stopped by the deadline before") or not stopped
+            assert stopped.startswith("stopped by the deadline before ") or not stopped  # (not "while")
             finished.append(label)
     assert "bf16-true" in finished  # the share ended while it ran, at some of these budgets
 

@@ -586,9 +586,9 @@ class Sweep:
                 # with 18 s of its share left (a candidate took 32 s there) and was stopped 24 s
                 # later; bf16-mixed's check then missed its 151 s price by 2 s (issue 53).
                 left = max(self.budget.left(), 0.0)
-                result.stopped = (
-                    f"stopped by the deadline before {cand.label} ({left:.0f} s left; "
-                    f"the quickest candidate so far took {quickest:.0f} s)"
+                result.stopped = (  # (not "by the deadline": it has not passed)
+                    f"stopped before {cand.label}: the {left:.0f} s left could not pay for it "
+                    f"(the quickest candidate so far took {quickest:.0f} s)"
                 )
                 break
             self.events({"event": "candidate", "label": cand.label, "index": i, "count": count})
