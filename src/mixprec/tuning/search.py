@@ -1,8 +1,9 @@
 """The state and the stages of one tune (:func:`mixprec.tuning.run.tune` runs them in order).
 
 1. Speed: the backend's tune plan (every supported policy x layout, eager), paired with strict
-   fp32 (hopeless ones pruned), first within ``SPEED_SHARE`` of the budget; what that share did
-   not reach is measured after the numerics checks with the time they left.
+   fp32 (hopeless ones pruned), first within ``SPEED_SHARE`` of the budget (a candidate under way
+   when it ends is finished, unless the time is owed to a check); what that share did not reach is
+   measured after the numerics checks with the time they left.
 2. Numerics: the candidates that beat strict fp32, fastest first; a failing one may be rescued by
    a keep_fp32 set, which is then measured at its real cost.
 3. Beyond eager: the best passing candidates again compiled (``torch.compile``, XLA; and their
