@@ -220,3 +220,32 @@ def test_the_late_sweep_spares_the_siblings_of_an_emulated_format_the_first_swee
     assert rows["fp16-mixed"].status == "ok"  # measured late
     said = next(n for n in result.notes if "measured later" in n)
     assert said.split(" measured later")[0].split("; ")[-1] == "fp16-mixed", said
+
+
+def test_only_a_plain_eager_row_of_an_earlier_sweep_spares_its_format():
+    """A rescued variant (fp32 islands) or a compiled one measured far slower is not the emulation's
+    cost alone: it spares no sibling in a later sweep; the plain eager candidate's row does."""
+    from dataclasses import replace
+
+    from mixprec.events import ignore
+    from mixprec.measure.config import BenchConfig
+    from mixprec.measure.sweep import run_sweep
+
+    planted = Planted(
+        {"fp32": 0.10, "bf16-mixed": 0.26, "bf16-true": 0.24}, emulated=frozenset({"bf16-mixed", "bf16-true"})
+    )
+    framework = PlantedFramework()
+    framework.tune_candidates(planted, None)  # the planted labels and emulated formats
+    mixed, true = (mixprec.Candidate(p, framework="planted") for p in ("bf16-mixed", "bf16-true"))
+
+    def sweep(candidate, earlier=()):
+        config = BenchConfig(candidates=(candidate,), steps=4, warmup=1)
+        rows = run_sweep(planted, framework, config, device="cpu", events=ignore, earlier=earlier).rows
+        return next(r for r in rows if r.candidate == candidate)
+
+    slow = sweep(mixed)
+    assert slow.status == "ok" and slow.speedup_vs_fp32 < 0.5
+    assert sweep(true, earlier=[slow]).spared
+    for variant in (replace(mixed, keep_fp32=("fc",)), replace(mixed, compile="default")):
+        row = sweep(true, earlier=[replace(slow, candidate=variant)])
+        assert row.status == "ok" and not row.spared, variant.label

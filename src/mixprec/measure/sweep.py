@@ -523,6 +523,16 @@ class Sweep:
             self._finish = self.finish_within(self.result)
         return self._finish.expired()
 
+    def _say_if_finished_late(self, row: BenchRow) -> None:
+        """The note for a candidate measured in full though the budget ran out while it ran
+        (``finish_within``'s budget paid; nothing is started after it, so this is said once)."""
+        if self._finish is not None and row.status == Status.OK:
+            past = max(0.0, -self.budget.left())
+            self.result.notes.append(
+                f"{row.label} was finished {past:.0f} s after the sweep's time ran out: a candidate "
+                "stopped part-way leaves no row"
+            )
+
     def _complete(self, rows: RowRecorder, todo: list[tuple[int, Candidate]]) -> bool:
         """A resumed stream that holds every row, the baseline's too: nothing to measure (measuring
         the baseline again would only append more fp32 rows)."""
@@ -564,11 +574,12 @@ class Sweep:
         pruned: list[tuple[int, BenchRow]] = []
         emulated: dict[str | None, BenchRow] = {}  # format -> its pruned or far slower row, where emulated
         for row in self.earlier:  # (the late sweep measured bf16-mixed+cl 61 s after bf16-mixed's 0.41x)
-            if not row.spared and (
-                (row.status == Status.PRUNED and self._emulated(row.candidate))
-                or self._emulated_and_slow(row.candidate, row)
+            variant = row.candidate  # (a compiled or rescued variant's cost is not the emulation's alone)
+            if not (row.spared or variant.compile or variant.keep_fp32 or variant.keep_bf16) and (
+                (row.status == Status.PRUNED and self._emulated(variant))
+                or self._emulated_and_slow(variant, row)
             ):
-                emulated.setdefault(_format(row.candidate), row)
+                emulated.setdefault(_format(variant), row)
         quickest: float | None = None  # the shortest wall time of a candidate measured in full so far
         queue, at = list(todo), 0
         while at < len(queue):
@@ -602,12 +613,7 @@ class Sweep:
                 break
             if refused is None and row.status == Status.OK and row.wall_s:
                 quickest = row.wall_s if quickest is None else min(quickest, row.wall_s)
-                if self._finish is not None:  # the time ran out while it ran: finish_within's budget paid
-                    past = max(0.0, -self.budget.left())
-                    result.notes.append(
-                        f"{cand.label} was finished {past:.0f} s after the sweep's time ran out: "
-                        "a candidate stopped part-way leaves no row"
-                    )
+                self._say_if_finished_late(row)
             if row.status == Status.PRUNED:
                 support = self.framework.support(cand, self.info, self.workload)
                 if support.native:
@@ -637,6 +643,7 @@ class Sweep:
                 result.stopped = f"stopped by the deadline while retrying {first.candidate.label}"
                 break
             rows.record(retried(first, again), i)
+            self._say_if_finished_late(again)
         final = sweep.finish_baseline()
         result.flops_per_step = result.flops_per_step or final.flops_per_step
         rows.record(final, 0, closing=True)

@@ -62,6 +62,8 @@ RACE_RIVALS = 2
 RACE_WINDOW = 0.25
 # The share of the budget compiling leaves to the race (the last word on the pick).
 RACE_SHARE = 0.15
+# At most this share of the budget is kept back to settle the pick's figure (tuning/settle.py).
+SETTLE_SHARE = 0.15
 # Below this share of step time in matmul/conv/attention, precision is not where the time goes.
 LOW_COMPUTE_SHARE = 0.5
 
@@ -176,10 +178,12 @@ class Sweeps:
     def past_share(self, partial: BenchResult) -> Budget:
         """How long a candidate under way when the speed sweep's share ran out may take to finish
         (``partial``: the sweep's rows so far): the budget, less a check of a candidate that already
-        beat strict fp32 (checked next). Stopped, its rounds are lost, and the late sweep measures it
-        again from its start."""
-        owed = [r.candidate for r in _faster(partial.rows)]
-        return self.budget.keeping(Costs(partial, self, {}).check_room(owed, ()))
+        beat strict fp32 (checked next) and what settling the pick's figure may keep back (taken
+        from the budget before that check). Stopped, its rounds are lost, and the late sweep
+        measures it again from its start."""
+        owed = Costs(partial, self, {}).check_room([r.candidate for r in _faster(partial.rows)], ())
+        settling = SETTLE_SHARE * self.budget.seconds if self.config.settle else 0.0
+        return self.budget.keeping(owed + settling)
 
     # ------------------------------------------------------------------ the rows of what no sweep timed
     def unreached(

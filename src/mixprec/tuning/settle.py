@@ -16,10 +16,7 @@ from mixprec.measure import settle as settling
 from mixprec.measure.results import BenchRow
 from mixprec.status import Status
 from mixprec.tuning.decide import Recommendation, speed
-from mixprec.tuning.search import Search
-
-# At most this share of the budget is kept back to settle the pick's figure.
-SETTLE_SHARE = 0.15
+from mixprec.tuning.search import SETTLE_SHARE, Search
 
 
 def reserve(search: Search) -> float:
