@@ -249,3 +249,38 @@ def test_only_a_plain_eager_row_of_an_earlier_sweep_spares_its_format():
     for variant in (replace(mixed, keep_fp32=("fc",)), replace(mixed, compile="default")):
         row = sweep(true, earlier=[replace(slow, candidate=variant)])
         assert row.status == "ok" and not row.spared, variant.label
+
+
+def test_a_format_found_far_slower_where_emulated_does_not_hold_back_another_format():
+    """`make demo` beside two busy loops (2026-12-01, f52dcb8): the late sweep measured bf16-mixed
+    at 0.42x in 78 s, then held fp16-mixed to that wall time and did not start it with 78 s left,
+    where its cold step is pruned in about 17 s: exit 5. A far slower emulated row is no price for
+    a candidate in another format."""
+    from mixprec.budget import Budget
+    from mixprec.events import ignore
+    from mixprec.measure.config import BenchConfig
+    from mixprec.measure.sweep import run_sweep
+
+    seconds = {"fp32": 0.10, "bf16-mixed": 0.26, "fp16-mixed": 1.5}
+    emulated = frozenset({"bf16-mixed", "fp16-mixed"})
+    framework = PlantedFramework()
+    mixed, half = (mixprec.Candidate(p, framework="planted") for p in ("bf16-mixed", "fp16-mixed"))
+    config = BenchConfig(candidates=(mixed, half), steps=4, warmup=1)
+
+    def sweep(budget_s=None):
+        planted = Planted(seconds, emulated=emulated)  # (the same seeded jitter each time)
+        framework.tune_candidates(planted, None)
+        budget = Budget(budget_s) if budget_s else None  # (from now, on the planted clock)
+        return run_sweep(planted, framework, config, device="cpu", events=ignore, budget=budget)
+
+    whole = sweep()
+    slow = next(r for r in whole.rows if r.candidate == mixed)
+    assert slow.status == "ok" and slow.speedup_vs_fp32 < 0.5
+    pruned = next(r for r in whole.rows if r.candidate == half)
+    assert pruned.status == "pruned"
+    # after bf16-mixed, less time left than its wall time, more than fp16-mixed's pruning takes
+    base = next(r for r in whole.rows if r.candidate.policy == "fp32" and not r.baseline_repeat)
+    at_mixed_end = base.wall_s + slow.wall_s
+    cut = sweep(at_mixed_end + 0.8 * slow.wall_s)
+    assert not cut.stopped, cut.stopped
+    assert next(r for r in cut.rows if r.candidate == half).status == "pruned"
