@@ -648,6 +648,22 @@ def test_sigterm_keeps_the_rows_prints_the_resume_hint_and_exits_143(planted, tm
     assert not lock_path(out).exists()
 
 
+@pytest.mark.parametrize("error", ["EOFError('Ran out of input')", "BrokenPipeError()", "ValueError('real')"])
+def test_a_candidate_process_whose_sweep_is_gone_ends_silently(error):
+    """CI, 2026-12-01: a sweep SIGKILLed as it asked the fork server for its next candidate left
+    that child reading its work from a pipe with no writer; the child's EOFError traceback reached
+    the terminal. The fork server's modules (and so every child) end silently on a closed pipe, and
+    still print any other error."""
+    code = f"import mixprec.measure.preload\nraise {error}"
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    if error.startswith("ValueError"):
+        assert "Traceback" in done.stderr and "ValueError: real" in done.stderr
+    else:
+        assert "Traceback" not in done.stderr, done.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_candidates_orphaned_by_sigkill_stop_silently(planted, tmp_path):

@@ -4,6 +4,9 @@ The slow imports a workload needs (transformers, timm: seconds each) are named i
 ``MIXPREC_PRELOAD`` by the sweep (``Framework.preload``; :mod:`mixprec.measure.isolate`) and
 imported here once, so every candidate's child starts with them loaded. Whatever they print
 while importing is dropped: the parent process, which imported them too, has already shown it.
+
+A child whose sweep was killed while it started (before it was sent its work) or while it ran ends
+on a closed pipe; it has no one to report to, so that ends it silently (:func:`_quiet_when_orphaned`).
 """
 
 from __future__ import annotations
@@ -11,10 +14,28 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import sys
+from types import TracebackType
 
 from mixprec.workload.output import captured_fds
 
 ENV = "MIXPREC_PRELOAD"
+# What reading from or writing to a pipe whose other end is gone raises.
+_PARENT_GONE = (EOFError, BrokenPipeError, ConnectionResetError)
+_default_hook = sys.excepthook
+
+
+def _quiet_when_orphaned(
+    kind: type[BaseException], error: BaseException, traceback: TracebackType | None
+) -> None:
+    """The fork server's (and so every child's) hook for an exception nothing caught: silent for a
+    closed pipe. A sweep SIGKILLed as it asked for a candidate's process left that child reading
+    its work from a pipe with no writer, and its EOFError traceback reached the user's terminal."""
+    if not issubclass(kind, _PARENT_GONE):
+        _default_hook(kind, error, traceback)
+
+
+sys.excepthook = _quiet_when_orphaned
 
 for _name in filter(None, os.environ.get(ENV, "").split(",")):
     # A module that fails here is imported (and its error reported) in the child that needs it.
