@@ -611,13 +611,14 @@ class Sweep:
             except SessionEnded:  # told to stop while measuring it
                 result.stopped = f"stopped by the deadline while measuring {cand.label}"
                 break
+            hopeless = refused is None and self._emulated_and_slow(cand, row)
             if refused is None and row.status == Status.OK and row.wall_s:
                 self._say_if_finished_late(row)
                 # A format this device only emulates, far slower than strict fp32, prices no
                 # candidate in another format: the busy demo's late sweep measured bf16-mixed at
                 # 0.42x in 78 s, then did not start fp16-mixed with 78 s left, where its cold step
                 # is pruned in about 17 s (tune exit 5).
-                if not self._emulated_and_slow(cand, row):
+                if not hopeless:
                     quickest = row.wall_s if quickest is None else min(quickest, row.wall_s)
             if row.status == Status.PRUNED:
                 support = self.framework.support(cand, self.info, self.workload)
@@ -627,7 +628,7 @@ class Sweep:
                     if not row.notes or not row.notes[-1].startswith("not retried"):
                         row = replace(row, notes=(*row.notes, f"not retried: {support.reason}"))
                     emulated.setdefault(_format(cand), row)
-            elif refused is None and self._emulated_and_slow(cand, row):
+            elif hopeless:
                 emulated.setdefault(_format(cand), row)
             rows.record(row, i)
             if refused is None:
