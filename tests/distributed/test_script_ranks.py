@@ -120,7 +120,16 @@ def test_run_rescue_over_torchrun_withholds_a_bad_shard_on_every_rank(tmp_path, 
     shutil.copy(DDP, tmp_path / "ddp_train.py")
     os.chdir(tmp_path)
     clean = subprocess.run(
-        [*TORCHRUN, "--standalone", "--nproc_per_node", "2", "ddp_train.py", "--steps", "120"],
+        [
+            *TORCHRUN,
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "ddp_train.py",
+            "--steps",
+            "120",
+            "--leave-at-once",
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,8 @@ def main() -> None:
     parser.add_argument("--bad-rank", type=int, default=-1)
     parser.add_argument("--bad-at", type=int, default=-1)
     parser.add_argument("--weights", default=None)
+    # (a plain launch's leave: skip the interpreter's shutdown once everything is written; see the end)
+    parser.add_argument("--leave-at-once", action="store_true")
     parser.add_argument("--device", default="cpu")
     # --width W --hidden N: N more W-wide layers, a step that computes enough for a format to matter
     parser.add_argument("--width", type=int, default=64)
@@ -81,6 +84,13 @@ def main() -> None:
         os.makedirs(args.weights, exist_ok=True)
         torch.save(model.module.state_dict(), os.path.join(args.weights, f"rank{rank}.pt"))
     dist.destroy_process_group()
+    if args.leave_at_once:
+        # Outside `mixprec run` nothing waits for gloo's worker threads at exit: in torch 2.14.1 one can
+        # let go of DDP's last gradient all_reduce after the interpreter began to shut down, which
+        # aborts the rank (SIGABRT, "terminate called without an active exception"; once in CI, in a
+        # plain torchrun of this script). Under `mixprec run` the agent waits for them at atexit.
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
