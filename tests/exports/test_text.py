@@ -618,10 +618,11 @@ def test_snippets_are_what_policy_uses_and_emitted_with_their_dependencies():
 
     for name in ("cast_inputs", "channels_last_inputs", "keep_in_fp32", "default_dtype"):
         assert getattr(policy_module, name) is getattr(snippets, name)
-    assert snippets.needed(["keep_in_fp32"]) == ["cast_floating", "keep_in_fp32"]
+    assert snippets.needed(["keep_in_fp32"]) == ["cast_floating", "Fp32Island", "keep_in_fp32"]
     assert snippets.needed(["channels_last_inputs", "cast_inputs"]) == [
         "cast_floating",
         "to_channels_last",
+        "CastInputs",
         "cast_inputs",
         "channels_last_inputs",
     ]

@@ -8,6 +8,8 @@ The agent patches torch process-wide; ``under`` installs it for one loop and put
 from __future__ import annotations
 
 import contextlib
+import copy
+import io
 import math
 from collections.abc import Callable
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from frameworks.in_process import Exited, under
 from mixprec.frameworks.script.agent import Agent
@@ -373,6 +376,51 @@ def test_a_loop_that_calls_the_models_parts_computes_in_the_candidate():
     agent = compare(loop, "bf16-mixed")
     assert agent.observed.dtype == "bfloat16"
     assert [s.samples for s in agent.steps] == [8] * 4
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_copies_of_the_model_made_after_the_optimizer_are_the_scripts_own(policy):
+    """An EMA (AveragedModel), a best-so-far copy.deepcopy used as a teacher, torch.save(model):
+    the agent's hooks on the model, bound methods of the agent, made each fail ("cannot pickle
+    'generator' object": deepcopy and pickle copied the agent through them). The EMA and the
+    weights are the hand edit's, bit for bit; the teacher's forwards are no training samples; the
+    pickled model loads and computes outside the agent."""
+
+    def loop(precision: str | None) -> tuple[nn.Module, nn.Module, bytes]:
+        model = mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        ctx, scaler = hand(precision)
+        teacher = copy.deepcopy(model)
+        for x, y in batches(5):
+            with ctx():
+                out = model(x)  # (first: the agent's autocast begins at the model's first forward)
+                target = teacher(x).detach().softmax(-1)  # (grad enabled: a forward like the model's)
+                loss = F.cross_entropy(out, y) + F.cross_entropy(out, target)
+            opt.zero_grad()
+            if scaler:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            ema.update_parameters(model)
+            with torch.no_grad():
+                ema(x)
+            teacher = copy.deepcopy(model)
+        saved = io.BytesIO()
+        torch.save(model, saved)
+        return model, ema.module, saved.getvalue()
+
+    with under(policy) as agent:
+        model, ema, saved = loop(None)
+    by_hand, ema_by_hand, _ = loop(policy)
+    assert same(model, by_hand) and same(ema, ema_by_hand)
+    assert [s.samples for s in agent.steps] == [8] * 5
+    loaded = torch.load(io.BytesIO(saved), weights_only=False)
+    x = batches(1)[0][0]
+    assert torch.equal(loaded(x), model(x))  # (outside the agent now: fp32)
 
 
 def test_an_fp32_evaluation_before_training_is_not_the_training_step():

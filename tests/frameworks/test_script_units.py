@@ -5,6 +5,8 @@ loop does under the agent: test_script_agent.py; the script as a process: test_s
 
 from __future__ import annotations
 
+import copy
+import io
 import os
 import runpy
 import shlex
@@ -19,6 +21,7 @@ from torch.optim import optimizer as optimizer_module
 from frameworks.in_process import under
 from mixprec.errors import UsageError
 from mixprec.frameworks.script import agent as agent_module
+from mixprec.frameworks.script.copies import CompiledForward
 from mixprec.frameworks.script.framework import own_policy
 from mixprec.frameworks.script.messages import (
     OWNER_ENV,
@@ -144,6 +147,30 @@ def test_the_model_is_the_outermost_module_holding_most_of_the_optimizers_parame
 
     compiled = Compiled(other)
     assert find_model({id(p) for p in compiled.parameters()}) is other
+
+
+def test_a_copy_of_a_compiled_candidates_model_runs_its_own_forward():
+    """A compile candidate's model.forward is compiled where the agent's hooks stay eager. As a
+    function over the original's bound forward (torch.compile(model.forward)) it made a deep copy
+    (an EMA, a snapshot) compute with the original's weights. The copy runs its own forward, eager;
+    a pickled model, its class's. (The compiled forward itself is never called here: no compile.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    model.forward = CompiledForward(model.forward, None)
+    x = torch.randn(3, 4)
+    for twin in (copy.deepcopy(model), torch.load(_pickled(model), weights_only=False)):
+        assert twin.forward.__self__ is twin
+        with torch.no_grad():
+            assert torch.equal(twin(x), nn.Sequential.forward(model, x))
+            twin[2].weight.zero_()
+            assert torch.equal(twin(x), twin[2].bias.expand(3, 2))
+
+
+def _pickled(model: nn.Module) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return buffer
 
 
 # ---------------------------------------------------------------------- the patches

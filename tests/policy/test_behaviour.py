@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -432,6 +433,35 @@ def test_a_prepared_model_is_not_prepared_again():
     for again in (model, copy.deepcopy(model)):
         with pytest.raises(PolicyError, match=r"prepared under 'bf16-true' already"):
             mixprec.get_policy("fp16-true", device="cpu").prepare(again)
+
+
+@pytest.mark.parametrize("name", ["bf16-mixed", "bf16-true"])
+def test_a_copy_of_a_prepared_model_computes_with_its_own_weights_and_pickles(name):
+    """A script's EMA, best-so-far snapshot or teacher is copy.deepcopy(model). An fp32 island's
+    forward was a closure over the original module's bound forward: the copy's island computed with
+    the original's weights (silently), and torch.save(model) could pickle neither the island nor
+    the *-true input cast (a local function)."""
+    policy = mixprec.get_policy(name, device="cpu", keep_fp32=["2"])
+    model = policy.prepare(make_mlp())
+    twin = copy.deepcopy(model)
+    x = make_batches(1)[0][0]
+    with torch.no_grad(), policy.autocast():
+        before, original = twin(x), model(x)
+        twin[2].weight.zero_()  # the copy's island only
+        after = twin(x)
+        assert not torch.equal(before, after), "the copy's island computed with the original's weights"
+        assert torch.equal(model(x), original)
+        seen = record_output_dtypes(twin, ["0", "2"])
+        twin(x)
+    assert seen == {"0": OUTPUT_DTYPE[name], "2": PARAM_DTYPE.get(name, torch.float32)}
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad(), policy.autocast():
+        assert torch.equal(loaded(x), original)
+        loaded[2].weight.zero_()
+        assert not torch.equal(loaded(x), original)  # (the loaded island is the loaded module's)
 
 
 class TiedLM(nn.Module):

@@ -15,6 +15,8 @@ from pathlib import Path
 from mixprec.policy.hooks import (
     STDLIB,
     STDLIB_NAMES,
+    CastInputs,
+    Fp32Island,
     HalfGradScaler,
     cast_floating,
     cast_inputs,
@@ -34,10 +36,12 @@ _SNIPPETS: dict[str, object] = {
     for obj in (
         cast_floating,
         to_channels_last,
+        CastInputs,
         cast_inputs,
         channels_last_inputs,
         fp32_islands,
         matches_any,
+        Fp32Island,
         keep_in_fp32,
         keep_batch_norm_fp32,
         refuse_split_ties,

@@ -49,15 +49,23 @@ def to_channels_last(value: Any) -> Any:
     return value
 
 
+class CastInputs:
+    """A forward pre-hook (register it with with_kwargs=True) that casts the module's floating-point
+    inputs to dtype, positional and keyword alike, except the keyword arguments named in keep. An
+    object, not a closure, so that torch.save(model) can pickle a model that carries it."""
+
+    def __init__(self, dtype: torch.dtype, keep: tuple[str, ...] = ()) -> None:
+        self.dtype, self.keep = dtype, keep
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs = {k: v if k in self.keep else cast_floating(v, self.dtype) for k, v in kwargs.items()}
+        return cast_floating(args, self.dtype), kwargs
+
+
 def cast_inputs(dtype: torch.dtype, keep: tuple[str, ...] = ()) -> Callable:
     """A forward pre-hook (register it with with_kwargs=True) that casts the module's floating-point
     inputs to dtype, positional and keyword alike, except the keyword arguments named in keep."""
-
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        kwargs = {k: v if k in keep else cast_floating(v, dtype) for k, v in kwargs.items()}
-        return cast_floating(args, dtype), kwargs
-
-    return hook
+    return CastInputs(dtype, keep)
 
 
 def channels_last_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -80,6 +88,30 @@ def matches_any(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+class Fp32Island:
+    """The forward of an fp32 island (keep_in_fp32 makes it the module's ``forward``): the module's
+    own forward outside autocast, its half-precision inputs widened to fp32 (float64 ones stay
+    float64: an island never narrows), its outputs cast to output_dtype if given. An object holding
+    the module's bound forward, not a closure over it: a copy of the model (copy.deepcopy: an EMA,
+    a best-so-far snapshot) then computes its island with the copy's own weights (a closure kept
+    calling the original module), and torch.save(model) can pickle it."""
+
+    __wrapped__: Callable  # the module's own forward (set by functools.update_wrapper)
+
+    def __init__(self, forward: Callable, device_type: str, output_dtype: torch.dtype | None = None) -> None:
+        functools.update_wrapper(self, forward)  # (its signature and name are the forward's)
+        self.device_type, self.output_dtype = device_type, output_dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, enabled=False):
+            args, kwargs = (
+                cast_floating(args, torch.float32, True),
+                cast_floating(kwargs, torch.float32, True),
+            )
+            out = self.__wrapped__(*args, **kwargs)
+        return out if self.output_dtype is None else cast_floating(out, self.output_dtype)
+
+
 def keep_in_fp32(
     module: torch.nn.Module, device_type: str, output_dtype: torch.dtype | None = None
 ) -> torch.nn.Module:
@@ -87,19 +119,7 @@ def keep_in_fp32(
     float64: an island never narrows); cast its outputs to output_dtype if given."""
     if getattr(module, "_fp32_island", False):
         return module
-    forward = module.forward
-
-    @functools.wraps(forward)
-    def fp32_forward(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type, enabled=False):
-            args, kwargs = (
-                cast_floating(args, torch.float32, True),
-                cast_floating(kwargs, torch.float32, True),
-            )
-            out = forward(*args, **kwargs)
-        return out if output_dtype is None else cast_floating(out, output_dtype)
-
-    module.forward = fp32_forward
+    module.forward = Fp32Island(module.forward, device_type, output_dtype)
     module._fp32_island = True  # type: ignore[assignment]
     return module
 

@@ -62,6 +62,7 @@ from torch import nn
 
 from mixprec.frameworks.script import scaler_state
 from mixprec.frameworks.script.accumulation import Accumulation
+from mixprec.frameworks.script.copies import CompiledForward, OwnHook
 from mixprec.frameworks.script.frameworks import PLAIN, UNKNOWN_FRAMEWORKS, install_import_hooks
 from mixprec.frameworks.script.messages import OWNER_ENV, Facts, Observed, Plan, Step
 from mixprec.frameworks.script.modes import mode_for
@@ -204,8 +205,8 @@ class Agent:
             self.fail(type(exc).__name__, str(exc))
         if self.plan.perturb:
             perturb_weights(model, self.plan.perturb)
-        model.register_forward_pre_hook(self._root_forward, with_kwargs=True)
-        model.register_forward_hook(self._root_output)
+        model.register_forward_pre_hook(OwnHook(self._root_forward, model), with_kwargs=True)
+        model.register_forward_hook(OwnHook(self._root_output, model))
         self.mode.discovered()
         if self.mode.probes():  # which dtype the first matmul/conv computed in
             keep = self.candidate.keep_fp32 if self.inject else ()
@@ -247,7 +248,7 @@ class Agent:
             self._scopes.enter_context(self.policy.precision_scope())  # as a script sets them
             self.policy.prepare(model)
             if self.candidate.compile:  # the forward only: mixprec's hooks on the model stay eager
-                model.forward = torch.compile(model.forward, mode=self.candidate.compile)
+                model.forward = CompiledForward(model.forward, self.candidate.compile)
 
     # ------------------------------------------------------------------ forwards
     def first_forward(self, module: nn.Module, args: tuple) -> None:
