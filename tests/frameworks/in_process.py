@@ -33,6 +33,7 @@ def under(
     optimizer: str | None = None,
     compile: str | None = None,
     compile_scope: str | None = None,
+    keep_fp32: tuple[str, ...] = (),
     **plan: Any,
 ) -> Iterator[Agent]:
     """A loop in the body runs under an injected ``policy`` (``"P (as written)"``: the script's own),
@@ -47,6 +48,7 @@ def under(
         optimizer=optimizer,
         compile=compile,
         compile_scope=compile_scope,
+        keep_fp32=keep_fp32,
     )
     agent = Agent(Plan(mode=mode, candidate=candidate.to_dict(), seed=None, **plan), exit=_exit)
     agent.observers.extend(observers)

@@ -423,6 +423,46 @@ def test_copies_of_the_model_made_after_the_optimizer_are_the_scripts_own(policy
     assert torch.equal(loaded(x), model(x))  # (outside the agent now: fp32)
 
 
+@pytest.mark.parametrize(
+    "policy, script_dtype", [("bf16-true", torch.float32), ("bf16-mixed", torch.bfloat16)]
+)
+def test_an_ema_made_before_the_optimizer_takes_what_the_candidate_gave_the_model(policy, script_dtype):
+    """AveragedModel(model) before the optimizer, which is where the agent applies the candidate:
+    bf16-true cast the model and left the EMA fp32 (bf16-mixed widened a script's own bf16 weights
+    to fp32 master weights and left its EMA bf16), and the EMA's second update failed: "expected
+    dtype float for `end` but got dtype c10::BFloat16". The EMA takes the model's dtypes name by
+    name (its fp32 island too), its input cast and its island, so its evaluation computes as the
+    model's; it is the average of the model's weights. A module of the model's shape with other
+    weights is left alone."""
+    model = mlp().to(script_dtype)
+    stranger = mlp(seed=1).to(script_dtype)
+    seen = []
+    with under(policy, keep_fp32=("2",)) as agent:
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in batches(3):
+            loss = F.cross_entropy(model(x.to(script_dtype)), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            seen.append([p.detach().clone() for p in model.parameters()])
+            ema.update_parameters(model)
+            with torch.no_grad():
+                ema.eval()
+                evaluated = ema(x.to(script_dtype))
+    assert len(agent.steps) == 3
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert {n: p.dtype for n, p in ema.module.named_parameters()} == dtypes
+    assert dtypes["0.weight"] == (torch.bfloat16 if policy == "bf16-true" else torch.float32)
+    assert dtypes["2.weight"] == torch.float32  # (the island)
+    assert evaluated.dtype == dtypes["4.weight"]  # (outside the step's autocast: the weights' dtype)
+    average = seen[0]  # AveragedModel's first update copies; each later one lerps by 1 - 0.9
+    for later in seen[1:]:
+        average = [torch.lerp(a, b, 0.1) for a, b in zip(average, later, strict=True)]
+    assert all(torch.equal(a, b) for a, b in zip(ema.module.parameters(), average, strict=True))
+    assert all(p.dtype == script_dtype for p in stranger.parameters())
+
+
 def test_an_fp32_evaluation_before_training_is_not_the_training_step():
     """nanoGPT's shape: an evaluation under no_grad, in fp32, before the first step; what the step
     computes in is read from the training forward (bf16-mixed was marked 'never ran')."""

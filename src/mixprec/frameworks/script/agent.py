@@ -62,7 +62,7 @@ from torch import nn
 
 from mixprec.frameworks.script import scaler_state
 from mixprec.frameworks.script.accumulation import Accumulation
-from mixprec.frameworks.script.copies import CompiledForward, OwnHook
+from mixprec.frameworks.script.copies import CompiledForward, OwnHook, copies_of, follow
 from mixprec.frameworks.script.frameworks import PLAIN, UNKNOWN_FRAMEWORKS, install_import_hooks
 from mixprec.frameworks.script.messages import OWNER_ENV, Facts, Observed, Plan, Step
 from mixprec.frameworks.script.modes import mode_for
@@ -199,8 +199,10 @@ class Agent:
         facts.param_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
         facts.strict_math = _strict_math(self.device)  # (the script's own, before the candidate's)
         self.nonfinite_at_start = set(nonfinite_buffers(model))
+        copies = copies_of(model) if self._changes_dtypes(model) else []
         try:
             self._apply_candidate(model)
+            follow(model, copies)  # (an EMA made before the optimizer: the model's dtypes too)
         except MixprecError as exc:
             self.fail(type(exc).__name__, str(exc))
         if self.plan.perturb:
@@ -219,6 +221,13 @@ class Agent:
         facts.modules = [(n, type(m).__name__) for n, m in model.named_modules() if n]
         facts.params = [n for n, _ in model.named_parameters()]
         self.patches.arm_forward()
+
+    def _changes_dtypes(self, model: nn.Module) -> bool:
+        """Whether applying the candidate changes the dtypes of the model's weights: a *-true cast,
+        or the script's own half weights widened for a candidate with fp32 master weights."""
+        if not self.inject or self.framework != PLAIN:
+            return False
+        return self.candidate.spec.param_dtype is not None or _half_parameters(model)
 
     def _apply_candidate(self, model: nn.Module) -> None:
         """The candidate on the model: its Policy in a plain loop; the fp32 math mode where a

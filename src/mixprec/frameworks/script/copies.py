@@ -7,6 +7,11 @@ agent as a forward hook made every one of them fail (deepcopy copied the agent t
 pickle 'generator' object"), and a compiled forward set on the model (a function holding the
 original's bound forward) made a deep copy compute with the original's weights. Here, a copy gets
 an inert hook and its own eager forward.
+
+A copy made *before* the agent applied the candidate (an EMA built before the optimizer) is the
+other way round: it keeps the script's dtypes while the model takes the candidate's, and the first
+``torch._foreach_lerp_`` between them fails. :func:`copies_of` finds such copies and :func:`follow`
+gives them what the model got, as if the script had been edited by hand before it made them.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from mixprec.frameworks.script.optimizers import live_modules
+from mixprec.policy.hooks import CastInputs, Fp32Island, keep_in_fp32
 
 
 class OwnHook:
@@ -55,3 +63,51 @@ class CompiledForward:
 
     def __reduce__(self) -> str | tuple[Any, ...]:
         return self.eager.__reduce__()
+
+
+def copies_of(model: nn.Module) -> list[nn.Module]:
+    """The modules outside ``model`` that are copies of it as it is now: the same parameter names,
+    shapes, dtypes and values, none of them the model's own tensor (AveragedModel's ``module``,
+    timm's ``ModelEmaV3``, a ``copy.deepcopy`` teacher). A module of the same shape with other
+    values (a teacher loaded from a checkpoint) is not one."""
+    mine = dict(model.named_parameters())
+    if not mine:
+        return []
+    shape = [(n, p.shape, p.dtype) for n, p in mine.items()]
+    inside = {id(m) for m in model.modules()}
+    found = []
+    for module in live_modules():
+        if id(module) in inside:
+            continue
+        theirs = dict(module.named_parameters())
+        if [(n, p.shape, p.dtype) for n, p in theirs.items()] != shape:
+            continue
+        if any(theirs[n] is p for n, p in mine.items()):
+            continue  # (shares the model's weights: a view of it, not a copy)
+        with torch.no_grad():
+            if all(torch.equal(theirs[n], p) for n, p in mine.items()):
+                found.append(module)
+    return found
+
+
+def follow(model: nn.Module, copies: list[nn.Module]) -> None:
+    """Give each copy what the candidate gave the model: its dtypes, name by name (fp32 islands and
+    BatchNorm stay fp32 where the model's do), its input casts and its fp32 islands."""
+    dtypes = {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    casts = [hook for hook in model._forward_pre_hooks.values() if isinstance(hook, CastInputs)]
+    islands = {
+        n: m.__dict__["forward"]
+        for n, m in model.named_modules()
+        if isinstance(m.__dict__.get("forward"), Fp32Island)
+    }
+    for twin in copies:
+        target = {
+            id(t): dtypes[n]
+            for n, t in [*twin.named_parameters(), *twin.named_buffers()]
+            if n in dtypes and t.is_floating_point() and t.dtype != dtypes[n]
+        }
+        twin._apply(lambda t, target=target: t.to(target[id(t)]) if id(t) in target else t)
+        for cast in casts:
+            twin.register_forward_pre_hook(cast, with_kwargs=True)
+        for name, island in islands.items():
+            keep_in_fp32(twin.get_submodule(name), island.device_type, island.output_dtype)

@@ -263,9 +263,7 @@ class Optimizers:
 def find_model(params: set[int]) -> nn.Module | None:
     """The outermost live ``nn.Module`` holding most of the parameters in ``params`` (ids; those of
     no module, a bare ``nn.Parameter``, are the script's own), or None when no module holds any."""
-    with warnings.catch_warnings():  # isinstance() on every live object wakes deprecated module attributes
-        warnings.simplefilter("ignore")
-        modules = [o for o in gc.get_objects() if _is_module(o)]
+    modules = live_modules()
     children = {id(c) for m in modules for c in m.children()}
     best: tuple[int, int] | None = None
     model = None
@@ -279,6 +277,13 @@ def find_model(params: set[int]) -> nn.Module | None:
             best, model = (held, -len(own)), root
     inner = getattr(model, "_orig_mod", None)  # a torch.compile wrapper: the model it compiles
     return inner if isinstance(inner, nn.Module) else model
+
+
+def live_modules() -> list[nn.Module]:
+    """Every ``nn.Module`` alive in this process (the garbage collector's objects)."""
+    with warnings.catch_warnings():  # isinstance() on every live object wakes deprecated module attributes
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if _is_module(o)]
 
 
 def _is_module(obj: Any) -> bool:
