@@ -84,8 +84,8 @@ def copies_of(model: nn.Module) -> list[nn.Module]:
             continue
         if any(theirs[n] is p for n, p in mine.items()):
             continue  # (shares the model's weights: a view of it, not a copy)
-        with torch.no_grad():
-            if all(torch.equal(theirs[n], p) for n, p in mine.items()):
+        with torch.no_grad():  # (on the copy's device: timm's ModelEmaV3 may keep it on the CPU)
+            if all(torch.equal(theirs[n], p.to(theirs[n].device)) for n, p in mine.items()):
                 found.append(module)
     return found
 
