@@ -144,3 +144,33 @@ def test_time_kept_to_settle_the_pick_goes_to_a_noisy_rival_first(planted_clock,
     row = search.row(rival.candidate)
     assert row.paired_ratios != noisy and any("re-measured" in n for n in row.notes), search.notes
     assert search.held_s == 0.0 and not search.budget.cuts
+
+
+def test_a_settling_sweep_the_budget_stopped_says_so_and_keeps_the_first_figure(
+    planted_framework,  # noqa: F811
+    monkeypatch,
+):
+    """A 150 s tune of a script said "fp32 (as written)'s figure not settled: its sweep measured no
+    row" beside a table holding that row: the settling sweep had been stopped by the budget, and
+    the note said neither that nor which figure stands."""
+    from dataclasses import replace
+
+    from mixprec.tuning import settle as settle_module
+
+    from .test_check_pricing import swept
+
+    search = swept(planted_framework, {"fp32": 1.0, "bf16-mixed": 0.5})
+    pick = search.row(Candidate("bf16-mixed", framework="planted"))
+    noisy = (1.5, 2.6, 1.7, 2.5)  # an interval wide enough to want more rounds
+    search.result.update(replace(pick, paired_ratios=noisy, speedup_vs_fp32=2.1, speedup_ci=(1.5, 2.6)))
+    rec = types.SimpleNamespace(candidate=pick.candidate)
+    stopped = "stopped by the deadline before bf16-mixed"
+
+    def cut(candidates, budget, steps=None, **_):
+        return replace(search.result, measured=[], stopped=stopped)
+
+    monkeypatch.setattr(search.sweeps, "sweep", cut)
+    assert settle_module.settle(search, rec) is False
+    note = next(n for n in search.notes if "not settled" in n)
+    assert f"no new row ({stopped}); the figure is the first sweep's" in note, note
+    assert search.row(pick.candidate).paired_ratios == noisy

@@ -53,10 +53,16 @@ def settle(search: Search, rec: Recommendation | None) -> bool:
     rounds, short = _more_rounds(search, row)
     while rounds and sessions <= settling.SETTLE_SWEEPS:
         search.sweeps.stage(f"settling {row.candidate.label}'s figure: {rounds} more paired rounds")
-        swept = search.sweeps.sweep([row.candidate], search.budget, rounds).measured
-        new = next((r for r in swept if r.candidate == row.candidate and r.status == Status.OK), None)
+        result = search.sweeps.sweep([row.candidate], search.budget, rounds)
+        new = next(
+            (r for r in result.measured if r.candidate == row.candidate and r.status == Status.OK), None
+        )
         if new is None:  # (the budget stopped it, or the candidate failed this time)
-            search.notes.append(f"{row.candidate.label}'s figure not settled: its sweep measured no row")
+            why = f" ({result.stopped})" if result.stopped else ""
+            search.notes.append(
+                f"{row.candidate.label}'s figure not settled: its settling sweep measured no new row{why}; "
+                "the figure is the first sweep's"
+            )
             short = False
             break
         measured = settling.pooled(first, measured, new)
