@@ -424,24 +424,39 @@ def test_copies_of_the_model_made_after_the_optimizer_are_the_scripts_own(policy
 
 
 @pytest.mark.parametrize(
-    "policy, script_dtype", [("bf16-true", torch.float32), ("bf16-mixed", torch.bfloat16)]
+    "policy, script_dtype, wrapped",
+    [
+        ("bf16-true", torch.float32, False),
+        ("bf16-mixed", torch.bfloat16, False),
+        ("bf16-true", torch.float32, True),
+    ],
 )
-def test_an_ema_made_before_the_optimizer_takes_what_the_candidate_gave_the_model(policy, script_dtype):
+def test_an_ema_made_before_the_optimizer_takes_what_the_candidate_gave_the_model(
+    policy, script_dtype, wrapped
+):
     """AveragedModel(model) before the optimizer, which is where the agent applies the candidate:
     bf16-true cast the model and left the EMA fp32 (bf16-mixed widened a script's own bf16 weights
     to fp32 master weights and left its EMA bf16), and the EMA's second update failed: "expected
-    dtype float for `end` but got dtype c10::BFloat16". The EMA takes the model's dtypes name by
-    name (its fp32 island too), its input cast and its island, so its evaluation computes as the
-    model's; it is the average of the model's weights. A module of the model's shape with other
-    weights is left alone."""
+    dtype float for `end` but got dtype c10::BFloat16". The EMA takes the model's dtypes and values
+    name by name (its fp32 island too, rounded as the model's was), its input cast and its island,
+    so its evaluation computes as the model's; it is the average of the model's weights. Also
+    where the optimizer is built on a wrapper of the model (DiT's EMA is a deepcopy made before
+    DDP). A module of the model's shape with other weights, a meta skeleton of it and a lazy
+    module are left alone (the last two made the search for copies raise)."""
     model = mlp().to(script_dtype)
     stranger = mlp(seed=1).to(script_dtype)
+    with torch.device("meta"):
+        skeleton = mlp()  # noqa: F841 (alive: the search for copies meets it)
+    lazy = nn.LazyLinear(4)  # noqa: F841
     seen = []
-    with under(policy, keep_fp32=("2",)) as agent:
+    island = "module.2" if wrapped else "2"  # (named in what the optimizer trains)
+    with under(policy, keep_fp32=(island,)) as agent:
         ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        trained = nn.DataParallel(model) if wrapped else model  # (on a CPU: calls the model)
+        opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+        assert same(ema.module, model)  # (the model's values as prepared: its island went through bf16)
         for x, y in batches(3):
-            loss = F.cross_entropy(model(x.to(script_dtype)), y)
+            loss = F.cross_entropy(trained(x.to(script_dtype)), y)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -461,6 +476,41 @@ def test_an_ema_made_before_the_optimizer_takes_what_the_candidate_gave_the_mode
         average = [torch.lerp(a, b, 0.1) for a, b in zip(average, later, strict=True)]
     assert all(torch.equal(a, b) for a, b in zip(ema.module.parameters(), average, strict=True))
     assert all(p.dtype == script_dtype for p in stranger.parameters())
+
+
+def test_a_copy_made_in_the_first_step_neither_carries_nor_feeds_the_dtype_probe():
+    """The probe that reads which dtype the first step computed in hooked the model's layers with
+    closures until that step ended: a copy made meanwhile (an EMA after the optimizer) kept them,
+    so torch.save(ema) failed for the rest of the run, and a teacher copy run before the model was
+    what the probe read (fp32 under bf16-mixed: the candidate called ineffective)."""
+    model = mlp()
+    with under("bf16-mixed") as agent:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ema = copy.deepcopy(model)
+        for x, y in batches(2):
+            with torch.no_grad():
+                ema(x)  # before the model, outside autocast: fp32
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        torch.save(ema, io.BytesIO())
+    assert agent.observed.dtype == "bfloat16"
+
+
+def test_a_compiled_models_fp32_island_stays_fp32_outside_autocast():
+    """An fp32 island entered autocast(enabled=False) even outside any autocast; under torch.compile
+    the agent read it as the script's AMP switched off and ran the island in bf16 ("mat1 and mat2
+    must have the same dtype" in a no_grad evaluation after a step)."""
+    model = mlp()
+    with under("bf16-mixed", keep_fp32=("2",)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiled = torch.compile(model, backend="aot_eager")
+        x, y = batches(1)[0]
+        F.cross_entropy(compiled(x), y).backward()
+        opt.step()
+        with torch.no_grad():
+            out = compiled(x)
+    assert out.dtype == torch.float32
 
 
 def test_an_fp32_evaluation_before_training_is_not_the_training_step():

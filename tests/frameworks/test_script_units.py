@@ -6,6 +6,7 @@ loop does under the agent: test_script_agent.py; the script as a process: test_s
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import os
 import runpy
@@ -153,11 +154,13 @@ def test_a_copy_of_a_compiled_candidates_model_runs_its_own_forward():
     """A compile candidate's model.forward is compiled where the agent's hooks stay eager. As a
     function over the original's bound forward (torch.compile(model.forward)) it made a deep copy
     (an EMA, a snapshot) compute with the original's weights. The copy runs its own forward, eager;
-    a pickled model, its class's. (The compiled forward itself is never called here: no compile.)"""
+    a pickled model, its class's. It keeps the forward's signature (HF's generate() reads it to pass
+    position_ids). (The compiled forward itself is never called here: no compile.)"""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     model.forward = CompiledForward(model.forward, None)
     x = torch.randn(3, 4)
+    assert inspect.signature(model.forward) == inspect.signature(nn.Sequential.forward.__get__(model))
     for twin in (copy.deepcopy(model), torch.load(_pickled(model), weights_only=False)):
         assert twin.forward.__self__ is twin
         with torch.no_grad():

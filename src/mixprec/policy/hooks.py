@@ -103,7 +103,10 @@ class Fp32Island:
         self.device_type, self.output_dtype = device_type, output_dtype
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(self.device_type, enabled=False):
+        # outside autocast, nothing to leave (a disabled autocast entered there, in a script that
+        # mixprec runs, reads as the script's AMP switched off, also where torch.compile enters it)
+        on = torch.is_autocast_enabled(self.device_type)
+        with torch.autocast(self.device_type, enabled=False) if on else contextlib.nullcontext():
             args, kwargs = (
                 cast_floating(args, torch.float32, True),
                 cast_floating(kwargs, torch.float32, True),
@@ -191,3 +194,23 @@ def refuse_split_ties(model: torch.nn.Module, islands: dict[str, torch.nn.Module
                 "*-true policy cannot store it in fp32 for one and half precision for the other; keep "
                 f"both modules in fp32 (add {left[0].rsplit('.', 1)[0]!r} to keep_fp32) or neither."
             )
+
+
+class OwnHook:
+    """A forward (pre-)hook mixprec puts on one of the user's modules: ``call`` runs for that module
+    alone. A deep copy of the module (an EMA, a snapshot, a teacher) shares this object, on which it
+    is inert: the copy's forwards are not the module's. A pickled module holds an inert one."""
+
+    def __init__(self, call: Callable[..., Any] | None, module: torch.nn.Module | None) -> None:
+        self.call, self.module = call, module
+
+    def __call__(self, module: torch.nn.Module, *rest: Any) -> Any:
+        if self.call is None or module is not self.module:
+            return None
+        return self.call(module, *rest)
+
+    def __deepcopy__(self, memo: dict) -> OwnHook:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (OwnHook, (None, None))

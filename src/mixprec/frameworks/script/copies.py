@@ -17,34 +17,18 @@ gives them what the model got, as if the script had been edited by hand before i
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
 from mixprec.frameworks.script.optimizers import live_modules
-from mixprec.policy.hooks import CastInputs, Fp32Island, keep_in_fp32
+from mixprec.policy.hooks import CastInputs, Fp32Island, OwnHook, keep_in_fp32
 
-
-class OwnHook:
-    """A forward (pre-)hook of the agent's on ``model``: ``call`` runs for the model alone. A deep
-    copy of the model shares this object, on which it is inert (the copy is not the model: its
-    forwards are no training samples); a pickled model holds an inert one."""
-
-    def __init__(self, call: Callable[..., Any] | None, model: nn.Module | None) -> None:
-        self.call, self.model = call, model
-
-    def __call__(self, module: nn.Module, *rest: Any) -> Any:
-        if self.call is None or module is not self.model:
-            return None
-        return self.call(module, *rest)
-
-    def __deepcopy__(self, memo: dict) -> OwnHook:
-        return self
-
-    def __reduce__(self) -> tuple:
-        return (OwnHook, (None, None))
+__all__ = ["CompiledForward", "OwnHook", "copies_of", "follow"]
 
 
 class CompiledForward:
@@ -52,6 +36,7 @@ class CompiledForward:
     eager. A deep copy of the model runs its own forward, eager; a pickled model, its class's."""
 
     def __init__(self, forward: Callable[..., Any], mode: str | None) -> None:
+        functools.update_wrapper(self, forward)  # (its signature: HF's generate() reads it)
         self.eager = forward
         self.compiled = torch.compile(forward, mode=mode)
 
@@ -69,9 +54,11 @@ def copies_of(model: nn.Module) -> list[nn.Module]:
     """The modules outside ``model`` that are copies of it as it is now: the same parameter names,
     shapes, dtypes and values, none of them the model's own tensor (AveragedModel's ``module``,
     timm's ``ModelEmaV3``, a ``copy.deepcopy`` teacher). A module of the same shape with other
-    values (a teacher loaded from a checkpoint) is not one."""
-    mine = dict(model.named_parameters())
-    if not mine:
+    values (a teacher loaded from a checkpoint) is not one. ``model`` is read inside its DDP or
+    compile wrapper: an EMA copied before the wrapping has the inner module's names."""
+    core = unwrapped(model)
+    mine = dict(core.named_parameters())
+    if not mine or not all(_readable(p) for p in mine.values()):
         return []
     shape = [(n, p.shape, p.dtype) for n, p in mine.items()]
     inside = {id(m) for m in model.modules()}
@@ -80,6 +67,8 @@ def copies_of(model: nn.Module) -> list[nn.Module]:
         if id(module) in inside:
             continue
         theirs = dict(module.named_parameters())
+        if len(theirs) != len(mine) or not all(_readable(p) for p in theirs.values()):
+            continue  # (a meta skeleton, a lazy module not yet built: no values to compare)
         if [(n, p.shape, p.dtype) for n, p in theirs.items()] != shape:
             continue
         if any(theirs[n] is p for n, p in mine.items()):
@@ -90,23 +79,43 @@ def copies_of(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The module inside DDP / DataParallel (``module``) and torch.compile (``_orig_mod``) wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            inner = model.module
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def _readable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds values to compare: not on the meta device, not a lazy module's
+    uninitialized parameter."""
+    return not isinstance(tensor, UninitializedTensorMixin) and not tensor.is_meta
+
+
 def follow(model: nn.Module, copies: list[nn.Module]) -> None:
-    """Give each copy what the candidate gave the model: its dtypes, name by name (fp32 islands and
-    BatchNorm stay fp32 where the model's do), its input casts and its fp32 islands."""
-    dtypes = {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    """Give each copy what the candidate gave the model: its dtypes and values, name by name (fp32
+    islands and BatchNorm stay fp32 where the model's do, rounded where the model's were), its input
+    casts and its fp32 islands."""
+    core = unwrapped(model)
+    tensors = dict([*core.named_parameters(), *core.named_buffers()])
     casts = [hook for hook in model._forward_pre_hooks.values() if isinstance(hook, CastInputs)]
     islands = {
         n: m.__dict__["forward"]
-        for n, m in model.named_modules()
+        for n, m in core.named_modules()
         if isinstance(m.__dict__.get("forward"), Fp32Island)
     }
     for twin in copies:
-        target = {
-            id(t): dtypes[n]
-            for n, t in [*twin.named_parameters(), *twin.named_buffers()]
-            if n in dtypes and t.is_floating_point() and t.dtype != dtypes[n]
-        }
+        theirs = [(n, t) for n, t in [*twin.named_parameters(), *twin.named_buffers()] if n in tensors]
+        target = {id(t): tensors[n].dtype for n, t in theirs if t.is_floating_point()}
         twin._apply(lambda t, target=target: t.to(target[id(t)]) if id(t) in target else t)
+        with torch.no_grad():  # (the copy was the model's equal: now it is the prepared model's)
+            for n, t in [*twin.named_parameters(), *twin.named_buffers()]:
+                if n in tensors and t.is_floating_point():
+                    t.copy_(tensors[n])
         for cast in casts:
             twin.register_forward_pre_hook(cast, with_kwargs=True)
         for name, island in islands.items():

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -110,15 +109,9 @@ class Patches:
     def _autocast(self) -> None:
         from torch.amp import autocast_mode
 
-        from mixprec.policy.hooks import Fp32Island
-
         cls = autocast_mode.autocast
         init, enter, exit_ = cls.__init__, cls.__enter__, cls.__exit__
         agent = self.agent
-        # an fp32 island's own autocast(enabled=False) is mixprec's, not the script's: outside any
-        # autocast (a copy of the model evaluated, an EMA) it read as the script's AMP switched
-        # off, and the candidate's autocast ran the island in bf16
-        island = Fp32Island.__call__.__code__
 
         @functools.wraps(init)  # its signature, which torch.compile reads
         def __init__(
@@ -128,7 +121,7 @@ class Patches:
             enabled: bool = True,
             cache_enabled: bool | None = None,  # (positional too: dynamo passes all four so)
         ):
-            script = not agent.internal_calls and sys._getframe(1).f_code is not island
+            script = not agent.internal_calls
             if script and enabled:
                 dtype, enabled = agent.own.autocast(device_type, dtype)
             init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)

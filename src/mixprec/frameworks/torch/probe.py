@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.policy.hooks import OwnHook
 from mixprec.policy.islands import is_fp32_island
 
 # Layers whose output dtype shows which precision really ran (autocast casts their inputs).
@@ -33,7 +34,8 @@ class FirstComputeLayer:
                 continue
             if is_fp32_island(name, keep_fp32):
                 continue  # fp32 islands run in fp32 on purpose
-            self._handles.append(module.register_forward_hook(self._hook(name)))
+            # (an OwnHook: a copy of the model made meanwhile, an EMA, neither carries nor fires it)
+            self._handles.append(module.register_forward_hook(OwnHook(self._hook(name), module)))
         # a complex or float64 layer autocast leaves alone is evidence only where no other layer ran
         # (a float64 model never ran the format; one float64 layer among fp32 ones says nothing)
         self._fallback: tuple[str, torch.dtype, nn.Module] | None = None
