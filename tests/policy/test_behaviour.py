@@ -464,6 +464,26 @@ def test_a_copy_of_a_prepared_model_computes_with_its_own_weights_and_pickles(na
         assert not torch.equal(loaded(x), original)  # (the loaded island is the loaded module's)
 
 
+def test_a_hook_mixprec_owns_fires_on_its_module_and_its_data_parallel_replicas_only():
+    """OwnHook: inert on a deep copy (an EMA's forwards are not the model's), live on the replicas
+    nn.DataParallel runs the module's forward on (they share its hooks dict), inert once pickled."""
+    from mixprec.policy.hooks import OwnHook
+
+    seen = []
+    model = make_mlp()
+    model.register_forward_pre_hook(OwnHook(lambda m, args: seen.append(m), model))
+    x = make_batches(1)[0][0]
+    replica = model._replicate_for_data_parallel()  # (what DataParallel makes on each GPU)
+    for module in (model, copy.deepcopy(model), replica):
+        module(x)
+    assert seen == [model, replica]
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    torch.load(buffer, weights_only=False)(x)
+    assert len(seen) == 2
+
+
 class TiedLM(nn.Module):
     """nanoGPT's tie: the LM head's weight is the embedding's."""
 

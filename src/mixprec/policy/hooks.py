@@ -199,13 +199,15 @@ def refuse_split_ties(model: torch.nn.Module, islands: dict[str, torch.nn.Module
 class OwnHook:
     """A forward (pre-)hook mixprec puts on one of the user's modules: ``call`` runs for that module
     alone. A deep copy of the module (an EMA, a snapshot, a teacher) shares this object, on which it
-    is inert: the copy's forwards are not the module's. A pickled module holds an inert one."""
+    is inert: the copy's forwards are not the module's (nn.DataParallel's replicas, which share the
+    module's hooks dict to run its forward on each GPU, are the module). A pickled module holds an
+    inert one."""
 
     def __init__(self, call: Callable[..., Any] | None, module: torch.nn.Module | None) -> None:
         self.call, self.module = call, module
 
     def __call__(self, module: torch.nn.Module, *rest: Any) -> Any:
-        if self.call is None or module is not self.module:
+        if self.call is None or (module is not self.module and not getattr(module, "_is_replica", False)):
             return None
         return self.call(module, *rest)
 
