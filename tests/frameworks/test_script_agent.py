@@ -37,6 +37,17 @@ def hand(
     return lambda: torch.autocast("cpu", dtype=dtype), scaler
 
 
+def recipe_step(loss: torch.Tensor, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    """The backward and step of the AMP recipe (``hand``'s scaler, None: the loop as written)."""
+    if scaler:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()
+
+
 def mlp(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
@@ -91,13 +102,7 @@ def test_a_scheduler_made_after_the_optimizer_trains_as_the_hand_edit(policy):
             with ctx():
                 loss = F.cross_entropy(model(x), y)
             opt.zero_grad()
-            if scaler:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
+            recipe_step(loss, opt, scaler)
             sched.step()
         return model
 
@@ -189,13 +194,7 @@ def adamw_loop(precision: str | None, **implementation: bool) -> tuple[nn.Module
     for x, y in batches(4):
         with ctx():
             loss = F.cross_entropy(model(x), y)
-        if scaler:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
+        recipe_step(loss, opt, scaler)
         opt.zero_grad()
     return model, opt
 
@@ -398,13 +397,7 @@ def test_copies_of_the_model_made_after_the_optimizer_are_the_scripts_own(policy
                 target = teacher(x).detach().softmax(-1)  # (grad enabled: a forward like the model's)
                 loss = F.cross_entropy(out, y) + F.cross_entropy(out, target)
             opt.zero_grad()
-            if scaler:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
+            recipe_step(loss, opt, scaler)
             ema.update_parameters(model)
             with torch.no_grad():
                 ema(x)

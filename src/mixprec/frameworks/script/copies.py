@@ -35,19 +35,20 @@ class CompiledForward:
     """``model.forward`` compiled (a compile candidate) so that the agent's hooks on the model stay
     eager. A deep copy of the model runs its own forward, eager; a pickled model, its class's."""
 
+    __wrapped__: Callable[..., Any]  # the model's eager forward (set by functools.update_wrapper)
+
     def __init__(self, forward: Callable[..., Any], mode: str | None) -> None:
         functools.update_wrapper(self, forward)  # (its signature: HF's generate() reads it)
-        self.eager = forward
         self.compiled = torch.compile(forward, mode=mode)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.compiled(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> Any:
-        return copy.deepcopy(self.eager, memo)  # (a bound method: bound to the copy, in memo)
+        return copy.deepcopy(self.__wrapped__, memo)  # (a bound method: bound to the copy, in memo)
 
     def __reduce__(self) -> str | tuple[Any, ...]:
-        return self.eager.__reduce__()
+        return self.__wrapped__.__reduce__()
 
 
 def copies_of(model: nn.Module) -> list[nn.Module]:
@@ -109,13 +110,16 @@ def follow(model: nn.Module, copies: list[nn.Module]) -> None:
         if isinstance(m.__dict__.get("forward"), Fp32Island)
     }
     for twin in copies:
-        theirs = [(n, t) for n, t in [*twin.named_parameters(), *twin.named_buffers()] if n in tensors]
-        target = {id(t): tensors[n].dtype for n, t in theirs if t.is_floating_point()}
-        twin._apply(lambda t, target=target: t.to(target[id(t)]) if id(t) in target else t)
-        with torch.no_grad():  # (the copy was the model's equal: now it is the prepared model's)
-            for n, t in [*twin.named_parameters(), *twin.named_buffers()]:
-                if n in tensors and t.is_floating_point():
-                    t.copy_(tensors[n])
+        # the copy was the model's equal: it takes the prepared model's tensors (their dtypes and
+        # rounded values), each on the copy's own device
+        source = {
+            id(t): tensors[n]
+            for n, t in [*twin.named_parameters(), *twin.named_buffers()]
+            if n in tensors and t.is_floating_point()
+        }
+        twin._apply(
+            lambda t, source=source: source[id(t)].detach().to(t.device, copy=True) if id(t) in source else t
+        )
         for cast in casts:
             twin.register_forward_pre_hook(cast, with_kwargs=True)
         for name, island in islands.items():
