@@ -377,6 +377,74 @@ def test_a_loop_that_calls_the_models_parts_computes_in_the_candidate():
     assert [s.samples for s in agent.steps] == [8] * 4
 
 
+def encoder_decoder() -> tuple[nn.Module, nn.Module]:
+    """A model in two parts, each the script's own variable (a VAE's, a seq2seq's)."""
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 32))
+    dec = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 4))
+    return enc, dec
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed", "bf16-true"])
+def test_a_model_in_parts_trains_every_part_under_the_candidate(policy):
+    """An encoder and a decoder, one optimizer over both: the encoder was left out of the candidate
+    (its forward in fp32 under bf16-mixed, its weights fp32 under bf16-true) under the candidate's
+    name. Trained in parts, it is now what the same model trained as one nn.Sequential is, and what
+    the AMP recipe's hand edit of the loop in parts is."""
+    compute = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "bf16-true": torch.bfloat16}
+
+    def loop(as_one: bool, precision: str | None = None) -> tuple[nn.Module, list[torch.dtype]]:
+        enc, dec = encoder_decoder()
+        one = nn.Sequential(enc, dec) if as_one else None  # (alive, it would hold both parts)
+        params = one.parameters() if one is not None else [*enc.parameters(), *dec.parameters()]
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        ctx, scaler = hand(precision)
+        computed: list[torch.dtype] = []
+        enc[0].register_forward_hook(lambda m, a, out: computed.append(out.dtype))
+        for x, y in batches(4):
+            with ctx():
+                loss = F.cross_entropy(one(x) if one is not None else dec(enc(x)), y)
+            recipe_step(loss, opt, scaler)
+            opt.zero_grad()
+        return nn.ModuleList([enc, dec]), computed
+
+    with under(policy) as agent:
+        in_parts, computed = loop(as_one=False)
+    with under(policy):
+        as_one, _ = loop(as_one=True)
+    assert computed == [compute[policy]] * 4  # the encoder's first layer, every step
+    assert same(in_parts, as_one)
+    if policy != "bf16-true":
+        assert same(in_parts, loop(as_one=False, precision=policy)[0])
+    weights = torch.bfloat16 if policy == "bf16-true" else torch.float32
+    assert {p.dtype for p in in_parts.parameters()} == {weights}
+    facts = agent.facts()
+    assert facts.model == "enc (Sequential) + dec (Sequential)"
+    assert facts.params[0] == "enc.0.weight" and facts.params[-1] == "dec.2.bias"
+    assert [s.samples for s in agent.steps] == [8] * 4  # the batch the encoder takes, counted once
+
+
+def test_the_monitor_replays_the_step_of_a_model_in_parts():
+    """The monitor's shadow replays a step from its tape: each part's call, in the script's order."""
+    from mixprec.monitor.script import ScriptMonitor
+
+    with under("bf16-mixed") as agent:
+        monitor = ScriptMonitor(agent, {"rescue": True})
+        agent.observers.append(monitor)
+        enc, dec = encoder_decoder()
+        opt = torch.optim.SGD([*enc.parameters(), *dec.parameters()], lr=0.1)
+        for i, (x, y) in enumerate(batches(12)):
+            loss = F.cross_entropy(dec(enc(x * math.nan if i == 8 else x)), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    record = monitor.summary()
+    assert "replay" not in record, record["replay"]
+    spikes = [(f["step"], f["evidence"].get("verdict")) for f in record["findings"] if f["kind"] == "spike"]
+    assert spikes == [(8, "data")], record["findings"]
+    assert record["withheld"] == [8] and all(torch.isfinite(p).all() for p in enc.parameters())
+
+
 @pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
 def test_copies_of_the_model_made_after_the_optimizer_are_the_scripts_own(policy):
     """An EMA (AveragedModel), a best-so-far copy.deepcopy used as a teacher, torch.save(model):

@@ -37,7 +37,7 @@ from mixprec.frameworks.script.messages import (
     decode,
     encode,
 )
-from mixprec.frameworks.script.optimizers import find_model
+from mixprec.frameworks.script.models import describe, find_models, model_of
 from mixprec.frameworks.script.workload import preflight
 from mixprec.frameworks.torch.ranges import collect_ranges
 
@@ -128,7 +128,7 @@ def test_the_scripts_own_autocast_and_scaler_take_the_candidates_settings(candid
 
 
 # ---------------------------------------------------------------------- discovery
-def test_the_model_is_the_outermost_module_holding_most_of_the_optimizers_parameters():
+def test_the_model_is_every_outermost_module_holding_the_optimizers_parameters():
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -136,10 +136,20 @@ def test_the_model_is_the_outermost_module_holding_most_of_the_optimizers_parame
 
     net, other = Net(), nn.Linear(3, 3)
     temperature = nn.Parameter(torch.ones(()))
-    ids = {id(p) for p in [*net.parameters(), temperature]}
-    assert find_model(ids) is net  # not a part of it, not the bare parameter's (none)
-    assert find_model({id(p) for p in net.head.parameters()}) is net
-    assert find_model({id(temperature)}) is None
+    live = [*net.modules(), *other.modules()]
+
+    def found(*tensors: torch.Tensor) -> list[nn.Module]:
+        return find_models([id(t) for t in tensors], live)
+
+    assert found(*net.parameters(), temperature) == [net]  # not a part of it, not the bare parameter's
+    assert found(*net.head.parameters()) == [net]
+    assert found(temperature) == []
+    # a model in parts (a backbone and a head, one optimizer): every part, in the optimizer's order
+    assert found(*other.parameters(), *net.parameters()) == [other, net]
+    shares = nn.Sequential(net.body, nn.Linear(4, 8))  # a second model on the first's backbone
+    live += [shares, shares[1]]
+    assert found(*net.parameters()) == [net]  # (it adds no parameter of the optimizer's)
+    assert found(*net.parameters(), *shares[1].parameters()) == [net, shares]
 
     class Compiled(nn.Module):  # torch.compile's OptimizedModule: the model it compiles as _orig_mod
         def __init__(self, model: nn.Module) -> None:
@@ -147,7 +157,32 @@ def test_the_model_is_the_outermost_module_holding_most_of_the_optimizers_parame
             self._orig_mod = model
 
     compiled = Compiled(other)
-    assert find_model({id(p) for p in compiled.parameters()}) is other
+    assert find_models([id(p) for p in compiled.parameters()], [compiled, other]) == [other]
+
+
+def test_a_model_in_parts_is_named_as_the_script_names_them():
+    """The parts' names are the script's: its variables, else its object's attributes (a trainer's
+    ``self.encoder``), else their classes; a name a module cannot take is not used."""
+
+    class Encoder(nn.Linear): ...
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.encoder, self.decoder = Encoder(4, 4), nn.Linear(4, 2)
+
+    enc, head = Encoder(4, 4), nn.Linear(4, 2)
+    model = model_of([enc, head])
+    assert [n for n, _ in model.named_children()] == ["enc", "head"]
+    assert describe(model) == "enc (Encoder) + head (Linear)" and describe(enc) == "Encoder"
+    assert model_of([enc]) is enc
+    trainer = Trainer()
+    names = [n for n, _ in model_of([trainer.encoder, trainer.decoder]).named_children()]
+    assert names == ["encoder", "decoder"]
+    training, _unnamed = nn.Linear(2, 2), nn.Linear(2, 2)  # nn.Module's own attribute; a private name
+    names = [n for n, _ in model_of([training, _unnamed]).named_children()]
+    assert names == ["linear", "linear_1"]
+    with pytest.raises(TypeError, match="call each part"):
+        model(torch.ones(1, 4))
 
 
 def test_a_copy_of_a_compiled_candidates_model_runs_its_own_forward():

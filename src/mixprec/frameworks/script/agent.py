@@ -65,6 +65,7 @@ from mixprec.frameworks.script.accumulation import Accumulation
 from mixprec.frameworks.script.copies import CompiledForward, OwnHook, copies_of, follow
 from mixprec.frameworks.script.frameworks import PLAIN, UNKNOWN_FRAMEWORKS, install_import_hooks
 from mixprec.frameworks.script.messages import OWNER_ENV, Facts, Observed, Plan, Step
+from mixprec.frameworks.script.models import Models, describe, part_names, roots_of
 from mixprec.frameworks.script.modes import mode_for
 from mixprec.frameworks.script.optimizers import Optimizers
 from mixprec.frameworks.script.own import OwnPrecision, as_torch, compute_dtype
@@ -122,6 +123,8 @@ class Agent:
         self._facts = Facts()
         self._autocast: contextlib.AbstractContextManager[Any] | None = None
         self._model_ids: set[int] = set()
+        self._parts: dict[int, str] = {}  # id -> name of each module the script calls ('': the model)
+        self._entry: nn.Module | None = None  # the part the step's first forward calls
         self.thread: int | None = None  # the loop's (autocast is per thread)
         self.in_backward = False  # (a read of .grad inside backward, a hook's, is not the script's)
         self._probe: Any = None
@@ -199,16 +202,23 @@ class Agent:
         facts.param_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
         facts.strict_math = _strict_math(self.device)  # (the script's own, before the candidate's)
         self.nonfinite_at_start = set(nonfinite_buffers(model))
-        copies = copies_of(model) if self._changes_dtypes(model) else []
+        parts = roots_of(model)
+        changes = self._changes_dtypes(model)
+        copies = [copies_of(part, within=model) if changes else [] for part in parts]
         try:
             self._apply_candidate(model)
-            follow(model, copies)  # (an EMA made before the optimizer: the model's dtypes too)
+            if isinstance(model, Models):
+                model.spread_hooks()  # (the script calls the parts: their input casts are theirs)
+            for part, theirs in zip(parts, copies, strict=True):
+                follow(part, theirs)  # (an EMA made before the optimizer: the model's dtypes too)
         except MixprecError as exc:
             self.fail(type(exc).__name__, str(exc))
         if self.plan.perturb:
             perturb_weights(model, self.plan.perturb)
-        model.register_forward_pre_hook(OwnHook(self._root_forward, model), with_kwargs=True)
-        model.register_forward_hook(OwnHook(self._root_output, model))
+        self._parts = {id(part): name for name, part in zip(part_names(model), parts, strict=True)}
+        for part in parts:
+            part.register_forward_pre_hook(OwnHook(self._root_forward, part), with_kwargs=True)
+            part.register_forward_hook(OwnHook(self._root_output, part))
         self.mode.discovered()
         if self.mode.probes():  # which dtype the first matmul/conv computed in
             keep = self.candidate.keep_fp32 if self.inject else ()
@@ -217,7 +227,7 @@ class Agent:
         for observer in self.observers:
             with self.internal():
                 observer.discovered(self)
-        facts.model, facts.device = type(model).__name__, str(self.device)
+        facts.model, facts.device = describe(model), str(self.device)
         facts.modules = [(n, type(m).__name__) for n, m in model.named_modules() if n]
         facts.params = [n for n, _ in model.named_parameters()]
         self.patches.arm_forward()
@@ -257,7 +267,8 @@ class Agent:
             self._scopes.enter_context(self.policy.precision_scope())  # as a script sets them
             self.policy.prepare(model)
             if self.candidate.compile:  # the forward only: mixprec's hooks on the model stay eager
-                model.forward = CompiledForward(model.forward, self.candidate.compile)
+                for part in roots_of(model):
+                    part.forward = CompiledForward(part.forward, self.candidate.compile)
 
     # ------------------------------------------------------------------ forwards
     def first_forward(self, module: nn.Module, args: tuple) -> None:
@@ -267,7 +278,7 @@ class Agent:
             self.boundary()
         if self.window.started is None:
             self.window.started = time.perf_counter()
-        if module is not self.model:  # (the root counts its own samples: _root_forward)
+        if id(module) not in self._parts:  # (the model counts its own samples: _root_forward)
             self.window.samples += _batch_size(args, {})
         if self.loop and self._autocast is None and threading.get_ident() == self.thread:
             # the script's own autocast (overridden to the candidate's) governs where it has one;
@@ -283,15 +294,18 @@ class Agent:
     def _root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled() or self.internal_calls:
             return
-        self.window.samples += _batch_size(args, kwargs)
-        for observer in self.observers:
-            observer.forward(self, args, kwargs)
+        if self._entry is None:
+            self._entry = module
+        if module is self._entry:  # (a model in parts: the samples are those its first part takes)
+            self.window.samples += _batch_size(args, kwargs)
+            for observer in self.observers:
+                observer.forward(self, args, kwargs)
         if self.taping and self.loop:
             if self.window.tape is None:
                 from mixprec.frameworks.script.tape import StepTape
 
                 self.window.tape = StepTape()
-            self.window.tape.model_call(args, kwargs)
+            self.window.tape.model_call(self._parts[id(module)], args, kwargs)
 
     def _root_output(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not torch.is_grad_enabled() or self.internal_calls:

@@ -51,18 +51,19 @@ class CompiledForward:
         return self.__wrapped__.__reduce__()
 
 
-def copies_of(model: nn.Module) -> list[nn.Module]:
+def copies_of(model: nn.Module, within: nn.Module | None = None) -> list[nn.Module]:
     """The modules outside ``model`` that are copies of it as it is now: the same parameter names,
     shapes, dtypes and values, none of them the model's own tensor (AveragedModel's ``module``,
     timm's ``ModelEmaV3``, a ``copy.deepcopy`` teacher). A module of the same shape with other
-    values (a teacher loaded from a checkpoint) is not one. ``model`` is read inside its DDP or
+    values (a teacher loaded from a checkpoint) is not one, nor one inside ``within`` (the model a
+    part belongs to: two towers made equal are both trained). ``model`` is read inside its DDP or
     compile wrapper: an EMA copied before the wrapping has the inner module's names."""
     core = unwrapped(model)
     mine = dict(core.named_parameters())
     if not mine or not all(_readable(p) for p in mine.values()):
         return []
     shape = [(n, p.shape, p.dtype) for n, p in mine.items()]
-    inside = {id(m) for m in model.modules()}
+    inside = {id(m) for m in (within or model).modules()}
     found = []
     for module in live_modules():
         if id(module) in inside:

@@ -106,7 +106,7 @@ class Facts:
     "scaler": bool | None, "framework": {flag: value}}`` (its frameworks' switches, or
     ``{"mixprec": policy}`` for mixprec's own Policy)."""
 
-    model: str | None = None  # its class name (None: no optimizer named it yet)
+    model: str | None = None  # its class, or its parts' names and classes (None: no optimizer named it yet)
     device: str = "cpu"
     modules: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (name, class)
     params: list[str] = dataclasses.field(default_factory=list)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import UnsupportedError
+from mixprec.frameworks.script.models import describe, find_models, model_of
 from mixprec.frameworks.torch.implementations import accepted, keywords, named, offered
 
 Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
@@ -106,30 +107,29 @@ class Optimizers:
         """A new optimizer of the script's: the first names the model; one over another model is refused."""
         agent = self.agent
         self._implementation(optimizer)
-        params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        order = [id(p) for g in optimizer.param_groups for p in g["params"]]
         if agent.model is None:
-            owner = find_model(params)
-            if owner is None:
+            parts = find_models(order, live_modules())
+            if not parts:
                 agent.fail(
                     "UsageError",
                     "the script's first optimizer holds no parameter of any nn.Module: mixprec measures "
                     "the model an optimizer trains",
                 )
-            agent.model, self.lead = owner, optimizer
+            # (the model in parts, a backbone and a head: all of them, named as the script names them)
+            agent.model, self.lead = model_of(parts), optimizer
             agent.thread = threading.get_ident()  # (autocast is per thread: the loop's)
             self._register(optimizer)
             agent.discovered()
             return
-        owner = find_model(params - {id(p) for p in agent.model.parameters()})
-        if (
-            owner is not None
-            and owner is not agent.model
-            and not any(m is owner for m in agent.model.modules())
-        ):
+        mine = {id(p) for p in agent.model.parameters()}
+        others = find_models([p for p in order if p not in mine], live_modules())
+        owner = others[0] if others else None
+        if owner is not None and not any(m is owner for m in agent.model.modules()):
             agent.fail(
                 "UsageError",
                 f"the script trains a second model ({type(owner).__name__}, beside "
-                f"{type(agent.model).__name__}) with its own optimizer: mixprec measures one model per "
+                f"{describe(agent.model)}) with its own optimizer: mixprec measures one model per "
                 "run (put both in one nn.Module, as a GAN's generator and discriminator can be)",
             )
         self._register(optimizer)
@@ -258,25 +258,6 @@ class Optimizers:
 
     def new_step(self) -> None:
         self._unscaled.clear()
-
-
-def find_model(params: set[int]) -> nn.Module | None:
-    """The outermost live ``nn.Module`` holding most of the parameters in ``params`` (ids; those of
-    no module, a bare ``nn.Parameter``, are the script's own), or None when no module holds any."""
-    modules = live_modules()
-    children = {id(c) for m in modules for c in m.children()}
-    best: tuple[int, int] | None = None
-    model = None
-    for root in modules:
-        if id(root) in children:
-            continue
-        own = [id(p) for p in root.parameters()]
-        held = len(params.intersection(own))
-        # most of the optimizer's parameters; among equals, the smallest module holding them
-        if held and (best is None or (held, -len(own)) > best):
-            best, model = (held, -len(own)), root
-    inner = getattr(model, "_orig_mod", None)  # a torch.compile wrapper: the model it compiles
-    return inner if isinstance(inner, nn.Module) else model
 
 
 def live_modules() -> list[nn.Module]:

@@ -48,10 +48,11 @@ class StepTape(TorchFunctionMode):
         self._recording = False
 
     # ------------------------------------------------------------------ the agent's events
-    def model_call(self, args: tuple, kwargs: dict) -> None:
-        """The root model is called (its pre-hook): recording pauses through its forward."""
+    def model_call(self, part: str, args: tuple, kwargs: dict) -> None:
+        """The model (``part`` '') or one of its parts (a backbone, a head) is called (its pre-hook):
+        recording pauses through its forward."""
         self.pause()
-        self.program.append(("model", None, self._template(args), self._template(kwargs), None))
+        self.program.append(("model", part, self._template(args), self._template(kwargs), None))
 
     def model_output(self, output: Any) -> None:
         """Its output: each tensor in it a slot, then recording resumes."""
@@ -142,7 +143,7 @@ class StepTape(TorchFunctionMode):
         values: dict[int, torch.Tensor] = {}
         for kind, func, args, kwargs, out in self.program:
             a, k = _fill(args, values), _fill(kwargs, values)
-            result = model(*a, **k) if kind == "model" else func(*a, **k)
+            result = model.get_submodule(func)(*a, **k) if kind == "model" else func(*a, **k)
             _assign(out, result, values)
         if not self.losses:
             raise RuntimeError("the step called no backward() the tape saw")

@@ -33,6 +33,7 @@ class Tracer:
             self.ranges = RangeCollector(model)
             self.ranges.install()
         self.first_output: torch.Tensor | None = None
+        self._backward_began = False
         self.first_grads: dict[str, torch.Tensor] | None = None
         self.stall_before: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.step_scale: float | None = None  # the loss scale of this step's backward
@@ -40,8 +41,9 @@ class Tracer:
         self.census = census_from_env(model)  # a Linear census of the first step, where the parent asks one
 
     def forward_output(self, output: Any) -> None:
-        """The model's output in the first training forward (the output SQNR's tensor)."""
-        if self.first_output is not None or _in_functorch():
+        """The model's output in the first training step (the output SQNR's tensor): its last
+        forward's before the first backward (a model in parts: the head's, not the backbone's)."""
+        if self._backward_began or _in_functorch():
             return
         first = model_output(output)
         if first is not None:
@@ -54,6 +56,7 @@ class Tracer:
             self.recorder.backward_starts()
         if self.ranges is not None:
             self.ranges.in_backward = True
+        self._backward_began = True
         if self.step_scale is None:
             self.step_scale = scale
 

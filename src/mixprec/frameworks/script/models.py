@@ -1,0 +1,159 @@
+"""The model a script trains: every module its first optimizer's parameters live in.
+
+Scripts build their model in parts as often as in one module: a backbone and a head, an encoder and
+a decoder (a VAE, a seq2seq), two towers (CLIP), each its own variable, and one optimizer over
+``[*enc.parameters(), *dec.parameters()]``. Taking the one module that holds the most of them as "the
+model" left the others out of the candidate: the encoder ran in fp32 under bf16-mixed (autocast began
+at the decoder's forward) and kept fp32 weights under bf16-true, while the run was reported under
+the candidate's name. :func:`find_models` finds every part; :class:`Models` holds them for the agent
+as one module, named as the script names them (``enc.0.weight``), so a candidate is applied to all
+of them and a precision map names their layers in the script's terms.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Models", "describe", "find_models", "model_of", "part_names", "roots_of"]
+
+_TORCH = str(Path(torch.__file__).parent)
+_MIXPREC = str(Path(__file__).parents[2])
+
+
+class Models(nn.Module):
+    """The parts of a script's model (two or more root modules), held under the script's names. The
+    script calls the parts, never this module: its forward refuses."""
+
+    def __init__(self, parts: dict[str, nn.Module]) -> None:
+        super().__init__()
+        for name, part in parts.items():
+            self.add_module(name, part)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("the script's model is in parts (mixprec's Models): call each part")
+
+    def spread_hooks(self) -> None:
+        """Forward pre-hooks put on this module (a Policy's input casts) go on each part, which the
+        script calls: none of them would ever run here."""
+        with_kwargs = set(self._forward_pre_hooks_with_kwargs)
+        hooks = list(self._forward_pre_hooks.items())
+        self._forward_pre_hooks.clear()
+        self._forward_pre_hooks_with_kwargs.clear()
+        for part in self.children():
+            for key, hook in hooks:
+                part.register_forward_pre_hook(hook, with_kwargs=key in with_kwargs)
+
+
+def describe(model: nn.Module) -> str:
+    """What the script trains, as the facts name it: ``ResNet``, ``enc (Encoder) + dec (Decoder)``."""
+    if isinstance(model, Models):
+        return " + ".join(f"{name} ({type(part).__name__})" for name, part in model.named_children())
+    return type(model).__name__
+
+
+def roots_of(model: nn.Module) -> list[nn.Module]:
+    """The modules the script calls: a :class:`Models`' parts, else the model itself."""
+    return list(model.children()) if isinstance(model, Models) else [model]
+
+
+def part_names(model: nn.Module) -> list[str]:
+    """The names of :func:`roots_of`'s modules in ``model`` ('' for the model itself)."""
+    return [name for name, _ in model.named_children()] if isinstance(model, Models) else [""]
+
+
+def find_models(params: list[int], live: list[nn.Module]) -> list[nn.Module]:
+    """The outermost modules among ``live`` that hold the parameters in ``params`` (ids, in the
+    optimizer's order; those of no module, a bare ``nn.Parameter``, are the script's own): the one
+    holding the most of them, then the one holding the most of the rest, until no module holds any
+    that is left (a module that adds none, one sharing the first's backbone, is not a part). In the
+    order the optimizer holds their parameters; a torch.compile wrapper stands for the module it
+    compiles."""
+    children = {id(c) for m in live for c in m.children()}
+    roots = [m for m in live if id(m) not in children]
+    wanted = set(params)
+    held = {id(root): {id(p) for p in root.parameters()} & wanted for root in roots}
+    left, found = set(wanted), []
+    while True:
+        # most of what is left; among equals, the smallest module holding them
+        best = max(
+            (r for r in roots if held[id(r)] & left),
+            key=lambda r: (len(held[id(r)] & left), -sum(1 for _ in r.parameters())),
+            default=None,
+        )
+        if best is None:
+            break
+        found.append(best)
+        left -= held[id(best)]
+    first = {p: i for i, p in reversed(list(enumerate(params)))}
+    found.sort(key=lambda r: min(first[p] for p in held[id(r)]))
+    models = []
+    for module in found:
+        inner = getattr(module, "_orig_mod", None)  # a torch.compile wrapper: the model it compiles
+        models.append(inner if isinstance(inner, nn.Module) else module)
+    return models
+
+
+def model_of(parts: list[nn.Module], frame: FrameType | None = None) -> nn.Module:
+    """The model the agent applies the candidate to: the one part, or the parts as :class:`Models`
+    named as the script's code names them (its variable, ``self.encoder``'s attribute), else by class."""
+    if len(parts) == 1:
+        return parts[0]
+    named: dict[str, nn.Module] = {}
+    for index, part in enumerate(parts):
+        name = _script_name(part, frame or sys._getframe(1)) or _snake(type(part).__name__)
+        if name in named or not _usable(name):
+            name = f"{_snake(type(part).__name__)}_{index}"
+        named[name] = part
+    return Models(named)
+
+
+def _script_name(part: nn.Module, frame: FrameType | None) -> str | None:
+    """The name the script's code gives ``part``: a variable of the innermost frame of the script's
+    own (not torch's, not mixprec's) that holds it or its compile wrapper, else an attribute of one
+    of that frame's objects (``self.encoder``)."""
+    for scope in _script_scopes(frame):
+        for name, value in list(scope.items()):
+            if _holds(value, part) and _usable(name):
+                return name
+        for value in list(scope.values()):
+            if isinstance(value, nn.Module) or not hasattr(value, "__dict__"):
+                continue
+            for name, attribute in list(vars(value).items()):
+                if _holds(attribute, part) and _usable(name):
+                    return name
+    return None
+
+
+def _script_scopes(frame: FrameType | None) -> Iterator[dict[str, Any]]:
+    """The locals then the globals of the first frame outward that is the script's code."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith((_TORCH, _MIXPREC)) and not filename.startswith("<frozen"):
+            yield frame.f_locals
+            yield frame.f_globals
+            return
+        frame = frame.f_back
+
+
+def _holds(value: Any, part: nn.Module) -> bool:
+    return value is part or (isinstance(value, nn.Module) and getattr(value, "_orig_mod", None) is part)
+
+
+def _usable(name: str) -> bool:
+    """A module name the parts can take: an identifier, not private, not one of nn.Module's own."""
+    return name.isidentifier() and not name.startswith("_") and name not in _TAKEN
+
+
+_TAKEN = frozenset(dir(nn.Module())) | frozenset(dir(Models))  # (``training`` is an instance's)
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
