@@ -1,6 +1,7 @@
 """Training scripts written the way people write them, generated from a :class:`Shape`: the LR
-scheduler, the clip path, the backward path, gradient accumulation, a model trained in eval mode or
-called part by part, two optimizers stepped after one backward, and the script's own AMP.
+scheduler, the clip path, the backward path, gradient accumulation, a model trained in eval mode,
+called part by part or built in parts (a body and a head, each its own variable), two optimizers
+stepped after one backward, and the script's own AMP.
 
 Each shape renders two scripts: the script as its author wrote it (``render(shape)``: with its own
 AMP switch where it has one, with no precision code at all where it has none) and the same script
@@ -26,7 +27,7 @@ AXES: dict[str, tuple[str, ...]] = {
     "backward": ("loss", "autograd", "per_sample"),
     "accumulation": ("1", "2"),
     "mode": ("train", "eval"),
-    "call": ("root", "parts"),
+    "call": ("root", "parts", "split"),
     "optimizers": ("one", "two"),
     "own_amp": ("none", "bf16", "fp16"),
 }
@@ -75,6 +76,7 @@ def render(shape: Shape, *, hand: bool = False) -> str:
     """The script's source (module docstring); ``hand``: the AMP recipe's edit of it."""
     amp = hand or shape.own_amp != "none"
     accum = int(shape.accumulation)
+    frozen = ".eval()  # frozen BatchNorm: trained in eval mode" if shape.mode == "eval" else ""
     model = f"""
         class Net(nn.Module):
             def __init__(self):
@@ -86,14 +88,22 @@ def render(shape: Shape, *, hand: bool = False) -> str:
                 return self.head(self.body(x))
 
         torch.manual_seed(0)
-        model = Net(){".eval()  # frozen BatchNorm: trained in eval mode" if shape.mode == "eval" else ""}
+        model = Net(){frozen}
         """
+    parameters = "model.parameters()"
+    if shape.call == "split":  # no module holds both: the script trains its two variables
+        model = f"""
+            torch.manual_seed(0)
+            body = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU()){frozen}
+            head = nn.Linear(32, 4)
+            """
+        parameters = "[*body.parameters(), *head.parameters()]"
     if shape.optimizers == "one":
-        optimizers = "opts = [torch.optim.AdamW(model.parameters(), lr=1e-2)]"
+        optimizers = f"opts = [torch.optim.AdamW({parameters}, lr=1e-2)]"
     else:  # the Muon/AdamW split: matrices and vectors, two optimizers after one backward
-        optimizers = """
-            matrices = [p for p in model.parameters() if p.dim() == 2]
-            vectors = [p for p in model.parameters() if p.dim() < 2]
+        optimizers = f"""
+            matrices = [p for p in {parameters} if p.dim() == 2]
+            vectors = [p for p in {parameters} if p.dim() < 2]
             opts = [torch.optim.SGD(matrices, lr=0.05, momentum=0.9), torch.optim.AdamW(vectors, lr=1e-2)]
             """
     scheduler = {
@@ -102,7 +112,7 @@ def render(shape: Shape, *, hand: bool = False) -> str:
         "lambda": "sched = torch.optim.lr_scheduler.LambdaLR(opts[0], lambda s: min(1.0, (s + 1) / 3))",
         "onecycle": f"sched = torch.optim.lr_scheduler.OneCycleLR(opts[0], max_lr=0.02, total_steps={STEPS})",
     }[shape.scheduler]
-    forward = "model.head(model.body(x))" if shape.call == "parts" else "model(x)"
+    forward = {"root": "model(x)", "parts": "model.head(model.body(x))", "split": "head(body(x))"}[shape.call]
     scale = (lambda t: f"scaler.scale({t})") if amp else (lambda t: t)
     if shape.backward == "loss":
         backward = f"{scale('loss')}.backward()"
@@ -117,15 +127,15 @@ def render(shape: Shape, *, hand: bool = False) -> str:
         counted = f"(per_sample.detach().float() * (1 / (len(per_sample) * {accum}))).sum()"
     clip = {
         "none": "",
-        "norm": "torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)",
-        "total_norm": """
-            params = [p for p in model.parameters() if p.grad is not None]
+        "norm": f"torch.nn.utils.clip_grad_norm_({parameters}, 0.5)",
+        "total_norm": f"""
+            params = [p for p in {parameters} if p.grad is not None]
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
             torch.nn.utils.clip_grads_with_norm_(params, 0.5, norm)
             """,
-        "value": "torch.nn.utils.clip_grad_value_(model.parameters(), 0.05)",
-        "by_hand": """
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
+        "value": f"torch.nn.utils.clip_grad_value_({parameters}, 0.05)",
+        "by_hand": f"""
+            grads = [p.grad for p in {parameters} if p.grad is not None]
             norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads))
             for grad in grads:
                 grad.mul_(min(1.0, 0.5 / (float(norm) + 1e-6)))
@@ -161,6 +171,7 @@ def render(shape: Shape, *, hand: bool = False) -> str:
             opt.zero_grad(set_to_none=True)
         print(f"loss {{step}} {{total!r}}")
         """
+    saved = "nn.ModuleDict(dict(body=body, head=head))" if shape.call == "split" else "model"  # (Net's keys)
     source = f"""
         import argparse
 
@@ -182,7 +193,7 @@ def render(shape: Shape, *, hand: bool = False) -> str:
         data = [draw() for _ in range(5)]
         for step in range(args.steps):
             {_indent(body, 12)}
-        torch.save(model.state_dict(), args.out)
+        torch.save({saved}.state_dict(), args.out)
         """
     return textwrap.dedent(source)
 
