@@ -186,9 +186,27 @@ def _private_cache_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_tune_result(_private_cache_dir):
-    """A real `tune` of the mlp workload on the CPU (about 20 s), run once per test session with
-    one torch thread: the result the report tests render."""
+def tiny_tune_result(_private_cache_dir, tmp_path_factory):
+    """A real `tune` of the mlp workload on the CPU (about 20 s) with one torch thread: the result the
+    report tests render. Run once for the whole test run: the first pytest-xdist worker to ask tunes
+    and writes its JSON, the others wait for it and read it (each worker tuned it again, 20 s of the
+    suite's wall time); every worker renders the result as read back, so all see the same."""
+    import fcntl
+    import json
+
+    from mixprec.tuning.result import TuneResult
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = shared / "tiny_tune_result.json"
+    with open(shared / "tiny_tune_result.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+        if not path.is_file():
+            path.write_text(json.dumps(_tiny_tune().to_dict()), encoding="utf-8")
+    return TuneResult.from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+def _tiny_tune():
     import mixprec
 
     before = torch.get_num_threads()
