@@ -154,6 +154,46 @@ def test_every_clip_path_sees_the_unscaled_gradients(kind):
     compare(loop, "fp16-mixed")
 
 
+def test_a_clip_of_parameters_added_to_the_optimizer_later_sees_unscaled_gradients():
+    """Fine-tuning that unfreezes the backbone after a few steps (``add_param_group``) and clips it:
+    under fp16-mixed the clip read its gradients scaled (a norm of ~30,000 for a true 0.5), so it cut
+    them to a hair and the backbone barely trained."""
+
+    def loop(precision: str | None) -> nn.Module:
+        model = mlp()
+        backbone = model[:2]
+        backbone.requires_grad_(False)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        ctx, scaler = hand(precision)
+        for step, (x, y) in enumerate(batches(6)):
+            if step == 2:  # unfreeze: the backbone joins the optimizer at a lower learning rate
+                backbone.requires_grad_(True)
+                opt.add_param_group({"params": list(backbone.parameters()), "lr": 0.1})
+            with ctx():
+                loss = F.cross_entropy(model(x), y)
+            if scaler:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+            else:
+                loss.backward()
+            if step >= 2:
+                torch.nn.utils.clip_grad_norm_(backbone.parameters(), 0.5)
+            recipe_step_unscaled(opt, scaler)
+            opt.zero_grad()
+        return model
+
+    compare(loop, "fp16-mixed")
+
+
+def recipe_step_unscaled(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    """The AMP recipe's step after its ``unscale_`` (``hand``'s scaler; None: the loop as written)."""
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+
+
 @pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
 def test_two_optimizers_after_one_backward_are_one_step(policy):
     """The Muon/AdamW split: the second optimizer's step is not a step of its own (it read as a NaN
