@@ -185,6 +185,27 @@ def test_a_model_in_parts_is_named_as_the_script_names_them():
         model(torch.ones(1, 4))
 
 
+def test_a_policy_on_a_model_in_parts_casts_each_parts_inputs_until_it_is_widened():
+    """bf16-true's input cast goes on each part the script calls (on the parts' holder it never ran:
+    "mat1 and mat2 must have the same dtype"); a rescue's switch to bf16-mixed widens the weights and
+    takes the cast off every part (its handle removed it from the holder alone: bf16 inputs met fp32
+    weights)."""
+    from mixprec import get_policy
+
+    torch.manual_seed(0)
+    enc, dec = nn.Linear(4, 8), nn.Linear(8, 2)
+    model = model_of([enc, dec])
+    policy = get_policy("bf16-true", device="cpu")
+    policy.prepare(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    assert dec(enc(x)).dtype == torch.bfloat16  # each part casts what it is given
+    policy.switch("bf16-mixed", model, opt)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert dec(enc(x)).dtype == torch.float32  # no part casts any more
+    assert all(not part._forward_pre_hooks for part in (enc, dec, model))
+
+
 def test_a_copy_of_a_compiled_candidates_model_runs_its_own_forward():
     """A compile candidate's model.forward is compiled where the agent's hooks stay eager. As a
     function over the original's bound forward (torch.compile(model.forward)) it made a deep copy

@@ -65,7 +65,7 @@ from mixprec.frameworks.script.accumulation import Accumulation
 from mixprec.frameworks.script.copies import CompiledForward, OwnHook, copies_of, follow
 from mixprec.frameworks.script.frameworks import PLAIN, UNKNOWN_FRAMEWORKS, install_import_hooks
 from mixprec.frameworks.script.messages import OWNER_ENV, Facts, Observed, Plan, Step
-from mixprec.frameworks.script.models import Models, describe, part_names, roots_of
+from mixprec.frameworks.script.models import describe, part_names, roots_of
 from mixprec.frameworks.script.modes import mode_for
 from mixprec.frameworks.script.optimizers import Optimizers
 from mixprec.frameworks.script.own import OwnPrecision, as_torch, compute_dtype
@@ -206,9 +206,7 @@ class Agent:
         changes = self._changes_dtypes(model)
         copies = [copies_of(part, within=model) if changes else [] for part in parts]
         try:
-            self._apply_candidate(model)
-            if isinstance(model, Models):
-                model.spread_hooks()  # (the script calls the parts: their input casts are theirs)
+            self._apply_candidate(model)  # (a Models' input casts go on its parts)
             for part, theirs in zip(parts, copies, strict=True):
                 follow(part, theirs)  # (an EMA made before the optimizer: the model's dtypes too)
         except MixprecError as exc:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["Models", "describe", "find_models", "model_of", "part_names", "roots_of"]
 
@@ -40,16 +41,22 @@ class Models(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("the script's model is in parts (mixprec's Models): call each part")
 
-    def spread_hooks(self) -> None:
-        """Forward pre-hooks put on this module (a Policy's input casts) go on each part, which the
-        script calls: none of them would ever run here."""
-        with_kwargs = set(self._forward_pre_hooks_with_kwargs)
-        hooks = list(self._forward_pre_hooks.items())
-        self._forward_pre_hooks.clear()
-        self._forward_pre_hooks_with_kwargs.clear()
-        for part in self.children():
-            for key, hook in hooks:
-                part.register_forward_pre_hook(hook, with_kwargs=key in with_kwargs)
+    def register_forward_pre_hook(
+        self, hook: Any, *, prepend: bool = False, with_kwargs: bool = False
+    ) -> RemovableHandle:
+        """A forward pre-hook (a Policy's input cast) goes on each part, which the script calls:
+        none would ever run here. One handle removes it from all of them (a rescue that widens a
+        *-true model to fp32 removes the cast)."""
+        parts = list(self.children())
+        held = [d for part in parts for d in (part._forward_pre_hooks, part._forward_pre_hooks_with_kwargs)]
+        handle = RemovableHandle(self._forward_pre_hooks, extra_dict=held)
+        for part in parts:
+            part._forward_pre_hooks[handle.id] = hook
+            if with_kwargs:
+                part._forward_pre_hooks_with_kwargs[handle.id] = True
+            if prepend:  # (an OrderedDict, typed as a dict)
+                part._forward_pre_hooks.move_to_end(handle.id, last=False)  # type: ignore[attr-defined]
+        return handle
 
 
 def describe(model: nn.Module) -> str:
