@@ -39,12 +39,27 @@ def hand(
 
 def recipe_step(loss: torch.Tensor, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
     """The backward and step of the AMP recipe (``hand``'s scaler, None: the loop as written)."""
+    (scaler.scale(loss) if scaler else loss).backward()
+    recipe_update(opt, scaler)
+
+
+def recipe_backward_for_a_clip(
+    loss: torch.Tensor, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None
+) -> None:
+    """The AMP recipe's backward with ``unscale_`` before a clip (``hand``'s scaler; None: as written)."""
     if scaler:
         scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+    else:
+        loss.backward()
+
+
+def recipe_update(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    """The AMP recipe's step and scale update (``hand``'s scaler; None: the loop as written)."""
+    if scaler:
         scaler.step(opt)
         scaler.update()
     else:
-        loss.backward()
         opt.step()
 
 
@@ -137,17 +152,9 @@ def test_every_clip_path_sees_the_unscaled_gradients(kind):
         for x, y in batches(6):
             with ctx():
                 loss = F.cross_entropy(model(x), y)
-            if scaler:
-                scaler.scale(loss).backward()
-                scaler.unscale_(opt)
-            else:
-                loss.backward()
+            recipe_backward_for_a_clip(loss, opt, scaler)
             _clip(kind, model)
-            if scaler:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
+            recipe_update(opt, scaler)
             opt.zero_grad()
         return model
 
@@ -171,27 +178,14 @@ def test_a_clip_of_parameters_added_to_the_optimizer_later_sees_unscaled_gradien
                 opt.add_param_group({"params": list(backbone.parameters()), "lr": 0.1})
             with ctx():
                 loss = F.cross_entropy(model(x), y)
-            if scaler:
-                scaler.scale(loss).backward()
-                scaler.unscale_(opt)
-            else:
-                loss.backward()
+            recipe_backward_for_a_clip(loss, opt, scaler)
             if step >= 2:
                 torch.nn.utils.clip_grad_norm_(backbone.parameters(), 0.5)
-            recipe_step_unscaled(opt, scaler)
+            recipe_update(opt, scaler)
             opt.zero_grad()
         return model
 
     compare(loop, "fp16-mixed")
-
-
-def recipe_step_unscaled(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
-    """The AMP recipe's step after its ``unscale_`` (``hand``'s scaler; None: the loop as written)."""
-    if scaler:
-        scaler.step(opt)
-        scaler.update()
-    else:
-        opt.step()
 
 
 @pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
