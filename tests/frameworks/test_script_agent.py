@@ -176,9 +176,14 @@ def test_a_clip_of_parameters_added_to_the_optimizer_later_sees_unscaled_gradien
             if step == 2:  # unfreeze: the backbone joins the optimizer at a lower learning rate
                 backbone.requires_grad_(True)
                 opt.add_param_group({"params": list(backbone.parameters()), "lr": 0.1})
+            if step == 4:  # a head re-initialised in place of the old one's parameters, in its group
+                model[4] = nn.Linear(32, 4)
+                opt.param_groups[0]["params"] = [*model[2].parameters(), *model[4].parameters()]
             with ctx():
                 loss = F.cross_entropy(model(x), y)
             recipe_backward_for_a_clip(loss, opt, scaler)
+            if step >= 4:  # (first: the first gradient read unscales the whole optimizer)
+                torch.nn.utils.clip_grad_norm_(model[4].parameters(), 0.5)
             if step >= 2:
                 torch.nn.utils.clip_grad_norm_(backbone.parameters(), 0.5)
             recipe_update(opt, scaler)
@@ -477,6 +482,131 @@ def test_the_monitor_replays_the_step_of_a_model_in_parts():
     spikes = [(f["step"], f["evidence"].get("verdict")) for f in record["findings"] if f["kind"] == "spike"]
     assert spikes == [(8, "data")], record["findings"]
     assert record["withheld"] == [8] and all(torch.isfinite(p).all() for p in enc.parameters())
+
+
+def test_a_model_in_parts_counts_each_batch_once_and_replays_a_part_that_calls_another():
+    """From a stranger's review: a loop that calls a part's submodule first (``backbone[:2](x)``, then
+    the head) counted its batch twice; a part called inside another part's forward (blocks the
+    script keeps in a plain list, their parameters added to the optimizer) broke the monitor's tape,
+    so a NaN batch was neither diagnosed nor withheld and the weights went NaN."""
+    from mixprec.monitor.script import ScriptMonitor
+
+    enc, dec = encoder_decoder()
+    with under("bf16-mixed") as agent:
+        opt = torch.optim.SGD([*enc.parameters(), *dec.parameters()], lr=0.1)
+        for x, y in batches(3):
+            F.cross_entropy(dec(enc[2](enc[:2](x))), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert [s.samples for s in agent.steps] == [8] * 3
+
+    class Net(nn.Module):
+        def __init__(self, blocks: list[nn.Module]) -> None:
+            super().__init__()
+            self.inp, self.blocks, self.out = nn.Linear(16, 32), blocks, nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.inp(x)
+            for block in self.blocks:  # (not registered: each block is a part of its own)
+                x = block(x)
+            return self.out(x)
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(2)]
+    net = Net(blocks)
+    with under("bf16-mixed") as agent:
+        monitor = ScriptMonitor(agent, {"rescue": True})
+        agent.observers.append(monitor)
+        opt = torch.optim.SGD([*net.parameters(), *[p for b in blocks for p in b.parameters()]], lr=0.1)
+        for i, (x, y) in enumerate(batches(12)):
+            F.cross_entropy(net(x * math.nan if i == 8 else x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    record = monitor.summary()
+    assert agent.facts().model == "net (Net) + sequential (Sequential) + sequential_1 (Sequential)"
+    assert "replay" not in record, record["replay"]
+    assert record["withheld"] == [8] and [s.samples for s in agent.steps][:3] == [8] * 3
+    assert all(torch.isfinite(p).all() for b in [net, *blocks] for p in b.parameters())
+
+
+def test_a_part_that_is_itself_a_converted_layer_is_refused_in_one_line(tmp_path, capsys):
+    """From a stranger's review: under a block format a head that is a bare nn.Linear was replaced
+    inside mixprec's holder of the parts while the script kept calling its own: it never computed in
+    the format the check reported it in."""
+    enc, _ = encoder_decoder()
+    head = nn.Linear(32, 32)  # (a shape the format converts: 32 a side)
+    with pytest.raises(Exited) as exited, under("mxfp8", mode="trace", steps=1, out=str(tmp_path / "t.pt")):
+        opt = torch.optim.SGD([*enc.parameters(), *head.parameters()], lr=0.1)
+        for x, y in batches(2):
+            F.cross_entropy(head(enc(x)), y).backward()
+            opt.step()
+    assert exited.value.code == 2
+    said = capsys.readouterr().err
+    assert "'head' is itself a layer the format converts" in said and "--keep-bf16 head" in said
+
+
+def test_a_checks_output_of_a_model_in_parts_is_not_its_loss_modules_scalar(tmp_path):
+    """From a stranger's review: a learnable loss module (ArcFace's weights, in the optimizer) is a
+    part; the traced output was its scalar loss, and the check's output SQNR was taken on it."""
+    from mixprec.frameworks.script.messages import TraceRecord
+
+    class Margin(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 32))
+
+        def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            logits = F.normalize(features) @ F.normalize(self.weight).t()
+            return F.cross_entropy(16 * logits, labels)
+
+    enc, _ = encoder_decoder()
+    margin = Margin()
+    out = tmp_path / "trace.pt"
+    with pytest.raises(Exited), under("bf16-mixed", mode="trace", steps=1, out=str(out)):
+        opt = torch.optim.AdamW([*enc.parameters(), *margin.parameters()], lr=1e-2)
+        for x, y in batches(3):
+            margin(enc(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert TraceRecord.load(out).first_output.shape == (8, 32)  # the embedding, not the loss
+
+
+def test_a_traced_model_in_parts_records_each_layer_once_in_order(tmp_path):
+    """From a stranger's review: a range collector's hooks on the parts' holder went on the parts
+    (its pre-hook twice, its post-hook never), so the layers' order skipped numbers."""
+    from mixprec.frameworks.script.messages import TraceRecord
+
+    enc, dec = encoder_decoder()
+    out = tmp_path / "trace.pt"
+    with pytest.raises(Exited), under("bf16-mixed", mode="trace", steps=1, out=str(out), ranges=True):
+        opt = torch.optim.SGD([*enc.parameters(), *dec.parameters()], lr=0.1)
+        for x, y in batches(2):
+            F.cross_entropy(dec(enc(x)), y).backward()
+            opt.step()
+            opt.zero_grad()
+    layers = TraceRecord.load(out).ranges.layers
+    assert [layer.order for layer in layers] == list(range(len(layers)))
+    assert {layer.calls for layer in layers} == {1} and layers[0].name == "enc"
+
+
+def test_the_monitor_refuses_to_save_a_poisoned_part_of_a_model_in_parts(tmp_path, capsys):
+    """From a stranger's review: ``torch.save(enc)`` of a part with NaN weights was written (the
+    guard looked for the parts' holder, which the script never saves)."""
+    from mixprec.monitor.script import ScriptMonitor
+
+    enc, dec = encoder_decoder()
+    with under("bf16-mixed") as agent:
+        agent.observers.append(ScriptMonitor(agent, {"rescue": False}))
+        opt = torch.optim.SGD([*enc.parameters(), *dec.parameters()], lr=0.1)
+        for i, (x, y) in enumerate(batches(10)):
+            F.cross_entropy(dec(enc(x * math.nan if i == 8 else x)), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert not all(torch.isfinite(p).all() for p in enc.parameters())
+        torch.save(enc, tmp_path / "enc.pt")
+        torch.save({"enc": enc, "dec": dec}, tmp_path / "both.pt")
+    assert not list(tmp_path.iterdir())
+    assert capsys.readouterr().err.count("not saved to") == 2
 
 
 @pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])

@@ -37,7 +37,7 @@ from mixprec.frameworks.script.messages import (
     decode,
     encode,
 )
-from mixprec.frameworks.script.models import describe, find_models, model_of
+from mixprec.frameworks.script.models import describe, find_models, model_of, preparing
 from mixprec.frameworks.script.workload import preflight
 from mixprec.frameworks.torch.ranges import collect_ranges
 
@@ -184,6 +184,13 @@ def test_a_model_in_parts_is_named_as_the_script_names_them():
     with pytest.raises(TypeError, match="call each part"):
         model(torch.ones(1, 4))
 
+    def build_optimizer(parts: list[nn.Module]) -> nn.Module:  # a helper of the script's
+        return model_of(parts)
+
+    encoder, decoder = nn.Linear(4, 4), nn.Linear(4, 2)  # (named a frame further out: they were classes)
+    names = [n for n, _ in build_optimizer([encoder, decoder]).named_children()]
+    assert names == ["encoder", "decoder"]
+
 
 def test_a_policy_on_a_model_in_parts_casts_each_parts_inputs_until_it_is_widened():
     """bf16-true's input cast goes on each part the script calls (on the parts' holder it never ran:
@@ -196,7 +203,8 @@ def test_a_policy_on_a_model_in_parts_casts_each_parts_inputs_until_it_is_widene
     enc, dec = nn.Linear(4, 8), nn.Linear(8, 2)
     model = model_of([enc, dec])
     policy = get_policy("bf16-true", device="cpu")
-    policy.prepare(model)
+    with preparing(model, "bf16-true"):  # (as the agent applies a candidate)
+        policy.prepare(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(3, 4)
     assert dec(enc(x)).dtype == torch.bfloat16  # each part casts what it is given

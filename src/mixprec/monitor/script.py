@@ -184,8 +184,8 @@ def _holds_model_state(obj: Any, model: torch.nn.Module) -> bool:
     while todo and depth < 5:  # (a checkpoint nests its state dicts a few levels deep at most)
         later = []
         for item in todo:
-            if isinstance(item, torch.nn.Module):
-                if any(m is model for m in item.modules()):
+            if isinstance(item, torch.nn.Module):  # (the model, a part of it, a module holding it)
+                if any(t.data_ptr() in own for t in (*item.parameters(), *item.buffers())):
                     return True
             elif isinstance(item, torch.Tensor):
                 if item.data_ptr() in own:

@@ -65,11 +65,12 @@ from mixprec.frameworks.script.accumulation import Accumulation
 from mixprec.frameworks.script.copies import CompiledForward, OwnHook, copies_of, follow
 from mixprec.frameworks.script.frameworks import PLAIN, UNKNOWN_FRAMEWORKS, install_import_hooks
 from mixprec.frameworks.script.messages import OWNER_ENV, Facts, Observed, Plan, Step
-from mixprec.frameworks.script.models import describe, part_names, roots_of
+from mixprec.frameworks.script.models import describe, part_names, preparing, roots_of
 from mixprec.frameworks.script.modes import mode_for
 from mixprec.frameworks.script.optimizers import Optimizers
 from mixprec.frameworks.script.own import OwnPrecision, as_torch, compute_dtype
 from mixprec.frameworks.script.patches import Patches
+from mixprec.frameworks.script.tape import StepTape
 from mixprec.frameworks.torch.probe import FirstComputeLayer, nonfinite_buffers, perturb_weights
 
 
@@ -125,6 +126,8 @@ class Agent:
         self._model_ids: set[int] = set()
         self._parts: dict[int, str] = {}  # id -> name of each module the script calls ('': the model)
         self._entry: nn.Module | None = None  # the part the step's first forward calls
+        self._pass_counted = False  # this forward pass's samples were counted at a submodule's call
+        self._part_depth = 0  # parts' forwards in progress (a part may call another)
         self.thread: int | None = None  # the loop's (autocast is per thread)
         self.in_backward = False  # (a read of .grad inside backward, a hook's, is not the script's)
         self._probe: Any = None
@@ -254,16 +257,17 @@ class Agent:
             # low format whose numerics are predicted on a device without its kernels
             check = self.mode.name != "trace"
             self.policy = get_policy(self.torch_candidate, device=self.device, check=check)
-            if self.candidate.spec.param_dtype is None and _half_parameters(model):
-                # a script that trains half weights itself (model.to(torch.bfloat16)): fp32 master
-                # weights for this candidate (exact), and its half inputs widened to meet them
-                model._apply(lambda t: t.float() if t.is_floating_point() else t)
-                from mixprec.policy.hooks import cast_inputs
+            with preparing(model, self.candidate.label):  # (a model in parts: casts on its parts)
+                if self.candidate.spec.param_dtype is None and _half_parameters(model):
+                    # a script that trains half weights itself (model.to(torch.bfloat16)): fp32 master
+                    # weights for this candidate (exact), and its half inputs widened to meet them
+                    model._apply(lambda t: t.float() if t.is_floating_point() else t)
+                    from mixprec.policy.hooks import cast_inputs
 
-                model.register_forward_pre_hook(cast_inputs(torch.float32), with_kwargs=True)
-                self._facts.widened = True
-            self._scopes.enter_context(self.policy.precision_scope())  # as a script sets them
-            self.policy.prepare(model)
+                    model.register_forward_pre_hook(cast_inputs(torch.float32), with_kwargs=True)
+                    self._facts.widened = True
+                self._scopes.enter_context(self.policy.precision_scope())  # as a script sets them
+                self.policy.prepare(model)
             if self.candidate.compile:  # the forward only: mixprec's hooks on the model stay eager
                 for part in roots_of(model):
                     part.forward = CompiledForward(part.forward, self.candidate.compile)
@@ -276,8 +280,10 @@ class Agent:
             self.boundary()
         if self.window.started is None:
             self.window.started = time.perf_counter()
-        if id(module) not in self._parts:  # (the model counts its own samples: _root_forward)
-            self.window.samples += _batch_size(args, {})
+        # a part counts its own samples (_root_forward: with its keyword arguments); a loop that calls
+        # a part's submodule first (backbone.features(x)) has them counted here, once
+        self._pass_counted = id(module) not in self._parts
+        self.window.samples += _batch_size(args, {}) if self._pass_counted else 0
         if self.loop and self._autocast is None and threading.get_ident() == self.thread:
             # the script's own autocast (overridden to the candidate's) governs where it has one;
             # a *-true candidate's half default dtype is mixprec's alone
@@ -292,21 +298,25 @@ class Agent:
     def _root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled() or self.internal_calls:
             return
-        if self._entry is None:
-            self._entry = module
+        self._part_depth += 1
+        if self._part_depth > 1:
+            return  # (a part called inside another part's forward: that forward's work)
+        self._entry = self._entry or module
         if module is self._entry:  # (a model in parts: the samples are those its first part takes)
-            self.window.samples += _batch_size(args, kwargs)
+            self.window.samples += 0 if self._pass_counted else _batch_size(args, kwargs)
+            self._pass_counted = False
             for observer in self.observers:
                 observer.forward(self, args, kwargs)
         if self.taping and self.loop:
             if self.window.tape is None:
-                from mixprec.frameworks.script.tape import StepTape
-
                 self.window.tape = StepTape()
             self.window.tape.model_call(self._parts[id(module)], args, kwargs)
 
     def _root_output(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not torch.is_grad_enabled() or self.internal_calls:
+            return
+        self._part_depth = max(self._part_depth - 1, 0)
+        if self._part_depth:  # (inside another part's forward)
             return
         if self.tracer is not None:
             self.tracer.forward_output(output)
@@ -328,6 +338,7 @@ class Agent:
         """Every backward of the script (``torch.autograd.backward``): autocast ends, the loss is
         recorded, and scaled where the candidate's Policy scales it."""
         self.leave_autocast()  # backward runs outside autocast, as the AMP recipe has it
+        self._part_depth = 0  # (no forward is in progress: one that raised and was caught is over)
         if self.window.lead_stepped:  # (a loop that calls model.forward() itself: no forward hook)
             self.boundary()
         if self.window.started is None:

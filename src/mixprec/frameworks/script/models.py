@@ -12,6 +12,8 @@ of them and a precision map names their layers in the script's terms.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import re
 import sys
 from collections.abc import Iterator
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Models", "describe", "find_models", "model_of", "part_names", "roots_of"]
+__all__ = ["Models", "describe", "find_models", "model_of", "part_names", "preparing", "roots_of"]
 
 _TORCH = str(Path(torch.__file__).parent)
 _MIXPREC = str(Path(__file__).parents[2])
@@ -37,6 +39,16 @@ class Models(nn.Module):
         super().__init__()
         for name, part in parts.items():
             self.add_module(name, part)
+        self._spreading = False
+
+    @contextlib.contextmanager
+    def spreading(self) -> Iterator[None]:
+        """While a Policy prepares the model: its forward pre-hooks (input casts) go on the parts."""
+        self._spreading = True
+        try:
+            yield
+        finally:
+            self._spreading = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("the script's model is in parts (mixprec's Models): call each part")
@@ -44,9 +56,12 @@ class Models(nn.Module):
     def register_forward_pre_hook(
         self, hook: Any, *, prepend: bool = False, with_kwargs: bool = False
     ) -> RemovableHandle:
-        """A forward pre-hook (a Policy's input cast) goes on each part, which the script calls:
-        none would ever run here. One handle removes it from all of them (a rescue that widens a
-        *-true model to fp32 removes the cast)."""
+        """While :meth:`spreading`, a forward pre-hook (a Policy's input cast) goes on each part,
+        which the script calls: none would ever run here. One handle removes it from all of them (a
+        rescue that widens a *-true model to fp32 removes the cast). Any other hook (a range
+        collector's on every module) stays here, with its forward hook, and neither runs."""
+        if not self._spreading:
+            return super().register_forward_pre_hook(hook, prepend=prepend, with_kwargs=with_kwargs)
         parts = list(self.children())
         held = [d for part in parts for d in (part._forward_pre_hooks, part._forward_pre_hooks_with_kwargs)]
         handle = RemovableHandle(self._forward_pre_hooks, extra_dict=held)
@@ -57,6 +72,25 @@ class Models(nn.Module):
             if prepend:  # (an OrderedDict, typed as a dict)
                 part._forward_pre_hooks.move_to_end(handle.id, last=False)  # type: ignore[attr-defined]
         return handle
+
+
+@contextlib.contextmanager
+def preparing(model: nn.Module, label: str) -> Iterator[None]:
+    """The body applies candidate ``label`` to ``model``: a :class:`Models`' input casts go on its
+    parts, and a part the candidate replaced is refused (a low format converts a Linear inside its
+    parent: a head that is one was swapped inside the holder while the script kept calling its own)."""
+    parts = dict(zip(part_names(model), roots_of(model), strict=True))
+    with model.spreading() if isinstance(model, Models) else contextlib.nullcontext():
+        yield
+    swapped = [name for name, part in parts.items() if name and getattr(model, name) is not part]
+    if swapped:
+        from mixprec.errors import UnsupportedError
+
+        raise UnsupportedError(
+            f"{label}: the script's {swapped[0]!r} is itself a layer the format converts, and the script "
+            f"calls it, not the module mixprec put in its place; put it in a module of the script's "
+            f"(nn.Sequential({swapped[0]})) or keep it: --keep-bf16 {swapped[0]}"
+        )
 
 
 def describe(model: nn.Module) -> str:
@@ -114,10 +148,11 @@ def model_of(parts: list[nn.Module], frame: FrameType | None = None) -> nn.Modul
     if len(parts) == 1:
         return parts[0]
     named: dict[str, nn.Module] = {}
-    for index, part in enumerate(parts):
+    for part in parts:
         name = _script_name(part, frame or sys._getframe(1)) or _snake(type(part).__name__)
         if name in named or not _usable(name):
-            name = f"{_snake(type(part).__name__)}_{index}"
+            base = _snake(type(part).__name__)
+            name = next(f"{base}_{n}" for n in itertools.count(1) if f"{base}_{n}" not in named)
         named[name] = part
     return Models(named)
 
@@ -140,14 +175,18 @@ def _script_name(part: nn.Module, frame: FrameType | None) -> str | None:
 
 
 def _script_scopes(frame: FrameType | None) -> Iterator[dict[str, Any]]:
-    """The locals then the globals of the first frame outward that is the script's code."""
+    """The locals of each frame of the script's code (not torch's, not mixprec's), innermost first
+    (a ``build_optimizer(params)`` helper's, then the ``main()`` that named the parts), then its
+    globals."""
+    outer: dict[str, Any] | None = None
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith((_TORCH, _MIXPREC)) and not filename.startswith("<frozen"):
+        if not filename.startswith((_TORCH, _MIXPREC, "<frozen")):
             yield frame.f_locals
-            yield frame.f_globals
-            return
+            outer = frame.f_globals
         frame = frame.f_back
+    if outer is not None:
+        yield outer
 
 
 def _holds(value: Any, part: nn.Module) -> bool:

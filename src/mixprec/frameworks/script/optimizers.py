@@ -52,7 +52,6 @@ class Optimizers:
         self.building: dict[int, Built] = {}  # id(optimizer) -> its constructor's, while it runs
         self.applied: dict[str, dict[str, bool]] = {}  # class name -> the implementation keywords set
         self._owner: dict[int, torch.optim.Optimizer] = {}  # id(param) -> its optimizer
-        self._indexed: tuple[int, ...] = ()  # the group sizes _owner was made from
         self._unscaled: set[int] = set()  # optimizers unscaled since the last scale update
 
     # ------------------------------------------------------------------ construction
@@ -249,7 +248,7 @@ class Optimizers:
         """A gradient is read after a scaled backward (a clip, a norm, a log): its optimizer's
         gradients are unscaled first, once per step, as ``GradScaler.unscale_`` before clipping."""
         optimizer = self._owner.get(id(tensor))
-        if optimizer is None and self._group_sizes() != self._indexed:
+        if optimizer is None:
             self._index()  # (a group added since: a backbone unfrozen with add_param_group)
             optimizer = self._owner.get(id(tensor))
         if optimizer is None or id(optimizer) in self._unscaled or self.agent.accumulation.holding():
@@ -262,12 +261,9 @@ class Optimizers:
         self._unscaled.clear()
 
     def _index(self) -> None:
-        """Which optimizer each parameter is in, as their groups hold them now."""
+        """Which optimizer each parameter is in, as their groups hold them now (a group added or
+        its parameters replaced since: read again where a gradient it did not know is read)."""
         self._owner = {id(p): opt for opt in self.all for group in opt.param_groups for p in group["params"]}
-        self._indexed = self._group_sizes()
-
-    def _group_sizes(self) -> tuple[int, ...]:
-        return tuple(len(group["params"]) for opt in self.all for group in opt.param_groups)
 
 
 def live_modules() -> list[nn.Module]:

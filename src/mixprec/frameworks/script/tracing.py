@@ -46,7 +46,8 @@ class Tracer:
         if self._backward_began or _in_functorch():
             return
         first = model_output(output)
-        if first is not None:
+        # (a part that is a loss module returns a scalar: the output before it stays)
+        if first is not None and (first.dim() or self.first_output is None):
             self.first_output = first.detach().float().cpu().clone()
 
     def backward_starts(self, scale: float | None) -> None:
