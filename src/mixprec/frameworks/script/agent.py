@@ -65,7 +65,7 @@ from mixprec.frameworks.script.accumulation import Accumulation
 from mixprec.frameworks.script.copies import CompiledForward, OwnHook, copies_of, follow
 from mixprec.frameworks.script.frameworks import PLAIN, UNKNOWN_FRAMEWORKS, install_import_hooks
 from mixprec.frameworks.script.messages import OWNER_ENV, Facts, Observed, Plan, Step
-from mixprec.frameworks.script.models import describe, part_names, preparing, roots_of
+from mixprec.frameworks.script.models import describe, named_parts, preparing
 from mixprec.frameworks.script.modes import mode_for
 from mixprec.frameworks.script.optimizers import Optimizers
 from mixprec.frameworks.script.own import OwnPrecision, as_torch, compute_dtype
@@ -205,19 +205,19 @@ class Agent:
         facts.param_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
         facts.strict_math = _strict_math(self.device)  # (the script's own, before the candidate's)
         self.nonfinite_at_start = set(nonfinite_buffers(model))
-        parts = roots_of(model)
+        parts = named_parts(model)  # what the script calls: the model, or each of its parts
         changes = self._changes_dtypes(model)
-        copies = [copies_of(part, within=model) if changes else [] for part in parts]
+        copies = {name: copies_of(part, within=model) if changes else [] for name, part in parts.items()}
         try:
             self._apply_candidate(model)  # (a Models' input casts go on its parts)
-            for part, theirs in zip(parts, copies, strict=True):
-                follow(part, theirs)  # (an EMA made before the optimizer: the model's dtypes too)
+            for name, part in parts.items():
+                follow(part, copies[name])  # (an EMA made before the optimizer: the model's dtypes too)
         except MixprecError as exc:
             self.fail(type(exc).__name__, str(exc))
         if self.plan.perturb:
             perturb_weights(model, self.plan.perturb)
-        self._parts = {id(part): name for name, part in zip(part_names(model), parts, strict=True)}
-        for part in parts:
+        self._parts = {id(part): name for name, part in parts.items()}
+        for part in parts.values():
             part.register_forward_pre_hook(OwnHook(self._root_forward, part), with_kwargs=True)
             part.register_forward_hook(OwnHook(self._root_output, part))
         self.mode.discovered()
@@ -269,7 +269,7 @@ class Agent:
                 self._scopes.enter_context(self.policy.precision_scope())  # as a script sets them
                 self.policy.prepare(model)
             if self.candidate.compile:  # the forward only: mixprec's hooks on the model stay eager
-                for part in roots_of(model):
+                for part in named_parts(model).values():
                     part.forward = CompiledForward(part.forward, self.candidate.compile)
 
     # ------------------------------------------------------------------ forwards
@@ -301,7 +301,8 @@ class Agent:
         self._part_depth += 1
         if self._part_depth > 1:
             return  # (a part called inside another part's forward: that forward's work)
-        self._entry = self._entry or module
+        if self._entry is None:  # (not `or`: an empty Sequential is falsy)
+            self._entry = module
         if module is self._entry:  # (a model in parts: the samples are those its first part takes)
             self.window.samples += 0 if self._pass_counted else _batch_size(args, kwargs)
             self._pass_counted = False

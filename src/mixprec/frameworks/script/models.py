@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Models", "describe", "find_models", "model_of", "part_names", "preparing", "roots_of"]
+__all__ = ["Models", "describe", "find_models", "model_of", "named_parts", "preparing"]
 
 _TORCH = str(Path(torch.__file__).parent)
 _MIXPREC = str(Path(__file__).parents[2])
@@ -79,7 +79,7 @@ def preparing(model: nn.Module, label: str) -> Iterator[None]:
     """The body applies candidate ``label`` to ``model``: a :class:`Models`' input casts go on its
     parts, and a part the candidate replaced is refused (a low format converts a Linear inside its
     parent: a head that is one was swapped inside the holder while the script kept calling its own)."""
-    parts = dict(zip(part_names(model), roots_of(model), strict=True))
+    parts = named_parts(model)
     with model.spreading() if isinstance(model, Models) else contextlib.nullcontext():
         yield
     swapped = [name for name, part in parts.items() if name and getattr(model, name) is not part]
@@ -100,14 +100,10 @@ def describe(model: nn.Module) -> str:
     return type(model).__name__
 
 
-def roots_of(model: nn.Module) -> list[nn.Module]:
-    """The modules the script calls: a :class:`Models`' parts, else the model itself."""
-    return list(model.children()) if isinstance(model, Models) else [model]
-
-
-def part_names(model: nn.Module) -> list[str]:
-    """The names of :func:`roots_of`'s modules in ``model`` ('' for the model itself)."""
-    return [name for name, _ in model.named_children()] if isinstance(model, Models) else [""]
+def named_parts(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules the script calls, by name in ``model``: a :class:`Models`' parts, else the model
+    itself as ''."""
+    return dict(model.named_children()) if isinstance(model, Models) else {"": model}
 
 
 def find_models(params: list[int], live: list[nn.Module]) -> list[nn.Module]:
@@ -121,14 +117,15 @@ def find_models(params: list[int], live: list[nn.Module]) -> list[nn.Module]:
     roots = [m for m in live if id(m) not in children]
     wanted = set(params)
     held = {id(root): {id(p) for p in root.parameters()} & wanted for root in roots}
+    size = {id(root): sum(1 for _ in root.parameters()) for root in roots}
     left, found = set(wanted), []
     while True:
         # most of what is left; among equals, the smallest module holding them
-        best = max(
-            (r for r in roots if held[id(r)] & left),
-            key=lambda r: (len(held[id(r)] & left), -sum(1 for _ in r.parameters())),
-            default=None,
-        )
+        best, most = None, (0, 0)
+        for root in roots:
+            score = (len(held[id(root)] & left), -size[id(root)])
+            if score[0] and (best is None or score > most):
+                best, most = root, score
         if best is None:
             break
         found.append(best)
@@ -147,9 +144,10 @@ def model_of(parts: list[nn.Module], frame: FrameType | None = None) -> nn.Modul
     named as the script's code names them (its variable, ``self.encoder``'s attribute), else by class."""
     if len(parts) == 1:
         return parts[0]
+    frame = frame or sys._getframe(1)
     named: dict[str, nn.Module] = {}
     for part in parts:
-        name = _script_name(part, frame or sys._getframe(1)) or _snake(type(part).__name__)
+        name = _script_name(part, frame) or _snake(type(part).__name__)
         if name in named or not _usable(name):
             base = _snake(type(part).__name__)
             name = next(f"{base}_{n}" for n in itertools.count(1) if f"{base}_{n}" not in named)
@@ -158,9 +156,9 @@ def model_of(parts: list[nn.Module], frame: FrameType | None = None) -> nn.Modul
 
 
 def _script_name(part: nn.Module, frame: FrameType | None) -> str | None:
-    """The name the script's code gives ``part``: a variable of the innermost frame of the script's
-    own (not torch's, not mixprec's) that holds it or its compile wrapper, else an attribute of one
-    of that frame's objects (``self.encoder``)."""
+    """The name the script's code gives ``part``: a variable that holds it or its compile wrapper in
+    a frame of the script's own (not torch's, not mixprec's), innermost first, else an attribute of
+    one of that frame's objects (``self.encoder``); then a global of the script's."""
     for scope in _script_scopes(frame):
         for name, value in list(scope.items()):
             if _holds(value, part) and _usable(name):

@@ -52,6 +52,7 @@ class Optimizers:
         self.building: dict[int, Built] = {}  # id(optimizer) -> its constructor's, while it runs
         self.applied: dict[str, dict[str, bool]] = {}  # class name -> the implementation keywords set
         self._owner: dict[int, torch.optim.Optimizer] = {}  # id(param) -> its optimizer
+        self._indexed_this_step = False
         self._unscaled: set[int] = set()  # optimizers unscaled since the last scale update
 
     # ------------------------------------------------------------------ construction
@@ -248,7 +249,7 @@ class Optimizers:
         """A gradient is read after a scaled backward (a clip, a norm, a log): its optimizer's
         gradients are unscaled first, once per step, as ``GradScaler.unscale_`` before clipping."""
         optimizer = self._owner.get(id(tensor))
-        if optimizer is None:
+        if optimizer is None and not self._indexed_this_step:
             self._index()  # (a group added since: a backbone unfrozen with add_param_group)
             optimizer = self._owner.get(id(tensor))
         if optimizer is None or id(optimizer) in self._unscaled or self.agent.accumulation.holding():
@@ -259,11 +260,13 @@ class Optimizers:
 
     def new_step(self) -> None:
         self._unscaled.clear()
+        self._indexed_this_step = False
 
     def _index(self) -> None:
         """Which optimizer each parameter is in, as their groups hold them now (a group added or
         its parameters replaced since: read again where a gradient it did not know is read)."""
         self._owner = {id(p): opt for opt in self.all for group in opt.param_groups for p in group["params"]}
+        self._indexed_this_step = True  # (a gradient of no optimizer's, read each step: once a step)
 
 
 def live_modules() -> list[nn.Module]:
