@@ -15,6 +15,7 @@ import pytest
 import mixprec
 from mixprec.budget import Budget
 from mixprec.measure.results import BenchRow
+from mixprec.measure.settle import SESSION_ROUNDS
 from mixprec.policy import Candidate
 from mixprec.tuning.settle import reserve
 
@@ -76,7 +77,10 @@ def test_bench_settles_every_row_when_asked_and_stops_at_its_round_cap():
     settled = mixprec.bench(planted, steps=4, warmup=1, settle=0.05, isolate=False)
     for row in settled.rows:
         if row.paired_ratios:
-            assert len(row.paired_ratios) > 4 and _half_width(row) <= 0.05, (row.label, row.speedup_ci)
+            # settled, or stopped at the 40 rounds the default caps it to (its sessions' spread
+            # widens the interval: fp16-mixed's five sessions here reach 5.2%)
+            settled_or_capped = _half_width(row) <= 0.05 or len(row.paired_ratios) == 40
+            assert len(row.paired_ratios) > 4 and settled_or_capped, (row.label, row.speedup_ci)
             assert statistics.median(row.paired_ratios) == pytest.approx(
                 SPEEDS["fp32"] / SPEEDS[row.policy], rel=0.05
             )
@@ -109,9 +113,10 @@ def _search_for_reserve(settle_s):
 
 
 def test_the_time_to_settle_the_pick_is_kept_back_only_where_its_share_pays_a_session():
-    cheap = _search_for_reserve(lambda row, rounds: 10.0 + 2.0 * rounds)  # 12 rounds: 34 s
-    assert reserve(cheap) == 34.0 and cheap.budget.reserve_s == 34.0
-    dear = _search_for_reserve(lambda row, rounds: 10.0 + 5.0 * rounds)  # 12 rounds: 70 s, capped
+    # 12 rounds: two sessions of 6 (a fresh process's pace is its own), each paying its opening
+    cheap = _search_for_reserve(lambda row, rounds: 10.0 + 2.0 * rounds)  # 2 x 22 s
+    assert reserve(cheap) == 44.0 and cheap.budget.reserve_s == 44.0
+    dear = _search_for_reserve(lambda row, rounds: 10.0 + 5.0 * rounds)  # 2 x 40 s, capped
     assert reserve(dear) == 0.15 * 300 and dear.budget.reserve_s == 45.0
     # a busy machine: strict fp32's opening and 4 rounds cost more than the 45 s share would keep,
     # so nothing is kept back to go unused (`make demo` beside two busy loops ended 50 s early)
@@ -174,3 +179,23 @@ def test_a_settling_sweep_the_budget_stopped_says_so_and_keeps_the_first_figure(
     note = next(n for n in search.notes if "not settled" in n)
     assert f"no new row ({stopped}); the figure is the first sweep's" in note, note
     assert search.row(pick.candidate).paired_ratios == noisy
+
+
+def test_settling_rounds_go_to_fresh_sessions_whose_pace_is_their_own(planted_framework):  # noqa: F811
+    """Issue 53 on the AMX Xeon: a fresh process keeps a pace of its own (fresh processes of 8
+    rounds each spread 7.7%, 4.1% of it their rounds' noise), while one process held within 2% for
+    12 minutes (benchmarks/speedup_drift.py). bench settled 30 rounds in one session there: rounds
+    that average one process's pace. Planted: each session's pace 4.5% off the machine's."""
+    type(planted_framework)._labels = set(SPEEDS)
+    figures = []
+    for seed in range(16):
+        planted = Planted(SPEEDS, jitter=0.08, session_sd=0.045, rng=random.Random(seed))
+        result = mixprec.bench(
+            planted, policies=("fp32", "bf16-mixed"), steps=4, warmup=1, settle=0.05, isolate=False
+        )
+        row = next(r for r in result.rows if r.label == "bf16-mixed")
+        assert len(row.sessions) >= 3 and max(row.sessions) <= SESSION_ROUNDS, row.sessions
+        figures.append(row.speedup_vs_fp32)
+    # sixteen benches' figures: 3.6% apart (sd); with each settling session as long as the rounds
+    # wanted (two at most), 5.3%
+    assert statistics.stdev(figures) / statistics.mean(figures) <= 0.045, figures

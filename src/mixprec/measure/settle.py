@@ -6,11 +6,15 @@ machine that repeats; on the 2-core AMX Xeon VM the machine's pace moved between
 rounds and the next's more than their interval said: ResNet-50's bf16-mixed+cl read 1.61x over
 the 4 rounds of one session (1.55-1.78) and 2.17x over the 11 of the next (1.41-3.76), and a plain
 probe in one process 2.01x, 2.30x and 2.48x in three runs; more rounds in the same process narrow
-an interval around that process's figure, not the spread between processes. Settling a row
+an interval around that process's figure, not the spread between processes. Within one process
+the same pair held still: over 12 minutes its 4-minute medians agreed within 2%, where fresh
+processes of 8 rounds each spread 7.7% (4.1% of it their rounds' noise;
+``benchmarks/speedup_drift.py``, ``benchmarks/results/cpu-intel-xeon-amx/``). Settling a row
 measures its candidate again in fresh sweeps (each a strict-fp32 session and the candidate's,
 paired as every sweep is) for the rounds its interval needs to reach ``width`` either side, at
-least :data:`MIN_ROUNDS` in all and at most ``most``, and pools every round into the row: its
-figure weighs each session by its rounds and by how far the sessions disagree
+least :data:`MIN_ROUNDS` in all and at most ``most``, at most :data:`SESSION_ROUNDS` in one
+session (the rounds go to more processes, not to a longer one), and pools every round into the
+row: its figure weighs each session by its rounds and by how far the sessions disagree
 (:func:`~mixprec.measure.results.session_speedup`; issue 53). ``bench --settle`` does it for every row;
 ``tune`` for its pick (:mod:`mixprec.tuning.settle`, within its budget).
 """
@@ -28,7 +32,10 @@ from mixprec.status import Status
 # A bootstrap interval of 4 rounds is about their range: a figure is settled over at least this many.
 MIN_ROUNDS = 8
 # More sessions a row is measured in at most (the rounds each needs are estimated from those so far).
-SETTLE_SWEEPS = 2
+SETTLE_SWEEPS = 5
+# The most paired rounds one settling session measures: a fresh process's own pace is what the
+# rounds beyond these would average (the AMX Xeon's bench settled 30 rounds in one session).
+SESSION_ROUNDS = 8
 
 # One more paired sweep of these candidates for this many rounds each (its rows).
 Sweep = Callable[[Sequence[Candidate], int], BenchResult]
@@ -42,6 +49,17 @@ def spread(row: BenchRow) -> float | None:
         return None
     low, high = row.speedup_ci
     return max(high - row.speedup_vs_fp32, row.speedup_vs_fp32 - low) / row.speedup_vs_fp32
+
+
+def sessions_of(rounds: int) -> list[int]:
+    """``rounds`` more paired rounds as settling measures them: the fewest sessions of at most
+    :data:`SESSION_ROUNDS` rounds, split evenly (12 rounds are two sessions of 6: a session of 4
+    would pay strict fp32's opening for four rounds)."""
+    if rounds <= 0:
+        return []
+    count = math.ceil(rounds / SESSION_ROUNDS)
+    each, more = divmod(rounds, count)
+    return [each + 1] * more + [each] * (count - more)
 
 
 def rounds_wanted(row: BenchRow, width: float, most: int) -> int:
@@ -84,8 +102,9 @@ def settled_note(first: BenchRow, row: BenchRow, sessions: int) -> str:
 
 def settle_rows(result: BenchResult, sweep: Sweep, width: float, most: int) -> None:
     """Every measured row of ``result`` (strict fp32 aside) that is not settled, measured again by
-    ``sweep`` (the candidates together, each for the most rounds any of them needs) until it is, in
-    at most :data:`SETTLE_SWEEPS` more sessions; each row pooled over its sessions, with a note."""
+    ``sweep`` (the candidates together, each for the most rounds any of them needs, at most
+    :data:`SESSION_ROUNDS` a session) until it is, in at most :data:`SETTLE_SWEEPS` more sessions;
+    each row pooled over its sessions, with a note."""
     firsts = {r.candidate: r for r in result.rows if not r.baseline_repeat and r.paired_ratios}
     sessions = dict.fromkeys(firsts, 1)
     for _ in range(SETTLE_SWEEPS):
@@ -93,7 +112,7 @@ def settle_rows(result: BenchResult, sweep: Sweep, width: float, most: int) -> N
         wanted = {c: n for c, r in current.items() if (n := rounds_wanted(r, width, most))}
         if not wanted:
             break
-        swept = sweep(list(wanted), max(wanted.values()))
+        swept = sweep(list(wanted), sessions_of(max(wanted.values()))[0])
         measured = {
             r.candidate: r for r in result.measured if r.candidate in wanted and not r.baseline_repeat
         }

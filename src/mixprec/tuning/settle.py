@@ -35,7 +35,8 @@ def reserve(search: Search) -> float:
     share = SETTLE_SHARE * search.budget.seconds
     if share < search.costs.settle_s(fastest, min(rounds, search.sweeps.bench.steps)):
         return 0.0
-    search.held_s = min(share, search.costs.settle_s(fastest, rounds))
+    cost = sum(search.costs.settle_s(fastest, n) for n in settling.sessions_of(rounds))
+    search.held_s = min(share, cost)
     search.budget.reserve_s += search.held_s
     return search.held_s
 
@@ -43,7 +44,8 @@ def reserve(search: Search) -> float:
 def settle(search: Search, rec: Recommendation | None) -> bool:
     """The pick's row over the paired rounds it needs to be settled, those the budget pays (with
     what :func:`reserve` held back for it, where re-measuring a noisy rival did not take it), in at most
-    :data:`~mixprec.measure.settle.SETTLE_SWEEPS` more sessions. True where rounds joined it (the
+    :data:`~mixprec.measure.settle.SETTLE_SWEEPS` more sessions of at most
+    :data:`~mixprec.measure.settle.SESSION_ROUNDS` rounds each. True where rounds joined it (the
     decision is to be made again)."""
     search.release_held()
     first = search.row(rec.candidate) if rec is not None else None
@@ -89,7 +91,8 @@ def _more_rounds(search: Search, row: BenchRow) -> tuple[int, bool]:
     session for), and whether the budget is why it gets fewer than it needs."""
     wanted = settling.rounds_wanted(row, search.sweeps.config.settle, search.sweeps.bench.settle_rounds)
     paid = search.costs.rounds_paid(row, search.budget.left())
-    rounds = min(wanted, paid)
+    # (this session's share of them: the rest go to fresh sessions, whose pace is their own)
+    rounds = min(settling.sessions_of(wanted)[0] if wanted else 0, paid)
     if rounds < search.sweeps.bench.steps:  # (fewer do not pay for strict fp32's opening)
         rounds = 0
     return rounds, paid < wanted
