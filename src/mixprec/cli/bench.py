@@ -60,9 +60,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=0.0,
         metavar="SHARE",
-        help="measure a candidate again, in up to two more sessions, until its speedup's 95%% interval is "
-        "within SHARE of it either side (0.05: a figure the next run repeats within about 10%%; at most "
-        "40 paired rounds)",
+        help="measure a candidate again, in up to five more sessions of at most 8 rounds, until its "
+        "speedup's 95%% interval is within SHARE of it either side (0.05: a figure the next run repeats "
+        "within about 10%%; at most 40 paired rounds)",
     )
     p.add_argument(
         "--prune-factor", type=float, default=5.0, help="stop candidates this many times slower than the best"

@@ -94,10 +94,10 @@ class BenchConfig:
     """Keep timing a candidate until this much timed time has passed (at most 200 steps)."""
 
     settle: float = 0.0
-    """Measure a candidate again, in up to two more sessions, until its speedup's 95% interval lies
-    within this share of it either side over all its paired rounds (0.05: 5%, a figure the next run
-    repeats within about 10%), at most ``settle_rounds`` rounds; 0: one session of ``steps``
-    rounds. A noisy machine takes more rounds (:mod:`mixprec.measure.settle`)."""
+    """Measure a candidate again, in up to five more sessions of at most 8 rounds, until its speedup's 95%
+    interval lies within this share of it either side over all its paired rounds (0.05: 5%, a figure the next
+    run repeats within about 10%), at most ``settle_rounds`` rounds; 0: one session of ``steps`` rounds. A
+    noisy machine takes more rounds (:mod:`mixprec.measure.settle`)."""
 
     settle_rounds: int = 40
     """With ``settle`` (and tune's): the most paired rounds a candidate gets, over all sessions."""

@@ -58,10 +58,10 @@ class TuneConfig:
     """The smallest relative speed difference treated as real."""
 
     settle: float = 0.05
-    """The pick is measured again, in up to two more sessions, until its speedup's 95% interval lies
-    within this share of it either side over all its paired rounds (at most ``bench.settle_rounds``,
-    and what the budget pays; :mod:`mixprec.tuning.settle`): the figure the next run repeats. 0:
-    the pick's figure as its sweep left it."""
+    """The pick is measured again, in up to five more sessions of at most 8 rounds, until its speedup's 95%
+    interval lies within this share of it either side over all its paired rounds (at most
+    ``bench.settle_rounds``, and what the budget pays; :mod:`mixprec.tuning.settle`): the figure the next run
+    repeats. 0: the pick's figure as its sweep left it."""
 
     compile_modes: tuple[str, ...] | None = None
     """Compile modes tried on the best eager candidates (() for none; default: the framework's first,
