@@ -181,12 +181,12 @@ def test_a_settling_sweep_the_budget_stopped_says_so_and_keeps_the_first_figure(
     assert search.row(pick.candidate).paired_ratios == noisy
 
 
-def test_settling_rounds_go_to_fresh_sessions_whose_pace_is_their_own(planted_framework):  # noqa: F811
+def test_settling_rounds_go_to_fresh_sessions_whose_pace_is_their_own(planted_framework, monkeypatch):  # noqa: F811
     """Issue 53 on the AMX Xeon: a fresh process keeps a pace of its own (fresh processes of 8
     rounds each spread 7.7%, 4.1% of it their rounds' noise), while one process held within 2% for
     12 minutes (benchmarks/speedup_drift.py). bench settled 30 rounds in one session there: rounds
     that average one process's pace. Planted: each session's pace 4.5% off the machine's."""
-    type(planted_framework)._labels = set(SPEEDS)
+    monkeypatch.setattr(type(planted_framework), "_labels", set(SPEEDS))  # (bench plans no tune)
     figures = []
     for seed in range(16):
         planted = Planted(SPEEDS, jitter=0.08, session_sd=0.045, rng=random.Random(seed))
