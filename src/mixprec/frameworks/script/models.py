@@ -121,11 +121,11 @@ def find_models(params: list[int], live: list[nn.Module]) -> list[nn.Module]:
     left, found = set(wanted), []
     while True:
         # most of what is left; among equals, the smallest module holding them
-        best, most = None, (0, 0)
-        for root in roots:
-            score = (len(held[id(root)] & left), -size[id(root)])
-            if score[0] and (best is None or score > most):
-                best, most = root, score
+        best = max(
+            (r for r in roots if held[id(r)] & left),
+            key=lambda r: (len(held[id(r)] & left), -size[id(r)]),
+            default=None,
+        )
         if best is None:
             break
         found.append(best)
