@@ -67,7 +67,12 @@ lint: $(STAMP)
 # lists the slowest tests in the log, where a slow one shows up first.
 # Lint runs beside the suite (mypy is half a minute of one core, hidden under the suite's start-up)
 # and counts the same: its output follows the suite's, and either failing fails `make test`.
+# mixprec's own source is byte-compiled first, as the venv's is at setup: the suite starts hundreds of
+# Python processes that import it (candidates, scripts under the agent, ranks), and where
+# PYTHONDONTWRITEBYTECODE is set (these sessions' shells set it) each compiled its 250 modules again, about
+# 0.7 s of a core apiece (tests/frameworks/test_script.py: 206 s -> 195 s).
 test: $(STAMP)
+	@$(call COMPILE,src)
 	@$(MAKE) --no-print-directory lint > $(VENV)/lint.log 2>&1 & lint=$$!; \
 	MIXPREC_REQUIRE_FRAMEWORKS=1 $(BIN)/python -m pytest -q -n auto --dist worksteal --durations=25; \
 	tests=$$?; wait $$lint; linted=$$?; echo "--- make lint"; cat $(VENV)/lint.log; \
