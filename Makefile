@@ -70,7 +70,7 @@ lint: $(STAMP)
 # mixprec's own source is byte-compiled first, as the venv's is at setup: the suite starts hundreds of
 # Python processes that import it (candidates, scripts under the agent, ranks), and where
 # PYTHONDONTWRITEBYTECODE is set (these sessions' shells set it) each compiled its 250 modules again, about
-# 0.7 s of a core apiece (tests/frameworks/test_script.py: 206 s -> 195 s).
+# 0.7 s of a core apiece (tests/frameworks/test_script.py starts 33 of them: 206 s -> 195 s).
 test: $(STAMP)
 	@$(call COMPILE,src)
 	@$(MAKE) --no-print-directory lint > $(VENV)/lint.log 2>&1 & lint=$$!; \
