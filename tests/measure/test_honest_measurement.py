@@ -20,7 +20,7 @@ from mixprec.measure.results import BenchResult, BenchRow, assemble
 from mixprec.policy import Candidate
 from mixprec.report.bench import bench_table, drift_text
 from mixprec.tuning import decide
-from mixprec.tuning.decide import NOISE_CAP
+from mixprec.tuning.speedups import NOISE_CAP
 
 
 def _mlp_workload(disturb) -> mixprec.Workload:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from mixprec.measure.results import BenchRow, assemble
 from mixprec.policy import Candidate
-from mixprec.tuning.decide import uncertainty
+from mixprec.tuning.speedups import uncertainty
 
 
 def _rows(candidate_ms: float, ratios: tuple[float, ...]):

@@ -132,7 +132,7 @@ def test_a_settled_rows_standard_error_is_its_sessions_not_its_rounds():
     better than its sessions do; it is at least what the sessions' interval says now."""
     import math
 
-    from mixprec.tuning.decide import Z, log_speed_se
+    from mixprec.tuning.speedups import Z, log_speed_se
 
     row = _run_14()
     rounds_only = BenchRow(**{**row.__dict__, "sessions": ()})

@@ -113,8 +113,11 @@ class PlantedFramework(Framework):
     layouts: ClassVar[bool] = True
 
     def support(self, candidate: Candidate, info: DeviceInfo, workload: Any = None) -> Support:
-        planted = any(label.split("+")[0] == candidate.policy for label in self._labels)
-        if candidate.policy in self._emulated:
+        # the workload's own labels where given (bench asks with it, without tune_candidates first)
+        labels = workload.seconds if isinstance(workload, Planted) else self._labels
+        emulated = workload.emulated if isinstance(workload, Planted) else self._emulated
+        planted = any(label.split("+")[0] == candidate.policy for label in labels)
+        if candidate.policy in emulated:
             return Support(True, "emulated here", "fp32", native=False)
         return Support(planted, "planted" if planted else "not planted", None if planted else "fp32")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from mixprec.frameworks import Framework
 from mixprec.measure.results import BenchRow
 from mixprec.policy import Candidate
-from mixprec.tuning.decide import speed
+from mixprec.tuning.speedups import speed
 
 # Share of the elementwise time compiling removes (a prior: 65-80% measured on a small GPT, 2-core CPU).
 FUSION_GAIN = 0.7

@@ -20,7 +20,7 @@ from mixprec.policy import Candidate
 from mixprec.status import Status
 from mixprec.tuning.compiling import MIN_COMPILE_S
 from mixprec.tuning.config import TuneConfig
-from mixprec.tuning.decide import speed
+from mixprec.tuning.speedups import speed
 
 # What checking a compiled candidate's numerics adds to an eager check, in multiples of its first
 # compile here: its checking process compiles its training step again (and recompiles as its

@@ -5,7 +5,10 @@ safer one, never to one measured slower than another passing candidate.
 numbers (property tests in ``tests/tuning/test_decide_resolved.py``). It works from what is
 resolved: a passing candidate whose own speedup is uncertain beyond :data:`NOISE_CAP` (and that no
 race resolved) is *noisy*: set aside and named for a re-measure, never the reference a tie-break is
-measured against. Safer means simpler to live with: fp32 master weights beat half-precision
+measured against, unless it is measured faster than every resolved one (then it can be the pick).
+What a speedup is and how well it is known: :mod:`mixprec.tuning.speedups`.
+
+Safer means simpler to live with: fp32 master weights beat half-precision
 storage, no loss scaling beats loss scaling, NCHW beats a layout change, fewer fp32 islands beat
 more (``PolicySpec.safety_rank`` orders the policies); a safer candidate whose interval lies
 entirely below another passing candidate's (:func:`dominates`) is never preferred. What was not
@@ -16,7 +19,6 @@ table too (:class:`Untried`), and the recommendation says what trying them would
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,20 @@ from mixprec.measure.results import BenchRow, baseline_row, spared_said
 from mixprec.numerics.results import CandidateCheck
 from mixprec.policy import Candidate, PolicyConfig, get_policy
 from mixprec.status import Status
+from mixprec.tuning.speedups import (
+    NOISE_CAP,
+    Speed,
+    amortized,
+    dominates,
+    faster_beyond_noise,
+    interval,
+    interval_band,
+    noise_band,
+    raw_interval,
+    speed,
+    uncertainty,
+    within_noise,
+)
 
 Verdicts = Mapping[Candidate, CandidateCheck]  # keyed by Candidate.numerics
 
@@ -228,125 +244,11 @@ def safety(row: BenchRow) -> tuple[int, int, int, int, int, int]:
     )
 
 
-def speed(row: BenchRow) -> float:
-    """What candidates are ranked by: the speedup over strict fp32 (paired when measured so)."""
-    return row.speedup_vs_fp32 or 0.0
-
-
-def log_speed_se(row: BenchRow) -> float:
-    """Standard error of log(speedup). Paired rows: their log paired ratios' spread over sqrt(rounds),
-    settled rows at least their interval's (it spans their sessions). Unpaired rows (data-parallel,
-    schema-1 files): from the step times' IQR (~1.35 sigma; se(median) ~ 0.93 * IQR / median / sqrt(n))."""
-    ratios = [r for r in row.paired_ratios if r > 0]
-    if len(ratios) >= 2:
-        se = statistics.stdev(math.log(r) for r in ratios) / math.sqrt(len(ratios))
-        if len(row.sessions) < 2 or not row.speedup_ci or min(row.speedup_ci) <= 0:
-            return se
-        return max(se, math.log(row.speedup_ci[1] / row.speedup_ci[0]) / (2 * Z))
-    st = row.step_time_ms
-    if not st or not st.median_ms or not st.n:
-        return 0.0
-    return 0.93 * (st.iqr_ms / st.median_ms) / math.sqrt(st.n)
-
-
-# About 95% of the sampling noise of a difference lies within two standard errors.
-Z = 2.0
-# Beyond this relative uncertainty a candidate's speedup is not resolved on this machine: it is set
-# aside (and re-measured when the budget allows) instead of widening every comparison with it
-# into a tie-break; two resolved candidates' noise band is capped here too.
-NOISE_CAP = 0.25
 # The verdicts that keep a candidate out of the recommendation, each shown as its row's status:
 # a fail, a failure predicted within the run (at-risk), a format that never ran (error).
 REJECTED = (Status.FAIL, Status.AT_RISK, Status.ERROR)
 # The decision table names at most this many untried candidates in one sentence.
 NAMED = 6
-
-
-def noise_band(a: BenchRow, b: BenchRow, noise: float) -> float:
-    """Relative speed difference between ``a`` and ``b`` that is not real: ``noise``, or two
-    combined standard errors of their log speedups if larger (uncapped: compare with NOISE_CAP)."""
-    return max(noise, math.expm1(Z * math.hypot(log_speed_se(a), log_speed_se(b))))
-
-
-def within_noise(speedup: float, best: float, band: float) -> bool:
-    return speedup >= best * (1 - min(band, NOISE_CAP))
-
-
-def _raw_interval(row: BenchRow, reference: bool) -> tuple[float, float]:
-    """The row's 95% interval of its speedup: its paired rounds' bootstrap interval, else two
-    standard errors of log(speedup) either side; a point for the reference (1x by definition)."""
-    s = speed(row)
-    if reference or s <= 0:
-        return s, s
-    if row.speedup_ci:
-        lo, hi = row.speedup_ci
-        return min(lo, s), max(hi, s)
-    spread = math.exp(Z * log_speed_se(row))
-    return s / spread, s * spread
-
-
-def uncertainty(row: BenchRow, *, reference: bool = False) -> float:
-    """How uncertain ``row``'s speedup is on its own: the relative half-width of its 95% interval
-    in log terms (0.3: about +-30%). Above :data:`NOISE_CAP` (and unresolved by a race) the row is
-    noisy: set aside by :func:`decide`."""
-    lo, hi = _raw_interval(row, reference)
-    if lo <= 0 or hi <= 0:
-        return 0.0 if lo == hi else math.inf
-    return math.expm1((math.log(hi) - math.log(lo)) / 2)
-
-
-def interval(
-    row: BenchRow, noise: float = 0.03, *, scale: float = 1.0, reference: bool = False
-) -> tuple[float, float]:
-    """The speedup interval the decision compares: the 95% interval, never narrower than the noise
-    floor around the median (+-``noise``/2, so two candidates closer than ``noise`` always
-    overlap), times ``scale`` (a compiled row's amortised over its per-step speedup)."""
-    s = speed(row)
-    lo, hi = _raw_interval(row, reference)
-    return min(lo, s * (1 - noise / 2)) * scale, max(hi, s * (1 + noise / 2)) * scale
-
-
-def dominates(
-    faster: BenchRow,
-    slower: BenchRow,
-    noise: float = 0.03,
-    *,
-    effective: Speed | None = None,
-    race: Race | None = None,
-    reference: BenchRow | None = None,
-) -> bool:
-    """``faster``'s :func:`interval` lies entirely above ``slower``'s: measured apart, however wide
-    each is (with ``effective``, compile time amortised). A race that measured the two head to head
-    has the last word: dominated only where it found ``faster`` faster."""
-    if faster is slower or faster.candidate == slower.candidate:
-        return False
-    duel = race.duel(faster.candidate, slower.candidate) if race is not None else None
-    if duel is not None and duel.resolved:
-        return duel.faster() == faster.candidate
-
-    def scaled(row: BenchRow) -> tuple[float, float]:
-        s = speed(row)
-        scale = effective(row) / s if effective is not None and s else 1.0
-        return interval(row, noise, scale=scale, reference=row is reference)
-
-    return scaled(slower)[1] < scaled(faster)[0]
-
-
-def amortized(row: BenchRow, baseline: BenchRow | None, train_steps: int | None) -> float:
-    """The speedup over a run of ``train_steps`` steps with compilation paid once: strict fp32
-    takes N steps of t; the candidate takes its compile time plus N steps of t / speedup. Eager
-    candidates (whose cold step costs about what fp32's does) keep their steady speedup."""
-    s = speed(row)
-    if not train_steps or not row.candidate.compile or not s or baseline is None:
-        return s
-    base_st, extra = baseline.step_time_ms, row.compile_s
-    if base_st is None or not base_st.median_ms or extra is None:
-        return s
-    run_s = train_steps * base_st.median_ms / 1e3
-    return run_s / (extra + run_s / s)
-
-
-Speed = Callable[[BenchRow], float]
 
 
 @dataclass(frozen=True)
@@ -375,6 +277,17 @@ class _Judge:
         return dominates(
             faster, slower, self.noise, effective=self.effective, race=self.race, reference=self.fp32
         )
+
+    def apart(self, faster: BenchRow, slower: BenchRow) -> bool:
+        """``faster`` is measured faster than ``slower``: its interval lies above (or their race
+        says so), or, where ``faster`` is noisy, its figure clears their combined noise
+        (:func:`faster_beyond_noise`): a noisy row's own figure is uncertain, not unknown."""
+        if self.dominates(faster, slower):
+            return True
+        duel = self.race.duel(faster.candidate, slower.candidate) if self.race is not None else None
+        if (duel is not None and duel.resolved) or not self.noisy(faster):
+            return False
+        return faster_beyond_noise(faster, slower, self.noise, effective=self.effective, reference=self.fp32)
 
     def interval(self, row: BenchRow) -> tuple[float, float]:
         s = speed(row)
@@ -407,9 +320,10 @@ def decide(
     of that pair: ``noise`` is the smallest relative difference treated as real; two combined
     standard errors widen it, up to :data:`NOISE_CAP`. A safer candidate never wins when its
     interval lies entirely below another passing candidate's (:func:`dominates`), nor when it is
-    slower than a candidate the race measured slower than the fastest. Where a noisy candidate's
-    interval lies entirely above the fastest resolved one's, it is faster whatever its noise and the
-    pick is among such candidates.
+    slower than a candidate the race measured slower than the fastest. Where a noisy candidate is
+    measured faster than the fastest resolved one (its interval lies entirely above, or its figure
+    clears theirs by more than their combined noise: :func:`~mixprec.tuning.speedups.faster_beyond_noise`),
+    it is faster whatever its noise and the pick is among such candidates.
 
     A ``race`` (:mod:`mixprec.measure.race`) has the last word between the candidates it measured
     against each other: a resolved duel orders them whatever their fp32-relative figures say, a
@@ -513,8 +427,8 @@ def unverified(verdict: CandidateCheck | None) -> str | None:
 def _choose(
     fastest: BenchRow, resolved: Sequence[BenchRow], passing: Sequence[BenchRow], judge: _Judge
 ) -> tuple[BenchRow, list[BenchRow]]:
-    """The pick and the band it was chosen from (empty when a noisy candidate's interval lies
-    above every candidate of the band: the pick is then among those measured apart above it)."""
+    """The pick and the band it was chosen from (empty when a noisy candidate is measured faster
+    than the fastest resolved one, :meth:`_Judge.apart`: the pick is then among those)."""
     effective, race = judge.effective, judge.race
     outcome = _outcomes(fastest, race)
     # a candidate the race measured slower than the fastest bounds the band: whatever is slower
@@ -528,29 +442,39 @@ def _choose(
             return False
         return within_noise(effective(r), effective(fastest), noise_band(r, fastest, judge.noise))
 
-    band = [r for r in resolved if in_band(r) and not any(judge.dominates(d, r) for d in passing)]
-    if band:
-        return min(band, key=safety), band
-    # every candidate of the band lies below another passing one: the pick is among those whose
-    # interval lies above the fastest resolved one's and that nothing lies above in turn
-    above = [d for d in passing if judge.dominates(d, fastest)]
-    top = [d for d in above if not any(judge.dominates(e, d) for e in passing)] or above or [fastest]
+    above = [d for d in passing if judge.apart(d, fastest)]
+    if not above:
+        band = [r for r in resolved if in_band(r) and not any(judge.apart(d, r) for d in passing)]
+        return min(band, key=safety), band  # (the fastest is in it: nothing is apart above it)
+    # a noisy candidate measured faster than the fastest resolved one: the pick is among those
+    # measured faster than it that nothing is measured faster than in turn
+    top = [d for d in above if not any(judge.apart(e, d) for e in passing)] or above
     return min(top, key=safety), []
 
 
 def _above(chosen: BenchRow, fastest: BenchRow, judge: _Judge) -> str:
-    lo, hi = judge.interval(chosen)
+    """Why a noisy pick beat the fastest well-measured candidate: measured faster (:meth:`_Judge.apart`)."""
     flo, fhi = judge.interval(fastest)
-    return (
-        f"{chosen.label}'s 95% interval ({lo:.2f}-{hi:.2f}x) lies entirely above that of {fastest.label}, "
-        f"the fastest well-measured candidate ({flo:.2f}-{fhi:.2f}x): it is faster however noisy its "
-        "own figure"
-    )
+    rival = f"{fastest.label}, the fastest well-measured candidate"
+    if judge.dominates(chosen, fastest):
+        lo, hi = judge.interval(chosen)
+        how = (
+            f"{chosen.label}'s 95% interval ({lo:.2f}-{hi:.2f}x) lies entirely above that of {rival} "
+            f"({flo:.2f}-{fhi:.2f}x)"
+        )
+    else:
+        gain = judge.effective(chosen) / judge.effective(fastest) - 1
+        band = interval_band(chosen, fastest, judge.noise, reference=judge.fp32)
+        how = (
+            f"{chosen.label} is {gain:.0%} faster than {rival} ({judge.effective(fastest):.2f}x, "
+            f"{flo:.2f}-{fhi:.2f}x), beyond their combined noise ({band:.0%}, two standard errors)"
+        )
+    return f"{how}: it is faster however noisy its own figure"
 
 
 def _noisy_reason(row: BenchRow, rival: bool) -> str:
     """A noisy row's reason: its interval, and whether it could still beat the pick (re-measured)."""
-    lo, hi = _raw_interval(row, False)
+    lo, hi = raw_interval(row, False)
     then = "re-measured when the budget allows" if rival else "even its interval's top is below the pick"
     return (
         f"too noisy to rank: {speed(row):.2f}x, 95% interval {lo:.2f}-{hi:.2f}x "

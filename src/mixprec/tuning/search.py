@@ -49,8 +49,9 @@ from mixprec.tuning.batching import BatchPlan
 from mixprec.tuning.checks import Checks
 from mixprec.tuning.config import TuneConfig
 from mixprec.tuning.cost import RACE_WARMUP, Costs
-from mixprec.tuning.decide import Ranked, Recommendation, Untried, amortized, decide, speed
+from mixprec.tuning.decide import Ranked, Recommendation, Untried, decide
 from mixprec.tuning.order import tune_plan
+from mixprec.tuning.speedups import amortized, speed
 
 # Share of the budget the eager speed sweep takes first; numerics, compile and rescues get the
 # rest, and what the sweep did not reach is measured after the numerics checks if time is left.

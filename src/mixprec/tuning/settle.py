@@ -15,8 +15,9 @@ from dataclasses import replace
 from mixprec.measure import settle as settling
 from mixprec.measure.results import BenchRow
 from mixprec.status import Status
-from mixprec.tuning.decide import Recommendation, speed
+from mixprec.tuning.decide import Recommendation
 from mixprec.tuning.search import SETTLE_SHARE, Search
+from mixprec.tuning.speedups import speed
 
 
 def reserve(search: Search) -> float:
