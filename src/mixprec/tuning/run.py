@@ -91,8 +91,7 @@ def tune(
         settling.reserve(search)
         rec, ranked = search.run(info, modes)
         with sweeps.phase("speed"):  # the pick's figure, to the precision a repeat reproduces
-            if settling.settle(search, rec):
-                rec, ranked = search.decide()
+            rec, ranked = settling.settle_pick(search, rec, ranked)
     result = search.result
     # (before the pick is completed: linting it cuts nothing from the search)
     exhausted = exhausted_reason(config.budget_s, budget.cuts, rec, budget.cut_a_lower_precision)
