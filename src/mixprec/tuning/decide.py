@@ -5,7 +5,7 @@ safer one, never to one measured slower than another passing candidate.
 numbers (property tests in ``tests/tuning/test_decide_resolved.py``). It works from what is
 resolved: a passing candidate whose own speedup is uncertain beyond :data:`NOISE_CAP` (and that no
 race resolved) is *noisy*: set aside and named for a re-measure, never the reference a tie-break is
-measured against, unless it is measured faster than every resolved one (then it can be the pick).
+measured against, unless it is measured faster than the fastest resolved one (then it can be the pick).
 What a speedup is and how well it is known: :mod:`mixprec.tuning.speedups`.
 
 Safer means simpler to live with: fp32 master weights beat half-precision
@@ -285,7 +285,8 @@ class _Judge:
         if self.dominates(faster, slower):
             return True
         duel = self.race.duel(faster.candidate, slower.candidate) if self.race is not None else None
-        if (duel is not None and duel.resolved) or not self.noisy(faster):
+        # (a duel's head-to-head rounds outrank two fp32-relative figures, even one left open)
+        if (duel is not None and duel.ahead() is not None) or not self.noisy(faster):
             return False
         return faster_beyond_noise(faster, slower, self.noise, effective=self.effective, reference=self.fp32)
 
@@ -322,8 +323,9 @@ def decide(
     interval lies entirely below another passing candidate's (:func:`dominates`), nor when it is
     slower than a candidate the race measured slower than the fastest. Where a noisy candidate is
     measured faster than the fastest resolved one (its interval lies entirely above, or its figure
-    clears theirs by more than their combined noise: :func:`~mixprec.tuning.speedups.faster_beyond_noise`),
-    it is faster whatever its noise and the pick is among such candidates.
+    clears theirs by more than their combined noise: :func:`~mixprec.tuning.speedups.faster_beyond_noise`,
+    unless a duel of the race has the other ahead), it is faster whatever its noise and the pick is
+    among such candidates.
 
     A ``race`` (:mod:`mixprec.measure.race`) has the last word between the candidates it measured
     against each other: a resolved duel orders them whatever their fp32-relative figures say, a
@@ -442,34 +444,34 @@ def _choose(
             return False
         return within_noise(effective(r), effective(fastest), noise_band(r, fastest, judge.noise))
 
+    band = [r for r in resolved if in_band(r) and not any(judge.apart(d, r) for d in passing)]
+    if band and not any(judge.noisy(d) and judge.apart(d, fastest) for d in passing):
+        return min(band, key=safety), band
+    # every candidate of the band lies below another passing one, or a noisy candidate is measured
+    # faster than the fastest resolved one: the pick is among those measured faster than the fastest
+    # that nothing is measured faster than in turn
     above = [d for d in passing if judge.apart(d, fastest)]
-    if not above:
-        band = [r for r in resolved if in_band(r) and not any(judge.apart(d, r) for d in passing)]
-        return min(band, key=safety), band  # (the fastest is in it: nothing is apart above it)
-    # a noisy candidate measured faster than the fastest resolved one: the pick is among those
-    # measured faster than it that nothing is measured faster than in turn
-    top = [d for d in above if not any(judge.apart(e, d) for e in passing)] or above
+    top = [d for d in above if not any(judge.apart(e, d) for e in passing)] or above or [fastest]
     return min(top, key=safety), []
 
 
 def _above(chosen: BenchRow, fastest: BenchRow, judge: _Judge) -> str:
-    """Why a noisy pick beat the fastest well-measured candidate: measured faster (:meth:`_Judge.apart`)."""
+    """Why the pick beat the fastest well-measured candidate: measured faster (:meth:`_Judge.apart`)."""
     flo, fhi = judge.interval(fastest)
     rival = f"{fastest.label}, the fastest well-measured candidate"
     if judge.dominates(chosen, fastest):
         lo, hi = judge.interval(chosen)
-        how = (
+        return (
             f"{chosen.label}'s 95% interval ({lo:.2f}-{hi:.2f}x) lies entirely above that of {rival} "
-            f"({flo:.2f}-{fhi:.2f}x)"
+            f"({flo:.2f}-{fhi:.2f}x): it is faster however noisy its own figure"
         )
-    else:
-        gain = judge.effective(chosen) / judge.effective(fastest) - 1
-        band = interval_band(chosen, fastest, judge.noise, reference=judge.fp32)
-        how = (
-            f"{chosen.label} is {gain:.0%} faster than {rival} ({judge.effective(fastest):.2f}x, "
-            f"{flo:.2f}-{fhi:.2f}x), beyond their combined noise ({band:.0%}, two standard errors)"
-        )
-    return f"{how}: it is faster however noisy its own figure"
+    gain = judge.effective(chosen) / judge.effective(fastest) - 1
+    band = interval_band(chosen, fastest, judge.noise, reference=judge.fp32)
+    return (
+        f"{chosen.label} is {gain:.0%} faster than {rival} ({judge.effective(fastest):.2f}x, "
+        f"{flo:.2f}-{fhi:.2f}x), more than the {band:.0%} their two figures' noise spans: faster, its "
+        "own noise counted"
+    )
 
 
 def _noisy_reason(row: BenchRow, rival: bool) -> str:

@@ -20,6 +20,9 @@ from mixprec.tuning.decide import Recommendation
 from mixprec.tuning.search import SETTLE_SHARE, Search
 from mixprec.tuning.speedups import speed
 
+# At most this many candidates' figures are settled in turn as the decision moves between them.
+SETTLED_PICKS = 3
+
 
 def reserve(search: Search) -> float:
     """Seconds the budget keeps back (its ``reserve_s``) to settle the pick's figure, taken once the
@@ -49,20 +52,25 @@ def settle_pick(
     """The decision once the pick's figure is settled: where the settled figure moves it to another
     candidate (a pick chosen within the noise of a faster one, whose settled interval no longer
     reaches it), that one is settled in turn, the budget permitting, so the figure printed is the
-    pick's own settled one or says it is not. Without it `make demo` and bench_vs_tune run 25 on the
-    AMX Xeon settled bf16-mixed (12 and 10 rounds), then recommended bf16-mixed+cl on its sweep's 4
-    rounds, and nothing said so."""
+    pick's own settled one or a note says it is not. Without it `make demo` and bench_vs_tune run 25
+    on the AMX Xeon settled bf16-mixed (12 and 10 rounds), then recommended bf16-mixed+cl on its
+    sweep's 4 rounds, and nothing said so."""
     settled: list[Candidate] = []
-    while rec is not None and rec.candidate not in settled and len(settled) < 2:
+    while rec is not None and rec.candidate not in settled and len(settled) < SETTLED_PICKS:
         settled.append(rec.candidate)
         if not settle(search, rec):
-            break
+            return rec, ranked
         rec, ranked = search.decide()
         if rec is not None and rec.candidate != settled[-1]:
             search.notes.append(
-                f"{settled[-1].label}'s settled figure moved the decision to {rec.candidate.label}, "
-                "whose figure is settled in turn where the budget pays"
+                f"{settled[-1].label}'s settled figure moved the decision to {rec.candidate.label}"
             )
+    if rec is not None and rec.candidate not in settled:
+        rounds = len(row.paired_ratios) if (row := search.row(rec.candidate)) else 0
+        search.notes.append(
+            f"{rec.candidate.label}'s figure not settled: the decision moved to it after "
+            f"{len(settled)} settled figures; its figure is from {rounds} paired rounds"
+        )
     return rec, ranked
 
 

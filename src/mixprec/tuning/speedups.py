@@ -71,7 +71,7 @@ def raw_interval(row: BenchRow, reference: bool) -> tuple[float, float]:
 def uncertainty(row: BenchRow, *, reference: bool = False) -> float:
     """How uncertain ``row``'s speedup is on its own: the relative half-width of its 95% interval
     in log terms (0.3: about +-30%). Above :data:`NOISE_CAP` (and unresolved by a race) the row is
-    noisy: set aside by :func:`decide`."""
+    noisy: set aside by :func:`mixprec.tuning.decide.decide`."""
     lo, hi = raw_interval(row, reference)
     if lo <= 0 or hi <= 0:
         return 0.0 if lo == hi else math.inf
@@ -138,11 +138,17 @@ def faster_beyond_noise(
 def interval_band(a: BenchRow, b: BenchRow, noise: float, *, reference: BenchRow | None = None) -> float:
     """The relative difference between ``a`` and ``b`` that their 95% intervals leave unresolved:
     ``noise``, or two combined standard errors if larger, each row's the one its interval implies
-    (half its width in log terms over :data:`Z`; none for ``reference``, 1x by definition)."""
+    (half its width in log terms over :data:`Z`; none for ``reference``, 1x by definition). From
+    the interval, not the rounds' spread (:func:`log_speed_se`): the interval is what the table
+    prints and what :func:`dominates` compares, and a bootstrap interval of 4-8 rounds' median is
+    usually the wider of the two (run 21's bf16-mixed: 0.094 against 0.050), which keeps Z = 2
+    conservative at so few rounds."""
 
     def se(row: BenchRow) -> float:
         lo, hi = raw_interval(row, row is reference)
-        return math.log(hi / lo) / (2 * Z) if lo > 0 and hi > 0 else 0.0
+        if lo <= 0 or hi <= 0:  # (an interval reaching zero bounds nothing)
+            return 0.0 if lo == hi else math.inf
+        return math.log(hi / lo) / (2 * Z)
 
     return max(noise, math.expm1(Z * math.hypot(se(a), se(b))))
 
