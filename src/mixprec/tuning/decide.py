@@ -8,10 +8,10 @@ race resolved) is *noisy*: set aside and named for a re-measure, never the refer
 measured against, unless it is measured faster than the fastest resolved one (then it can be the pick).
 What a speedup is and how well it is known: :mod:`mixprec.tuning.speedups`.
 
-Safer means simpler to live with: fp32 master weights beat half-precision
-storage, no loss scaling beats loss scaling, NCHW beats a layout change, fewer fp32 islands beat
-more (``PolicySpec.safety_rank`` orders the policies); a safer candidate whose interval lies
-entirely below another passing candidate's (:func:`dominates`) is never preferred. What was not
+Safer means simpler to live with: fp32 master weights beat half-precision storage, no loss scaling
+beats loss scaling, NCHW beats a layout change, fewer fp32 islands beat more
+(``PolicySpec.safety_rank`` orders the policies); a safer candidate whose interval lies entirely
+below another passing candidate's (:func:`dominates`) is never preferred. What was not
 measured (the budget ended first) or only predicted (fp8 on hardware without it) are rows of the
 table too (:class:`Untried`), and the recommendation says what trying them would take.
 """
