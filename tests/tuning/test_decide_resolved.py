@@ -35,9 +35,7 @@ def measured(
     its rounds spread like the interval, unless given."""
     step = FP32_STEP_MS / speedup
     rounds = len(ratios) or rounds
-    if ci is None or ratios:
-        pass
-    else:
+    if ci is not None and not ratios:
         half = math.log(ci[1] / ci[0]) / 2
         ratios = tuple(speedup * math.exp(half * (2 * i / (rounds - 1) - 1)) for i in range(rounds))
     return BenchRow(
