@@ -445,12 +445,12 @@ def _choose(
         return within_noise(effective(r), effective(fastest), noise_band(r, fastest, judge.noise))
 
     band = [r for r in resolved if in_band(r) and not any(judge.apart(d, r) for d in passing)]
-    if band and not any(judge.noisy(d) and judge.apart(d, fastest) for d in passing):
+    above = [d for d in passing if judge.apart(d, fastest)]
+    if band and not any(judge.noisy(d) for d in above):
         return min(band, key=safety), band
     # every candidate of the band lies below another passing one, or a noisy candidate is measured
     # faster than the fastest resolved one: the pick is among those measured faster than the fastest
     # that nothing is measured faster than in turn
-    above = [d for d in passing if judge.apart(d, fastest)]
     top = [d for d in above if not any(judge.apart(e, d) for e in passing)] or above or [fastest]
     return min(top, key=safety), []
 

@@ -144,11 +144,8 @@ def interval_band(a: BenchRow, b: BenchRow, noise: float, *, reference: BenchRow
     usually the wider of the two (run 21's bf16-mixed: 0.094 against 0.050), which keeps Z = 2
     conservative at so few rounds."""
 
-    def se(row: BenchRow) -> float:
-        lo, hi = raw_interval(row, row is reference)
-        if lo <= 0 or hi <= 0:  # (an interval reaching zero bounds nothing)
-            return 0.0 if lo == hi else math.inf
-        return math.log(hi / lo) / (2 * Z)
+    def se(row: BenchRow) -> float:  # (an interval reaching zero bounds nothing: inf)
+        return math.log1p(uncertainty(row, reference=row is reference)) / Z
 
     return max(noise, math.expm1(Z * math.hypot(se(a), se(b))))
 
