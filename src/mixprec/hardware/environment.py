@@ -12,20 +12,29 @@ from mixprec import state
 from mixprec.hardware.device import detect
 from mixprec.version import __version__
 
+# The fields of ``torch.utils.collect_env`` that matter here, and the getter of each in that module.
+_SYSTEM_FIELDS = {
+    "os": "get_os",
+    "gcc_version": "get_gcc_version",
+    "cuda_runtime_version": "get_running_cuda_version",
+    "nvidia_driver_version": "get_nvidia_driver_version",
+    "nvidia_gpu_models": "get_gpu_info",
+    "cpu_info": "get_cpu_info",
+}
+
 
 def _collect_env_fields() -> dict[str, Any]:
-    """The fields of ``torch.utils.collect_env`` that matter here (it shells out: slow, so only for env)."""
+    """``_SYSTEM_FIELDS`` from collect_env's own getters (they shell out: slow, so only for env).
+    ``get_env_info()`` also runs ``pip list`` and looks for conda, cmake, clang and cuDNN, for fields
+    not kept here: most of its second, spent by every ``mixprec env``."""
     from torch.utils import collect_env
 
-    info = collect_env.get_env_info()
-    return {
-        "os": info.os,
-        "gcc_version": info.gcc_version,
-        "cuda_runtime_version": info.cuda_runtime_version,
-        "nvidia_driver_version": info.nvidia_driver_version,
-        "nvidia_gpu_models": info.nvidia_gpu_models,
-        "cpu_info": info.cpu_info,
-    }
+    try:
+        run = collect_env.run
+        return {field: getattr(collect_env, getter)(run) for field, getter in _SYSTEM_FIELDS.items()}
+    except AttributeError:  # pragma: no cover - a torch whose getters were renamed: the whole report
+        info = collect_env.get_env_info()
+        return {field: getattr(info, field) for field in _SYSTEM_FIELDS}
 
 
 def collect(device: str | torch.device | None = None, *, full: bool = False) -> dict[str, Any]:
