@@ -34,7 +34,9 @@ def test_linear_growth_is_predicted_to_cross_where_it_will():
     assert p.shape == "linear"
     assert 140 <= p.step <= 148, p.step
     assert "layer 'head': its outputs, predicted to overflow fp16" in p.describe(10_000)
-    assert f"at about step {p.step} of 10000" in p.describe(10_000)
+    # the run's length named as the setting it is (10000 is --train-steps' default, not the user's run)
+    assert f"at about step {p.step} of the 10000-step run (--train-steps)" in p.describe(10_000)
+    assert "of the 500-step run (--train-steps)" in p.describe(500)
 
 
 def test_exponential_growth_is_fitted_as_such():

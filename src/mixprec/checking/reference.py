@@ -16,7 +16,7 @@ from mixprec.errors import UsageError
 from mixprec.events import Events
 from mixprec.frameworks import Framework
 from mixprec.numerics.compare import Comparison, Trajectory, compare
-from mixprec.numerics.trend import Outlook, falling_p_value, outlook, predict, theil_sen
+from mixprec.numerics.trend import Outlook, falling_p_value, outlook, predict, run_of, theil_sen
 from mixprec.numerics.verdict import CHAOS_PERTURBATION, Floor, default_thresholds, format_perturbation, judge
 from mixprec.policy import Candidate
 from mixprec.policy.islands import is_fp32_island
@@ -63,8 +63,8 @@ def stall_outlook(traj: Trajectory, limit: float, train_steps: int) -> str | Non
         return None
     return (
         f"{traj.stalls[-1]:.1%} of the weight updates rounded away at the last checked step, growing: "
-        f"predicted to pass {limit:.0%} at about step {p.step} of {train_steps} ({p.points} steps fitted, "
-        f"R^2 {p.r2:.2f}); use the *-mixed policy"
+        f"predicted to pass {limit:.0%} at about step {p.step} of {run_of(train_steps)} ({p.points} steps "
+        f"fitted, R^2 {p.r2:.2f}); use the *-mixed policy"
     )
 
 

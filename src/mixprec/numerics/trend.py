@@ -158,12 +158,18 @@ class Prediction:
         if self.step is None:
             return f"{where}, not {crossing.removeprefix('predicted ')} ({evidence})"
         return (
-            f"{where}, {crossing} at about step {self.step} of {train_steps} (growing "
+            f"{where}, {crossing} at about step {self.step} of {run_of(train_steps)} (growing "
             f"{self.growth_bits:.2f} bits/step, {self.headroom_bits:.1f} bits left; {evidence})"
         )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def run_of(train_steps: int) -> str:
+    """The run a prediction is about, named as the setting it comes from: "step 3400 of 10000" read
+    as the user's own run's length where it was the default."""
+    return f"the {train_steps}-step run (--train-steps)"
 
 
 def theil_sen(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
