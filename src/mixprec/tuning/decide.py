@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from mixprec.measure.race import Race
@@ -33,7 +33,6 @@ from mixprec.tuning.speedups import (
     Speed,
     amortized,
     dominates,
-    family_z,
     faster_beyond_noise,
     interval,
     interval_band,
@@ -260,7 +259,6 @@ class _Judge:
     effective: Speed
     noise: float
     race: Race | None
-    tests: int = 1  # the noisy rows a figure-against-figure test may carry past the fastest (family_z)
 
     def raced(self, row: BenchRow) -> bool:
         """A race measured ``row`` head to head and resolved the duel (a tie counts)."""
@@ -290,9 +288,7 @@ class _Judge:
         # (a duel's head-to-head rounds outrank two fp32-relative figures, even one left open)
         if (duel is not None and duel.ahead() is not None) or not self.noisy(faster):
             return False
-        return faster_beyond_noise(
-            faster, slower, self.noise, effective=self.effective, reference=self.fp32, tests=self.tests
-        )
+        return faster_beyond_noise(faster, slower, self.noise, effective=self.effective, reference=self.fp32)
 
     def interval(self, row: BenchRow) -> tuple[float, float]:
         s = speed(row)
@@ -357,9 +353,6 @@ def decide(
     by_rows = fastest = max(resolved, key=effective)
     if race is not None:
         fastest = _race_leader(fastest, resolved, race, fp32, train_steps)
-    # the noisy rows whose figures are above the fastest resolved one's: each is a test that noise
-    # alone could pass, so together they are held to a stricter bar (family_z)
-    judge = replace(judge, tests=sum(judge.noisy(r) and effective(r) > effective(fastest) for r in passing))
     chosen, band = _choose(fastest, resolved, passing, judge)
     beaten = fastest if chosen is not fastest else by_rows  # (within noise, or what the race beat)
     tie_break = _tie_break(chosen, beaten, race, effective) if band or chosen is fastest else None
@@ -473,7 +466,7 @@ def _above(chosen: BenchRow, fastest: BenchRow, judge: _Judge) -> str:
             f"({flo:.2f}-{fhi:.2f}x): it is faster however noisy its own figure"
         )
     gain = judge.effective(chosen) / judge.effective(fastest) - 1
-    band = interval_band(chosen, fastest, judge.noise, reference=judge.fp32, z=family_z(judge.tests))
+    band = interval_band(chosen, fastest, judge.noise, reference=judge.fp32)
     return (
         f"{chosen.label} is {gain:.0%} faster than {rival} ({judge.effective(fastest):.2f}x, "
         f"{flo:.2f}-{fhi:.2f}x), more than the {band:.0%} their two figures' noise spans: faster, its "

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from statistics import NormalDist
 
 from mixprec.measure.race import Race
 from mixprec.measure.results import BenchRow
@@ -123,41 +122,24 @@ def faster_beyond_noise(
     *,
     effective: Speed | None = None,
     reference: BenchRow | None = None,
-    tests: int = 1,
 ) -> bool:
     """``faster``'s figure (``effective``'s, with compile time amortised) exceeds ``slower``'s by more
     than their noise band: ``noise``, or two combined standard errors, each row's taken from its 95%
     interval: a two-sample test of the two figures at about 95%. Weaker than :func:`dominates`
     (intervals that overlap at their edges can still be two standard errors apart): what lets a
-    noisy candidate that is clearly faster win over a slower, well-measured one. ``tests``: how
-    many such comparisons the decision makes at once (its noisy rows), each held to
-    :func:`family_z`'s stricter bar so that noise alone carries one of them past as rarely as one."""
+    noisy candidate that is clearly faster win over a slower, well-measured one."""
     figure = effective or speed
     s_fast, s_slow = figure(faster), figure(slower)
     if s_fast <= 0 or s_slow <= 0 or faster.candidate == slower.candidate:
         return False
-    band = interval_band(faster, slower, noise, reference=reference, z=family_z(tests))
-    return s_fast > s_slow * (1 + band)
+    return s_fast > s_slow * (1 + interval_band(faster, slower, noise, reference=reference))
 
 
-def family_z(tests: int) -> float:
-    """The standard errors one of ``tests`` comparisons must clear so that the chance noise alone
-    carries any of them past is what it is for one at :data:`Z` (Bonferroni: each at 1/tests of
-    it; 2.0 for one, 2.28 for two, 2.46 for three). Three noisy rows each tested at Z would pass
-    one that is no faster about three times as often as one row does."""
-    if tests <= 1:
-        return Z
-    one_sided = 1 - NormalDist().cdf(Z)
-    return NormalDist().inv_cdf(1 - one_sided / tests)
-
-
-def interval_band(
-    a: BenchRow, b: BenchRow, noise: float, *, reference: BenchRow | None = None, z: float = Z
-) -> float:
+def interval_band(a: BenchRow, b: BenchRow, noise: float, *, reference: BenchRow | None = None) -> float:
     """The relative difference between ``a`` and ``b`` that their 95% intervals leave unresolved:
-    ``noise``, or ``z`` (two) combined standard errors if larger, each row's the one its interval
-    implies (half its width in log terms over :data:`Z`; none for ``reference``, 1x by definition).
-    From the interval, not the rounds' spread (:func:`log_speed_se`): the interval is what the table
+    ``noise``, or two combined standard errors if larger, each row's the one its interval implies
+    (half its width in log terms over :data:`Z`; none for ``reference``, 1x by definition). From
+    the interval, not the rounds' spread (:func:`log_speed_se`): the interval is what the table
     prints and what :func:`dominates` compares, and a bootstrap interval of 4-8 rounds' median is
     usually the wider of the two (run 21's bf16-mixed: 0.094 against 0.050), which keeps Z = 2
     conservative at so few rounds."""
@@ -165,7 +147,7 @@ def interval_band(
     def se(row: BenchRow) -> float:  # (an interval reaching zero bounds nothing: inf)
         return math.log1p(uncertainty(row, reference=row is reference)) / Z
 
-    return max(noise, math.expm1(z * math.hypot(se(a), se(b))))
+    return max(noise, math.expm1(Z * math.hypot(se(a), se(b))))
 
 
 def amortized(row: BenchRow, baseline: BenchRow | None, train_steps: int | None) -> float:
