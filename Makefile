@@ -57,6 +57,10 @@ $(STAMP): $(TORCH_STAMP)
 	$(call COMPILE,$(VENV)/lib/python*/site-packages/deepspeed)
 	touch $(STAMP) $(DEMO_STAMP)
 
+# One recipe at a time, even under -j: `make -j setup demo` on a fresh clone would otherwise run the
+# two stamps' pip installs and byte-compiles into one venv at once.
+.NOTPARALLEL:
+
 setup: $(STAMP)
 
 demo: $(DEMO_STAMP)

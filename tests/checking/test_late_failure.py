@@ -52,6 +52,8 @@ def test_a_default_check_sees_the_late_overflow_coming_and_its_fix_outlasts_it()
     fp16, bf16 = by["fp16-mixed"], by["bf16-mixed"]
     assert fp16.verdict == "at-risk", fp16.reason
     assert "'head'" in fp16.reason and "predicted to overflow fp16" in fp16.reason
+    # the run it is about named as the setting it is, not read as the user's run of 10000 steps
+    assert "of the 10000-step run (--train-steps)" in fp16.reason, fp16.reason
     predicted = fp16.outlook["at_risk"]["step"]
     assert overflow / 2 <= predicted <= overflow * 2, (predicted, overflow)
     assert fp16.fix_keep_fp32 == ["head"] and fp16.fix_verified, fp16.fix_note
@@ -64,7 +66,7 @@ def test_the_cli_exits_4_on_at_risk_and_says_where(capsys):
     code = main(["check", "--workload", EXAMPLE, "--policies", "fp16-mixed", "--device", "cpu"])
     out = capsys.readouterr().out
     assert code == 4
-    assert "at-risk" in out and "head" in out
+    assert "at-risk" in out and "head" in out and "(--train-steps)" in out
 
 
 def test_a_rescue_says_what_it_cured_in_the_figures_both_checks_measured():

@@ -17,7 +17,7 @@ def test_the_system_block_is_what_torchs_collect_env_reports():
 
 
 def test_the_system_block_does_not_list_pip_packages(monkeypatch):
-    """``pip list`` is a second of a core per ``mixprec env`` (the suite's fuzzer ran it 18 times)."""
+    """``pip list`` is a Python process of its own per ``mixprec env`` (the suite's fuzzer ran 18)."""
 
     def no_pip(run_lambda):
         raise AssertionError("pip list was run")

@@ -35,8 +35,11 @@ def test_linear_growth_is_predicted_to_cross_where_it_will():
     assert 140 <= p.step <= 148, p.step
     assert "layer 'head': its outputs, predicted to overflow fp16" in p.describe(10_000)
     # the run's length named as the setting it is (10000 is --train-steps' default, not the user's run)
-    assert f"at about step {p.step} of the 10000-step run (--train-steps)" in p.describe(10_000)
-    assert "of the 500-step run (--train-steps)" in p.describe(500)
+    assert f"at about step {p.step} of the 10000-step run (--train-steps)" in p.describe(
+        10_000, "--train-steps"
+    )
+    # a run whose length is known (mixprec train's --steps): the number alone
+    assert f"at about step {p.step} of 500 (" in p.describe(500)
 
 
 def test_exponential_growth_is_fitted_as_such():
@@ -249,3 +252,15 @@ def test_the_batched_fits_give_every_figure_the_python_fits_gave():
         assert got == _outlook_in_python(series, fmt, steps), case
         at_risk += got.at_risk is not None
     assert at_risk > 20  # (the cases include trends at risk, not only noise)
+
+
+def test_the_monitors_risk_counts_steps_of_the_run_it_watches_without_checks_setting():
+    """The monitor (``mixprec train --steps``, ``Monitor(train_steps=)``) names its run's steps as
+    they are: no "(--train-steps)", a flag ``train`` does not have; step numbers in the run's own."""
+    from mixprec.monitor.judge import range_risk
+
+    window = [LayerSeries("head", forward=[1000.0 + 450.0 * t for t in range(12)])]
+    risk = range_risk(window, first_step=100, interval=10, fmt="fp16", train_steps=5000)
+    assert risk is not None
+    assert "--train-steps" not in risk.message and " of 5000 (" in risk.message, risk.message
+    assert f"at about step {risk.step} of 5000" in risk.message

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from mixprec.checking.config import TRAIN_STEPS_SETTING
 from mixprec.checking.reference import NEVER_RAN, Reference, range_format, rounding_format
 from mixprec.hardware.device import detect
 from mixprec.numerics.compare import Trajectory
@@ -180,8 +181,9 @@ class Checker(Reference):
         far = seen.unsure
         if far is None or seen.at_risk is not None:
             return ""
+        predicted = far.describe(self.train_steps, TRAIN_STEPS_SETTING)
         return (
-            f"not enough evidence: {far.describe(self.train_steps)}; {len(traj.losses)} checked steps "
+            f"not enough evidence: {predicted}; {len(traj.losses)} checked steps "
             f"support a crossing at most {far.horizon} steps and {BITS_FACTOR:g}x the "
             f"{max(far.gained_bits, 0.0):.1f} bits they grew away; rerun with --steps {far.steps_needed()}"
         )

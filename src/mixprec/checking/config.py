@@ -15,6 +15,8 @@ from mixprec.policy import Candidate, Thresholds
 from mixprec.policy.registry import CHECK_DEFAULT
 
 TRAIN_STEPS = 10_000
+# where a check's run length comes from, as its predictions name it (a default read as the user's own run)
+TRAIN_STEPS_SETTING = "--train-steps"
 
 
 @dataclass(frozen=True, kw_only=True)

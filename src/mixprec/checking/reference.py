@@ -11,7 +11,7 @@ from typing import Any
 
 from mixprec import clock
 from mixprec.budget import Budget
-from mixprec.checking.config import CheckConfig
+from mixprec.checking.config import TRAIN_STEPS_SETTING, CheckConfig
 from mixprec.errors import UsageError
 from mixprec.events import Events
 from mixprec.frameworks import Framework
@@ -61,10 +61,11 @@ def stall_outlook(traj: Trajectory, limit: float, train_steps: int) -> str | Non
     p = predict(traj.stalls, limit, layer="all weights", direction="updates", fmt="storage", start=1)
     if p is None or p.step is None or p.step > train_steps or not p.trending or not p.within_evidence:
         return None
+    run = run_of(train_steps, TRAIN_STEPS_SETTING)
     return (
         f"{traj.stalls[-1]:.1%} of the weight updates rounded away at the last checked step, growing: "
-        f"predicted to pass {limit:.0%} at about step {p.step} of {run_of(train_steps)} ({p.points} steps "
-        f"fitted, R^2 {p.r2:.2f}); use the *-mixed policy"
+        f"predicted to pass {limit:.0%} at about step {p.step} of {run} ({p.points} steps fitted, "
+        f"R^2 {p.r2:.2f}); use the *-mixed policy"
     )
 
 
@@ -346,7 +347,7 @@ class Reference:
         predicted to overflow, or half-precision updates predicted to stall; None otherwise."""
         seen = self.outlook(cand, traj, keep_fp32).at_risk
         if seen is not None:
-            return f"at risk: {seen.describe(self.train_steps)}"
+            return f"at risk: {seen.describe(self.train_steps, TRAIN_STEPS_SETTING)}"
         stall = stall_outlook(
             traj, self.thresholds[cand.threshold_key].max_stalled_update_fraction, self.train_steps
         )

@@ -145,7 +145,9 @@ class Prediction:
         by_bits = math.ceil((self.headroom_bits / rate + last + 1 + 2 * BITS_FACTOR) / (1 + BITS_FACTOR))
         return max(by_steps, by_bits, self.points + 2)
 
-    def describe(self, train_steps: int) -> str:
+    def describe(self, train_steps: int, setting: str | None = None) -> str:
+        """What is predicted, where, when and on what evidence; ``setting`` names where
+        ``train_steps`` comes from (:func:`run_of`; None: the run's own length, said plainly)."""
         evidence = f"{self.points} steps fitted, tau {self.tau:.2f}, R^2 {self.r2:.2f}, {self.shape} growth"
         if self.direction == "underflow":
             now = self.limit / 2**self.headroom_bits
@@ -158,7 +160,7 @@ class Prediction:
         if self.step is None:
             return f"{where}, not {crossing.removeprefix('predicted ')} ({evidence})"
         return (
-            f"{where}, {crossing} at about step {self.step} of {run_of(train_steps)} (growing "
+            f"{where}, {crossing} at about step {self.step} of {run_of(train_steps, setting)} (growing "
             f"{self.growth_bits:.2f} bits/step, {self.headroom_bits:.1f} bits left; {evidence})"
         )
 
@@ -166,10 +168,11 @@ class Prediction:
         return asdict(self)
 
 
-def run_of(train_steps: int) -> str:
-    """The run a prediction is about, named as the setting it comes from: "step 3400 of 10000" read
-    as the user's own run's length where it was the default."""
-    return f"the {train_steps}-step run (--train-steps)"
+def run_of(train_steps: int, setting: str | None) -> str:
+    """The run a prediction is about, named as the setting it comes from where it is one: check's
+    "step 3400 of 10000" read as the length of the user's run where it was --train-steps' default.
+    (``mixprec train`` knows its run's length: ``setting`` None, the number alone.)"""
+    return f"the {train_steps}-step run ({setting})" if setting else str(train_steps)
 
 
 def theil_sen(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
