@@ -1,7 +1,8 @@
 """Training scripts written the way people write them, generated from a :class:`Shape`: the LR
 scheduler, the clip path, the backward path, gradient accumulation, a model trained in eval mode,
 called part by part or built in parts (a body and a head, each its own variable), two optimizers
-stepped after one backward, and the script's own AMP.
+stepped after one backward, activation checkpointing (the body, the model's first computation, not
+reentrant; the head reentrant, torch's default), and the script's own AMP.
 
 Each shape renders two scripts: the script as its author wrote it (``render(shape)``: with its own
 AMP switch where it has one, with no precision code at all where it has none) and the same script
@@ -29,6 +30,7 @@ AXES: dict[str, tuple[str, ...]] = {
     "mode": ("train", "eval"),
     "call": ("root", "parts", "split"),
     "optimizers": ("one", "two"),
+    "checkpoint": ("none", "body", "head"),
     "own_amp": ("none", "bf16", "fp16"),
 }
 STEPS = 6
@@ -43,6 +45,7 @@ class Shape:
     mode: str
     call: str
     optimizers: str
+    checkpoint: str
     own_amp: str
 
     def __str__(self) -> str:
@@ -85,7 +88,7 @@ def render(shape: Shape, *, hand: bool = False) -> str:
                 self.head = nn.Linear(32, 4)
 
             def forward(self, x):
-                return self.head(self.body(x))
+                return {_call(shape, "self.")}
 
         torch.manual_seed(0)
         model = Net(){frozen}
@@ -112,7 +115,7 @@ def render(shape: Shape, *, hand: bool = False) -> str:
         "lambda": "sched = torch.optim.lr_scheduler.LambdaLR(opts[0], lambda s: min(1.0, (s + 1) / 3))",
         "onecycle": f"sched = torch.optim.lr_scheduler.OneCycleLR(opts[0], max_lr=0.02, total_steps={STEPS})",
     }[shape.scheduler]
-    forward = {"root": "model(x)", "parts": "model.head(model.body(x))", "split": "head(body(x))"}[shape.call]
+    forward = {"root": "model(x)", "parts": _call(shape, "model."), "split": _call(shape, "")}[shape.call]
     scale = (lambda t: f"scaler.scale({t})") if amp else (lambda t: t)
     if shape.backward == "loss":
         backward = f"{scale('loss')}.backward()"
@@ -178,6 +181,7 @@ def render(shape: Shape, *, hand: bool = False) -> str:
         import torch
         import torch.nn.functional as F
         from torch import nn
+        from torch.utils.checkpoint import checkpoint
 
         parser = argparse.ArgumentParser()
         parser.add_argument("--amp", default="{shape.own_amp}")
@@ -196,6 +200,17 @@ def render(shape: Shape, *, hand: bool = False) -> str:
         torch.save({saved}.state_dict(), args.out)
         """
     return textwrap.dedent(source)
+
+
+def _call(shape: Shape, owner: str) -> str:
+    """The model's computation on ``x``, its parts held by ``owner`` (``self.``, ``model.``, none),
+    with the shape's checkpoint."""
+    body, head = f"{owner}body", f"{owner}head"
+    return {
+        "none": f"{head}({body}(x))",
+        "body": f"{head}(checkpoint({body}, x, use_reentrant=False))",
+        "head": f"checkpoint({head}, {body}(x), use_reentrant=True)",
+    }[shape.checkpoint]
 
 
 def _indent(block: str, spaces: int) -> str:

@@ -898,6 +898,7 @@ def test_the_agent_puts_torch_back():
         torch.optim.Optimizer.__init__,
         torch.amp.GradScaler.step,
         torch.optim.SGD.__init__,
+        torch.utils.checkpoint._checkpoint_impl,
     )
     with under("fp16-mixed", optimizer="foreach"):
         train_briefly()
@@ -906,6 +907,7 @@ def test_the_agent_puts_torch_back():
         torch.optim.Optimizer.__init__,
         torch.amp.GradScaler.step,
         torch.optim.SGD.__init__,
+        torch.utils.checkpoint._checkpoint_impl,
     ) == before
     assert "grad" not in torch.Tensor.__dict__
     assert not torch.nn.modules.module._global_forward_pre_hooks

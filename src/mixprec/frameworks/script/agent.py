@@ -23,6 +23,9 @@ frameworks offer a seam (:mod:`.patches` lists each):
   ``backward()``; the loss is scaled where the policy scales it, and every read of a gradient after a
   scaled backward sees it unscaled (any clip path, any log); each ``optimizer.step()`` goes through
   the Policy (skipped on non-finite gradients) and the scale is updated once per step.
+- **activation checkpointing**: what a checkpoint recomputes inside the backward (forwards, a
+  reentrant checkpoint's own backward) is no step's forward, samples or loss; one the loop calls
+  before the model's first forward begins the autocast there, where it reads what to recompute under.
 - **the script's own AMP**: its ``torch.autocast`` and ``GradScaler`` are overridden, never stacked:
   under another candidate an enabled autocast takes the candidate's dtype (or is disabled), a
   GradScaler is enabled exactly when the candidate scales the loss. A script that uses mixprec's own
@@ -67,7 +70,7 @@ from mixprec.frameworks.script.frameworks import PLAIN, UNKNOWN_FRAMEWORKS, inst
 from mixprec.frameworks.script.messages import OWNER_ENV, Facts, Observed, Plan, Step
 from mixprec.frameworks.script.models import describe, named_parts, preparing
 from mixprec.frameworks.script.modes import mode_for
-from mixprec.frameworks.script.optimizers import Optimizers
+from mixprec.frameworks.script.optimizers import Optimizers, no_backward
 from mixprec.frameworks.script.own import OwnPrecision, as_torch, compute_dtype
 from mixprec.frameworks.script.patches import Patches
 from mixprec.frameworks.script.tape import StepTape
@@ -274,16 +277,23 @@ class Agent:
 
     # ------------------------------------------------------------------ forwards
     def first_forward(self, module: nn.Module, args: tuple) -> None:
-        """The model's first forward since the step's last event (the global pre-hook): the last
-        step ends if the lead has stepped, and the candidate's autocast begins."""
+        """The model's first forward since the step's last event (the global pre-hook): its
+        computation begins, and a loop that calls a part's submodule first (backbone.features(x))
+        has the samples counted here, once (a part counts its own: _root_forward, with kwargs)."""
+        self.compute_begins()
+        self._pass_counted = id(module) not in self._parts
+        self.window.samples += _batch_size(args, {}) if self._pass_counted else 0
+
+    def compute_begins(self) -> None:
+        """The model computes (its first forward, or a checkpoint about to call it, whose
+        recomputation restores the autocast state it finds): the last step ends if the lead has
+        stepped, and the candidate's autocast begins."""
+        if self.in_backward:  # (a checkpoint's recomputation: the step's own forward, again)
+            return
         if self.window.lead_stepped:
             self.boundary()
         if self.window.started is None:
             self.window.started = time.perf_counter()
-        # a part counts its own samples (_root_forward: with its keyword arguments); a loop that calls
-        # a part's submodule first (backbone.features(x)) has them counted here, once
-        self._pass_counted = id(module) not in self._parts
-        self.window.samples += _batch_size(args, {}) if self._pass_counted else 0
         if self.loop and self._autocast is None and threading.get_ident() == self.thread:
             # the script's own autocast (overridden to the candidate's) governs where it has one;
             # a *-true candidate's half default dtype is mixprec's alone
@@ -296,8 +306,8 @@ class Agent:
                 self._autocast = ctx
 
     def _root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled() or self.internal_calls:
-            return
+        if not torch.is_grad_enabled() or self.internal_calls or self.in_backward:
+            return  # (in_backward: a checkpoint's recomputation, no new pass)
         self._part_depth += 1
         if self._part_depth > 1:
             return  # (a part called inside another part's forward: that forward's work)
@@ -314,7 +324,7 @@ class Agent:
             self.window.tape.model_call(self._parts[id(module)], args, kwargs)
 
     def _root_output(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if not torch.is_grad_enabled() or self.internal_calls:
+        if not torch.is_grad_enabled() or self.internal_calls or self.in_backward:
             return
         self._part_depth = max(self._part_depth - 1, 0)
         if self._part_depth:  # (inside another part's forward)
@@ -395,7 +405,7 @@ class Agent:
         if window.tape is not None:
             window.tape.pause()
         if not window.backwards and self.mode.needs_backward:
-            self.fail("UnsupportedError", self.no_backward(self.optimizers.lead))
+            self.fail("UnsupportedError", no_backward(self.optimizers.lead, self.policy))
         skipped = window.skipped
         if window.routed:
             found = [f for _, f in window.routed]
@@ -418,14 +428,6 @@ class Agent:
         if self._probe is not None:
             self._read_probe()
         self.mode.step_ended(step, loss)
-
-    def no_backward(self, optimizer: Any) -> str:
-        return (
-            f"the script's {type(optimizer).__name__} stepped with no backward() mixprec saw: its "
-            "gradients come from elsewhere (torch.func.grad, torch.autograd.grad), where mixprec can "
-            f"read no loss to compare{' nor scale one' if self.policy and self.policy.scaler else ''}; "
-            "compute them with loss.backward() to have the script measured and checked"
-        )
 
     def _read_probe(self) -> None:
         """After the first step: the dtype its first matmul/conv computed in."""

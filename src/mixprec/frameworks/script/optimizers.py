@@ -196,7 +196,7 @@ class Optimizers:
             return klass_step(optimizer, *args, **kw)
         self.starts(optimizer)
         if agent.policy.scaler is not None and not agent.window.backwards:
-            agent.fail("UnsupportedError", agent.no_backward(optimizer))
+            agent.fail("UnsupportedError", no_backward(optimizer, agent.policy))
         with agent.internal():
             try:
                 found = agent.policy.step_optimizers([optimizer])[0]
@@ -267,6 +267,17 @@ class Optimizers:
         its parameters replaced since: read again where a gradient it did not know is read)."""
         self._owner = {id(p): opt for opt in self.all for group in opt.param_groups for p in group["params"]}
         self._indexed_this_step = True  # (a gradient of no optimizer's, read each step: once a step)
+
+
+def no_backward(optimizer: torch.optim.Optimizer | None, policy: Any) -> str:
+    """Why a step whose gradients no ``backward()`` made cannot be measured (``policy``: the
+    candidate's, None where the script's own loop is not run by one)."""
+    return (
+        f"the script's {type(optimizer).__name__} stepped with no backward() mixprec saw: its "
+        "gradients come from elsewhere (torch.func.grad, torch.autograd.grad), where mixprec can "
+        f"read no loss to compare{' nor scale one' if policy and policy.scaler else ''}; "
+        "compute them with loss.backward() to have the script measured and checked"
+    )
 
 
 def live_modules() -> list[nn.Module]:

@@ -25,7 +25,12 @@ What is patched, and why there:
   ``clip_grad_value_`` (``torch.nn.utils``'s names, looked up at the call) are held on the
   micro-batches before the last, so they act once per optimizer step.
 - ``torch.nn`` global forward pre-hook (armed only between a step's events): the first forward of the
-  model in a step, wherever the loop calls it (the root, a part of it, a compiled wrapper).
+  model in a step, wherever the loop calls it (the root, a part of it, a compiled wrapper); a
+  checkpoint's recomputation inside the backward is none.
+- ``torch.utils.checkpoint``'s ``_checkpoint_impl`` (every form of checkpoint calls it; before
+  torch 2.10, ``checkpoint``): a checkpoint the loop calls before the model's first forward begins
+  the step's computation, and the candidate's autocast, there: the checkpoint records the autocast
+  state its recomputation restores.
 """
 
 from __future__ import annotations
@@ -96,6 +101,7 @@ class Patches:
         self._optimizer()
         self._constructors()
         self._zero_grad()
+        self._checkpoint()
         if self.agent.plan.accumulate > 1:
             self._accumulation()
 
@@ -199,11 +205,32 @@ class Patches:
 
         @functools.wraps(original)
         def backward(tensors: Any, grad_tensors: Any = None, *args: Any, **kw: Any) -> Any:
-            if agent.internal_calls or torch._C._get_tracing_state():
+            # (in_backward: a reentrant checkpoint's own backward of its recomputation, no step's)
+            if agent.internal_calls or agent.in_backward or torch._C._get_tracing_state():
                 return original(tensors, grad_tensors, *args, **kw)
             return agent.backward(original, tensors, grad_tensors, args, kw)
 
         self.replace(torch.autograd, "backward", backward)
+
+    def _checkpoint(self) -> None:
+        agent, module = self.agent, torch.utils.checkpoint
+        # torch >= 2.10 checkpoints every form (checkpoint, checkpoint_sequential, the decorator)
+        # through _checkpoint_impl, and torch.compile knows checkpoint itself by identity (its
+        # higher-order op): that one is left as it is. Earlier: checkpoint (a graph break compiled).
+        name = "_checkpoint_impl" if hasattr(module, "_checkpoint_impl") else "checkpoint"
+        original = getattr(module, name)
+
+        @functools.wraps(original)
+        def checkpoint(function: Any = None, *args: Any, **kw: Any) -> Any:
+            # before the model's first forward of a step (checkpoint(encoder, x) in the loop,
+            # checkpoint_sequential): the computation begins here, where the checkpoint records the
+            # autocast state its recomputation restores (it began inside: recomputed in fp32)
+            waiting = self._forward_hook is not None and function is not None
+            if waiting and not agent.internal_calls and torch.is_grad_enabled():
+                agent.compute_begins()
+            return original(function, *args, **kw)
+
+        self.replace(module, name, checkpoint)
 
     def grad_reads(self, on: bool) -> None:
         """Route every ``.grad`` read through :meth:`Optimizers.reading_grad` (``on``), or stop."""
@@ -333,6 +360,8 @@ class Patches:
     def _on_forward(self, module: torch.nn.Module, args: tuple) -> None:
         agent = self.agent
         if agent.internal_calls or not torch.is_grad_enabled() or not agent.is_model(module):
+            return
+        if agent.in_backward:  # (a checkpoint's recomputation of the step's forward)
             return
         self.disarm_forward()
         agent.first_forward(module, args)
