@@ -71,7 +71,7 @@ from mixprec.frameworks.script.messages import OWNER_ENV, Facts, Observed, Plan,
 from mixprec.frameworks.script.models import describe, named_parts, preparing
 from mixprec.frameworks.script.modes import mode_for
 from mixprec.frameworks.script.optimizers import Optimizers, no_backward
-from mixprec.frameworks.script.own import OwnPrecision, as_torch, compute_dtype
+from mixprec.frameworks.script.own import OwnPrecision, as_torch
 from mixprec.frameworks.script.patches import Patches
 from mixprec.frameworks.script.tape import StepTape
 from mixprec.frameworks.torch.probe import FirstComputeLayer, nonfinite_buffers, perturb_weights
@@ -294,9 +294,13 @@ class Agent:
             self.boundary()
         if self.window.started is None:
             self.window.started = time.perf_counter()
+        self.resume_autocast()
+
+    def resume_autocast(self) -> None:
+        """The candidate's autocast begins where the loop computes and it is not on (the script's
+        own, overridden to the candidate's, governs where it has one; a *-true candidate's half
+        default dtype is mixprec's alone)."""
         if self.loop and self._autocast is None and threading.get_ident() == self.thread:
-            # the script's own autocast (overridden to the candidate's) governs where it has one;
-            # a *-true candidate's half default dtype is mixprec's alone
             device_type = self.policy.device.type
             half_default = self.candidate.spec.autocast_dtype is None
             if half_default or (not self.own.autocast_depth and not torch.is_autocast_enabled(device_type)):
@@ -437,11 +441,6 @@ class Agent:
         self.observed = Observed(probe.name, observed)
         self.probe_dtypes = list(probe.dtypes)
         self.mode.observed(self.observed)
-
-    def expected_dtype(self) -> str:
-        """The dtype the candidate computes matmuls in on this device."""
-        with self.internal():  # (mixprec's own Policy: the patches let it be)
-            return compute_dtype(self.candidate, str(self.device))
 
     def framework_title(self) -> str:
         from mixprec.frameworks.script.workload import TRAINED_BY

@@ -33,6 +33,7 @@ from mixprec.frameworks.script.messages import (
     TraceRecord,
     encode,
 )
+from mixprec.frameworks.script.own import compute_dtype
 from mixprec.frameworks.script.ranks import Ranks
 from mixprec.process import let_gloo_workers_finish, peak_rss
 
@@ -192,7 +193,8 @@ class Run(Mode):
         agent = self.agent
         if observed.dtype is None:
             return
-        expected = agent.expected_dtype()
+        with agent.internal():  # (the dtype the candidate computes matmuls in here: its own Policy's)
+            expected = compute_dtype(agent.candidate, str(agent.device))
         computed = sorted(str(d).removeprefix("torch.") for d in agent.probe_dtypes)
         if expected not in computed:  # (a layer the model keeps in fp32 on purpose is not this)
             self.stop(

@@ -13,6 +13,8 @@ What is patched, and why there:
 - ``torch.autograd.backward``: every backward path (``loss.backward()``, ``backward(gradient)``,
   ``torch.autograd.backward``, the frameworks' ``manual_backward``) goes through it; the loss is
   recorded and, where the candidate scales the loss, scaled here.
+- ``torch.autograd.grad`` in a plain loop (a gradient penalty): outside autocast, scaled and
+  unscaled where the candidate scales the loss, as the AMP recipe's gradient penalty.
 - ``torch.Tensor.grad`` (only where the agent scales the loss): the first read of a gradient after a
   scaled backward unscales its optimizer's gradients, so every clip path (``clip_grad_norm_``,
   ``get_total_norm`` + ``clip_grads_with_norm_``, a hand-written one) and every log sees the true
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -211,6 +214,35 @@ class Patches:
             return agent.backward(original, tensors, grad_tensors, args, kw)
 
         self.replace(torch.autograd, "backward", backward)
+        self._grad()
+
+    def _grad(self) -> None:
+        """``torch.autograd.grad`` in the loop (a gradient penalty's, WGAN-GP's, R1's) runs as the AMP
+        recipe's: outside autocast (its double-backward graph took the candidate's dtypes under it),
+        and, where the candidate scales the loss, from outputs scaled by the scale, its gradients
+        then unscaled (an fp16 backward of small values underflows)."""
+        agent, original = self.agent, torch.autograd.grad
+
+        @functools.wraps(original)
+        def grad(outputs: Any, inputs: Any, grad_outputs: Any = None, *args: Any, **kw: Any) -> Any:
+            theirs = agent.loop and threading.get_ident() == agent.thread  # (the loop's, autocast's thread)
+            if agent.internal_calls or agent.in_backward or not theirs:
+                return original(outputs, inputs, grad_outputs, *args, **kw)
+            scaler = agent.policy.scaler if agent.routing else None
+            agent.leave_autocast()
+            try:
+                if scaler is None:
+                    return original(outputs, inputs, grad_outputs, *args, **kw)
+                with agent.internal():
+                    many = not isinstance(outputs, torch.Tensor)
+                    scaled = [scaler.scale(o) for o in outputs] if many else scaler.scale(outputs)
+                    unscale = 1.0 / float(scaler.get_scale())
+                grads = original(scaled, inputs, grad_outputs, *args, **kw)
+                return tuple(g * unscale if g is not None else None for g in grads)
+            finally:
+                agent.resume_autocast()
+
+        self.replace(torch.autograd, "grad", grad)
 
     def _checkpoint(self) -> None:
         agent, module = self.agent, torch.utils.checkpoint

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from mixprec.policy.hooks import OwnHook
 from mixprec.policy.islands import is_fp32_island
@@ -47,7 +48,7 @@ class FirstComputeLayer:
             self.dtypes.add(output.dtype)
             if self.name is not None:
                 return
-            weight = getattr(module, "weight", None)
+            weight = stored_weight(module)
             if isinstance(weight, torch.Tensor) and (weight.is_complex() or weight.dtype == torch.float64):
                 self._fallback = self._fallback or (name, output.dtype, module)
                 return
@@ -61,6 +62,16 @@ class FirstComputeLayer:
         self._handles.clear()
         if self.name is None and self._fallback is not None:
             self.name, self.dtype, self.module = self._fallback
+
+
+def stored_weight(module: nn.Module) -> Any:
+    """A layer's ``weight`` as it is stored: a parametrized one's original (reading ``weight``
+    runs the parametrization: spectral_norm's power iteration, one more than the script's own)."""
+    if parametrize.is_parametrized(module, "weight"):
+        held: Any = module.parametrizations
+        originals = held["weight"]
+        return getattr(originals, "original", getattr(originals, "original0", None))  # (weight_norm's two)
+    return getattr(module, "weight", None)
 
 
 def perturb_weights(model: nn.Module, perturb: float) -> None:
