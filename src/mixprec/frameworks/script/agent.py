@@ -338,10 +338,12 @@ class Agent:
         if self.window.tape is not None:
             self.window.tape.model_output(output)
 
-    def leave_autocast(self) -> None:
-        if self._autocast is not None:
-            ctx, self._autocast = self._autocast, None
+    def leave_autocast(self) -> bool:
+        """The candidate's autocast ends here; whether it was on."""
+        ctx, self._autocast = self._autocast, None
+        if ctx is not None:
             ctx.__exit__(None, None, None)
+        return ctx is not None
 
     # ------------------------------------------------------------------ backward
     def backward_begins(self) -> None:

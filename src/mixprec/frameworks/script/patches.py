@@ -229,7 +229,8 @@ class Patches:
             if agent.internal_calls or agent.in_backward or not theirs:
                 return original(outputs, inputs, grad_outputs, *args, **kw)
             scaler = agent.policy.scaler if agent.routing else None
-            agent.leave_autocast()
+            was_on = agent.leave_autocast()
+            agent.in_backward = True  # (what a checkpoint recomputes in it is no step's forward)
             try:
                 if scaler is None:
                     return original(outputs, inputs, grad_outputs, *args, **kw)
@@ -240,7 +241,9 @@ class Patches:
                 grads = original(scaled, inputs, grad_outputs, *args, **kw)
                 return tuple(g * unscale if g is not None else None for g in grads)
             finally:
-                agent.resume_autocast()
+                agent.in_backward = False
+                if was_on:  # (after the loop's backward, say a norm of its own, it stays off)
+                    agent.resume_autocast()
 
         self.replace(torch.autograd, "grad", grad)
 
