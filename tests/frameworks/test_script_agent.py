@@ -898,7 +898,8 @@ def test_the_agent_puts_torch_back():
         torch.optim.Optimizer.__init__,
         torch.amp.GradScaler.step,
         torch.optim.SGD.__init__,
-        torch.utils.checkpoint._checkpoint_impl,
+        getattr(torch.utils.checkpoint, "_checkpoint_impl", None),
+        torch.utils.checkpoint.checkpoint,
     )
     with under("fp16-mixed", optimizer="foreach"):
         train_briefly()
@@ -907,7 +908,8 @@ def test_the_agent_puts_torch_back():
         torch.optim.Optimizer.__init__,
         torch.amp.GradScaler.step,
         torch.optim.SGD.__init__,
-        torch.utils.checkpoint._checkpoint_impl,
+        getattr(torch.utils.checkpoint, "_checkpoint_impl", None),
+        torch.utils.checkpoint.checkpoint,
     ) == before
     assert "grad" not in torch.Tensor.__dict__
     assert not torch.nn.modules.module._global_forward_pre_hooks

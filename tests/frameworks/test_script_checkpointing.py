@@ -65,6 +65,7 @@ def at_the_top(precision: str | None, reentrant: bool, losses: list[float]) -> n
     opt = torch.optim.AdamW([*enc.parameters(), *dec.parameters()], lr=1e-2)
     ctx, scaler = hand(precision)
     for x, y in batches(STEPS):
+        x = x.clone().requires_grad_(reentrant)  # (reentrant: else the encoder gets no gradient)
         with ctx():
             hidden = checkpoint(enc, x, use_reentrant=reentrant)
             loss = F.cross_entropy(dec(hidden), y)
@@ -84,6 +85,7 @@ def sequential(precision: str | None, reentrant: bool, losses: list[float]) -> n
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ctx, scaler = hand(precision)
     for x, y in batches(STEPS):
+        x = x.clone().requires_grad_(reentrant)
         with ctx():
             loss = F.cross_entropy(checkpoint_sequential(model, 2, x, use_reentrant=reentrant), y)
         losses.append(loss.item())
@@ -92,9 +94,27 @@ def sequential(precision: str | None, reentrant: bool, losses: list[float]) -> n
     return model
 
 
+def whole(precision: str | None, reentrant: bool, losses: list[float]) -> nn.Module:
+    """The whole model checkpointed by the loop (a reentrant checkpoint runs its forward without
+    grad, and its recomputation inside the backward: no forward of the step counts the batch)."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = Blocks(reentrant=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ctx, scaler = hand(precision)
+    for x, y in batches(STEPS):
+        x = x.clone().requires_grad_(reentrant)
+        with ctx():
+            loss = F.cross_entropy(checkpoint(model, x, use_reentrant=reentrant), y)
+        losses.append(loss.item())
+        opt.zero_grad()
+        recipe_step(loss, opt, scaler)
+    return model
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("loop", [inside, at_the_top, sequential], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("loop", [inside, at_the_top, sequential, whole], ids=lambda f: f.__name__)
 def test_a_checkpointed_loop_trains_as_the_hand_edit(loop, policy, reentrant):
     """The weights, each step's loss and samples: the hand edit's (fp16-mixed crashed with a
     reentrant checkpoint; a checkpoint at the top recomputed in fp32 under the candidate, and raised

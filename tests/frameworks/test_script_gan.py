@@ -114,3 +114,74 @@ def test_a_spectral_norm_model_is_traced_as_it_trains(tmp_path):
     with pytest.raises(Exited), under("fp32 (as written)", mode="trace", steps=4, out=str(out)):
         normed(None, "spectral", [])
     assert [s.loss for s in TraceRecord.load(out).steps] == losses[:4]
+
+
+def test_autograd_grad_in_a_disabled_autocast_of_the_scripts_own_leaves_autocast_as_it_was():
+    """``with torch.autocast(enabled=False): autograd.grad(...)`` (a script that keeps its penalty in
+    fp32 itself): the agent left its autocast inside the script's, out of order, and the script's
+    exit turned it back on for good, owned by no one: on through the backward, every later step and
+    the agent's removal."""
+
+    def loop(precision: str | None) -> nn.Module:
+        gan = GAN()
+        opt = torch.optim.Adam(gan.d.parameters(), lr=1e-3)
+        ctx, scaler = hand(precision)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            real = torch.randn(8, 16, generator=gen).requires_grad_(True)
+            with ctx():
+                critic = gan.d(real)
+            with torch.autocast("cpu", enabled=False):
+                (grad,) = torch.autograd.grad(critic.sum(), real, create_graph=True)
+            with ctx():
+                loss = -critic.mean() + 10 * grad.pow(2).sum(1).mean()  # (R1)
+            opt.zero_grad()
+            recipe_step(loss, opt, scaler)
+            assert not torch.is_autocast_enabled("cpu")
+        return gan
+
+    with under("bf16-mixed"):
+        injected = loop(None)
+    assert not torch.is_autocast_enabled("cpu")
+    assert same(injected, loop("bf16-mixed"))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_penalty_over_a_dict_of_inputs_has_its_gradients_as_a_dict(policy):
+    """``autograd.grad(out, {"x": x})`` returns a dict: unscaled, it must stay one (a TypeError)."""
+    with under(policy):
+        gan = GAN()
+        opt = torch.optim.SGD(gan.parameters(), lr=0.1)
+        real = torch.randn(8, 16).requires_grad_(True)
+        critic = gan.d(real).float().mean()  # (fp16's own scalar times the first scale, 2^16, is inf)
+        by_name = torch.autograd.grad(critic, {"real": real}, retain_graph=True)
+        (plain,) = torch.autograd.grad(critic, real, retain_graph=True)
+        critic.backward()
+        opt.step()
+    assert set(by_name) == {"real"} and torch.equal(by_name["real"], plain)
+    assert torch.isfinite(plain).all()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_model_the_script_compiles_trains_under_the_candidate(policy):
+    """torch.compile's AOTAutograd takes the backward with ``autograd.grad`` on fake tensors, in the
+    loop's thread: taken for a gradient penalty, they were scaled by the real scaler under
+    fp16-mixed ("Mixing fake modes NYI"), and autocast left mid-trace."""
+    torch._dynamo.reset()
+
+    def loop(precision: str | None) -> nn.Module:
+        gan = GAN()
+        d = torch.compile(gan.d, backend="aot_eager")
+        opt = torch.optim.Adam(gan.d.parameters(), lr=1e-3)
+        ctx, scaler = hand(precision)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            with ctx():
+                loss = d(torch.randn(8, 16, generator=gen)).pow(2).mean()
+            opt.zero_grad()
+            recipe_step(loss, opt, scaler)
+        return gan
+
+    with under(policy):
+        injected = loop(None)
+    assert same(injected, loop(policy))

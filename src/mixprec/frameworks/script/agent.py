@@ -276,18 +276,18 @@ class Agent:
                     part.forward = CompiledForward(part.forward, self.candidate.compile)
 
     # ------------------------------------------------------------------ forwards
-    def first_forward(self, module: nn.Module, args: tuple) -> None:
+    def first_forward(self, module: nn.Module, args: tuple, whole: bool = False) -> None:
         """The model's first forward since the step's last event (the global pre-hook): its
         computation begins, and a loop that calls a part's submodule first (backbone.features(x))
-        has the samples counted here, once (a part counts its own: _root_forward, with kwargs)."""
+        has the samples counted here, once (a part counts its own: _root_forward, with kwargs), as
+        does one that checkpoints a part ``whole`` (a reentrant checkpoint runs it without grad)."""
         self.compute_begins()
-        self._pass_counted = id(module) not in self._parts
+        self._pass_counted = whole or id(module) not in self._parts
         self.window.samples += _batch_size(args, {}) if self._pass_counted else 0
 
     def compute_begins(self) -> None:
-        """The model computes (its first forward, or a checkpoint about to call it, whose
-        recomputation restores the autocast state it finds): the last step ends if the lead has
-        stepped, and the candidate's autocast begins."""
+        """The model computes (its first forward, or a checkpoint about to call it): the last step
+        ends if the lead has stepped, and the candidate's autocast begins."""
         if self.in_backward:  # (a checkpoint's recomputation: the step's own forward, again)
             return
         if self.window.lead_stepped:
@@ -304,8 +304,8 @@ class Agent:
             device_type = self.policy.device.type
             half_default = self.candidate.spec.autocast_dtype is None
             if half_default or (not self.own.autocast_depth and not torch.is_autocast_enabled(device_type)):
-                ctx = self.policy.autocast()
-                with self.internal():
+                with self.internal():  # (made inside too: mixprec's, not an autocast of the script's)
+                    ctx = self.policy.autocast()
                     ctx.__enter__()
                 self._autocast = ctx
 

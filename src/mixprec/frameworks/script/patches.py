@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from mixprec.frameworks.torch.probe import in_functorch
+
 Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
 
 _TENSOR_GRAD: Any = torch._C.TensorBase.__dict__["grad"]  # the C++ property torch.Tensor inherits
@@ -225,8 +227,10 @@ class Patches:
 
         @functools.wraps(original)
         def grad(outputs: Any, inputs: Any, grad_outputs: Any = None, *args: Any, **kw: Any) -> Any:
-            theirs = agent.loop and threading.get_ident() == agent.thread  # (the loop's, autocast's thread)
-            if agent.internal_calls or agent.in_backward or not theirs:
+            # (the loop's thread, where the candidate's autocast is; inside an autocast block of the
+            # script's own, it is the script's to say: autocast(enabled=False) around it, say)
+            theirs = agent.loop and threading.get_ident() == agent.thread and not agent.own.autocast_depth
+            if agent.internal_calls or agent.in_backward or not theirs or _torchs_own(outputs):
                 return original(outputs, inputs, grad_outputs, *args, **kw)
             scaler = agent.policy.scaler if agent.routing else None
             was_on = agent.leave_autocast()
@@ -239,7 +243,7 @@ class Patches:
                     scaled = [scaler.scale(o) for o in outputs] if many else scaler.scale(outputs)
                     unscale = 1.0 / float(scaler.get_scale())
                 grads = original(scaled, inputs, grad_outputs, *args, **kw)
-                return tuple(g * unscale if g is not None else None for g in grads)
+                return _times(grads, unscale)
             finally:
                 agent.in_backward = False
                 if was_on:  # (after the loop's backward, say a norm of its own, it stays off)
@@ -252,7 +256,8 @@ class Patches:
         # torch >= 2.10 checkpoints every form (checkpoint, checkpoint_sequential, the decorator)
         # through _checkpoint_impl, and torch.compile knows checkpoint itself by identity (its
         # higher-order op): that one is left as it is. Earlier: checkpoint (a graph break compiled).
-        name = "_checkpoint_impl" if hasattr(module, "_checkpoint_impl") else "checkpoint"
+        impl = hasattr(module, "_checkpoint_impl")
+        name = "_checkpoint_impl" if impl else "checkpoint"
         original = getattr(module, name)
 
         @functools.wraps(original)
@@ -260,9 +265,13 @@ class Patches:
             # before the model's first forward of a step (checkpoint(encoder, x) in the loop,
             # checkpoint_sequential): the computation begins here, where the checkpoint records the
             # autocast state its recomputation restores (it began inside: recomputed in fp32)
-            waiting = self._forward_hook is not None and function is not None
+            waiting = self._forward_hook is not None and function is not None and not agent.in_backward
             if waiting and not agent.internal_calls and torch.is_grad_enabled():
-                agent.compute_begins()
+                if agent.is_model(function):  # (the model or a part, checkpointed whole: its batch)
+                    self.disarm_forward()  # (_checkpoint_impl takes the function's arguments as one tuple)
+                    agent.first_forward(function, (args[0] if args else ()) if impl else args, whole=True)
+                else:  # (a function calling the model: the first module it calls counts the batch)
+                    agent.compute_begins()
             return original(function, *args, **kw)
 
         self.replace(module, name, checkpoint)
@@ -400,6 +409,23 @@ class Patches:
             return
         self.disarm_forward()
         agent.first_forward(module, args)
+
+
+def _torchs_own(outputs: Any) -> bool:
+    """An ``autograd.grad`` torch calls itself while it transforms the script's code (torch.compile's
+    AOTAutograd, on fake tensors; torch.func's grad and vjp), or one of outputs that are no plain
+    tensors (a GradientEdge, a tensor subclass): not the script's gradient penalty."""
+    if torch.compiler.is_compiling() or in_functorch():
+        return True
+    many = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    return not all(type(o) in (torch.Tensor, torch.nn.Parameter) for o in many)
+
+
+def _times(grads: Any, factor: float) -> Any:
+    """``autograd.grad``'s gradients (a tuple, or a dict for a dict of inputs) times ``factor``."""
+    if isinstance(grads, dict):
+        return {k: g * factor if g is not None else None for k, g in grads.items()}
+    return tuple(g * factor if g is not None else None for g in grads)
 
 
 def _total_norm(

@@ -12,7 +12,7 @@ from torch import nn
 
 from mixprec.frameworks.script.census import from_env as census_from_env
 from mixprec.frameworks.script.messages import Step, TraceRecord
-from mixprec.frameworks.torch.probe import model_output, nonfinite_buffers
+from mixprec.frameworks.torch.probe import in_functorch, model_output, nonfinite_buffers
 
 
 class Tracer:
@@ -43,7 +43,7 @@ class Tracer:
     def forward_output(self, output: Any) -> None:
         """The model's output in the first training step (the output SQNR's tensor): its last
         forward's before the first backward (a model in parts: the head's, not the backbone's)."""
-        if self._backward_began or _in_functorch():
+        if self._backward_began or in_functorch():
             return
         first = model_output(output)
         # (a part that is a loss module returns a scalar: the output before it stays)
@@ -105,9 +105,3 @@ class Tracer:
         record.first_output, record.first_grads = self.first_output, self.first_grads or {}
         record.series = [s.to_dict() for s in series]
         record.nonfinite_buffers, record.ranges = buffers, self.range_report
-
-
-def _in_functorch() -> bool:
-    """Inside a torch.func transform: its tensors are wrappers that cannot be saved."""
-    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
-    return peek is not None and peek() is not None

@@ -74,6 +74,12 @@ def stored_weight(module: nn.Module) -> Any:
     return getattr(module, "weight", None)
 
 
+def in_functorch() -> bool:
+    """Inside a torch.func transform: its tensors are wrappers that cannot be saved."""
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
 def perturb_weights(model: nn.Module, perturb: float) -> None:
     """Every weight times ``1 + perturb * N(0, 1)``, from a fixed generator (the chaos floor)."""
     gen = torch.Generator().manual_seed(1)
