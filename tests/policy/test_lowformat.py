@@ -329,3 +329,18 @@ def test_a_float64_linear_is_left_in_its_own_dtype(policy):
     with pol.autocast():
         out = model[0](torch.randn(4, 64, dtype=torch.float64))
     assert out.dtype == torch.float64
+
+
+@pytest.mark.parametrize("policy", ["fp8-rowwise", "mxfp8", "nvfp4"])
+def test_a_parametrized_linear_is_refused_without_running_its_parametrization(policy):
+    """A spectral_norm (or weight_norm) Linear computes its weight from a stored one: the formats'
+    kernels cannot run that, and reading its weight to learn the dtype ran one more power
+    iteration than the script's, moving its u and v (the script's own training)."""
+    torch.manual_seed(0)
+    normed = nn.utils.parametrizations.spectral_norm(nn.Linear(32, 32))
+    model = nn.Sequential(normed, nn.ReLU(), nn.Linear(32, 32))
+    norm = model[0].parametrizations.weight[0]
+    before = (norm._u.clone(), norm._v.clone())
+    plan = plan_layers(model, spec_of(policy))
+    assert "0" not in plan.low and "parametrization (spectral_norm, weight_norm)" in plan.refused["0"]
+    assert torch.equal(norm._u, before[0]) and torch.equal(norm._v, before[1])

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from mixprec.errors import PolicyError
 from mixprec.policy.blockscale import BLOCK_FORMATS, DIRECTIONS, BlockFormat, BlockLinear, eligible, seed_of
@@ -89,6 +90,8 @@ class LayerPlan:
 def _eligible(module: nn.Module, spec: PolicySpec) -> bool:
     """Whether the format's kernels take the Linear: its shape, and fp32 weights (a float64, half or
     complex Linear computes in its own dtype, which a low format would silently change)."""
+    if parametrize.is_parametrized(module):  # (before a read of its weight, which runs the parametrization)
+        return False
     if getattr(module, "weight", None) is None or module.weight.dtype != torch.float32:
         return False
     if spec.block_format is not None:
@@ -103,6 +106,11 @@ def refusal(module: nn.Module, spec: PolicySpec) -> str:
     where they can): what a report names when a format converts none of a model's layers."""
     if _eligible(module, spec):
         return ""
+    if parametrize.is_parametrized(module):
+        return (
+            "its weight is computed by a parametrization (spectral_norm, weight_norm), which the "
+            f"format's kernels cannot run: {spec.name} converts a Linear's own stored weight"
+        )
     weight = getattr(module, "weight", None)
     if weight is None or weight.dtype != torch.float32:
         dtype = str(weight.dtype).removeprefix("torch.") if weight is not None else "absent"
