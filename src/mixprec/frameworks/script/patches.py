@@ -29,10 +29,10 @@ What is patched, and why there:
 - ``torch.nn`` global forward pre-hook (armed only between a step's events): the first forward of the
   model in a step, wherever the loop calls it (the root, a part of it, a compiled wrapper); a
   checkpoint's recomputation inside the backward is none.
-- ``torch.utils.checkpoint``'s ``_checkpoint_impl`` (every form of checkpoint calls it; before
-  torch 2.10, ``checkpoint``): a checkpoint the loop calls before the model's first forward begins
-  the step's computation, and the candidate's autocast, there: the checkpoint records the autocast
-  state its recomputation restores.
+- ``torch.utils.checkpoint``'s ``_checkpoint_impl`` (every form of checkpoint calls it in torch
+  2.14; ``checkpoint`` in a torch without it): a checkpoint the loop calls before the model's first
+  forward begins the step's computation, and the candidate's autocast, there: the checkpoint
+  records the autocast state its recomputation restores.
 """
 
 from __future__ import annotations
@@ -253,9 +253,10 @@ class Patches:
 
     def _checkpoint(self) -> None:
         agent, module = self.agent, torch.utils.checkpoint
-        # torch >= 2.10 checkpoints every form (checkpoint, checkpoint_sequential, the decorator)
-        # through _checkpoint_impl, and torch.compile knows checkpoint itself by identity (its
-        # higher-order op): that one is left as it is. Earlier: checkpoint (a graph break compiled).
+        # torch 2.14 runs every form (checkpoint, checkpoint_sequential, the decorator) through
+        # _checkpoint_impl, and torch.compile knows checkpoint itself by identity (its higher-order
+        # op): that one is left as it is (patched, it broke the graph at each compiled checkpoint).
+        # A torch without _checkpoint_impl: checkpoint.
         impl = hasattr(module, "_checkpoint_impl")
         name = "_checkpoint_impl" if impl else "checkpoint"
         original = getattr(module, name)
