@@ -17,18 +17,10 @@ import torch
 from torch import nn
 
 from frameworks.in_process import Exited, under
-from frameworks.test_script_agent import batches, hand, recipe_step, same
+from frameworks.test_script_agent import GAN, batches, hand, recipe_step, same
 from mixprec.frameworks.script.messages import TraceRecord
 
 POLICIES = ["bf16-mixed", "fp16-mixed"]
-
-
-class GAN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.g = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16))
-        self.d = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
 
 
 def wgan_gp(precision: str | None, steps: int = 5) -> nn.Module:
@@ -40,7 +32,8 @@ def wgan_gp(precision: str | None, steps: int = 5) -> nn.Module:
     ctx, scaler = hand(precision)
     gen = torch.Generator().manual_seed(2)
     for _ in range(steps):
-        real, z, eps = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen), torch.rand(8, 1)
+        real, z = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        eps = torch.rand(8, 1, generator=gen)
         with ctx():
             fake = gan.g(z).detach()
             mixed = (eps * real + (1 - eps) * fake).requires_grad_(True)
