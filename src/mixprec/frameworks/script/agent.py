@@ -287,9 +287,8 @@ class Agent:
 
     def compute_begins(self) -> None:
         """The model computes (its first forward, or a checkpoint about to call it): the last step
-        ends if the lead has stepped, and the candidate's autocast begins."""
-        if self.in_backward:  # (a checkpoint's recomputation: the step's own forward, again)
-            return
+        ends if the lead has stepped, and the candidate's autocast begins (never inside a backward:
+        its callers pass a checkpoint's recomputation by)."""
         if self.window.lead_stepped:
             self.boundary()
         if self.window.started is None:
