@@ -208,17 +208,22 @@ def test_a_command_that_cannot_be_measured_is_one_line_and_exit_2(command, messa
     assert len(err) == 1 and re.search(message, err[0]), err
 
 
-def test_a_second_model_the_script_trains_is_refused(tmp_path, capsys):
+def test_a_second_model_built_after_the_first_optimizer_is_refused(tmp_path, capsys):
+    """Both models built before their optimizers train (test_script_two_models); one built after
+    the first optimizer is refused, saying the order that works."""
     two = tmp_path / "gan.py"
     two.write_text(
         "import torch\n"
-        "g, d = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)\n"
-        "og, od = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)\n"
+        "g = torch.nn.Linear(4, 4)\n"
+        "og = torch.optim.SGD(g.parameters(), lr=0.1)\n"
+        "d = torch.nn.Linear(4, 1)\n"
+        "od = torch.optim.SGD(d.parameters(), lr=0.1)\n"
         "for _ in range(5):\n"
         "    d(g(torch.randn(2, 4))).sum().backward(); og.step(); od.step()\n"
     )
     assert main(["check", "--policies", "bf16-mixed", "--", PY, str(two)]) == 2
-    assert "second model" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "second model" in err and "build every model, then their optimizers" in err, err
 
 
 def test_run_refuses_a_linked_run_json_before_the_script_starts(tmp_path, capsys):

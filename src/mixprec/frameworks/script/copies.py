@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]
 
-from mixprec.frameworks.script.optimizers import live_modules
+from mixprec.frameworks.script.models import live_modules
 from mixprec.policy.hooks import CastInputs, Fp32Island, OwnHook, keep_in_fp32
 
 __all__ = ["CompiledForward", "OwnHook", "copies_of", "follow"]

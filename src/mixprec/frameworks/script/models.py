@@ -13,19 +13,33 @@ of them and a precision map names their layers in the script's terms.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import re
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Models", "describe", "find_models", "model_of", "named_parts", "preparing"]
+from mixprec.policy.hooks import CastInputs
+
+__all__ = [
+    "ChildCalls",
+    "Models",
+    "awaited_models",
+    "describe",
+    "find_models",
+    "live_modules",
+    "model_of",
+    "named_parts",
+    "preparing",
+]
 
 _TORCH = str(Path(torch.__file__).parent)
 _MIXPREC = str(Path(__file__).parents[2])
@@ -74,14 +88,48 @@ class Models(nn.Module):
         return handle
 
 
+class ChildCalls:
+    """A model's input cast (a *-true candidate's, or the fp32 one of a script's own half weights
+    widened) on each of its children too, for a loop that calls them itself: a GAN in one module
+    (``gan.d(real)``), a backbone and a head called in turn. Only there: inside the model's forward
+    its own cast took the inputs. The cast on the model is the one that counts (a rescue that widens
+    a *-true model to fp32 removes it, and these with it). Plain data, as :class:`CastInputs` is:
+    a deep copy of the model (an EMA) gets its own, and ``torch.save(model)`` pickles it."""
+
+    def __init__(self, model: nn.Module, cast_id: int) -> None:
+        self.model, self.cast_id, self.depth = model, cast_id, 0
+        model.register_forward_pre_hook(self.enter, prepend=True)
+        model.register_forward_hook(self.leave, always_call=True)
+        for child in model.children():
+            child.register_forward_pre_hook(self.cast, with_kwargs=True, prepend=True)
+
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        self.depth += 1
+
+    def leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.depth -= 1
+
+    def cast(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if self.depth:  # (first: a compiled forward of the model sees a constant here, and no more)
+            return None
+        cast = self.model._forward_pre_hooks.get(self.cast_id)
+        return cast(module, args, kwargs) if cast is not None else None
+
+
 @contextlib.contextmanager
 def preparing(model: nn.Module, label: str) -> Iterator[None]:
     """The body applies candidate ``label`` to ``model``: a :class:`Models`' input casts go on its
-    parts, and a part the candidate replaced is refused (a low format converts a Linear inside its
-    parent: a head that is one was swapped inside the holder while the script kept calling its own)."""
+    parts, a one-module model's input casts go on its children too (:class:`ChildCalls`), and a part
+    the candidate replaced is refused (a low format converts a Linear inside its parent: a head that
+    is one was swapped inside the holder while the script kept calling its own)."""
     parts = named_parts(model)
+    before = set(model._forward_pre_hooks)
     with model.spreading() if isinstance(model, Models) else contextlib.nullcontext():
         yield
+    if not isinstance(model, Models):  # (a Models' casts went on each part)
+        for hook_id, hook in list(model._forward_pre_hooks.items()):
+            if hook_id not in before and isinstance(hook, CastInputs):
+                ChildCalls(model, hook_id)
     swapped = [name for name, part in parts.items() if name and getattr(model, name) is not part]
     if swapped:
         from mixprec.errors import UnsupportedError
@@ -155,6 +203,31 @@ def model_of(parts: list[nn.Module], frame: FrameType | None = None) -> nn.Modul
     return Models(named)
 
 
+def awaited_models(held: set[int], frame: FrameType | None = None) -> list[nn.Module]:
+    """The modules the script's code holds (its variables, an attribute of one of its objects: a
+    trainer's ``self.netG``) with parameters that train, none of them in ``held`` (the ids of what
+    its optimizers hold so far): a second model whose optimizer may come next, as the DCGAN
+    tutorial builds ``netG`` and ``netD``, then ``optimizerD`` and ``optimizerG``. A module of the
+    model's, or a wrapper around it, holds some of ``held``: it is none of these."""
+    frame = frame or sys._getframe(1)
+    found: dict[int, nn.Module] = {}
+
+    def consider(value: Any) -> None:
+        if isinstance(value, nn.Module) and id(value) not in found:
+            params = list(value.parameters())
+            if any(p.requires_grad for p in params) and not any(id(p) in held for p in params):
+                found[id(value)] = value
+
+    for scope in _script_scopes(frame):
+        for value in list(scope.values()):
+            consider(value)
+            if isinstance(value, (nn.Module, ModuleType, type)) or not hasattr(value, "__dict__"):
+                continue
+            for attribute in list(vars(value).values()):
+                consider(attribute)
+    return list(found.values())
+
+
 def _script_name(part: nn.Module, frame: FrameType | None) -> str | None:
     """The name the script's code gives ``part``: a variable that holds it or its compile wrapper in
     a frame of the script's own (not torch's, not mixprec's), innermost first, else an attribute of
@@ -201,3 +274,19 @@ _TAKEN = frozenset(dir(nn.Module())) | frozenset(dir(Models))  # (``training`` i
 
 def _snake(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def live_modules() -> list[nn.Module]:
+    """Every ``nn.Module`` alive in this process (the garbage collector's objects)."""
+    with warnings.catch_warnings():  # isinstance() on every live object wakes deprecated module attributes
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if _is_module(o)]
+
+
+def _is_module(obj: Any) -> bool:
+    """``isinstance(obj, nn.Module)``, False for a weak proxy whose object is gone (dynamo keeps
+    some: isinstance() on one raises ReferenceError)."""
+    try:
+        return isinstance(obj, nn.Module)
+    except ReferenceError:
+        return False
