@@ -499,6 +499,7 @@ def test_a_model_in_parts_counts_each_batch_once_and_replays_a_part_that_calls_a
             opt.step()
             opt.zero_grad()
     assert [s.samples for s in agent.steps] == [8] * 3
+    del enc, dec, opt  # (a second script in this frame: the first's models are not its own)
 
     class Net(nn.Module):
         def __init__(self, blocks: list[nn.Module]) -> None:

@@ -1,15 +1,13 @@
 """Two models, each with an optimizer of its own, as the PyTorch DCGAN tutorial writes a GAN: ``netG``
 and ``netD`` built, then ``optimizerD`` and ``optimizerG`` (the discriminator's first). The agent took
 the first optimizer's model as the model and refused the second ("the script trains a second model":
-`mixprec run` exited 2 on the tutorial's loop). The model is now every module the optimizers built
-before the script computes train, so both get the candidate; each loop below is compared bit for bit
-with the AMP recipe's hand edit of it, or with the same GAN held in one module (a shape that trained
-already).
-
-The model is taken once no model the script holds waits for an optimizer; where one never gets any (a
-teacher that is not frozen), at the script's first module call, before that call runs (its input
-casts apply to it), or at a waiting optimizer's ``load_state_dict`` (the resumed state is cast as the
-hand edit's is)."""
+`mixprec run` exited 2 on the tutorial's loop). At the first optimizer, every other model the script
+holds whose weights train, that no optimizer holds yet and whose parameters its code hands an
+optimizer is now part of the model, so both get the candidate before anything runs; each loop below
+is compared bit for bit with the AMP recipe's hand edit of it (bf16-true: cast by hand). What is no
+second model: an EMA of the model, a backbone left out of the optimizer, a teacher. A GAN in one
+module whose children the loop calls crashed under bf16-true (the input cast was on the model
+alone)."""
 
 from __future__ import annotations
 
@@ -159,34 +157,11 @@ def test_the_scripts_own_fp32_is_left_as_written():
     assert len(agent.steps) == STEPS
 
 
-def with_a_teacher(agent: Agent, resume: dict | None = None) -> tuple[nn.Module, bool]:
-    """A student trained beside a teacher the script never freezes (its weights still require grad,
-    no optimizer holds them): the model waits for the teacher's optimizer, which never comes.
-    ``resume``: the student's optimizer loads it before the loop. Returns the student and whether
-    the model was taken by the time the loop began (``agent``: the one the loop runs under)."""
+def distil(frozen: bool, resume: dict | None = None) -> tuple[nn.Module, nn.Module]:
+    """A student trained beside a teacher (frozen, or left with weights that require grad, no
+    optimizer holding them); ``resume``: the student's optimizer loads it before the loop."""
     torch.manual_seed(0)
-    teacher = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    student = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
-    opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
-    if resume is not None:
-        opt.load_state_dict(resume)
-    taken = agent.model is not None
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(STEPS):
-        x = torch.randn(8, 16, generator=gen)
-        with torch.no_grad():
-            target = teacher(x).softmax(-1)
-        loss = nn.functional.cross_entropy(student(x), target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return student, taken
-
-
-def without_a_teacher(resume: dict | None = None) -> nn.Module:
-    """The same student, its teacher frozen: the model is taken at the optimizer, as before."""
-    torch.manual_seed(0)
-    teacher = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).requires_grad_(False)
+    teacher = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).requires_grad_(not frozen)
     student = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
     opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
     if resume is not None:
@@ -196,11 +171,11 @@ def without_a_teacher(resume: dict | None = None) -> nn.Module:
         x = torch.randn(8, 16, generator=gen)
         with torch.no_grad():
             target = teacher(x).softmax(-1)
-        loss = nn.functional.cross_entropy(student(x), target)
+        loss = nn.functional.cross_entropy(student(x).float(), target)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return student
+    return student, teacher
 
 
 def resumed_state() -> dict:
@@ -214,33 +189,83 @@ def resumed_state() -> dict:
     return copy.deepcopy(opt.state_dict())
 
 
-@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resumed"])
-@pytest.mark.parametrize("policy", ["bf16-true", "fp16-mixed"])
-def test_a_model_waiting_for_an_optimizer_that_never_comes_is_taken_before_it_computes(policy, resume):
-    """bf16-true: the student's first call runs with its input cast (taken inside a forward hook, the
-    cast would have missed that call: bf16 weights, an fp32 input); a resumed state is cast to bf16
-    with the weights, as loading it into the hand edit's bf16 model does."""
-    state = resumed_state() if resume else None
-    with under(policy) as agent:  # (a copy each: a loaded state's tensors are the optimizer's own)
-        student, taken = with_a_teacher(agent, copy.deepcopy(state))
-    assert taken == resume  # (at the optimizer's load_state_dict; else at the teacher's call)
-    with under(policy):
-        reference = without_a_teacher(copy.deepcopy(state))
-    assert same(student, reference)
-    if policy == "bf16-true":
-        assert {p.dtype for p in student.parameters()} == {torch.bfloat16}
+@pytest.mark.parametrize("frozen", [False, True], ids=["unfrozen", "frozen"])
+def test_a_teacher_is_no_second_model(frozen):
+    """A teacher no optimizer of the script's code is given stays as the script has it, its weights
+    left requiring grad or not (the student's candidate alone, as before)."""
+    state = resumed_state()  # (before the agent: its optimizer is no script's)
+    with under("bf16-true") as agent:
+        student, teacher = distil(frozen=frozen, resume=state)
+    assert agent.facts().model == "Sequential"
+    assert {p.dtype for p in student.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in teacher.parameters()} == {torch.float32}
 
 
-def test_an_ema_copy_that_still_requires_grad_is_no_second_model():
-    """``ema = copy.deepcopy(model)`` (its weights left requiring grad, as hand-written EMAs often
-    are) follows the model: the model is taken at the optimizer, with no wait."""
+def ema_of(kind: str, model: nn.Module) -> nn.Module:
+    if kind == "deepcopy":
+        return copy.deepcopy(model)  # (its weights left requiring grad, as hand-written EMAs often are)
+    if kind == "AveragedModel":
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    from timm.utils import ModelEmaV3
+
+    return ModelEmaV3(model, decay=0.9)
+
+
+@pytest.mark.parametrize("kind", ["deepcopy", "AveragedModel", "ModelEmaV3"])
+def test_an_ema_made_before_the_optimizer_is_no_second_model(kind):
+    """An EMA holds a copy of the model: it follows the model (its dtypes), and trains with none."""
     with under("bf16-true") as agent:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
-        ema = copy.deepcopy(model)
-        torch.optim.SGD(model.parameters(), lr=0.1)
+        ema = ema_of(kind, model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
         assert agent.model is model
-        assert {p.dtype for p in ema.parameters()} == {torch.bfloat16}  # (it follows the model)
+        for _ in range(2):
+            model(torch.randn(4, 16)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ema.update_parameters(model) if kind == "AveragedModel" else None
+            ema.update(model) if kind == "ModelEmaV3" else None
+    floating = [p for p in ema.parameters()]
+    assert {p.dtype for p in floating} == {torch.bfloat16}
+
+
+def test_a_backbone_left_out_of_the_optimizer_is_the_models_own():
+    """Fine-tuning the head alone, the backbone kept as a variable and never frozen: it is inside
+    the model, not a second one."""
+    with under("bf16-true") as agent:
+        model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+        backbone = model[0]
+        torch.optim.SGD(model[2].parameters(), lr=0.1)
+        assert agent.model is model and backbone.weight.dtype == torch.bfloat16
+
+
+def test_looking_for_other_models_keeps_nothing_of_the_scripts_alive():
+    """The scan of the script's variables read its frames' locals, a snapshot Python 3.11 keeps on
+    the frame: a checkpoint the script loads, uses and deletes stayed in memory (peak memory, the
+    micro-batch search). A dead weak proxy among them is passed by, not raised on."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    def main() -> bool:
+        model = nn.Linear(4, 4)
+        checkpoint = {"big": torch.zeros(1 << 16)}
+        alive = weakref.ref(checkpoint["big"])
+        gone = Held()
+        proxy = weakref.proxy(gone)
+        del gone
+        torch.optim.SGD(model.parameters(), lr=0.1)
+        del checkpoint, proxy
+        gc.collect()
+        return alive() is None
+
+    with under("bf16-mixed"):
+        assert main()
 
 
 def test_a_model_built_after_the_first_optimizer_is_refused_saying_the_order_that_works(tmp_path):
@@ -301,3 +326,43 @@ def test_a_childs_cast_is_for_the_loops_calls_not_the_models_own():
             opt.zero_grad()
         model.norm(torch.randn(4, 8, dtype=torch.float64))  # the loop's own call: cast
     assert seen == [torch.float32, torch.float32, torch.bfloat16]
+
+
+class Checkpointed(FloatNorm):
+    """FloatNorm's block under a checkpoint: its recomputation runs inside the backward, where the
+    model's forward is over (a cast there made the recomputed input bf16: "CheckpointError")."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(lambda h: self.norm(self.body(h).float().exp()), x, use_reentrant=False)
+
+
+class WithCriterion(nn.Module):
+    """A model holding its loss module, which the loop calls itself: ``model.criterion(out, y)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.criterion = nn.Linear(16, 4), nn.MSELoss()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_a_childs_cast_leaves_a_recomputation_and_a_loss_module_alone():
+    with under("bf16-true"):
+        model = Checkpointed()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.randn(4, 16)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    del model, opt  # (a second script in this frame)
+    with under("bf16-true"):
+        model = WithCriterion()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(8, 16), torch.randn(8, 4)  # (made before the step computes: fp32)
+        loss = model.criterion(model(x), y)
+        loss.backward()
+        opt.step()
+    assert loss.dtype == torch.float32  # (bf16 output, fp32 target: promoted, as the hand edit's)

@@ -8,9 +8,10 @@ frameworks offer a seam (:mod:`.patches` lists each):
 
 - **the model**: when the script builds its first optimizer, the outermost ``nn.Module`` holding most
   of that optimizer's parameters (found once among the live modules; parameters outside every module,
-  a learnable temperature, train as the script has them). Where the script holds another model with
-  parameters that train (a GAN's generator beside its discriminator), the model waits for its
-  optimizer and is both, in parts (:mod:`.optimizers`); an optimizer over a model built later is refused.
+  a learnable temperature, train as the script has them), with every other model the script holds
+  whose parameters its code hands an optimizer still to come (a GAN's generator beside the
+  discriminator whose optimizer is built first): the model in parts (:mod:`.models`). An optimizer
+  over a model built later is refused.
 - **the step**: the first optimizer built (the *lead*) paces the script: a step ends where the lead
   has stepped and the model computes again (its next forward or backward), or the lead steps again.
   Every other optimizer (a Muon/AdamW split, a GAN's discriminator) steps inside it, so a step is the

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import itertools
 import re
 import sys
@@ -32,7 +33,7 @@ from mixprec.policy.hooks import CastInputs
 __all__ = [
     "ChildCalls",
     "Models",
-    "awaited_models",
+    "models_to_come",
     "describe",
     "find_models",
     "live_modules",
@@ -92,16 +93,21 @@ class ChildCalls:
     """A model's input cast (a *-true candidate's, or the fp32 one of a script's own half weights
     widened) on each of its children too, for a loop that calls them itself: a GAN in one module
     (``gan.d(real)``), a backbone and a head called in turn. Only there: inside the model's forward
-    its own cast took the inputs. The cast on the model is the one that counts (a rescue that widens
-    a *-true model to fp32 removes it, and these with it). Plain data, as :class:`CastInputs` is:
-    a deep copy of the model (an EMA) gets its own, and ``torch.save(model)`` pickles it."""
+    its own cast took the inputs, nor in a backward (a checkpoint's recomputation replays inputs the
+    model chose). On children with weights only, fp32 islands aside: a loss module the model holds
+    (``model.criterion(out, y)``) computes as the script has it. The cast on the model is the one
+    that counts (a rescue that widens a *-true model to fp32 removes it, and these with it). Plain
+    data, as :class:`CastInputs` is: a deep copy of the model (an EMA) gets its own, and
+    ``torch.save(model)`` pickles it."""
 
     def __init__(self, model: nn.Module, cast_id: int) -> None:
         self.model, self.cast_id, self.depth = model, cast_id, 0
         model.register_forward_pre_hook(self.enter, prepend=True)
         model.register_forward_hook(self.leave, always_call=True)
         for child in model.children():
-            child.register_forward_pre_hook(self.cast, with_kwargs=True, prepend=True)
+            weighted = any(p.is_floating_point() for p in child.parameters())
+            if weighted and not getattr(child, "_mixprec_fp32_island", False):
+                child.register_forward_pre_hook(self.cast, with_kwargs=True, prepend=True)
 
     def enter(self, module: nn.Module, args: tuple) -> None:
         self.depth += 1
@@ -111,6 +117,8 @@ class ChildCalls:
 
     def cast(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if self.depth:  # (first: a compiled forward of the model sees a constant here, and no more)
+            return None
+        if torch._C._current_graph_task_id() != -1:  # (inside a backward)
             return None
         cast = self.model._forward_pre_hooks.get(self.cast_id)
         return cast(module, args, kwargs) if cast is not None else None
@@ -203,29 +211,71 @@ def model_of(parts: list[nn.Module], frame: FrameType | None = None) -> nn.Modul
     return Models(named)
 
 
-def awaited_models(held: set[int], frame: FrameType | None = None) -> list[nn.Module]:
-    """The modules the script's code holds (its variables, an attribute of one of its objects: a
-    trainer's ``self.netG``) with parameters that train, none of them in ``held`` (the ids of what
-    its optimizers hold so far): a second model whose optimizer may come next, as the DCGAN
-    tutorial builds ``netG`` and ``netD``, then ``optimizerD`` and ``optimizerG``. A module of the
-    model's, or a wrapper around it, holds some of ``held``: it is none of these."""
+def models_to_come(held: set[int], parts: list[nn.Module], frame: FrameType | None = None) -> list[nn.Module]:
+    """The other models the script's code holds (its variables, an attribute of one of its objects:
+    a trainer's ``self.netG``) whose parameters train, none of them in ``held`` (the ids of what its
+    first optimizer holds) nor inside ``parts`` (a backbone it keeps a variable of and left out of
+    the optimizer), and whose parameters the same code hands an optimizer it builds
+    (``optim.Adam(netG.parameters())``): a GAN's second model, as the DCGAN tutorial builds ``netG``
+    and ``netD``, then ``optimizerD`` and ``optimizerG``. Not a teacher or any model the code never
+    gives an optimizer: it stays as the script has it."""
     frame = frame or sys._getframe(1)
-    found: dict[int, nn.Module] = {}
+    inside = {id(m) for part in parts for m in part.modules()}
+    found: dict[int, tuple[nn.Module, str, str]] = {}  # id -> the module, its name, the file naming it
 
-    def consider(value: Any) -> None:
-        if isinstance(value, nn.Module) and id(value) not in found:
-            params = list(value.parameters())
-            if any(p.requires_grad for p in params) and not any(id(p) in held for p in params):
-                found[id(value)] = value
+    def consider(value: Any, name: str, filename: str) -> None:
+        if not isinstance(value, nn.Module) or id(value) in found or id(value) in inside:
+            return
+        params = list(value.parameters())
+        if any(p.requires_grad for p in params) and not any(id(p) in held for p in params):
+            found[id(value)] = (value, name, filename)
 
-    for scope in _script_scopes(frame):
-        for value in list(scope.values()):
-            consider(value)
-            if isinstance(value, (nn.Module, ModuleType, type)) or not hasattr(value, "__dict__"):
+    for scope, filename in _scopes_and_files(frame):
+        for name, value in list(scope.items()):
+            try:  # (a dead weakref.proxy raises on isinstance; an object's __getattr__ may raise anything)
+                consider(value, name, filename)
+                if isinstance(value, (nn.Module, ModuleType, type)) or not hasattr(value, "__dict__"):
+                    continue
+                for attribute, inner in list(vars(value).items()):
+                    consider(inner, attribute, filename)
+            except Exception:
                 continue
-            for attribute in list(vars(value).values()):
-                consider(attribute)
-    return list(found.values())
+    trained = {filename: _optimized_names(filename) for _, _, filename in found.values()}
+    return [module for module, name, filename in found.values() if name in trained[filename]]
+
+
+def _optimized_names(filename: str) -> set[str]:
+    """The names whose parameters the code in ``filename`` hands an optimizer's constructor:
+    ``netG`` in ``optim.Adam(netG.parameters(), lr=lr)`` or ``AdamW(self.netG.named_parameters())``
+    (any class of torch.optim's, or a subclass of Optimizer defined by now)."""
+    import ast
+    import linecache
+
+    classes, todo = set(), [torch.optim.Optimizer]
+    while todo:
+        cls = todo.pop()
+        classes.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)))
+    except (SyntaxError, ValueError):
+        return set()
+    names: set[str] = set()
+    for call in ast.walk(tree):
+        if not isinstance(call, ast.Call) or _last_name(call.func) not in classes:
+            continue
+        for node in (n for arg in [*call.args, *call.keywords] for n in ast.walk(arg)):
+            method = node.func if isinstance(node, ast.Call) else None
+            if isinstance(method, ast.Attribute) and method.attr in ("parameters", "named_parameters"):
+                names.add(_last_name(method.value) or "")
+    return names
+
+
+def _last_name(node: Any) -> str | None:
+    """``Adam`` of ``torch.optim.Adam``, ``netG`` of ``self.netG``."""
+    import ast
+
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
 
 
 def _script_name(part: nn.Module, frame: FrameType | None) -> str | None:
@@ -249,12 +299,25 @@ def _script_scopes(frame: FrameType | None) -> Iterator[dict[str, Any]]:
     """The locals of each frame of the script's code (not torch's, not mixprec's), innermost first
     (a ``build_optimizer(params)`` helper's, then the ``main()`` that named the parts), then its
     globals."""
-    outer: dict[str, Any] | None = None
+    for scope, _ in _scopes_and_files(frame):
+        yield scope
+
+
+def _scopes_and_files(frame: FrameType | None) -> Iterator[tuple[dict[str, Any], str]]:
+    """:func:`_script_scopes`, each with the file of the code it is the scope of."""
+    outer: tuple[dict[str, Any], str] | None = None
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith((_TORCH, _MIXPREC, "<frozen")):
-            yield frame.f_locals
-            outer = frame.f_globals
+            scope = frame.f_locals
+            try:
+                yield scope, filename
+            finally:
+                # before 3.13 a function's f_locals is a snapshot kept on its frame: what the script
+                # deletes later (a loaded checkpoint) would stay alive while the function runs
+                if sys.version_info < (3, 13) and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
+                    scope.clear()
+            outer = frame.f_globals, filename
         frame = frame.f_back
     if outer is not None:
         yield outer

@@ -26,7 +26,7 @@ from torch import nn
 
 from mixprec.errors import UnsupportedError
 from mixprec.frameworks.script.copies import copies_of
-from mixprec.frameworks.script.models import awaited_models, describe, find_models, live_modules, model_of
+from mixprec.frameworks.script.models import describe, find_models, live_modules, model_of, models_to_come
 from mixprec.frameworks.torch.implementations import accepted, keywords, named, offered
 
 Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
@@ -48,9 +48,6 @@ class Optimizers:
         self.agent = agent
         self.all: list[torch.optim.Optimizer] = []
         self.lead: torch.optim.Optimizer | None = None
-        # built before the model is taken: while another model the script holds may get its own
-        self.waiting: list[torch.optim.Optimizer] = []
-        self._settling: list[Any] = []  # the waiting optimizers' load_state_dict pre-hooks
         self.building: dict[int, Built] = {}  # id(optimizer) -> its constructor's, while it runs
         self.applied: dict[str, dict[str, bool]] = {}  # class name -> the implementation keywords set
         self._owner: dict[int, torch.optim.Optimizer] = {}  # id(param) -> its optimizer
@@ -107,19 +104,26 @@ class Optimizers:
         self.applied[name] = unset
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
-        """A new optimizer of the script's: the first names the model, with those built after it
-        while a second model the script holds has none yet (a GAN's); one over a model built later
-        is refused."""
+        """A new optimizer of the script's: the first names the model; one over a model built after
+        it is refused."""
         agent = self.agent
         self._implementation(optimizer)
-        if agent.model is None:
-            if not self.waiting:
-                agent.thread = threading.get_ident()  # (autocast is per thread: the loop's)
-            self.waiting.append(optimizer)
-            self._register(optimizer)
-            self._take_model_or_wait(optimizer)
-            return
         order = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        if agent.model is None:
+            parts = find_models(order, live_modules())
+            if not parts:
+                agent.fail(
+                    "UsageError",
+                    "the script's first optimizer holds no parameter of any nn.Module: mixprec measures "
+                    "the model an optimizer trains",
+                )
+            parts += self._models_to_come(parts, set(order))
+            # (the model in parts, a backbone and a head, a GAN's two: all, named as the script names them)
+            agent.model, self.lead = model_of(parts), optimizer
+            agent.thread = threading.get_ident()  # (autocast is per thread: the loop's)
+            self._register(optimizer)
+            agent.discovered()
+            return
         mine = {id(p) for p in agent.model.parameters()}
         others = find_models([p for p in order if p not in mine], live_modules())
         owner = others[0] if others else None
@@ -127,55 +131,24 @@ class Optimizers:
             agent.fail(
                 "UsageError",
                 f"the script trains a second model ({type(owner).__name__}, beside "
-                f"{describe(agent.model)}) with an optimizer built after the script began computing "
-                "or over a model built after the first optimizer: mixprec applies the candidate to "
-                "the models there are then; build every model, then their optimizers, before the loop "
+                f"{describe(agent.model)}) that it built after the first optimizer: mixprec applies the "
+                "candidate to the models there are then; build every model, then their optimizers "
                 "(the DCGAN tutorial's order), or put them in one nn.Module",
             )
         self._register(optimizer)
 
-    def _held(self) -> list[int]:
-        return [id(p) for opt in self.waiting for g in opt.param_groups for p in g["params"]]
-
-    def _take_model_or_wait(self, optimizer: torch.optim.Optimizer) -> None:
-        """The model is every module the optimizers built so far train, taken now unless a model the
-        script holds trains with none of them yet (:func:`awaited_models`, an EMA copy aside): then
-        at the next optimizer, the script's first module call, or a waiting optimizer's
-        ``load_state_dict`` (a resumed state is cast to the dtypes the candidate gives the model)."""
-        agent = self.agent
-        held = self._held()
-        parts = find_models(held, live_modules())
-        if not parts:
-            agent.fail(
-                "UsageError",
-                "the script's first optimizer holds no parameter of any nn.Module: mixprec measures "
-                "the model an optimizer trains",
-            )
-        if not self._awaited(parts, set(held)):
-            self.take_model(parts)
-            return
-        self._settling.append(optimizer.register_load_state_dict_pre_hook(lambda *_: self.take_model()))
-        agent.patches.await_compute(self.take_model)
-
-    def _awaited(self, parts: list[nn.Module], held: set[int]) -> list[nn.Module]:
-        awaited = awaited_models(held)
-        if awaited:  # an EMA or teacher copied from the model: it follows the model, never trains
-            copied = {id(c) for part in parts for c in copies_of(part)}
-            awaited = [m for m in awaited if id(m) not in copied]
-        return awaited
-
-    def take_model(self, parts: list[nn.Module] | None = None) -> None:
-        """The waiting optimizers name the model (the first of them leads); the candidate is applied."""
-        agent = self.agent
-        if agent.model is not None or not self.waiting:
-            return
-        agent.patches.stop_awaiting()
-        while self._settling:
-            self._settling.pop().remove()
-        parts = parts or find_models(self._held(), live_modules())
-        # (the model in parts, a backbone and a head, a GAN's two: all, named as the script names them)
-        agent.model, self.lead = model_of(parts), self.waiting[0]
-        agent.discovered()
+    @staticmethod
+    def _models_to_come(parts: list[nn.Module], held: set[int]) -> list[nn.Module]:
+        """The other models whose optimizers come next (:func:`models_to_come`: a GAN's generator
+        beside the discriminator whose optimizer is built first), so the candidate is applied to
+        both before the script computes. A module that holds a copy of the model (an EMA:
+        ``AveragedModel``, timm's ``ModelEmaV3``, a ``copy.deepcopy``) follows the model instead."""
+        coming = models_to_come(held, parts)
+        if not coming:
+            return []
+        copied = {id(c) for part in parts for c in copies_of(part)}
+        coming = [m for m in coming if not any(id(sub) in copied for sub in m.modules())]
+        return find_models([id(p) for m in coming for p in m.parameters()], coming)
 
     def _register(self, optimizer: torch.optim.Optimizer) -> None:
         self.all.append(optimizer)

@@ -20,9 +20,6 @@ What is patched, and why there:
   ``get_total_norm`` + ``clip_grads_with_norm_``, a hand-written one) and every log sees the true
   gradients, as the AMP recipe's ``unscale_`` before clipping has it.
 - ``torch.optim.Optimizer.__init__`` and the global step hooks: a new optimizer names the model.
-- ``torch.nn.Module.__call__`` (only while the model waits for a second model's optimizer, a GAN's):
-  the script's first module call takes the model before the call runs, so the hooks the candidate
-  puts on the model (input casts, channels_last) and its compiled forward apply to that call too.
 - ``__init__`` of each torch.optim optimizer that takes ``foreach=``/``fused=`` (Adam, AdamW, SGD,
   ...): it is built with the candidate's implementation, as ``AdamW(..., fused=True)`` builds it.
 - gradient accumulation (a plan's ``accumulate`` over 1, :mod:`.accumulation`): ``zero_grad``,
@@ -42,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -77,7 +73,6 @@ class Patches:
         self.agent = agent
         self._undo: list[Callable[[], None]] = []
         self._forward_hook: Any = None
-        self._module_call: Any = None  # nn.Module.__call__ while await_compute replaces it
         self._grad_property = False
 
     # ------------------------------------------------------------------ bookkeeping
@@ -116,7 +111,6 @@ class Patches:
             self._accumulation()
 
     def remove(self) -> None:
-        self.stop_awaiting()
         self.disarm_forward()
         self.grad_reads(False)
         while self._undo:
@@ -402,34 +396,6 @@ class Patches:
         """Call :meth:`Agent.first_forward` at the next forward of any module (until disarmed)."""
         if self._forward_hook is None:
             self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)
-
-    def await_compute(self, take_model: Callable[[], None]) -> None:
-        """``take_model()`` at the script's first call of any module (in its loop's thread and
-        process, not while torch.compile traces), before the call runs: a global forward pre-hook
-        runs after ``_call_impl`` has read the module's own hooks and its ``forward``."""
-        if self._module_call is not None:
-            return
-        original = torch.nn.Module.__dict__["__call__"]
-        agent = self.agent
-
-        @functools.wraps(original)
-        def __call__(module: torch.nn.Module, *args: Any, **kw: Any) -> Any:
-            if (
-                not agent.internal_calls
-                and threading.get_ident() == agent.thread
-                and os.getpid() == agent.pid  # (a forked DataLoader worker's transform: not the script)
-                and not torch.compiler.is_compiling()
-            ):
-                take_model()  # (puts this method back)
-            return original(module, *args, **kw)
-
-        torch.nn.Module.__call__ = __call__  # type: ignore[method-assign]
-        self._module_call = original
-
-    def stop_awaiting(self) -> None:
-        if self._module_call is not None:
-            torch.nn.Module.__call__ = self._module_call  # type: ignore[method-assign]
-            self._module_call = None
 
     def disarm_forward(self) -> None:
         if self._forward_hook is not None:
