@@ -131,9 +131,11 @@ class Optimizers:
             agent.fail(
                 "UsageError",
                 f"the script trains a second model ({type(owner).__name__}, beside "
-                f"{describe(agent.model)}) that it built after the first optimizer: mixprec applies the "
-                "candidate to the models there are then; build every model, then their optimizers "
-                "(the DCGAN tutorial's order), or put them in one nn.Module",
+                f"{describe(agent.model)}) that was not yet built, or not handed to an optimizer in "
+                "its code, when the first optimizer was: mixprec applies the candidate to the models "
+                "there are then; build every model, then their optimizers, each as "
+                "optim.Adam(netG.parameters(), ...) (the DCGAN tutorial's order), or put them in one "
+                "nn.Module",
             )
         self._register(optimizer)
 
