@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -23,7 +22,6 @@ from frameworks.in_process import Exited, under
 from frameworks.test_script_agent import hand, same
 
 STEPS = 5
-Agent = Any  # mixprec.frameworks.script.agent.Agent
 
 
 def nets() -> tuple[nn.Module, nn.Module]:
@@ -139,8 +137,8 @@ def bf16_by_hand() -> nn.Module:
 
 
 def test_two_models_under_bf16_true_are_both_cast_as_by_hand():
-    """Both models' weights in bf16 (the generator's stayed fp32 where only the first optimizer's
-    model took the candidate), trained as the hand edit trains them."""
+    """Both models' weights in bf16, trained as the hand edit trains them (the generator is no less
+    the model's than the discriminator whose optimizer came first)."""
     with under("bf16-true") as agent:
         two = as_globals()
     assert {p.dtype for p in two.parameters()} == {torch.bfloat16}
