@@ -102,12 +102,18 @@ class ChildCalls:
 
     def __init__(self, model: nn.Module, cast_id: int) -> None:
         self.model, self.cast_id, self.depth = model, cast_id, 0
+        children = [
+            child
+            for child in model.children()
+            if any(p.is_floating_point() for p in child.parameters())
+            and not getattr(child, "_mixprec_fp32_island", False)
+        ]
+        if not children:  # (nothing to cast for: no hooks on the model's every forward)
+            return
         model.register_forward_pre_hook(self.enter, prepend=True)
         model.register_forward_hook(self.leave, always_call=True)
-        for child in model.children():
-            weighted = any(p.is_floating_point() for p in child.parameters())
-            if weighted and not getattr(child, "_mixprec_fp32_island", False):
-                child.register_forward_pre_hook(self.cast, with_kwargs=True, prepend=True)
+        for child in children:
+            child.register_forward_pre_hook(self.cast, with_kwargs=True, prepend=True)
 
     def enter(self, module: nn.Module, args: tuple) -> None:
         self.depth += 1
@@ -240,7 +246,7 @@ def models_to_come(held: set[int], parts: list[nn.Module], frame: FrameType | No
                     consider(inner, attribute, filename)
             except Exception:
                 continue
-    trained = {filename: _optimized_names(filename) for _, _, filename in found.values()}
+    trained = {filename: _optimized_names(filename) for filename in {f for _, _, f in found.values()}}
     return [module for module, name, filename in found.values() if name in trained[filename]]
 
 
