@@ -376,9 +376,11 @@ class Policy:
             self, opts, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value
         )
 
-    def end_step(self, opts: Sequence[torch.optim.Optimizer], found_host: Sequence[bool]) -> bool:
+    def end_step(
+        self, opts: Sequence[torch.optim.Optimizer], found_host: Sequence[bool], *, update: bool = True
+    ) -> bool:
         """The second half of :meth:`step` (:func:`mixprec.policy.stepping.end_step`)."""
-        return stepping.end_step(self, opts, found_host)
+        return stepping.end_step(self, opts, found_host, update=update)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

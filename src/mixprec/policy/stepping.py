@@ -104,23 +104,27 @@ def step_optimizers(
     return found_host
 
 
-def end_step(policy: Policy, opts: Sequence[torch.optim.Optimizer], found_host: Sequence[bool]) -> bool:
+def end_step(
+    policy: Policy,
+    opts: Sequence[torch.optim.Optimizer],
+    found_host: Sequence[bool],
+    *,
+    update: bool = True,
+) -> bool:
     """The second half of :meth:`step`: one scale update for everything
     :meth:`step_optimizers` stepped since the last one, and the statistics of the step; returns
-    whether every optimizer stepped."""
+    whether every optimizer stepped. ``update=False``: the scale was updated since the last of
+    ``opts`` stepped (:func:`update_scale`, inside a step whose optimizers step more than once)."""
     skipped = any(found_host)
     if skipped:
         params = [p for o in opts for g in o.param_groups for p in g["params"]]
         policy.stats.last_nonfinite_params = nonfinite_parameter_names(params, policy.param_names)
     scale_before = None
     if policy.scaler is not None:
-        options: ScalerOptions = policy.config.scaler
-        if skipped and options.min_scale is not None:
+        if skipped and policy.config.scaler.min_scale is not None:
             scale_before = policy.scaler.get_scale()
-        policy.scaler.update()
-        if skipped and options.min_scale is not None:
-            # Only a skip lowers the scale, so only then can it cross the floor.
-            policy.scaler._scale.clamp_(min=options.min_scale)
+        if update:
+            update_scale(policy, skipped)
         policy.stats.record_scale(policy.stats.steps, policy.scaler._scale)
 
     policy.stats.steps += 1
@@ -144,6 +148,16 @@ def end_step(policy: Policy, opts: Sequence[torch.optim.Optimizer], found_host: 
         policy.stats.skips_at_min_scale = 0
         policy.stats.consecutive_skips = 0
     return not skipped
+
+
+def update_scale(policy: Policy, skipped: bool) -> None:
+    """GradScaler's update of the scale (from what it found since the last), kept at or above the
+    policy's ``min_scale``; no step is counted (:func:`end_step` counts them)."""
+    policy.scaler.update()
+    options: ScalerOptions = policy.config.scaler
+    if skipped and options.min_scale is not None:
+        # Only a skip lowers the scale, so only then can it cross the floor.
+        policy.scaler._scale.clamp_(min=options.min_scale)
 
 
 def _finite_total_norm(policy: Policy, opts: list) -> torch.Tensor | None:

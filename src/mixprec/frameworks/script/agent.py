@@ -384,6 +384,7 @@ class Agent:
                 self.window.losses.append((loss.detach().float() * grad.detach().float()).sum() * factor)
         scale = None
         if self.routing and self.policy.scaler is not None:
+            self.optimizers.before_scaled_backward(outputs)
             with self.internal():
                 outputs = tuple(self.policy.scaler.scale(out) for out in outputs)
                 scale = float(self.policy.scaler.get_scale())
@@ -415,13 +416,11 @@ class Agent:
             self.fail("UnsupportedError", no_backward(self.optimizers.lead, self.policy))
         skipped = window.skipped
         if window.routed:
-            found = [f for _, f in window.routed]
             with self.internal():
                 try:
-                    self.policy.end_step([o for o, _ in window.routed], found)
+                    skipped = self.optimizers.end_step(window.routed) or skipped
                 except MixprecError as exc:  # persistent skips, a collapsed scale: the candidate fails
                     self.fail(type(exc).__name__, str(exc))
-            skipped = skipped or any(found)
         self.optimizers.new_step()
         self.grads_scaled = False
         if self.device.type == "cuda":

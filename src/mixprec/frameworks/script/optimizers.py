@@ -53,6 +53,7 @@ class Optimizers:
         self._owner: dict[int, torch.optim.Optimizer] = {}  # id(param) -> its optimizer
         self._indexed_this_step = False
         self._unscaled: set[int] = set()  # optimizers unscaled since the last scale update
+        self._stepped: set[int] = set()  # optimizers the Policy stepped since the last scale update
 
     # ------------------------------------------------------------------ construction
     def constructing(self, optimizer: torch.optim.Optimizer, cls: type, arguments: dict[str, Any]) -> None:
@@ -137,7 +138,19 @@ class Optimizers:
                 "optim.Adam(netG.parameters(), ...) (the DCGAN tutorial's order), or put them in one "
                 "nn.Module",
             )
+        if self._takes_over(order):
+            self.lead = optimizer
         self._register(optimizer)
+
+    def _takes_over(self, order: list[int]) -> bool:
+        """Whether a new optimizer takes the lead: built once training began, over parameters the
+        lead holds (fine-tuning's second phase over the unfrozen model, an optimizer built anew
+        each epoch). The lead will not step those again: the new one paces the steps from here."""
+        agent = self.agent
+        if not (agent.steps or agent.window.lead_stepped):
+            return False  # (built with the others: SAM's base optimizer, a wrapper's inner one)
+        held = {id(p) for group in self.lead.param_groups for p in group["params"]} if self.lead else set()
+        return any(p in held for p in order)
 
     @staticmethod
     def _models_to_come(parts: list[nn.Module], held: set[int]) -> list[nn.Module]:
@@ -214,6 +227,8 @@ class Optimizers:
         self.starts(optimizer)
         if agent.policy.scaler is not None and not agent.window.backwards:
             agent.fail("UnsupportedError", no_backward(optimizer, agent.policy))
+        if id(optimizer) in self._stepped:  # (a backward whose graph hid its parameters: see update_scale)
+            self.update_scale(rescaling=optimizer)
         with agent.internal():
             try:
                 found = agent.policy.step_optimizers([optimizer])[0]
@@ -221,6 +236,8 @@ class Optimizers:
                 agent.fail(type(exc).__name__, f"the script's {type(optimizer).__name__}.step(): {exc}")
         agent.window.routed.append((optimizer, found))
         self._unscaled.add(id(optimizer))  # (stepped: its gradients are not read scaled again)
+        if agent.policy.scaler is not None:
+            self._stepped.add(id(optimizer))  # (it steps again after a scale update)
         self.stepped(optimizer, skipped=found)
         return None
 
@@ -269,14 +286,61 @@ class Optimizers:
         if optimizer is None and not self._indexed_this_step:
             self._index()  # (a group added since: a backbone unfrozen with add_param_group)
             optimizer = self._owner.get(id(tensor))
+        if optimizer is not None and id(optimizer) in self._stepped and not self.agent.accumulation.holding():
+            self.update_scale(rescaling=optimizer)  # (it steps again within the step)
         if optimizer is None or id(optimizer) in self._unscaled or self.agent.accumulation.holding():
             return  # (mid-accumulation the sum stays scaled: the next micro-batch adds to it)
         self._unscaled.add(id(optimizer))
         with self.agent.internal():
             self.agent.policy.scaler.unscale_(optimizer)
 
+    # ------------------------------------------------------------------ the scale within a step
+    def before_scaled_backward(self, outputs: tuple[torch.Tensor, ...]) -> None:
+        """A backward the Policy scales is about to run. Where its gradients are for optimizers that
+        all stepped since the last scale update, they step again: the scale is updated first, where
+        the AMP recipe has to call ``scaler.update()`` (GradScaler steps an optimizer once per
+        update): a WGAN's critic stepped n times per generator step, the generator's optimizer the
+        lead. A backward that also reaches one yet to step (the generator's, through the critic)
+        is the iteration's own: its one update comes when the step ends, as the recipe's does."""
+        if not self._stepped:
+            return
+        reached = {id(opt) for opt in reached_optimizers(outputs, self._owner)}
+        if reached and reached <= self._stepped:
+            self.update_scale()
+
+    def update_scale(self, rescaling: torch.optim.Optimizer | None = None) -> None:
+        """The scale updated within the step, for the optimizers stepped since the last update.
+        ``rescaling``: an optimizer whose gradients were made at the scale before (the backward
+        hid its parameters from :func:`reaches`: a reentrant checkpoint of a function, gradients
+        set by hand): they are brought to the new scale, a power of two apart, so exactly as if
+        made after the update where it grew; where it backed off, they were made at the scale
+        that overflowed, and the step skips again where they overflow again (the recipe's would
+        have been made at the lower scale)."""
+        from mixprec.policy.stepping import update_scale
+
+        agent = self.agent
+        scaler = agent.policy.scaler
+        found = [f for o, f in agent.window.routed if id(o) in self._stepped]
+        with agent.internal():
+            before = scaler.get_scale()
+            update_scale(agent.policy, any(found))
+            factor = scaler.get_scale() / before
+            if rescaling is not None and factor != 1.0:
+                grads = [p.grad for g in rescaling.param_groups for p in g["params"] if p.grad is not None]
+                torch._foreach_mul_(grads, factor)
+        self._stepped.clear()
+        self._unscaled.clear()
+
+    def end_step(self, routed: list[tuple[torch.optim.Optimizer, bool]]) -> bool:
+        """The step's routed optimizer steps end: the scale updated where it was not since the last
+        of them (:meth:`update_scale`), the Policy's statistics; whether any of them skipped."""
+        found = [f for _, f in routed]
+        self.agent.policy.end_step([o for o, _ in routed], found, update=bool(self._stepped))
+        return any(found)
+
     def new_step(self) -> None:
         self._unscaled.clear()
+        self._stepped.clear()
         self._indexed_this_step = False
 
     def _index(self) -> None:
@@ -284,6 +348,39 @@ class Optimizers:
         its parameters replaced since: read again where a gradient it did not know is read)."""
         self._owner = {id(p): opt for opt in self.all for group in opt.param_groups for p in group["params"]}
         self._indexed_this_step = True  # (a gradient of no optimizer's, read each step: once a step)
+
+
+def reached_optimizers(
+    outputs: tuple[torch.Tensor, ...], owner: dict[int, torch.optim.Optimizer]
+) -> list[torch.optim.Optimizer]:
+    """The optimizers (``owner``: id(parameter) -> its optimizer) whose parameters a backward from
+    ``outputs`` accumulates gradients into: a walk of the autograd graph to its leaves. A reentrant
+    checkpoint's node stands for the module it recomputes (whose weights are leaves of the graph
+    its own backward makes, not of this one)."""
+    found: dict[int, torch.optim.Optimizer] = {}
+
+    def leaf(param: Any) -> None:
+        opt = owner.get(id(param))
+        if opt is not None:
+            found[id(opt)] = opt
+
+    seen: set[Any] = set()
+    todo: list[Any] = [out.grad_fn for out in outputs if out.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # (an AccumulateGrad: a leaf's)
+        if variable is not None:
+            leaf(variable)
+        run = getattr(node, "run_function", None)  # (CheckpointFunction's: the module, or its method)
+        module = run if isinstance(run, nn.Module) else getattr(run, "__self__", None)
+        if isinstance(module, nn.Module):
+            for param in module.parameters():
+                leaf(param)
+        todo.extend(child for child, _ in node.next_functions)
+    return list(found.values())
 
 
 def no_backward(optimizer: torch.optim.Optimizer | None, policy: Any) -> str:

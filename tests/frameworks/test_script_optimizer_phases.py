@@ -1,0 +1,188 @@
+"""Optimizers that do not step once each per iteration, as scripts are written: a WGAN's critic
+stepped n times per generator step (the generator's optimizer built first), fine-tuning's second
+phase with a new optimizer over the unfrozen model, an optimizer built anew each epoch.
+
+Before, the first optimizer built (the *lead*) paced the steps and the scale was updated once per
+step of it: under fp16-mixed each of these loops crashed ("step() has already been called since the
+last update()": GradScaler steps an optimizer once per update), and under bf16-mixed a second phase
+was not counted (`mixprec run` said 10 steps of 20; a monitor saw none of them). Now a new optimizer
+over the parameters the lead holds, built once training began, takes the lead; and a backward that
+reaches an optimizer stepped since the last update has the scale updated first, where the AMP
+recipe calls ``scaler.update()`` after each step. Each loop is compared bit for bit with the
+recipe's hand edit of it, an overflow planted in one step to have the scale backed off between."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from frameworks.in_process import under
+from frameworks.test_script_agent import hand, same
+from mixprec.frameworks.script.optimizers import reached_optimizers
+
+ITERATIONS = 4
+CRITIC = 3  # critic steps per generator step
+PHASE = 4  # steps of each fine-tuning phase
+OVERFLOW = 1e30  # a loss this large overflows fp16's gradients at any scale GradScaler starts at
+
+
+def recipe_step(loss: torch.Tensor, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    """The AMP recipe's backward, step and scale update (``scaler`` None: the loop as written)."""
+    opt.zero_grad()
+    if scaler is None:
+        loss.backward()
+        opt.step()
+        return
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+def wgan(
+    precision: str | None, *, recompute: str | None = None, overflow: tuple[int, int] = (1, 1)
+) -> nn.Module:
+    """A WGAN's loop, the generator's optimizer built first; ``recompute``: the critic in a
+    reentrant checkpoint of the ``"module"`` or of a ``"function"`` calling it (whose graph hides
+    the critic's weights from the backward). The critic step at ``overflow`` (iteration, step) overflows."""
+    torch.manual_seed(0)
+    net_g = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+    net_d = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+    opt_g = torch.optim.Adam(net_g.parameters(), lr=1e-3, betas=(0.5, 0.9))
+    opt_d = torch.optim.Adam(net_d.parameters(), lr=1e-3, betas=(0.5, 0.9))
+    ctx, scaler = hand(precision)
+    gen = torch.Generator().manual_seed(1)
+
+    def critic(x: torch.Tensor) -> torch.Tensor:
+        if recompute == "module":
+            return checkpoint(net_d, x.requires_grad_(), use_reentrant=True)
+        if recompute == "function":
+            return checkpoint(lambda x: net_d(x), x.requires_grad_(), use_reentrant=True)
+        return net_d(x)
+
+    for it in range(ITERATIONS):
+        for k in range(CRITIC):
+            real, noise = torch.randn(32, 16, generator=gen) + 1, torch.randn(32, 8, generator=gen)
+            with ctx():
+                fake = net_g(noise).detach()
+                loss_d = critic(fake).mean() - critic(real).mean()
+            recipe_step(loss_d * (OVERFLOW if (it, k) == overflow else 1.0), opt_d, scaler)
+        with ctx():
+            loss_g = -critic(net_g(torch.randn(32, 8, generator=gen))).mean()
+        recipe_step(loss_g, opt_g, scaler)
+    return nn.ModuleList([net_g, net_d])
+
+
+def batches(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)) for _ in range(n)]
+
+
+def two_phases(precision: str | None) -> nn.Module:
+    """Fine-tuning in two phases: the head alone with the backbone frozen, then the whole model
+    with a new optimizer and its scheduler. One step of the second phase overflows."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+    head = nn.Linear(32, 4)
+    model = nn.Sequential(backbone, head)
+    backbone.requires_grad_(False)
+    ctx, scaler = hand(precision)
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
+    for x, y in batches(PHASE, seed=1):
+        with ctx():
+            loss = F.cross_entropy(model(x), y)
+        recipe_step(loss, optimizer, scaler)
+    backbone.requires_grad_(True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, PHASE)
+    for i, (x, y) in enumerate(batches(PHASE, seed=2)):
+        with ctx():
+            loss = F.cross_entropy(model(x), y)
+        recipe_step(loss * (OVERFLOW if i == 1 else 1.0), optimizer, scaler)
+        schedule.step()
+    return model
+
+
+def optimizer_each_epoch(precision: str | None) -> nn.Module:
+    """The learning rate decayed the old way: an optimizer built anew each epoch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    ctx, scaler = hand(precision)
+    for epoch in range(3):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * 0.5**epoch, momentum=0.9)
+        for x, y in batches(PHASE, seed=epoch):
+            with ctx():
+                loss = F.cross_entropy(model(x), y)
+            recipe_step(loss, optimizer, scaler)
+    return model
+
+
+def check(loop: Callable[[str | None], nn.Module], policy: str, steps: int) -> None:
+    with under(policy) as agent:
+        injected = loop(None)
+    assert same(injected, loop(policy)), "the agent's run differs from the hand edit"
+    assert not same(injected, loop(None)), "the candidate changed nothing"
+    assert len(agent.steps) == steps, [s.index for s in agent.steps]
+    if policy == "fp16-mixed":
+        assert any(s.skipped for s in agent.steps), "the planted overflow skipped no step"
+
+
+@pytest.mark.parametrize("overflow", [(1, 1), (1, CRITIC - 1)], ids=["mid-critic", "last-critic"])
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_a_critic_stepped_n_times_per_generator_step_trains_as_the_recipes_hand_edit(policy, overflow):
+    """The generator's optimizer (built first) paces the steps; the scale is updated before each
+    critic backward after the first, as GradScaler requires of the hand edit (fp16-mixed crashed
+    on the second). The generator's backward, which reaches the critic too, is updated for at the
+    step's end (the recipe updates before it: the same weights, where the last critic overflowed)."""
+    check(lambda precision: wgan(precision, overflow=overflow), policy, steps=ITERATIONS)
+
+
+def test_a_critic_in_a_reentrant_checkpoint_is_seen_through_its_module():
+    """A reentrant checkpoint's node keeps the critic's weights out of the graph's leaves (its
+    backward makes a graph of its own): the node's module says whose they are."""
+    check(lambda precision: wgan(precision, recompute="module"), "fp16-mixed", steps=ITERATIONS)
+
+
+def test_a_critic_whose_graph_hides_its_weights_steps_after_an_update_at_its_step():
+    """A checkpointed function hides the critic from the look: the scale is updated at the
+    critic's next step instead, its gradients brought to the new scale (the recipe's backward would
+    have run at it: after a back-off this one overflows again, so its run is not the hand edit's
+    bit for bit). It trained before: the critic's second step crashed."""
+    with under("fp16-mixed") as agent:
+        trained = wgan(None, recompute="function")
+    assert len(agent.steps) == ITERATIONS
+    assert any(s.skipped for s in agent.steps)
+    assert all(torch.isfinite(p).all() for p in trained.parameters())
+    assert not same(trained, wgan(None, recompute="function")), "the candidate changed nothing"
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_fine_tuning_with_a_second_optimizer_is_trained_and_counted_in_both_phases(policy):
+    check(two_phases, policy, steps=2 * PHASE)
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_an_optimizer_built_anew_each_epoch_paces_the_steps_of_its_epoch(policy):
+    with under(policy) as agent:
+        injected = optimizer_each_epoch(None)
+    assert same(injected, optimizer_each_epoch(policy))
+    assert len(agent.steps) == 3 * PHASE
+
+
+def test_the_optimizers_a_backward_reaches_are_those_it_accumulates_gradients_for():
+    first, second, third = nn.Linear(4, 4), nn.Linear(4, 1), nn.Linear(4, 1)
+    opt_first, opt_second = torch.optim.SGD(first.parameters()), torch.optim.SGD(second.parameters())
+    owner = {id(p): opt for opt in (opt_first, opt_second) for g in opt.param_groups for p in g["params"]}
+    x = torch.randn(2, 4, requires_grad=True)  # (a leaf of no optimizer's)
+    hidden = first(x)
+    through_both, second_only = second(hidden).sum(), second(hidden.detach()).sum()
+    assert {id(o) for o in reached_optimizers((through_both,), owner)} == {id(opt_first), id(opt_second)}
+    assert reached_optimizers((second_only,), owner) == [opt_second]
+    assert reached_optimizers((third(x).sum(),), owner) == []  # (no optimizer's parameters)
+    assert reached_optimizers((torch.ones(()),), owner) == []  # (no graph at all)
+    recomputed = checkpoint(second, hidden.detach().requires_grad_(), use_reentrant=True).sum()
+    assert reached_optimizers((recomputed,), owner) == [opt_second]  # (through the checkpoint's module)
