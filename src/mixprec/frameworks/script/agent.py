@@ -11,11 +11,13 @@ frameworks offer a seam (:mod:`.patches` lists each):
   a learnable temperature, train as the script has them), with every other model the script holds
   whose parameters its code hands an optimizer still to come (a GAN's generator beside the
   discriminator whose optimizer is built first): the model in parts (:mod:`.models`). An optimizer
-  over a model built later is refused.
+  over a model built later starts the model anew in a run where the script holds the last no more
+  (k-fold's next fold); else it is refused (a measurement ends there as at the script's own end).
 - **the step**: the first optimizer built (the *lead*) paces the script: a step ends where the lead
   has stepped and the model computes again (its next forward or backward), or the lead steps again.
   Every other optimizer (a Muon/AdamW split, a GAN's discriminator) steps inside it, so a step is the
-  same thing under every candidate, as written included. Its time is the wall time between two ends
+  same thing under every candidate, as written included; one built over the lead's parameters once
+  training began (a second phase's) takes the lead. Its time is the wall time between two ends
   (the DataLoader included; synchronised on CUDA), its loss what the script called ``backward`` on
   (the gradient-weighted sum for ``backward(gradient)``), its samples the batch dimension of the
   model's inputs.
@@ -24,7 +26,8 @@ frameworks offer a seam (:mod:`.patches` lists each):
   calls it: the root, one of its parts, a compiled wrapper; in train or eval mode) until the
   ``backward()``; the loss is scaled where the policy scales it, and every read of a gradient after a
   scaled backward sees it unscaled (any clip path, any log); each ``optimizer.step()`` goes through
-  the Policy (skipped on non-finite gradients) and the scale is updated once per step.
+  the Policy (skipped on non-finite gradients) and the scale is updated once per step, and before
+  a backward whose gradients are all for optimizers stepped since (a WGAN's critic, n per step).
 - **activation checkpointing**: what a checkpoint recomputes inside the backward (forwards, a
   reentrant checkpoint's own backward) is no step's forward, samples or loss; one the loop calls
   before the model's first forward begins the autocast there, where it reads what to recompute under.
@@ -65,7 +68,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.frameworks.script import scaler_state
 from mixprec.frameworks.script.accumulation import Accumulation
 from mixprec.frameworks.script.copies import CompiledForward, OwnHook, copies_of, follow
 from mixprec.frameworks.script.frameworks import PLAIN, UNKNOWN_FRAMEWORKS, install_import_hooks
@@ -136,6 +138,7 @@ class Agent:
         self.thread: int | None = None  # the loop's (autocast is per thread)
         self.in_backward = False  # (a read of .grad inside backward, a hook's, is not the script's)
         self._probe: Any = None
+        self._part_hooks: list[Any] = []  # (on each part: a new model's replace them)
         self._undo_hooks: Callable[[], None] | None = None
         self._scopes = contextlib.ExitStack()  # the candidate's fp32 math mode, for the whole run
 
@@ -208,7 +211,8 @@ class Agent:
         assert model is not None
         facts = self._facts
         facts.param_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
-        facts.strict_math = _strict_math(self.device)  # (the script's own, before the candidate's)
+        if not self.steps:  # (the script's own, before the candidate's: not a later model's)
+            facts.strict_math = _strict_math(self.device)
         self.nonfinite_at_start = set(nonfinite_buffers(model))
         parts = named_parts(model)  # what the script calls: the model, or each of its parts
         changes = self._changes_dtypes(model)
@@ -223,8 +227,8 @@ class Agent:
             perturb_weights(model, self.plan.perturb)
         self._parts = {id(part): name for name, part in parts.items()}
         for part in parts.values():
-            part.register_forward_pre_hook(OwnHook(self._root_forward, part), with_kwargs=True)
-            part.register_forward_hook(OwnHook(self._root_output, part))
+            entering = part.register_forward_pre_hook(OwnHook(self._root_forward, part), with_kwargs=True)
+            self._part_hooks += [entering, part.register_forward_hook(OwnHook(self._root_output, part))]
         self.mode.discovered()
         if self.mode.probes():  # which dtype the first matmul/conv computed in
             keep = self.candidate.keep_fp32 if self.inject else ()
@@ -237,6 +241,16 @@ class Agent:
         facts.modules = [(n, type(m).__name__) for n, m in model.named_modules() if n]
         facts.params = [n for n, _ in model.named_parameters()]
         self.patches.arm_forward()
+
+    def new_model(self) -> None:
+        """The script trains a new model, done with the last (k-fold's next fold, a sweep's next
+        run): the step in progress ends and the last model's hooks go; the next optimizer's model
+        is discovered as the first was, and the candidate applied to it."""
+        if self.window.lead_stepped:
+            self.boundary()
+        for handle in self._part_hooks:
+            handle.remove()
+        self.model, self._entry, self._part_depth, self._part_hooks = None, None, 0, []
 
     def _changes_dtypes(self, model: nn.Module) -> bool:
         """Whether applying the candidate changes the dtypes of the model's weights: a *-true cast,
@@ -391,7 +405,7 @@ class Agent:
             self.grads_scaled = True
             self.patches.grad_reads(True)
         elif any(id(out) in self.own.scaled for out in outputs):
-            scale = self.scale_after()
+            scale = self.optimizers.scale_after()
         if self.tracer is not None:
             self.tracer.backward_starts(scale)
         if factor != 1.0:  # each micro-batch's gradient a k-th: their sum is the mean's
@@ -475,23 +489,6 @@ class Agent:
         self.mode.finish()
 
     # ------------------------------------------------------------------ loss scales
-    def _scalers(self) -> list[Any]:
-        """The loss scalers of this step: the candidate's Policy's where it routes, or the script's own."""
-        scalers = [self.policy.scaler] if self.routing and self.policy.scaler is not None else []
-        return scalers + [s for s in self.own.scalers if s.is_enabled()]
-
-    def scale_now(self) -> float | None:
-        """The loss scale the lead's gradients carry now (None: none, or already unscaled: by a read
-        of them, or by GradScaler.step itself before it steps)."""
-        scalers = self._scalers()
-        if not scalers or scaler_state.unscaled(scalers[0], self.optimizers.lead):
-            return None
-        return float(scalers[0].get_scale())
-
-    def scale_after(self) -> float | None:
-        """The loss scale after this step's update."""
-        scalers = self._scalers()
-        return float(scalers[0].get_scale()) if scalers else None
 
 
 # ---------------------------------------------------------------------- helpers

@@ -250,6 +250,32 @@ def models_to_come(held: set[int], parts: list[nn.Module], frame: FrameType | No
     return [module for module, name, filename in found.values() if name in trained[filename]]
 
 
+def script_holds(model: nn.Module, frame: FrameType | None = None) -> bool:
+    """Whether the script's code still holds ``model`` or a module inside it (or a compile wrapper
+    of one): in a variable, or an attribute of one of its objects (a trainer's ``self.model``; not
+    of mixprec's own)."""
+    frame = frame or sys._getframe(1)
+    inside = {id(m) for m in model.modules()}
+
+    def held(value: Any) -> bool:
+        return _is_module(value) and (id(value) in inside or id(getattr(value, "_orig_mod", None)) in inside)
+
+    for scope, _ in _scopes_and_files(frame):
+        for value in list(scope.values()):
+            try:  # (as models_to_come: a dead proxy, an object's __getattr__)
+                if held(value):
+                    return True
+                if isinstance(value, (nn.Module, ModuleType, type)) or not hasattr(value, "__dict__"):
+                    continue
+                if type(value).__module__.startswith("mixprec."):
+                    continue  # (mixprec's own: the agent holds the model it was applied to)
+                if any(held(inner) for inner in list(vars(value).values())):
+                    return True
+            except Exception:
+                continue
+    return False
+
+
 def _optimized_names(filename: str) -> set[str]:
     """The names whose parameters the code in ``filename`` hands an optimizer's constructor:
     ``netG`` in ``optim.Adam(netG.parameters(), lr=lr)`` or ``AdamW(self.netG.named_parameters())``

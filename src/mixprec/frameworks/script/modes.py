@@ -147,7 +147,7 @@ class Trace(Mode):
         step.loss = float(loss) if loss is not None else math.nan  # (rank 0's is the one recorded)
         self.ranks.job_step(step, agent.device)
         if agent.tracer is not None:
-            agent.tracer.end_step(step, agent.scale_after())
+            agent.tracer.end_step(step, agent.optimizers.scale_after())
         if step.index + 1 >= agent.plan.steps:  # (every rank stops at this step: none waits)
             if self.ranks.lead:
                 self.write(TraceRecord(agent.steps, agent.facts(), agent.observed or Observed()))

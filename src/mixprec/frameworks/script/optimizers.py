@@ -25,8 +25,16 @@ import torch
 from torch import nn
 
 from mixprec.errors import UnsupportedError
+from mixprec.frameworks.script import scaler_state
 from mixprec.frameworks.script.copies import copies_of
-from mixprec.frameworks.script.models import describe, find_models, live_modules, model_of, models_to_come
+from mixprec.frameworks.script.models import (
+    describe,
+    find_models,
+    live_modules,
+    model_of,
+    models_to_come,
+    script_holds,
+)
 from mixprec.frameworks.torch.implementations import accepted, keywords, named, offered
 
 Agent = Any  # mixprec.frameworks.script.agent.Agent (which imports this module)
@@ -106,10 +114,12 @@ class Optimizers:
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         """A new optimizer of the script's: the first names the model; one over a model built after
-        it is refused."""
+        it starts the model anew where the script is done with the last, else it is refused."""
         agent = self.agent
         self._implementation(optimizer)
         order = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        if agent.model is not None and self._new_model(order):
+            agent.new_model()
         if agent.model is None:
             parts = find_models(order, live_modules())
             if not parts:
@@ -125,22 +135,30 @@ class Optimizers:
             self._register(optimizer)
             agent.discovered()
             return
-        mine = {id(p) for p in agent.model.parameters()}
-        others = find_models([p for p in order if p not in mine], live_modules())
-        owner = others[0] if others else None
-        if owner is not None and not any(m is owner for m in agent.model.modules()):
-            agent.fail(
-                "UsageError",
-                f"the script trains a second model ({type(owner).__name__}, beside "
-                f"{describe(agent.model)}) that was not yet built, or not handed to an optimizer in "
-                "its code, when the first optimizer was: mixprec applies the candidate to the models "
-                "there are then; build every model, then their optimizers, each as "
-                "optim.Adam(netG.parameters(), ...) (the DCGAN tutorial's order), or put them in one "
-                "nn.Module",
-            )
         if self._takes_over(order):
             self.lead = optimizer
         self._register(optimizer)
+
+    def _new_model(self, order: list[int]) -> bool:
+        """Whether an optimizer over a model built after the first optimizer (``order``: its
+        parameters' ids) starts the model anew: the script trained the last and holds it no more
+        (k-fold's folds, a sweep's runs, a model per seed), in a run of the script. A measurement
+        ends there as at the script's own end (its session starts it again for more steps of the
+        first model); anywhere else the script is stopped with the reason (:func:`second_model`)."""
+        agent = self.agent
+        assert agent.model is not None
+        mine = {id(p) for p in agent.model.parameters()}
+        others = find_models([p for p in order if p not in mine], live_modules())
+        owner = others[0] if others else None
+        if owner is None or any(m is owner for m in agent.model.modules()):
+            return False
+        began, held = bool(agent.steps or agent.window.lead_stepped), script_holds(agent.model)
+        if began and not held and agent.mode.name == "run" and not agent.observers:
+            return True
+        if began and not held and agent.mode.name == "measure":
+            agent.exit(0)
+        agent.fail("UsageError", second_model(agent, owner, began, held))
+        return False
 
     def _takes_over(self, order: list[int]) -> bool:
         """Whether a new optimizer takes the lead: built once training began, over parameters the
@@ -250,7 +268,7 @@ class Optimizers:
             self.starts(optimizer)
         if agent.tracer is not None:
             half = agent.inject and agent.candidate.spec.param_dtype is not None
-            agent.tracer.before_update(agent.scale_now(), half)
+            agent.tracer.before_update(self.scale_now(), half)
 
     def before_update(self) -> None:
         """The lead optimizer is about to step (called before its step runs, outside the optimizer's
@@ -338,6 +356,25 @@ class Optimizers:
         self.agent.policy.end_step([o for o, _ in routed], found, update=bool(self._stepped))
         return any(found)
 
+    def _scalers(self) -> list[Any]:
+        """The loss scalers of this step: the candidate's Policy's where it routes, or the script's own."""
+        agent = self.agent
+        scalers = [agent.policy.scaler] if agent.routing and agent.policy.scaler is not None else []
+        return scalers + [s for s in agent.own.scalers if s.is_enabled()]
+
+    def scale_now(self) -> float | None:
+        """The loss scale the lead's gradients carry now (None: none, or already unscaled: by a read
+        of them, or by GradScaler.step itself before it steps)."""
+        scalers = self._scalers()
+        if not scalers or scaler_state.unscaled(scalers[0], self.lead):
+            return None
+        return float(scalers[0].get_scale())
+
+    def scale_after(self) -> float | None:
+        """The loss scale after this step's update."""
+        scalers = self._scalers()
+        return float(scalers[0].get_scale()) if scalers else None
+
     def new_step(self) -> None:
         self._unscaled.clear()
         self._stepped.clear()
@@ -381,6 +418,34 @@ def reached_optimizers(
                 leaf(param)
         todo.extend(child for child, _ in node.next_functions)
     return list(found.values())
+
+
+def second_model(agent: Agent, owner: nn.Module, began: bool, held: bool) -> str:
+    """Why the script's optimizer over ``owner``, a model built after the first optimizer, is
+    refused: ``began``: the first model had trained; ``held``: the script still holds it."""
+    model, new = describe(agent.model), type(owner).__name__
+    if not began:
+        return (
+            f"the script trains a second model ({new}, beside {model}) that was not yet built, or not "
+            "handed to an optimizer in its code, when the first optimizer was: mixprec applies the "
+            "candidate to the models there are then; build every model, then their optimizers, each "
+            "as optim.Adam(netG.parameters(), ...) (the DCGAN tutorial's order), or put them in one "
+            "nn.Module"
+        )
+    steps = len(agent.steps) + agent.window.lead_stepped  # (the last one's end is the next forward)
+    after = f"the script trains a new model ({new}) after {steps} steps of {model}"
+    if held:
+        return (
+            f"{after}, which it still holds (a teacher for the new one?): mixprec applies a candidate "
+            "to one model at a time, and to the models there are at the first optimizer; train them "
+            "in two runs (the first saves the model the second loads), or build both first"
+        )
+    doing = "watches" if agent.observers else "checks"
+    return (
+        f"{after} (one model after another: k-fold's folds, a sweep's runs): mixprec {doing} one "
+        "model's steps; have the script train one model here (one fold: an argument for it), or the "
+        "first model for more steps (`mixprec run` trains each model in turn under the candidate)"
+    )
 
 
 def no_backward(optimizer: torch.optim.Optimizer | None, policy: Any) -> str:

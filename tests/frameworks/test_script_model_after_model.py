@@ -1,0 +1,99 @@
+"""A script that trains one model after another: k-fold cross-validation's folds, a sweep's runs, a
+model per seed, each a new model with a new optimizer once the last is trained. The agent refused
+the second ("the script trains a second model"): `mixprec run` exited 2 at the second fold, after
+the first had trained. Now, in a run, a new model's optimizer built once the script holds the last
+model no more starts the model anew: the step in progress ends, the candidate is applied to the new
+model as to the first. Each fold is compared bit for bit with the AMP recipe's hand edit. Where the
+script still holds the last model (a teacher trained first) it is refused, saying why; a check
+stops at the second model with the reason (it compares one model's steps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from frameworks.in_process import Exited, under
+from frameworks.test_script_agent import hand, same
+
+FOLDS = 3
+STEPS = 4
+
+
+def fold_batches(fold: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(fold)
+    return [
+        (torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)) for _ in range(STEPS)
+    ]
+
+
+def k_fold(precision: str | None, *, dtype: torch.dtype | None = None) -> nn.ModuleList:
+    """Each fold a new model and optimizer, trained, then kept in a list (``dtype``: the model cast
+    to it by hand, as a *-true candidate casts it)."""
+    torch.manual_seed(0)
+    trained = []
+    for fold in range(FOLDS):
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(dtype or torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ctx, scaler = hand(precision)  # (the recipe's scaler made with each fold's optimizer)
+        for x, y in fold_batches(fold):
+            with ctx():
+                loss = F.cross_entropy(model(x.to(dtype or torch.float32)), y)
+            optimizer.zero_grad()
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+        trained.append(model)
+    return nn.ModuleList(trained)
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_each_fold_of_a_k_fold_script_trains_under_the_candidate_as_the_hand_edit(policy):
+    with under(policy) as agent:
+        injected = k_fold(None)
+    assert same(injected, k_fold(policy)), "a fold differs from the hand edit"
+    assert not same(injected, k_fold(None)), "the candidate changed nothing"
+    assert len(agent.steps) == FOLDS * STEPS
+    assert agent.model is not None and any(agent.model is m for m in injected[-1].modules())
+
+
+def test_each_fold_gets_a_true_candidates_cast():
+    with under("bf16-true") as agent:
+        injected = k_fold(None)
+    assert all(p.dtype == torch.bfloat16 for p in injected.parameters())
+    assert same(injected, k_fold(None, dtype=torch.bfloat16))
+    assert len(agent.steps) == FOLDS * STEPS
+
+
+def test_a_model_trained_after_one_the_script_still_holds_is_refused_with_the_reason(tmp_path):
+    """A teacher trained first, then a student beside it (the teacher still in a variable): one
+    candidate for one model at a time, said so."""
+    from mixprec.frameworks.script.messages import TraceRecord
+
+    out = tmp_path / "trace.pt"
+    with pytest.raises(Exited), under("bf16-mixed", mode="trace", steps=50, out=str(out)):
+        teacher = nn.Sequential(nn.Linear(16, 4))
+        opt = torch.optim.SGD(teacher.parameters(), lr=0.1)
+        for x, y in fold_batches(0):
+            F.cross_entropy(teacher(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        student = nn.Sequential(nn.Linear(16, 4))
+        torch.optim.SGD(student.parameters(), lr=0.1)
+    said = TraceRecord.load(out).error or ""
+    assert f"after {STEPS} steps" in said and "still holds" in said and "two runs" in said, said
+
+
+def test_a_check_stops_at_the_second_fold_saying_it_compares_one_models_steps(tmp_path):
+    from mixprec.frameworks.script.messages import TraceRecord
+
+    out = tmp_path / "trace.pt"
+    with pytest.raises(Exited), under("bf16-mixed", mode="trace", steps=2 * STEPS, out=str(out)):
+        k_fold(None)
+    said = TraceRecord.load(out).error or ""
+    assert "one model after another" in said and "checks one model's steps" in said, said
