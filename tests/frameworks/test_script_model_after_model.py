@@ -70,6 +70,34 @@ def test_each_fold_gets_a_true_candidates_cast():
     assert len(agent.steps) == FOLDS * STEPS
 
 
+class Fold:
+    """A fold's trainer, its optimizer built in ``__init__`` (``trainer = Fold(k)``: while the next
+    one is built, the variable still holds the last, and its model)."""
+
+    def __init__(self, fold: int) -> None:
+        self.fold = fold
+        self.model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    def fit(self) -> None:
+        for x, y in fold_batches(self.fold):
+            F.cross_entropy(self.model(x), y).backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+
+
+def test_folds_trained_by_a_trainer_object_built_anew_each_fold():
+    with under("bf16-mixed") as agent:
+        torch.manual_seed(0)
+        trainer = None
+        for fold in range(FOLDS):
+            trainer = Fold(fold)
+            trainer.fit()
+    assert trainer is not None and len(agent.steps) == FOLDS * STEPS
+    assert agent.model is trainer.model
+    assert len(agent.optimizers.all) == 1, "the earlier folds' optimizers (and their state) are kept"
+
+
 def test_a_model_trained_after_one_the_script_still_holds_is_refused_with_the_reason(tmp_path):
     """A teacher trained first, then a student beside it (the teacher still in a variable): one
     candidate for one model at a time, said so."""

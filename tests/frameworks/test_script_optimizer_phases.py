@@ -181,8 +181,103 @@ def test_the_optimizers_a_backward_reaches_are_those_it_accumulates_gradients_fo
     hidden = first(x)
     through_both, second_only = second(hidden).sum(), second(hidden.detach()).sum()
     assert {id(o) for o in reached_optimizers((through_both,), owner)} == {id(opt_first), id(opt_second)}
-    assert reached_optimizers((second_only,), owner) == [opt_second]
-    assert reached_optimizers((third(x).sum(),), owner) == []  # (no optimizer's parameters)
-    assert reached_optimizers((torch.ones(()),), owner) == []  # (no graph at all)
+    assert list(reached_optimizers((second_only,), owner)) == [opt_second]
+    assert list(reached_optimizers((third(x).sum(),), owner)) == []  # (no optimizer's parameters)
+    assert list(reached_optimizers((torch.ones(()),), owner)) == []  # (no graph at all)
     recomputed = checkpoint(second, hidden.detach().requires_grad_(), use_reentrant=True).sum()
-    assert reached_optimizers((recomputed,), owner) == [opt_second]  # (through the checkpoint's module)
+    assert list(reached_optimizers((recomputed,), owner)) == [opt_second]  # (through the checkpoint's module)
+
+
+# ---------------------------------------------------------------------- what must not change
+def logging_after_the_step(precision: str | None, norms: list[float]) -> nn.Module:
+    """A plain loop that logs the gradients' norm after the step and zeroes them by hand (the first
+    form of the in-step update unscaled them a second time there: NaN by the third step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx, scaler = hand(precision)
+    for x, y in batches(6, seed=3):
+        with ctx():
+            loss = F.cross_entropy(model(x), y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        scaler.step(optimizer) if scaler else optimizer.step()
+        if scaler:
+            scaler.update()
+        norms.append(float(torch.stack([p.grad.norm() for p in model.parameters()]).norm()))
+        for p in model.parameters():
+            p.grad.zero_()
+    return model
+
+
+def test_gradients_read_and_zeroed_after_the_step_are_the_hand_edits():
+    injected_norms: list[float] = []
+    with under("fp16-mixed") as agent:
+        injected = logging_after_the_step(None, injected_norms)
+    hand_norms: list[float] = []
+    assert same(injected, logging_after_the_step("fp16-mixed", hand_norms))
+    assert injected_norms == hand_norms and all(0 < n < 100 for n in hand_norms), (injected_norms, hand_norms)
+    assert not any(s.skipped for s in agent.steps)
+
+
+def dcgan_logging_the_critic(precision: str | None, norms: list[float]) -> nn.Module:
+    """The DCGAN shape, the generator's optimizer built first, logging the discriminator's gradient
+    norm after the generator's step (what the generator's backward left there, scaled in the recipe
+    too) and zeroing it by hand."""
+    torch.manual_seed(0)
+    net_g = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+    net_d = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+    opt_g = torch.optim.Adam(net_g.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(net_d.parameters(), lr=1e-3)
+    ctx, scaler = hand(precision)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(ITERATIONS):
+        real, noise = torch.randn(16, 16, generator=gen), torch.randn(16, 8, generator=gen)
+        with ctx():
+            fake = net_g(noise)
+            loss_d = F.softplus(-net_d(real)).mean() + F.softplus(net_d(fake.detach())).mean()
+        (scaler.scale(loss_d) if scaler else loss_d).backward()
+        scaler.step(opt_d) if scaler else opt_d.step()
+        with ctx():
+            loss_g = F.softplus(-net_d(fake)).mean()
+        opt_g.zero_grad()
+        (scaler.scale(loss_g) if scaler else loss_g).backward()
+        scaler.step(opt_g) if scaler else opt_g.step()
+        if scaler:
+            scaler.update()
+        norms.append(float(torch.stack([p.grad.norm() for p in net_d.parameters()]).norm()))
+        for p in net_d.parameters():
+            p.grad.zero_()
+    return nn.ModuleList([net_g, net_d])
+
+
+def test_a_generators_backward_through_the_critic_waits_for_the_steps_one_update():
+    injected_norms: list[float] = []
+    with under("fp16-mixed") as agent:
+        injected = dcgan_logging_the_critic(None, injected_norms)
+    hand_norms: list[float] = []
+    assert same(injected, dcgan_logging_the_critic("fp16-mixed", hand_norms))
+    assert list(map(repr, injected_norms)) == list(map(repr, hand_norms))  # (NaN where the first overflowed)
+    assert len(agent.steps) == ITERATIONS
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_an_optimizer_built_mid_training_that_never_steps_leaves_the_lead_where_it_is(policy):
+    """An evaluation's helper over the model's parameters (never stepped): every step is counted."""
+    torch.manual_seed(0)
+    with under(policy) as agent:
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i, (x, y) in enumerate(batches(8, seed=5)):
+            if i == 3:
+                torch.optim.SGD(model.parameters(), lr=0.0)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert len(agent.steps) == 8
+    assert agent.optimizers.lead is optimizer
+
+
+def test_the_optimizers_a_new_one_took_over_from_are_let_go():
+    with under("fp16-mixed") as agent:
+        optimizer_each_epoch(None)
+    assert len(agent.optimizers.all) == 1

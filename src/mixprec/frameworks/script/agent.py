@@ -17,7 +17,8 @@ frameworks offer a seam (:mod:`.patches` lists each):
   has stepped and the model computes again (its next forward or backward), or the lead steps again.
   Every other optimizer (a Muon/AdamW split, a GAN's discriminator) steps inside it, so a step is the
   same thing under every candidate, as written included; one built over the lead's parameters once
-  training began (a second phase's) takes the lead. Its time is the wall time between two ends
+  training began (a second phase's) takes the lead at its first step, where the lead has not
+  stepped since. Its time is the wall time between two ends
   (the DataLoader included; synchronised on CUDA), its loss what the script called ``backward`` on
   (the gradient-weighted sum for ``backward(gradient)``), its samples the batch dimension of the
   model's inputs.
@@ -250,6 +251,8 @@ class Agent:
             self.boundary()
         for handle in self._part_hooks:
             handle.remove()
+        assert self.model is not None
+        self.optimizers.forget(self.model)
         self.model, self._entry, self._part_depth, self._part_hooks = None, None, 0, []
 
     def _changes_dtypes(self, model: nn.Module) -> bool:

@@ -253,9 +253,10 @@ def models_to_come(held: set[int], parts: list[nn.Module], frame: FrameType | No
 def script_holds(model: nn.Module, frame: FrameType | None = None) -> bool:
     """Whether the script's code still holds ``model`` or a module inside it (or a compile wrapper
     of one): in a variable, or an attribute of one of its objects (a trainer's ``self.model``; not
-    of mixprec's own)."""
+    of mixprec's own, nor of an object of the kind the script is building a new one of now)."""
     frame = frame or sys._getframe(1)
     inside = {id(m) for m in model.modules()}
+    building = _being_built(frame)
 
     def held(value: Any) -> bool:
         return _is_module(value) and (id(value) in inside or id(getattr(value, "_orig_mod", None)) in inside)
@@ -267,13 +268,28 @@ def script_holds(model: nn.Module, frame: FrameType | None = None) -> bool:
                     return True
                 if isinstance(value, (nn.Module, ModuleType, type)) or not hasattr(value, "__dict__"):
                     continue
-                if type(value).__module__.startswith("mixprec."):
-                    continue  # (mixprec's own: the agent holds the model it was applied to)
+                if type(value).__module__.startswith("mixprec.") or type(value) in building:
+                    continue  # (mixprec's own: the agent; the last of a kind the script builds anew)
                 if any(held(inner) for inner in list(vars(value).values())):
                     return True
             except Exception:
                 continue
     return False
+
+
+def _being_built(frame: FrameType | None) -> set[type]:
+    """The classes of the script's whose ``__init__`` is running (``trainer = Trainer(model)``, the
+    optimizer built inside): the variable the new one goes to holds the last one until it returns."""
+    kinds: set[type] = set()
+    while frame is not None:
+        code = frame.f_code
+        own = not code.co_filename.startswith((_TORCH, _MIXPREC))
+        if own and code.co_name == "__init__" and code.co_argcount:
+            value = frame.f_locals.get(code.co_varnames[0])
+            if value is not None and not isinstance(value, nn.Module):
+                kinds.add(type(value))
+        frame = frame.f_back
+    return kinds
 
 
 def _optimized_names(filename: str) -> set[str]:

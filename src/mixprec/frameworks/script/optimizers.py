@@ -18,7 +18,8 @@ import dataclasses
 import threading
 import time
 import types
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,6 +63,10 @@ class Optimizers:
         self._indexed_this_step = False
         self._unscaled: set[int] = set()  # optimizers unscaled since the last scale update
         self._stepped: set[int] = set()  # optimizers the Policy stepped since the last scale update
+        self._stale: set[int] = set()  # of those, the ones a scaled backward ran after, not updated for
+        self._successor: torch.optim.Optimizer | None = None  # built over the lead's parameters, late
+        self._lead_quiet = False  # the lead has not stepped since the successor was built
+        self._retired: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the models the script is done with
 
     # ------------------------------------------------------------------ construction
     def constructing(self, optimizer: torch.optim.Optimizer, cls: type, arguments: dict[str, Any]) -> None:
@@ -135,9 +140,16 @@ class Optimizers:
             self._register(optimizer)
             agent.discovered()
             return
-        if self._takes_over(order):
-            self.lead = optimizer
+        if self._may_take_over(order):
+            self._successor, self._lead_quiet = optimizer, True
         self._register(optimizer)
+
+    def forget(self, model: nn.Module) -> None:
+        """The script is done with ``model``: its optimizers (and their state) are let go, and it is
+        no model to come beside the next (a variable about to be rebound may still hold it)."""
+        self.all, self.lead, self._successor, self._owner = [], None, None, {}
+        self.building.clear()
+        self._retired.update(model.modules())
 
     def _new_model(self, order: list[int]) -> bool:
         """Whether an optimizer over a model built after the first optimizer (``order``: its
@@ -160,23 +172,34 @@ class Optimizers:
         agent.fail("UsageError", second_model(agent, owner, began, held))
         return False
 
-    def _takes_over(self, order: list[int]) -> bool:
-        """Whether a new optimizer takes the lead: built once training began, over parameters the
+    def _may_take_over(self, order: list[int]) -> bool:
+        """Whether a new optimizer may take the lead: built once training began, over parameters the
         lead holds (fine-tuning's second phase over the unfrozen model, an optimizer built anew
-        each epoch). The lead will not step those again: the new one paces the steps from here."""
+        each epoch). It takes it at its first step if the lead has not stepped since (:meth:`_succeeds`):
+        one the loop never steps (an evaluation's helper) leaves the lead where it is."""
         agent = self.agent
         if not (agent.steps or agent.window.lead_stepped):
             return False  # (built with the others: SAM's base optimizer, a wrapper's inner one)
         held = {id(p) for group in self.lead.param_groups for p in group["params"]} if self.lead else set()
         return any(p in held for p in order)
 
-    @staticmethod
-    def _models_to_come(parts: list[nn.Module], held: set[int]) -> list[nn.Module]:
+    def _succeeds(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` steps: where it is the successor and the lead has been quiet since it was
+        built, it paces the steps from here, and the last lead (stepped no more) is let go."""
+        if optimizer is not self._successor:
+            return
+        if self._lead_quiet and self.lead is not None:
+            self.all = [o for o in self.all if o is not self.lead]  # (its state freed with the script's)
+            self.lead = optimizer
+            self._index()
+        self._successor = None
+
+    def _models_to_come(self, parts: list[nn.Module], held: set[int]) -> list[nn.Module]:
         """The other models whose optimizers come next (:func:`models_to_come`: a GAN's generator
         beside the discriminator whose optimizer is built first), so the candidate is applied to
         both before the script computes. A module that holds a copy of the model (an EMA:
         ``AveragedModel``, timm's ``ModelEmaV3``, a ``copy.deepcopy``) follows the model instead."""
-        coming = models_to_come(held, parts)
+        coming = [m for m in models_to_come(held, parts) if m not in self._retired]
         if not coming:
             return []
         copied = {id(c) for part in parts for c in copies_of(part)}
@@ -198,6 +221,7 @@ class Optimizers:
         def step(opt: torch.optim.Optimizer, *args: Any, **kw: Any) -> Any:
             if agent.internal_calls:
                 return updating(opt, *args, **kw)
+            self._succeeds(opt)
             if agent.accumulation.holds_step(opt):  # a micro-batch before the last: gradients add up
                 return None
             if opt is self.lead and agent.observers and not args and not kw:
@@ -293,6 +317,7 @@ class Optimizers:
     def stepped(self, optimizer: Any, skipped: bool) -> None:
         agent = self.agent
         if optimizer is self.lead:
+            self._lead_quiet = False
             agent.window.lead_stepped = True
             agent.window.skipped |= skipped
             agent.patches.arm_forward()  # the model's next forward ends the step
@@ -304,7 +329,7 @@ class Optimizers:
         if optimizer is None and not self._indexed_this_step:
             self._index()  # (a group added since: a backbone unfrozen with add_param_group)
             optimizer = self._owner.get(id(tensor))
-        if optimizer is not None and id(optimizer) in self._stepped and not self.agent.accumulation.holding():
+        if optimizer is not None and id(optimizer) in self._stale and not self.agent.accumulation.holding():
             self.update_scale(rescaling=optimizer)  # (it steps again within the step)
         if optimizer is None or id(optimizer) in self._unscaled or self.agent.accumulation.holding():
             return  # (mid-accumulation the sum stays scaled: the next micro-batch adds to it)
@@ -322,18 +347,24 @@ class Optimizers:
         is the iteration's own: its one update comes when the step ends, as the recipe's does."""
         if not self._stepped:
             return
-        reached = {id(opt) for opt in reached_optimizers(outputs, self._owner)}
-        if reached and reached <= self._stepped:
+        reached = False
+        for opt in reached_optimizers(outputs, self._owner):  # (walked as far as needed only)
+            if id(opt) not in self._stepped:
+                return  # (what it leaves on the others is not for their step: as in the recipe)
+            reached = True
+        if reached:
             self.update_scale()
+        else:  # (its graph hid every parameter: what it made may be for those, read or stepped next)
+            self._stale |= self._stepped
 
     def update_scale(self, rescaling: torch.optim.Optimizer | None = None) -> None:
         """The scale updated within the step, for the optimizers stepped since the last update.
         ``rescaling``: an optimizer whose gradients were made at the scale before (the backward
-        hid its parameters from :func:`reaches`: a reentrant checkpoint of a function, gradients
-        set by hand): they are brought to the new scale, a power of two apart, so exactly as if
-        made after the update where it grew; where it backed off, they were made at the scale
-        that overflowed, and the step skips again where they overflow again (the recipe's would
-        have been made at the lower scale)."""
+        hid its parameters from :func:`reached_optimizers`: a reentrant checkpoint of a function;
+        or it reached one yet to step too): they are brought to the new scale, a power of two
+        apart, so exactly as if made after the update where it grew; where it backed off, they
+        were made at the scale that overflowed, and the step skips again where they overflow again
+        (the recipe's would have been made at the lower scale)."""
         from mixprec.policy.stepping import update_scale
 
         agent = self.agent
@@ -347,6 +378,7 @@ class Optimizers:
                 grads = [p.grad for g in rescaling.param_groups for p in g["params"] if p.grad is not None]
                 torch._foreach_mul_(grads, factor)
         self._stepped.clear()
+        self._stale.clear()
         self._unscaled.clear()
 
     def end_step(self, routed: list[tuple[torch.optim.Optimizer, bool]]) -> bool:
@@ -378,6 +410,7 @@ class Optimizers:
     def new_step(self) -> None:
         self._unscaled.clear()
         self._stepped.clear()
+        self._stale.clear()
         self._indexed_this_step = False
 
     def _index(self) -> None:
@@ -389,18 +422,12 @@ class Optimizers:
 
 def reached_optimizers(
     outputs: tuple[torch.Tensor, ...], owner: dict[int, torch.optim.Optimizer]
-) -> list[torch.optim.Optimizer]:
+) -> Iterator[torch.optim.Optimizer]:
     """The optimizers (``owner``: id(parameter) -> its optimizer) whose parameters a backward from
-    ``outputs`` accumulates gradients into: a walk of the autograd graph to its leaves. A reentrant
-    checkpoint's node stands for the module it recomputes (whose weights are leaves of the graph
-    its own backward makes, not of this one)."""
-    found: dict[int, torch.optim.Optimizer] = {}
-
-    def leaf(param: Any) -> None:
-        opt = owner.get(id(param))
-        if opt is not None:
-            found[id(opt)] = opt
-
+    ``outputs`` accumulates gradients into, each once, as a walk of the autograd graph toward its
+    leaves reaches them (it goes no further than asked). A reentrant checkpoint's node stands for
+    the module it recomputes (whose weights are leaves of the graph its own backward makes)."""
+    found: set[int] = set()
     seen: set[Any] = set()
     todo: list[Any] = [out.grad_fn for out in outputs if out.grad_fn is not None]
     while todo:
@@ -409,15 +436,17 @@ def reached_optimizers(
             continue
         seen.add(node)
         variable = getattr(node, "variable", None)  # (an AccumulateGrad: a leaf's)
-        if variable is not None:
-            leaf(variable)
         run = getattr(node, "run_function", None)  # (CheckpointFunction's: the module, or its method)
         module = run if isinstance(run, nn.Module) else getattr(run, "__self__", None)
+        leaves = [variable] if variable is not None else []
         if isinstance(module, nn.Module):
-            for param in module.parameters():
-                leaf(param)
+            leaves += list(module.parameters())
+        for param in leaves:
+            opt = owner.get(id(param))
+            if opt is not None and id(opt) not in found:
+                found.add(id(opt))
+                yield opt
         todo.extend(child for child, _ in node.next_functions)
-    return list(found.values())
 
 
 def second_model(agent: Agent, owner: nn.Module, began: bool, held: bool) -> str:
