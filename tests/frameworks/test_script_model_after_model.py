@@ -125,3 +125,56 @@ def test_a_check_stops_at_the_second_fold_saying_it_compares_one_models_steps(tm
         k_fold(None)
     said = TraceRecord.load(out).error or ""
     assert "one model after another" in said and "checks one model's steps" in said, said
+
+
+def build(fold: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+class OwnOptimizer(nn.Module):
+    """A model that builds its own optimizer in ``__init__``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@pytest.mark.parametrize("form", ["factory", "module"])
+def test_folds_built_by_a_factory_or_by_a_model_that_builds_its_optimizer(form):
+    """``model, opt = build(k)`` and ``model = OwnOptimizer()``: while the new one is built, the
+    variable it goes to still holds the last one (they were refused as "still holds")."""
+    with under("bf16-mixed") as agent:
+        torch.manual_seed(0)
+        for fold in range(FOLDS):
+            if form == "factory":
+                model, optimizer = build(fold)
+            else:
+                model = OwnOptimizer()
+                optimizer = model.optimizer
+            for x, y in fold_batches(fold):
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert len(agent.steps) == FOLDS * STEPS
+
+
+def test_a_model_taken_to_be_done_with_and_trained_again_is_refused(tmp_path):
+    """A teacher trainer and a student trainer of one class (the teacher's, in a variable of the
+    caller, looks like a last fold's): when the teacher steps again, the script is stopped, saying
+    why (it trained on without the candidate's hooks, its gradients read scaled)."""
+    import json
+
+    with pytest.raises(Exited) as exited, under("bf16-mixed", out=str(tmp_path)):
+        teacher = Fold(0)
+        teacher.fit()
+        student = Fold(1)
+        student.fit()
+        teacher.fit()
+    said = json.loads((tmp_path / "run.json").read_text())["error"]
+    assert exited.value.code == 2
+    assert "a model it trained before its current one" in said and "two runs" in said, said

@@ -281,3 +281,43 @@ def test_the_optimizers_a_new_one_took_over_from_are_let_go():
     with under("fp16-mixed") as agent:
         optimizer_each_epoch(None)
     assert len(agent.optimizers.all) == 1
+
+
+def phases_and_back(precision: str | None, *, ahead: bool = False) -> nn.Module:
+    """The whole model, then the head alone with a new optimizer (built after the first's last step,
+    or ``ahead`` of training), then the whole model again with the first optimizer and a clip."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    ctx, scaler = hand(precision)
+    whole = torch.optim.SGD(model.parameters(), lr=0.1)
+    head = torch.optim.SGD(model[2].parameters(), lr=0.1) if ahead else None
+    for phase, seed in (("whole", 1), ("head", 2), ("whole", 3)):
+        if phase == "head" and head is None:
+            head = torch.optim.SGD(model[2].parameters(), lr=0.1)
+        optimizer = whole if phase == "whole" else head
+        assert optimizer is not None
+        for x, y in batches(PHASE, seed=seed):
+            with ctx():
+                loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            (scaler.scale(loss) if scaler else loss).backward()
+            if scaler:
+                scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
+            scaler.step(optimizer) if scaler else optimizer.step()
+            if scaler:
+                scaler.update()
+    return model
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["built-after", "built-ahead"])
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_an_earlier_optimizer_stepped_again_and_one_built_ahead_train_as_the_hand_edit(policy, ahead):
+    """Going back to the first optimizer (it was let go: it is taken back), and a second phase's
+    optimizer built before training: each takes the lead at its first step, the lead not having
+    stepped in that step (the first was counted 4 steps of 12; fp16-mixed clipped a step's scaled
+    gradients, or unscaled the head's twice: a clip's read went to the optimizer built last)."""
+    with under(policy) as agent:
+        injected = phases_and_back(None, ahead=ahead)
+    assert same(injected, phases_and_back(policy, ahead=ahead))
+    assert len(agent.steps) == 3 * PHASE

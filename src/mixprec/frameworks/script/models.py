@@ -250,26 +250,31 @@ def models_to_come(held: set[int], parts: list[nn.Module], frame: FrameType | No
     return [module for module, name, filename in found.values() if name in trained[filename]]
 
 
-def script_holds(model: nn.Module, frame: FrameType | None = None) -> bool:
+def script_holds(model: nn.Module, fresh: set[type], frame: FrameType | None = None) -> bool:
     """Whether the script's code still holds ``model`` or a module inside it (or a compile wrapper
     of one): in a variable, or an attribute of one of its objects (a trainer's ``self.model``; not
-    of mixprec's own, nor of an object of the kind the script is building a new one of now)."""
+    of mixprec's own). Outside the innermost of the script's frames, what is of a kind the script
+    is building a new one of now (``fresh``: the new model's classes; and those whose ``__init__``
+    runs: ``trainer = Fold(k)``, ``model, opt = build(k)``) is the last one, in a variable the new
+    one goes to when that returns."""
     frame = frame or sys._getframe(1)
     inside = {id(m) for m in model.modules()}
-    building = _being_built(frame)
+    fresh = fresh | _being_built(frame)
 
     def held(value: Any) -> bool:
         return _is_module(value) and (id(value) in inside or id(getattr(value, "_orig_mod", None)) in inside)
 
-    for scope, _ in _scopes_and_files(frame):
+    for depth, (scope, _) in enumerate(_scopes_and_files(frame)):
         for value in list(scope.values()):
             try:  # (as models_to_come: a dead proxy, an object's __getattr__)
+                if depth and type(value) in fresh:
+                    continue
                 if held(value):
                     return True
                 if isinstance(value, (nn.Module, ModuleType, type)) or not hasattr(value, "__dict__"):
                     continue
-                if type(value).__module__.startswith("mixprec.") or type(value) in building:
-                    continue  # (mixprec's own: the agent; the last of a kind the script builds anew)
+                if type(value).__module__.startswith("mixprec."):
+                    continue  # (mixprec's own: the agent holds the model it was applied to)
                 if any(held(inner) for inner in list(vars(value).values())):
                     return True
             except Exception:
@@ -286,7 +291,7 @@ def _being_built(frame: FrameType | None) -> set[type]:
         own = not code.co_filename.startswith((_TORCH, _MIXPREC))
         if own and code.co_name == "__init__" and code.co_argcount:
             value = frame.f_locals.get(code.co_varnames[0])
-            if value is not None and not isinstance(value, nn.Module):
+            if value is not None:
                 kinds.add(type(value))
         frame = frame.f_back
     return kinds

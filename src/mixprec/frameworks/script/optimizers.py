@@ -62,10 +62,10 @@ class Optimizers:
         self._owner: dict[int, torch.optim.Optimizer] = {}  # id(param) -> its optimizer
         self._indexed_this_step = False
         self._unscaled: set[int] = set()  # optimizers unscaled since the last scale update
+        self._unscaled_params: set[int] = set()  # and their parameters (two may hold one)
+        self._let_go: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # leads taken over from
         self._stepped: set[int] = set()  # optimizers the Policy stepped since the last scale update
-        self._stale: set[int] = set()  # of those, the ones a scaled backward ran after, not updated for
-        self._successor: torch.optim.Optimizer | None = None  # built over the lead's parameters, late
-        self._lead_quiet = False  # the lead has not stepped since the successor was built
+        self._forgotten: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # a last model's
         self._retired: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the models the script is done with
 
     # ------------------------------------------------------------------ construction
@@ -140,14 +140,14 @@ class Optimizers:
             self._register(optimizer)
             agent.discovered()
             return
-        if self._may_take_over(order):
-            self._successor, self._lead_quiet = optimizer, True
         self._register(optimizer)
 
     def forget(self, model: nn.Module) -> None:
         """The script is done with ``model``: its optimizers (and their state) are let go, and it is
         no model to come beside the next (a variable about to be rebound may still hold it)."""
-        self.all, self.lead, self._successor, self._owner = [], None, None, {}
+        self._forgotten.update([*self.all, *self._let_go])
+        self.all, self.lead, self._owner = [], None, {}
+        self._let_go = weakref.WeakSet()
         self.building.clear()
         self._retired.update(model.modules())
 
@@ -164,7 +164,8 @@ class Optimizers:
         owner = others[0] if others else None
         if owner is None or any(m is owner for m in agent.model.modules()):
             return False
-        began, held = bool(agent.steps or agent.window.lead_stepped), script_holds(agent.model)
+        began = bool(agent.steps or agent.window.lead_stepped)
+        held = script_holds(agent.model, {type(m) for m in others})
         if began and not held and agent.mode.name == "run" and not agent.observers:
             return True
         if began and not held and agent.mode.name == "measure":
@@ -172,27 +173,28 @@ class Optimizers:
         agent.fail("UsageError", second_model(agent, owner, began, held))
         return False
 
-    def _may_take_over(self, order: list[int]) -> bool:
-        """Whether a new optimizer may take the lead: built once training began, over parameters the
-        lead holds (fine-tuning's second phase over the unfrozen model, an optimizer built anew
-        each epoch). It takes it at its first step if the lead has not stepped since (:meth:`_succeeds`):
-        one the loop never steps (an evaluation's helper) leaves the lead where it is."""
-        agent = self.agent
-        if not (agent.steps or agent.window.lead_stepped):
-            return False  # (built with the others: SAM's base optimizer, a wrapper's inner one)
-        held = {id(p) for group in self.lead.param_groups for p in group["params"]} if self.lead else set()
-        return any(p in held for p in order)
-
-    def _succeeds(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer`` steps: where it is the successor and the lead has been quiet since it was
-        built, it paces the steps from here, and the last lead (stepped no more) is let go."""
-        if optimizer is not self._successor:
+    def _paces(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` steps. One over parameters the lead holds, stepping in a step the lead has
+        not stepped in, paces the steps from here: it takes the lead (fine-tuning's second phase,
+        however early its optimizer was built; an optimizer built anew each epoch; an earlier
+        phase's, stepped again), and the last lead is let go (held weakly: its state goes with the
+        script's last reference; it is taken back if it steps again). An optimizer over parameters
+        of its own (a GAN's, a Muon/AdamW split) steps inside the lead's step as before. One over a
+        model the script was done with is refused."""
+        if optimizer in self._forgotten:
+            self.agent.fail("UsageError", still_trained(self.agent, optimizer))
+        if not any(o is optimizer for o in self.all):
+            self.all.append(optimizer)  # (a lead let go, stepped again: an earlier phase's)
+            self._let_go.discard(optimizer)
+            self._index()
+        if optimizer is self.lead or self.lead is None or self.agent.window.lead_stepped:
             return
-        if self._lead_quiet and self.lead is not None:
-            self.all = [o for o in self.all if o is not self.lead]  # (its state freed with the script's)
+        held = {id(p) for group in self.lead.param_groups for p in group["params"]}
+        if any(id(p) in held for group in optimizer.param_groups for p in group["params"]):
+            self._let_go.add(self.lead)  # (held weakly: the script may step it again, or let it go)
+            self.all = [o for o in self.all if o is not self.lead]
             self.lead = optimizer
             self._index()
-        self._successor = None
 
     def _models_to_come(self, parts: list[nn.Module], held: set[int]) -> list[nn.Module]:
         """The other models whose optimizers come next (:func:`models_to_come`: a GAN's generator
@@ -221,7 +223,7 @@ class Optimizers:
         def step(opt: torch.optim.Optimizer, *args: Any, **kw: Any) -> Any:
             if agent.internal_calls:
                 return updating(opt, *args, **kw)
-            self._succeeds(opt)
+            self._paces(opt)
             if agent.accumulation.holds_step(opt):  # a micro-batch before the last: gradients add up
                 return None
             if opt is self.lead and agent.observers and not args and not kw:
@@ -271,6 +273,8 @@ class Optimizers:
             agent.fail("UnsupportedError", no_backward(optimizer, agent.policy))
         if id(optimizer) in self._stepped:  # (a backward whose graph hid its parameters: see update_scale)
             self.update_scale(rescaling=optimizer)
+        if agent.policy.scaler is not None and id(optimizer) not in self._unscaled:
+            self._unscaling(optimizer)  # (its step unscales them)
         with agent.internal():
             try:
                 found = agent.policy.step_optimizers([optimizer])[0]
@@ -317,7 +321,6 @@ class Optimizers:
     def stepped(self, optimizer: Any, skipped: bool) -> None:
         agent = self.agent
         if optimizer is self.lead:
-            self._lead_quiet = False
             agent.window.lead_stepped = True
             agent.window.skipped |= skipped
             agent.patches.arm_forward()  # the model's next forward ends the step
@@ -329,10 +332,9 @@ class Optimizers:
         if optimizer is None and not self._indexed_this_step:
             self._index()  # (a group added since: a backbone unfrozen with add_param_group)
             optimizer = self._owner.get(id(tensor))
-        if optimizer is not None and id(optimizer) in self._stale and not self.agent.accumulation.holding():
-            self.update_scale(rescaling=optimizer)  # (it steps again within the step)
         if optimizer is None or id(optimizer) in self._unscaled or self.agent.accumulation.holding():
             return  # (mid-accumulation the sum stays scaled: the next micro-batch adds to it)
+        self._unscaling(optimizer)
         self._unscaled.add(id(optimizer))
         with self.agent.internal():
             self.agent.policy.scaler.unscale_(optimizer)
@@ -352,19 +354,18 @@ class Optimizers:
             if id(opt) not in self._stepped:
                 return  # (what it leaves on the others is not for their step: as in the recipe)
             reached = True
-        if reached:
+        if reached:  # (a graph that hides every parameter: updated at the optimizer's next step)
             self.update_scale()
-        else:  # (its graph hid every parameter: what it made may be for those, read or stepped next)
-            self._stale |= self._stepped
 
     def update_scale(self, rescaling: torch.optim.Optimizer | None = None) -> None:
         """The scale updated within the step, for the optimizers stepped since the last update.
-        ``rescaling``: an optimizer whose gradients were made at the scale before (the backward
-        hid its parameters from :func:`reached_optimizers`: a reentrant checkpoint of a function;
-        or it reached one yet to step too): they are brought to the new scale, a power of two
-        apart, so exactly as if made after the update where it grew; where it backed off, they
-        were made at the scale that overflowed, and the step skips again where they overflow again
-        (the recipe's would have been made at the lower scale)."""
+        ``rescaling``: an optimizer about to step again on gradients made at the scale before (the
+        backward hid its parameters from :func:`reached_optimizers`, or reached one yet to step
+        too): they are brought to the new scale, a power of two apart, so exactly as if made after
+        the update where it grew; where it backed off, they were made at the scale that overflowed,
+        and the step skips again where they overflow again (the recipe's, at the lower scale, might
+        not). A read of gradients is no such moment: what it reads may be no step's (a
+        generator's backward leaves some on the critic), as in the recipe."""
         from mixprec.policy.stepping import update_scale
 
         agent = self.agent
@@ -378,8 +379,8 @@ class Optimizers:
                 grads = [p.grad for g in rescaling.param_groups for p in g["params"] if p.grad is not None]
                 torch._foreach_mul_(grads, factor)
         self._stepped.clear()
-        self._stale.clear()
         self._unscaled.clear()
+        self._unscaled_params.clear()
 
     def end_step(self, routed: list[tuple[torch.optim.Optimizer, bool]]) -> bool:
         """The step's routed optimizer steps end: the scale updated where it was not since the last
@@ -407,16 +408,29 @@ class Optimizers:
         scalers = self._scalers()
         return float(scalers[0].get_scale()) if scalers else None
 
+    def _unscaling(self, optimizer: torch.optim.Optimizer) -> None:
+        """GradScaler is about to unscale ``optimizer``'s gradients. Those of its parameters another
+        optimizer holds too, unscaled through that one since the last update (a clip's read before
+        a second phase's first step, the other optimizer holding the model still), are scaled back
+        first (a power of two: exact), so each gradient is unscaled once."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        with self.agent.internal():  # (its own reads of .grad)
+            again = [p.grad for p in params if id(p) in self._unscaled_params and p.grad is not None]
+            if again:
+                torch._foreach_mul_(again, float(self.agent.policy.scaler.get_scale()))
+        self._unscaled_params.update(id(p) for p in params)
+
     def new_step(self) -> None:
         self._unscaled.clear()
+        self._unscaled_params.clear()
         self._stepped.clear()
-        self._stale.clear()
         self._indexed_this_step = False
 
     def _index(self) -> None:
         """Which optimizer each parameter is in, as their groups hold them now (a group added or
         its parameters replaced since: read again where a gradient it did not know is read)."""
-        self._owner = {id(p): opt for opt in self.all for group in opt.param_groups for p in group["params"]}
+        owners = [*self._let_go, *self.all]  # (a parameter two hold: the one built, or taken back, last)
+        self._owner = {id(p): opt for opt in owners for group in opt.param_groups for p in group["params"]}
         self._indexed_this_step = True  # (a gradient of no optimizer's, read each step: once a step)
 
 
@@ -436,10 +450,9 @@ def reached_optimizers(
             continue
         seen.add(node)
         variable = getattr(node, "variable", None)  # (an AccumulateGrad: a leaf's)
-        run = getattr(node, "run_function", None)  # (CheckpointFunction's: the module, or its method)
-        module = run if isinstance(run, nn.Module) else getattr(run, "__self__", None)
+        run = getattr(node, "run_function", None)  # (CheckpointFunction's: what it recomputes)
         leaves = [variable] if variable is not None else []
-        if isinstance(module, nn.Module):
+        for module in modules_called(run) if run is not None else ():
             leaves += list(module.parameters())
         for param in leaves:
             opt = owner.get(id(param))
@@ -447,6 +460,39 @@ def reached_optimizers(
                 found.add(id(opt))
                 yield opt
         todo.extend(child for child, _ in node.next_functions)
+
+
+def modules_called(function: Any) -> list[nn.Module]:
+    """The modules a function a reentrant checkpoint recomputes calls, as far as its object says:
+    the module itself, a module's method, or those a function's closure or named globals hold (an
+    object's there: one level of its attributes; HF's ``create_custom_forward(module)``)."""
+    if isinstance(function, nn.Module):
+        return [function]
+    owner = getattr(function, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return [owner]
+    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None) or ()
+    values = [cell.cell_contents for cell in cells if cell.cell_contents is not None]
+    if code is not None:
+        names = getattr(function, "__globals__", {})
+        values += [names[name] for name in code.co_names if name in names]
+    if owner is not None:
+        values.append(owner)
+    found = [v for v in values if isinstance(v, nn.Module)]
+    for value in values:
+        if not isinstance(value, (nn.Module, type, types.ModuleType)) and hasattr(value, "__dict__"):
+            found += [v for v in vars(value).values() if isinstance(v, nn.Module)]
+    return found
+
+
+def still_trained(agent: Agent, optimizer: torch.optim.Optimizer) -> str:
+    """Why an optimizer of a model the script was taken to be done with, stepped again, stops it."""
+    return (
+        f"the script steps {type(optimizer).__name__} of a model it trained before its current one "
+        f"({describe(agent.model)}), after it built that: mixprec applies a candidate to one model at a "
+        "time; train them in two runs (the first saves the model the second loads), or build both "
+        "before the first optimizer"
+    )
 
 
 def second_model(agent: Agent, owner: nn.Module, began: bool, held: bool) -> str:
