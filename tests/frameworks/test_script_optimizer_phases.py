@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from frameworks.in_process import under
+from frameworks.in_process import Exited, under
 from frameworks.test_script_agent import hand, same
 from mixprec.frameworks.script.optimizers import reached_optimizers
 
@@ -283,9 +283,10 @@ def test_the_optimizers_a_new_one_took_over_from_are_let_go():
     assert len(agent.optimizers.all) == 1
 
 
-def phases_and_back(precision: str | None, *, ahead: bool = False) -> nn.Module:
+def phases_and_back(precision: str | None, *, ahead: bool = False, clip: bool = True) -> nn.Module:
     """The whole model, then the head alone with a new optimizer (built after the first's last step,
-    or ``ahead`` of training), then the whole model again with the first optimizer and a clip."""
+    or ``ahead`` of training), then the whole model again with the first optimizer; each step
+    clipped (``clip``: unscaled, then the norm of the phase's parameters)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     ctx, scaler = hand(precision)
@@ -301,9 +302,10 @@ def phases_and_back(precision: str | None, *, ahead: bool = False) -> nn.Module:
                 loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
             (scaler.scale(loss) if scaler else loss).backward()
-            if scaler:
+            if clip and scaler:
                 scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
+            if clip:
+                torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
             scaler.step(optimizer) if scaler else optimizer.step()
             if scaler:
                 scaler.update()
@@ -314,10 +316,73 @@ def phases_and_back(precision: str | None, *, ahead: bool = False) -> nn.Module:
 @pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
 def test_an_earlier_optimizer_stepped_again_and_one_built_ahead_train_as_the_hand_edit(policy, ahead):
     """Going back to the first optimizer (it was let go: it is taken back), and a second phase's
-    optimizer built before training: each takes the lead at its first step, the lead not having
-    stepped in that step (the first was counted 4 steps of 12; fp16-mixed clipped a step's scaled
-    gradients, or unscaled the head's twice: a clip's read went to the optimizer built last)."""
+    optimizer built before training: each takes the lead at its second step, its first counted
+    with the step before it (before: 4 steps of 12; under fp16-mixed a clip's read went to the
+    optimizer built last, and the step unscaled the head's gradients a second time)."""
+    # (built ahead, the head's second backward is not known for its own before it steps: under
+    # fp16-mixed a clip there would read its gradients scaled; without one, the hand edit's weights)
+    clip = not (ahead and policy == "fp16-mixed")
     with under(policy) as agent:
-        injected = phases_and_back(None, ahead=ahead)
-    assert same(injected, phases_and_back(policy, ahead=ahead))
-    assert len(agent.steps) == 3 * PHASE
+        injected = phases_and_back(None, ahead=ahead, clip=clip)
+    assert same(injected, phases_and_back(policy, ahead=ahead, clip=clip))
+    assert len(agent.steps) == 3 * PHASE - (2 if ahead else 1)
+
+
+@pytest.mark.parametrize("aux_first", [True, False], ids=["aux-first", "main-first"])
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_two_optimizers_over_a_shared_encoder_stepping_each_iteration_count_one_step_each(policy, aux_first):
+    """An auxiliary loss's optimizer over the encoder beside the main one over the whole model,
+    both stepped every iteration: the lead stays with one (a form that handed it over at every step
+    the lead had not stepped in yet counted two steps an iteration, and updated the scale twice)."""
+
+    scalers: list[torch.amp.GradScaler] = []
+
+    def loop(precision: str | None) -> nn.Module:
+        torch.manual_seed(0)
+        enc, head = nn.Sequential(nn.Linear(16, 32), nn.GELU()), nn.Linear(32, 4)
+        model = nn.ModuleDict({"enc": enc, "head": head})
+        main = torch.optim.SGD(model.parameters(), lr=0.05)
+        aux = torch.optim.SGD(enc.parameters(), lr=0.01)
+        ctx, scaler = hand(precision)
+        scalers.extend([scaler] if scaler else [])
+        for x, y in batches(5, seed=6):
+            for which in ("aux", "main") if aux_first else ("main", "aux"):
+                with ctx():
+                    loss = enc(x).pow(2).mean() if which == "aux" else F.cross_entropy(head(enc(x)), y)
+                optimizer = aux if which == "aux" else main
+                optimizer.zero_grad()
+                (scaler.scale(loss) if scaler else loss).backward()
+                scaler.step(optimizer) if scaler else optimizer.step()
+            if scaler:
+                scaler.update()
+        return model
+
+    with under(policy) as agent:
+        injected = loop(None)
+    assert len(agent.steps) == 5
+    if policy == "fp16-mixed" and not aux_first:
+        # the lead (the first built) steps first here: the step's one scale update comes between the
+        # two optimizers, not after both (the first step's overflow backs the scale off before the
+        # auxiliary's backward): as in a GAN whose discriminator's optimizer is built first
+        return
+    assert same(injected, loop(policy))
+    if policy == "fp16-mixed":  # (one update an iteration: the scale grows as the hand edit's)
+        tracker, scale = agent.policy.scaler._get_growth_tracker(), agent.policy.scaler.get_scale()
+        assert (tracker, scale) == (scalers[0]._get_growth_tracker(), scalers[0].get_scale())
+
+
+def test_a_second_backward_into_gradients_a_read_unscaled_is_refused_under_loss_scaling():
+    """SAM's two passes (the first's gradients read to perturb the weights, then a second backward
+    before the step): under fp16-mixed they trained silently on gradients of two scales."""
+    torch.manual_seed(0)
+    x, y = batches(1, seed=7)[0]
+    with pytest.raises(Exited) as exited, under("fp16-mixed"):
+        model = nn.Sequential(nn.Linear(16, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        F.cross_entropy(model(x), y).backward()
+        norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()  # (SAM's first_step)
+        assert torch.isfinite(norm)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    assert exited.value.code == 2

@@ -16,9 +16,9 @@ frameworks offer a seam (:mod:`.patches` lists each):
 - **the step**: the first optimizer built (the *lead*) paces the script: a step ends where the lead
   has stepped and the model computes again (its next forward or backward), or the lead steps again.
   Every other optimizer (a Muon/AdamW split, a GAN's discriminator) steps inside it, so a step is the
-  same thing under every candidate, as written included; one built over the lead's parameters once
-  training began (a second phase's) takes the lead at its first step, where the lead has not
-  stepped since. Its time is the wall time between two ends
+  same thing under every candidate, as written included; one over the lead's parameters that the
+  lead has not stepped since it was built or last stepped (a second phase's) takes the lead. Its
+  time is the wall time between two ends
   (the DataLoader included; synchronised on CUDA), its loss what the script called ``backward`` on
   (the gradient-weighted sum for ``backward(gradient)``), its samples the batch dimension of the
   model's inputs.
@@ -75,7 +75,7 @@ from mixprec.frameworks.script.frameworks import PLAIN, UNKNOWN_FRAMEWORKS, inst
 from mixprec.frameworks.script.messages import OWNER_ENV, Facts, Observed, Plan, Step
 from mixprec.frameworks.script.models import describe, named_parts, preparing
 from mixprec.frameworks.script.modes import mode_for
-from mixprec.frameworks.script.optimizers import Optimizers, no_backward
+from mixprec.frameworks.script.optimizers import Optimizers, no_backward, scale_after
 from mixprec.frameworks.script.own import OwnPrecision, as_torch
 from mixprec.frameworks.script.patches import Patches
 from mixprec.frameworks.script.tape import StepTape
@@ -408,7 +408,7 @@ class Agent:
             self.grads_scaled = True
             self.patches.grad_reads(True)
         elif any(id(out) in self.own.scaled for out in outputs):
-            scale = self.optimizers.scale_after()
+            scale = scale_after(self)
         if self.tracer is not None:
             self.tracer.backward_starts(scale)
         if factor != 1.0:  # each micro-batch's gradient a k-th: their sum is the mean's

@@ -33,6 +33,7 @@ from mixprec.frameworks.script.messages import (
     TraceRecord,
     encode,
 )
+from mixprec.frameworks.script.optimizers import scale_after
 from mixprec.frameworks.script.own import compute_dtype
 from mixprec.frameworks.script.ranks import Ranks
 from mixprec.process import let_gloo_workers_finish, peak_rss
@@ -147,7 +148,7 @@ class Trace(Mode):
         step.loss = float(loss) if loss is not None else math.nan  # (rank 0's is the one recorded)
         self.ranks.job_step(step, agent.device)
         if agent.tracer is not None:
-            agent.tracer.end_step(step, agent.optimizers.scale_after())
+            agent.tracer.end_step(step, scale_after(agent))
         if step.index + 1 >= agent.plan.steps:  # (every rank stops at this step: none waits)
             if self.ranks.lead:
                 self.write(TraceRecord(agent.steps, agent.facts(), agent.observed or Observed()))

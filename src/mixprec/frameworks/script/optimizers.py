@@ -62,7 +62,11 @@ class Optimizers:
         self._owner: dict[int, torch.optim.Optimizer] = {}  # id(param) -> its optimizer
         self._indexed_this_step = False
         self._unscaled: set[int] = set()  # optimizers unscaled since the last scale update
-        self._unscaled_params: set[int] = set()  # and their parameters (two may hold one)
+        self._unscaled_grads = UnscaledGrads()  # (two optimizers may hold one)
+        self._read_unscaled: set[int] = set()  # of those, unscaled by a read and not stepped yet
+        self._lead_steps = 0  # the lead's steps so far (one it skipped too)
+        # each optimizer's: the lead's steps so far when it was built or last stepped
+        self._last: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         self._let_go: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # leads taken over from
         self._stepped: set[int] = set()  # optimizers the Policy stepped since the last scale update
         self._forgotten: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # a last model's
@@ -174,27 +178,38 @@ class Optimizers:
         return False
 
     def _paces(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer`` steps. One over parameters the lead holds, stepping in a step the lead has
-        not stepped in, paces the steps from here: it takes the lead (fine-tuning's second phase,
-        however early its optimizer was built; an optimizer built anew each epoch; an earlier
-        phase's, stepped again), and the last lead is let go (held weakly: its state goes with the
-        script's last reference; it is taken back if it steps again). An optimizer over parameters
-        of its own (a GAN's, a Muon/AdamW split) steps inside the lead's step as before. One over a
-        model the script was done with is refused."""
+        """``optimizer`` steps. One over parameters the lead holds that the lead has not stepped
+        since it was built or last stepped paces the steps from here: it takes the lead (a second
+        phase's, built after the first's last step: at its first step; built earlier, or an
+        earlier phase's stepped again: at its second), and the last lead is let go (held weakly:
+        its state goes with the script's last reference; taken back if it steps again). Two that
+        both step each iteration (an auxiliary loss's over a shared encoder) keep the lead where it
+        is; one over parameters of its own (a GAN's, a Muon/AdamW split) steps inside the lead's
+        step. One over a model the script was done with is refused."""
         if optimizer in self._forgotten:
             self.agent.fail("UsageError", still_trained(self.agent, optimizer))
         if not any(o is optimizer for o in self.all):
             self.all.append(optimizer)  # (a lead let go, stepped again: an earlier phase's)
             self._let_go.discard(optimizer)
             self._index()
-        if optimizer is self.lead or self.lead is None or self.agent.window.lead_stepped:
-            return
-        held = {id(p) for group in self.lead.param_groups for p in group["params"]}
-        if any(id(p) in held for group in optimizer.param_groups for p in group["params"]):
+        quiet = self._quiet_since(optimizer)
+        self._last[optimizer] = self._lead_steps
+        if optimizer is self.lead or self.lead is None or not quiet or not self._lead_steps:
+            return  # (not before the lead's first step: SAM's, Lookahead's inner one; Reptile's)
+        if self._overlaps_lead(optimizer):
             self._let_go.add(self.lead)  # (held weakly: the script may step it again, or let it go)
             self.all = [o for o in self.all if o is not self.lead]
             self.lead = optimizer
             self._index()
+
+    def _quiet_since(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the lead has not stepped since ``optimizer`` was built or last stepped."""
+        return self._last.get(optimizer) == self._lead_steps
+
+    def _overlaps_lead(self, optimizer: torch.optim.Optimizer) -> bool:
+        assert self.lead is not None
+        held = {id(p) for group in self.lead.param_groups for p in group["params"]}
+        return any(id(p) in held for group in optimizer.param_groups for p in group["params"])
 
     def _models_to_come(self, parts: list[nn.Module], held: set[int]) -> list[nn.Module]:
         """The other models whose optimizers come next (:func:`models_to_come`: a GAN's generator
@@ -210,6 +225,7 @@ class Optimizers:
 
     def _register(self, optimizer: torch.optim.Optimizer) -> None:
         self.all.append(optimizer)
+        self._last[optimizer] = self._lead_steps
         self._index()
         agent, klass_step = self.agent, type(optimizer).step
         update: list[Callable] = []  # the update as the candidate runs it, chosen at the first step
@@ -281,7 +297,10 @@ class Optimizers:
             except MixprecError as exc:
                 agent.fail(type(exc).__name__, f"the script's {type(optimizer).__name__}.step(): {exc}")
         agent.window.routed.append((optimizer, found))
+        if agent.policy.scaler is not None:
+            self._unscaled_grads.record(optimizer, self.agent)
         self._unscaled.add(id(optimizer))  # (stepped: its gradients are not read scaled again)
+        self._read_unscaled.discard(id(optimizer))
         if agent.policy.scaler is not None:
             self._stepped.add(id(optimizer))  # (it steps again after a scale update)
         self.stepped(optimizer, skipped=found)
@@ -296,7 +315,7 @@ class Optimizers:
             self.starts(optimizer)
         if agent.tracer is not None:
             half = agent.inject and agent.candidate.spec.param_dtype is not None
-            agent.tracer.before_update(self.scale_now(), half)
+            agent.tracer.before_update(scale_now(agent), half)
 
     def before_update(self) -> None:
         """The lead optimizer is about to step (called before its step runs, outside the optimizer's
@@ -321,6 +340,7 @@ class Optimizers:
     def stepped(self, optimizer: Any, skipped: bool) -> None:
         agent = self.agent
         if optimizer is self.lead:
+            self._lead_steps += 1
             agent.window.lead_stepped = True
             agent.window.skipped |= skipped
             agent.patches.arm_forward()  # the model's next forward ends the step
@@ -336,8 +356,10 @@ class Optimizers:
             return  # (mid-accumulation the sum stays scaled: the next micro-batch adds to it)
         self._unscaling(optimizer)
         self._unscaled.add(id(optimizer))
+        self._read_unscaled.add(id(optimizer))
         with self.agent.internal():
             self.agent.policy.scaler.unscale_(optimizer)
+        self._unscaled_grads.record(optimizer, self.agent)
 
     # ------------------------------------------------------------------ the scale within a step
     def before_scaled_backward(self, outputs: tuple[torch.Tensor, ...]) -> None:
@@ -347,6 +369,8 @@ class Optimizers:
         update): a WGAN's critic stepped n times per generator step, the generator's optimizer the
         lead. A backward that also reaches one yet to step (the generator's, through the critic)
         is the iteration's own: its one update comes when the step ends, as the recipe's does."""
+        if self._read_unscaled:
+            self._refuse_a_second_pass(outputs)
         if not self._stepped:
             return
         reached = False
@@ -356,6 +380,14 @@ class Optimizers:
             reached = True
         if reached:  # (a graph that hides every parameter: updated at the optimizer's next step)
             self.update_scale()
+
+    def _refuse_a_second_pass(self, outputs: tuple[torch.Tensor, ...]) -> None:
+        """A scaled backward reaches an optimizer whose gradients a read unscaled and that has not
+        stepped since (SAM's two passes: the first's gradients read, then a second backward): its
+        gradients would mix the two scales, and GradScaler unscales an optimizer once per update."""
+        for opt in reached_optimizers(outputs, self._owner):
+            if id(opt) in self._read_unscaled:
+                self.agent.fail("UnsupportedError", second_pass(self.agent, opt))
 
     def update_scale(self, rescaling: torch.optim.Optimizer | None = None) -> None:
         """The scale updated within the step, for the optimizers stepped since the last update.
@@ -380,7 +412,8 @@ class Optimizers:
                 torch._foreach_mul_(grads, factor)
         self._stepped.clear()
         self._unscaled.clear()
-        self._unscaled_params.clear()
+        self._unscaled_grads.clear()
+        self._read_unscaled.clear()
 
     def end_step(self, routed: list[tuple[torch.optim.Optimizer, bool]]) -> bool:
         """The step's routed optimizer steps end: the scale updated where it was not since the last
@@ -389,25 +422,6 @@ class Optimizers:
         self.agent.policy.end_step([o for o, _ in routed], found, update=bool(self._stepped))
         return any(found)
 
-    def _scalers(self) -> list[Any]:
-        """The loss scalers of this step: the candidate's Policy's where it routes, or the script's own."""
-        agent = self.agent
-        scalers = [agent.policy.scaler] if agent.routing and agent.policy.scaler is not None else []
-        return scalers + [s for s in agent.own.scalers if s.is_enabled()]
-
-    def scale_now(self) -> float | None:
-        """The loss scale the lead's gradients carry now (None: none, or already unscaled: by a read
-        of them, or by GradScaler.step itself before it steps)."""
-        scalers = self._scalers()
-        if not scalers or scaler_state.unscaled(scalers[0], self.lead):
-            return None
-        return float(scalers[0].get_scale())
-
-    def scale_after(self) -> float | None:
-        """The loss scale after this step's update."""
-        scalers = self._scalers()
-        return float(scalers[0].get_scale()) if scalers else None
-
     def _unscaling(self, optimizer: torch.optim.Optimizer) -> None:
         """GradScaler is about to unscale ``optimizer``'s gradients. Those of its parameters another
         optimizer holds too, unscaled through that one since the last update (a clip's read before
@@ -415,14 +429,14 @@ class Optimizers:
         first (a power of two: exact), so each gradient is unscaled once."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         with self.agent.internal():  # (its own reads of .grad)
-            again = [p.grad for p in params if id(p) in self._unscaled_params and p.grad is not None]
+            again = [p.grad for p in params if self._unscaled_grads.holds(p)]
             if again:
                 torch._foreach_mul_(again, float(self.agent.policy.scaler.get_scale()))
-        self._unscaled_params.update(id(p) for p in params)
 
     def new_step(self) -> None:
         self._unscaled.clear()
-        self._unscaled_params.clear()
+        self._unscaled_grads.clear()
+        self._read_unscaled.clear()
         self._stepped.clear()
         self._indexed_this_step = False
 
@@ -462,6 +476,50 @@ def reached_optimizers(
         todo.extend(child for child, _ in node.next_functions)
 
 
+class UnscaledGrads:
+    """The gradient tensors GradScaler unscaled since the last update, at the version it left them
+    (a later backward into one, or a new one after ``zero_grad``, is scaled again)."""
+
+    def __init__(self) -> None:
+        # id(param) -> its gradient then (weakly: a new one may take a freed one's id) and version
+        self._grads: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+
+    def record(self, optimizer: torch.optim.Optimizer, agent: Agent) -> None:
+        with agent.internal():  # (the agent's own reads of .grad)
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._grads[id(p)] = (weakref.ref(p.grad), p.grad._version)
+
+    def holds(self, param: torch.Tensor) -> bool:
+        grad, then = param.grad, self._grads.get(id(param))
+        return grad is not None and then is not None and then[0]() is grad and then[1] == grad._version
+
+    def clear(self) -> None:
+        self._grads.clear()
+
+
+def _scalers(agent: Agent) -> list[Any]:
+    """The loss scalers of this step: the candidate's Policy's where it routes, or the script's own."""
+    scalers = [agent.policy.scaler] if agent.routing and agent.policy.scaler is not None else []
+    return scalers + [s for s in agent.own.scalers if s.is_enabled()]
+
+
+def scale_now(agent: Agent) -> float | None:
+    """The loss scale the lead's gradients carry now (None: none, or already unscaled: by a read
+    of them, or by GradScaler.step itself before it steps)."""
+    scalers = _scalers(agent)
+    if not scalers or scaler_state.unscaled(scalers[0], agent.optimizers.lead):
+        return None
+    return float(scalers[0].get_scale())
+
+
+def scale_after(agent: Agent) -> float | None:
+    """The loss scale after this step's update."""
+    scalers = _scalers(agent)
+    return float(scalers[0].get_scale()) if scalers else None
+
+
 def modules_called(function: Any) -> list[nn.Module]:
     """The modules a function a reentrant checkpoint recomputes calls, as far as its object says:
     the module itself, a module's method, or those a function's closure or named globals hold (an
@@ -483,6 +541,15 @@ def modules_called(function: Any) -> list[nn.Module]:
         if not isinstance(value, (nn.Module, type, types.ModuleType)) and hasattr(value, "__dict__"):
             found += [v for v in vars(value).values() if isinstance(v, nn.Module)]
     return found
+
+
+def second_pass(agent: Agent, optimizer: torch.optim.Optimizer) -> str:
+    """Why a backward into gradients a read unscaled, before their optimizer steps, stops the script."""
+    return (
+        f"the script reads {type(optimizer).__name__}'s gradients, then runs another backward into "
+        f"them before it steps (SAM's two passes) under {agent.candidate.policy}: loss scaling "
+        "unscales an optimizer's gradients once per step; use a policy without a loss scale (bf16-mixed)"
+    )
 
 
 def still_trained(agent: Agent, optimizer: torch.optim.Optimizer) -> str:
