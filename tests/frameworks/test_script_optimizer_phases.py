@@ -22,25 +22,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from frameworks.in_process import Exited, under
-from frameworks.test_script_agent import hand, same
+from frameworks.test_script_agent import hand, recipe_step, same
 from mixprec.frameworks.script.optimizers import reached_optimizers
 
 ITERATIONS = 4
 CRITIC = 3  # critic steps per generator step
 PHASE = 4  # steps of each fine-tuning phase
 OVERFLOW = 1e30  # a loss this large overflows fp16's gradients at any scale GradScaler starts at
-
-
-def recipe_step(loss: torch.Tensor, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
-    """The AMP recipe's backward, step and scale update (``scaler`` None: the loop as written)."""
-    opt.zero_grad()
-    if scaler is None:
-        loss.backward()
-        opt.step()
-        return
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
 
 
 def wgan(
@@ -70,9 +58,11 @@ def wgan(
             with ctx():
                 fake = net_g(noise).detach()
                 loss_d = critic(fake).mean() - critic(real).mean()
+            opt_d.zero_grad()
             recipe_step(loss_d * (OVERFLOW if (it, k) == overflow else 1.0), opt_d, scaler)
         with ctx():
             loss_g = -critic(net_g(torch.randn(32, 8, generator=gen))).mean()
+        opt_g.zero_grad()
         recipe_step(loss_g, opt_g, scaler)
     return nn.ModuleList([net_g, net_d])
 
@@ -95,6 +85,7 @@ def two_phases(precision: str | None) -> nn.Module:
     for x, y in batches(PHASE, seed=1):
         with ctx():
             loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad()
         recipe_step(loss, optimizer, scaler)
     backbone.requires_grad_(True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -102,6 +93,7 @@ def two_phases(precision: str | None) -> nn.Module:
     for i, (x, y) in enumerate(batches(PHASE, seed=2)):
         with ctx():
             loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad()
         recipe_step(loss * (OVERFLOW if i == 1 else 1.0), optimizer, scaler)
         schedule.step()
     return model
@@ -117,6 +109,7 @@ def optimizer_each_epoch(precision: str | None) -> nn.Module:
         for x, y in batches(PHASE, seed=epoch):
             with ctx():
                 loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
             recipe_step(loss, optimizer, scaler)
     return model
 
@@ -199,10 +192,7 @@ def logging_after_the_step(precision: str | None, norms: list[float]) -> nn.Modu
     for x, y in batches(6, seed=3):
         with ctx():
             loss = F.cross_entropy(model(x), y)
-        (scaler.scale(loss) if scaler else loss).backward()
-        scaler.step(optimizer) if scaler else optimizer.step()
-        if scaler:
-            scaler.update()
+        recipe_step(loss, optimizer, scaler)
         norms.append(float(torch.stack([p.grad.norm() for p in model.parameters()]).norm()))
         for p in model.parameters():
             p.grad.zero_()
@@ -240,10 +230,7 @@ def dcgan_logging_the_critic(precision: str | None, norms: list[float]) -> nn.Mo
         with ctx():
             loss_g = F.softplus(-net_d(fake)).mean()
         opt_g.zero_grad()
-        (scaler.scale(loss_g) if scaler else loss_g).backward()
-        scaler.step(opt_g) if scaler else opt_g.step()
-        if scaler:
-            scaler.update()
+        recipe_step(loss_g, opt_g, scaler)
         norms.append(float(torch.stack([p.grad.norm() for p in net_d.parameters()]).norm()))
         for p in net_d.parameters():
             p.grad.zero_()

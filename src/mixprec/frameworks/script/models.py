@@ -229,23 +229,12 @@ def models_to_come(held: set[int], parts: list[nn.Module], frame: FrameType | No
     inside = {id(m) for part in parts for m in part.modules()}
     found: dict[int, tuple[nn.Module, str, str]] = {}  # id -> the module, its name, the file naming it
 
-    def consider(value: Any, name: str, filename: str) -> None:
-        if not isinstance(value, nn.Module) or id(value) in found or id(value) in inside:
-            return
-        params = list(value.parameters())
+    for _, name, module, filename, _ in _modules_held(frame):
+        if id(module) in found or id(module) in inside:
+            continue
+        params = list(module.parameters())
         if any(p.requires_grad for p in params) and not any(id(p) in held for p in params):
-            found[id(value)] = (value, name, filename)
-
-    for scope, filename in _scopes_and_files(frame):
-        for name, value in list(scope.items()):
-            try:  # (a dead weakref.proxy raises on isinstance; an object's __getattr__ may raise anything)
-                consider(value, name, filename)
-                if isinstance(value, (nn.Module, ModuleType, type)) or not hasattr(value, "__dict__"):
-                    continue
-                for attribute, inner in list(vars(value).items()):
-                    consider(inner, attribute, filename)
-            except Exception:
-                continue
+            found[id(module)] = (module, name, filename)
     trained = {filename: _optimized_names(filename) for filename in {f for _, _, f in found.values()}}
     return [module for module, name, filename in found.values() if name in trained[filename]]
 
@@ -253,33 +242,42 @@ def models_to_come(held: set[int], parts: list[nn.Module], frame: FrameType | No
 def script_holds(model: nn.Module, fresh: set[type], frame: FrameType | None = None) -> bool:
     """Whether the script's code still holds ``model`` or a module inside it (or a compile wrapper
     of one): in a variable, or an attribute of one of its objects (a trainer's ``self.model``; not
-    of mixprec's own). Outside the innermost of the script's frames, what is of a kind the script
-    is building a new one of now (``fresh``: the new model's classes; and those whose ``__init__``
-    runs: ``trainer = Fold(k)``, ``model, opt = build(k)``) is the last one, in a variable the new
-    one goes to when that returns."""
+    of mixprec's own: :func:`_modules_held`). Outside the innermost of the script's frames, what
+    is of a kind the script is building a new one of now (``fresh``: the new model's classes; and
+    those whose ``__init__`` runs: ``trainer = Fold(k)``, ``model, opt = build(k)``) is the last
+    one, in a variable the new one goes to when that returns."""
     frame = frame or sys._getframe(1)
     inside = {id(m) for m in model.modules()}
     fresh = fresh | _being_built(frame)
+    return any(
+        id(module) in inside or id(getattr(module, "_orig_mod", None)) in inside
+        for depth, _, module, _, kind in _modules_held(frame)
+        if not (depth and kind in fresh)
+    )
 
-    def held(value: Any) -> bool:
-        return _is_module(value) and (id(value) in inside or id(getattr(value, "_orig_mod", None)) in inside)
 
-    for depth, (scope, _) in enumerate(_scopes_and_files(frame)):
-        for value in list(scope.values()):
-            try:  # (as models_to_come: a dead proxy, an object's __getattr__)
-                if depth and type(value) in fresh:
+def _modules_held(frame: FrameType) -> Iterator[tuple[int, str, nn.Module, str, type]]:
+    """Each module the script's code holds, innermost scope first (:func:`_scopes_and_files`): in
+    a variable, or an attribute of an object in one (a trainer's ``self.netG``; not of mixprec's
+    own: the agent holds the model it was applied to). As (the scope's depth, the name it goes by,
+    the module, the file whose code holds it, the class of the variable's value)."""
+    for depth, (scope, filename) in enumerate(_scopes_and_files(frame)):
+        for name, value in list(scope.items()):
+            try:  # (a dead weakref.proxy raises on isinstance; an object's __getattr__ may raise anything)
+                kind = type(value)
+                if _is_module(value):
+                    yield depth, name, value, filename, kind
                     continue
-                if held(value):
-                    return True
-                if isinstance(value, (nn.Module, ModuleType, type)) or not hasattr(value, "__dict__"):
+                if isinstance(value, (ModuleType, type)) or not hasattr(value, "__dict__"):
                     continue
-                if type(value).__module__.startswith("mixprec."):
-                    continue  # (mixprec's own: the agent holds the model it was applied to)
-                if any(held(inner) for inner in list(vars(value).values())):
-                    return True
+                if kind.__module__.startswith("mixprec."):
+                    continue
+                attributes = list(vars(value).items())
             except Exception:
                 continue
-    return False
+            for attribute, inner in attributes:
+                if _is_module(inner):
+                    yield depth, attribute, inner, filename, kind
 
 
 def _being_built(frame: FrameType | None) -> set[type]:

@@ -297,11 +297,10 @@ class Optimizers:
             except MixprecError as exc:
                 agent.fail(type(exc).__name__, f"the script's {type(optimizer).__name__}.step(): {exc}")
         agent.window.routed.append((optimizer, found))
-        if agent.policy.scaler is not None:
-            self._unscaled_grads.record(optimizer, self.agent)
         self._unscaled.add(id(optimizer))  # (stepped: its gradients are not read scaled again)
         self._read_unscaled.discard(id(optimizer))
         if agent.policy.scaler is not None:
+            self._unscaled_grads.record(optimizer, self.agent)
             self._stepped.add(id(optimizer))  # (it steps again after a scale update)
         self.stepped(optimizer, skipped=found)
         return None
@@ -404,9 +403,9 @@ class Optimizers:
         scaler = agent.policy.scaler
         found = [f for o, f in agent.window.routed if id(o) in self._stepped]
         with agent.internal():
-            before = scaler.get_scale()
+            before = scaler.get_scale() if rescaling is not None else None  # (a host read: only then)
             update_scale(agent.policy, any(found))
-            factor = scaler.get_scale() / before
+            factor = scaler.get_scale() / before if rescaling is not None and before else 1.0
             if rescaling is not None and factor != 1.0:
                 grads = [p.grad for g in rescaling.param_groups for p in g["params"] if p.grad is not None]
                 torch._foreach_mul_(grads, factor)
