@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -136,6 +137,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         accumulate=args.accumulate,
     )
     child = launch(workload, plan, inherit_output=True)
+    assert isinstance(child.process, subprocess.Popen)  # (the user's own run is never forked)
     try:
         code, signals = wait_run(child.process, lambda text: err.print(f"mixprec: {text}"))
     finally:

@@ -7,6 +7,8 @@ ignore ``PYTHONPATH`` or ``site`` (``python -I``, ``-E``, ``-S``) gets the agent
 bootstrap that then runs the script as Python would. A measured run works in a folder of its own that
 mirrors the user's (:mod:`.sandbox`); what the script prints goes to a log there, whose last lines are
 what an error shows. ``mixprec run`` is the user's run: their folder, their terminal, their stdin.
+A traced run (the numerics check's) is a child of a warm interpreter, not a fresh process
+(:mod:`.forkserver`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from mixprec.frameworks.script import forkserver
 from mixprec.frameworks.script.messages import OWNER_ENV, PLAN_ENV, Plan
 from mixprec.frameworks.script.modes import MODES
 from mixprec.frameworks.script.ranks import free_port
@@ -34,7 +38,8 @@ _MIXPREC_ROOT = Path(__file__).resolve().parents[3]
 _RUNS = itertools.count()
 # torchrun's own last word when a rank fails: the rank's exception above it is the reason.
 _LAUNCHER_ERROR = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
-_LIVE: set[subprocess.Popen] = set()  # the measured runs not yet ended: stopped when mixprec exits
+# the measured runs not yet ended: stopped when mixprec exits
+_LIVE: set[subprocess.Popen | forkserver.ForkedChild] = set()
 # Python's options that take a value (``-W ignore``, ``-X dev``), and those that keep the agent out
 # of PYTHONPATH's reach (isolated, ignore the environment, no site).
 _VALUED, _NO_SITE = ("W", "X"), set("IES")
@@ -61,7 +66,7 @@ else:
 class Child:
     """One run of the script: its process, its log and its working folder."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen | forkserver.ForkedChild
     log: Path
     folder: Path | None = None  # the run's own folder (its plan, log, working folder, outputs)
     failed_logs: Path | None = None  # where the log goes when the run failed
@@ -134,19 +139,25 @@ def launch(
     env.setdefault("PYTHONUNBUFFERED", "1")
     log = folder / "log.txt"
     out = None if inherit_output else log.open("w")
+    argv = bootstrapped(list(workload.command_for(measured)))
+    process: subprocess.Popen | forkserver.ForkedChild | None = None
     try:
-        process = subprocess.Popen(
-            bootstrapped(list(workload.command_for(measured))),
-            cwd=cwd,
-            env=env,
-            stdin=None if inherit_output else subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT if out is not None else None,
-            pass_fds=tuple(pass_fds),
-            # a measured run is mixprec's: a Ctrl-C at the terminal is mixprec's to handle (it keeps
-            # what was measured); the user's own run stays in the terminal's group, as without mixprec
-            start_new_session=measured,
-        )
+        if MODES[plan.mode].forked and out is not None:
+            process = _forked(argv, cwd, env, out, pass_fds)
+        if process is None:
+            process = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=env,
+                stdin=None if inherit_output else subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT if out is not None else None,
+                pass_fds=tuple(pass_fds),
+                # a measured run is mixprec's: a Ctrl-C at the terminal is mixprec's to handle (it
+                # keeps what was measured); the user's own run stays in the terminal's group, as
+                # without mixprec
+                start_new_session=measured,
+            )
     except OSError as exc:
         from mixprec.errors import UsageError
 
@@ -158,6 +169,24 @@ def launch(
     if measured:
         _LIVE.add(process)
     return Child(process, log, folder, workload.scratch / "failed")
+
+
+def _forked(
+    argv: list[str], cwd: Path, env: dict[str, str], out: Any, pass_fds: Sequence[int]
+) -> forkserver.ForkedChild | None:
+    """A traced run forked from a warm interpreter (:mod:`.forkserver`), or None where it starts as
+    a fresh process (not a plain ``python script.py``, forking off, no server to be had)."""
+    if forkserver.interpreter_to_fork(argv, str(cwd)) is None:
+        return None
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    try:
+        return forkserver.start(
+            argv, cwd=str(cwd), env=env, stdin=stdin, stdout=out.fileno(), pass_fds=pass_fds
+        )
+    except forkserver.ServerGone:
+        return None
+    finally:
+        os.close(stdin)
 
 
 @atexit.register

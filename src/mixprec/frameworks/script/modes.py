@@ -48,6 +48,10 @@ class Mode:
 
     name: ClassVar[str]
     sandboxed: ClassVar[bool] = True  # writes go to a scratch mirror of the user's folder
+    # started from a warm interpreter (launch, .forkserver): a run whose figures are its losses and
+    # gradients. A timed and weighed run starts as the user's own does: a forked child's peak RSS
+    # leaves out the library pages only the server's imports touched (0.87 -> 0.47 GB for a tiny CPU step).
+    forked: ClassVar[bool] = False
     # a step with no backward() the agent saw is an error: nothing to compare (the user's own run
     # goes on: nothing is compared there)
     needs_backward: ClassVar[bool] = True
@@ -132,6 +136,7 @@ class Measure(Mode):
 
 class Trace(Mode):
     name = "trace"
+    forked = True
 
     def discovered(self) -> None:
         from mixprec.frameworks.script.tracing import Tracer
