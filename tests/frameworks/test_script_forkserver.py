@@ -48,6 +48,9 @@ elif mode == "raise":
     raise ValueError("boom")
 elif mode == "interrupt":
     raise KeyboardInterrupt
+elif mode == "draw":
+    import random, numpy
+    note(draws=[random.random(), float(numpy.random.rand())])
 elif mode == "sleep":
     time.sleep(60)
 """
@@ -113,6 +116,14 @@ def test_a_forked_run_sees_and_ends_as_a_fresh_process(probe, mode):
         assert 'probe.py", line' in forked[2] and forked[2].startswith("to stdout\nto stderr\n")
     else:
         assert forked[2] == fresh[2]
+
+
+def test_forked_runs_draw_their_own_random_numbers_as_fresh_processes_do(probe):
+    """Python's and NumPy's global generators (NumPy's seeded once as torch imported it, in the
+    server: copied by every fork unless drawn afresh)."""
+    draws = [json.loads(run(probe, [PY, "probe.py"], "draw", True)[1].splitlines()[-2]) for _ in range(2)]
+    first, second = (d["draws"] for d in draws)
+    assert first[0] != second[0] and first[1] != second[1]
 
 
 def test_a_module_is_run_as_python_m_runs_it(probe):

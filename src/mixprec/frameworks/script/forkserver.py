@@ -19,12 +19,16 @@ process reads.
 
 The child runs the script as ``python`` does (:func:`_run_main`): the environment, working folder,
 ``sys.argv`` and ``sys.path[0]`` set, the agent installed as the boot ``sitecustomize`` installs it,
-the script run as ``__main__``, then the interpreter's exit (non-daemon threads joined, ``atexit``
-run, the code ``SystemExit`` carries, 1 with the traceback for an error, death by SIGINT for an
-unhandled KeyboardInterrupt). The parent holds a :class:`ForkedChild` where it held a
-``subprocess.Popen``; the server is the child's parent, reaps it and reports its exit code, and
-delivers the signals the parent sends while the child lives (a pid is never signalled after it was
-reaped, so never another process that took its number).
+NumPy's generator drawn afresh, the script run as ``__main__``, then the interpreter's exit
+(non-daemon threads joined, ``atexit`` run, the code ``SystemExit`` carries, 1 with the traceback
+for an error, death by SIGINT for an unhandled KeyboardInterrupt). What still tells it from a fresh
+process: its parent and its command line (``/proc/self/cmdline``, ``sys.orig_argv``) are the
+server's, and so is its string hash seed (a set of strings iterates in one order in every child).
+
+The parent holds a :class:`ForkedChild` where it held a ``subprocess.Popen``; the server is the
+child's parent, reaps it and reports its exit code, and delivers the signals the parent sends while
+the child lives (a pid is never signalled after it was reaped, so never another process that took
+its number).
 """
 
 from __future__ import annotations
@@ -363,6 +367,7 @@ def _child(request: dict[str, Any], fds: list[int], server_fds: Sequence[int]) -
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        _fresh_entropy()
         code = _run_main(request["argv"])
     except BaseException:  # (mixprec's own failure to start it: said in the run's log)
         import traceback
@@ -373,6 +378,17 @@ def _child(request: dict[str, Any], fds: list[int], server_fds: Sequence[int]) -
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _fresh_entropy() -> None:
+    """NumPy's global generator drawn afresh, as a fresh process's is (torch imports NumPy, which
+    seeds it once from the OS, and a fork copies it: every child would draw the same numbers).
+    Python's ``random`` reseeds itself after a fork; torch's generator starts at the same fixed seed
+    in every process anyway."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        with contextlib.suppress(Exception):
+            numpy.random.seed()
 
 
 def _place(fds: list[int], targets: list[int]) -> None:
