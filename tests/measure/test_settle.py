@@ -139,3 +139,23 @@ def test_a_settled_rows_standard_error_is_its_sessions_not_its_rounds():
     assert log_speed_se(rounds_only) < 0.04
     low, high = row.speedup_ci
     assert log_speed_se(row) == math.log(high / low) / (2 * Z) > 0.08
+
+
+@pytest.mark.parametrize(
+    "values", [[2.0, 1.0], [1.0, 2.0, 4.0], [3.0, 1.0, 2.0, 4.0], [1.1, 0.9, 1.3, 1.0, 1.2, 0.8, 1.05]]
+)
+def test_the_bootstrap_interval_is_the_percentiles_of_each_resamples_median(values):
+    """median_ci counts its resamples at once: each resample's median must be statistics.median's
+    of the same draws (the middle value, or the mean of the middle two), its interval their 2.5th and
+    97.5th percentiles."""
+    import statistics
+
+    import torch
+
+    from mixprec.measure.results import median_ci
+
+    ordered = sorted(values)
+    draws = torch.randint(len(values), (2000, len(values)), generator=torch.Generator().manual_seed(0))
+    medians = sorted(statistics.median(ordered[i] for i in row) for row in draws.tolist())
+    assert median_ci(values) == pytest.approx((medians[int(0.025 * 1999)], medians[int(0.975 * 1999)]))
+    assert median_ci(values) == median_ci(list(reversed(values)))  # (the order the rounds came in: none)

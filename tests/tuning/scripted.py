@@ -131,6 +131,11 @@ class PlantedFramework(Framework):
     def make_batches(self, workload, batch_size, device, seed, n):
         return [None] * n
 
+    def peaks(self, info: DeviceInfo, keys: Any) -> dict[str, tuple[float | None, str]]:
+        """Planted MFU denominators: no matmul timed on the machine (the inherited peaks measured this
+        CPU's whenever a test's cache folder was new, 2-14 s a tune beside another test)."""
+        return {key: (1e12, "planted") for key in keys}
+
     def session(self, workload, candidate, settings, batches):
         return PlantedSession(workload, candidate, settings)
 
