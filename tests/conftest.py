@@ -185,6 +185,26 @@ def _private_cache_dir(tmp_path_factory):
             os.environ[name] = value
 
 
+@pytest.fixture
+def own_cache_dir(tmp_path, monkeypatch):
+    """A mixprec cache folder of the test's own (what the test reads and writes there is its
+    business), holding the CPU matmul peaks this worker measured so far: MFU's denominators, timed
+    again in every new folder otherwise (2-6 s a sweep). Peaks the test measured are kept for the
+    next one."""
+    import shutil
+    from pathlib import Path
+
+    shared = Path(os.environ["MIXPREC_CACHE_DIR"]) / "cpu_peaks.json"
+    folder = tmp_path / "own-cache"
+    folder.mkdir()
+    if shared.is_file():
+        shutil.copy(shared, folder / shared.name)
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(folder))
+    yield folder
+    if (folder / shared.name).is_file():
+        shutil.copy(folder / shared.name, shared)
+
+
 @pytest.fixture(scope="session")
 def tiny_tune_result(_private_cache_dir, tmp_path_factory):
     """A real `tune` of the mlp workload on the CPU (about 20 s) with one torch thread: the result the

@@ -477,12 +477,12 @@ def test_a_deadline_ends_the_sweep_with_the_rows_measured_so_far(isolate):
     assert len(result.rows) < 4
 
 
-def test_resuming_a_complete_sweep_measures_nothing(tmp_path, monkeypatch):
+@pytest.mark.usefixtures("own_cache_dir")
+def test_resuming_a_complete_sweep_measures_nothing(tmp_path):
     """Issue 26: each resume of a finished sweep re-measured strict fp32 and appended another fp32
     row to the stream (four of them after a torn tail and two resumes)."""
     # a cache of its own: the repeats other tests recorded of this configuration (the session's
     # cache) moved the spread between runs the resumed rows' intervals are widened by (a flake)
-    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path / "cache"))
     jsonl = tmp_path / "sweep.jsonl"
     w = load_workload("mlp")
     options = dict(policies="fp32,bf16-mixed", channels_last="off", steps=1, warmup=1, isolate=False)

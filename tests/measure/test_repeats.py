@@ -100,8 +100,8 @@ def test_a_widened_interval_keeps_its_sides_and_a_zero_spread_keeps_it_as_it_was
     assert math.log(high / 2.0) > math.log(2.0 / low)  # the wider side stays the wider
 
 
-def test_bench_learns_the_spread_from_its_own_repeats_and_says_what_its_intervals_hold(tmp_path, monkeypatch):
-    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
+def test_bench_learns_the_spread_from_its_own_repeats_and_says_what_its_intervals_hold(own_cache_dir):
+    tmp_path = own_cache_dir
     workload = mixprec.load_workload("mlp")
     # bf16-mixed measured whatever its speed (a prune factor nothing reaches): a pruned row is no
     # repeat, and where bf16 is only emulated (an AVX2-only CPU) it is far slower than fp32
@@ -130,12 +130,12 @@ def test_bench_learns_the_spread_from_its_own_repeats_and_says_what_its_interval
     assert "where a repeat run lands, 19 times in 20" in summary_line(second)
 
 
-def test_a_resumed_sweep_records_no_repeat_of_the_rows_it_read_back(tmp_path, monkeypatch):
+def test_a_resumed_sweep_records_no_repeat_of_the_rows_it_read_back(own_cache_dir):
     """`bench --resume` of a finished sweep measured nothing, yet recorded every row it read back
     from the stream as one more run of its configuration: a repeat that agrees exactly, which
     pulled this machine's spread between runs towards 0 and narrowed every later interval. The
     interrupted run records what it measured, once."""
-    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
+    tmp_path = own_cache_dir
     workload = mixprec.load_workload("mlp")
     settings = {"policies": "fp32,bf16-mixed", "steps": 3, "device": "cpu", "threads": 1, "prune_factor": 1e6}
     jsonl = tmp_path / "sweep.jsonl"
