@@ -101,6 +101,10 @@ def test_a_keras_tune_finishes_a_cut_speed_sweep_and_races_its_finalists(monkeyp
         check_steps=2,
         compile_modes=(),
         device="cpu",
+        # the pick's figure is not settled: settling is the search's next stage, tested where it is
+        # the subject (tests/tuning/test_settled_figure.py, the end-to-end tunes); here it was half
+        # the test's time, its extra sessions of Keras rounds
+        settle=0.0,
     )
     assert calls[:2] == [["fp32", "bf16-mixed"], ["bf16-mixed"]], calls  # the first sweep and the late one
     late = [n for n in result.notes if "measured later with the time the numerics checks left" in n]
