@@ -65,7 +65,7 @@ def probe(tmp_path):
     return folder
 
 
-def run(folder: Path, command: list[str], mode: str, forked: bool) -> tuple[int, str, str]:
+def run(folder: Path, command: list[str], mode: str, forked: bool, **env: str) -> tuple[int, str, str]:
     """``command`` run in ``folder`` as launch runs a measured script (its notes' file, a pipe's
     descriptor and ``mode`` its last arguments): its exit code, what it noted, its log."""
     out, log = folder.parent / "notes.jsonl", folder.parent / "log.txt"
@@ -74,7 +74,7 @@ def run(folder: Path, command: list[str], mode: str, forked: bool) -> tuple[int,
     os.write(write, b"through the pipe")
     os.close(write)
     argv = [*command, str(out), str(read), mode]
-    env = {**os.environ, "PROBE_X": "set"}
+    env = {**os.environ, "PROBE_X": "set", **env}
     try:
         with log.open("w") as stdout, open(os.devnull) as stdin:
             if forked:
@@ -124,6 +124,15 @@ def test_forked_runs_draw_their_own_random_numbers_as_fresh_processes_do(probe):
     draws = [json.loads(run(probe, [PY, "probe.py"], "draw", True)[1].splitlines()[-2]) for _ in range(2)]
     first, second = (d["draws"] for d in draws)
     assert first[0] != second[0] and first[1] != second[1]
+
+
+def test_under_pythonsafepath_neither_puts_its_folder_on_the_path(probe):
+    """``PYTHONSAFEPATH`` (Python 3.11's ``-P``): no script folder first on ``sys.path``, and the
+    server's own ``-c`` left nothing there either."""
+    fresh = run(probe, [PY, "probe.py"], "end", False, PYTHONSAFEPATH="1")
+    forked = run(probe, [PY, "probe.py"], "end", True, PYTHONSAFEPATH="1")
+    assert forked == fresh
+    assert json.loads(fresh[1].splitlines()[0])["path0"] != str(probe)
 
 
 def test_a_module_is_run_as_python_m_runs_it(probe):

@@ -69,7 +69,12 @@ _MAX_SERVERS = 1
 IDLE_S = 120.0
 START_TIMEOUT_S = 300.0  # the server's imports, on a busy machine
 _MESSAGE_BYTES = 1 << 20  # one request (its environment) or reply, whole (SOCK_SEQPACKET)
-_SERVE = "import sys; del sys.path[0]; from mixprec.frameworks.script.forkserver import serve; serve({fd})"
+# (``-c`` puts the server's working folder first on sys.path, unless -P / PYTHONSAFEPATH: the child
+# puts its script's folder there instead)
+_SERVE = (
+    "import sys\nif not sys.flags.safe_path: del sys.path[0]\n"
+    "from mixprec.frameworks.script.forkserver import serve\nserve({fd})"
+)
 
 
 class ServerGone(RuntimeError):
@@ -136,7 +141,7 @@ class ForkedChild:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             self.returncode = self._server.exit_code(self.pid, 1.0 if left is None else min(left, 1.0))
             if self.returncode is None and left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(self.args, left if timeout is None else timeout)
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
