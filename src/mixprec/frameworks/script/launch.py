@@ -22,7 +22,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO
 
 from mixprec.frameworks.script import forkserver
 from mixprec.frameworks.script.messages import OWNER_ENV, PLAN_ENV, Plan
@@ -172,7 +172,7 @@ def launch(
 
 
 def _forked(
-    argv: list[str], cwd: Path, env: dict[str, str], out: Any, pass_fds: Sequence[int]
+    argv: list[str], cwd: Path, env: dict[str, str], out: IO[str], pass_fds: Sequence[int]
 ) -> forkserver.ForkedChild | None:
     """A traced run forked from a warm interpreter (:mod:`.forkserver`), or None where it starts as
     a fresh process (not a plain ``python script.py``, forking off, no server to be had)."""
