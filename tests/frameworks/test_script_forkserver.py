@@ -1,4 +1,4 @@
-"""The fork server that starts measured script runs from a warm interpreter
+"""The fork server that starts traced script runs (the numerics check's) from a warm interpreter
 (mixprec.frameworks.script.forkserver), against the fresh process it stands in for.
 
 Differential: one probe script run both ways, as launch runs a measured script (its own session,
