@@ -17,7 +17,7 @@ environment: the server *is* that interpreter, started with that environment (le
 per-run variables, which no import reads), so what torch and OpenMP read at import is what a fresh
 process reads.
 
-The child runs the script as ``python`` does (:func:`_run_main`): the environment, working folder,
+The child runs the script as ``python`` does (:func:`run_as_main`): the environment, working folder,
 ``sys.argv`` and ``sys.path[0]`` set, the agent installed as the boot ``sitecustomize`` installs it,
 NumPy's generator drawn afresh, the script run as ``__main__``, then the interpreter's exit
 (non-daemon threads joined, ``atexit`` run, the code ``SystemExit`` carries, 1 with the traceback
@@ -97,12 +97,13 @@ def interpreter_to_fork(argv: Sequence[str], cwd: str) -> str | None:
 
 def start(
     argv: Sequence[str], *, cwd: str, env: Mapping[str, str], stdin: int, stdout: int, pass_fds: Sequence[int]
-) -> ForkedChild:
-    """Fork ``argv`` (:func:`interpreter_to_fork` said yes) in its own session, its stdin, stdout and
-    stderr on the given descriptors and ``pass_fds`` at their numbers; ServerGone if no server
-    could start it."""
+) -> ForkedChild | None:
+    """Fork ``argv`` in its own session, its stdin, stdout and stderr on the given descriptors and
+    ``pass_fds`` at their numbers; None where it is not to be forked (:func:`interpreter_to_fork`),
+    ServerGone if no server could start it."""
     python = interpreter_to_fork(argv, cwd)
-    assert python is not None
+    if python is None:
+        return None
     server_env = {k: v for k, v in env.items() if not _per_run(k)}
     key = (python, tuple(sorted(server_env.items())))
     with _LOCK:
@@ -373,7 +374,7 @@ def _child(request: dict[str, Any], fds: list[int], server_fds: Sequence[int]) -
         os.environ.clear()
         os.environ.update(request["env"])
         _fresh_entropy()
-        code = _run_main(request["argv"])
+        code = run_as_main(request["argv"])
     except BaseException:  # (mixprec's own failure to start it: said in the run's log)
         import traceback
 
@@ -415,9 +416,10 @@ def _dup_at_least(fd: int, floor: int) -> int:
     return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor)
 
 
-def _run_main(argv: list[str]) -> int:
-    """Run ``argv`` (``script.py args`` or ``-m module args``) as the interpreter runs its main
-    script, and end as it ends (module docstring); the exit code."""
+def run_as_main(argv: list[str]) -> int:
+    """Run ``argv`` (``script.py args`` or ``-m module args``) under the agent, as the interpreter
+    runs its main script, and end as it ends (module docstring); the exit code. Also what launch's
+    ``-c`` bootstrap runs for an interpreter that does not import mixprec's sitecustomize."""
     import atexit as exits
     import runpy
 

@@ -46,19 +46,11 @@ _VALUED, _NO_SITE = ("W", "X"), set("IES")
 # Runs the script (``sys.argv[1:]``: ``script.py args`` or ``-m module args``) after installing the
 # agent, for an interpreter that does not import mixprec's sitecustomize.
 _BOOTSTRAP = """\
-import os, runpy, sys
+import sys
 sys.path.append({root!r})
-from mixprec.frameworks.script.agent import install_from_env
-install_from_env()
+from mixprec.frameworks.script.forkserver import run_as_main
 del sys.path[-1]
-target, sys.argv = sys.argv[1:], sys.argv[1:]
-if target[0] == "-m":
-    sys.argv = target[1:]
-    runpy.run_module(target[1], run_name="__main__", alter_sys=True)
-else:
-    if not sys.flags.isolated and not sys.flags.safe_path:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
-    runpy.run_path(target[0], run_name="__main__")
+sys.exit(run_as_main(sys.argv[1:]))
 """
 
 
@@ -176,8 +168,6 @@ def _forked(
 ) -> forkserver.ForkedChild | None:
     """A traced run forked from a warm interpreter (:mod:`.forkserver`), or None where it starts as
     a fresh process (not a plain ``python script.py``, forking off, no server to be had)."""
-    if forkserver.interpreter_to_fork(argv, str(cwd)) is None:
-        return None
     stdin = os.open(os.devnull, os.O_RDONLY)
     try:
         return forkserver.start(
