@@ -88,6 +88,21 @@ def test_no_price_for_a_compile_never_seen_or_whose_artefacts_are_gone(cache):
     )
 
 
+def test_a_compile_the_budget_cut_off_prices_it_at_least_that_until_one_finishes(cache):
+    CompileCosts().record_cut(KEY, 74.0)  # no artefacts: a cold compile takes at least that
+    CompileCosts().record_cut(KEY, 40.0)  # a shorter cut says less
+    price = CompileCosts().price(KEY)
+    assert price is not None and price.seconds == pytest.approx(74.0), price
+    assert "cut off by the budget after 74 s" in price.basis
+    assert CompileCosts().cold_s(KEY) == pytest.approx(74.0)
+    _artefacts(cache)
+    CompileCosts().record(KEY, 21.0)  # then one finished, from what the cut ones left
+    assert CompileCosts().price(KEY).seconds == pytest.approx(21.0 * WARM_SHARE)
+    assert CompileCosts().cold_s(KEY) == pytest.approx(74.0)  # what checking it compiles cold
+    CompileCosts().record_cut(KEY, 90.0)  # once one finished, a cut one says the machine was slow
+    assert CompileCosts().cold_s(KEY) == pytest.approx(74.0)
+
+
 def test_a_corrupt_cost_file_reads_as_empty_with_a_warning(cache):
     (cache / "compile_costs.json").write_text("{not json")
     with pytest.warns(CacheWarning, match="unreadable"):

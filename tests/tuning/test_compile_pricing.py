@@ -135,3 +135,28 @@ def test_a_compiled_check_after_its_speed_run_is_priced_from_the_cache(cached):
             r"numerics not checked: the budget ended first \(about (\d+) s more would check it\)", row.reason
         )
         assert said and 90 <= int(said[1]) < 100, row.reason
+
+
+def test_a_compile_the_budget_cut_off_is_priced_at_least_that_next_time():
+    """The default ResNet-50 tune on the EPYC started its step's compile, priced at the 20 s prior,
+    and the budget cut it off ~75 s later: nothing measured, nothing learned, so the next tune did
+    the same (two runs in a row, a quarter of each budget). The cut is kept: the next tune prices
+    that compile at what it had taken and spends its budget elsewhere."""
+    seconds = {"fp32": 0.20, "bf16-mixed": 0.10, "bf16-mixed+compile": 0.05}
+    planted = Planted(seconds, jitter=0.01, compile_s=300.0)
+    first = mixprec.tune(planted, budget_s=80, steps=4, warmup=1, check_steps=2)
+    assert any("bf16-mixed+compile (stopped by the budget while compiling)" in n for n in first.notes), (
+        first.notes
+    )
+    key = cost_key(
+        "planted", first.workload, 8, "bf16-mixed+compile", detect("cpu").name, torch.get_num_threads()
+    )
+    cut = CompileCosts().price(key)
+    assert cut is not None and cut.seconds > 20.0 and "cut off by the budget" in cut.basis, cut
+    second = mixprec.tune(planted, budget_s=80, steps=4, warmup=1, check_steps=2)
+    assert not any("stopped by the budget while compiling" in n for n in second.notes), second.notes
+    assert any(
+        "bf16-mixed+compile (the budget could not pay" in n and "cut off by the budget after" in n
+        for n in second.notes
+    ), second.notes
+    assert second.phases["compile"] < 1.0, second.phases

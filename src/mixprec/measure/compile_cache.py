@@ -115,23 +115,28 @@ class CompileCosts:
             if not isinstance(entry, dict):
                 continue
             times: dict[str, Any] = {
-                k: v for k, v in entry.items() if k in ("cold_s", "warm_s") and _seconds(v)
+                k: v for k, v in entry.items() if k in ("cold_s", "warm_s", "cut_s") and _seconds(v)
             }
             history = entry.get("warm_history")
             if isinstance(history, list) and history and all(_seconds(v) for v in history):
                 times["warm_history"] = [float(v) for v in history][-WARM_KEPT:]
             elif "warm_s" in times:  # written before the history was kept
                 times["warm_history"] = [times["warm_s"]]
-            if "cold_s" in times:
+            if "cold_s" in times or "cut_s" in times:
                 good[key] = times
         return good
 
     def price(self, key: str) -> Price | None:
         """The price of a compile measured here before, or None (never compiled here, or Inductor's
-        artefacts are gone, so it would compile cold: the caller's prior applies). A warm price is
+        artefacts are gone, so it would compile cold: the caller's prior applies); one the budget
+        cut off before any finished here is priced at what it had taken (:meth:`record_cut`). A warm price is
         the lower median of the warm compiles kept, so one slow compile (a busy machine) does not
         raise it and a majority does, and never more than the cold compile cost."""
         entry = self.entries.get(key)
+        if entry is not None and "cold_s" not in entry:
+            # never compiled to the end here: a cold compile costs at least what the budget cut off
+            cut = entry["cut_s"]
+            return Price(cut, f"its compile here was cut off by the budget after {cut:.0f} s")
         if entry is None or not _has_artefacts(inductor_dir()):
             return None
         if entry.get("warm_history"):
@@ -149,9 +154,27 @@ class CompileCosts:
         )
 
     def cold_s(self, key: str) -> float | None:
-        """What the first compile of ``key`` cost here (compiling it cold), or None."""
+        """What the first compile of ``key`` cost here (compiling it cold), or None: at least what
+        a compile the budget cut off had taken (the one that then finished read the artefacts the
+        cut ones left: the default ResNet-50 tune on the EPYC had its step's compile cut off after
+        ~75 s twice, then compiled it in 21 s)."""
         entry = self.entries.get(key)
-        return entry["cold_s"] if entry is not None else None
+        if entry is None:
+            return None
+        return max(entry.get("cold_s", 0.0), entry.get("cut_s", 0.0))
+
+    def record_cut(self, key: str, seconds: float) -> None:
+        """A compile of ``key`` the budget stopped after ``seconds``, before any finished here: a
+        cold compile costs at least that (:meth:`price`). Without it the next tune priced it at the
+        cold prior again and spent the same ~75 s of its 300 on it, to the same end. Once one has
+        finished, what it cost prices it (a cut one then says only that the machine was slow)."""
+        if not _seconds(seconds):
+            return
+        entry = self.entries.setdefault(key, {})
+        if "cold_s" in entry:
+            return
+        entry["cut_s"] = max(float(seconds), entry.get("cut_s", 0.0))
+        self._save()
 
     def record(self, key: str, seconds: float) -> None:
         """Keep what this compile cost: the first time as its cold cost, later ones as warm (the
@@ -164,6 +187,9 @@ class CompileCosts:
         else:
             entry["warm_history"] = [*entry.get("warm_history", []), float(seconds)][-WARM_KEPT:]
             entry["warm_s"] = float(seconds)  # the latest, for a reader from before the history
+        self._save()
+
+    def _save(self) -> None:
         write_json_cache(self.path, "compile cost cache", _VERSION, "entries", self.entries, "compile costs")
 
 

@@ -299,6 +299,11 @@ class Costs:
         scope = row.candidate.compile_scope
         self.compile_s[scope] = max(self.compile_s.get(scope, 0.0), row.compile_s)
 
+    def cut_off(self, candidate: Candidate, seconds: float) -> None:
+        """The budget stopped ``candidate``'s measurement ``seconds`` into its compile: the next
+        tune prices that compile at least that (:meth:`CompileCosts.record_cut`)."""
+        self.compile_costs.record_cut(self._cost_key(candidate), seconds)
+
     def compile_price(
         self, candidate: Candidate, siblings: Sequence[Candidate] = ()
     ) -> tuple[float, str, bool]:

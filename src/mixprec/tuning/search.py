@@ -487,6 +487,7 @@ class Search:
                 self.not_measured([candidate], why, costs.measure_compiled_s(compile_s))
                 continue
             self.sweeps.stage(f"compiling {candidate.label}: {predicted}")
+            started = clock.now()
             row = next(
                 (
                     r
@@ -496,6 +497,7 @@ class Search:
                 None,
             )
             if row is None:
+                costs.cut_off(candidate, clock.now() - started)
                 skipped[candidate] = f"{candidate.label} (stopped by the budget while compiling)"
                 why = f"not measured: the budget ended while it compiled ({predicted})"
                 self.not_measured([candidate], why, costs.measure_compiled_s(compile_s))
