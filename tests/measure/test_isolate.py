@@ -3,6 +3,11 @@ status (never a crash of the sweep), limits and stops."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from mixprec.frameworks import framework_named
@@ -74,3 +79,33 @@ def test_a_local_session_turns_a_failing_build_or_step_into_a_status():
     with pytest.raises(SessionEnded) as ended:
         session.finish()
     assert ended.value.status == "error" and "HonestyError: labelled fp16-mixed" in ended.value.reason
+
+
+VICTIM = """
+import os, signal
+
+
+def body():
+    from tqdm import tqdm
+
+    tqdm(total=1, disable=True)  # as torch.fx's interpreter makes one while compiling
+    os.kill(os.getpid(), signal.SIGKILL)  # the budget stopped it mid-compile
+"""
+
+
+def test_a_child_killed_mid_compile_leaves_no_semaphore_to_warn_about(tmp_path):
+    """tqdm's lock, made in a candidate's child that was then killed, was left to the resource
+    tracker, which printed "There appear to be 1 leaked semaphore objects" as the tune ended."""
+    pytest.importorskip("tqdm")
+    (tmp_path / "victim.py").write_text(VICTIM)
+    code = (
+        "from mixprec.measure import isolate\n"
+        "import victim\n"
+        "proc = isolate._context().Process(target=victim.body)\n"
+        "proc.start(); proc.join()\n"
+        "print('exit', proc.exitcode)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert f"exit -{int(signal.SIGKILL)}" in done.stdout, done.stdout + done.stderr
+    assert "leaked semaphore" not in done.stderr, done.stderr

@@ -35,7 +35,22 @@ def _quiet_when_orphaned(
         _default_hook(kind, error, traceback)
 
 
+def _share_tqdms_lock() -> None:
+    """Make tqdm's lock here, for every child to inherit. tqdm makes a multiprocessing lock (a named
+    POSIX semaphore) at a process's first progress bar, and torch.fx's interpreter makes a disabled
+    one while compiling: made in a candidate's child that the budget then stopped mid-compile
+    (SIGKILL), it was left to the resource tracker, which printed "There appear to be 1 leaked
+    semaphore objects to clean up at shutdown" on the user's terminal as the tune ended (the default
+    ResNet-50 tune on the EPYC, two runs of three). Made here, the children inherit it and make none
+    of their own to leave behind."""
+    with contextlib.suppress(Exception):  # (no tqdm: nothing makes that lock)
+        from tqdm import tqdm
+
+        tqdm.get_lock()
+
+
 sys.excepthook = _quiet_when_orphaned
+_share_tqdms_lock()
 
 for _name in filter(None, os.environ.get(ENV, "").split(",")):
     # A module that fails here is imported (and its error reported) in the child that needs it.
