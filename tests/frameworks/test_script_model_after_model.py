@@ -9,6 +9,8 @@ stops at the second model with the reason (it compares one model's steps)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -178,3 +180,35 @@ def test_a_model_taken_to_be_done_with_and_trained_again_is_refused(tmp_path):
     said = json.loads((tmp_path / "run.json").read_text())["error"]
     assert exited.value.code == 2
     assert "a model it trained before its current one" in said and "two runs" in said, said
+
+
+def test_the_monitor_watches_each_fold_and_withholds_a_bad_batch_in_any():
+    """`mixprec run --monitor` (or --rescue) of a k-fold script stopped it at the second fold, after
+    the first had trained: the monitor was built for one model. Each model now gets a monitor of its
+    own (its hooks, snapshots, detectors from its first step); a NaN batch in the second fold is
+    found there, diagnosed and withheld, its finding tagged with the model, and every fold trains."""
+    from mixprec.monitor.script import ScriptMonitor
+
+    with under("bf16-mixed") as agent:
+        monitor = ScriptMonitor(agent, {"rescue": True})
+        agent.observers.append(monitor)
+        torch.manual_seed(0)
+        trained = []
+        for fold in range(FOLDS):
+            model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            for i, (x, y) in enumerate(fold_batches(fold)):
+                bad = fold == 1 and i == 2
+                loss = F.cross_entropy(model(x * math.nan if bad else x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            trained.append(model)
+    record = monitor.summary()
+    assert len(agent.steps) == FOLDS * STEPS and len(record["losses"]) == FOLDS * STEPS
+    assert [len(m["losses"]) for m in record["models"]] == [STEPS] * FOLDS
+    assert [m["withheld"] for m in record["models"]] == [[], [2], []], record["models"]
+    spikes = [(f["evidence"].get("model"), f["step"]) for f in record["findings"] if f["kind"] == "spike"]
+    assert spikes == [(2, 2)], record["findings"]
+    assert record["healthy"] is True
+    assert all(torch.isfinite(p).all() for m in trained for p in m.parameters())

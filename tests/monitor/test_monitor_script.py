@@ -123,3 +123,17 @@ def test_a_lightning_scripts_fp16_overflow_is_watched_through_its_own_scaler(tmp
     record = json.loads((out / "run.json").read_text())
     assert record["steps"] == 6 and record["facts"]["framework"] == "lightning"
     assert record["findings"] and code == 4 and record["healthy"] is False
+
+
+def test_a_k_fold_script_is_watched_fold_by_fold_to_its_end(tmp_path, capfd):
+    """`mixprec run --monitor` of a k-fold script stopped it at the second fold (exit 2): the
+    monitor was built for one model. Each fold is watched by its own; a NaN batch in the second is
+    withheld and said with its model; every fold trains and the run exits 0."""
+    out = tmp_path / "run"
+    args = ["run", "--policy", "bf16-mixed", "--rescue", "--out", str(out), "--"]
+    code = main([*args, sys.executable, str(SCRIPTS / "kfold.py"), "--nan-at", "1:3"])
+    said = capfd.readouterr()
+    assert code == 0, said.err
+    record = json.loads((out / "run.json").read_text())
+    assert record["steps"] == 18 and [m["withheld"] for m in record["models"]] == [[], [3], []], record
+    assert "fold scores" in said.out and "step 3: spike (model 2)" in said.err, said.err

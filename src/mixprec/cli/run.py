@@ -174,6 +174,8 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         for finding in rank.get("findings") or []:
             seen = finding.get("evidence", {}).get("rank", rank.get("rank")) if world > 1 else None
             where = f" (rank {seen})" if seen is not None else ""
+            if "model" in finding.get("evidence", {}):  # (k-fold's folds: each its own monitor)
+                where += f" (model {finding['evidence']['model']})"
             line = f"  step {finding['step']}: {finding['kind']}{where}: {finding['message']}"
             err.print(line, soft_wrap=True)
     if code != 0:

@@ -137,6 +137,7 @@ class RunRecord:
         self._host: bool | None = None  # whether the loss is on the host (read each step, no sync)
         self._last_action = -(10**9)
         self._seen: dict[tuple[str, str | None], int] = {}  # (kind, module): the step last reported
+        self.tags: dict[str, Any] = {}  # evidence every finding carries (which of a script's models)
 
     def _keep_loss(self, loss: torch.Tensor | float, read: tuple[Any, float] | None) -> float | None:
         """Keep the step's loss: its value where the host holds it already (``read`` before the
@@ -242,6 +243,7 @@ class RunRecord:
     def _emit(self, finding: MonitorFinding) -> None:
         if self.data_parallel:  # which rank saw it, on every finding
             finding.evidence.setdefault("rank", self.gate.rank)
+        finding.evidence.update(self.tags)
         self.findings.append(finding)
         log.warning(finding.line())
         for sink in self.sinks:

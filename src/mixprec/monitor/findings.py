@@ -92,6 +92,8 @@ class MonitorFinding(findings.Finding):
         where = f" [{self.module}]" if self.module else ""
         if "rank" in self.evidence:
             where += f" (rank {self.evidence['rank']})"
+        if "model" in self.evidence:  # (a script that trains one model after another: k-fold's folds)
+            where += f" (model {self.evidence['model']})"
         act = f" -> {self.action}" if self.action and self.action != self.message else ""
         return f"mixprec monitor: step {self.step}: {self.kind}{where}: {self.message}{act}"
 

@@ -11,7 +11,9 @@ batch moved put back), an fp32 island made, or the update retried. A broken data
 stopped, and so is a run the monitor gives up on (exit 4, the reason in ``run.json``). The script's
 own ``torch.save`` of the model's state is refused while that state holds inf/NaN (a finding, a line
 on stderr; the run goes on). Findings go to ``events.jsonl``; ``run.json`` gets the losses, the
-findings and the health.
+findings and the health. A script that trains one model after another (k-fold's folds) has each
+watched by a monitor of its own, its findings tagged with the model's number (from 1), and
+``run.json`` gets each model's record under ``models`` beside the run's losses, findings and health.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class ScriptMonitor:
         self.config = MonitorConfig(**settings)
         self.agent = agent
         self.monitor: Monitor | None = None
+        self.done: list[Monitor] = []  # the monitors of the models the script trained before this one
+        self._saves_guarded = False
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # this step's, before it
         self._checked = False  # whether the tape was checked against its step's own loss
         # the loss handed over before this step's update: recorded as is (the monitor keeps the value
@@ -53,6 +57,9 @@ class ScriptMonitor:
         agent.taping = agent.loop and not agent.candidate.compile
         if not agent.taping:
             self.replay_note = f"a loop trained by {agent.framework_title()} is not replayed"
+        if self._saves_guarded:  # (the next of the script's models: guarded already)
+            return
+        self._saves_guarded = True
         original = torch.save
         monitor = self
 
@@ -105,16 +112,32 @@ class ScriptMonitor:
         self.monitor.record(handed if handed is not None else loss)
         return f"the monitor stopped the run: {self.monitor.stopped}" if self.monitor.stopped else None
 
+    def new_model(self, agent: Any) -> None:
+        """The script is done with its model and trains a new one (k-fold's next fold): the last
+        model's monitor is closed and its record kept; the new one gets its own at its first update."""
+        if self.monitor is not None:
+            self.monitor.close()
+            self.done.append(self.monitor)
+        self.monitor, self._buffers, self._handed, self._checked = None, None, None, False
+
     def summary(self) -> dict[str, Any]:
-        if self.monitor is None:
+        monitors = [*self.done, *([self.monitor] if self.monitor is not None else [])]
+        if not monitors:
             return {}
-        self.monitor.close()
-        out = {
-            "losses": list(self.monitor.losses),
-            "findings": [f.to_dict() for f in self.monitor.findings],
-            "healthy": self.monitor.healthy,
-            "withheld": list(self.monitor.withheld),
-        }
+        records = [_record(m) for m in monitors]
+        if len(records) > 1:  # (the first model's findings untagged as it ran: no other was known)
+            for finding in records[0]["findings"]:
+                finding["evidence"].setdefault("model", 1)
+        out = (
+            records[0]
+            if len(records) == 1
+            else {
+                "losses": [loss for r in records for loss in r["losses"]],
+                "findings": [f for r in records for f in r["findings"]],
+                "healthy": all(r["healthy"] for r in records),
+                "models": records,  # (each model's steps counted from its own first)
+            }
+        )
         if self.replay_note:
             out["replay"] = self.replay_note
         return out
@@ -137,6 +160,8 @@ class ScriptMonitor:
             config=self.config,
             findings=self.findings,
         )
+        if self.done:
+            self.monitor.tags["model"] = len(self.done) + 1
         return self.monitor
 
     def refuses(self, obj: Any, f: Any) -> bool:
@@ -170,6 +195,17 @@ def replays_its_step(tape: Any, model: torch.nn.Module, context: Any, loss: floa
         return True
     tape.broken = f"its replay gave loss {again:.6g}, not the step's {loss:.6g}"
     return False
+
+
+def _record(monitor: Monitor) -> dict[str, Any]:
+    """One model's monitor, closed: its losses, findings, health and withheld steps."""
+    monitor.close()
+    return {
+        "losses": list(monitor.losses),
+        "findings": [f.to_dict() for f in monitor.findings],
+        "healthy": monitor.healthy,
+        "withheld": list(monitor.withheld),
+    }
 
 
 def replay_step(model: Any, tape: Any) -> torch.Tensor:

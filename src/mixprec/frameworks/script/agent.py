@@ -118,7 +118,9 @@ class Agent:
         self.probe_dtypes: list[torch.dtype] = []  # every dtype the first step's matmuls/convs computed in
         self.internal_calls = 0  # > 0 while mixprec's own code calls torch (the patches let it be)
         self.grads_scaled = False  # a backward the agent scaled ran; gradients unscaled on first read
-        self.observers: list[Any] = []  # each: discovered(agent), step(agent, loss, skipped), summary()
+        # each: discovered(agent), forward(...), before_update(agent), step(agent, loss, skipped),
+        # new_model(agent) and summary()
+        self.observers: list[Any] = []
         self.taping = False  # record each step as a replayable tape (the monitor's shadow asks for it)
         self.tracer: Any = None  # the trace mode's recorder (:mod:`.tracing`)
         self.nonfinite_at_start: set[str] = set()
@@ -252,6 +254,9 @@ class Agent:
         for handle in self._part_hooks:
             handle.remove()
         assert self.model is not None
+        for observer in self.observers:  # (the monitor: the last model's is closed, its record kept)
+            with self.internal():
+                observer.new_model(self)
         self.optimizers.forget(self.model)
         self.model, self._entry, self._part_depth, self._part_hooks = None, None, 0, []
 

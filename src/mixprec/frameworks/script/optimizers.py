@@ -170,7 +170,7 @@ class Optimizers:
             return False
         began = bool(agent.steps or agent.window.lead_stepped)
         held = script_holds(agent.model, {type(m) for m in others})
-        if began and not held and agent.mode.name == "run" and not agent.observers:
+        if began and not held and agent.mode.name == "run":
             return True
         if began and not held and agent.mode.name == "measure":
             agent.exit(0)
