@@ -39,8 +39,8 @@ def test_a_script_that_ends_is_started_again_and_warmed_up_untimed():
     assert session.restarts == 2 and session.script_steps == 5
     assert [e["index"] for e in events] == list(range(2, 10))  # the numbering goes on across runs
     assert len(measurement.step_times_s) == 8 and len(measurement.warmup_times_s) == 2
-    said = "the script ended on its own after 5 measured steps: started again 2 time(s), each run warmed"
-    assert measurement.notes == [f"{said} up untimed"]
+    said = "the script ended on its own: each run measured its first 5 steps, started again 2 time(s)"
+    assert measurement.notes == [f"{said}, each warmed up untimed"]
     assert left == []  # an end of the script's own is no failure: no log kept as one
 
 
@@ -49,5 +49,31 @@ def test_a_script_too_short_to_warm_up_again_is_one_line(tmp_path, capsys):
     code = main(["bench", "--policies", "fp32", "--steps", "3", "--", *command])
     err = capsys.readouterr().err
     assert code != 0 and "Traceback" not in err
-    assert "the script ended on its own after 2 steps, too few to time it again" in err
+    assert "the script ended on its own: after 2 steps, too few to time it again" in err
     assert "give it more steps (its --steps, max_iters or epochs)" in err
+
+
+def test_a_k_fold_script_measured_says_its_runs_end_at_its_second_model():
+    """A measured k-fold script ends each run at its second model (its first model's steps are what
+    is timed); the note said "the script ended on its own", as of a script at its last step."""
+    from mixprec.frameworks.script import ScriptWorkload
+    from mixprec.frameworks.script.session import ScriptSession
+    from mixprec.frameworks.session import BenchSettings
+    from mixprec.policy import Candidate
+
+    kfold = Path(__file__).parent / "scripts" / "kfold.py"
+    workload = ScriptWorkload.from_command([sys.executable, str(kfold), "--steps", "4"])
+    settings = BenchSettings(device="cpu", batch_size=16, warmup=2, adaptive_warmup=False)
+    try:
+        session = ScriptSession(workload, Candidate("bf16-mixed", framework="script"), settings)
+        assert session.warm_up(lambda event: True)
+        for _ in range(4):
+            session.step(timed=True)
+        measurement = session.finish()
+    finally:
+        workload.close()
+    assert session.restarts >= 1 and session.script_steps == 3  # (a step is reported as the next begins)
+    assert measurement.notes == [
+        "the script trains a new model once done with the first (k-fold's next fold): each run measured "
+        f"its first 3 steps, started again {session.restarts} time(s), each warmed up untimed"
+    ], measurement.notes

@@ -28,6 +28,7 @@ from mixprec.frameworks.script.messages import (
     OWNER_ENV,
     PLAN_ENV,
     Done,
+    Ending,
     Facts,
     Failed,
     Observed,
@@ -52,6 +53,7 @@ def test_every_pipe_event_reads_back_as_it_was_sent():
         Step(3, 0.25, 16, skipped=True, loss=2.5),
         Done(1 << 20, "peak RSS", 2, Observed("fc1", "bfloat16")),
         Failed("UsageError", "the script trains a second model"),
+        Ending("the script trains a new model once done with the first"),
     ]
     for event in events:
         line = encode(event)

@@ -226,8 +226,24 @@ class Failed:
         return cls(data["type"], data["message"])
 
 
-Event = Step | Ready | Done | Failed
-_EVENTS: dict[str, Any] = {e.kind: e for e in (Step, Ready, Done, Failed)}
+@dataclasses.dataclass
+class Ending:
+    """A measured run ends here on the script's own account, not at its own end: why (the script
+    starts a second model once done with the first: k-fold's next fold)."""
+
+    kind: ClassVar[str] = "ending"
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Ending:
+        return cls(data["why"])
+
+
+Event = Step | Ready | Done | Failed | Ending
+_EVENTS: dict[str, Any] = {e.kind: e for e in (Step, Ready, Done, Failed, Ending)}
 
 
 def encode(event: Event) -> str:

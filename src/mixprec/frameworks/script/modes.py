@@ -25,6 +25,7 @@ from mixprec.frameworks.script.messages import (
     PLAN_ENV,
     STOP,
     Done,
+    Ending,
     Event,
     Failed,
     Observed,
@@ -132,6 +133,10 @@ class Measure(Mode):
 
     def fail(self, kind: str, message: str) -> None:
         self.send(Failed(kind, message))
+
+    def ending(self, why: str) -> None:
+        """The run ends before the parent's word, not at the script's own end: say why."""
+        self.send(Ending(why))
 
 
 class Trace(Mode):

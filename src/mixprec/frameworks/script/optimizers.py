@@ -173,6 +173,7 @@ class Optimizers:
         if began and not held and agent.mode.name == "run":
             return True
         if began and not held and agent.mode.name == "measure":
+            agent.mode.ending("the script trains a new model once done with the first (k-fold's next fold)")
             agent.exit(0)
         agent.fail("UsageError", second_model(agent, owner, began, held))
         return False

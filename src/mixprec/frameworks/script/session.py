@@ -32,6 +32,7 @@ from mixprec.frameworks.script.messages import (
     GO,
     STOP,
     Done,
+    Ending,
     Event,
     Facts,
     Failed,
@@ -85,6 +86,7 @@ class ScriptSession(SessionBase):
         self.result = Measurement()
         self.index = 0
         self.script_steps: int | None = None  # the steps one run of the script reported, once it ended
+        self.ending = "the script ended on its own"  # why its runs end (its agent may say otherwise)
         self.restarts = 0
         self._earlier_skipped = 0  # steps the scaler skipped in the runs before this one
         self._plan = Plan(
@@ -134,6 +136,9 @@ class ScriptSession(SessionBase):
 
     def _expect(self, kind: type[Any], timeout_s: float, what: str) -> Any:
         event = self._next(timeout_s, what)
+        while isinstance(event, Ending):  # (the run ends next: said why)
+            self.ending = event.why
+            event = self._next(timeout_s, what)
         if not isinstance(event, kind):
             raise ScriptFailed(f"the script's agent said {event.kind!r} before {what}, not {kind.kind!r}")
         return event
@@ -204,7 +209,7 @@ class ScriptSession(SessionBase):
             return self._next_step()
         except ScriptRanOut:
             raise ScriptFailed(
-                f"the script ended on its own after {ended_after} steps, too few to time it again after "
+                f"{self.ending}: after {ended_after} steps, too few to time it again after "
                 f"its {len(warm)} warm-up steps: give it more steps (its --steps, max_iters or epochs)"
             ) from None
 
@@ -226,8 +231,8 @@ class ScriptSession(SessionBase):
         self.result.skipped_steps = done.skipped_steps + self._earlier_skipped
         if self.restarts:
             self.result.notes.append(
-                f"the script ended on its own after {self.script_steps} measured steps: started again "
-                f"{self.restarts} time(s), each run warmed up untimed"
+                f"{self.ending}: each run measured its first {self.script_steps} steps, started again "
+                f"{self.restarts} time(s), each warmed up untimed"
             )
         self.result.observed_dtype, self.result.observed_layer = done.observed.dtype, done.observed.layer
         check_honesty(self.candidate, self.facts, self.result)
