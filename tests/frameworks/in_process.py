@@ -75,7 +75,7 @@ class Losses:
     def step(self, agent: Agent, loss: Any, skipped: bool) -> None:
         self.losses.append(float(loss))
 
-    def new_model(self, agent: Agent) -> None: ...
+    def new_model(self, agent: Agent) -> str | None: ...
 
     def summary(self) -> dict[str, Any]:
         return {}

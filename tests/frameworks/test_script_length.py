@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from mixprec.cli import main
 
 SCRIPT = Path(__file__).parent / "scripts" / "plain_loop.py"
@@ -77,3 +79,27 @@ def test_a_k_fold_script_measured_says_its_runs_end_at_its_second_model():
         "the script trains a new model once done with the first (k-fold's next fold): each run measured "
         f"its first 3 steps, started again {session.restarts} time(s), each warmed up untimed"
     ], measurement.notes
+
+
+def test_a_k_fold_script_too_short_to_measure_says_it_ends_at_its_second_model():
+    """A k-fold script whose folds are one step each ends its run at the second fold's optimizer,
+    before a step can be timed: the error said "the script ended before ... (exit 0)", as of a
+    script whose loop ended, and the Ending its agent sent was lost."""
+    from mixprec.frameworks.script import ScriptWorkload
+    from mixprec.frameworks.script.session import ScriptRanOut, ScriptSession
+    from mixprec.frameworks.session import BenchSettings
+    from mixprec.policy import Candidate
+
+    kfold = Path(__file__).parent / "scripts" / "kfold.py"
+    workload = ScriptWorkload.from_command([sys.executable, str(kfold), "--steps", "1"])
+    settings = BenchSettings(device="cpu", batch_size=16, warmup=1, adaptive_warmup=False)
+    try:
+        with pytest.raises(ScriptRanOut) as ran_out:
+            session = ScriptSession(workload, Candidate("bf16-mixed", framework="script"), settings)
+            session.warm_up(lambda event: True)
+            session.step(timed=True)
+    finally:
+        workload.close()
+    assert "the script trains a new model once done with the first (k-fold's next fold)" in str(
+        ran_out.value
+    ), ran_out.value

@@ -212,3 +212,55 @@ def test_the_monitor_watches_each_fold_and_withholds_a_bad_batch_in_any():
     assert spikes == [(2, 2)], record["findings"]
     assert record["healthy"] is True
     assert all(torch.isfinite(p).all() for m in trained for p in m.parameters())
+
+
+def test_the_monitor_lets_go_of_each_fold_it_is_done_with():
+    """Each closed fold's Monitor was kept for the record: with it the fold's model, its optimizer's
+    state and the rescue's snapshot, every fold's to the run's end (a k-fold of a large model held
+    k of them). Its record is kept; the monitor and the model go."""
+    import gc
+    import weakref
+
+    from mixprec.monitor.script import ScriptMonitor
+
+    with under("bf16-mixed") as agent:
+        monitor = ScriptMonitor(agent, {"rescue": True})
+        agent.observers.append(monitor)
+        earlier = []
+        for fold in range(FOLDS):
+            model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+            earlier.append(weakref.ref(model))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            for x, y in fold_batches(fold):
+                loss = F.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+        del model, optimizer, loss
+        gc.collect()
+        alive = [fold for fold, ref in enumerate(earlier[:-1]) if ref() is not None]
+    assert alive == [], f"the folds' models {alive} live on after the script let them go"
+    record = monitor.summary()
+    assert [m["model"] for m in record["models"]] == [1, 2, 3]
+    assert [len(m["losses"]) for m in record["models"]] == [STEPS] * FOLDS
+
+
+def test_a_stop_the_monitor_decides_as_it_closes_a_fold_ends_the_run(tmp_path):
+    """The last model's monitor is closed where the next fold begins, and its closing read of the
+    last losses can stop the run: that stop was dropped, and the next fold trained on."""
+    import json
+
+    from frameworks.in_process import Losses
+
+    class StopsAtTheFold(Losses):
+        def new_model(self, agent):
+            return "the monitor stopped the run: planted at the fold's end"
+
+    with (
+        pytest.raises(Exited) as exited,
+        under("bf16-mixed", out=str(tmp_path), observers=[StopsAtTheFold()]),
+    ):
+        k_fold(None)
+    assert exited.value.code == 4
+    said = json.loads((tmp_path / "run.json").read_text())["error"]
+    assert "planted at the fold's end" in said, said

@@ -109,3 +109,18 @@ def test_a_child_killed_mid_compile_leaves_no_semaphore_to_warn_about(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert f"exit -{int(signal.SIGKILL)}" in done.stdout, done.stdout + done.stderr
     assert "leaked semaphore" not in done.stderr, done.stderr
+
+
+def test_the_main_process_keeps_its_own_excepthook_and_makes_no_tqdm_lock():
+    """What the candidates' fork server sets up as it starts (a hook silent on a closed pipe, tqdm's
+    lock for its children to share) is the fork server's: the process that runs tune imported it
+    with isolate and hid its own broken pipes, and made a semaphore it never needed."""
+    pytest.importorskip("tqdm")
+    code = (
+        "import sys\n"
+        "from mixprec.measure import isolate\n"
+        "from tqdm import tqdm\n"
+        "print('hook', sys.excepthook is sys.__excepthook__, 'lock', hasattr(tqdm, '_lock'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "hook True lock False" in done.stdout, done.stdout + done.stderr

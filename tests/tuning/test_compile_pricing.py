@@ -152,7 +152,10 @@ def test_a_compile_the_budget_cut_off_is_priced_at_least_that_next_time():
         "planted", first.workload, 8, "bf16-mixed+compile", detect("cpu").name, torch.get_num_threads()
     )
     cut = CompileCosts().price(key)
-    assert cut is not None and cut.seconds > 20.0 and "cut off by the budget" in cut.basis, cut
+    assert cut is not None and "cut off by the budget" in cut.basis, cut
+    # its own session's time (the 300 s compile, its few planted steps), not the sweep's, which
+    # opened strict fp32 first (~1 s of planted steps; a real model's opening was seconds more)
+    assert 300.0 <= cut.seconds < 300.5, (cut, first.phases)
     second = mixprec.tune(planted, budget_s=80, steps=4, warmup=1, check_steps=2)
     assert not any("stopped by the budget while compiling" in n for n in second.notes), second.notes
     assert any(

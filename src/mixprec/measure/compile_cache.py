@@ -167,7 +167,8 @@ class CompileCosts:
         """A compile of ``key`` the budget stopped after ``seconds``, before any finished here: a
         cold compile costs at least that (:meth:`price`). Without it the next tune priced it at the
         cold prior again and spent the same ~75 s of its 300 on it, to the same end. Once one has
-        finished, what it cost prices it (a cut one then says only that the machine was slow)."""
+        finished, what it cost prices it from the cache; the cut one still bounds a compile with
+        the artefacts gone (:meth:`cold_s`), and no later cut is kept."""
         if not _seconds(seconds):
             return
         entry = self.entries.setdefault(key, {})

@@ -28,7 +28,6 @@ from typing import Any
 
 from mixprec.frameworks.base import SessionBuilder
 from mixprec.frameworks.session import BenchSettings, Measurement, Session
-from mixprec.measure import preload
 from mixprec.measure.compile_cache import use_inductor_cache
 from mixprec.measure.failure import exception_status, failure_status
 from mixprec.policy import Candidate
@@ -36,6 +35,10 @@ from mixprec.process import current_rss_bytes, die_with_parent, main_module_hidd
 from mixprec.quiet import quiet_known_noise
 from mixprec.workload import WorkloadSpec
 from mixprec.workload.output import captured_fds
+
+# The modules the fork server imports once (mixprec.measure.preload reads it there; never imported
+# here: what it sets up, a quiet excepthook and tqdm's lock, is the fork server's alone).
+PRELOAD_ENV = "MIXPREC_PRELOAD"
 
 _CONTEXT: Any = None
 _POLL_S = 0.2  # how often a wait looks at should_stop
@@ -67,16 +70,16 @@ def _context(modules: tuple[str, ...] = ()) -> Any:
         ctx = mp.get_context("forkserver")
         # measure.preload imports the slow ones quietly (what they print was shown by this process)
         ctx.set_forkserver_preload(["mixprec.measure.preload"])
-        before = os.environ.get(preload.ENV)
-        os.environ[preload.ENV] = ",".join(modules)
+        before = os.environ.get(PRELOAD_ENV)
+        os.environ[PRELOAD_ENV] = ",".join(modules)
         try:
             with main_module_hidden():
                 forkserver.ensure_running()
         finally:
             if before is None:
-                os.environ.pop(preload.ENV, None)
+                os.environ.pop(PRELOAD_ENV, None)
             else:
-                os.environ[preload.ENV] = before
+                os.environ[PRELOAD_ENV] = before
         _CONTEXT = ctx
     return _CONTEXT
 

@@ -17,9 +17,9 @@ import os
 import sys
 from types import TracebackType
 
+from mixprec.measure.isolate import PRELOAD_ENV
 from mixprec.workload.output import captured_fds
 
-ENV = "MIXPREC_PRELOAD"
 # What reading from or writing to a pipe whose other end is gone raises.
 _PARENT_GONE = (EOFError, BrokenPipeError, ConnectionResetError)
 _default_hook = sys.excepthook
@@ -52,7 +52,7 @@ def _share_tqdms_lock() -> None:
 sys.excepthook = _quiet_when_orphaned
 _share_tqdms_lock()
 
-for _name in filter(None, os.environ.get(ENV, "").split(",")):
+for _name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
     # A module that fails here is imported (and its error reported) in the child that needs it.
     with captured_fds(), contextlib.suppress(Exception):
         importlib.import_module(_name)

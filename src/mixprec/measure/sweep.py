@@ -49,6 +49,12 @@ from mixprec.status import Status
 EMULATED_SIBLING_GAIN = 1.5
 
 
+def stopped_measuring(candidate: Candidate) -> str:
+    """Why a sweep ended where the deadline stopped ``candidate``'s own session (tune keeps what a
+    compile cut off there had taken: ``BenchResult.stopped`` is compared with this)."""
+    return f"stopped by the deadline while measuring {candidate.label}"
+
+
 def _format(cand: Candidate) -> str | None:
     """The low-precision format ``cand`` computes in ("bfloat16", "float16"; None: fp32's)."""
     dtype = cand.spec.low_precision_dtype
@@ -609,7 +615,7 @@ class Sweep:
                 result.stopped = result.baseline_ended = f"{ended.reason} while measuring {cand.label}"
                 break
             except SessionEnded:  # told to stop while measuring it
-                result.stopped = f"stopped by the deadline while measuring {cand.label}"
+                result.stopped = stopped_measuring(cand)
                 break
             hopeless = refused is None and self._emulated_and_slow(cand, row)
             if refused is None and row.status == Status.OK and row.wall_s:

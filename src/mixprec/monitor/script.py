@@ -41,7 +41,10 @@ class ScriptMonitor:
         self.config = MonitorConfig(**settings)
         self.agent = agent
         self.monitor: Monitor | None = None
-        self.done: list[Monitor] = []  # the monitors of the models the script trained before this one
+        # the records of the models the script trained before this one (their monitors let go: each
+        # holds its model, its optimizers' state and a snapshot to roll back to)
+        self.done: list[dict[str, Any]] = []
+        self.model_number = 1  # which of the script's models this is (one the script never stepped counts)
         self._saves_guarded = False
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # this step's, before it
         self._checked = False  # whether the tape was checked against its step's own loss
@@ -112,35 +115,49 @@ class ScriptMonitor:
         self.monitor.record(handed if handed is not None else loss)
         return f"the monitor stopped the run: {self.monitor.stopped}" if self.monitor.stopped else None
 
-    def new_model(self, agent: Any) -> None:
+    def new_model(self, agent: Any) -> str | None:
         """The script is done with its model and trains a new one (k-fold's next fold): the last
-        model's monitor is closed and its record kept; the new one gets its own at its first update."""
+        model's monitor is closed, its record kept and the monitor let go; the new one gets its own
+        at its first update. What stopped the run, if the monitor gave up on it as it closed."""
+        stop = None
         if self.monitor is not None:
-            self.monitor.close()
-            self.done.append(self.monitor)
+            record = _record(self.monitor)  # (closes it: its last losses read)
+            if self.monitor.stopped:
+                stop = f"the monitor stopped the run: {self.monitor.stopped}"
+            record["model"] = self.model_number
+            if self.replay_note:
+                record["replay"] = self.replay_note
+            for finding in record["findings"]:  # (the first model's untagged as it ran: none other known)
+                finding["evidence"].setdefault("model", self.model_number)
+            self.done.append(record)
+        self.model_number += 1
         self.monitor, self._buffers, self._handed, self._checked = None, None, None, False
+        self.replay_note = ""
+        return stop
 
     def summary(self) -> dict[str, Any]:
-        monitors = [*self.done, *([self.monitor] if self.monitor is not None else [])]
-        if not monitors:
+        records = list(self.done)
+        if self.monitor is not None:
+            record = _record(self.monitor)
+            if self.done:
+                record["model"] = self.model_number
+                if self.replay_note:
+                    record["replay"] = self.replay_note
+            records.append(record)
+        if not records:
             return {}
-        records = [_record(m) for m in monitors]
-        if len(records) > 1:  # (the first model's findings untagged as it ran: no other was known)
-            for finding in records[0]["findings"]:
-                finding["evidence"].setdefault("model", 1)
-        out = (
-            records[0]
-            if len(records) == 1
-            else {
-                "losses": [loss for r in records for loss in r["losses"]],
-                "findings": [f for r in records for f in r["findings"]],
-                "healthy": all(r["healthy"] for r in records),
-                "models": records,  # (each model's steps counted from its own first)
-            }
-        )
-        if self.replay_note:
-            out["replay"] = self.replay_note
-        return out
+        if len(records) == 1:
+            out = records[0]
+            if self.replay_note:
+                out["replay"] = self.replay_note
+            return out
+        return {
+            "losses": [loss for r in records for loss in r["losses"]],
+            "findings": [f for r in records for f in r["findings"]],
+            "healthy": all(r["healthy"] for r in records),
+            "withheld": [],  # (each model's own, under models: its steps counted from its own first)
+            "models": records,
+        }
 
     # ------------------------------------------------------------------ inside
     def _build(self, agent: Any) -> Monitor:
@@ -160,8 +177,8 @@ class ScriptMonitor:
             config=self.config,
             findings=self.findings,
         )
-        if self.done:
-            self.monitor.tags["model"] = len(self.done) + 1
+        if self.model_number > 1:
+            self.monitor.tags["model"] = self.model_number
         return self.monitor
 
     def refuses(self, obj: Any, f: Any) -> bool:

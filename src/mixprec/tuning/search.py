@@ -39,7 +39,7 @@ from mixprec.frameworks.session import BenchSettings
 from mixprec.hardware.device import DeviceInfo
 from mixprec.measure.race import FIRST_ROUNDS, Measure, Race, paired_rounds, race
 from mixprec.measure.results import BenchResult, BenchRow
-from mixprec.measure.sweep import after_slow_carriers, retried, run_sweep, stalled
+from mixprec.measure.sweep import after_slow_carriers, retried, run_sweep, stalled, stopped_measuring
 from mixprec.numerics.results import CandidateCheck
 from mixprec.policy import POLICY_NAMES, Candidate, Support
 from mixprec.policy.islands import batch_norm_layers
@@ -106,6 +106,7 @@ class Sweeps:
         self.budget, self.events = budget, events
         self.notes: list[str] = list(getattr(workload, "notes", None) or [])  # a source's own (one rank)
         self.phases: dict[str, float] = {}
+        self.started: dict[str, float] = {}  # label -> when its session last began opening
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -158,6 +159,7 @@ class Sweeps:
 
         def on_bench(event: Event) -> None:
             if event["event"] == "candidate":
+                self.started[event["label"]] = clock.now()
                 self.stage(f"measuring {event['label']} ({event['index'] + 1}/{event['count']})")
             elif event["event"] in ("row", "output", "step"):
                 self.events(event)
@@ -487,17 +489,13 @@ class Search:
                 self.not_measured([candidate], why, costs.measure_compiled_s(compile_s))
                 continue
             self.sweeps.stage(f"compiling {candidate.label}: {predicted}")
-            started = clock.now()
-            row = next(
-                (
-                    r
-                    for r in self.add(self.sweeps.sweep([candidate], budget).measured)
-                    if r.candidate == candidate
-                ),
-                None,
-            )
+            swept = self.sweeps.sweep([candidate], budget)
+            row = next((r for r in self.add(swept.measured) if r.candidate == candidate), None)
             if row is None:
-                costs.cut_off(candidate, clock.now() - started)
+                # Only its own session's time, and only where the budget stopped it: the sweep
+                # opened strict fp32 first, and a sweep stopped before it began compiled nothing.
+                if swept.stopped == stopped_measuring(candidate):
+                    costs.cut_off(candidate, clock.now() - self.sweeps.started[candidate.label])
                 skipped[candidate] = f"{candidate.label} (stopped by the budget while compiling)"
                 why = f"not measured: the budget ended while it compiled ({predicted})"
                 self.not_measured([candidate], why, costs.measure_compiled_s(compile_s))

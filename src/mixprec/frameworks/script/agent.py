@@ -254,9 +254,7 @@ class Agent:
         for handle in self._part_hooks:
             handle.remove()
         assert self.model is not None
-        for observer in self.observers:  # (the monitor: the last model's is closed, its record kept)
-            with self.internal():
-                observer.new_model(self)
+        self.mode.new_model()  # (its observers: the monitor closes the last model's, keeps its record)
         self.optimizers.forget(self.model)
         self.model, self._entry, self._part_depth, self._part_hooks = None, None, 0, []
 

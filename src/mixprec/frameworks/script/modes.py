@@ -77,6 +77,9 @@ class Mode:
     def step_ended(self, step: Step, loss: torch.Tensor | None) -> None:
         """A step ended (the scale updated, the step in ``agent.steps``)."""
 
+    def new_model(self) -> None:
+        """The script is done with its model and trains a new one (:meth:`Agent.new_model`)."""
+
     def fail(self, kind: str, message: str) -> None:
         """The agent stops the script with mixprec's reason: tell the parent."""
 
@@ -222,6 +225,16 @@ class Run(Mode):
             with agent.internal():
                 stop = observer.step(agent, loss, step.skipped)
             if stop:  # the observer gave up on the run: stop it, with the record
+                self.stop(stop, 4)
+
+    def new_model(self) -> None:
+        """Each observer is done with the last model: one may give up on the run there (its
+        monitor's closing read of the last losses), as at a step."""
+        agent = self.agent
+        for observer in agent.observers:
+            with agent.internal():
+                stop = observer.new_model(agent)
+            if stop:
                 self.stop(stop, 4)
 
     def fail(self, kind: str, message: str) -> None:

@@ -67,14 +67,19 @@ class ScriptRanOut(ScriptFailed):
     steps asked for."""
 
 
-def _ended(child: Child, what: str) -> ScriptFailed:
-    """Why the child is gone, in the script's own words where it left some (its log kept)."""
+ON_ITS_OWN = "the script ended on its own"
+
+
+def _ended(child: Child, what: str, ending: str = ON_ITS_OWN) -> ScriptFailed:
+    """Why the child is gone, in the script's own words where it left some (its log kept);
+    ``ending``: why its agent said the run ends, where it did (a k-fold's second model)."""
     code = child.process.poll()
     last = child.last_error_line()
     child.discard(keep_log=True)
     said = f": {last}" if last else ""
     if code == 0:
-        return ScriptRanOut(f"the script ended before {what} (exit 0){said}")
+        why = "the script ended" if ending == ON_ITS_OWN else f"{ending}, so its run ended"
+        return ScriptRanOut(f"{why} before {what} (exit 0){said}")
     return ScriptFailed(f"the script stopped with exit code {code} before {what}{said} (log: {child.log})")
 
 
@@ -86,7 +91,7 @@ class ScriptSession(SessionBase):
         self.result = Measurement()
         self.index = 0
         self.script_steps: int | None = None  # the steps one run of the script reported, once it ended
-        self.ending = "the script ended on its own"  # why its runs end (its agent may say otherwise)
+        self.ending = ON_ITS_OWN  # why its runs end (its agent may say otherwise)
         self.restarts = 0
         self._earlier_skipped = 0  # steps the scaler skipped in the runs before this one
         self._plan = Plan(
@@ -157,10 +162,10 @@ class ScriptSession(SessionBase):
                 chunk = os.read(self._from, 1 << 16)
                 if not chunk:  # the child closed its end: it is gone
                     self.child.process.wait(timeout=30)
-                    raise _ended(self.child, what)
+                    raise _ended(self.child, what, self.ending)
                 self._buffer += chunk
             elif self.child.process.poll() is not None:
-                raise _ended(self.child, what)
+                raise _ended(self.child, what, self.ending)
         line, self._buffer = self._buffer.split(b"\n", 1)
         event = decode(line)
         if isinstance(event, Failed):
@@ -219,7 +224,7 @@ class ScriptSession(SessionBase):
             self._to.write(json.dumps({"cmd": word}) + "\n")
         except (BrokenPipeError, OSError, ValueError):  # (ValueError: our end already closed)
             stop(self.child.process)  # (it closed its end: it is ending, else it is ended now)
-            raise _ended(self.child, what) from None
+            raise _ended(self.child, what, self.ending) from None
 
     def finish(self) -> Measurement:
         """Stop the script at this step boundary; its peak memory and what really ran."""
