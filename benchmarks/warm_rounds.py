@@ -8,10 +8,11 @@ allocator's pages refilled from the other's). The probe, like a training loop, t
 follow steps of their own. A cost ``d`` paid on each side's first step pulls the ratio toward 1:
 (f + d) / (c + d) < f / c.
 
-This runs ``mixprec.bench`` of one pair (strict fp32 and ``--candidate``) in fresh processes, each
-way in turn: ``lone`` (mixprec's rounds: one step per side) and ``warm`` (three steps per side, the
-first left out, as the module documents for rounds of three or more), ``--repeats`` times each,
-interleaved, then the plain probe (benchmarks/probe_vs_tune.py's hand-written step) in one process.
+This runs ``mixprec.bench`` of one pair (strict fp32 and ``--policy``, ``--channels-last``) in
+fresh processes, each way in turn: ``lone`` (mixprec's rounds: one step per side) and ``warm``
+(three steps per side, the first left out, as the module documents for rounds of three or more),
+``--repeats`` times each, interleaved, then the plain probe in one process (bench_vs_tune.py's, the
+same as its third figure).
 
     python benchmarks/warm_rounds.py --model resnet50 --policy bf16-mixed --channels-last [--json out.json]
 """
@@ -26,6 +27,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench_vs_tune import PROBE
+from mixprec.policy import Candidate
 
 SIZES = {"resnet50": ("resnet50", {"image_size": 128}, 16)}
 
@@ -45,21 +49,6 @@ result = mixprec.bench(
     steps=spec["rounds"], settle=0,
 )
 open(spec["out"], "w").write(json.dumps(result.to_dict()))
-"""
-
-PROBE = f"""
-import json, sys
-sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
-import torch
-from probe_vs_tune import MODELS, probe
-from mixprec.policy import Candidate
-spec = json.loads(sys.argv[1])
-torch.manual_seed(0)
-torch.set_num_threads(spec["threads"])
-pick = Candidate(spec["policy"], channels_last=spec["channels_last"])
-variants = {{"fp32 eager": Candidate("fp32"), "pick": pick}}
-result = probe(MODELS[spec["model"]]["load"](), variants, MODELS[spec["model"]]["batch_size"], spec["rounds"])
-open(spec["out"], "w").write(json.dumps(result))
 """
 
 
@@ -82,7 +71,8 @@ def main() -> None:
     args = parser.parse_args()
     model, sizes, batch = SIZES[args.model]
     pair = {"policy": args.policy, "channels_last": args.channels_last}
-    label = args.policy + ("+cl" if args.channels_last else "")
+    pick = Candidate(args.policy, channels_last=args.channels_last)
+    label = pick.label
     runs: dict[str, list[dict]] = {"lone": [], "warm": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
@@ -97,8 +87,8 @@ def main() -> None:
                     {"speedup": row["speedup_vs_fp32"], "ratios": row["paired_ratios"], "load": load}
                 )
                 print(f"{way} {i + 1}: {row['speedup_vs_fp32']:.3f}x (load {load:.1f})", flush=True)
-        spec = {"model": args.model, **pair, "threads": args.threads, "rounds": args.rounds,
-                "out": f"{tmp}/probe.json"}  # fmt: skip
+        spec = {"model": args.model, "candidate": pick.to_dict(), "threads": args.threads,
+                "rounds": args.rounds, "out": f"{tmp}/probe.json"}  # fmt: skip
         probe = _python(PROBE, spec)
     probe_x = probe["pick"]["speedup_vs_fp32_eager"]
     summary = {way: statistics.median(r["speedup"] for r in rs) for way, rs in runs.items()}
