@@ -175,13 +175,8 @@ def main() -> None:
         "threads": threads,
         "tune": _figures(tuned, tune_load),
         "bench": _figures(benched, bench_load),
-        "alone": {"speedup": statistics.median(alone), "ci": None, "load": probe_load, "per_process": alone},
-        "probe": {
-            "speedup": statistics.median(beside),
-            "ci": None,
-            "load": probe_load,
-            "per_process": beside,
-        },
+        "alone": _plain(alone, probe_load),
+        "probe": _plain(beside, probe_load),
         "plain_processes": plain,
         "seconds": {"tune": round(tune_s), "bench": round(bench_s), "probe": round(probe_s)},
     }

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,27 +33,7 @@ from pathlib import Path
 from bench_vs_tune import PROBE
 from mixprec.policy import Candidate
 from probe_vs_tune import duel, over
-
-SIZES = {"resnet50": ("resnet50", {"image_size": 128}, 16)}
-
-BENCH = """
-import json, sys
-import mixprec
-from mixprec.policy import Candidate
-spec = json.loads(sys.argv[1])
-workload = mixprec.load_workload(spec["model"], **spec["sizes"])
-pick = Candidate.from_dict(spec["candidate"])
-result = mixprec.bench(
-    workload, candidates=(pick,), batch_size=spec["batch_size"], threads=spec["threads"],
-    steps=spec["rounds"], settle=0,
-)
-open(spec["out"], "w").write(json.dumps(result.to_dict()))
-"""
-
-
-def _python(code: str, spec: dict) -> dict:
-    subprocess.run([sys.executable, "-c", code, json.dumps(spec)], check=True, stdout=subprocess.DEVNULL)
-    return json.loads(Path(spec["out"]).read_text())
+from warm_rounds import BENCH, SIZES, _python
 
 
 def main() -> None:
@@ -75,6 +54,9 @@ def main() -> None:
         "batch_size": batch,
         "threads": args.threads,
         "candidate": pick.to_dict(),
+        "policy": pick.policy,
+        "channels_last": pick.channels_last,
+        "way": "lone",  # warm_rounds' mixprec.bench as mixprec times its rounds
         "rounds": args.rounds,
     }
     figures: dict[str, list[float]] = {"mixprec": [], "plain x2": [], "plain x1": []}
