@@ -9,18 +9,24 @@ candidate process times), for one candidate, warms it up and times ``--steps`` s
 repeats; each combination's figure is the median of its processes' medians.
 
     python benchmarks/step_alone.py [--candidate bf16-mixed] [--repeats 4] [--steps 16] [--json OUT]
+
+The processes inherit this one's environment: set an allocator's settings on the command line
+(``GLIBC_TUNABLES=...``, ``THP_MEM_ALLOC_ENABLE=1``) to time them; the JSON records those it saw.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# what the processes' pace may depend on, recorded where set
+ALLOCATOR_ENV = ("GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE", "LD_PRELOAD", "MALLOC_CONF", "OMP_WAIT_POLICY")
 
 WORKER = f"""
 import json, statistics, sys, time
@@ -101,6 +107,7 @@ def main() -> None:
             "pick": pick.label,
             "ms": runs,
             "median_ms": med,
+            "env": {k: os.environ[k] for k in ALLOCATOR_ENV if k in os.environ},
             "plain_x": plain_x,
             "mixprec_x": ours_x,
         }
