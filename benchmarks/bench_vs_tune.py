@@ -121,9 +121,9 @@ def main() -> None:
     parser.add_argument(
         "--probe-processes",
         type=int,
-        default=3,
-        help="fresh plain processes, each figure their median (one process of the probe read 2.01x, "
-        "2.30x and 2.48x in three runs on the AMX Xeon)",
+        default=5,
+        help="fresh plain processes, each figure their median: a few processes run 10-50%% slow "
+        "(benchmarks/allocator_pace.py), and the median of five outvotes one (runs 1-13 used three)",
     )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
