@@ -16,12 +16,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_alone import WORKER
+from mixprec.policy import Candidate
+from step_alone import time_alone
 
 FIXED = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 
@@ -37,7 +37,6 @@ def main() -> None:
     parser.add_argument("--tunables", default=FIXED, help="GLIBC_TUNABLES for the fixed setting")
     parser.add_argument("--json")
     args = parser.parse_args()
-    from mixprec.policy import Candidate
 
     pick = Candidate(args.candidate, channels_last=args.channels_last)
     base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
@@ -47,17 +46,7 @@ def main() -> None:
     for rep in range(args.repeats):
         order = combos[rep % len(combos) :] + combos[: rep % len(combos)]
         for env, name, cand in order:
-            spec = {"step": "plain", "candidate": cand.to_dict(), "steps": args.steps}
-            done = subprocess.run(
-                [sys.executable, "-c", WORKER, json.dumps(spec)],
-                capture_output=True,
-                text=True,
-                check=False,
-                env=envs[env],
-            )
-            if done.returncode != 0:
-                raise SystemExit(f"{env} {name} failed:\n{done.stderr[-2000:]}")
-            ms = json.loads(done.stdout.strip().splitlines()[-1])["median_ms"]
+            ms = time_alone("plain", cand, args.steps, what=f"{env} {name}", env=envs[env])
             runs[f"{env} {name}"].append(ms)
             print(f"repeat {rep + 1}: {env:>7} {name}: {ms:.0f} ms", file=sys.stderr, flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}

@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mixprec.policy import Candidate
+
 HERE = Path(__file__).resolve().parent
 # what the processes' pace may depend on, recorded where set
 ALLOCATOR_ENV = ("GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE", "LD_PRELOAD", "MALLOC_CONF", "OMP_WAIT_POLICY")
@@ -63,6 +65,18 @@ print(json.dumps({{"median_ms": 1e3 * statistics.median(times), "times_ms": [1e3
 """
 
 
+def time_alone(step: str, candidate: Candidate, steps: int, what: str, env: dict | None = None) -> float:
+    """The median ms of ``steps`` steps of ``step`` ("plain" or "mixprec") for ``candidate`` in a
+    fresh process (``env``: its environment, else this one's)."""
+    spec = {"step": step, "candidate": candidate.to_dict(), "steps": steps}
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER, json.dumps(spec)], capture_output=True, text=True, check=False, env=env
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["median_ms"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -75,7 +89,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--json")
     args = parser.parse_args()
-    from mixprec.policy import Candidate
 
     pick = Candidate(args.candidate, channels_last=args.channels_last)
     combos = [
@@ -87,13 +100,7 @@ def main() -> None:
     for rep in range(args.repeats):
         order = combos[rep % len(combos) :] + combos[: rep % len(combos)]
         for step, name, cand in order:
-            spec = {"step": step, "candidate": cand.to_dict(), "steps": args.steps}
-            done = subprocess.run(
-                [sys.executable, "-c", WORKER, json.dumps(spec)], capture_output=True, text=True, check=False
-            )
-            if done.returncode != 0:
-                raise SystemExit(f"{step} {name} failed:\n{done.stderr[-2000:]}")
-            ms = json.loads(done.stdout.strip().splitlines()[-1])["median_ms"]
+            ms = time_alone(step, cand, args.steps, what=f"{step} {name}")
             runs[f"{step} {name}"].append(ms)
             print(f"repeat {rep + 1}: {step:>7} {name}: {ms:.0f} ms", file=sys.stderr, flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
