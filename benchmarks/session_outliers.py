@@ -6,7 +6,8 @@ process is slow with probability ``--slow`` (10-50% slow, uniform), else within 
 (``--pace-sd``); each round adds its own noise (``--round-sd``). The first session has 4 rounds (the
 sweep's), the settling ones 8 (tune's settling session). For 2-6 sessions, the error of three
 poolings against the planted truth: mixprec's (``session_speedup``: DerSimonian-Laird random effects
-over the sessions' medians), the median of the sessions' medians, and the median of every round.
+over the sessions' medians), the median of the sessions' medians, and the median of every round;
+then the same 12 rounds as 4+8 against three sessions of 4.
 
     python benchmarks/session_outliers.py [--draws 4000] [--slow 0.12] [--json OUT]
 """
@@ -19,6 +20,7 @@ import math
 import random
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from mixprec.measure.results import session_speedup
@@ -31,15 +33,16 @@ def pace(rng: random.Random, slow: float, sd: float) -> float:
     return math.exp(rng.gauss(0.0, sd))
 
 
-def draw(rng: random.Random, sessions: int, args: argparse.Namespace) -> tuple[list[float], list[int]]:
-    """The paired ratios of one settled figure, over ``sessions`` sessions, truth 1.0."""
+def draw(
+    rng: random.Random, rounds: Sequence[int], args: argparse.Namespace
+) -> tuple[list[float], list[int]]:
+    """The paired ratios of one settled figure, ``rounds`` paired rounds a session, truth 1.0."""
     values, counts = [], []
-    for s in range(sessions):
-        rounds = 4 if s == 0 else 8
+    for n in rounds:
         # strict fp32's process slow: the ratio reads high; the candidate's slow: it reads low
         session = pace(rng, args.slow, args.pace_sd) / pace(rng, args.slow, args.pace_sd)
-        values += [session * math.exp(rng.gauss(0.0, args.round_sd)) for _ in range(rounds)]
-        counts.append(rounds)
+        values += [session * math.exp(rng.gauss(0.0, args.round_sd)) for _ in range(n)]
+        counts.append(n)
     return values, counts
 
 
@@ -70,7 +73,7 @@ def main() -> None:
     for sessions in range(2, 7):
         errors: dict[str, list[float]] = {}
         for _ in range(args.draws):
-            for name, figure in poolings(*draw(rng, sessions, args)).items():
+            for name, figure in poolings(*draw(rng, [4] + [8] * (sessions - 1), args)).items():
                 errors.setdefault(name, []).append(abs(math.log(figure)))
         out[str(sessions)] = {
             name: {
@@ -86,9 +89,21 @@ def main() -> None:
                 f"90th percentile {100 * r['p90_error']:.1f}%, "
                 f"beyond 5% in {100 * r['beyond_5_percent']:.0f}%"
             )
+    # the same 12 paired rounds as the sweep's 4 and one settling session of 8, or as three sessions
+    # of 4 (tune's default budget gave its ResNet-50 pick 2-4 sessions, 8-21 rounds, in
+    # bench_vs_tune runs 8-16 on the EPYC)
+    splits: dict[str, float] = {}
+    for rounds, name in (((4, 8), "mixprec"), ((4, 4, 4), "mixprec"), ((4, 4, 4), "median of sessions")):
+        errors = [abs(math.log(poolings(*draw(rng, rounds, args))[name])) for _ in range(args.draws)]
+        label = f"{'+'.join(map(str, rounds))} rounds, {name}"
+        splits[label] = sum(x > math.log(1.05) for x in errors) / len(errors)
+        print(f"{label:>32}: beyond 5% in {100 * splits[label]:.0f}%")
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"argv": sys.argv, "settings": vars(args), "by_sessions": out}, indent=1)
+            json.dumps(
+                {"argv": sys.argv, "settings": vars(args), "by_sessions": out, "twelve_rounds": splits},
+                indent=1,
+            )
         )
 
 
