@@ -6,7 +6,8 @@ process is slow with probability ``--slow`` (10-50% slow, uniform), else within 
 (``--pace-sd``); each round adds its own noise (``--round-sd``). The first session has 4 rounds (the
 sweep's), the settling ones 8 (tune's settling session). For 2-6 sessions, the error of three
 poolings against the planted truth: mixprec's (``session_speedup``: DerSimonian-Laird random effects
-over the sessions' medians), the median of the sessions' medians, and the median of every round;
+over the sessions' medians; since this script, their median where three or more disagree beyond
+chance), the median of the sessions' medians, and the median of every round;
 then the same 12 rounds as 4+8 against three sessions of 4.
 
     python benchmarks/session_outliers.py [--draws 4000] [--slow 0.12] [--json OUT]
