@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mixprec.measure.results import session_speedup
+from mixprec.measure.results import _sessions_of, session_speedup
 
 
 def pace(rng: random.Random, slow: float, sd: float) -> float:
@@ -48,10 +48,7 @@ def draw(
 
 
 def poolings(values: list[float], counts: list[int]) -> dict[str, float]:
-    groups, start = [], 0
-    for n in counts:
-        groups.append(values[start : start + n])
-        start += n
+    groups = _sessions_of(values, counts)
     return {
         "mixprec": session_speedup(values, counts)[0],
         "median of sessions": statistics.median(statistics.median(g) for g in groups),
