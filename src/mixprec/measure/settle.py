@@ -36,6 +36,12 @@ SETTLE_SWEEPS = 5
 # The most paired rounds one settling session measures: a fresh process's own pace is what the
 # rounds beyond these would average (the AMX Xeon's bench settled 30 rounds in one session).
 SESSION_ROUNDS = 8
+# The sessions a settled figure is pooled over at least where its rounds allow: with two, one whose
+# process ran 10-50% slow (a few fresh ones do) moves the figure halfway and nothing outvotes it;
+# three that disagree give their median (:func:`~mixprec.measure.results.session_speedup`). Planted,
+# with 12% of processes slow: 43% of 4+4-round figures more than 5% off, 24% of 4+4+4
+# (benchmarks/session_outliers.py).
+MIN_SESSIONS = 3
 
 # One more paired sweep of these candidates for this many rounds each (its rows).
 Sweep = Callable[[Sequence[Candidate], int], BenchResult]
@@ -51,13 +57,15 @@ def spread(row: BenchRow) -> float | None:
     return max(high - row.speedup_vs_fp32, row.speedup_vs_fp32 - low) / row.speedup_vs_fp32
 
 
-def sessions_of(rounds: int) -> list[int]:
+def sessions_of(rounds: int, fewest: int = 1, least: int = 1) -> list[int]:
     """``rounds`` more paired rounds as settling measures them: the fewest sessions of at most
     :data:`SESSION_ROUNDS` rounds, split evenly (12 rounds are two sessions of 6: a session of 4
-    would pay strict fp32's opening for four rounds)."""
+    would pay strict fp32's opening for four rounds), but at least ``fewest`` sessions where each
+    then has ``least`` rounds or more (8 rounds are two sessions of 4 where two are wanted: see
+    :data:`MIN_SESSIONS`)."""
     if rounds <= 0:
         return []
-    count = math.ceil(rounds / SESSION_ROUNDS)
+    count = max(math.ceil(rounds / SESSION_ROUNDS), min(fewest, rounds // max(least, 1)))
     each, more = divmod(rounds, count)
     return [each + 1] * more + [each] * (count - more)
 

@@ -58,7 +58,8 @@ class TuneConfig:
     """The smallest relative speed difference treated as real."""
 
     settle: float = 0.05
-    """The pick is measured again, in up to five more sessions of at most 8 rounds, until its speedup's 95%
+    """The pick is measured again, in up to five more sessions of at most 8 rounds (three sessions in all
+    where its rounds allow, the third only where two disagree), until its speedup's 95%
     interval lies within this share of it either side over all its paired rounds (at most
     ``bench.settle_rounds``, and what the budget pays; :mod:`mixprec.tuning.settle`): the figure the next run
     repeats. 0: the pick's figure as its sweep left it."""

@@ -12,6 +12,7 @@ from mixprec.checking.check import Checker
 from mixprec.events import Events
 from mixprec.frameworks import Framework
 from mixprec.hardware.device import detect
+from mixprec.measure import settle as settling
 from mixprec.measure.compile_cache import CompileCosts, cost_key
 from mixprec.measure.config import BenchConfig
 from mixprec.measure.race import FIRST_ROUNDS
@@ -104,6 +105,8 @@ class Costs:
         `make demo`'s late sweep spent its last 20 s opening strict fp32."""
         base = self.result.baseline  # (assembled anew on each read: read once)
         opening = base.wall_s if base is not None and base.wall_s else 0.0
+        if base is not None and not base.wall_s:  # (a sweep under way: its session is still open)
+            opening = SESSION_COST * (self.setting.bench.warmup + self.setting.bench.steps) * _step_s(base)
         if (more := (steps or 0) - self.setting.bench.steps) > 0:
             opening += more * _step_s(base)
         return opening
@@ -125,6 +128,26 @@ class Costs:
         set_up = max(SESSION_COST * (self.setting.bench.warmup + 2) * cand_s, (row.wall_s or 0.0) - timed)
         compiled = RECOMPILE_S if row.candidate.compile else 0.0
         return self.opening_s(rounds) + set_up + compiled + SESSION_COST * rounds * (base_s + cand_s)
+
+    def settling_s(self, row: BenchRow, share: float) -> tuple[float, float]:
+        """What settling ``row``'s figure costs (:mod:`mixprec.tuning.settle`), at most ``share``, and
+        how much of that is a session to break a tie: its more paired rounds in the sessions settling
+        measures them, and where those would leave its figure fewer than
+        :data:`~mixprec.measure.settle.MIN_SESSIONS` sessions (the sweep's among them), one more of
+        the sweep's rounds, measured only where the sessions so far disagree. (0, 0) where ``row``
+        is settled already (a quiet machine's rows may be), or where ``share`` cannot pay a session
+        of the fewest rounds worth opening one for. Without the third, bench_vs_tune's run 17 on
+        the EPYC settled ResNet-50's pick over two sessions, 1.98-2.12x and then 1.40-1.64x,
+        printed 1.78x between them, and had no time for the session that would have outvoted one."""
+        width, steps = self.setting.config.settle, self.setting.bench.steps
+        rounds = settling.rounds_wanted(row, width, self.setting.bench.settle_rounds) if width else 0
+        if not rounds or share < self.settle_s(row, min(rounds, steps)):
+            return 0.0, 0.0
+        sessions = settling.sessions_of(rounds, fewest=settling.MIN_SESSIONS - 1, least=steps)
+        wanted = min(share, sum(self.settle_s(row, n) for n in sessions))
+        if len(sessions) + 1 >= settling.MIN_SESSIONS:
+            return wanted, 0.0
+        return min(share, wanted + self.settle_s(row, steps)), min(share - wanted, self.settle_s(row, steps))
 
     def rounds_paid(self, row: BenchRow, seconds: float) -> int:
         """How many more paired rounds of ``row``'s candidate ``seconds`` pay (:meth:`settle_s`)."""

@@ -17,8 +17,7 @@ from mixprec.measure.results import BenchRow
 from mixprec.policy import Candidate
 from mixprec.status import Status
 from mixprec.tuning.decide import Recommendation
-from mixprec.tuning.search import SETTLE_SHARE, Search
-from mixprec.tuning.speedups import speed
+from mixprec.tuning.search import SETTLE_SHARE, Search, fastest_row
 
 # At most this many candidates' figures are settled in turn as the decision moves between them.
 SETTLED_PICKS = 3
@@ -26,22 +25,17 @@ SETTLED_PICKS = 3
 
 def reserve(search: Search) -> float:
     """Seconds the budget keeps back (its ``reserve_s``) to settle the pick's figure, taken once the
-    speed sweep has measured: what settling its fastest row would cost, at most ``SETTLE_SHARE`` of
-    the budget; none where that row is settled already (a quiet machine's rows may be).
-    :func:`settle` gives it back (or :meth:`Search.remeasure_noisy` first, for a noisy rival).
-    None either where that share cannot pay a session of the fewest rounds worth opening one
-    for: kept, it would go unused (`make demo` beside two busy loops ended 50 s early with
-    bf16-mixed+cl and the bf16-true rows never measured)."""
-    rows = [r for r in search.result.rows if r.status == Status.OK and r.paired_ratios]
-    fastest = max(rows, key=speed, default=None)
-    width, most = search.sweeps.config.settle, search.sweeps.bench.settle_rounds
-    if not width or fastest is None or not (rounds := settling.rounds_wanted(fastest, width, most)):
+    speed sweep has measured: what settling its fastest row would cost
+    (:meth:`~mixprec.tuning.cost.Costs.settling_s`: a third session where two may disagree, which a
+    compile that may beat the pick can take first), at most ``SETTLE_SHARE`` of the budget; none
+    where that row is settled already, or where that share cannot pay a session of the fewest
+    rounds worth opening one for: kept, it would go unused (`make demo` beside two busy loops
+    ended 50 s early with bf16-mixed+cl and the bf16-true rows never measured). :func:`settle`
+    gives it back (or :meth:`Search.remeasure_noisy` first, for a noisy rival)."""
+    fastest = fastest_row(search.result.rows)
+    if fastest is None:
         return 0.0
-    share = SETTLE_SHARE * search.budget.seconds
-    if share < search.costs.settle_s(fastest, min(rounds, search.sweeps.bench.steps)):
-        return 0.0
-    cost = sum(search.costs.settle_s(fastest, n) for n in settling.sessions_of(rounds))
-    search.held_s = min(share, cost)
+    search.held_s, search.tiebreak_s = search.costs.settling_s(fastest, SETTLE_SHARE * search.budget.seconds)
     search.budget.reserve_s += search.held_s
     return search.held_s
 
@@ -123,9 +117,11 @@ def _more_rounds(search: Search, row: BenchRow) -> tuple[int, bool]:
     """The paired rounds ``row`` needs that the budget pays (0: settled, or too few paid to open a
     session for), and whether the budget is why it gets fewer than it needs."""
     wanted = settling.rounds_wanted(row, search.sweeps.config.settle, search.sweeps.bench.settle_rounds)
-    paid = search.costs.rounds_paid(row, search.budget.left())
-    # (this session's share of them: the rest go to fresh sessions, whose pace is their own)
-    rounds = min(settling.sessions_of(wanted)[0] if wanted else 0, paid)
-    if rounds < search.sweeps.bench.steps:  # (fewer do not pay for strict fp32's opening)
+    paid, steps = search.costs.rounds_paid(row, search.budget.left()), search.sweeps.bench.steps
+    # (this session's share of them: the rest go to fresh sessions, whose pace is their own, as
+    # many as make the figure's sessions three where the rounds allow)
+    fewest = settling.MIN_SESSIONS - len(row.sessions or (row.paired_ratios,))
+    rounds = min(settling.sessions_of(wanted, fewest=fewest, least=steps)[0] if wanted else 0, paid)
+    if rounds < steps:  # (fewer do not pay for strict fp32's opening)
         rounds = 0
     return rounds, paid < wanted
