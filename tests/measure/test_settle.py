@@ -36,8 +36,20 @@ def test_a_wide_row_wants_the_rounds_that_narrow_its_interval_as_one_over_sqrt_n
 def test_a_narrow_interval_over_few_rounds_is_not_trusted():
     few = _row((2.0, 2.01, 2.02, 2.03), (2.0, 2.03), speedup=2.01)  # 4 rounds, 1% either side
     assert rounds_wanted(few, width=0.05, most=40) == MIN_ROUNDS - 4
-    enough = _row((2.0,) * MIN_ROUNDS, (1.98, 2.02), speedup=2.0)
+    enough = _row((2.0,) * MIN_ROUNDS, (1.98, 2.02), speedup=2.0, sessions=(4, 4))
     assert rounds_wanted(enough, width=0.05, most=40) == 0
+
+
+def test_a_narrow_interval_from_one_session_is_not_trusted():
+    """bench_vs_tune's run 18 on the EPYC: bench's figure settled over one session of 10 rounds at
+    1.85x [1.81-1.92], beside tune's 2.01x over two sessions and plain PyTorch's 2.06x over five
+    processes. One session's rounds share its processes' pace, so their interval cannot show an odd
+    process: a figure is settled over two sessions at least."""
+    one = _row((1.83, 1.92, 1.89, 1.81, 1.77, 2.0, 1.94, 1.83, 1.83, 1.86), (1.81, 1.92), speedup=1.85)
+    assert rounds_wanted(one, width=0.05, most=40) == MIN_ROUNDS // 2
+    two = _row(one.paired_ratios + (1.85,) * 4, (1.81, 1.92), speedup=1.85, sessions=(10, 4))
+    assert rounds_wanted(two, width=0.05, most=40) == 0
+    assert rounds_wanted(one, width=0.05, most=12) == 2  # (at most ``most`` in all)
 
 
 def test_rows_that_did_not_measure_or_have_their_rounds_want_none():

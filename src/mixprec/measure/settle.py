@@ -72,13 +72,19 @@ def sessions_of(rounds: int, fewest: int = 1, least: int = 1) -> list[int]:
 
 def rounds_wanted(row: BenchRow, width: float, most: int) -> int:
     """More paired rounds ``row`` needs for its interval to reach ``width`` either side (a median's
-    interval narrows as 1/sqrt(rounds)), at least :data:`MIN_ROUNDS` and at most ``most`` in all;
-    0 where it is settled (or has ``most``), or is not a paired row that measured."""
+    interval narrows as 1/sqrt(rounds)), at least :data:`MIN_ROUNDS` and at most ``most`` in all,
+    and over two sessions at least; 0 where it is settled (or has ``most``), or is not a paired row
+    that measured. One session's rounds share its processes' pace, so their interval cannot show
+    the odd one: bench_vs_tune's run 18 on the EPYC settled bench's figure over one session of 10
+    rounds at 1.85x [1.81-1.92], beside tune's 2.01x over two and plain PyTorch's 2.06x."""
     reach, done = spread(row), len(row.paired_ratios)
-    if row.status != Status.OK or reach is None or (reach <= width and done >= MIN_ROUNDS):
+    if row.status != Status.OK or reach is None:
         return 0
     needed = math.ceil(round(done * (reach / width) ** 2, 6))  # (16.000000000000014 is 16 rounds)
-    return max(0, min(most, max(MIN_ROUNDS, needed)) - done)
+    wanted = min(most, max(MIN_ROUNDS, needed)) - done
+    if len(row.sessions) < 2:  # (a second session of half the fewest: enough to see one 10% off)
+        wanted = max(wanted, min(most - done, MIN_ROUNDS // 2))
+    return max(0, wanted)
 
 
 def pooled(first: BenchRow, so_far: BenchRow, new: BenchRow) -> BenchRow:

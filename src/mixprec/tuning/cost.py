@@ -147,7 +147,8 @@ class Costs:
         wanted = min(share, sum(self.settle_s(row, n) for n in sessions))
         if len(sessions) + 1 >= settling.MIN_SESSIONS:
             return wanted, 0.0
-        return min(share, wanted + self.settle_s(row, steps)), min(share - wanted, self.settle_s(row, steps))
+        tiebreak = min(share - wanted, self.settle_s(row, steps))
+        return wanted + tiebreak, tiebreak
 
     def rounds_paid(self, row: BenchRow, seconds: float) -> int:
         """How many more paired rounds of ``row``'s candidate ``seconds`` pay (:meth:`settle_s`)."""
