@@ -50,7 +50,9 @@ def _figures(result: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -66,7 +68,8 @@ def main() -> None:
         for way, rs in runs.items()
     }
     for way, s in summary.items():
-        print(f"{way:>5} ({WAYS[way]}): median {s['speedup']:.2f}x, fp32 {s['fp32_ms']:.0f} ms, pick {s['pick_ms']:.0f} ms")
+        steps = f"fp32 {s['fp32_ms']:.0f} ms, pick {s['pick_ms']:.0f} ms"
+        print(f"{way:>5} ({WAYS[way]}): median {s['speedup']:.2f}x, {steps}")
     if args.json:
         Path(args.json).write_text(json.dumps({"argv": sys.argv, "runs": runs, "summary": summary}, indent=1))
 
