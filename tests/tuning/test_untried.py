@@ -151,6 +151,7 @@ def test_noisy_candidates_the_budget_cannot_re_measure_are_cut_as_a_lower_precis
 
     from mixprec.budget import Budget
     from mixprec.policy import Candidate
+    from mixprec.tuning.held import Held
     from mixprec.tuning.search import Search
 
     def cut_by(remeasure):
@@ -161,7 +162,7 @@ def test_noisy_candidates_the_budget_cannot_re_measure_are_cut_as_a_lower_precis
             row=lambda cand: object(),
             budget=budget,
             costs=types.SimpleNamespace(remeasure_s=lambda cand: 1e9),  # (more than any budget)
-            held_s=0.0,  # (nothing kept back to settle the pick)
+            held=Held(budget),  # (nothing kept back to settle the pick)
             notes=[],
         )
         Search.remeasure_noisy(search)

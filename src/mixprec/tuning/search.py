@@ -50,6 +50,7 @@ from mixprec.tuning.checks import Checks
 from mixprec.tuning.config import TuneConfig
 from mixprec.tuning.cost import RACE_WARMUP, Costs
 from mixprec.tuning.decide import Ranked, Recommendation, Untried, decide
+from mixprec.tuning.held import Held
 from mixprec.tuning.order import tune_plan
 from mixprec.tuning.speedups import amortized, speed
 
@@ -253,8 +254,7 @@ class Search:
         self.calibration = compiling.Calibration()
         self.race: Race | None = None
         self.untried: dict[Candidate, Untried] = {}  # planned, not measured (or only predicted)
-        self.held_s = 0.0  # kept back from every stage to settle the pick's figure (tuning/settle.py)
-        self.tiebreak_s = 0.0  # of which for a session to break a tie (a compile that may win comes first)
+        self.held = Held(self.budget)  # kept back from every stage to settle the pick's figure
 
     @classmethod
     def start(cls, sweeps: Sweeps, info: DeviceInfo) -> Search:
@@ -490,8 +490,7 @@ class Search:
                 )
                 continue
             cost_s = costs.compile_and_check_s(candidate, compile_s, known)
-            if not budget.can_pay(cost_s) and self.tiebreak_s and budget.can_pay(cost_s - self.tiebreak_s):
-                self.release_tiebreak()
+            if self.held.tiebreak_for(cost_s, budget):
                 budget = self.budget.share(1 - RACE_SHARE)
             if not budget.can_pay(cost_s):
                 skipped[candidate] = f"{candidate.label} (the budget could not pay; {predicted})"
@@ -584,6 +583,7 @@ class Search:
         if not finalists:
             return
         leader, rivals = finalists[0], finalists[1:]
+        self.held.tiebreak_for(self.costs.race_s(finalists)(len(rivals), FIRST_ROUNDS), self.budget)
         self.sweeps.stage(f"racing {', '.join(r.label for r in rivals)} against {leader.label}")
         self.race = race(
             leader.candidate,
@@ -599,21 +599,6 @@ class Search:
         if self.race.stopped:
             self.notes.append(f"race stopped: {self.race.stopped}")
 
-    def release_held(self) -> None:
-        """The time kept back to settle the pick's figure (:func:`mixprec.tuning.settle.reserve`)
-        given back to the budget."""
-        self.budget.reserve_s -= self.held_s
-        self.held_s = self.tiebreak_s = 0.0
-
-    def release_tiebreak(self) -> None:
-        """The part of the time kept back to settle the pick's figure that would pay a session to
-        break a tie (:meth:`~mixprec.tuning.cost.Costs.settling_s`) given back to the budget: a
-        compiled candidate that may beat the pick comes before it. Kept, it cost a cached compile
-        of bf16-mixed its try on a planted 30 s tune (tests/tuning/test_compile_pricing.py)."""
-        self.budget.reserve_s -= self.tiebreak_s
-        self.held_s -= self.tiebreak_s
-        self.tiebreak_s = 0.0
-
     def remeasure_noisy(self) -> None:
         """The passing candidates the decision set aside as too noisy to rank that could still beat
         the pick (:attr:`Recommendation.remeasure`), measured once more with twice the paired rounds
@@ -627,10 +612,10 @@ class Search:
             old = self.row(cand)
             if old is None:
                 continue  # nothing measured to replace
-            if not self.budget.can_pay(self.costs.remeasure_s(cand)) and self.held_s:
+            if not self.budget.can_pay(self.costs.remeasure_s(cand)) and self.held.seconds:
                 # a rival that may beat the pick before the pick's figure settled: bench_vs_tune's
                 # run 9 picked bf16-mixed (1.58x), bf16-mixed+cl 1.91x +-33% left not re-measured
-                self.release_held()
+                self.held.release()
             if not self.budget.can_pay(self.costs.remeasure_s(cand)):
                 self.notes.append(f"{cand.label} not re-measured: budget spent (--budget raises it)")
                 left = rec.remeasure[i:]  # (this one and every one after it: a lower precision among them?)

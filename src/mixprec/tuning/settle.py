@@ -35,9 +35,8 @@ def reserve(search: Search) -> float:
     fastest = fastest_row(search.result.rows)
     if fastest is None:
         return 0.0
-    search.held_s, search.tiebreak_s = search.costs.settling_s(fastest, SETTLE_SHARE * search.budget.seconds)
-    search.budget.reserve_s += search.held_s
-    return search.held_s
+    search.held.keep(*search.costs.settling_s(fastest, SETTLE_SHARE * search.budget.seconds))
+    return search.held.seconds
 
 
 def settle_pick(
@@ -74,7 +73,7 @@ def settle(search: Search, rec: Recommendation | None) -> bool:
     :data:`~mixprec.measure.settle.SETTLE_SWEEPS` more sessions of at most
     :data:`~mixprec.measure.settle.SESSION_ROUNDS` rounds each. True where rounds joined it (the
     decision is to be made again)."""
-    search.release_held()
+    search.held.release()
     first = search.row(rec.candidate) if rec is not None else None
     if not search.sweeps.config.settle or first is None or first.status != Status.OK:
         return False
