@@ -27,8 +27,9 @@ def reserve(search: Search) -> float:
     """Seconds the budget keeps back (its ``reserve_s``) to settle the pick's figure, taken once the
     speed sweep has measured: what settling its fastest row would cost
     (:meth:`~mixprec.tuning.cost.Costs.settling_s`: a third session where two may disagree, which a
-    compile that may beat the pick can take first), at most ``SETTLE_SHARE`` of the budget; none
-    where that row is settled already, or where that share cannot pay a session of the fewest
+    compile or the race can take first, :class:`~mixprec.tuning.held.Held`), at most
+    ``SETTLE_SHARE`` of the budget; none where that row is settled already, or where that share
+    cannot pay a session of the fewest
     rounds worth opening one for: kept, it would go unused (`make demo` beside two busy loops
     ended 50 s early with bf16-mixed+cl and the bf16-true rows never measured). :func:`settle`
     gives it back (or :meth:`Search.remeasure_noisy` first, for a noisy rival)."""
