@@ -29,10 +29,10 @@ def reserve(search: Search) -> float:
     (:meth:`~mixprec.tuning.cost.Costs.settling_s`: a third session where two may disagree, which a
     compile or the race can take first, :class:`~mixprec.tuning.held.Held`), at most
     ``SETTLE_SHARE`` of the budget; none where that row is settled already, or where that share
-    cannot pay a session of the fewest
-    rounds worth opening one for: kept, it would go unused (`make demo` beside two busy loops
-    ended 50 s early with bf16-mixed+cl and the bf16-true rows never measured). :func:`settle`
-    gives it back (or :meth:`Search.remeasure_noisy` first, for a noisy rival)."""
+    cannot pay a session of the fewest rounds worth opening one for: kept, it would go unused
+    (`make demo` beside two busy loops ended 50 s early with bf16-mixed+cl and the bf16-true rows
+    never measured). :func:`settle` gives it back (or :meth:`Search.remeasure_noisy` first, for a
+    noisy rival)."""
     fastest = fastest_row(search.result.rows)
     if fastest is None:
         return 0.0
