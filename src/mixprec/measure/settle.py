@@ -70,6 +70,13 @@ def sessions_of(rounds: int, fewest: int = 1, least: int = 1) -> list[int]:
     return [each + 1] * more + [each] * (count - more)
 
 
+def next_sessions(row: BenchRow, rounds: int, least: int) -> list[int]:
+    """``rounds`` more paired rounds of ``row`` as settling measures them (:func:`sessions_of`): at
+    least as many sessions as make its figure's :data:`MIN_SESSIONS` with those it has, where each
+    then has ``least`` rounds or more."""
+    return sessions_of(rounds, fewest=MIN_SESSIONS - (len(row.sessions) or 1), least=least)
+
+
 def rounds_wanted(row: BenchRow, width: float, most: int) -> int:
     """More paired rounds ``row`` needs for its interval to reach ``width`` either side (a median's
     interval narrows as 1/sqrt(rounds)), at least :data:`MIN_ROUNDS` and at most ``most`` in all,

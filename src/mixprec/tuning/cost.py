@@ -104,8 +104,11 @@ class Costs:
         alone: a re-measure started with that much left spent 23 s and replaced nothing, and a busy
         `make demo`'s late sweep spent its last 20 s opening strict fp32."""
         base = self.result.baseline  # (assembled anew on each read: read once)
-        opening = base.wall_s if base is not None and base.wall_s else 0.0
-        if base is not None and not base.wall_s:  # (a sweep under way: its session is still open)
+        if base is None:
+            opening = 0.0
+        elif base.wall_s:
+            opening = base.wall_s
+        else:  # (a sweep under way: its strict-fp32 session is still open, its wall time unknown)
             opening = SESSION_COST * (self.setting.bench.warmup + self.setting.bench.steps) * _step_s(base)
         if (more := (steps or 0) - self.setting.bench.steps) > 0:
             opening += more * _step_s(base)
@@ -143,9 +146,9 @@ class Costs:
         rounds = settling.rounds_wanted(row, width, self.setting.bench.settle_rounds) if width else 0
         if not rounds or share < self.settle_s(row, min(rounds, steps)):
             return 0.0, 0.0
-        sessions = settling.sessions_of(rounds, fewest=settling.MIN_SESSIONS - 1, least=steps)
+        sessions = settling.next_sessions(row, rounds, least=steps)
         wanted = min(share, sum(self.settle_s(row, n) for n in sessions))
-        if len(sessions) + 1 >= settling.MIN_SESSIONS:
+        if len(sessions) + (len(row.sessions) or 1) >= settling.MIN_SESSIONS:
             return wanted, 0.0
         tiebreak = min(share - wanted, self.settle_s(row, steps))
         return wanted + tiebreak, tiebreak

@@ -582,8 +582,8 @@ class Search:
         finalists = _finalists(table, self.result.baseline, self.sweeps.config.train_steps)
         if not finalists:
             return
-        leader, rivals = finalists[0], finalists[1:]
-        self.held.tiebreak_for(self.costs.race_s(finalists)(len(rivals), FIRST_ROUNDS), self.budget)
+        leader, rivals, cost_s = finalists[0], finalists[1:], self.costs.race_s(finalists)
+        self.held.tiebreak_for(cost_s(len(rivals), FIRST_ROUNDS), self.budget)
         self.sweeps.stage(f"racing {', '.join(r.label for r in rivals)} against {leader.label}")
         self.race = race(
             leader.candidate,
@@ -591,7 +591,7 @@ class Search:
             self.sweeps.racing(self.result.batch_size),
             noise=self.sweeps.config.noise,
             budget=self.budget,
-            cost_s=self.costs.race_s(finalists),
+            cost_s=cost_s,
             between_run_sd=self.result.between_run_sd,
         )
         for duel in self.race.duels:

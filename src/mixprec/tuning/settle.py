@@ -120,8 +120,7 @@ def _more_rounds(search: Search, row: BenchRow) -> tuple[int, bool]:
     paid, steps = search.costs.rounds_paid(row, search.budget.left()), search.sweeps.bench.steps
     # (this session's share of them: the rest go to fresh sessions, whose pace is their own, as
     # many as make the figure's sessions three where the rounds allow)
-    fewest = settling.MIN_SESSIONS - (len(row.sessions) or 1)
-    rounds = min(settling.sessions_of(wanted, fewest=fewest, least=steps)[0] if wanted else 0, paid)
+    rounds = min(settling.next_sessions(row, wanted, least=steps)[0] if wanted else 0, paid)
     if rounds < steps:  # (fewer do not pay for strict fp32's opening)
         rounds = 0
     return rounds, paid < wanted
