@@ -307,3 +307,19 @@ def test_the_time_kept_to_break_a_tie_goes_to_a_race_that_may_change_the_pick(
     assert search.race is not None and not search.race.stopped, search.notes
     assert search.race.duels and all(d.ratios for d in search.race.duels), search.notes
     assert search.held.tiebreak_s == 0.0 and search.held.seconds == 0.0
+
+
+def test_a_check_with_no_pass_yet_takes_all_the_time_kept_to_settle():
+    """`make demo` beside two busy loops (2026-12-04): 75 s kept back to settle a pick left
+    bf16-mixed (1.89x) unchecked for want of 107 s; with no pass there was no pick to settle, and
+    tune ended at 193 s of 300 with strict fp32. A check with no pass yet may take all of it; other
+    work that may change the pick, the tie-break's part only."""
+    budget = Budget(300.0, reserve_s=10.0)
+    budget.end = budget.start + 300.0
+    held = Held(budget)
+    held.keep(75.0, 35.0)
+    left = budget.left()
+    assert not held.tiebreak_for(left + 60.0, budget)  # (the tie-break's 35 s do not pay 60 more)
+    assert held.seconds == 75.0 and held.tiebreak_s == 35.0
+    assert held.all_for(left + 60.0, budget)
+    assert held.seconds == 0.0 and held.tiebreak_s == 0.0 and budget.reserve_s == 10.0

@@ -405,6 +405,7 @@ class Search:
                 break  # too slow to be a finalist: it cannot win
             race_s = self.costs.race_to_win_s(top, best_pass)
             cost = self.costs.row_check_s(top) + race_s
+            (self.held.all_for if best_pass is None else self.held.tiebreak_for)(cost, self.budget)
             if not self.budget.can_pay(cost):
                 said = f"numerics of {numerics.label} not checked: the budget could not pay the about"
                 would = "its check and the race it would need" if race_s else "its check"
