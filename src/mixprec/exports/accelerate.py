@@ -56,27 +56,16 @@ class AccelerateTarget(PyTorchTarget):
     verified = "1.15"
 
     def stack_refusal(self, facts: Facts) -> Refusal | None:
-        if facts.mixed == torch.float16 and facts.device_type == "cpu":
-            return Refusal(
-                'Accelerate does not run fp16 autocast on a CPU: Accelerator(mixed_precision="fp16",'
-                " cpu=True)"
-                " trains in plain fp32, with no GradScaler and no warning",
-                "bf16-mixed with Accelerate, or the 'pytorch' or 'mixprec' export for fp16-mixed on a CPU",
-            )
-        if facts.scaler is not None and facts.optimizer == "fused":
-            return Refusal(
-                "Accelerate tells a skipped step by whether optimizer.step() ran, and GradScaler always runs"
-                " a fused optimizer's step (the kernel skips an overflowing update itself): the prepared"
-                " scheduler would step after every overflow, which the policy skips",
-                f"optimizer='foreach' with Accelerate, or the 'pytorch' or 'mixprec' export for {facts.name}"
-                " with the fused optimizer",
-            )
-        if facts.true == torch.float16:
-            return Refusal(
-                'Accelerate\'s mixed_precision="fp16" is autocast + GradScaler over fp32 weights and its'
-                " GradScaler refuses fp16 gradients; fp16-true needs fp16 weights with loss scaling",
-                "fp16-mixed with Accelerate, or the 'pytorch' or 'mixprec' export for fp16-true",
-            )
+        refused = accelerate_refusal(
+            facts,
+            stack="Accelerate",
+            fp16='mixed_precision="fp16"',
+            cpu_fp16="Accelerate does not run fp16 autocast on a CPU:"
+            ' Accelerator(mixed_precision="fp16", cpu=True)',
+            scheduler="the prepared scheduler",
+        )
+        if refused is not None:
+            return refused
         if facts.compiles_step and facts.scaler is not None:
             return step_scope_refusal(
                 facts,
@@ -306,3 +295,31 @@ class AccelerateTarget(PyTorchTarget):
             f"    with accelerator.accumulate(model):  # {k} micro-batches per optimizer step",
             *indent(body, 4),
         ]
+
+
+def accelerate_refusal(
+    facts: Facts, *, stack: str, fp16: str, cpu_fp16: str, scheduler: str
+) -> Refusal | None:
+    """Accelerate's rules, which a stack that builds its Accelerator from its own flags inherits (the
+    HF Trainer): ``stack`` names it in the text, ``fp16`` is its fp16 switch, ``cpu_fp16`` says what
+    turns that switch on on a CPU, ``scheduler`` the scheduler a skipped step must not step."""
+    if facts.mixed == torch.float16 and facts.device_type == "cpu":
+        return Refusal(
+            f"{cpu_fp16} trains in plain fp32, with no GradScaler and no warning",
+            f"bf16-mixed with {stack}, or the 'pytorch' or 'mixprec' export for fp16-mixed on a CPU",
+        )
+    if facts.true == torch.float16:
+        return Refusal(
+            f"{stack}'s {fp16} is autocast + GradScaler over fp32 weights and its GradScaler refuses fp16"
+            " gradients; fp16-true needs fp16 weights with loss scaling",
+            f"fp16-mixed with {stack}, or the 'pytorch' or 'mixprec' export for fp16-true",
+        )
+    if facts.scaler is not None and facts.optimizer == "fused":
+        return Refusal(
+            "Accelerate tells a skipped step by whether optimizer.step() ran, and GradScaler always runs a"
+            f" fused optimizer's step (the kernel skips an overflowing update itself): {scheduler} would"
+            " step after every overflow, which the policy skips",
+            f"optimizer='foreach' with {stack}, or the 'pytorch' or 'mixprec' export for {facts.name}"
+            " with the fused optimizer",
+        )
+    return None

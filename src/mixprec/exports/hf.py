@@ -25,8 +25,7 @@ Checked in transformers 5.23's source and run by the frameworks tier:
 
 from __future__ import annotations
 
-import torch
-
+from mixprec.exports.accelerate import accelerate_refusal
 from mixprec.exports.facts import Facts
 from mixprec.exports.loop import SCALER_ARGS
 from mixprec.exports.prepare import helper_names, precision_lines, prepare_lines
@@ -48,28 +47,16 @@ class HFTarget(PyTorchTarget):
     verified = "5.23"
 
     def stack_refusal(self, facts: Facts) -> Refusal | None:
-        if facts.mixed == torch.float16 and facts.device_type == "cpu":
-            return Refusal(
-                "the HF Trainer's fp16=True goes through Accelerate, which does not run fp16 autocast on a"
-                " CPU: TrainingArguments(fp16=True, use_cpu=True) trains in plain fp32, with no GradScaler"
-                " and no warning",
-                "bf16-mixed with the HF Trainer, or the 'pytorch' or 'mixprec' export for fp16-mixed on a"
-                " CPU",
-            )
-        if facts.true == torch.float16:
-            return Refusal(
-                "the HF Trainer's fp16=True is autocast + GradScaler over fp32 weights and its GradScaler"
-                " refuses fp16 gradients; fp16-true needs fp16 weights with loss scaling",
-                "fp16-mixed with the HF Trainer, or the 'pytorch' or 'mixprec' export for fp16-true",
-            )
-        if facts.scaler is not None and facts.optimizer == "fused":
-            return Refusal(
-                "the HF Trainer steps its scheduler unless Accelerate saw a skipped step, which it tells by"
-                " whether optimizer.step() ran, and GradScaler always runs a fused optimizer's step (the"
-                " kernel skips an overflowing update itself): the scheduler would step after every overflow",
-                "optimizer='foreach' with the HF Trainer, or the 'pytorch' or 'mixprec' export for"
-                f" {facts.name} with the fused optimizer",
-            )
+        refused = accelerate_refusal(
+            facts,
+            stack="the HF Trainer",
+            fp16="fp16=True",
+            cpu_fp16="the HF Trainer's fp16=True goes through Accelerate, which does not run fp16 autocast"
+            " on a CPU: TrainingArguments(fp16=True, use_cpu=True)",
+            scheduler="the Trainer's scheduler",
+        )
+        if refused is not None:
+            return refused
         changed = {k: v for k, v in facts.scaler_changes().items() if k in SCALER_ARGS}
         if changed:
             shown = ", ".join(f"{k}={py(v)}" for k, v in changed.items())

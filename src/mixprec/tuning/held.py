@@ -31,11 +31,11 @@ class Held:
     def tiebreak_for(self, cost_s: float, budget: Budget) -> bool:
         """Whether the tie-break's part was given back so that ``budget`` (this one, or a share of it
         taken before: take it again) pays work costing ``cost_s`` that may change the pick (a
-        compile, the race, a check): which candidate is picked comes before how closely its figure
-        is known. Kept, it left bench_vs_tune's run 20 on the EPYC no race of bf16-mixed against
-        bf16-mixed+cl (9.6% faster, within the noise of their sweep), and bf16-mixed was picked; and
-        a cached compile of bf16-mixed untried on a planted 30 s tune
-        (tests/tuning/test_compile_pricing.py)."""
+        compile, the race, a check, the optimizer's other implementations): which candidate is
+        picked comes before how closely its figure is known. Kept, it left bench_vs_tune's run 20 on
+        the EPYC no race of bf16-mixed against bf16-mixed+cl (9.6% faster, within the noise of their
+        sweep), and bf16-mixed was picked, its optimizer's implementations unmeasured; and a cached
+        compile of bf16-mixed untried on a planted 30 s tune (tests/tuning/test_compile_pricing.py)."""
         return self._give(self.tiebreak_s, cost_s, budget)
 
     def all_for(self, cost_s: float, budget: Budget) -> bool:

@@ -531,7 +531,9 @@ class Search:
         if rec.candidate.optimizer:
             return
         todo = self.framework.optimizer_variants(self.sweeps.workload, rec.candidate)
-        if todo and not self.budget.can_pay(self.costs.variants_s(rec.candidate, len(todo))):
+        cost_s = self.costs.variants_s(rec.candidate, len(todo))
+        # a faster implementation would be the pick: it takes the tie-break's time first
+        if todo and not (self.budget.can_pay(cost_s) or self.held.tiebreak_for(cost_s, self.budget)):
             self.notes.append(
                 f"the optimizer's implementations of {rec.label} not measured: budget spent "
                 "(--budget raises it)"
