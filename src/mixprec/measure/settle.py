@@ -70,11 +70,16 @@ def sessions_of(rounds: int, fewest: int = 1, least: int = 1) -> list[int]:
     return [each + 1] * more + [each] * (count - more)
 
 
+def sessions_so_far(row: BenchRow) -> int:
+    """The sessions ``row``'s rounds came from (a row never settled has one: its sweep's)."""
+    return len(row.sessions) or 1
+
+
 def next_sessions(row: BenchRow, rounds: int, least: int) -> list[int]:
     """``rounds`` more paired rounds of ``row`` as settling measures them (:func:`sessions_of`): at
     least as many sessions as make its figure's :data:`MIN_SESSIONS` with those it has, where each
     then has ``least`` rounds or more."""
-    return sessions_of(rounds, fewest=MIN_SESSIONS - (len(row.sessions) or 1), least=least)
+    return sessions_of(rounds, fewest=MIN_SESSIONS - sessions_so_far(row), least=least)
 
 
 def rounds_wanted(row: BenchRow, width: float, most: int) -> int:

@@ -148,7 +148,7 @@ class Costs:
             return 0.0, 0.0
         sessions = settling.next_sessions(row, rounds, least=steps)
         wanted = min(share, sum(self.settle_s(row, n) for n in sessions))
-        if len(sessions) + (len(row.sessions) or 1) >= settling.MIN_SESSIONS:
+        if len(sessions) + settling.sessions_so_far(row) >= settling.MIN_SESSIONS:
             return wanted, 0.0
         tiebreak = min(share - wanted, self.settle_s(row, steps))
         return wanted + tiebreak, tiebreak
