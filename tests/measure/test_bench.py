@@ -478,6 +478,54 @@ def test_a_deadline_ends_the_sweep_with_the_rows_measured_so_far(isolate):
 
 
 @pytest.mark.usefixtures("own_cache_dir")
+def test_a_resume_keeps_the_thread_count_its_rows_were_measured_at(tmp_path):
+    """With threads 'auto' a resume chose its count again, and that follows the machine's load of
+    the moment (2 threads quiet, 1 beside a busy process): the resume was then refused, "rows
+    measured under other settings: threads=2 (now 1)" (the flake of the test below, 4 runs in 25
+    beside two busy loops). Planted: rows at 2 threads, then a process whose torch runs 1 thread,
+    where 'auto' times nothing and takes torch's count."""
+    import torch
+
+    jsonl = tmp_path / "sweep.jsonl"
+    w = load_workload("mlp")
+    options = dict(policies="fp32,bf16-mixed", channels_last="off", steps=1, warmup=1, isolate=False)
+    first = bench(w, device="cpu", jsonl=jsonl, threads=2, **options)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        started = []
+        again = bench(
+            w, device="cpu", jsonl=jsonl, resume=True, events=lambda e: started.append(e["event"]), **options
+        )
+    finally:
+        torch.set_num_threads(before)
+    assert "candidate" not in started
+    assert [r.to_dict() for r in again.rows] == [r.to_dict() for r in first.rows]
+    assert again.settings["threads"] == 2
+    assert any(n.startswith("threads: 2, the count the resumed rows were measured at") for n in again.notes)
+
+
+@pytest.mark.usefixtures("own_cache_dir")
+def test_mfu_divides_by_the_peak_at_the_thread_count_the_rows_ran_at():
+    """MFU's denominators were measured (or read from the cache) at the calling process's torch
+    thread count, not the sweep's: rows measured at 2 threads from a 1-thread process divided by the
+    1-thread peak and read about twice the MFU (so did a resume of them, beside the original's)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = bench(
+            load_workload("mlp"), device="cpu", policies="fp32", steps=1, warmup=1, isolate=False, threads=2
+        )
+    finally:
+        torch.set_num_threads(before)
+    assert torch.get_num_threads() == before
+    (row,) = result.rows
+    assert "2 threads" in row.peak_flops_source, row.peak_flops_source
+
+
+@pytest.mark.usefixtures("own_cache_dir")
 def test_resuming_a_complete_sweep_measures_nothing(tmp_path):
     """Issue 26: each resume of a finished sweep re-measured strict fp32 and appended another fp32
     row to the stream (four of them after a torn tail and two resumes)."""

@@ -170,6 +170,19 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[BenchRow]:
     return scan(data).rows
 
 
+def resumed_threads(path: str | os.PathLike[str]) -> int | None:
+    """The intra-op thread count the last row of the stream at ``path`` was measured at (the count
+    in its header), or None: no stream, no rows, or no count recorded."""
+    try:
+        found = scan(Path(path).read_bytes())
+    except OSError:  # (a stream that cannot be read is the RowStore's to refuse, with its reason)
+        return None
+    if not found.rows or found.row_headers[-1] < 0:
+        return None
+    threads = found.headers[found.row_headers[-1]].get("threads")
+    return threads if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0 else None
+
+
 def _normalised(settings: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(settings))
 

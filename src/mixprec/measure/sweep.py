@@ -35,8 +35,9 @@ from mixprec.measure.paired import BaselineEnded, PairedSweep
 from mixprec.measure.recorder import RowRecorder
 from mixprec.measure.repeats import Repeats
 from mixprec.measure.results import NO_FLOPS_NOTE, SPARED, BenchResult, BenchRow, median_ci
+from mixprec.measure.rowstore import resumed_threads
 from mixprec.measure.settle import settle_rows
-from mixprec.measure.threads import pick_threads, threads_kept
+from mixprec.measure.threads import pick_threads, threads_kept, user_fixed
 from mixprec.policy import Candidate
 from mixprec.policy.registry import carrier
 from mixprec.status import Status
@@ -106,6 +107,15 @@ def bench(
     events({"event": "stage", "text": "checking the workload: one strict-fp32 step"})
     size = reference.micro_batch or config.batch_size or framework.default_batch_size(workload)
     framework.validate_workload(workload, device, size, budget=budget)  # a size the budget fits
+    resumed = resumed_threads(config.jsonl) if config.resume and config.jsonl else None
+    if resumed is not None and config.threads == "auto" and not user_fixed():
+        # A resume measures what its rows did: chosen again, the count followed the machine's load of
+        # the moment (2 threads quiet, 1 beside a busy process) and the resume was refused, "rows
+        # measured under other settings: threads=2 (now 1)".
+        config = replace(config, threads=resumed)
+        resume_notes = [f"threads: {resumed}, the count the resumed rows were measured at (not chosen again)"]
+    else:
+        resume_notes = []
     choice = pick_threads(framework, workload, config, device, size)
     if choice is not None:
         config = replace(config, threads=choice.threads)
@@ -119,6 +129,7 @@ def bench(
         settle_rows(result, again, config.settle, config.settle_rounds)
     if choice is not None and choice.step_s:
         result.notes += [choice.reason] + ([choice.contended] if choice.contended else [])
+    result.notes += resume_notes
     return result
 
 
@@ -199,6 +210,10 @@ def run_sweep(
     for cand in plan:  # a candidate with its own micro-batch must train the run's samples per step
         settings.for_candidate(cand)
     info = detect(device)
+    with threads_kept():  # MFU's denominators at the count the rows run at, not the caller's: a resume
+        if settings.threads:  # from a 1-thread process read a 2-thread sweep's MFU 2x
+            framework.use_threads(settings.threads)
+        peaks = framework.peaks(info, list(dict.fromkeys(c.spec.peak_key for c in plan)))
     repeats = Repeats()
     between_run_sd, between_run_basis = repeats.between_run_sd(info.name)
     result = BenchResult(
@@ -209,7 +224,7 @@ def run_sweep(
         settings=recorded_settings(framework, config, settings, isolate),
         env=framework.environment(device) | _launched(workload),
         notes=notes,
-        peaks=framework.peaks(info, list(dict.fromkeys(c.spec.peak_key for c in plan))),
+        peaks=peaks,
         between_run_sd=between_run_sd,
         between_run_basis=between_run_basis,
     )
