@@ -93,6 +93,9 @@ class BenchRow:
         sessions: how many of ``paired_ratios`` each session measured, in order, where a settled
             row pooled more than one (:mod:`mixprec.measure.settle`); empty: one session. How much
             each session weighs in the row's figure: :func:`session_speedup`.
+        earlier: the paired rounds of the sessions of this configuration this machine measured
+            before (its record, :mod:`mixprec.measure.record`), one tuple per session, which a
+            settled figure pools with its own (empty: none pooled).
         graph_breaks / graphs / recompiles: torch.compile candidates: graph breaks, graphs
             compiled, and graphs compiled after the first step.
         compute_share: share of one profiled step's operator time spent in matmuls, convolutions
@@ -131,6 +134,7 @@ class BenchRow:
     rank_peak_memory_bytes: tuple[int | None, ...] = ()
     paired_ratios: tuple[float, ...] = ()
     sessions: tuple[int, ...] = ()
+    earlier: tuple[tuple[float, ...], ...] = ()
     graph_breaks: int | None = None
     graphs: int | None = None
     recompiles: int | None = None
@@ -215,6 +219,7 @@ class BenchRow:
         }
         for key in _SEQUENCES:
             d[key] = list(d[key])
+        d["earlier"] = [list(session) for session in self.earlier]
         d["speedup_ci"] = list(self.speedup_ci) if self.speedup_ci else None
         d["repeat_ci"] = list(self.repeat_ci) if self.repeat_ci else None
         return d
@@ -230,6 +235,7 @@ class BenchRow:
         data["candidate"] = Candidate.from_dict(flat)
         for key in _SEQUENCES:
             data[key] = tuple(d.get(key) or ())
+        data["earlier"] = tuple(tuple(float(v) for v in session) for session in d.get("earlier") or ())
         for key in ("speedup_ci", "repeat_ci"):
             ci = d.get(key)
             data[key] = (float(ci[0]), float(ci[1])) if ci else None
@@ -280,20 +286,32 @@ def _sessions_of(values: Sequence[float], sessions: Sequence[int]) -> list[list[
     return [list(values[a:b]) for a, b in itertools.pairwise(starts)]
 
 
+def own_sessions(row: BenchRow) -> list[list[float]]:
+    """``row``'s paired ratios, split into the sessions that measured them."""
+    return _sessions_of(row.paired_ratios, row.sessions) if row.paired_ratios else []
+
+
 def session_speedup(
-    values: Sequence[float], sessions: Sequence[int] = (), *, level: float = 0.95
+    values: Sequence[float],
+    sessions: Sequence[int] = (),
+    *,
+    level: float = 0.95,
+    earlier: Sequence[Sequence[float]] = (),
 ) -> tuple[float, tuple[float, float] | None]:
     """The figure of paired ratios measured over ``sessions`` (rounds per session, in order; empty:
-    one session) and its interval. One session: the median of its rounds, with
-    :func:`median_ci`. More: each session's median, weighed as a random-effects meta-analysis
-    weighs studies (DerSimonian-Laird, in log space): by its precision (rounds over the spread of
-    rounds within sessions) plus the spread between sessions beyond what that precision explains.
+    one session) and its interval, pooled with the sessions of ``earlier`` (each its rounds: the
+    machine's record of the configuration, :mod:`mixprec.measure.record`) as with its own. One
+    session: the median of its rounds, with :func:`median_ci`. More: each session's median, weighed
+    as a random-effects meta-analysis weighs studies (DerSimonian-Laird, in log space): by its
+    precision (rounds over the spread of rounds within sessions) plus the spread between sessions
+    beyond what that precision explains.
     Sessions that agree weigh by their rounds, as one long session would; sessions that disagree
     weigh nearer the same, and the interval holds the disagreement. Why: on the 2-core AMX Xeon one
     process pair's 18 rounds sat ~25% below the sessions before and after it; pooled round by round,
     that longest session was tune's figure (issue 53). Three or more sessions that disagree beyond
     chance give their median instead, so one odd session is outvoted rather than averaged in."""
-    groups = _sessions_of(values, sessions)
+    groups = [list(e) for e in earlier if e] + _sessions_of(values, sessions)
+    values = [v for g in groups for v in g]
     if len(groups) == 1 or min(values) <= 0:
         return statistics.median(values), median_ci(values, level=level)
     logs = [[math.log(v) for v in g] for g in groups]
@@ -414,7 +432,7 @@ def assemble(
     for row in rows:
         derived: dict[str, Any] = {}
         if row.paired_ratios:
-            median, within = session_speedup(row.paired_ratios, row.sessions)
+            median, within = session_speedup(row.paired_ratios, row.sessions, earlier=row.earlier)
             unpaired = None
             same = _samples(row) == _samples(base) if base else False
             if row.status == Status.OK and base and base.throughput and row.throughput and same:

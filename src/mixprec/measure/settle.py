@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from mixprec.measure.results import BenchResult, BenchRow
+from mixprec.measure.results import BenchResult, BenchRow, session_speedup
 from mixprec.policy import Candidate
 from mixprec.status import Status
 
@@ -71,8 +71,14 @@ def sessions_of(rounds: int, fewest: int = 1, least: int = 1) -> list[int]:
 
 
 def sessions_so_far(row: BenchRow) -> int:
-    """The sessions ``row``'s rounds came from (a row never settled has one: its sweep's)."""
-    return len(row.sessions) or 1
+    """The sessions ``row``'s figure pools: those its rounds came from (a row never settled has one:
+    its sweep's) and the machine's earlier ones it pools (:mod:`mixprec.measure.record`)."""
+    return (len(row.sessions) or 1) + len(row.earlier)
+
+
+def rounds_so_far(row: BenchRow) -> int:
+    """The paired rounds ``row``'s figure pools: its own and its earlier sessions'."""
+    return len(row.paired_ratios) + sum(len(s) for s in row.earlier)
 
 
 def next_sessions(row: BenchRow, rounds: int, least: int) -> list[int]:
@@ -89,12 +95,12 @@ def rounds_wanted(row: BenchRow, width: float, most: int) -> int:
     that measured. One session's rounds share its processes' pace, so their interval cannot show
     the odd one: bench_vs_tune's run 18 on the EPYC settled bench's figure over one session of 10
     rounds at 1.85x [1.81-1.92], beside tune's 2.01x over two and plain PyTorch's 2.06x."""
-    reach, done = spread(row), len(row.paired_ratios)
+    reach, done = spread(row), rounds_so_far(row)
     if row.status != Status.OK or reach is None:
         return 0
     needed = math.ceil(round(done * (reach / width) ** 2, 6))  # (16.000000000000014 is 16 rounds)
     wanted = min(most, max(MIN_ROUNDS, needed)) - done
-    if len(row.sessions) < 2:  # (a second session of half the fewest: enough to see one 10% off)
+    if sessions_so_far(row) < 2:  # (a second session of half the fewest: enough to see one 10% off)
         wanted = max(wanted, min(most - done, MIN_ROUNDS // 2))
     return max(0, wanted)
 
@@ -111,6 +117,7 @@ def pooled(first: BenchRow, so_far: BenchRow, new: BenchRow) -> BenchRow:
         first_step_ms=first.first_step_ms,
         wall_s=(so_far.wall_s or 0.0) + (new.wall_s or 0.0),
         notes=first.notes,
+        earlier=first.earlier,  # (the record as the first session found it: the later ones are its own)
     )
 
 
@@ -120,10 +127,23 @@ def settled_note(first: BenchRow, row: BenchRow, sessions: int) -> str:
     said = f"{first.speedup_vs_fp32 or 0:.2f}x"
     if first.speedup_ci:
         said += f" [{first.speedup_ci[0]:.2f}-{first.speedup_ci[1]:.2f}]"
+    if first.earlier:  # (what its first session said alone, not pooled with the record)
+        alone, interval = session_speedup(first.paired_ratios, first.sessions)
+        said = f"{alone:.2f}x" + (f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else "")
     return (
-        f"settled over {len(row.paired_ratios)} paired rounds in {sessions} sessions (its interval now "
-        f"within {spread(row) or 0:.0%} either side; its first {len(first.paired_ratios)} said {said})"
+        f"settled over {len(row.paired_ratios)} paired rounds in {sessions} session"
+        f"{'s' if sessions > 1 else ''}{recorded(row)} (its interval now within {spread(row) or 0:.0%} "
+        f"either side; its first {len(first.paired_ratios)} said {said})"
     )
+
+
+def recorded(row: BenchRow) -> str:
+    """What a settled note says of the earlier sessions ``row``'s figure pools ('' for none)."""
+    if not row.earlier:
+        return ""
+    rounds = sum(len(s) for s in row.earlier)
+    plural = "s" if len(row.earlier) > 1 else ""
+    return f" and {len(row.earlier)} earlier session{plural} of it on this machine ({rounds} rounds)"
 
 
 def settle_rows(result: BenchResult, sweep: Sweep, width: float, most: int) -> None:
@@ -147,7 +167,11 @@ def settle_rows(result: BenchResult, sweep: Sweep, width: float, most: int) -> N
                 result.update(pooled(firsts[new.candidate], measured[new.candidate], new))
                 sessions[new.candidate] += 1
     for row in result.rows:
-        if row.candidate in firsts and not row.baseline_repeat and sessions[row.candidate] > 1:
+        if (
+            row.candidate in firsts
+            and not row.baseline_repeat
+            and (sessions[row.candidate] > 1 or row.earlier)
+        ):
             note = settled_note(firsts[row.candidate], row, sessions[row.candidate])
             measured_row = next(r for r in result.measured if r.key == row.key)
             result.update(replace(measured_row, notes=(*measured_row.notes, note)))

@@ -25,7 +25,7 @@ from mixprec.frameworks import Framework, framework_of
 from mixprec.frameworks.session import BenchSettings, distinct_batches
 from mixprec.hardware.device import DeviceInfo, detect
 from mixprec.hardware.peaks import cpu_peak
-from mixprec.measure import noise
+from mixprec.measure import noise, record
 from mixprec.measure.config import BenchConfig, parse_choice
 from mixprec.measure.data_parallel import measure_data_parallel
 from mixprec.measure.failure import exception_status
@@ -119,17 +119,21 @@ def bench(
     choice = pick_threads(framework, workload, config, device, size)
     if choice is not None:
         config = replace(config, threads=choice.threads)
-    result = run_sweep(workload, framework, config, device=device, events=events, budget=budget)
+    pool = bool(config.settle)  # (a settled figure pools the machine's record of it too)
+    result = run_sweep(workload, framework, config, device=device, events=events, budget=budget, pool=pool)
     if config.settle:  # every row's rounds pooled over more sessions until its interval is narrow
 
         def again(candidates: Sequence[Candidate], rounds: int) -> BenchResult:
             fresh = replace(config, candidates=tuple(candidates), steps=rounds, jsonl=None, resume=False)
-            return run_sweep(workload, framework, fresh, device=device, events=events, budget=budget)
+            return run_sweep(
+                workload, framework, fresh, device=device, events=events, budget=budget, pool=pool
+            )
 
         settle_rows(result, again, config.settle, config.settle_rounds)
     if choice is not None and choice.step_s:
         result.notes += [choice.reason] + ([choice.contended] if choice.contended else [])
-    result.notes += resume_notes
+    if resume_notes:
+        result.notes += resume_notes
     return result
 
 
@@ -153,6 +157,7 @@ def run_sweep(
     budget: Budget | None = None,
     finish_within: Callable[[BenchResult], Budget] | None = None,
     earlier: Sequence[BenchRow] = (),
+    pool: bool = False,
 ) -> BenchResult:
     """The sweep under :func:`bench`, for a workload already validated on ``device``: `tune` and
     `bench_batches` run one per stage or size with a ``replace`` of their config.
@@ -161,7 +166,9 @@ def run_sweep(
     rows so far, is the longer budget within which a candidate under way at that moment may still
     finish (tune's speed share: its rounds are lost otherwise); by default it is stopped there.
     ``earlier``: rows this run measured in sweeps before this one (a format this device only
-    emulates, found far slower there, spares its other candidates here as in one sweep)."""
+    emulates, found far slower there, spares its other candidates here as in one sweep). ``pool``:
+    each row's figure pools the machine's earlier sessions of its configuration (a settled figure:
+    :mod:`mixprec.measure.record`)."""
     if config.nproc > 1 and framework.data_parallel() is None:
         raise UsageError(f"nproc > 1 (data-parallel ranks) is not available for {framework.title}; drop it.")
     if config.accumulation_steps > 1 and not framework.accumulates:
@@ -264,6 +271,8 @@ def run_sweep(
             # (also when interrupted: the rows measured are runs; a resume reads them back)
             described = {**key, "description": result.description}
             _record_repeats(repeats, info.name, described, result, resumed=rows.resumed)
+            if record.poolable(framework.name, workload):
+                record.keep(info.name, key, result, resumed=rows.resumed, pool=pool)
     return result
 
 

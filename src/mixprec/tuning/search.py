@@ -179,6 +179,7 @@ class Sweeps:
             budget=budget,
             finish_within=finish_within,
             earlier=earlier,
+            pool=bool(self.config.settle),
         )
 
     def past_share(self, partial: BenchResult) -> Budget:

@@ -104,8 +104,10 @@ def settle(search: Search, rec: Recommendation | None) -> bool:
             search.notes.append(
                 f"{row.candidate.label}'s figure not settled (its interval reaches "
                 f"{settling.spread(row) or 0:.0%} either side over {len(row.paired_ratios)} paired "
-                f"rounds): {unpaid}"
+                f"rounds{settling.recorded(row)}): {unpaid}"
             )
+        elif row.earlier:  # settled by what this machine measured of it before: nothing more to pay
+            search.notes.append(f"{row.candidate.label} {settling.settled_note(first, row, sessions)}")
         return False
     note = settling.settled_note(first, row, sessions) + (f"; {unpaid}" if short else "")
     search.result.update(replace(measured, notes=(*first.notes, note)))
