@@ -21,6 +21,12 @@ and the spread between runs, `repeat_ci`; the run's own bootstrap interval alone
 repeat measurement outside the other's interval is a bug in one of them (issue 36). Run it on a
 quiet machine; the load average before each run is printed with it.
 
+Both mixprec figures are settled figures, so each pools the sessions this machine measured of the
+pick's configuration before (``mixprec.measure.record``): bench's pools tune's sessions of the same
+run, and the next run's tune pools this run's. Their agreement with each other is then partly the
+record's; the plain figures, measured outside mixprec, are the independent check. Each figure is
+printed with its own sessions' figure alone and how many earlier sessions it pooled.
+
     python benchmarks/bench_vs_tune.py --model resnet50 [--budget 300] [--json out.json]
 """
 
@@ -36,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from mixprec.measure.results import session_speedup
 from mixprec.tuning.config import TuneConfig
 from shared_process import WORKER as SHARED_PROCESS
 
@@ -96,9 +103,24 @@ def _row(path: Path, label: str) -> dict:
 
 
 def _figures(row: dict, load: float) -> dict:
-    """A row's speedup, its reported interval (where a repeat lands) and its within-run one."""
+    """A row's speedup, its reported interval (where a repeat lands) and its within-run one; how many
+    sessions it pooled, its own and the machine's earlier ones (mixprec.measure.record), and what its
+    own sessions say alone."""
     ci = row.get("repeat_ci") or row.get("speedup_ci")
-    return {"speedup": row["speedup_vs_fp32"], "ci": ci, "within": row.get("speedup_ci"), "load": load}
+    own = (
+        session_speedup(row["paired_ratios"], row.get("sessions") or ())[0]
+        if row.get("paired_ratios")
+        else None
+    )
+    return {
+        "speedup": row["speedup_vs_fp32"],
+        "ci": ci,
+        "within": row.get("speedup_ci"),
+        "load": load,
+        "own_sessions": len(row.get("sessions") or ()) or 1,
+        "earlier_sessions": len(row.get("earlier") or ()),
+        "own_speedup": own,
+    }
 
 
 def _plain(per_process: list[float], load: float) -> dict:
@@ -186,7 +208,15 @@ def main() -> None:
         each = (
             f" (processes: {', '.join(f'{x:.2f}x' for x in r['per_process'])})" if "per_process" in r else ""
         )
-        print(f"{name:>5}: {label} {r['speedup']:.2f}x{ci}{each} (load average {r['load']:.1f} before)")
+        pooled = (
+            f" ({r['own_sessions']} sessions of its own, {r['own_speedup']:.2f}x alone, "
+            f"and {r['earlier_sessions']} earlier)"
+            if r.get("earlier_sessions")
+            else ""
+        )
+        print(
+            f"{name:>5}: {label} {r['speedup']:.2f}x{ci}{each}{pooled} (load average {r['load']:.1f} before)"
+        )
     figures = [out[name]["speedup"] for name in ("tune", "bench", "alone")]
     spread = max(figures) / min(figures)
     verdict = "<=" if spread <= 1.1 else ">"
