@@ -125,14 +125,20 @@ def test_earlier_sessions_count_towards_settling():
     assert rounds_wanted(recorded, width=0.05, most=40) == 0 and sessions_so_far(recorded) == 3
 
 
-def test_a_record_the_rows_own_sessions_disagree_with_is_not_pooled():
-    """Changed code or a changed machine under the same configuration: the command's own figure."""
-    earlier = ((2.0, 2.1, 1.9, 2.0, 2.05), (2.05, 2.0, 2.1, 1.95, 2.0))
+def test_a_record_the_rows_own_figure_lies_far_outside_is_not_pooled_and_an_odd_process_is():
+    """Something changed under the same configuration (an environment variable, an allocator): the
+    command's own figure. An odd process 10-15% off the record is what pooling is for."""
+    earlier = ((2.0, 2.01, 1.99, 2.0), (2.02, 2.0, 2.03, 2.01), (1.98, 2.0, 1.99, 1.97))
     assert agreeing((1.95, 2.0, 2.1, 2.05), (), earlier) == earlier
+    assert agreeing((1.72, 1.75, 1.73, 1.74), (), earlier) == earlier  # 13% slow: an odd process
     assert agreeing((1.2, 1.25, 1.22, 1.18), (), earlier) == ()
+    assert agreeing((2.9, 3.0, 3.1, 3.0), (), earlier) == ()
     assert record.disagreed(earlier).startswith(
-        "not pooled with this machine's 2 earlier sessions of it (2.0"
+        "not pooled with this machine's 3 earlier sessions of it (2.0"
     )
+    # a record whose sessions spread widely reaches further
+    wide = ((1.5, 1.5), (2.0, 2.0), (2.6, 2.6))
+    assert agreeing((1.2, 1.2), (), wide) == wide
 
 
 # ---------------------------------------------------------------------- through bench

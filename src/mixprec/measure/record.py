@@ -19,8 +19,9 @@ What keeps a record from answering for something else:
 - only workloads built from a name and sizes are recorded (:func:`poolable`): a model or a script of
   the user's own can change under the same name;
 - a session older than :data:`MAX_AGE_S` is not pooled (the machine under it may have changed);
-- a record the command's own sessions disagree with beyond chance is not pooled at all
-  (:func:`agreeing`): the code or the machine changed, and the command's figure is its own.
+- a record the command's own figure lies far outside of (beyond the spread of one session's figure,
+  an odd process included) is not pooled at all (:func:`agreeing`): something changed under the
+  same configuration, and the command's figure is its own.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -47,6 +49,13 @@ KEPT = 16
 POOLED = 8
 # A session older than this is not pooled.
 MAX_AGE_S = 24 * 3600.0
+# How far a run's own figure may lie from the record's sessions, in standard deviations of one
+# session's figure about them, before the record is taken to be of something else: about 0.3% of an
+# unchanged configuration's runs lie further (normal), and a change of about 25% is seen.
+DISAGREE_Z = 3.0
+# The spread (sd of log speedup) of one session's figure that the record's own is not taken below:
+# on the EPYC a fresh process's pace alone moved one pair's figure 6.5% (``fresh_processes/``).
+SESSION_SD = 0.065
 # How long a configuration was sampled: not what its figure is a figure of.
 SAMPLING = ("steps", "warmup", "min_time_s", "prune_factor")
 _VERSION = 1
@@ -72,17 +81,19 @@ def poolable(framework_name: str, workload: Any) -> bool:
 
 
 def agreeing(own: Sequence[float], sessions: Sequence[int], earlier: Sessions) -> Sessions:
-    """``earlier`` where the row's own rounds (``own``, in ``sessions``) agree with it: their figures'
-    95% intervals overlap. Else none: a command whose sessions disagree with the record beyond chance
-    measured something else under the same configuration (changed code, a changed machine)."""
-    if not earlier or len(own) < 2:
+    """``earlier`` where the row's own rounds (``own``, in ``sessions``) agree with it, else none: a
+    run whose figure lies further from the record's sessions than :data:`DISAGREE_Z` times a
+    session's spread about them (that spread as the record's sessions show it, never below
+    :data:`SESSION_SD`) measured something else under the same configuration (an environment
+    variable, an allocator, a changed machine). An odd process is not that: it is what pooling is
+    for, and a session's spread includes it."""
+    if not earlier or not own:
         return earlier
-    _, interval = session_speedup(own, sessions)
-    values = [v for s in earlier for v in s]
-    _, reach = session_speedup(values, [len(s) for s in earlier])
-    if interval is None or reach is None:
-        return earlier
-    return earlier if interval[0] <= reach[1] and reach[0] <= interval[1] else ()
+    medians = [math.log(statistics.median(s)) for s in earlier]
+    centre = statistics.fmean(medians)
+    spread = max(statistics.stdev(medians) if len(medians) > 1 else 0.0, SESSION_SD)
+    figure = math.log(session_speedup(own, sessions)[0])
+    return earlier if abs(figure - centre) <= DISAGREE_Z * spread * math.sqrt(1 + 1 / len(medians)) else ()
 
 
 def disagreed(earlier: Sessions) -> str:
@@ -91,8 +102,8 @@ def disagreed(earlier: Sessions) -> str:
     figure, _ = session_speedup(values, [len(s) for s in earlier])
     return (
         f"not pooled with this machine's {len(earlier)} earlier session{'s' if len(earlier) > 1 else ''} "
-        f"of it ({figure:.2f}x): this run's rounds disagree with them beyond chance (changed code or a "
-        "changed machine under the same configuration)"
+        f"of it ({figure:.2f}x): this run's figure lies beyond their spread (something changed under "
+        "the same configuration: an environment variable, an allocator, the machine)"
     )
 
 
@@ -133,7 +144,7 @@ class Record:
     def add(self, device: str, key: str, rounds: Sequence[float], at: float | None = None) -> None:
         """Keep one session's paired rounds of configuration ``key`` on ``device``; :meth:`save`
         writes what was added."""
-        if not rounds or not all(math.isfinite(v) and v > 0 for v in rounds):
+        if not rounds or not all(_positive(v) for v in rounds):
             return
         entries = self.devices.setdefault(device, {}).setdefault(key, [])
         entries.append({"rounds": [float(v) for v in rounds], "at": time.time() if at is None else at})
@@ -156,10 +167,7 @@ def _entry(entry: object) -> bool:
     return (
         isinstance(rounds, list)
         and bool(rounds)
-        and all(
-            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-            for v in rounds
-        )
+        and all(_positive(v) for v in rounds)
         and isinstance(at, int | float)
         and math.isfinite(at)
     )
