@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -182,3 +183,18 @@ def test_a_resumed_row_is_not_recorded_twice(own_cache_dir, tmp_path):
     bench(w, device="cpu", jsonl=jsonl, resume=True, **OPTIONS)
     entries = Record(own_cache_dir / "record.json").devices
     assert sum(len(v) for configs in entries.values() for v in configs.values()) == 1
+
+
+def test_tune_ranks_a_pooled_figure_by_how_well_it_is_known_with_its_earlier_sessions():
+    """The noise band two candidates must clear (mixprec.tuning.speedups) is the pooled figure's, not
+    its own four rounds': a figure the record settles is not set aside as too noisy to rank."""
+    from mixprec.measure.results import assemble
+    from mixprec.tuning.speedups import log_speed_se, uncertainty
+
+    base = BenchRow("mlp", Candidate("fp32"), "cpu", 8, "ok", step_times_ms=(10.0,) * 4)
+    own = BenchRow("mlp", Candidate("bf16-mixed"), "cpu", 8, "ok", paired_ratios=(1.6, 2.4, 1.9, 2.1))
+    earlier = ((2.0, 1.9, 2.1, 2.0, 1.95, 2.05),) * 4
+    alone = assemble([base, own], None, {})[1]
+    pooled = assemble([base, replace(own, earlier=earlier)], None, {})[1]
+    assert log_speed_se(pooled) < log_speed_se(alone) / 2
+    assert uncertainty(alone) > 0.1 > uncertainty(pooled)

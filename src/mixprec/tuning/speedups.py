@@ -22,13 +22,16 @@ def speed(row: BenchRow) -> float:
 
 
 def log_speed_se(row: BenchRow) -> float:
-    """Standard error of log(speedup). Paired rows: their log paired ratios' spread over sqrt(rounds),
-    settled rows at least their interval's (it spans their sessions). Unpaired rows (data-parallel,
+    """Standard error of log(speedup). Paired rows: their log paired ratios' spread over sqrt(rounds)
+    (with the earlier sessions' their figure pools), settled rows at least their interval's (it spans
+    their sessions). Unpaired rows (data-parallel,
     schema-1 files): from the step times' IQR (~1.35 sigma; se(median) ~ 0.93 * IQR / median / sqrt(n))."""
-    ratios = [r for r in row.paired_ratios if r > 0]
+    pooled = (*row.paired_ratios, *(r for session in row.earlier for r in session))  # (its record's too)
+    ratios = [r for r in pooled if r > 0]
     if len(ratios) >= 2:
         se = statistics.stdev(math.log(r) for r in ratios) / math.sqrt(len(ratios))
-        if len(row.sessions) < 2 or not row.speedup_ci or min(row.speedup_ci) <= 0:
+        one_session = len(row.sessions) < 2 and not row.earlier
+        if one_session or not row.speedup_ci or min(row.speedup_ci) <= 0:
             return se
         return max(se, math.log(row.speedup_ci[1] / row.speedup_ci[0]) / (2 * Z))
     st = row.step_time_ms
