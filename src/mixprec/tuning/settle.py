@@ -36,7 +36,15 @@ def reserve(search: Search) -> float:
     fastest = fastest_row(search.result.rows)
     if fastest is None:
         return 0.0
-    search.held.keep(*search.costs.settling_s(fastest, SETTLE_SHARE * search.budget.seconds))
+    share = SETTLE_SHARE * search.budget.seconds
+    search.held.keep(*search.costs.settling_s(fastest, share))
+
+    def now() -> tuple[float, float]:  # (the pick as it stands: the decision's, else the fastest row)
+        rec = search.decide()[0]
+        row = search.row(rec.candidate) if rec is not None else fastest_row(search.result.rows)
+        return search.costs.settling_s(row, share) if row is not None else (0.0, 0.0)
+
+    search.held.price = now
     return search.held.seconds
 
 
