@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from mixprec.measure.race import Race
 from mixprec.measure.results import BenchRow
+from mixprec.measure.settle import sessions_so_far
 
 Speed = Callable[[BenchRow], float]
 
@@ -30,8 +31,7 @@ def log_speed_se(row: BenchRow) -> float:
     ratios = [r for r in pooled if r > 0]
     if len(ratios) >= 2:
         se = statistics.stdev(math.log(r) for r in ratios) / math.sqrt(len(ratios))
-        one_session = len(row.sessions) < 2 and not row.earlier
-        if one_session or not row.speedup_ci or min(row.speedup_ci) <= 0:
+        if sessions_so_far(row) < 2 or not row.speedup_ci or min(row.speedup_ci) <= 0:
             return se
         return max(se, math.log(row.speedup_ci[1] / row.speedup_ci[0]) / (2 * Z))
     st = row.step_time_ms
