@@ -25,7 +25,9 @@ class Budget:
         seconds: the whole budget; ``math.inf`` for none.
         reserve_s: kept back at the end: :meth:`left` and :meth:`expired` stop that much early.
         start: when the clock started.
-        stop: polled by :meth:`expired` too: True stops the work as if the time were up (a signal).
+        stop: polled by :meth:`expired` too: True stops the work as if the time were up.
+        interrupt: polled as ``stop`` is, for a signal: it stops the work the same way, and what
+            it cut is said to be the interrupt's, not the budget's (:meth:`ended_by`).
         cuts: what running out of time prevented, in order (shared by every share of this budget).
         end: when this budget (or share) ends; by default ``start + seconds``.
         fp32_only: the cuts that kept back fp32 work alone (its compiles): they cannot have kept a
@@ -36,6 +38,7 @@ class Budget:
     reserve_s: float = 0.0
     start: float = field(default_factory=lambda: clock.now())
     stop: Callable[[], bool] | None = None
+    interrupt: Callable[[], bool] | None = None
     cuts: list[str] = field(default_factory=list)
     end: float | None = None
     fp32_only: set[str] = field(default_factory=set)
@@ -66,8 +69,24 @@ class Budget:
         return self.deadline - clock.now()
 
     def expired(self) -> bool:
-        """The deadline has passed, or ``stop`` asks to stop."""
-        return self.left() <= 0 or bool(self.stop and self.stop())
+        """The deadline has passed, or ``stop`` or ``interrupt`` asks to stop."""
+        return self.left() <= 0 or self.asked_to_stop()
+
+    def asked_to_stop(self) -> bool:
+        """``stop`` or ``interrupt`` asks the work to stop, whatever time is left."""
+        return bool(self.stop and self.stop()) or self.interrupted()
+
+    def interrupted(self) -> bool:
+        """``interrupt`` asks the work to stop: a signal arrived."""
+        return bool(self.interrupt and self.interrupt())
+
+    def ended_by(self) -> str:
+        """What stops the work, as a note names it: "an interrupt", else "the deadline"."""
+        return "an interrupt" if self.interrupted() else "the deadline"
+
+    def unpaid(self) -> str:
+        """Why work this budget did not pay for was left, as a note says it."""
+        return "tune was interrupted" if self.interrupted() else "budget spent (--budget raises it)"
 
     def can_pay(self, cost_s: float) -> bool:
         """Whether work that costs about ``cost_s`` seconds fits in what is left."""

@@ -436,20 +436,24 @@ def test_an_interrupted_tune_writes_what_it_measured(tmp_path):
         cwd=tmp_path,
         env=env,
         start_new_session=True,
+        stdout=subprocess.PIPE,  # (the summary, a few kB: never enough to fill the pipe)
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert process.stderr is not None
+    assert process.stderr is not None and process.stdout is not None
     lines = []
     for line in process.stderr:  # (the progress lines: one a finished row)
         lines.append(line)
         if line.startswith("fp32: ok"):
             break
     os.killpg(process.pid, signal.SIGINT)  # a Ctrl-C at the terminal
-    rest = process.stderr.read()
+    rest = process.stderr.read() + process.stdout.read()
     assert process.wait(timeout=300) == 130, "".join(lines) + rest
-    rows = json.loads((tmp_path / "out.json").read_text())["bench"]["rows"]
-    assert any(r["label"] == "fp32" and r["status"] == "ok" for r in rows)
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert any(r["label"] == "fp32" and r["status"] == "ok" for r in data["bench"]["rows"])
+    # said as an interrupt, not as a budget that ran out (it had 590 s left)
+    assert data["interrupted"].startswith("stopped after ") and data["budget_exhausted"] is None
+    assert "budget ran out" not in rest and "raise --budget" not in rest, rest
 
 
 def test_dataloader_workers_are_not_the_script(tmp_path, monkeypatch):

@@ -352,7 +352,11 @@ def test_autotune_returns_and_caches_the_whole_pick_and_applies_it(tmp_path, mon
     def fake_tune(workload, **kw):
         calls.append(kw)
         return types.SimpleNamespace(
-            recommendation=rec, workload="mlp", created="2026-11-27T00:00:00Z", budget_exhausted=None
+            recommendation=rec,
+            workload="mlp",
+            created="2026-11-27T00:00:00Z",
+            budget_exhausted=None,
+            interrupted=None,
         )
 
     monkeypatch.setattr(tune_mod, "tune", fake_tune)
@@ -384,7 +388,11 @@ def test_autotune_tunes_again_when_a_tune_option_differs(tmp_path, monkeypatch):
         calls.append(kw)
         rec = Recommendation(Candidate("bf16-mixed"), 1.8, None, None, {}, "fastest passing")
         return types.SimpleNamespace(
-            recommendation=rec, workload="mlp", created="2026-11-27T00:00:00Z", budget_exhausted=None
+            recommendation=rec,
+            workload="mlp",
+            created="2026-11-27T00:00:00Z",
+            budget_exhausted=None,
+            interrupted=None,
         )
 
     monkeypatch.setattr(tune_mod, "tune", fake_tune)
@@ -560,13 +568,22 @@ def test_autotune_does_not_cache_a_pick_the_budget_cut_short(tmp_path, monkeypat
 
     def fake_tune(workload, **kw):
         rec = Recommendation(Candidate("fp32"), 1.0, None, None, {}, "strict fp32 by default")
-        exhausted = cut.pop() if cut else None
+        exhausted = cut.pop() if cut and not interrupted else None
         return types.SimpleNamespace(
-            recommendation=rec, workload="mlp", created="2026-11-27T00:00:00Z", budget_exhausted=exhausted
+            recommendation=rec,
+            workload="mlp",
+            created="2026-11-27T00:00:00Z",
+            budget_exhausted=exhausted,
+            interrupted=interrupted.pop() if interrupted else None,
         )
 
     monkeypatch.setattr(tune_mod, "tune", fake_tune)
     w, cache = mixprec.load_workload("mlp"), tmp_path / "autotune.json"
+    # a tune a Ctrl-C stopped (the CLI's interrupt) is today's answer too
+    interrupted = ["stopped after 10 s of its 30 s budget: the speed sweep stopped by an interrupt"]
+    stopped = autotune(w, device="cpu", cache_path=cache, budget_s=30)
+    assert "not cached: stopped after 10 s" in stopped.reason
+    assert not cache.exists() or not json.loads(cache.read_text()).get("entries")
     first = autotune(w, device="cpu", cache_path=cache, budget_s=30)
     assert first.candidate == Candidate("fp32") and "not cached: the speed sweep stopped" in first.reason
     assert not cache.exists() or not json.loads(cache.read_text()).get("entries")

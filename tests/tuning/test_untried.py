@@ -87,6 +87,41 @@ def test_the_console_ends_with_what_was_not_measured_and_exits_with_the_budget_c
     assert {c["label"]: c["status"] for c in data["candidates"]}["bf16-mixed"] == "not-measured"
 
 
+def test_an_interrupted_tune_says_it_was_interrupted_not_that_the_budget_ran_out(tmp_path):
+    """A Ctrl-C 10 s into a 600 s tune, once strict fp32 was measured, printed "budget exhausted: the
+    600 s budget ran out ... raise --budget", "about --budget 660 would try them", rows "stopped by
+    the deadline", and "its check would take about 0 s, more than the 577 s left"; the result was a
+    budget exit's. Interrupted, it says so, names no budget, and is never cached as the answer."""
+    rows: list[dict] = []
+
+    def events(event):
+        if event["event"] == "row":
+            rows.append(event)
+
+    planted = Planted({"fp32": 0.20, "bf16-mixed": 0.10, "bf16-true": 0.09})
+    options = dict(budget_s=60, steps=4, warmup=1, check_steps=2, compile_modes=())
+    result = mixprec.tune(planted, events=events, interrupt=lambda: len(rows) >= 1, **options)
+    rec = result.recommendation
+    assert rec is not None and rec.candidate.policy == "fp32"
+    assert result.budget_exhausted is None
+    assert result.interrupted and result.interrupted.startswith("stopped after ")
+    assert "of its 60 s budget: the speed sweep stopped by an interrupt" in result.interrupted
+    status = {r.label: (r.status, r.reason) for r in result.ranked}
+    assert status["bf16-mixed"][0] == Status.NOT_MEASURED and "by an interrupt" in status["bf16-mixed"][1]
+    assert rec.budget_to_try_s is None and rec.untried and "tune was interrupted first" in rec.untried
+    _, banner = report_view.verdict_line(result)
+    assert "tune was interrupted before any lower-precision candidate" in banner
+    said = " ".join([banner, *result.notes, rec.reason, *(r.reason for r in result.ranked)])
+    for wrong in ("--budget 6", "budget ended", "by the deadline", "budget ran out", "about 0 s"):
+        assert wrong not in said, (wrong, said)
+    again = mixprec.TuneResult.from_dict(json.loads(json.dumps(result.to_dict())))
+    assert again.interrupted == result.interrupted and again.budget_exhausted is None
+    # the same cut made by the clock (``stop``: as if the time were up) is the budget's
+    rows.clear()
+    cut = mixprec.tune(planted, events=events, stop=lambda: len(rows) >= 1, **options)
+    assert cut.interrupted is None and cut.budget_exhausted and "budget" in cut.budget_exhausted
+
+
 def test_a_noisy_passing_row_is_re_measured_when_the_budget_allows():
     """bf16-true's steps jitter +-60%: too noisy to rank from its first 4 rounds; it is measured
     again with twice the rounds, and the row says so."""

@@ -165,7 +165,7 @@ def run(args: argparse.Namespace, out: Console, err: Console) -> int:
         graceful(lambda text: err.print(f"mixprec: {text}")) as interrupt,
         CandidateProgress(err, "tuning", verbose=args.verbose, budget_s=args.budget) as shown,
     ):
-        result = tune(workload, config, events=shown.event, stop=interrupt.stop)
+        result = tune(workload, config, events=shown.event, interrupt=interrupt.stop)
     result.command = "mixprec " + shlex.join(args.argv)
     out.print(summary(result))
     if args.json:

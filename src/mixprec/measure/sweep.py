@@ -50,10 +50,11 @@ from mixprec.status import Status
 EMULATED_SIBLING_GAIN = 1.5
 
 
-def stopped_measuring(candidate: Candidate) -> str:
-    """Why a sweep ended where the deadline stopped ``candidate``'s own session (tune keeps what a
-    compile cut off there had taken: ``BenchResult.stopped`` is compared with this)."""
-    return f"stopped by the deadline while measuring {candidate.label}"
+def stopped_measuring(candidate: Candidate, by: str = "the deadline") -> str:
+    """Why a sweep ended where the deadline (or ``by``: an interrupt) stopped ``candidate``'s own
+    session (tune keeps what a compile cut off there had taken: ``BenchResult.stopped`` is compared
+    with this)."""
+    return f"stopped by {by} while measuring {candidate.label}"
 
 
 def _format(cand: Candidate) -> str | None:
@@ -547,7 +548,7 @@ class Sweep:
         share, and the late sweep measured it again from its start (issue 53)."""
         if not self.budget.expired():
             return False
-        if self.finish_within is None or (self.budget.stop is not None and self.budget.stop()):
+        if self.finish_within is None or self.budget.asked_to_stop():
             return True  # (asked to stop, as by a signal: nothing is finished past that)
         if self._finish is None:
             self._finish = self.finish_within(self.result)
@@ -590,7 +591,7 @@ class Sweep:
             rows.record(sweep.start_baseline(count_flops=result.flops_per_step is None), 0)
         except SessionEnded as ended:
             if ended.status == "stopped":
-                result.stopped = "stopped by the deadline before strict fp32 was measured"
+                result.stopped = f"stopped by {self.budget.ended_by()} before strict fp32 was measured"
                 return
             row = self.row(
                 baseline,
@@ -618,7 +619,7 @@ class Sweep:
             if cand == baseline:
                 continue
             if self.budget.expired():
-                result.stopped = f"stopped by the deadline before {cand.label}"
+                result.stopped = f"stopped by {self.budget.ended_by()} before {cand.label}"
                 break
             refused = self.refused(cand) or self._as_hopeless_as(cand, emulated)
             if refused is None and quickest is not None and not self.budget.can_pay(quickest):
@@ -639,7 +640,7 @@ class Sweep:
                 result.stopped = result.baseline_ended = f"{ended.reason} while measuring {cand.label}"
                 break
             except SessionEnded:  # told to stop while measuring it
-                result.stopped = stopped_measuring(cand)
+                result.stopped = stopped_measuring(cand, self.budget.ended_by())
                 break
             hopeless = refused is None and self._emulated_and_slow(cand, row)
             if refused is None and row.status == Status.OK and row.wall_s:
@@ -676,7 +677,7 @@ class Sweep:
                 result.stopped = result.baseline_ended = why
                 break
             except SessionEnded:
-                result.stopped = f"stopped by the deadline while retrying {first.candidate.label}"
+                result.stopped = f"stopped by {self.budget.ended_by()} while retrying {first.candidate.label}"
                 break
             rows.record(retried(first, again), i)
             self._say_if_finished_late(again)
@@ -690,7 +691,7 @@ class Sweep:
         assert run is not None, "bench() refuses nproc > 1 for a framework without data parallelism"
         for i, cand in self.resumed_or_todo(rows):
             if self.budget.expired():
-                result.stopped = f"stopped by the deadline before {cand.label}"
+                result.stopped = f"stopped by {self.budget.ended_by()} before {cand.label}"
                 break
             self.events({"event": "candidate", "label": cand.label, "index": i, "count": count})
             support = self.framework.support(cand, self.info, self.workload)

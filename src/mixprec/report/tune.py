@@ -107,6 +107,9 @@ def summary(result: TuneResult) -> Group:
         parts.append(Text(f"{rec.label}: {rec.numerics_unverified}", style="yellow"))
     if result.budget_exhausted:
         parts.append(Text(budget_exhausted(result).args[0], style="red"))
+    if result.interrupted:
+        said = f"interrupted: {result.interrupted}; the pick is from what ran before it"
+        parts.append(Text(said, style="red"))
     parts += [Text(f"  lint {f.rule}: {f.message} -> {f.fix}") for f in pick.worth_fixing]
     # the backend's own export comes first: mixprec's get_policy for torch, Keras code for Keras; a
     # script's: the `mixprec run` line that runs the pick with no edit, then the change in its terms

@@ -174,9 +174,10 @@ def verdict_line(result: TuneResult) -> tuple[str, str]:
     if rec.candidate.policy == "fp32" and not rec.candidate.keep_fp32:
         if result.fp32_by_default:
             budget = fmt_seconds(result.budget_s) if result.budget_s else "the"
+            ended = "tune was interrupted" if result.interrupted else f"the {budget} budget ended"
             return "warn", _join(
-                f"Strict fp32 by default, not by measurement: the {budget} budget ended before any "
-                "lower-precision candidate was measured.",
+                f"Strict fp32 by default, not by measurement: {ended} before any lower-precision "
+                "candidate was measured.",
                 tried,
             )
         return "warn", _join(
@@ -213,7 +214,10 @@ def untried_clauses(result: TuneResult, names: Callable[[list[str]], str] = ", "
     if missing:
         more = result.recommendation.budget_to_try_s if result.recommendation is not None else None
         tail = f"; about --budget {more:g} would try them" if more else "; a larger --budget would try them"
-        clauses.append(f"Not measured, the budget ended first: {names(missing)}{tail}")
+        if result.interrupted:
+            clauses.append(f"Not measured, tune was interrupted first: {names(missing)}")
+        else:
+            clauses.append(f"Not measured, the budget ended first: {names(missing)}{tail}")
     if predicted:
         clauses.append(f"Predicted only, speed not measurable on this device: {names(predicted)}")
     if noisy:

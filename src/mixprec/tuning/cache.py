@@ -146,8 +146,8 @@ def autotune(
     candidate = rec.candidate if rec else Candidate("fp32")
     policy = get_policy(candidate, device=dev)
     reason = rec.reason if rec else "nothing passed: fp32"
-    if result.budget_exhausted:  # a pick the budget cut short is today's answer, not the decision
-        return Tuned(candidate, policy, f"{reason} (not cached: {result.budget_exhausted})")
+    if cut := result.budget_exhausted or result.interrupted:  # today's answer, not the decision
+        return Tuned(candidate, policy, f"{reason} (not cached: {cut})")
     cache[key] = {
         "candidate": candidate.to_dict(),
         "label": candidate.label,

@@ -18,6 +18,8 @@ from mixprec.tuning.decide import Untried
 # An emulation this many times slower than strict fp32 is named when it keeps a prediction from
 # running (a slower one than the format's hardware would be is expected; one this far off is news).
 SAID_SLOWDOWN = 4.0
+# Why a prediction did not run, where no price is to blame.
+SPENT, INTERRUPTED = "budget spent", "tune was interrupted"
 
 
 class Checks:
@@ -88,9 +90,11 @@ class Checks:
         for i, cand in enumerate(predicted):
             if not affordable(cand):
                 why = self._unpaid(cand)
-                notes.append(f"{cand.label} numerics not predicted: {why} (--budget raises it)")
+                stopped = why == INTERRUPTED
+                raise_it = "" if stopped else " (--budget raises it)"
+                notes.append(f"{cand.label} numerics not predicted: {why}{raise_it}")
                 for left in predicted[i:]:
-                    first = "the budget ended first" if left != cand or why == "budget spent" else why
+                    first = why if stopped or (left == cand and why != SPENT) else "the budget ended first"
                     rows[left] = Untried(
                         left,
                         Status.PREDICTED,
@@ -126,12 +130,17 @@ class Checks:
         return rows, notes
 
     def _unpaid(self, candidate: Candidate) -> str:
-        """Why the budget cannot pay ``candidate``'s prediction: spent, or its emulation's price."""
-        slow = self.costs.slowdowns.get(candidate, 1.0)
-        if slow < SAID_SLOWDOWN:
-            return "budget spent"
+        """Why the budget cannot pay ``candidate``'s prediction: an interrupt, spent, or its
+        emulation's price where that is more than what is left (a Ctrl-C once read "its check would
+        take about 0 s, more than the 577 s left")."""
+        budget = self.setting.budget
+        if budget.interrupted():
+            return INTERRUPTED
+        slow, price = self.costs.slowdowns.get(candidate, 1.0), self.costs.prediction_check_s(candidate)
+        if slow < SAID_SLOWDOWN or price <= budget.left():
+            return SPENT
+        left = max(budget.left(), 0.0)
         return (
             f"its emulation here runs {slow:,.0f}x strict fp32's time (one Linear layer timed both ways), "
-            f"so its check would take about {self.costs.prediction_check_s(candidate):,.0f} s, more than "
-            f"the {max(self.setting.budget.left(), 0.0):,.0f} s left"
+            f"so its check would take about {price:,.0f} s, more than the {left:,.0f} s left"
         )

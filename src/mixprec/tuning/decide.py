@@ -306,6 +306,7 @@ def decide(
     untried: Sequence[Untried] = (),
     not_checked: Mapping[Candidate, str] | None = None,
     budget_s: float | None = None,
+    interrupted: bool = False,
 ) -> tuple[Recommendation | None, list[Ranked]]:
     """The fastest resolved candidate whose numerics passed; ties within noise go to the safer one.
 
@@ -333,8 +334,9 @@ def decide(
 
     ``untried``: candidates planned but not measured (the budget ended first) or only predicted,
     each a row of the table; with ``budget_s`` (the run's budget) the recommendation names the
-    budget that would try them. ``not_checked``: why a measured candidate's numerics were not
-    checked (keyed by its numerics), where the budget ended first.
+    budget that would try them; ``interrupted``: a signal ended the run first (no budget is named
+    then). ``not_checked``: why a measured candidate's numerics were not checked (keyed by its
+    numerics), where the budget ended first.
     """
     measured = [r for r in rows if not r.baseline_repeat]
     fp32 = baseline_row(measured)
@@ -368,7 +370,7 @@ def decide(
     )
     too_noisy = _too_noisy(rivals, chosen, judge)
     remeasure = [chosen, *rivals] if judge.noisy(chosen) else rivals  # a noisy pick: its figure too
-    untried_text, budget_to_try = _untried(untried, measured, budget_s)
+    untried_text, budget_to_try = _untried(untried, measured, budget_s, interrupted)
     noisy = {r.candidate for r in passing if r is not chosen and judge.noisy(r)}
     table = [
         Ranked(r.candidate, Status.RECOMMENDED, r.reason, r.verdict, r.row)
@@ -398,6 +400,7 @@ def decide(
         race,
         above=above,
         untried=untried_text,
+        interrupted=interrupted,
     )
     rec = Recommendation(
         candidate=chosen.candidate,
@@ -485,10 +488,11 @@ def _noisy_reason(row: BenchRow, rival: bool) -> str:
 
 
 def _untried(
-    untried: Sequence[Untried], measured: Sequence[BenchRow], budget_s: float | None
+    untried: Sequence[Untried], measured: Sequence[BenchRow], budget_s: float | None, interrupted: bool
 ) -> tuple[str | None, float | None]:
-    """What the budget left unmeasured, in one sentence, and the budget that would try it: the
-    run's budget plus what the untried candidates would cost, from what the measured ones cost."""
+    """What the budget (or an interrupt) left unmeasured, in one sentence, and the budget that would
+    try it: the run's budget plus what the untried candidates would cost, from what the measured
+    ones cost (none after an interrupt: a larger budget is not what they lacked)."""
     missing = [u for u in untried if u.status == Status.NOT_MEASURED]
     if not missing:
         return None, None
@@ -496,12 +500,13 @@ def _untried(
     families = list(dict.fromkeys(u.candidate.policy for u in missing if u.candidate.policy not in ran))
     labels = [u.candidate.label for u in missing]
     named = ", ".join(labels[:NAMED]) + (f" and {len(labels) - NAMED} more" if len(labels) > NAMED else "")
-    text = f"not measured because the budget ended first: {named}"
+    ended = "tune was interrupted" if interrupted else "the budget ended"
+    text = f"not measured because {ended} first: {named}"
     if families:
         text += f" (nothing in {', '.join(families)} ran)"
     costs = [u.cost_s for u in missing if u.cost_s]
     budget = None
-    if costs and budget_s:
+    if costs and budget_s and not interrupted:
         budget = float(10 * math.ceil((budget_s + sum(costs)) / 10))
         text += f"; about --budget {budget:g} would try them"
     return text, budget
@@ -662,6 +667,7 @@ def _reason(
     *,
     above: str | None = None,
     untried: str | None = None,
+    interrupted: bool = False,
 ) -> str:
     parts = [f"{r.label} rejected: {r.reason}" for r in table if r.status in REJECTED]
     pruned = [r for r in table if r.status == Status.PRUNED]
@@ -680,8 +686,9 @@ def _reason(
                 f"after {chosen.compile_s:.0f} s of compilation"
             )
     if chosen.policy == "fp32" and untried and fp32_by_default(table):
+        ended = "tune was interrupted" if interrupted else "the budget ended"
         parts.append(
-            "no lower-precision candidate was measured before the budget ended: strict fp32 by default, "
+            f"no lower-precision candidate was measured before {ended}: strict fp32 by default, "
             "not by measurement"
         )
     elif chosen.policy == "fp32":

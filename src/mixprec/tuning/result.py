@@ -33,7 +33,10 @@ class TuneResult:
         notes: what the search skipped or adjusted, and why.
         command: the command line that produced it, when run from the CLI.
         budget_exhausted: when the budget cut candidates short and so the pick is strict fp32 or
-            nothing, what it cut (the CLI exits 5); None when the pick stands on its own.
+            nothing, what it cut (the CLI exits 5); None when the pick stands on its own, or when
+            tune was interrupted.
+        interrupted: when a signal stopped tune before its budget ended, after how long and what it
+            cut (the pick is from what was measured before it; never cached); None otherwise.
         phases: where the time went, seconds per stage in order: "speed" (the eager sweep and
             its late part), "numerics" (checks and rescues), "compile" (compiled candidates and
             their checks), "race" (the finalists measured against each other), "prediction" (fp8
@@ -60,6 +63,7 @@ class TuneResult:
     export_refusals: dict[str, str] = field(default_factory=dict)
     command: str | None = None
     budget_exhausted: str | None = None
+    interrupted: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
     batches: dict[str, Any] | None = None
 
@@ -82,6 +86,7 @@ class TuneResult:
             "elapsed_s": self.elapsed_s,
             "notes": self.notes,
             "budget_exhausted": self.budget_exhausted,
+            "interrupted": self.interrupted,
             "phases": self.phases,
             "bench": self.bench.to_dict(),
             "check": self.check.to_dict() if self.check else None,
@@ -131,6 +136,7 @@ class TuneResult:
             export_refusals=dict(data.get("export_refusals") or {}),
             command=data.get("command"),
             budget_exhausted=data.get("budget_exhausted"),
+            interrupted=data.get("interrupted"),
             phases={str(k): float(v) for k, v in (data.get("phases") or {}).items()},
             batches=data.get("batches"),
         )

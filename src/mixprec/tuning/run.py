@@ -35,6 +35,7 @@ def tune(
     *,
     events: Events | None = None,
     stop: Any = None,
+    interrupt: Any = None,
     **fields: Any,
 ) -> TuneResult:
     """Find the fastest configuration that trains like fp32 on ``workload`` within the budget.
@@ -45,6 +46,9 @@ def tune(
     described there. ``events``: the event stream (:mod:`mixprec.events`): 'stage' lines, the
     sweeps' 'candidate', 'step', 'row' and 'output' events, and the checks' 'verdict' events.
     ``stop``: polled with the clock; True stops the search as if the budget were spent.
+    ``interrupt``: polled as ``stop`` is, for a signal (the CLI's Ctrl-C): it stops the search the
+    same way, and the result says it was interrupted (:attr:`TuneResult.interrupted`), not that the
+    budget ran out.
 
     The workload is validated first, by one strict-fp32 step in this process.
     """
@@ -55,7 +59,7 @@ def tune(
     modes = list(framework.compile_modes[:1] if config.compile_modes is None else config.compile_modes)
     for mode in modes:  # validated before anything runs
         framework.validate(Candidate("fp32", compile=mode, framework=framework.name))
-    budget = Budget(config.budget_s, reserve_s=RESERVE_S, stop=stop)
+    budget = Budget(config.budget_s, reserve_s=RESERVE_S, stop=stop, interrupt=interrupt)
     events = events or ignore
     dev = framework.resolve_device(config.device)
     info = detect(dev)
@@ -94,7 +98,9 @@ def tune(
             rec, ranked = settling.settle_pick(search, rec, ranked)
     result = search.result
     # (before the pick is completed: linting it cuts nothing from the search)
+    interrupted = interrupted_reason(budget)  # (then the budget did not run out: a signal stopped it)
     exhausted = exhausted_reason(config.budget_s, budget.cuts, rec, budget.cut_a_lower_precision)
+    exhausted = None if interrupted else exhausted
     findings: list[dict[str, Any]] | None = None
     exports: dict[str, str] = {}
     refusals: dict[str, str] = {}
@@ -110,6 +116,7 @@ def tune(
         )
     return TuneResult(
         budget_exhausted=exhausted,
+        interrupted=interrupted,
         workload=result.workload,
         description=workload.description,
         device=dev,
@@ -158,6 +165,14 @@ def _batch_plan(
         events=events,
         budget=budget,
     )
+
+
+def interrupted_reason(budget: Budget) -> str | None:
+    """After how long a signal stopped tune, and what it cut; None when nothing did."""
+    if not budget.interrupted():
+        return None
+    cut = f": {'; '.join(budget.cuts)}" if budget.cuts else ""
+    return f"stopped after {budget.elapsed():.0f} s of its {budget.seconds:g} s budget{cut}"
 
 
 def exhausted_reason(

@@ -322,6 +322,7 @@ class Search:
             untried=list(self.untried.values()),
             not_checked=self.checks.not_checked,
             budget_s=config.budget_s,
+            interrupted=self.budget.interrupted(),
         )
 
     def add(self, rows: Sequence[BenchRow]) -> list[BenchRow]:
@@ -495,8 +496,10 @@ class Search:
             if self.held.tiebreak_for(cost_s, budget):
                 budget = self.budget.share(1 - RACE_SHARE)
             if not budget.can_pay(cost_s):
-                skipped[candidate] = f"{candidate.label} (the budget could not pay; {predicted})"
-                why = f"not compiled: the budget could not pay for its compile and check ({predicted})"
+                stop = budget.interrupted()
+                unpaid = "tune was interrupted" if stop else "the budget could not pay"
+                skipped[candidate] = f"{candidate.label} ({unpaid}; {predicted})"
+                why = f"not compiled: {unpaid}{'' if stop else ' for its compile and check'} ({predicted})"
                 self.not_measured([candidate], why, costs.measure_compiled_s(compile_s))
                 continue
             self.sweeps.stage(f"compiling {candidate.label}: {predicted}")
@@ -505,7 +508,7 @@ class Search:
             if row is None:
                 # Only its own session's time, and only where the budget stopped it: the sweep
                 # opened strict fp32 first, and a sweep stopped before it began compiled nothing.
-                if swept.stopped == stopped_measuring(candidate):
+                if swept.stopped == stopped_measuring(candidate, budget.ended_by()):
                     costs.cut_off(candidate, clock.now() - self.sweeps.started[candidate.label])
                 skipped[candidate] = f"{candidate.label} (stopped by the budget while compiling)"
                 why = f"not measured: the budget ended while it compiled ({predicted})"
@@ -535,10 +538,8 @@ class Search:
         cost_s = self.costs.variants_s(rec.candidate, len(todo))
         # a faster implementation would be the pick: it takes the tie-break's time first
         if todo and not (self.budget.can_pay(cost_s) or self.held.tiebreak_for(cost_s, self.budget)):
-            self.notes.append(
-                f"the optimizer's implementations of {rec.label} not measured: budget spent "
-                "(--budget raises it)"
-            )
+            said = f"the optimizer's implementations of {rec.label} not measured: {self.budget.unpaid()}"
+            self.notes.append(said)
             return
         if todo:
             self.sweeps.stage(
@@ -556,7 +557,7 @@ class Search:
         current, noise = rec.candidate, self.sweeps.config.noise
         while (smaller := self.batches.smaller(current)) is not None:
             if not self.budget.can_pay(self.costs.opening_s() + self.costs.sweep_s()):
-                self.notes.append(f"{smaller.label} not measured: budget spent (--budget raises it)")
+                self.notes.append(f"{smaller.label} not measured: {self.budget.unpaid()}")
                 return
             self.sweeps.stage(f"measuring the pick one micro-batch down: {smaller.label}")
             rows = self.add(self.sweeps.sweep([smaller], self.budget).measured)
@@ -621,7 +622,7 @@ class Search:
                 # run 9 picked bf16-mixed (1.58x), bf16-mixed+cl 1.91x +-33% left not re-measured
                 self.held.release()
             if not self.budget.can_pay(self.costs.remeasure_s(cand)):
-                self.notes.append(f"{cand.label} not re-measured: budget spent (--budget raises it)")
+                self.notes.append(f"{cand.label} not re-measured: {self.budget.unpaid()}")
                 left = rec.remeasure[i:]  # (this one and every one after it: a lower precision among them?)
                 said = f"{', '.join(c.label for c in left)}, too noisy to rank, not re-measured"
                 self.budget.cut(said, fp32_only=all(c.policy == "fp32" for c in left))
