@@ -523,7 +523,8 @@ class Search:
             if candidate.numerics not in verdicts and budget.can_pay(costs.row_check_s(row)):
                 self.checks.check(candidate.numerics, micro_batch=candidate.micro_batch)
         if skipped:
-            self.notes.append(f"not compiled: {'; '.join(skipped.values())} (--budget raises the budget)")
+            raise_it = "" if self.budget.interrupted() else " (--budget raises the budget)"
+            self.notes.append(f"not compiled: {'; '.join(skipped.values())}{raise_it}")
             cut = [c for c, why in skipped.items() if "budget" in why]
             if cut:  # (fp32's compiles alone cannot have kept a lower precision from the pick)
                 fp32_only = all(c.policy == "fp32" for c in cut)
