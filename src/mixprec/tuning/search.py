@@ -447,7 +447,7 @@ class Search:
         measured = self.sweeps.sweep(rescued, self.budget).measured
         added = self.add([r for r in measured if r.candidate.keep_fp32 or r.candidate.keep_bf16])
         if not added:
-            self.notes.append(f"rescued {base.label} not measured: budget spent")
+            self.notes.append(f"rescued {base.label} not measured: {self.budget.unpaid()}")
             self.budget.cut(f"rescued {base.label} was not measured")
             return
         # The rescued candidate is judged as every candidate is (over the run: ranges, trends,
