@@ -123,6 +123,29 @@ def test_an_interrupted_tune_says_it_was_interrupted_not_that_the_budget_ran_out
     assert cut.interrupted is None and cut.budget_exhausted and "budget" in cut.budget_exhausted
 
 
+def test_a_tune_interrupted_before_strict_fp32_was_measured_says_so():
+    """(Planted sessions always finish strict fp32: the result such a Ctrl-C leaves, made from one.)"""
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from mixprec.report.tune import summary
+
+    planted = Planted({"fp32": 0.20, "bf16-mixed": 0.10})
+    result = mixprec.tune(
+        planted, budget_s=60, steps=4, warmup=1, check_steps=2, compile_modes=(), interrupt=lambda: True
+    )
+    assert result.budget_exhausted is None and result.interrupted
+    stopped = "stopped by an interrupt before strict fp32 was measured"
+    bench = replace(result.bench, measured=[], stopped=stopped)
+    result = replace(result, recommendation=None, ranked=[], bench=bench)
+    console = Console(record=True, width=200)
+    console.print(summary(result))
+    text = console.export_text()
+    assert "interrupted: stopped after" in text and "nothing was measured or checked" in text
+    assert "budget exhausted" not in text and "--budget" not in text, text
+
+
 def test_a_noisy_passing_row_is_re_measured_when_the_budget_allows():
     """bf16-true's steps jitter +-60%: too noisy to rank from its first 4 rounds; it is measured
     again with twice the rounds, and the row says so."""

@@ -156,11 +156,14 @@ def budget_exhausted(result: TuneResult) -> BudgetExhausted:
 
 def no_recommendation(result: TuneResult) -> MixprecError:
     """Why a tune result holds no recommendation, as the error the CLI exits with: the budget ran
-    out first (exit 5), every candidate failed to run (exit 2), or no candidate passed (exit 4)."""
+    out first (exit 5), every candidate failed to run (exit 2), or no candidate passed (exit 4);
+    interrupted first, that (the CLI exits 130 for the signal itself)."""
     rows = [r for r in result.bench.rows if not r.baseline_repeat]
     failed = [r for r in rows if r.status in (Status.ERROR, Status.OOM)]
     if result.budget_exhausted:
         return budget_exhausted(result)
+    if result.interrupted and not any(r.status == Status.OK for r in rows):
+        return MixprecError(f"interrupted: {result.interrupted}, so nothing was measured or checked")
     if not any(r.status == Status.OK for r in rows) and result.bench.stopped:
         return BudgetExhausted(
             f"budget exhausted: the {result.budget_s:g} s budget ran out before strict fp32 was "
