@@ -357,9 +357,8 @@ def test_a_noisy_row_can_only_cost_a_re_measure_not_the_answer(drawn, data, nois
     # the answer the resolved rows gave changes only where the noisy row is measured faster than
     # the fastest of them (the answer itself, or a faster one it was preferred to within their
     # noise: a safer policy): its interval lies wholly above, or its figure clears their combined
-    # noise; or where it is measured faster than the answer, which then lies below a passing
-    # candidate and cannot stay the pick (the property above): the pick moves to the fastest
-    # resolved row, never to the noisy one
+    # noise; or where it is measured faster than the answer (the same two ways), which then cannot
+    # stay the pick (the property above): the pick moves to a resolved row, never to the noisy one
     resolved = [
         r for r in _passing(table, checks) if r.policy == "fp32" or expected_uncertainty(r) <= NOISE_CAP
     ]
@@ -368,7 +367,10 @@ def test_a_noisy_row_can_only_cost_a_re_measure_not_the_answer(drawn, data, nois
     assert (
         after.candidate == before.candidate
         or noisy_above_fastest
-        or (lies_above(noisy, old, noise) and after.candidate in {r.candidate for r in resolved})
+        or (
+            (lies_above(noisy, old, noise) or beyond_noise(noisy, old, noise))
+            and after.candidate in {r.candidate for r in resolved}
+        )
     ), (after.label, before.label, fastest.label)
     passes = {**passed(cand), **checks}[cand.numerics].verdict == "pass"
     if passes and beyond_noise(noisy, fastest, noise):

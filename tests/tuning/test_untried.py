@@ -123,6 +123,33 @@ def test_an_interrupted_tune_says_it_was_interrupted_not_that_the_budget_ran_out
     assert cut.interrupted is None and cut.budget_exhausted and "budget" in cut.budget_exhausted
 
 
+@pytest.mark.parametrize("rows_before", [2, 3, 4])
+def test_an_interrupt_after_a_lower_precision_ran_blames_no_budget(rows_before):
+    """(The review's case: interrupted once bf16-mixed was measured, its check was "not checked:
+    the budget could not pay ... (--budget raises it)".)"""
+    rows: list[dict] = []
+
+    def events(event):
+        if event["event"] == "row":
+            rows.append(event)
+
+    planted = Planted({"fp32": 0.20, "bf16-mixed": 0.10, "bf16-true": 0.09})
+    result = mixprec.tune(
+        planted,
+        budget_s=60,
+        steps=4,
+        warmup=1,
+        check_steps=2,
+        compile_modes=(),
+        events=events,
+        interrupt=lambda: len(rows) >= rows_before,
+    )
+    assert result.interrupted and result.budget_exhausted is None
+    said = " ".join([*result.notes, *(r.reason for r in result.ranked)])
+    for wrong in ("budget ended", "by the deadline", "budget spent"):
+        assert wrong not in said, (wrong, said)
+
+
 def test_a_tune_interrupted_before_strict_fp32_was_measured_says_so():
     """(Planted sessions always finish strict fp32: the result such a Ctrl-C leaves, made from one.)"""
     from dataclasses import replace

@@ -54,8 +54,9 @@ def autotune_key(
         torch.__version__,
         __version__,
     ]
-    # tune's keywords and a config alike, as the settings they make (events and stop decide nothing)
-    fields = {k: v for k, v in (options or {}).items() if k not in ("config", "events", "stop")}
+    # tune's keywords and a config alike, as the settings they make (events, stop and interrupt
+    # decide nothing)
+    fields = {k: v for k, v in (options or {}).items() if k not in ("config", "events", "stop", "interrupt")}
     settings = ((options or {}).get("config") or TuneConfig()).with_fields(**fields).to_dict()
     default = TuneConfig().to_dict()
     if changed := {k: v for k, v in settings.items() if v != default[k]}:

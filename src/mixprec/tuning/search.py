@@ -414,10 +414,11 @@ class Search:
                 if not any(n.startswith(said) for n in self.notes):  # (said once, however often asked)
                     self.notes.append(f"{said} {cost:.0f} s {would} would take (--budget raises it)")
                     self.budget.cut(f"the numerics of {numerics.label} were not checked")
+                ended = "tune was interrupted" if self.budget.interrupted() else "the budget ended"
                 for left in dict.fromkeys(r.candidate.numerics for r in faster):
                     if left not in verdicts:
                         self.checks.not_checked[left] = (
-                            f"numerics not checked: the budget ended first (about "
+                            f"numerics not checked: {ended} first (about "
                             f"{self.costs.row_check_s(fastest(left)):.0f} s more would check it)"
                         )
                 break
