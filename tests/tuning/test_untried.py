@@ -23,9 +23,9 @@ from .scripted import Planted, planted_clock, planted_framework  # noqa: F401 (f
 pytestmark = pytest.mark.usefixtures("planted_clock", "planted_framework")
 
 
-def _cut_after_strict_fp32():
-    """A tune whose budget ends once the sweep has measured strict fp32 (the default `make demo`'s
-    fate on a slow machine: fp32 measured, nothing in lower precision)."""
+def _tune_cut(rows_before: int, how: str = "stop"):
+    """A planted tune cut once its sweep has measured ``rows_before`` rows: by ``stop`` (as if the
+    budget had ended) or by ``interrupt`` (a Ctrl-C)."""
     rows: list[dict] = []
 
     def events(event):
@@ -40,8 +40,14 @@ def _cut_after_strict_fp32():
         check_steps=2,
         compile_modes=(),
         events=events,
-        stop=lambda: len(rows) >= 1,
+        **{how: lambda: len(rows) >= rows_before},
     )
+
+
+def _cut_after_strict_fp32():
+    """A tune whose budget ends once the sweep has measured strict fp32 (the default `make demo`'s
+    fate on a slow machine: fp32 measured, nothing in lower precision)."""
+    return _tune_cut(1)
 
 
 def test_a_tune_cut_before_any_lower_precision_candidate_ran_says_so_everywhere():
@@ -92,15 +98,7 @@ def test_an_interrupted_tune_says_it_was_interrupted_not_that_the_budget_ran_out
     600 s budget ran out ... raise --budget", "about --budget 660 would try them", rows "stopped by
     the deadline", and "its check would take about 0 s, more than the 577 s left"; the result was a
     budget exit's. Interrupted, it says so, names no budget, and is never cached as the answer."""
-    rows: list[dict] = []
-
-    def events(event):
-        if event["event"] == "row":
-            rows.append(event)
-
-    planted = Planted({"fp32": 0.20, "bf16-mixed": 0.10, "bf16-true": 0.09})
-    options = dict(budget_s=60, steps=4, warmup=1, check_steps=2, compile_modes=())
-    result = mixprec.tune(planted, events=events, interrupt=lambda: len(rows) >= 1, **options)
+    result = _tune_cut(1, "interrupt")
     rec = result.recommendation
     assert rec is not None and rec.candidate.policy == "fp32"
     assert result.budget_exhausted is None
@@ -118,8 +116,7 @@ def test_an_interrupted_tune_says_it_was_interrupted_not_that_the_budget_ran_out
     again = mixprec.TuneResult.from_dict(json.loads(json.dumps(result.to_dict())))
     assert again.interrupted == result.interrupted and again.budget_exhausted is None
     # the same cut made by the clock (``stop``: as if the time were up) is the budget's
-    rows.clear()
-    cut = mixprec.tune(planted, events=events, stop=lambda: len(rows) >= 1, **options)
+    cut = _tune_cut(1, "stop")
     assert cut.interrupted is None and cut.budget_exhausted and "budget" in cut.budget_exhausted
 
 
@@ -127,23 +124,7 @@ def test_an_interrupted_tune_says_it_was_interrupted_not_that_the_budget_ran_out
 def test_an_interrupt_after_a_lower_precision_ran_blames_no_budget(rows_before):
     """(The review's case: interrupted once bf16-mixed was measured, its check was "not checked:
     the budget could not pay ... (--budget raises it)".)"""
-    rows: list[dict] = []
-
-    def events(event):
-        if event["event"] == "row":
-            rows.append(event)
-
-    planted = Planted({"fp32": 0.20, "bf16-mixed": 0.10, "bf16-true": 0.09})
-    result = mixprec.tune(
-        planted,
-        budget_s=60,
-        steps=4,
-        warmup=1,
-        check_steps=2,
-        compile_modes=(),
-        events=events,
-        interrupt=lambda: len(rows) >= rows_before,
-    )
+    result = _tune_cut(rows_before, "interrupt")
     assert result.interrupted and result.budget_exhausted is None
     said = " ".join([*result.notes, *(r.reason for r in result.ranked)])
     for wrong in ("budget ended", "by the deadline", "budget spent"):

@@ -50,10 +50,10 @@ from mixprec.status import Status
 EMULATED_SIBLING_GAIN = 1.5
 
 
-def stopped_measuring(candidate: Candidate, by: str = "the deadline") -> str:
-    """Why a sweep ended where the deadline (or ``by``: an interrupt) stopped ``candidate``'s own
-    session (tune keeps what a compile cut off there had taken: ``BenchResult.stopped`` is compared
-    with this)."""
+def stopped_measuring(candidate: Candidate, by: str) -> str:
+    """Why a sweep ended where ``by`` (the deadline or an interrupt: ``Budget.ended_by``) stopped
+    ``candidate``'s own session (tune keeps what a compile cut off there had taken:
+    ``BenchResult.stopped`` is compared with this)."""
     return f"stopped by {by} while measuring {candidate.label}"
 
 
