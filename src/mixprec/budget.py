@@ -88,6 +88,10 @@ class Budget:
         """Why work this budget did not pay for was left, as a note says it."""
         return "tune was interrupted" if self.interrupted() else "budget spent (--budget raises it)"
 
+    def why_ended(self, spent: str = "time budget spent") -> str:
+        """Why work stopped early, as a note says it: "interrupted", else ``spent`` (the budget's words)."""
+        return "interrupted" if self.interrupted() else spent
+
     def can_pay(self, cost_s: float) -> bool:
         """Whether work that costs about ``cost_s`` seconds fits in what is left."""
         return not self.expired() and self.left() >= cost_s

@@ -93,7 +93,7 @@ def test_a_compile_the_budget_cut_off_prices_it_at_least_that_until_one_finishes
     CompileCosts().record_cut(KEY, 40.0)  # a shorter cut says less
     price = CompileCosts().price(KEY)
     assert price is not None and price.seconds == pytest.approx(74.0), price
-    assert "cut off by the budget after 74 s" in price.basis
+    assert "cut off after 74 s" in price.basis
     assert CompileCosts().cold_s(KEY) == pytest.approx(74.0)
     _artefacts(cache)
     CompileCosts().record(KEY, 21.0)  # then one finished, from what the cut ones left

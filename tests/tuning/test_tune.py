@@ -334,6 +334,10 @@ def test_autotune_caches_its_decision(tmp_path, monkeypatch):
     autotune(mixprec.load_workload("mlp", hidden=128), **opts)  # another model: tuned again
     assert len(calls) == 2
     assert len(json.loads(cache.read_text())["entries"]) == 2
+    # a Ctrl-C reaches the tune: its answer is today's, returned and never cached
+    cut = autotune(mixprec.load_workload("mlp", hidden=64), interrupt=lambda: True, **opts)
+    assert len(calls) == 3 and "(not cached: stopped after" in cut.reason and "interrupt" in cut.reason
+    assert len(json.loads(cache.read_text())["entries"]) == 2
 
 
 def test_autotune_returns_and_caches_the_whole_pick_and_applies_it(tmp_path, monkeypatch):

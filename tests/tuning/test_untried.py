@@ -23,22 +23,25 @@ from .scripted import Planted, planted_clock, planted_framework  # noqa: F401 (f
 pytestmark = pytest.mark.usefixtures("planted_clock", "planted_framework")
 
 
-def _tune_cut(rows_before: int, how: str = "stop"):
+def _tune_cut(rows_before: int, how: str = "stop", compiled: bool = False):
     """A planted tune cut once its sweep has measured ``rows_before`` rows: by ``stop`` (as if the
-    budget had ended) or by ``interrupt`` (a Ctrl-C)."""
+    budget had ended) or by ``interrupt`` (a Ctrl-C); ``compiled``: with compiled candidates too."""
     rows: list[dict] = []
 
     def events(event):
         if event["event"] == "row":
             rows.append(event)
 
+    seconds = {"fp32": 0.20, "bf16-mixed": 0.10, "bf16-true": 0.09}
+    if compiled:
+        seconds.update({f"{label}+compile": step * 0.8 for label, step in seconds.items()})
     return mixprec.tune(
-        Planted({"fp32": 0.20, "bf16-mixed": 0.10, "bf16-true": 0.09}),
-        budget_s=60,
+        Planted(seconds, compile_s=2.0),
+        budget_s=120 if compiled else 60,
         steps=4,
         warmup=1,
         check_steps=2,
-        compile_modes=(),
+        **({} if compiled else {"compile_modes": ()}),
         events=events,
         **{how: lambda: len(rows) >= rows_before},
     )
@@ -120,15 +123,24 @@ def test_an_interrupted_tune_says_it_was_interrupted_not_that_the_budget_ran_out
     assert cut.interrupted is None and cut.budget_exhausted and "budget" in cut.budget_exhausted
 
 
-@pytest.mark.parametrize("rows_before", [2, 3, 4])
-def test_an_interrupt_after_a_lower_precision_ran_blames_no_budget(rows_before):
-    """(The review's case: interrupted once bf16-mixed was measured, its check was "not checked:
-    the budget could not pay ... (--budget raises it)".)"""
-    result = _tune_cut(rows_before, "interrupt")
+@pytest.mark.parametrize(
+    ("rows_before", "compiled"), [(2, False), (3, False), (4, False), (2, True), (5, True), (8, True)]
+)
+def test_an_interrupt_after_a_lower_precision_ran_blames_no_budget(rows_before, compiled):
+    """(The review's cases, each said after a Ctrl-C: once bf16-mixed was measured, "numerics of
+    bf16-mixed not checked: the budget could not pay ... (--budget raises it)"; while a candidate
+    compiled, "stopped by the budget while compiling", "the budget ended while it compiled"; in the
+    race, "the budget could not pay for more rounds".)"""
+    result = _tune_cut(rows_before, "interrupt", compiled)
     assert result.interrupted and result.budget_exhausted is None
     said = " ".join([*result.notes, *(r.reason for r in result.ranked)])
-    for wrong in ("budget ended", "by the deadline", "budget spent"):
+    wrongs = ("budget ended", "by the deadline", "budget spent", "could not pay", "--budget", "by the budget")
+    for wrong in wrongs:
         assert wrong not in said, (wrong, said)
+    statuses = {r.label: r.status for r in result.ranked}
+    if Status.NOT_MEASURED in {s for label, s in statuses.items() if label.endswith("+compile")}:
+        # a compile the interrupt kept from being measured is a cut, as the budget's would be
+        assert "compiled candidates were not measured" in result.interrupted
 
 
 def test_a_tune_interrupted_before_strict_fp32_was_measured_says_so():

@@ -155,7 +155,7 @@ class Checker(Reference):
                     "rounded away, too many for a few fp32 layers to cure; use the *-mixed policy"
                 )
             elif fix and self.budget.expired():
-                result.fix_note = "keep_fp32 search skipped: time budget spent"
+                result.fix_note = f"keep_fp32 search skipped: {self.budget.why_ended()}"
             elif fix and census is not None and census.shapes:
                 self.search_map(cand, result, census, seen.at_risk)
             elif fix:

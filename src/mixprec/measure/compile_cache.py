@@ -136,7 +136,7 @@ class CompileCosts:
         if entry is not None and "cold_s" not in entry:
             # never compiled to the end here: a cold compile costs at least what the budget cut off
             cut = entry["cut_s"]
-            return Price(cut, f"its compile here was cut off by the budget after {cut:.0f} s")
+            return Price(cut, f"its compile here was cut off after {cut:.0f} s")
         if entry is None or not _has_artefacts(inductor_dir()):
             return None
         if entry.get("warm_history"):

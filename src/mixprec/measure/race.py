@@ -204,7 +204,7 @@ def race(
             break
         want = min(rounds, MAX_ROUNDS - min(len(duels[r].ratios) for r in open_))
         if not budget.can_pay(cost_s(len(open_), want)):
-            result.stopped = "the budget could not pay for more rounds"
+            result.stopped = budget.why_ended("the budget could not pay for more rounds")
             break
         measured = measure(result.leader, open_, want)
         for rival in open_:

@@ -161,9 +161,11 @@ def search_precision_map(
         passed = passes(chosen, search_steps)
     if not passed:
         if len(chosen) < len(layers):  # stopped by the budget, not by running out of layers
+            why = trials.budget.why_ended()
+            raise_it = "" if trials.budget.interrupted() else " (--budget raises it)"
             result.fix_note = (
-                f"precision map search stopped: time budget spent after {len(chosen)} of {len(layers)} "
-                f"Linear layers in bf16 (--budget raises it); {result.suggestion or 'use bf16-mixed'}"
+                f"precision map search stopped: {why} after {len(chosen)} of {len(layers)} "
+                f"Linear layers in bf16{raise_it}; {result.suggestion or 'use bf16-mixed'}"
             )
         else:
             result.fix_note = (

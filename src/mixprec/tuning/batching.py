@@ -249,7 +249,7 @@ def plan_micro_batches(
                 None,
                 1,
                 status=Status.UNCHECKED,
-                reason="the time budget ran out before its memory search",
+                reason=f"{budget.why_ended('the time budget ran out')} before its memory search",
             )
             budget.cut(f"the memory search of {cand.label} did not run")
             continue

@@ -73,6 +73,23 @@ class Checks:
             self.costs.paced(clock.now() - started, estimate)
         return verdict
 
+    def unpaid(self, cost_s: float, race_s: float, left: dict[Candidate, float]) -> str:
+        """Why the next check (about ``cost_s``, ``race_s`` of it the race a pass would need) and
+        those ``left`` after it (numerics key -> its check's price) do not run: each left gets its
+        row's reason, and the next one's note is returned."""
+        interrupted = self.setting.budget.interrupted()
+        ended = INTERRUPTED if interrupted else "the budget ended"
+        for numerics, price in left.items():
+            self.not_checked[numerics] = (
+                f"numerics not checked: {ended} first (about {price:.0f} s more would check it)"
+            )
+        would = "its check and the race it would need" if race_s else "its check"
+        return (
+            INTERRUPTED
+            if interrupted
+            else f"the budget could not pay the about {cost_s:.0f} s {would} would take (--budget raises it)"
+        )
+
     def predict(self, info: DeviceInfo) -> tuple[dict[Candidate, Untried], list[str]]:
         """Candidates the device cannot run fast but whose numerics can be computed here (fp8 on a
         CPU through torchao's recipe): whether they would pass, a labelled prediction, never a

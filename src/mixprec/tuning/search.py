@@ -409,18 +409,12 @@ class Search:
             cost = self.costs.row_check_s(top) + race_s
             (self.held.all_for if best_pass is None else self.held.tiebreak_for)(cost, self.budget)
             if not self.budget.can_pay(cost):
-                said = f"numerics of {numerics.label} not checked: the budget could not pay the about"
-                would = "its check and the race it would need" if race_s else "its check"
+                left = [r.candidate.numerics for r in faster if r.candidate.numerics not in verdicts]
+                why = self.checks.unpaid(cost, race_s, {n: self.costs.row_check_s(fastest(n)) for n in left})
+                said = f"numerics of {numerics.label} not checked: "
                 if not any(n.startswith(said) for n in self.notes):  # (said once, however often asked)
-                    self.notes.append(f"{said} {cost:.0f} s {would} would take (--budget raises it)")
+                    self.notes.append(said + why)
                     self.budget.cut(f"the numerics of {numerics.label} were not checked")
-                ended = "tune was interrupted" if self.budget.interrupted() else "the budget ended"
-                for left in dict.fromkeys(r.candidate.numerics for r in faster):
-                    if left not in verdicts:
-                        self.checks.not_checked[left] = (
-                            f"numerics not checked: {ended} first (about "
-                            f"{self.costs.row_check_s(fastest(left)):.0f} s more would check it)"
-                        )
                 break
             verdict = self.checks.check(numerics, micro_batch=top.candidate.micro_batch)
             if verdict.acceptable and (best_pass is None or speed(top) > speed(best_pass)):
@@ -469,6 +463,7 @@ class Search:
         budget = self.budget.share(1 - RACE_SHARE)  # what compiling may take: the race gets the rest
         costs, verdicts = self.costs, self.checks.verdicts
         skipped: dict[Candidate, str] = {}
+        unraced: set[Candidate] = set()  # (skipped as too slow to win, not for want of time)
         while True:
             failed = {c for c, v in verdicts.items() if not v.acceptable}
             tried = {r.candidate for r in self.result.rows} | set(skipped)
@@ -489,6 +484,7 @@ class Search:
             # ResNet-50 on the EPYC spent 81 s compiling fp32+cl+compile-step, predicted 1.40x beside
             # a measured 2.00x, until the budget stopped it.
             if attempt.speedup < best_speed * (1 - RACE_WINDOW):
+                unraced.add(candidate)
                 skipped[candidate] = (
                     f"{candidate.label} (too far below the best {best_speed:.2f}x to race; {predicted})"
                 )
@@ -511,8 +507,9 @@ class Search:
                 # opened strict fp32 first, and a sweep stopped before it began compiled nothing.
                 if swept.stopped == stopped_measuring(candidate, budget.ended_by()):
                     costs.cut_off(candidate, clock.now() - self.sweeps.started[candidate.label])
-                skipped[candidate] = f"{candidate.label} (stopped by the budget while compiling)"
-                why = f"not measured: the budget ended while it compiled ({predicted})"
+                by = "tune was interrupted" if budget.interrupted() else "the budget ended"
+                skipped[candidate] = f"{candidate.label} ({by} while it compiled)"
+                why = f"not measured: {by} while it compiled ({predicted})"
                 self.not_measured([candidate], why, costs.measure_compiled_s(compile_s))
                 continue
             if row.status != Status.OK:
@@ -526,7 +523,7 @@ class Search:
         if skipped:
             raise_it = "" if self.budget.interrupted() else " (--budget raises the budget)"
             self.notes.append(f"not compiled: {'; '.join(skipped.values())}{raise_it}")
-            cut = [c for c, why in skipped.items() if "budget" in why]
+            cut = [c for c in skipped if c not in unraced]
             if cut:  # (fp32's compiles alone cannot have kept a lower precision from the pick)
                 fp32_only = all(c.policy == "fp32" for c in cut)
                 self.budget.cut("compiled candidates were not measured", fp32_only=fp32_only)

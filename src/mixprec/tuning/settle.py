@@ -106,7 +106,12 @@ def settle(search: Search, rec: Recommendation | None) -> bool:
         search.result.update(measured)
         row, sessions = search.row(row.candidate) or row, sessions + 1
         rounds, short = _more_rounds(search, row)
-    unpaid = f"the budget pays no {search.sweeps.bench.steps} more paired rounds (--budget raises it)"
+    steps = search.sweeps.bench.steps
+    unpaid = (
+        search.budget.unpaid()
+        if search.budget.interrupted()
+        else (f"the budget pays no {steps} more paired rounds (--budget raises it)")
+    )
     if sessions == 1:
         if short:
             search.notes.append(
