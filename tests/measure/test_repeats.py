@@ -10,6 +10,7 @@ import statistics
 from itertools import permutations
 
 import pytest
+import torch
 
 import mixprec
 from mixprec.errors import CacheWarning
@@ -128,6 +129,32 @@ def test_bench_learns_the_spread_from_its_own_repeats_and_says_what_its_interval
     from mixprec.report.bench import summary_line
 
     assert "where a repeat run lands, 19 times in 20" in summary_line(second)
+
+
+def test_two_models_of_the_users_own_under_one_name_are_not_repeats_of_each_other(own_cache_dir):
+    """Two user models named alike (the same label and description: a model edited between runs)
+    were recorded as two runs of one configuration: their different speedups read as this machine's
+    spread between runs, and widened every later interval. A model or script of the user's own is
+    not recorded, as the record does not pool it (`record.poolable`); the zoo's still is."""
+    settings = {"policies": "fp32,bf16-mixed", "steps": 3, "device": "cpu", "threads": 1, "prune_factor": 1e6}
+
+    def mine(width: int) -> mixprec.Workload:
+        return mixprec.Workload(
+            model=torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, 4)),
+            make_batch=lambda n, device: (
+                torch.randn(n, 32, device=device),
+                torch.randn(n, 4, device=device),
+            ),
+            loss_fn=lambda model, batch: torch.nn.functional.mse_loss(model(batch[0]), batch[1]),
+            name="mine",
+        )
+
+    for width in (16, 512):
+        mixprec.bench(mine(width), **settings)
+    assert Repeats().devices == {}
+    mixprec.bench(mixprec.load_workload("mlp"), **settings)
+    ((_, configs),) = Repeats().devices.items()
+    assert [len(runs) for runs in configs.values()] == [1]
 
 
 def test_a_resumed_sweep_records_no_repeat_of_the_rows_it_read_back(own_cache_dir):

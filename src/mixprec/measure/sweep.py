@@ -10,8 +10,6 @@ so far.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields, replace
@@ -268,12 +266,16 @@ def run_sweep(
             sweep.run(rows)
     finally:
         rows.close()
-        if reference == framework.baseline and config.nproc == 1:  # speedups over strict fp32, paired
-            # (also when interrupted: the rows measured are runs; a resume reads them back)
-            described = {**key, "description": result.description}
-            _record_repeats(repeats, info.name, described, result, resumed=rows.resumed)
-            if record.poolable(framework.name, workload):
-                record.keep(info.name, key, result, resumed=rows.resumed, pool=pool)
+        # Speedups over strict fp32, paired, of a workload its label names (a model or script of the
+        # user's own may change under one name: two such were once one configuration's "repeats").
+        # Also when interrupted: the rows measured are runs; a resume reads them back.
+        if (
+            reference == framework.baseline
+            and config.nproc == 1
+            and record.poolable(framework.name, workload)
+        ):
+            _record_repeats(repeats, info.name, key, result, resumed=rows.resumed)
+            record.keep(info.name, key, result, resumed=rows.resumed, pool=pool)
     return result
 
 
@@ -288,9 +290,8 @@ def _record_repeats(
         within = median_ci(row.paired_ratios)
         if row.status != Status.OK or row.baseline_repeat or within is None or row.key in resumed:
             continue
-        config = json.dumps({**key, "candidate": row.candidate.to_dict()}, sort_keys=True, default=str)
-        speedup = statistics.median(row.paired_ratios)
-        repeats.record(device, hashlib.sha256(config.encode()).hexdigest()[:24], speedup, within)
+        config = record.configuration(key, result.description, row.candidate)
+        repeats.record(device, config, statistics.median(row.paired_ratios), within)
     repeats.save()
 
 
