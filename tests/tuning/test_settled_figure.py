@@ -399,3 +399,30 @@ def test_time_kept_to_settle_a_row_that_needs_none_now_goes_to_the_optimizers_im
     fused = search.row(replace(rec.candidate, optimizer="fused"))
     assert fused is not None and fused.status == "ok", (search.notes, fused.reason)
     assert search.held.seconds == 0.0
+
+
+def test_a_check_of_a_candidate_faster_than_the_pass_takes_all_the_time_kept_to_settle(
+    planted_clock,  # noqa: F811
+    planted_framework,  # noqa: F811
+):
+    """probe_vs_tune on the EPYC (nanoGPT, 2026-12-04): bf16-true passed at 2.04x, then
+    bf16-true+compile-step measured 2.38x and went unchecked ("the budget could not pay the about
+    35 s its check would take") while the time kept back settled bf16-true's figure: the pick was
+    88.6% of the plain probe's best. A check that may replace the pick comes before settling the
+    figure it would replace: it may take all of that time, not only the tie-break's part."""
+    from .test_check_pricing import swept
+
+    search = swept(planted_framework, {"fp32": 1.0, "bf16-mixed": 0.5, "bf16-true": 0.4}, budget_s=3600)
+    passed = search.row(Candidate("bf16-mixed", framework="planted"))
+    search.checks.check(passed.candidate.numerics)  # the pass so far
+    faster = Candidate("bf16-true", framework="planted")
+    row = search.row(faster)
+    cost = search.costs.row_check_s(row) + search.costs.race_to_win_s(row, passed)  # (as it is priced)
+    search.held.keep(cost, cost / 4)
+    # what is left pays the check only with all the time kept back, not with the tie-break's part
+    search.budget.end = planted_clock.now() + search.budget.reserve_s - search.held.seconds + cost + 1.0
+    assert not search.budget.can_pay(cost) and cost > 2.0  # (so the tie-break's quarter cannot pay it)
+    search.check_faster()
+    assert faster.numerics in search.checks.verdicts, search.notes
+    assert search.decide()[0].candidate == faster
+    assert search.held.seconds == 0.0
