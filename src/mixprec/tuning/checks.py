@@ -73,7 +73,7 @@ class Checks:
             self.costs.paced(clock.now() - started, estimate)
         return verdict
 
-    def unpaid(self, cost_s: float, race_s: float, left: dict[Candidate, float]) -> str:
+    def left_unchecked(self, cost_s: float, race_s: float, left: dict[Candidate, float]) -> str:
         """Why the next check (about ``cost_s``, ``race_s`` of it the race a pass would need) and
         those ``left`` after it (numerics key -> its check's price) do not run: each left gets its
         row's reason, and the next one's note is returned."""

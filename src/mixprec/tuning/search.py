@@ -407,13 +407,14 @@ class Search:
                 break  # too slow to be a finalist: it cannot win
             race_s = self.costs.race_to_win_s(top, best_pass)
             cost = self.costs.row_check_s(top) + race_s
-            # Faster than any pass so far, its check decides the pick: all the time kept to settle
-            # a figure it would replace is its (nanoGPT: bf16-true's 2.04x settled, 2.38x unchecked)
+            # faster than any pass yet, its check decides the pick: the time kept to settle one is its
             decides = best_pass is None or speed(top) > speed(best_pass)
             (self.held.all_for if decides else self.held.tiebreak_for)(cost, self.budget)
             if not self.budget.can_pay(cost):
                 left = [r.candidate.numerics for r in faster if r.candidate.numerics not in verdicts]
-                why = self.checks.unpaid(cost, race_s, {n: self.costs.row_check_s(fastest(n)) for n in left})
+                why = self.checks.left_unchecked(
+                    cost, race_s, {n: self.costs.row_check_s(fastest(n)) for n in left}
+                )
                 said = f"numerics of {numerics.label} not checked: "
                 if not any(n.startswith(said) for n in self.notes):  # (said once, however often asked)
                     self.notes.append(said + why)

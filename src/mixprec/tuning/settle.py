@@ -107,11 +107,7 @@ def settle(search: Search, rec: Recommendation | None) -> bool:
         row, sessions = search.row(row.candidate) or row, sessions + 1
         rounds, short = _more_rounds(search, row)
     steps = search.sweeps.bench.steps
-    unpaid = (
-        search.budget.unpaid()
-        if search.budget.interrupted()
-        else (f"the budget pays no {steps} more paired rounds (--budget raises it)")
-    )
+    unpaid = search.budget.why_ended(f"the budget pays no {steps} more paired rounds (--budget raises it)")
     if sessions == 1:
         if short:
             search.notes.append(
