@@ -16,6 +16,14 @@ from dataclasses import dataclass, field, replace
 from mixprec import clock
 from mixprec.errors import UsageError
 
+# How a note says that a signal (``Budget.interrupt``), not the clock, ended tune's work.
+INTERRUPTED = "tune was interrupted"
+
+
+def what_ended(interrupted: bool) -> str:
+    """What ended the work first, as a note or a row's reason says it."""
+    return INTERRUPTED if interrupted else "the budget ended"
+
 
 @dataclass
 class Budget:
@@ -86,7 +94,7 @@ class Budget:
 
     def unpaid(self) -> str:
         """Why work this budget did not pay for was left, as a note says it."""
-        return "tune was interrupted" if self.interrupted() else "budget spent (--budget raises it)"
+        return INTERRUPTED if self.interrupted() else "budget spent (--budget raises it)"
 
     def why_ended(self, spent: str = "time budget spent") -> str:
         """Why work stopped early, as a note says it: "interrupted", else ``spent`` (the budget's words)."""

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from mixprec.budget import INTERRUPTED
 from mixprec.measure.noise import describe as describe_noise
 from mixprec.measure.results import BenchRow
 from mixprec.report.bench import drift_text
@@ -174,7 +175,7 @@ def verdict_line(result: TuneResult) -> tuple[str, str]:
     if rec.candidate.policy == "fp32" and not rec.candidate.keep_fp32:
         if result.fp32_by_default:
             budget = fmt_seconds(result.budget_s) if result.budget_s else "the"
-            ended = "tune was interrupted" if result.interrupted else f"the {budget} budget ended"
+            ended = INTERRUPTED if result.interrupted else f"the {budget} budget ended"
             return "warn", _join(
                 f"Strict fp32 by default, not by measurement: {ended} before any lower-precision "
                 "candidate was measured.",

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mixprec import clock
+from mixprec.budget import INTERRUPTED, what_ended
 from mixprec.checking.check import Checker, check, make_checker
 from mixprec.hardware.device import DeviceInfo
 from mixprec.numerics.results import CandidateCheck, CheckResult
@@ -19,7 +20,7 @@ from mixprec.tuning.decide import Untried
 # running (a slower one than the format's hardware would be is expected; one this far off is news).
 SAID_SLOWDOWN = 4.0
 # Why a prediction did not run, where no price is to blame.
-SPENT, INTERRUPTED = "budget spent", "tune was interrupted"
+SPENT = "budget spent"
 
 
 class Checks:
@@ -78,7 +79,7 @@ class Checks:
         those ``left`` after it (numerics key -> its check's price) do not run: each left gets its
         row's reason, and the next one's note is returned."""
         interrupted = self.setting.budget.interrupted()
-        ended = INTERRUPTED if interrupted else "the budget ended"
+        ended = what_ended(interrupted)
         for numerics, price in left.items():
             self.not_checked[numerics] = (
                 f"numerics not checked: {ended} first (about {price:.0f} s more would check it)"

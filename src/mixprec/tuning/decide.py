@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mixprec.budget import what_ended
 from mixprec.measure.race import Race
 from mixprec.measure.results import BenchRow, baseline_row, spared_said
 from mixprec.numerics.results import CandidateCheck
@@ -500,7 +501,7 @@ def _untried(
     families = list(dict.fromkeys(u.candidate.policy for u in missing if u.candidate.policy not in ran))
     labels = [u.candidate.label for u in missing]
     named = ", ".join(labels[:NAMED]) + (f" and {len(labels) - NAMED} more" if len(labels) > NAMED else "")
-    ended = "tune was interrupted" if interrupted else "the budget ended"
+    ended = what_ended(interrupted)
     text = f"not measured because {ended} first: {named}"
     if families:
         text += f" (nothing in {', '.join(families)} ran)"
@@ -686,7 +687,7 @@ def _reason(
                 f"after {chosen.compile_s:.0f} s of compilation"
             )
     if chosen.policy == "fp32" and untried and fp32_by_default(table):
-        ended = "tune was interrupted" if interrupted else "the budget ended"
+        ended = what_ended(interrupted)
         parts.append(
             f"no lower-precision candidate was measured before {ended}: strict fp32 by default, "
             "not by measurement"

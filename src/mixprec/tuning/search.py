@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from mixprec import clock
-from mixprec.budget import Budget
+from mixprec.budget import INTERRUPTED, Budget, what_ended
 from mixprec.checking.check import Checker, cured
 from mixprec.errors import UsageError
 from mixprec.events import Event, Events
@@ -421,7 +421,7 @@ class Search:
                     self.budget.cut(f"the numerics of {numerics.label} were not checked")
                 break
             verdict = self.checks.check(numerics, micro_batch=top.candidate.micro_batch)
-            if verdict.acceptable and (best_pass is None or speed(top) > speed(best_pass)):
+            if verdict.acceptable and decides:
                 best_pass = top
             elif (
                 (verdict.fix_keep_fp32 or verdict.fix_keep_bf16)
@@ -498,7 +498,7 @@ class Search:
                 budget = self.budget.share(1 - RACE_SHARE)
             if not budget.can_pay(cost_s):
                 stop = budget.interrupted()
-                unpaid = "tune was interrupted" if stop else "the budget could not pay"
+                unpaid = INTERRUPTED if stop else "the budget could not pay"
                 skipped[candidate] = f"{candidate.label} ({unpaid}; {predicted})"
                 why = f"not compiled: {unpaid}{'' if stop else ' for its compile and check'} ({predicted})"
                 self.not_measured([candidate], why, costs.measure_compiled_s(compile_s))
@@ -511,7 +511,7 @@ class Search:
                 # opened strict fp32 first, and a sweep stopped before it began compiled nothing.
                 if swept.stopped == stopped_measuring(candidate, budget.ended_by()):
                     costs.cut_off(candidate, clock.now() - self.sweeps.started[candidate.label])
-                by = "tune was interrupted" if budget.interrupted() else "the budget ended"
+                by = what_ended(budget.interrupted())
                 skipped[candidate] = f"{candidate.label} ({by} while it compiled)"
                 why = f"not measured: {by} while it compiled ({predicted})"
                 self.not_measured([candidate], why, costs.measure_compiled_s(compile_s))
